@@ -1,0 +1,136 @@
+// Chunk pool: size-class cache of physical chunks with a byte budget.
+//
+// Approach: one free list per exact chunk size.  try_acquire takes from the list or
+// creates (budget permitting; a device OOM is returned as nullopt so the caller can
+// fall back to smaller classes that may be cached); acquire adds one trim-and-retry.
+// Limits: one mutex; creation happens under it (tens of microseconds at most).
+#include <deferalloc/chunk_pool.hpp>
+#include <deferalloc/errors.hpp>
+
+#include <algorithm>
+
+#include "log.hpp"
+
+namespace deferalloc {
+
+chunk_pool::chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg)
+    : drv_(std::move(drv)), granularity_(0), budget_(cfg.budget) {
+  DFA_EXPECTS(drv_ != nullptr, "chunk_pool: driver is null");
+  granularity_ = drv_->granularity();
+  classes_ = std::move(cfg.classes);
+  if (classes_.empty())
+    for (std::size_t c = granularity_; c <= (std::size_t{1} << 30); c *= 2) classes_.push_back(c);
+  for (std::size_t c : classes_)
+    DFA_EXPECTS(c > 0 && c % granularity_ == 0,
+                "chunk_pool: chunk class " + std::to_string(c) + " is not a multiple of the granularity " +
+                    std::to_string(granularity_));
+  classes_.push_back(granularity_);
+  std::sort(classes_.begin(), classes_.end());
+  classes_.erase(std::unique(classes_.begin(), classes_.end()), classes_.end());
+}
+
+chunk_pool::~chunk_pool() {
+  std::lock_guard lk(mu_);
+  trim_locked(0);
+  if (stats_.taken_bytes != 0)
+    detail::log(log_level::warn, "chunk_pool destroyed with " + std::to_string(stats_.taken_bytes) + " bytes still taken");
+}
+
+std::optional<chunk> chunk_pool::take_locked(std::size_t bytes) {
+  auto it = cache_.find(bytes);
+  if (it != cache_.end() && !it->second.empty()) {
+    chunk c{it->second.back(), bytes};
+    it->second.pop_back();
+    stats_.cached_bytes -= bytes;
+    stats_.taken_bytes += bytes;
+    ++stats_.chunks_reused;
+    return c;
+  }
+  if (budget_ != 0 && stats_.alive_bytes + bytes > budget_) return std::nullopt;
+  chunk c{0, bytes};
+  try {
+    c.handle = drv_->create(bytes);
+  } catch (const out_of_memory&) {
+    return std::nullopt;
+  }
+  stats_.alive_bytes += bytes;
+  stats_.taken_bytes += bytes;
+  stats_.peak_alive_bytes = std::max(stats_.peak_alive_bytes, stats_.alive_bytes);
+  ++stats_.chunks_created;
+  return c;
+}
+
+std::optional<chunk> chunk_pool::try_acquire(std::size_t bytes) {
+  DFA_EXPECTS(bytes > 0 && bytes % granularity_ == 0, "chunk_pool: chunk size must be a positive multiple of the granularity");
+  std::lock_guard lk(mu_);
+  return take_locked(bytes);
+}
+
+chunk chunk_pool::acquire(std::size_t bytes) {
+  DFA_EXPECTS(bytes > 0 && bytes % granularity_ == 0, "chunk_pool: chunk size must be a positive multiple of the granularity");
+  std::lock_guard lk(mu_);
+  if (auto c = take_locked(bytes)) return *c;
+  if (trim_locked(0) > 0)
+    if (auto c = take_locked(bytes)) return *c;
+  throw out_of_memory("chunk_pool: cannot get a chunk of " + std::to_string(bytes) + " bytes (" +
+                      std::to_string(stats_.alive_bytes) + " alive" +
+                      (budget_ ? ", budget " + std::to_string(budget_) : std::string()) + ")");
+}
+
+void chunk_pool::give_back(const chunk& c) noexcept {
+  std::lock_guard lk(mu_);
+  try {
+    cache_[c.bytes].push_back(c.handle);
+  } catch (...) {  // no memory for the list: release the chunk instead of losing it
+    try {
+      drv_->release(c.handle);
+    } catch (...) {
+    }
+    stats_.taken_bytes -= c.bytes;
+    stats_.alive_bytes -= c.bytes;
+    ++stats_.chunks_released;
+    return;
+  }
+  stats_.taken_bytes -= c.bytes;
+  stats_.cached_bytes += c.bytes;
+}
+
+std::size_t chunk_pool::trim_locked(std::size_t keep_bytes) noexcept {
+  std::size_t released = 0;
+  // Largest first: frees the most memory per driver call.
+  for (auto it = cache_.rbegin(); it != cache_.rend() && stats_.cached_bytes > keep_bytes; ++it) {
+    auto& list = it->second;
+    while (!list.empty() && stats_.cached_bytes > keep_bytes) {
+      try {
+        drv_->release(list.back());
+      } catch (const std::exception& e) {
+        detail::log(log_level::error, std::string("chunk_pool::trim: ") + e.what());
+      }
+      list.pop_back();
+      stats_.cached_bytes -= it->first;
+      stats_.alive_bytes -= it->first;
+      ++stats_.chunks_released;
+      released += it->first;
+    }
+  }
+  return released;
+}
+
+std::size_t chunk_pool::trim(std::size_t keep_bytes) noexcept {
+  std::lock_guard lk(mu_);
+  return trim_locked(keep_bytes);
+}
+
+pool_stats chunk_pool::stats() const {
+  std::lock_guard lk(mu_);
+  pool_stats s = stats_;
+  s.driver_calls = drv_->call_counts();
+  return s;
+}
+
+void chunk_pool::reset_peak() noexcept {
+  std::lock_guard lk(mu_);
+  stats_.peak_alive_bytes = stats_.alive_bytes;
+}
+
+}  // namespace deferalloc

@@ -1,0 +1,154 @@
+// The settings parser (PYTORCH_CUDA_ALLOC_CONF grammar) and the logger.
+//
+// Two steps: parse_config_text splits the text into keys and values without knowing
+// any key, so every face (C ABI, preload, Python) shares one grammar; parse_settings
+// interprets the keys and rejects unknown ones with the list of valid keys.
+#include <deferalloc/config.hpp>
+#include <deferalloc/errors.hpp>
+
+#include <atomic>
+#include <charconv>
+#include <cstdio>
+
+#include "log.hpp"
+
+namespace deferalloc {
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\n')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
+  return s;
+}
+
+std::atomic<int> g_level{static_cast<int>(log_level::warn)};
+
+const char* const k_keys[] = {"driver", "device", "chunk_classes_mb", "pool_budget_mb", "host_capacity_mb",
+                              "host_granularity_kb", "pinned_cache_mb", "log_level"};
+
+std::size_t to_size(const std::string& key, const std::string& v) {
+  std::size_t out = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || p != v.data() + v.size())
+    throw invalid_argument("DEFERALLOC_CONF: " + key + " expects a non-negative integer, got '" + v + "'");
+  return out;
+}
+
+const std::string& scalar(const std::string& key, const config_value& v) {
+  if (v.is_list || v.items.size() != 1) throw invalid_argument("DEFERALLOC_CONF: " + key + " expects a single value");
+  return v.items[0];
+}
+
+}  // namespace
+
+std::map<std::string, config_value> parse_config_text(std::string_view text) {
+  std::map<std::string, config_value> out;
+  std::size_t i = 0;
+  auto fail = [&](const std::string& why) {
+    throw invalid_argument("DEFERALLOC_CONF: " + why + " at position " + std::to_string(i) + " in '" +
+                           std::string(text) + "' (grammar: key:value,key:[v1,v2])");
+  };
+  while (i < text.size()) {
+    std::size_t colon = text.find(':', i);
+    std::size_t comma = text.find(',', i);
+    if (trim(text.substr(i, comma == std::string_view::npos ? std::string_view::npos : comma - i)).empty() &&
+        comma != std::string_view::npos) {
+      i = comma + 1;  // tolerate empty items ("a:1,,b:2")
+      continue;
+    }
+    if (colon == std::string_view::npos || (comma != std::string_view::npos && comma < colon)) fail("missing ':'");
+    std::string key(trim(text.substr(i, colon - i)));
+    if (key.empty()) fail("empty key");
+    i = colon + 1;
+    config_value v;
+    std::size_t j = i;
+    while (j < text.size() && (text[j] == ' ' || text[j] == '\t')) ++j;
+    if (j < text.size() && text[j] == '[') {
+      std::size_t close = text.find(']', j);
+      if (close == std::string_view::npos) fail("missing ']'");
+      v.is_list = true;
+      std::string_view body = text.substr(j + 1, close - j - 1);
+      std::size_t k = 0;
+      while (k <= body.size()) {
+        std::size_t c = body.find(',', k);
+        std::string_view item = trim(body.substr(k, c == std::string_view::npos ? std::string_view::npos : c - k));
+        if (!item.empty()) v.items.emplace_back(item);
+        else if (c != std::string_view::npos || k != 0) fail("empty list item");
+        if (c == std::string_view::npos) break;
+        k = c + 1;
+      }
+      i = close + 1;
+      while (i < text.size() && (text[i] == ' ' || text[i] == '\t')) ++i;
+      if (i < text.size() && text[i] != ',') fail("expected ',' after ']'");
+      if (i < text.size()) ++i;
+    } else {
+      std::size_t c = text.find(',', i);
+      std::string_view val = trim(text.substr(i, c == std::string_view::npos ? std::string_view::npos : c - i));
+      if (val.empty()) fail("empty value for '" + key + "'");
+      v.items.emplace_back(val);
+      i = c == std::string_view::npos ? text.size() : c + 1;
+    }
+    out[key] = std::move(v);
+  }
+  return out;
+}
+
+std::string settings_keys() {
+  std::string s;
+  for (const char* k : k_keys) s += (s.empty() ? "" : ", ") + std::string(k);
+  return s;
+}
+
+settings parse_settings(std::string_view text) {
+  settings s;
+  for (const auto& [key, v] : parse_config_text(text)) {
+    if (key == "driver") {
+      const auto& d = scalar(key, v);
+      if (d == "auto") s.driver = driver_kind::automatic;
+      else if (d == "cuda") s.driver = driver_kind::cuda;
+      else if (d == "host") s.driver = driver_kind::host;
+      else throw invalid_argument("DEFERALLOC_CONF: driver must be auto, cuda or host, got '" + d + "'");
+    } else if (key == "device") {
+      s.device = static_cast<int>(to_size(key, scalar(key, v)));
+    } else if (key == "chunk_classes_mb") {
+      s.chunk_classes.clear();
+      for (const auto& item : v.items) {
+        std::size_t mb = to_size(key, item);
+        if (mb == 0) throw invalid_argument("DEFERALLOC_CONF: chunk_classes_mb items must be positive");
+        s.chunk_classes.push_back(mb << 20);
+      }
+    } else if (key == "pool_budget_mb") {
+      s.pool_budget = to_size(key, scalar(key, v)) << 20;
+    } else if (key == "host_capacity_mb") {
+      s.host_capacity = to_size(key, scalar(key, v)) << 20;
+    } else if (key == "host_granularity_kb") {
+      s.host_granularity = to_size(key, scalar(key, v)) << 10;
+    } else if (key == "pinned_cache_mb") {
+      s.pinned_cache = to_size(key, scalar(key, v)) << 20;
+    } else if (key == "log_level") {
+      const auto& l = scalar(key, v);
+      if (l == "off") s.level = log_level::off;
+      else if (l == "error") s.level = log_level::error;
+      else if (l == "warn") s.level = log_level::warn;
+      else if (l == "info") s.level = log_level::info;
+      else if (l == "debug") s.level = log_level::debug;
+      else throw invalid_argument("DEFERALLOC_CONF: log_level must be off, error, warn, info or debug, got '" + l + "'");
+    } else {
+      throw invalid_argument("DEFERALLOC_CONF: unknown key '" + key + "'; valid keys: " + settings_keys());
+    }
+  }
+  return s;
+}
+
+void set_log_level(log_level l) noexcept { g_level.store(static_cast<int>(l)); }
+log_level get_log_level() noexcept { return static_cast<log_level>(g_level.load()); }
+
+namespace detail {
+void log(log_level level, const std::string& msg) noexcept {
+  if (static_cast<int>(level) > g_level.load() || level == log_level::off) return;
+  static const char* const names[] = {"", "error", "warn", "info", "debug"};
+  std::fprintf(stderr, "[deferalloc %s] %s\n", names[static_cast<int>(level)], msg.c_str());
+}
+}  // namespace detail
+
+}  // namespace deferalloc

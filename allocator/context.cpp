@@ -1,0 +1,28 @@
+// context: wires driver -> chunk pool -> reservation manager from settings.
+#include <deferalloc/context.hpp>
+#include <deferalloc/errors.hpp>
+
+#include "log.hpp"
+
+namespace deferalloc {
+
+std::shared_ptr<driver> make_driver(const settings& s) {
+  switch (s.driver) {
+    case driver_kind::cuda: return make_cuda_driver(s.device);
+    case driver_kind::host: return make_host_driver({s.host_granularity, s.host_capacity});
+    case driver_kind::automatic:
+    default:
+      if (cuda_device_available()) return make_cuda_driver(s.device);
+      detail::log(log_level::info, "no CUDA device: using the host driver (driver:auto)");
+      return make_host_driver({s.host_granularity, s.host_capacity});
+  }
+}
+
+context::context(const settings& s) : config(s) {
+  set_log_level(s.level);
+  drv = make_driver(s);
+  pool = std::make_shared<chunk_pool>(drv, chunk_pool_config{s.chunk_classes, s.pool_budget});
+  reservations = std::make_unique<reservation_manager>(pool, reservation_manager_config{s.pinned_cache});
+}
+
+}  // namespace deferalloc

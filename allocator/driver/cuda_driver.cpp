@@ -1,0 +1,313 @@
+// cuda_driver: the VMM primitives on a CUDA device, with libcuda resolved at run time.
+//
+// Approach: dlopen("libcuda.so.1") once per process and resolve every entry point
+// through cuGetProcAddress (the versioned lookup the runtime uses), so the library
+// has no link-time dependency on libcuda and loads on machines without a driver;
+// there the first cuda_driver construction throws no_device with the reason.
+// Every thread that calls in makes the device's primary context current (the one
+// the CUDA runtime and PyTorch use), so pointers and streams are shared with them.
+//
+// Chunks are pinned device memory (CU_MEM_ALLOCATION_TYPE_PINNED) on this device;
+// access is read/write for this device only.
+//
+// Limits: one device per driver object; no IPC handle types; peer access not set.
+#include <deferalloc/driver.hpp>
+#include <deferalloc/errors.hpp>
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <mutex>
+#include <string>
+
+namespace deferalloc {
+namespace {
+
+struct cu_api {
+  void* lib = nullptr;
+  std::string load_error;
+#define DFA_CU_FN(name) decltype(&::name) name = nullptr;
+  DFA_CU_FN(cuInit)
+  DFA_CU_FN(cuGetErrorName)
+  DFA_CU_FN(cuGetErrorString)
+  DFA_CU_FN(cuDeviceGet)
+  DFA_CU_FN(cuDeviceGetCount)
+  DFA_CU_FN(cuDevicePrimaryCtxRetain)
+  DFA_CU_FN(cuDevicePrimaryCtxRelease)
+  DFA_CU_FN(cuCtxSetCurrent)
+  DFA_CU_FN(cuCtxGetCurrent)
+  DFA_CU_FN(cuMemAddressReserve)
+  DFA_CU_FN(cuMemAddressFree)
+  DFA_CU_FN(cuMemCreate)
+  DFA_CU_FN(cuMemRelease)
+  DFA_CU_FN(cuMemMap)
+  DFA_CU_FN(cuMemUnmap)
+  DFA_CU_FN(cuMemSetAccess)
+  DFA_CU_FN(cuMemGetAllocationGranularity)
+  DFA_CU_FN(cuMemGetInfo)
+  DFA_CU_FN(cuMemHostAlloc)
+  DFA_CU_FN(cuMemFreeHost)
+  DFA_CU_FN(cuStreamCreate)
+  DFA_CU_FN(cuStreamDestroy)
+  DFA_CU_FN(cuStreamSynchronize)
+  DFA_CU_FN(cuStreamWaitEvent)
+  DFA_CU_FN(cuEventCreate)
+  DFA_CU_FN(cuEventDestroy)
+  DFA_CU_FN(cuEventRecord)
+  DFA_CU_FN(cuEventSynchronize)
+  DFA_CU_FN(cuEventQuery)
+  DFA_CU_FN(cuMemcpyAsync)
+  DFA_CU_FN(cuMemsetD8Async)
+#undef DFA_CU_FN
+};
+
+using get_proc_fn = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+
+const cu_api& api() {
+  static const cu_api a = [] {
+    cu_api r;
+    r.lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (r.lib == nullptr) {
+      const char* e = ::dlerror();
+      r.load_error = std::string("libcuda.so.1 could not be loaded (no NVIDIA driver on this machine?): ") + (e ? e : "");
+      return r;
+    }
+    auto gpa = reinterpret_cast<get_proc_fn>(::dlsym(r.lib, "cuGetProcAddress_v2"));
+    if (gpa == nullptr) {
+      r.load_error = "libcuda.so.1 has no cuGetProcAddress_v2: the driver is older than CUDA 12.5";
+      return r;
+    }
+    auto get = [&](const char* name, auto& fn) {
+      void* p = nullptr;
+      CUdriverProcAddressQueryResult status{};
+      if (gpa(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS || p == nullptr) {
+        if (r.load_error.empty()) r.load_error = std::string("libcuda.so.1 lacks ") + name;
+        return;
+      }
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+    };
+    get("cuInit", r.cuInit);
+    get("cuGetErrorName", r.cuGetErrorName);
+    get("cuGetErrorString", r.cuGetErrorString);
+    get("cuDeviceGet", r.cuDeviceGet);
+    get("cuDeviceGetCount", r.cuDeviceGetCount);
+    get("cuDevicePrimaryCtxRetain", r.cuDevicePrimaryCtxRetain);
+    get("cuDevicePrimaryCtxRelease", r.cuDevicePrimaryCtxRelease);
+    get("cuCtxSetCurrent", r.cuCtxSetCurrent);
+    get("cuCtxGetCurrent", r.cuCtxGetCurrent);
+    get("cuMemAddressReserve", r.cuMemAddressReserve);
+    get("cuMemAddressFree", r.cuMemAddressFree);
+    get("cuMemCreate", r.cuMemCreate);
+    get("cuMemRelease", r.cuMemRelease);
+    get("cuMemMap", r.cuMemMap);
+    get("cuMemUnmap", r.cuMemUnmap);
+    get("cuMemSetAccess", r.cuMemSetAccess);
+    get("cuMemGetAllocationGranularity", r.cuMemGetAllocationGranularity);
+    get("cuMemGetInfo", r.cuMemGetInfo);
+    get("cuMemHostAlloc", r.cuMemHostAlloc);
+    get("cuMemFreeHost", r.cuMemFreeHost);
+    get("cuStreamCreate", r.cuStreamCreate);
+    get("cuStreamDestroy", r.cuStreamDestroy);
+    get("cuStreamSynchronize", r.cuStreamSynchronize);
+    get("cuStreamWaitEvent", r.cuStreamWaitEvent);
+    get("cuEventCreate", r.cuEventCreate);
+    get("cuEventDestroy", r.cuEventDestroy);
+    get("cuEventRecord", r.cuEventRecord);
+    get("cuEventSynchronize", r.cuEventSynchronize);
+    get("cuEventQuery", r.cuEventQuery);
+    get("cuMemcpyAsync", r.cuMemcpyAsync);
+    get("cuMemsetD8Async", r.cuMemsetD8Async);
+    if (r.load_error.empty()) {
+      CUresult rc = r.cuInit(0);
+      if (rc != CUDA_SUCCESS) {
+        const char* n = nullptr;
+        r.cuGetErrorName(rc, &n);
+        r.load_error = std::string("cuInit failed: ") + (n ? n : "unknown error") + " (no usable CUDA device?)";
+      }
+    }
+    return r;
+  }();
+  return a;
+}
+
+std::string describe(CUresult rc) {
+  const char* n = nullptr;
+  const char* s = nullptr;
+  if (api().cuGetErrorName) api().cuGetErrorName(rc, &n);
+  if (api().cuGetErrorString) api().cuGetErrorString(rc, &s);
+  return std::string(n ? n : "CUDA_ERROR") + " (" + (s ? s : "unknown") + ")";
+}
+
+// DFA_CU_TRY: a failed driver call throws cuda_error naming the call and the cause.
+// DFA_CU_TRY_ALLOC: the same, but CUDA_ERROR_OUT_OF_MEMORY becomes out_of_memory.
+#define DFA_CU_TRY(call)                                                              \
+  do {                                                                                \
+    CUresult dfa_rc_ = (call);                                                        \
+    if (dfa_rc_ != CUDA_SUCCESS) throw cuda_error(std::string(#call) + ": " + describe(dfa_rc_)); \
+  } while (0)
+#define DFA_CU_TRY_ALLOC(call)                                                        \
+  do {                                                                                \
+    CUresult dfa_rc_ = (call);                                                        \
+    if (dfa_rc_ == CUDA_ERROR_OUT_OF_MEMORY) throw out_of_memory(std::string(#call) + ": " + describe(dfa_rc_)); \
+    if (dfa_rc_ != CUDA_SUCCESS) throw cuda_error(std::string(#call) + ": " + describe(dfa_rc_)); \
+  } while (0)
+
+class cuda_driver final : public driver {
+ public:
+  explicit cuda_driver(int ordinal) : ordinal_(ordinal) {
+    const cu_api& a = api();
+    if (!a.load_error.empty()) throw no_device("cuda_driver: " + a.load_error);
+    int n = 0;
+    DFA_CU_TRY(a.cuDeviceGetCount(&n));
+    if (ordinal < 0 || ordinal >= n)
+      throw no_device("cuda_driver: device " + std::to_string(ordinal) + " does not exist (" + std::to_string(n) + " present)");
+    DFA_CU_TRY(a.cuDeviceGet(&dev_, ordinal));
+    DFA_CU_TRY(a.cuDevicePrimaryCtxRetain(&ctx_, dev_));
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = ordinal;
+    DFA_CU_TRY(a.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  ~cuda_driver() override {
+    if (ctx_ != nullptr) api().cuDevicePrimaryCtxRelease(dev_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::size_t granularity() const override { return granularity_; }
+  int device() const override { return ordinal_; }
+  memory_info get_memory_info() override {
+    bind();
+    memory_info m;
+    DFA_CU_TRY(api().cuMemGetInfo(&m.free_bytes, &m.total_bytes));
+    return m;
+  }
+
+  stream_t create_stream() override {
+    bind();
+    CUstream s = nullptr;
+    DFA_CU_TRY(api().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    return s;
+  }
+  void destroy_stream(stream_t s) noexcept override {
+    if (s != nullptr) api().cuStreamDestroy(static_cast<CUstream>(s));
+  }
+  event_t create_event() override {
+    bind();
+    CUevent e = nullptr;
+    DFA_CU_TRY(api().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    return e;
+  }
+  void destroy_event(event_t e) noexcept override {
+    if (e != nullptr) api().cuEventDestroy(static_cast<CUevent>(e));
+  }
+  void record(event_t e, stream_t s) override {
+    bind();
+    DFA_CU_TRY(api().cuEventRecord(static_cast<CUevent>(e), static_cast<CUstream>(s)));
+  }
+  void stream_wait(stream_t s, event_t e) override {
+    bind();
+    DFA_CU_TRY(api().cuStreamWaitEvent(static_cast<CUstream>(s), static_cast<CUevent>(e), 0));
+  }
+  void synchronize(event_t e) override {
+    bind();
+    DFA_CU_TRY(api().cuEventSynchronize(static_cast<CUevent>(e)));
+  }
+  bool query(event_t e) override {
+    bind();
+    CUresult rc = api().cuEventQuery(static_cast<CUevent>(e));
+    if (rc == CUDA_ERROR_NOT_READY) return false;
+    DFA_CU_TRY(rc);
+    return true;
+  }
+  void synchronize_stream(stream_t s) override {
+    bind();
+    DFA_CU_TRY(api().cuStreamSynchronize(static_cast<CUstream>(s)));
+  }
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override {
+    bind();
+    DFA_CU_TRY(api().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes,
+                                   static_cast<CUstream>(s)));
+  }
+  void zero_async(void* dst, std::size_t bytes, stream_t s) override {
+    bind();
+    DFA_CU_TRY(api().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), 0, bytes, static_cast<CUstream>(s)));
+  }
+  bool asynchronous() const override { return true; }
+
+ private:
+  // Makes the device's primary context current on the calling thread when another
+  // (or none) is: one cuCtxGetCurrent per call, a set only when it differs.
+  void bind() {
+    CUcontext current = nullptr;
+    DFA_CU_TRY(api().cuCtxGetCurrent(&current));
+    if (current != ctx_) DFA_CU_TRY(api().cuCtxSetCurrent(ctx_));
+  }
+
+  std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) override {
+    bind();
+    CUdeviceptr p = 0;
+    DFA_CU_TRY_ALLOC(api().cuMemAddressReserve(&p, bytes, alignment, 0, 0));
+    return static_cast<std::uintptr_t>(p);
+  }
+  void do_free_reservation(std::uintptr_t va, std::size_t bytes) override {
+    bind();
+    DFA_CU_TRY(api().cuMemAddressFree(static_cast<CUdeviceptr>(va), bytes));
+  }
+  chunk_handle do_create(std::size_t bytes) override {
+    bind();
+    CUmemGenericAllocationHandle h = 0;
+    DFA_CU_TRY_ALLOC(api().cuMemCreate(&h, bytes, &prop_, 0));
+    return static_cast<chunk_handle>(h);
+  }
+  void do_release(chunk_handle h) override {
+    bind();
+    DFA_CU_TRY(api().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h)));
+  }
+  void do_map(std::uintptr_t va, std::size_t bytes, chunk_handle h) override {
+    bind();
+    DFA_CU_TRY_ALLOC(api().cuMemMap(static_cast<CUdeviceptr>(va), bytes, 0, static_cast<CUmemGenericAllocationHandle>(h), 0));
+  }
+  void do_unmap(std::uintptr_t va, std::size_t bytes) override {
+    bind();
+    DFA_CU_TRY(api().cuMemUnmap(static_cast<CUdeviceptr>(va), bytes));
+  }
+  void do_set_access(std::uintptr_t va, std::size_t bytes) override {
+    bind();
+    DFA_CU_TRY_ALLOC(api().cuMemSetAccess(static_cast<CUdeviceptr>(va), bytes, &access_, 1));
+  }
+  void* do_host_alloc(std::size_t bytes) override {
+    bind();
+    void* p = nullptr;
+    DFA_CU_TRY_ALLOC(api().cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE));
+    return p;
+  }
+  void do_host_free(void* p) noexcept override {
+    if (p != nullptr) api().cuMemFreeHost(p);
+  }
+
+  int ordinal_;
+  CUdevice dev_{};
+  CUcontext ctx_ = nullptr;
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+  std::size_t granularity_ = 0;
+};
+
+}  // namespace
+
+std::shared_ptr<driver> make_cuda_driver(int device) { return std::make_shared<cuda_driver>(device); }
+
+bool cuda_device_available() noexcept {
+  try {
+    const cu_api& a = api();
+    if (!a.load_error.empty()) return false;
+    int n = 0;
+    return a.cuDeviceGetCount(&n) == CUDA_SUCCESS && n > 0;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace deferalloc

@@ -1,0 +1,701 @@
+// Note [Deferred reservations]
+//
+// Rationale: a reservation is an address range whose physical backing comes and goes.
+// Users (tensors, optimizer state, paused tags) keep pointers into it, so the address
+// must never change, and physical memory must be attached only while it is used.
+//
+// Approach
+//  - reserve: one cuMemAddressReserve, padded to the granularity, aligned to the
+//    largest chunk class that fits, so large ranges can be backed by large chunks.
+//  - per granule a state: unbacked, backed, or saved (unbacked, contents in a backup
+//    segment); per reservation the chunks mapped (offset -> chunk) and the streams
+//    that used it.
+//  - materialize: the unbacked runs of the range are cut greedily into the largest
+//    classes aligned at their offset; chunks come from the pool (cache first; on
+//    out-of-memory a piece falls back to smaller classes that may be cached, then the
+//    cache is trimmed and everything tried once more).  One cuMemMap per chunk, one
+//    cuMemSetAccess per run.  Fill is stream-ordered: zeros on the caller's stream,
+//    restores on the manager's copy stream with the caller's stream waiting on it.
+//  - release: a chunk cut by the range is split (See Note [Splitting chunks]); the
+//    chunks inside are backed up (one pinned buffer per contiguous run, copies on the
+//    copy stream after it waited for events recorded on every stream that used the
+//    range), the host waits for those events only, then one cuMemUnmap per chunk and
+//    the chunks go back to the pool.
+//  - every step that can fail comes before the commit, and a failure undoes the steps
+//    before it: chunks return to the pool, mappings are removed or restored, backup
+//    buffers are given back.  State changes only at the commit.
+//
+// Limits: one mutex per manager, held during host waits; a release with backups
+// waits for its copies (the batched release enqueues all copies before one wait).
+// Backup buffers are reused in stream order: every copy touching them runs on the one
+// copy stream.
+#include <deferalloc/errors.hpp>
+#include <deferalloc/reservations.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <unordered_map>
+
+#include "log.hpp"
+
+namespace deferalloc {
+
+namespace {
+enum : std::uint8_t { unbacked = 0, backed = 1, saved = 2 };
+constexpr std::size_t k_max_reservation = std::size_t{1} << 48;  // 256 TiB: beyond any device's VA
+}  // namespace
+
+struct reservation_manager::backup_segment {
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+  void* host = nullptr;
+  std::size_t live = 0;  // granules still saved in it
+};
+
+struct reservation_manager::reservation {
+  reservation_id id{};
+  std::uintptr_t base{};
+  std::size_t size{};
+  std::size_t padded{};
+  std::vector<std::uint8_t> state;
+  std::vector<std::uint64_t> segment_of;  // per granule, 0 = none
+  std::map<std::size_t, chunk> chunks;
+  std::unordered_map<std::uint64_t, backup_segment> backups;
+  std::uint64_t next_segment = 1;
+  std::vector<stream_t> streams;
+  std::size_t backed_granules = 0;
+  std::size_t saved_granules = 0;
+
+  void use(stream_t s) {
+    if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+  }
+};
+
+reservation_manager::reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg)
+    : pool_(std::move(pool)) {
+  DFA_EXPECTS(pool_ != nullptr, "reservation_manager: pool is null");
+  drv_ = pool_->driver_ptr();
+  granularity_ = drv_->granularity();
+  pinned_ = std::make_unique<pinned_pool>(drv_, cfg.pinned_cache);
+  copy_stream_ = drv_->create_stream();
+}
+
+reservation_manager::~reservation_manager() {
+  std::vector<reservation_id> ids;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [id, r] : reservations_) ids.push_back(id);
+  }
+  for (auto id : ids) {
+    try {
+      free(id);
+    } catch (const std::exception& e) {
+      detail::log(log_level::error, std::string("reservation_manager: freeing reservation at destruction: ") + e.what());
+    }
+  }
+  try {
+    drv_->synchronize_stream(copy_stream_);
+    if (scratch_ != 0) drv_->free_reservation(scratch_, scratch_bytes_);
+  } catch (const std::exception& e) {
+    detail::log(log_level::error, std::string("reservation_manager: ") + e.what());
+  }
+  for (event_t e : free_events_) drv_->destroy_event(e);
+  drv_->destroy_stream(copy_stream_);
+}
+
+reservation_manager::reservation& reservation_manager::get(reservation_id id) {
+  auto it = reservations_.find(id);
+  if (it == reservations_.end())
+    throw invalid_argument("unknown reservation " + std::to_string(id) + " (never reserved, or already freed)");
+  return *it->second;
+}
+const reservation_manager::reservation& reservation_manager::get(reservation_id id) const {
+  return const_cast<reservation_manager*>(this)->get(id);
+}
+
+std::pair<std::size_t, std::size_t> reservation_manager::clamp(const reservation& r, std::size_t offset,
+                                                               std::size_t length) const {
+  DFA_EXPECTS(offset % granularity_ == 0, "offset " + std::to_string(offset) + " is not a multiple of the granularity (" +
+                                              std::to_string(granularity_) + ")");
+  DFA_EXPECTS(offset < r.padded, "offset " + std::to_string(offset) + " is outside the reservation of " +
+                                     std::to_string(r.size) + " bytes");
+  std::size_t end = 0;
+  if (length == whole) {
+    end = r.padded;
+  } else {
+    DFA_EXPECTS(length > 0, "length is zero");
+    DFA_EXPECTS(length <= r.padded - offset, "range [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                                                 ") is outside the reservation of " + std::to_string(r.size) + " bytes");
+    end = offset + length;
+    if (end == r.size) end = r.padded;
+    DFA_EXPECTS(end % granularity_ == 0, "length " + std::to_string(length) +
+                                             " does not end on a granule or at the reservation's end");
+  }
+  return {offset, end};
+}
+
+event_t reservation_manager::take_event() {
+  if (!free_events_.empty()) {
+    event_t e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  return drv_->create_event();
+}
+
+void reservation_manager::give_events(std::vector<event_t>& es) noexcept {
+  for (event_t e : es) {
+    try {
+      free_events_.push_back(e);
+    } catch (...) {
+      drv_->destroy_event(e);
+    }
+  }
+  es.clear();
+}
+
+void reservation_manager::unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept {
+  try {
+    drv_->unmap(va, bytes);
+  } catch (const std::exception& e) {
+    detail::log(log_level::error, std::string("rollback: unmap failed, a chunk stays mapped: ") + e.what());
+  }
+}
+
+std::vector<event_t> reservation_manager::record_users(const std::vector<reservation*>& rs, stream_t stream) {
+  std::vector<stream_t> streams{stream};
+  for (reservation* r : rs)
+    for (stream_t s : r->streams)
+      if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+  std::vector<event_t> events;
+  try {
+    for (stream_t s : streams) {
+      events.push_back(take_event());
+      drv_->record(events.back(), s);
+    }
+  } catch (...) {
+    give_events(events);
+    throw;
+  }
+  return events;
+}
+
+// ---- reserve / free -----------------------------------------------------------------
+
+reservation_id reservation_manager::reserve(std::size_t bytes) {
+  DFA_EXPECTS(bytes > 0, "reserve: size is zero");
+  DFA_EXPECTS(bytes <= k_max_reservation, "reserve: size " + std::to_string(bytes) + " is absurd (limit 256 TiB)");
+  const std::size_t padded = (bytes + granularity_ - 1) / granularity_ * granularity_;
+  const std::size_t align = std::max(granularity_, std::min(pool_->classes().back(), std::bit_floor(padded)));
+  std::lock_guard lk(mu_);
+  auto r = std::make_unique<reservation>();
+  r->base = drv_->reserve(padded, align);
+  r->id = next_id_++;
+  r->size = bytes;
+  r->padded = padded;
+  try {
+    r->state.assign(padded / granularity_, unbacked);
+    r->segment_of.assign(padded / granularity_, 0);
+    by_address_[r->base] = r->id;
+    reservation_id id = r->id;
+    reservations_[id] = std::move(r);
+    reserved_bytes_ += padded;
+    return id;
+  } catch (...) {
+    by_address_.erase(r->base);
+    drv_->free_reservation(r->base, padded);
+    throw;
+  }
+}
+
+void* reservation_manager::address(reservation_id id) const {
+  std::lock_guard lk(mu_);
+  return reinterpret_cast<void*>(get(id).base);
+}
+
+void reservation_manager::free(reservation_id id, stream_t stream) {
+  std::lock_guard lk(mu_);
+  reservation& r = get(id);
+  // Release everything (also drops backups) through the one release path.
+  const range all{id, 0, whole};
+  release_locked(std::span<const range>(&all, 1), keep_mode::discard, stream);
+  drv_->free_reservation(r.base, r.padded);
+  reserved_bytes_ -= r.padded;
+  by_address_.erase(r.base);
+  reservations_.erase(id);
+}
+
+// ---- chunk planning -----------------------------------------------------------------
+
+// Acquires chunks for [pos, end) (offsets in one reservation), largest aligned class
+// first; a class the pool cannot give is replaced by smaller ones.  Appends to `out`;
+// returns false when even a granule could not be had (what was appended stays there).
+bool reservation_manager::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
+                                         std::vector<std::pair<std::size_t, chunk>>& out) {
+  const auto& classes = pool_->classes();
+  while (pos < end) {
+    std::size_t c = granularity_;
+    for (auto it = classes.rbegin(); it != classes.rend(); ++it)
+      if (*it <= max_class && pos % *it == 0 && pos + *it <= end) {
+        c = *it;
+        break;
+      }
+    if (auto ch = pool_->try_acquire(c)) {
+      out.emplace_back(pos, *ch);
+    } else {
+      if (c == granularity_) return false;
+      auto smaller = std::prev(std::lower_bound(classes.begin(), classes.end(), c));
+      if (!acquire_pieces(pos, pos + c, *smaller, out)) return false;
+    }
+    pos += c;
+  }
+  return true;
+}
+
+// Chunks for every run (begin, end): all or none.  @throws out_of_memory
+std::vector<std::pair<std::size_t, chunk>> reservation_manager::plan_chunks(
+    const std::vector<std::pair<std::size_t, std::size_t>>& runs) {
+  std::vector<std::pair<std::size_t, chunk>> out;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    bool ok = true;
+    try {
+      for (const auto& [b, e] : runs)
+        if (!(ok = acquire_pieces(b, e, pool_->classes().back(), out))) break;
+    } catch (...) {
+      for (auto& [pos, c] : out) pool_->give_back(c);
+      throw;
+    }
+    if (ok) return out;
+    for (auto& [pos, c] : out) pool_->give_back(c);
+    out.clear();
+    if (attempt == 0) pool_->trim();
+  }
+  std::size_t want = 0;
+  for (const auto& [b, e] : runs) want += e - b;
+  const pool_stats ps = pool_->stats();
+  std::string dev;
+  try {
+    auto mi = drv_->get_memory_info();
+    dev = ", device free " + std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes);
+  } catch (...) {
+  }
+  throw out_of_memory("out of memory backing " + std::to_string(want) + " bytes (pool: " +
+                      std::to_string(ps.alive_bytes) + " bytes alive, " + std::to_string(ps.taken_bytes) + " mapped" + dev +
+                      ")");
+}
+
+// ---- materialize --------------------------------------------------------------------
+
+void reservation_manager::materialize(reservation_id id, std::size_t offset, std::size_t length, fill_mode fill,
+                                      stream_t stream) {
+  range r{id, offset, length};
+  materialize(std::span<const range>(&r, 1), fill, stream);
+}
+
+namespace {
+struct work_item {
+  void* r;  // reservation*
+  std::size_t begin, end;
+};
+void check_no_overlap(std::vector<work_item>& ws) {
+  std::sort(ws.begin(), ws.end(), [](const work_item& a, const work_item& b) {
+    return a.r != b.r ? std::less<void*>()(a.r, b.r) : a.begin < b.begin;
+  });
+  for (std::size_t i = 1; i < ws.size(); ++i)
+    DFA_EXPECTS(ws[i].r != ws[i - 1].r || ws[i].begin >= ws[i - 1].end, "ranges of one batch overlap");
+}
+}  // namespace
+
+void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  std::lock_guard lk(mu_);
+  const std::size_t g = granularity_;
+  std::vector<work_item> ws;
+  for (const range& rg : ranges) {
+    reservation& r = get(rg.id);
+    auto [b, e] = clamp(r, rg.offset, rg.length);
+    ws.push_back({&r, b, e});
+  }
+  check_no_overlap(ws);
+
+  // Unbacked runs, per reservation.
+  struct run {
+    reservation* r;
+    std::size_t begin, end;
+  };
+  std::vector<run> runs;
+  for (const auto& w : ws) {
+    auto& r = *static_cast<reservation*>(w.r);
+    for (std::size_t gi = w.begin / g; gi < w.end / g; ++gi) {
+      if (r.state[gi] == backed) continue;
+      if (fill == fill_mode::restore && r.state[gi] != saved)
+        throw invalid_state("materialize(restore): granule at offset " + std::to_string(gi * g) + " of reservation " +
+                            std::to_string(r.id) + " has no backup to restore (it was never released with keep=host)");
+      if (!runs.empty() && runs.back().r == &r && runs.back().end == gi * g) runs.back().end += g;
+      else runs.push_back({&r, gi * g, gi * g + g});
+    }
+  }
+  if (runs.empty()) return;  // already backed: a no-op
+
+  // Chunks for all runs (offsets are per reservation, so plan run by run but all-or-nothing).
+  std::vector<std::vector<std::pair<std::size_t, chunk>>> pieces(runs.size());
+  auto give_back_all = [&] {
+    for (auto& ps : pieces)
+      for (auto& [pos, c] : ps) pool_->give_back(c);
+  };
+  try {
+    for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks({{runs[i].begin, runs[i].end}});
+  } catch (...) {
+    give_back_all();
+    throw;
+  }
+
+  // Map, then one set_access per run.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> mapped;
+  auto unmap_all = [&] {
+    for (auto& [va, n] : mapped) unmap_quietly(va, n);
+  };
+  try {
+    for (std::size_t i = 0; i < runs.size(); ++i)
+      for (auto& [pos, c] : pieces[i]) {
+        drv_->map(runs[i].r->base + pos, c.bytes, c.handle);
+        mapped.emplace_back(runs[i].r->base + pos, c.bytes);
+      }
+    for (const auto& rn : runs) drv_->set_access(rn.r->base + rn.begin, rn.end - rn.begin);
+    if (fill == fill_mode::zero) {
+      for (const auto& rn : runs) drv_->zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
+    } else if (fill == fill_mode::restore) {
+      for (const auto& rn : runs) {
+        reservation& r = *rn.r;
+        std::size_t gi = rn.begin / g;
+        while (gi < rn.end / g) {
+          const std::uint64_t sid = r.segment_of[gi];
+          const backup_segment& seg = r.backups.at(sid);
+          std::size_t gj = gi;
+          while (gj < rn.end / g && r.segment_of[gj] == sid) ++gj;
+          drv_->copy_async(reinterpret_cast<void*>(r.base + gi * g),
+                           static_cast<const char*>(seg.host) + (gi * g - seg.offset), (gj - gi) * g, copy_stream_);
+          gi = gj;
+        }
+      }
+      std::vector<event_t> done{take_event()};
+      try {
+        drv_->record(done[0], copy_stream_);
+        drv_->stream_wait(stream, done[0]);
+      } catch (...) {
+        give_events(done);
+        throw;
+      }
+      give_events(done);
+    }
+  } catch (...) {
+    try {  // copies may be in flight into the ranges we are about to unmap
+      drv_->synchronize_stream(copy_stream_);
+      drv_->synchronize_stream(stream);
+    } catch (...) {
+    }
+    unmap_all();
+    give_back_all();
+    throw;
+  }
+
+  // Commit.
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    reservation& r = *runs[i].r;
+    for (auto& [pos, c] : pieces[i]) r.chunks.emplace(pos, c);
+    for (std::size_t gi = runs[i].begin / g; gi < runs[i].end / g; ++gi) {
+      if (r.state[gi] == saved) {
+        auto it = r.backups.find(r.segment_of[gi]);
+        r.segment_of[gi] = 0;
+        --r.saved_granules;
+        backup_bytes_ -= g;
+        if (--it->second.live == 0) {
+          pinned_->give_back(it->second.host, it->second.bytes);
+          r.backups.erase(it);
+        }
+      }
+      r.state[gi] = backed;
+    }
+    r.backed_granules += (runs[i].end - runs[i].begin) / g;
+    backed_bytes_ += runs[i].end - runs[i].begin;
+    r.use(stream);
+  }
+  peak_backed_ = std::max(peak_backed_, backed_bytes_);
+}
+
+// ---- release ------------------------------------------------------------------------
+
+void reservation_manager::release(reservation_id id, std::size_t offset, std::size_t length, keep_mode keep,
+                                  stream_t stream) {
+  range r{id, offset, length};
+  release(std::span<const range>(&r, 1), keep, stream);
+}
+
+void reservation_manager::drop_backup_granules(reservation& r, std::size_t begin, std::size_t end) {
+  const std::size_t g = granularity_;
+  for (std::size_t gi = begin / g; gi < end / g; ++gi) {
+    if (r.state[gi] != saved) continue;
+    auto it = r.backups.find(r.segment_of[gi]);
+    r.segment_of[gi] = 0;
+    r.state[gi] = unbacked;
+    --r.saved_granules;
+    backup_bytes_ -= g;
+    if (--it->second.live == 0) {
+      pinned_->give_back(it->second.host, it->second.bytes);
+      r.backups.erase(it);
+    }
+  }
+}
+
+// Note [Splitting chunks]
+// cuMemUnmap takes whole mappings only, so a release that cuts through a chunk first
+// replaces the chunk by smaller ones with the same contents: the new chunks are mapped
+// at a scratch range, the old chunk's bytes copied there (after the streams that use
+// it), the old chunk unmapped and the new ones mapped in its place.  Rare by design:
+// materialize cuts ranges at their own boundaries, so only a release of a sub-range
+// of what was materialized splits.
+void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t stream) {
+  auto it = r.chunks.upper_bound(cut);
+  if (it == r.chunks.begin()) return;
+  --it;
+  const std::size_t a = it->first;
+  const chunk old = it->second;
+  if (!(a < cut && cut < a + old.bytes)) return;
+
+  auto pieces = plan_chunks({{a, cut}, {cut, a + old.bytes}});
+  std::vector<std::pair<std::uintptr_t, std::size_t>> at_scratch, at_home;
+  bool old_unmapped = false;
+  std::vector<event_t> users;
+  try {
+    if (scratch_ == 0) {
+      scratch_bytes_ = pool_->classes().back();
+      scratch_ = drv_->reserve(scratch_bytes_, scratch_bytes_);
+    }
+    for (auto& [pos, c] : pieces) {
+      drv_->map(scratch_ + (pos - a), c.bytes, c.handle);
+      at_scratch.emplace_back(scratch_ + (pos - a), c.bytes);
+    }
+    drv_->set_access(scratch_, old.bytes);
+    std::vector<reservation*> rs{&r};
+    users = record_users(rs, stream);
+    for (event_t e : users) drv_->stream_wait(copy_stream_, e);
+    drv_->copy_async(reinterpret_cast<void*>(scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, copy_stream_);
+    drv_->synchronize_stream(copy_stream_);
+    give_events(users);
+    while (!at_scratch.empty()) {
+      drv_->unmap(at_scratch.back().first, at_scratch.back().second);
+      at_scratch.pop_back();
+    }
+    drv_->unmap(r.base + a, old.bytes);
+    old_unmapped = true;
+    for (auto& [pos, c] : pieces) {
+      drv_->map(r.base + pos, c.bytes, c.handle);
+      at_home.emplace_back(r.base + pos, c.bytes);
+    }
+    drv_->set_access(r.base + a, old.bytes);
+  } catch (...) {
+    give_events(users);
+    for (auto& [va, n] : at_scratch) unmap_quietly(va, n);
+    for (auto& [va, n] : at_home) unmap_quietly(va, n);
+    if (old_unmapped) {
+      try {
+        drv_->map(r.base + a, old.bytes, old.handle);
+        drv_->set_access(r.base + a, old.bytes);
+      } catch (const std::exception& e) {
+        detail::log(log_level::error, std::string("split rollback could not remap a chunk: ") + e.what());
+      }
+    }
+    for (auto& [pos, c] : pieces) pool_->give_back(c);
+    throw;
+  }
+  r.chunks.erase(it);
+  for (auto& [pos, c] : pieces) r.chunks.emplace(pos, c);
+  pool_->give_back(old);
+  ++splits_;
+}
+
+void reservation_manager::release(std::span<const range> ranges, keep_mode keep, stream_t stream) {
+  std::lock_guard lk(mu_);
+  release_locked(ranges, keep, stream);
+}
+
+void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream) {
+  const std::size_t g = granularity_;
+  std::vector<work_item> ws;
+  for (const range& rg : ranges) {
+    reservation& r = get(rg.id);
+    auto [b, e] = clamp(r, rg.offset, rg.length);
+    ws.push_back({&r, b, e});
+  }
+  check_no_overlap(ws);
+
+  // Chunks cut by a range are split first; the contents stay as they were, so a
+  // failure later leaves the reservation equivalent to before.
+  for (const auto& w : ws) {
+    auto& r = *static_cast<reservation*>(w.r);
+    split_at(r, w.begin, stream);
+    split_at(r, w.end, stream);
+  }
+
+  // The chunks to unmap, in runs of adjacent chunks (one backup buffer per run).
+  struct victim {
+    reservation* r;
+    std::size_t pos;
+    chunk c;
+  };
+  struct run {
+    reservation* r;
+    std::size_t begin, end;
+    void* host = nullptr;
+  };
+  std::vector<victim> victims;
+  std::vector<run> runs;
+  std::vector<reservation*> touched;
+  for (const auto& w : ws) {
+    auto& r = *static_cast<reservation*>(w.r);
+    for (auto it = r.chunks.lower_bound(w.begin); it != r.chunks.end() && it->first < w.end; ++it) {
+      victims.push_back({&r, it->first, it->second});
+      if (!runs.empty() && runs.back().r == &r && runs.back().end == it->first) runs.back().end += it->second.bytes;
+      else runs.push_back({&r, it->first, it->first + it->second.bytes});
+    }
+    if (std::find(touched.begin(), touched.end(), &r) == touched.end()) touched.push_back(&r);
+  }
+
+  std::vector<event_t> users;
+  auto give_back_hosts = [&] {
+    for (auto& rn : runs) {
+      pinned_->give_back(rn.host, rn.end - rn.begin);
+      rn.host = nullptr;
+    }
+  };
+  if (!victims.empty()) {
+    try {
+      if (keep == keep_mode::host)
+        for (auto& rn : runs) rn.host = pinned_->acquire(rn.end - rn.begin);
+      users = record_users(touched, stream);
+      if (keep == keep_mode::host) {
+        for (event_t e : users) drv_->stream_wait(copy_stream_, e);
+        for (auto& rn : runs)
+          drv_->copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, copy_stream_);
+        drv_->synchronize_stream(copy_stream_);
+      } else {
+        for (event_t e : users) drv_->synchronize(e);
+      }
+      give_events(users);
+    } catch (...) {
+      give_events(users);
+      try {
+        drv_->synchronize_stream(copy_stream_);
+      } catch (...) {
+      }
+      give_back_hosts();
+      throw;
+    }
+
+    // Unmap; on failure map back what was unmapped.
+    std::size_t done = 0;
+    try {
+      for (; done < victims.size(); ++done) drv_->unmap(victims[done].r->base + victims[done].pos, victims[done].c.bytes);
+    } catch (...) {
+      try {
+        for (std::size_t i = 0; i < done; ++i) {
+          drv_->map(victims[i].r->base + victims[i].pos, victims[i].c.bytes, victims[i].c.handle);
+          drv_->set_access(victims[i].r->base + victims[i].pos, victims[i].c.bytes);
+        }
+      } catch (const std::exception& e) {
+        detail::log(log_level::error, std::string("release rollback could not remap a chunk: ") + e.what());
+      }
+      give_back_hosts();
+      throw;
+    }
+  }
+
+  // Commit.
+  for (const auto& w : ws) {
+    auto& r = *static_cast<reservation*>(w.r);
+    if (keep == keep_mode::discard) drop_backup_granules(r, w.begin, w.end);
+  }
+  for (const auto& v : victims) {
+    v.r->chunks.erase(v.pos);
+    pool_->give_back(v.c);
+  }
+  for (const auto& rn : runs) {
+    reservation& r = *rn.r;
+    std::uint64_t sid = 0;
+    if (keep == keep_mode::host) {
+      sid = r.next_segment++;
+      r.backups.emplace(sid, backup_segment{rn.begin, rn.end - rn.begin, rn.host, (rn.end - rn.begin) / g});
+      r.saved_granules += (rn.end - rn.begin) / g;
+      backup_bytes_ += rn.end - rn.begin;
+    }
+    for (std::size_t gi = rn.begin / g; gi < rn.end / g; ++gi) {
+      r.state[gi] = keep == keep_mode::host ? saved : unbacked;
+      r.segment_of[gi] = sid;
+    }
+    r.backed_granules -= (rn.end - rn.begin) / g;
+    backed_bytes_ -= rn.end - rn.begin;
+  }
+  for (reservation* r : touched)
+    if (r->backed_granules == 0) r->streams.clear();
+}
+
+// ---- queries ------------------------------------------------------------------------
+
+void reservation_manager::record_stream(reservation_id id, stream_t stream) {
+  std::lock_guard lk(mu_);
+  get(id).use(stream);
+}
+
+bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::size_t length) const {
+  std::lock_guard lk(mu_);
+  const reservation& r = get(id);
+  auto [b, e] = clamp(r, offset, length);
+  for (std::size_t gi = b / granularity_; gi < e / granularity_; ++gi)
+    if (r.state[gi] != backed) return false;
+  return true;
+}
+
+std::vector<bool> reservation_manager::backed_granules(reservation_id id) const {
+  std::lock_guard lk(mu_);
+  const reservation& r = get(id);
+  std::vector<bool> out(r.state.size());
+  for (std::size_t i = 0; i < r.state.size(); ++i) out[i] = r.state[i] == backed;
+  return out;
+}
+
+reservation_info reservation_manager::info(reservation_id id) const {
+  std::lock_guard lk(mu_);
+  const reservation& r = get(id);
+  return {r.id, r.base, r.size, r.padded, r.backed_granules * granularity_, r.saved_granules * granularity_};
+}
+
+std::optional<reservation_id> reservation_manager::find(const void* ptr) const {
+  std::lock_guard lk(mu_);
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = by_address_.upper_bound(p);
+  if (it == by_address_.begin()) return std::nullopt;
+  --it;
+  const reservation& r = get(it->second);
+  if (p >= r.base + r.padded) return std::nullopt;
+  return r.id;
+}
+
+reservation_stats reservation_manager::stats() const {
+  std::lock_guard lk(mu_);
+  reservation_stats s;
+  s.reservations = reservations_.size();
+  s.reserved_bytes = reserved_bytes_;
+  s.backed_bytes = backed_bytes_;
+  s.peak_backed_bytes = peak_backed_;
+  s.backup_bytes = backup_bytes_;
+  s.splits = splits_;
+  s.pool = pool_->stats();
+  s.pinned = pinned_->stats();
+  return s;
+}
+
+void reservation_manager::reset_peak() noexcept {
+  std::lock_guard lk(mu_);
+  peak_backed_ = backed_bytes_;
+}
+
+}  // namespace deferalloc

@@ -1,0 +1,88 @@
+// The chunk pool: physical chunks in size classes, recycled instead of re-created.
+//
+// cuMemCreate costs 8.8 us (2 MiB) to 48 us (1 GiB) on H200 and map + access cost
+// per chunk, so large ranges use large chunks and released chunks are cached by
+// size for the next materialize (no cuMemCreate per resume).  A byte budget bounds
+// the chunks alive (taken + cached); trim() gives cached chunks back to the driver.
+#pragma once
+#include <deferalloc/driver.hpp>
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace deferalloc {
+
+struct chunk_pool_config {
+  /// Chunk sizes in bytes, each a multiple of the granularity; the granularity is
+  /// always added.  Empty: every power of two from the granularity up to 1 GiB.
+  std::vector<std::size_t> classes;
+  /// Bytes of chunks alive at once (taken + cached); 0 = no limit but the device's.
+  std::size_t budget = 0;
+};
+
+/// One physical chunk.
+struct chunk {
+  chunk_handle handle{};
+  std::size_t bytes{};
+};
+
+struct pool_stats {
+  std::size_t alive_bytes = 0;   ///< created and not yet released to the driver
+  std::size_t taken_bytes = 0;   ///< handed out (mapped behind a reservation)
+  std::size_t cached_bytes = 0;  ///< kept for reuse
+  std::size_t peak_alive_bytes = 0;
+  std::uint64_t chunks_created = 0;
+  std::uint64_t chunks_reused = 0;
+  std::uint64_t chunks_released = 0;
+  driver_call_counts driver_calls;
+};
+
+class DFA_API chunk_pool {
+ public:
+  /// @throws invalid_argument for a class that is not a multiple of the granularity.
+  chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg = {});
+  /// Releases every cached chunk.  Taken chunks belong to their users.
+  ~chunk_pool();
+  chunk_pool(const chunk_pool&) = delete;
+  chunk_pool& operator=(const chunk_pool&) = delete;
+
+  driver& drv() const { return *drv_; }
+  const std::shared_ptr<driver>& driver_ptr() const { return drv_; }
+  std::size_t granularity() const { return granularity_; }
+  /// The size classes, ascending.
+  const std::vector<std::size_t>& classes() const { return classes_; }
+
+  /// A chunk of exactly `bytes` (a class): a cached one, else a new one if the
+  /// budget and the device allow; std::nullopt otherwise.  Never trims.
+  /// Cost: none when cached, one cuMemCreate otherwise.
+  std::optional<chunk> try_acquire(std::size_t bytes);
+  /// As try_acquire, but on failure trims the cache and tries once more.
+  /// @throws out_of_memory
+  chunk acquire(std::size_t bytes);
+  /// Returns a chunk to the cache (not mapped anywhere any more).  No driver call.
+  void give_back(const chunk& c) noexcept;
+  /// Releases cached chunks until at most `keep_bytes` stay cached.  Returns the bytes
+  /// released.  Cost: one cuMemRelease per chunk.
+  std::size_t trim(std::size_t keep_bytes = 0) noexcept;
+  pool_stats stats() const;
+  /// Forgets peak values.
+  void reset_peak() noexcept;
+
+ private:
+  std::optional<chunk> take_locked(std::size_t bytes);
+  std::size_t trim_locked(std::size_t keep_bytes) noexcept;
+
+  std::shared_ptr<driver> drv_;
+  std::size_t granularity_;
+  std::size_t budget_;
+  std::vector<std::size_t> classes_;
+  mutable std::mutex mu_;
+  std::map<std::size_t, std::vector<chunk_handle>> cache_;
+  pool_stats stats_;
+};
+
+}  // namespace deferalloc

@@ -1,0 +1,203 @@
+// The driver layer: the seven VMM primitives behind one interface, plus the few
+// stream/event/copy operations the layers above need to be stream-ordered.
+//
+// Two real implementations: cuda_driver (libcuda resolved at run time) and
+// host_driver (the same semantics on host memory: PROT_NONE reservations, memfd
+// chunks, MAP_FIXED|MAP_SHARED mappings, mprotect for access).  A fault-injecting
+// wrapper fails the Nth call of a chosen primitive.
+//
+// The public functions are non-virtual and count every call (rmm's allocate /
+// do_allocate pattern), so the statistics live in one place.
+#pragma once
+#include <deferalloc/export.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace deferalloc {
+
+/// A CUDA stream (cudaStream_t / CUstream); nullptr is the legacy default stream.
+using stream_t = void*;
+/// An event of the driver (CUevent on CUDA, unused on the host driver).
+using event_t = void*;
+/// A physical chunk (CUmemGenericAllocationHandle on CUDA, a memfd on the host).
+using chunk_handle = std::uint64_t;
+
+/// The counted, fault-injectable primitives.
+enum class primitive : int {
+  reserve = 0,
+  free_reservation,
+  create,
+  release,
+  map,
+  unmap,
+  set_access,
+  host_alloc,  ///< pinned host memory for backups
+  count_
+};
+inline constexpr int primitive_count = static_cast<int>(primitive::count_);
+DFA_API const char* to_string(primitive p) noexcept;
+
+struct memory_info {
+  std::size_t free_bytes{};
+  std::size_t total_bytes{};
+};
+
+/// Calls made through a driver, by primitive.
+struct driver_call_counts {
+  std::array<std::uint64_t, primitive_count> calls{};
+  std::uint64_t operator[](primitive p) const { return calls[static_cast<int>(p)]; }
+};
+
+class DFA_API driver {
+ public:
+  virtual ~driver();
+  driver(const driver&) = delete;
+  driver& operator=(const driver&) = delete;
+
+  /// Short name: "cuda" or "host" (wrappers prefix theirs).
+  virtual std::string name() const = 0;
+  /// The mapping granularity in bytes (2 MiB on H200).  No driver call.
+  virtual std::size_t granularity() const = 0;
+  /// Free and total physical memory (cuMemGetInfo; the capacity on the host).
+  virtual memory_info get_memory_info() = 0;
+  /// The device ordinal this driver serves.
+  virtual int device() const { return 0; }
+
+  // ---- the seven VMM primitives (counted) ----
+  /// Reserves `bytes` of address space aligned to `alignment`; no physical memory.
+  /// Cost: one cuMemAddressReserve.  @throws out_of_memory, cuda_error
+  std::uintptr_t reserve(std::size_t bytes, std::size_t alignment);
+  /// Returns a reservation's address range.  Must be fully unmapped.
+  void free_reservation(std::uintptr_t va, std::size_t bytes);
+  /// Creates one physical chunk of `bytes` (a multiple of granularity()).
+  /// Cost: one cuMemCreate (8.8 us for 2 MiB, 48 us for 1 GiB on H200).  @throws out_of_memory
+  chunk_handle create(std::size_t bytes);
+  /// Releases a chunk (its memory goes back once it is unmapped everywhere).
+  void release(chunk_handle h);
+  /// Maps a whole chunk at `va` (no access yet).  Cost: one cuMemMap.
+  void map(std::uintptr_t va, std::size_t bytes, chunk_handle h);
+  /// Unmaps a range made of whole mappings.  Does not wait for kernels: callers wait first.
+  void unmap(std::uintptr_t va, std::size_t bytes);
+  /// Grants read/write access to a mapped, contiguous range.  Cost: one cuMemSetAccess.
+  void set_access(std::uintptr_t va, std::size_t bytes);
+
+  // ---- pinned host memory (counted as host_alloc) ----
+  /// Page-locked host memory for backups (cuMemHostAlloc; plain pages on the host driver).
+  void* host_alloc(std::size_t bytes);
+  void host_free(void* p) noexcept;
+
+  // ---- streams, events, copies (not counted) ----
+  virtual stream_t create_stream() = 0;
+  virtual void destroy_stream(stream_t s) noexcept = 0;
+  virtual event_t create_event() = 0;
+  virtual void destroy_event(event_t e) noexcept = 0;
+  /// Records `e` on `s`.
+  virtual void record(event_t e, stream_t s) = 0;
+  /// Makes `s` wait for `e` (no host wait).
+  virtual void stream_wait(stream_t s, event_t e) = 0;
+  /// Host waits for `e`.
+  virtual void synchronize(event_t e) = 0;
+  /// True when the work before `e` has completed (no wait).
+  virtual bool query(event_t e) = 0;
+  /// Host waits for all work on `s`.
+  virtual void synchronize_stream(stream_t s) = 0;
+  /// Copies `bytes` on `s` (any direction: unified addressing).
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) = 0;
+  /// Sets `bytes` at `dst` to zero on `s`.
+  virtual void zero_async(void* dst, std::size_t bytes, stream_t s) = 0;
+  /// True when device work is asynchronous (CUDA); false when every operation has
+  /// completed on return (host driver).
+  virtual bool asynchronous() const = 0;
+
+  /// Calls made so far, by primitive.  No driver call.
+  driver_call_counts call_counts() const;
+
+ protected:
+  driver() = default;
+
+ private:
+  virtual std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) = 0;
+  virtual void do_free_reservation(std::uintptr_t va, std::size_t bytes) = 0;
+  virtual chunk_handle do_create(std::size_t bytes) = 0;
+  virtual void do_release(chunk_handle h) = 0;
+  virtual void do_map(std::uintptr_t va, std::size_t bytes, chunk_handle h) = 0;
+  virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
+  virtual void do_set_access(std::uintptr_t va, std::size_t bytes) = 0;
+  virtual void* do_host_alloc(std::size_t bytes) = 0;
+  virtual void do_host_free(void* p) noexcept = 0;
+
+  void count(primitive p) noexcept { calls_[static_cast<int>(p)].fetch_add(1, std::memory_order_relaxed); }
+  std::array<std::atomic<std::uint64_t>, primitive_count> calls_{};
+};
+
+/// Host-driver settings.
+struct host_driver_config {
+  /// Granularity in bytes: a multiple of the page size (default 2 MiB, as on H200).
+  std::size_t granularity = std::size_t{2} << 20;
+  /// Physical capacity in bytes; create() beyond it throws out_of_memory.  0 = 1/4 of RAM.
+  std::size_t capacity = 0;
+};
+
+/// A driver on host memory with the same semantics as the GPU's.  Always available.
+DFA_API std::shared_ptr<driver> make_host_driver(const host_driver_config& cfg = {});
+
+/// The CUDA driver for `device`.  libcuda.so.1 is opened at run time.
+/// @throws no_device when no driver or device is present (the message says which).
+DFA_API std::shared_ptr<driver> make_cuda_driver(int device = 0);
+
+/// True when libcuda loads and reports at least one device.  Never throws.
+DFA_API bool cuda_device_available() noexcept;
+
+/// A wrapper that forwards to `inner` and can fail chosen calls.
+class DFA_API fault_driver : public driver {
+ public:
+  explicit fault_driver(std::shared_ptr<driver> inner);
+  /// The `nth` (1-based, counted from now) call of `p` throws: out_of_memory for
+  /// reserve/create/host_alloc, cuda_error for the others.  One armed fault per primitive.
+  void fail_nth(primitive p, std::uint64_t nth);
+  /// Disarms every fault.
+  void clear();
+  /// Number of faults fired so far.
+  std::uint64_t fired() const { return fired_.load(); }
+  driver& inner() { return *inner_; }
+
+  std::string name() const override;
+  std::size_t granularity() const override;
+  memory_info get_memory_info() override;
+  int device() const override;
+  stream_t create_stream() override;
+  void destroy_stream(stream_t s) noexcept override;
+  event_t create_event() override;
+  void destroy_event(event_t e) noexcept override;
+  void record(event_t e, stream_t s) override;
+  void stream_wait(stream_t s, event_t e) override;
+  void synchronize(event_t e) override;
+  bool query(event_t e) override;
+  void synchronize_stream(stream_t s) override;
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override;
+  void zero_async(void* dst, std::size_t bytes, stream_t s) override;
+  bool asynchronous() const override;
+
+ private:
+  void check(primitive p);
+  std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) override;
+  void do_free_reservation(std::uintptr_t va, std::size_t bytes) override;
+  chunk_handle do_create(std::size_t bytes) override;
+  void do_release(chunk_handle h) override;
+  void do_map(std::uintptr_t va, std::size_t bytes, chunk_handle h) override;
+  void do_unmap(std::uintptr_t va, std::size_t bytes) override;
+  void do_set_access(std::uintptr_t va, std::size_t bytes) override;
+  void* do_host_alloc(std::size_t bytes) override;
+  void do_host_free(void* p) noexcept override;
+
+  std::shared_ptr<driver> inner_;
+  std::array<std::atomic<std::uint64_t>, primitive_count> countdown_{};
+  std::atomic<std::uint64_t> fired_{0};
+};
+
+}  // namespace deferalloc

@@ -1,0 +1,163 @@
+// Deferred reservations: device addresses that never change, backed by physical
+// chunks only between materialize and release.  See Note [Deferred reservations]
+// in allocator/reservations.cpp.
+#pragma once
+#include <deferalloc/chunk_pool.hpp>
+#include <deferalloc/pinned_pool.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace deferalloc {
+
+/// How a materialize fills the granules it backs.
+enum class fill_mode {
+  undefined,  ///< whatever the chunk held
+  zero,       ///< zeros, written on the caller's stream
+  restore,    ///< the contents kept by an earlier release(keep_mode::host); every granule must have one
+};
+/// What a release does with the contents.
+enum class keep_mode {
+  discard,  ///< contents are lost (and any older backup of the range is dropped)
+  host,     ///< copied to pinned host memory first, restored bit-exactly by fill_mode::restore
+};
+
+using reservation_id = std::uint64_t;
+
+/// `length` meaning "up to the end of the reservation".
+inline constexpr std::size_t whole = std::numeric_limits<std::size_t>::max();
+
+/// A range of one reservation, for the batched calls.
+struct range {
+  reservation_id id{};
+  std::size_t offset = 0;
+  std::size_t length = whole;
+};
+
+struct reservation_info {
+  reservation_id id{};
+  std::uintptr_t address{};
+  std::size_t size{};           ///< bytes asked for
+  std::size_t reserved_bytes{}; ///< padded to the granularity
+  std::size_t backed_bytes{};
+  std::size_t backup_bytes{};   ///< granules whose contents wait in host backups
+};
+
+struct reservation_stats {
+  std::size_t reservations = 0;
+  std::size_t reserved_bytes = 0;
+  std::size_t backed_bytes = 0;
+  std::size_t peak_backed_bytes = 0;
+  std::size_t backup_bytes = 0;
+  std::uint64_t splits = 0;  ///< chunks split because a release cut through them
+  pool_stats pool;
+  pinned_pool_stats pinned;
+};
+
+struct reservation_manager_config {
+  /// Pinned host bytes kept cached for backups after they are restored; 0 = no limit.
+  std::size_t pinned_cache = 0;
+};
+
+/// Owns reservations on one driver, backed from one chunk pool.  Thread-safe: every
+/// call takes one mutex.  Offsets and lengths are multiples of the granularity,
+/// except that a range may end at the reservation's size.
+class DFA_API reservation_manager {
+ public:
+  explicit reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg = {});
+  /// Frees every reservation still alive (waiting for their streams), never throws.
+  ~reservation_manager();
+  reservation_manager(const reservation_manager&) = delete;
+  reservation_manager& operator=(const reservation_manager&) = delete;
+
+  /// Reserves `bytes` of address space; nothing is backed.  Cost: one cuMemAddressReserve
+  /// (23 us for 256 GiB), 0 bytes of device memory.
+  /// @throws invalid_argument (0 or absurd size), out_of_memory (address space)
+  reservation_id reserve(std::size_t bytes);
+  /// The reservation's device address; it never changes.  No driver call.
+  void* address(reservation_id id) const;
+
+  /// Backs the unbacked granules of the range (backed ones are left alone).
+  /// Cost: chunks from the pool (cuMemCreate only when none is cached), one cuMemMap per
+  /// chunk, one cuMemSetAccess per contiguous unbacked run; the fill is enqueued on
+  /// `stream` (zero) or on the copy stream with `stream` waiting for it (restore).
+  /// No host synchronisation.  All-or-nothing.
+  /// @throws invalid_argument, invalid_state (restore without backup), out_of_memory, cuda_error
+  void materialize(reservation_id id, std::size_t offset, std::size_t length, fill_mode fill, stream_t stream = nullptr);
+  /// The same for many ranges at once.
+  void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream = nullptr);
+
+  /// Unbacks the backed granules of the range (unbacked ones are left alone, except that
+  /// keep_mode::discard drops their backups).  Waits on the host for events recorded on
+  /// `stream` and on every stream given to record_stream (never the whole device), and for
+  /// the backup copies; then one cuMemUnmap per chunk.  A chunk that the range cuts
+  /// through is split first (its kept part is copied into smaller chunks).  All-or-nothing.
+  /// @throws invalid_argument, out_of_memory (backup memory), cuda_error
+  void release(reservation_id id, std::size_t offset, std::size_t length, keep_mode keep, stream_t stream = nullptr);
+  /// The same for many ranges: every backup copy is enqueued before the one host wait,
+  /// so the copies run back to back at the link's speed.
+  void release(std::span<const range> ranges, keep_mode keep, stream_t stream = nullptr);
+
+  /// Notes that `stream` uses the reservation: releases wait for it.  No driver call.
+  void record_stream(reservation_id id, stream_t stream);
+  /// Releases everything (discarding), drops backups and frees the address range.
+  /// @throws invalid_argument for an unknown id (double free)
+  void free(reservation_id id, stream_t stream = nullptr);
+
+  /// True when every granule of the range is backed.  No driver call.
+  bool is_backed(reservation_id id, std::size_t offset = 0, std::size_t length = whole) const;
+  /// Per-granule backed flags.
+  std::vector<bool> backed_granules(reservation_id id) const;
+  reservation_info info(reservation_id id) const;
+  /// The reservation that contains `ptr`, if any.
+  std::optional<reservation_id> find(const void* ptr) const;
+  reservation_stats stats() const;
+  void reset_peak() noexcept;
+
+  std::size_t granularity() const { return granularity_; }
+  chunk_pool& pool() const { return *pool_; }
+  driver& drv() const { return *drv_; }
+
+ private:
+  struct backup_segment;
+  struct reservation;
+  struct release_plan;
+
+  reservation& get(reservation_id id);
+  const reservation& get(reservation_id id) const;
+  std::pair<std::size_t, std::size_t> clamp(const reservation& r, std::size_t offset, std::size_t length) const;
+  bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, std::vector<std::pair<std::size_t, chunk>>& out);
+  std::vector<std::pair<std::size_t, chunk>> plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs);
+  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream);
+  void split_at(reservation& r, std::size_t cut, stream_t stream);
+  event_t take_event();
+  void drop_backup_granules(reservation& r, std::size_t begin, std::size_t end);
+  std::vector<event_t> record_users(const std::vector<reservation*>& rs, stream_t stream);
+  void give_events(std::vector<event_t>& es) noexcept;
+  void unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept;
+
+  std::shared_ptr<chunk_pool> pool_;
+  std::shared_ptr<driver> drv_;
+  std::size_t granularity_;
+  std::unique_ptr<pinned_pool> pinned_;
+  mutable std::mutex mu_;
+  std::unordered_map<reservation_id, std::unique_ptr<reservation>> reservations_;
+  std::map<std::uintptr_t, reservation_id> by_address_;
+  reservation_id next_id_ = 1;
+  stream_t copy_stream_ = nullptr;
+  std::vector<event_t> free_events_;
+  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (largest class)
+  std::size_t scratch_bytes_ = 0;
+  std::size_t reserved_bytes_ = 0, backed_bytes_ = 0, peak_backed_ = 0, backup_bytes_ = 0;
+  std::uint64_t splits_ = 0;
+};
+
+}  // namespace deferalloc

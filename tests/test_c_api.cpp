@@ -1,0 +1,116 @@
+// The C ABI on the host driver (DEFERALLOC_CONF set by ctest): every bad input gets
+// its status and a message naming the call, and changes nothing.
+#include <deferalloc/deferalloc.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+class c_api : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(dfa_init(nullptr), DFA_SUCCESS) << dfa_last_error(); }
+  void TearDown() override { EXPECT_EQ(dfa_shutdown(), DFA_SUCCESS); }
+};
+
+}  // namespace
+
+TEST_F(c_api, reserve_materialize_release_free) {
+  const char* name = nullptr;
+  ASSERT_EQ(dfa_driver_name(&name), DFA_SUCCESS);
+  EXPECT_STREQ(name, "host");
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_reserve(3 * g + 10, &r, &p), DFA_SUCCESS);
+  ASSERT_NE(p, nullptr);
+  int backed = -1;
+  ASSERT_EQ(dfa_is_backed(r, 0, DFA_WHOLE, &backed), DFA_SUCCESS);
+  EXPECT_EQ(backed, 0);
+  ASSERT_EQ(dfa_materialize(r, 0, DFA_WHOLE, DFA_FILL_ZERO, nullptr), DFA_SUCCESS) << dfa_last_error();
+  std::memset(p, 0x5A, 3 * g + 10);
+  ASSERT_EQ(dfa_release(r, 0, 3 * g + 10, DFA_KEEP_HOST, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_materialize(r, 0, DFA_WHOLE, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(p)[3 * g + 9], 0x5A);
+  dfa_reservation found = 0;
+  ASSERT_EQ(dfa_find(static_cast<char*>(p) + g, &found), DFA_SUCCESS);
+  EXPECT_EQ(found, r);
+  dfa_stats st{};
+  ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
+  EXPECT_EQ(st.reservations, 1u);
+  EXPECT_EQ(st.backed_bytes, 4 * g);
+  ASSERT_EQ(dfa_free(r, nullptr), DFA_SUCCESS);
+  size_t released = 0;
+  ASSERT_EQ(dfa_trim(0, &released), DFA_SUCCESS);
+  EXPECT_GE(released, 4 * g);
+  EXPECT_STREQ(dfa_last_error(), "");
+}
+
+TEST_F(c_api, bad_input_table) {
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_reserve(4 * g, &r, &p), DFA_SUCCESS);
+  ASSERT_EQ(dfa_materialize(r, 0, 2 * g, DFA_FILL_ZERO, nullptr), DFA_SUCCESS);
+  dfa_stats before{};
+  ASSERT_EQ(dfa_get_stats(&before), DFA_SUCCESS);
+  dfa_reservation out = 0;
+  int flag = 0;
+  struct row {
+    const char* call;
+    std::function<dfa_status()> f;
+    dfa_status expect;
+  };
+  const std::vector<row> table = {
+      {"dfa_reserve", [&] { return dfa_reserve(0, &out, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_reserve", [&] { return dfa_reserve(g, nullptr, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_reserve", [&] { return dfa_reserve(SIZE_MAX, &out, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_materialize", [&] { return dfa_materialize(r + 100, 0, g, DFA_FILL_ZERO, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_materialize", [&] { return dfa_materialize(r, 3, g, DFA_FILL_ZERO, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_materialize", [&] { return dfa_materialize(r, 0, 9 * g, DFA_FILL_ZERO, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_materialize", [&] { return dfa_materialize(r, 0, g, static_cast<dfa_fill>(7), nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_materialize", [&] { return dfa_materialize(r, 2 * g, g, DFA_FILL_RESTORE, nullptr); }, DFA_ERROR_INVALID_STATE},
+      {"dfa_release", [&] { return dfa_release(r, 0, 0, DFA_KEEP_DISCARD, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_release", [&] { return dfa_release(r, 0, g, static_cast<dfa_keep>(9), nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_is_backed", [&] { return dfa_is_backed(r, 0, g, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_find", [&] { return dfa_find(nullptr, &out); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_find", [&] { return dfa_find(&flag, &out); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_get_stats", [&] { return dfa_get_stats(nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_init", [&] { return dfa_init("driver:host"); }, DFA_ERROR_INVALID_STATE},
+      {"dfa_free", [&] { return dfa_free(r + 100, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+  };
+  for (const auto& row : table) {
+    EXPECT_EQ(row.f(), row.expect) << row.call;
+    const std::string msg = dfa_last_error();
+    EXPECT_EQ(msg.rfind(std::string(row.call) + ": ", 0), 0u) << "message must name the call: " << msg;
+    dfa_stats now{};
+    ASSERT_EQ(dfa_get_stats(&now), DFA_SUCCESS);
+    EXPECT_EQ(now.backed_bytes, before.backed_bytes) << row.call;
+    EXPECT_EQ(now.reservations, before.reservations) << row.call;
+    EXPECT_EQ(std::memcmp(now.driver_calls, before.driver_calls, sizeof now.driver_calls), 0) << row.call;
+  }
+  ASSERT_EQ(dfa_free(r, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_free(r, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "double free";
+  EXPECT_NE(std::string(dfa_last_error()).find("unknown reservation"), std::string::npos) << dfa_last_error();
+}
+
+TEST(c_api_init, unknown_config_key_is_refused_with_the_valid_keys) {
+  EXPECT_EQ(dfa_init("driver:host,bogus:1"), DFA_ERROR_INVALID_ARGUMENT);
+  const std::string msg = dfa_last_error();
+  EXPECT_NE(msg.find("dfa_init: "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("valid keys"), std::string::npos) << msg;
+  EXPECT_EQ(dfa_shutdown(), DFA_SUCCESS);
+}
+
+TEST(c_api_init, cuda_driver_without_a_device_is_a_clear_error) {
+  if (dfa_init("driver:cuda") == DFA_SUCCESS) {
+    dfa_shutdown();
+    GTEST_SKIP() << "a CUDA device is present";
+  }
+  EXPECT_NE(std::string(dfa_last_error()).find("cuda_driver"), std::string::npos) << dfa_last_error();
+}

@@ -1,0 +1,133 @@
+// Driver conformance: the primitives behave alike on the host and CUDA drivers.
+#include <sys/mman.h>
+
+#include "common.hpp"
+
+using namespace deferalloc;
+using namespace dfa_test;
+
+class driver_conformance : public ::testing::Test {
+ protected:
+  std::shared_ptr<driver> d = make_driver();
+};
+
+TEST_F(driver_conformance, granularity_is_a_power_of_two) {
+  const std::size_t g = d->granularity();
+  EXPECT_GT(g, 0u);
+  EXPECT_EQ(g & (g - 1), 0u);
+}
+
+TEST_F(driver_conformance, contents_survive_unmap_and_remap) {
+  const std::size_t g = d->granularity();
+  auto va = d->reserve(4 * g, g);
+  ASSERT_NE(va, 0u);
+  EXPECT_EQ(va % g, 0u);
+  auto h = d->create(2 * g);
+  d->map(va, 2 * g, h);
+  d->set_access(va, 2 * g);
+  auto data = random_bytes(2 * g, 1);
+  upload(*d, reinterpret_cast<void*>(va), data);
+  d->unmap(va, 2 * g);
+  // Map the same chunk at another place of the reservation: same bytes.
+  d->map(va + 2 * g, 2 * g, h);
+  d->set_access(va + 2 * g, 2 * g);
+  EXPECT_EQ(download(*d, reinterpret_cast<void*>(va + 2 * g), 2 * g), data);
+  d->unmap(va + 2 * g, 2 * g);
+  d->release(h);
+  d->free_reservation(va, 4 * g);
+  auto c = d->call_counts();
+  EXPECT_EQ(c[primitive::map], 2u);
+  EXPECT_EQ(c[primitive::set_access], 2u);
+  EXPECT_EQ(c[primitive::unmap], 2u);
+}
+
+TEST_F(driver_conformance, unmap_must_cover_whole_mappings) {
+  const std::size_t g = d->granularity();
+  auto va = d->reserve(2 * g, g);
+  auto h = d->create(2 * g);
+  d->map(va, 2 * g, h);
+  EXPECT_ANY_THROW(d->unmap(va, g));
+  d->unmap(va, 2 * g);
+  d->release(h);
+  d->free_reservation(va, 2 * g);
+}
+
+TEST_F(driver_conformance, create_uses_memory_and_release_returns_it) {
+  const std::size_t g = d->granularity();
+  const auto before = d->get_memory_info();
+  auto h = d->create(16 * g);
+  const auto during = d->get_memory_info();
+  d->release(h);
+  const auto after = d->get_memory_info();
+  EXPECT_EQ(before.total_bytes, during.total_bytes);
+  EXPECT_EQ(before.free_bytes - during.free_bytes, 16 * g);
+  EXPECT_EQ(after.free_bytes, before.free_bytes);
+}
+
+TEST_F(driver_conformance, stream_ordered_copy_and_zero) {
+  const std::size_t g = d->granularity();
+  auto va = d->reserve(g, g);
+  auto h = d->create(g);
+  d->map(va, g, h);
+  d->set_access(va, g);
+  stream_t s = d->create_stream();
+  event_t e = d->create_event();
+  auto data = random_bytes(g, 2);
+  d->copy_async(reinterpret_cast<void*>(va), data.data(), g, s);
+  d->zero_async(reinterpret_cast<void*>(va), g / 2, s);
+  d->record(e, s);
+  d->synchronize(e);
+  EXPECT_TRUE(d->query(e));
+  auto out = download(*d, reinterpret_cast<void*>(va), g);
+  EXPECT_EQ(std::count(out.begin(), out.begin() + g / 2, 0), static_cast<long>(g / 2));
+  EXPECT_TRUE(std::equal(out.begin() + g / 2, out.end(), data.begin() + g / 2));
+  d->destroy_event(e);
+  d->destroy_stream(s);
+  d->unmap(va, g);
+  d->release(h);
+  d->free_reservation(va, g);
+}
+
+// A touch of an unbacked granule faults, as a kernel's access would on the GPU.
+TEST(host_driver_death, touching_unbacked_memory_faults) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto d = make_host_driver({64_KiB, 64_MiB});
+  auto va = d->reserve(2 * 64_KiB, 64_KiB);
+  EXPECT_DEATH(*reinterpret_cast<volatile char*>(va) = 1, "");
+  auto h = d->create(64_KiB);
+  d->map(va, 64_KiB, h);
+  // Mapped but no access yet: still faults.
+  EXPECT_DEATH(*reinterpret_cast<volatile char*>(va) = 1, "");
+  d->set_access(va, 64_KiB);
+  *reinterpret_cast<volatile char*>(va) = 1;
+  d->unmap(va, 64_KiB);
+  EXPECT_DEATH(*reinterpret_cast<volatile char*>(va) = 1, "");
+  d->release(h);
+  d->free_reservation(va, 2 * 64_KiB);
+}
+
+TEST(host_driver, capacity_makes_out_of_memory_reachable) {
+  auto d = make_host_driver({64_KiB, 4 * 64_KiB});
+  auto a = d->create(3 * 64_KiB);
+  EXPECT_THROW(d->create(2 * 64_KiB), out_of_memory);
+  auto b = d->create(64_KiB);
+  d->release(a);
+  d->release(b);
+}
+
+TEST(fault_driver, fails_the_nth_call) {
+  auto f = std::make_shared<fault_driver>(make_host_driver({64_KiB, 64_MiB}));
+  f->fail_nth(primitive::create, 2);
+  auto a = f->create(64_KiB);
+  EXPECT_THROW(f->create(64_KiB), out_of_memory);
+  auto b = f->create(64_KiB);
+  EXPECT_EQ(f->fired(), 1u);
+  f->release(a);
+  f->release(b);
+  f->fail_nth(primitive::map, 1);
+  auto va = f->reserve(64_KiB, 64_KiB);
+  auto h = f->create(64_KiB);
+  EXPECT_THROW(f->map(va, 64_KiB, h), cuda_error);
+  f->release(h);
+  f->free_reservation(va, 64_KiB);
+}
