@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, run the tests, run the benchmarks, print a table.
+#   scripts/gpu_run.sh [build] [tests] [bench] [demo]   (default: all four)
+# Logs and JSON go to $OUT (the device tool brings them back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests bench demo)
+has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+summary=()
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+if has build; then
+  prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+        ${prefix:+-DCMAKE_PREFIX_PATH=$prefix} ${DFA_GPU_CMAKE_ARGS:-} > "$OUT/configure.log" 2>&1 \
+    || { tail -40 "$OUT/configure.log"; exit 1; }
+  if ! cmake --build build-gpu -j16 > "$OUT/build.log" 2>&1; then
+    grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
+  fi
+  summary+=("build: ok")
+fi
+if has tests; then
+  ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 900 > "$OUT/ctest-gpu.log" 2>&1
+  summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest-gpu.log" | tail -1)")
+  ctest --test-dir build-gpu -LE gpu --output-on-failure --timeout 900 > "$OUT/ctest-other.log" 2>&1
+  summary+=("ctest -LE gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest-other.log" | tail -1)")
+  grep -E "Passed|Failed|Skipped|\*\*\*" "$OUT/ctest-gpu.log" "$OUT/ctest-other.log" | sed 's|.*log:||' | head -40
+fi
+if has bench; then
+  for b in build-gpu/benchmarks/bench_*; do
+    n=$(basename "$b")
+    "$b" --benchmark_min_time=0.3 --benchmark_out="$OUT/$n.json" --benchmark_out_format=json > "$OUT/$n.log" 2>&1 \
+      || { echo "$n failed"; tail -20 "$OUT/$n.log"; }
+  done
+  python3 benchmarks/report.py "$OUT"/bench_*.json | tee "$OUT/report.txt"
+fi
+if has demo; then
+  ./build-gpu/examples/deferalloc_demo > "$OUT/demo.log" 2>&1; summary+=("demo: exit $?")
+  tail -14 "$OUT/demo.log"
+fi
+printf '%s\n' "${summary[@]}"
