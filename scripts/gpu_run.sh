@@ -22,7 +22,7 @@ if has build; then
   summary+=("build: ok")
 fi
 if has tests; then
-  ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 900 > "$OUT/ctest-gpu.log" 2>&1
+  ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/ctest-gpu.log" 2>&1
   summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest-gpu.log" | tail -1)")
   ctest --test-dir build-gpu -LE gpu --output-on-failure --timeout 900 > "$OUT/ctest-other.log" 2>&1
   summary+=("ctest -LE gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest-other.log" | tail -1)")
