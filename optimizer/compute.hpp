@@ -1,0 +1,31 @@
+// The compute backend of the optimizer: the CUDA kernels on the CUDA driver, their CPU
+// twin (same arithmetic, adamw_math.hpp) on the host driver.
+#pragma once
+#include <deferalloc/driver.hpp>
+
+#include <memory>
+
+#include "adamw_math.hpp"
+
+namespace deferalloc::optim::detail {
+
+class compute {
+ public:
+  virtual ~compute() = default;
+  /// AdamW over one piece, on `s`.
+  virtual void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) = 0;
+  /// out[i] = float(in[i]) for n BF16 values, on `s`.
+  virtual void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t s) = 0;
+  /// out[i] = bf16(in[i]) (round to nearest even), on `s`.
+  virtual void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t s) = 0;
+  /// Sum of squares of n gradient values, in a fixed order; waits for `s`.
+  virtual double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) = 0;
+};
+
+std::unique_ptr<compute> make_cpu_compute();
+/// @throws no_device when the library was built without the CUDA kernels.
+std::unique_ptr<compute> make_cuda_compute(int device);
+/// CUDA kernels when the driver is asynchronous (CUDA), the CPU twin otherwise.
+std::unique_ptr<compute> make_compute(driver& d);
+
+}  // namespace deferalloc::optim::detail

@@ -1,0 +1,45 @@
+// The CPU twin of the optimizer kernels (host driver): the same per-element arithmetic
+// as the CUDA kernel (adamw_math.hpp), so CI exercises the whole optimizer and the
+// GPU results can be checked against it bit for bit.
+#include <deferalloc/errors.hpp>
+
+#include "compute.hpp"
+
+namespace deferalloc::optim::detail {
+namespace {
+
+class cpu_compute final : public compute {
+ public:
+  void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t) override {
+    for (std::size_t i = 0; i < p.n; ++i) {
+      const float g = p.grad_is_bf16 ? from_bf16(static_cast<const std::uint16_t*>(p.grad)[i])
+                                     : static_cast<const float*>(p.grad)[i];
+      p.model_bf16[i] = adamw_element(p.param[i], p.exp_avg[i], p.exp_avg_sq[i], g, k);
+    }
+  }
+  void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t) override {
+    for (std::size_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
+  }
+  void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t) override {
+    for (std::size_t i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
+  }
+  double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t) override {
+    double s = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double g = is_bf16 ? from_bf16(static_cast<const std::uint16_t*>(grad)[i]) : static_cast<const float*>(grad)[i];
+      s += g * g;
+    }
+    return s;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<compute> make_cpu_compute() { return std::make_unique<cpu_compute>(); }
+
+std::unique_ptr<compute> make_compute(driver& d) {
+  if (d.asynchronous()) return make_cuda_compute(d.device());
+  return make_cpu_compute();
+}
+
+}  // namespace deferalloc::optim::detail

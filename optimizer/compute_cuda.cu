@@ -1,0 +1,181 @@
+// CUDA kernels of the optimizer: the fused AdamW step, the BF16 -> FP32 upcast of the
+// initializer, and a deterministic sum of squares for gradient clipping.
+//
+// Memory-bound by design (28 bytes per parameter for the step: FP32 p, m, v read and
+// written, a BF16 or FP32 gradient read, a BF16 parameter written), so the kernels
+// move 16-byte vectors when every pointer allows it and fall back to scalars
+// otherwise.  The arithmetic is adamw_math.hpp's, with explicit rounding, so the
+// results equal the CPU twin's bit for bit.
+#include <cuda_runtime.h>
+#include <deferalloc/errors.hpp>
+
+#include <string>
+
+#include "compute.hpp"
+
+namespace deferalloc::optim::detail {
+namespace {
+
+#define DFA_CUDA_TRY(call)                                                                  \
+  do {                                                                                      \
+    cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) throw cuda_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+// After every launch: a bad configuration is reported here, a fault at the next sync.
+#define DFA_CUDA_CHECK_LAUNCH() DFA_CUDA_TRY(cudaGetLastError())
+
+constexpr int k_threads = 256;
+
+__device__ __forceinline__ float load_grad(const void* g, bool bf16, std::size_t i) {
+  return bf16 ? from_bf16(static_cast<const std::uint16_t*>(g)[i]) : static_cast<const float*>(g)[i];
+}
+
+template <bool GradBf16>
+__global__ void adamw_vec4(adamw_piece p, adamw_scalars k) {
+  const std::size_t n4 = p.n / 4;
+  auto* P = reinterpret_cast<float4*>(p.param);
+  auto* M = reinterpret_cast<float4*>(p.exp_avg);
+  auto* V = reinterpret_cast<float4*>(p.exp_avg_sq);
+  auto* B = reinterpret_cast<uint2*>(p.model_bf16);
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n4; i += std::size_t(gridDim.x) * blockDim.x) {
+    float4 pv = __ldcs(P + i), mv = __ldcs(M + i), vv = __ldcs(V + i);
+    float g[4];
+    if constexpr (GradBf16) {
+      const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p.grad) + i);
+      g[0] = from_bf16(static_cast<std::uint16_t>(raw.x & 0xFFFF));
+      g[1] = from_bf16(static_cast<std::uint16_t>(raw.x >> 16));
+      g[2] = from_bf16(static_cast<std::uint16_t>(raw.y & 0xFFFF));
+      g[3] = from_bf16(static_cast<std::uint16_t>(raw.y >> 16));
+    } else {
+      const float4 raw = __ldcs(reinterpret_cast<const float4*>(p.grad) + i);
+      g[0] = raw.x, g[1] = raw.y, g[2] = raw.z, g[3] = raw.w;
+    }
+    const std::uint16_t b0 = adamw_element(pv.x, mv.x, vv.x, g[0], k);
+    const std::uint16_t b1 = adamw_element(pv.y, mv.y, vv.y, g[1], k);
+    const std::uint16_t b2 = adamw_element(pv.z, mv.z, vv.z, g[2], k);
+    const std::uint16_t b3 = adamw_element(pv.w, mv.w, vv.w, g[3], k);
+    __stcs(P + i, pv);
+    __stcs(M + i, mv);
+    __stcs(V + i, vv);
+    __stcs(B + i, make_uint2(b0 | (std::uint32_t(b1) << 16), b2 | (std::uint32_t(b3) << 16)));
+  }
+  // The last n % 4 elements.
+  if (blockIdx.x == 0 && threadIdx.x < p.n % 4) {
+    const std::size_t j = n4 * 4 + threadIdx.x;
+    p.model_bf16[j] = adamw_element(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_grad(p.grad, GradBf16, j), k);
+  }
+}
+
+__global__ void adamw_scalar(adamw_piece p, adamw_scalars k) {
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < p.n; j += std::size_t(gridDim.x) * blockDim.x)
+    p.model_bf16[j] = adamw_element(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_grad(p.grad, p.grad_is_bf16, j), k);
+}
+
+__global__ void upcast_kernel(const std::uint16_t* in, float* out, std::size_t n) {
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
+    out[j] = from_bf16(in[j]);
+}
+
+__global__ void downcast_kernel(const float* in, std::uint16_t* out, std::size_t n) {
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
+    out[j] = to_bf16(in[j]);
+}
+
+constexpr int k_norm_blocks = 1024;
+
+// Pass 1: one partial sum per block, each over a fixed set of elements (grid-stride
+// with a fixed grid), reduced in a fixed tree order: the result does not depend on
+// timing.
+__global__ void sq_norm_partial(const void* g, bool bf16, std::size_t n, double* partial) {
+  __shared__ double sh[k_threads];
+  double s = 0;
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x) {
+    const double x = load_grad(g, bf16, j);
+    s += x * x;
+  }
+  sh[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = k_threads / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
+__global__ void sq_norm_final(const double* partial, double* out) {
+  __shared__ double sh[k_norm_blocks];
+  for (int i = threadIdx.x; i < k_norm_blocks; i += blockDim.x) sh[i] = partial[i];
+  __syncthreads();
+  for (int w = k_norm_blocks / 2; w > 0; w /= 2) {
+    for (int i = threadIdx.x; i < w; i += blockDim.x) sh[i] += sh[i + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = sh[0];
+}
+
+bool aligned(const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
+
+class cuda_compute final : public compute {
+ public:
+  explicit cuda_compute(int device) : device_(device) {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    DFA_CUDA_TRY(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device_));
+  }
+  ~cuda_compute() override {
+    if (scratch_ != nullptr) cudaFree(scratch_);
+  }
+
+  void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) override {
+    if (p.n == 0) return;
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    auto st = static_cast<cudaStream_t>(s);
+    const bool vec = aligned(p.param, 16) && aligned(p.exp_avg, 16) && aligned(p.exp_avg_sq, 16) &&
+                     aligned(p.model_bf16, 8) && aligned(p.grad, p.grad_is_bf16 ? 8 : 16);
+    const std::size_t work = vec ? p.n / 4 + 1 : p.n;
+    const int blocks = static_cast<int>(std::min<std::size_t>((work + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
+    if (!vec) adamw_scalar<<<blocks, k_threads, 0, st>>>(p, k);
+    else if (p.grad_is_bf16) adamw_vec4<true><<<blocks, k_threads, 0, st>>>(p, k);
+    else adamw_vec4<false><<<blocks, k_threads, 0, st>>>(p, k);
+    DFA_CUDA_CHECK_LAUNCH();
+  }
+
+  void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t s) override {
+    if (n == 0) return;
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    const int blocks = static_cast<int>(std::min<std::size_t>((n + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
+    upcast_kernel<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    DFA_CUDA_CHECK_LAUNCH();
+  }
+
+  void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t s) override {
+    if (n == 0) return;
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    const int blocks = static_cast<int>(std::min<std::size_t>((n + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
+    downcast_kernel<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    DFA_CUDA_CHECK_LAUNCH();
+  }
+
+  double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) override {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    if (scratch_ == nullptr) DFA_CUDA_TRY(cudaMalloc(&scratch_, (k_norm_blocks + 1) * sizeof(double)));
+    auto st = static_cast<cudaStream_t>(s);
+    sq_norm_partial<<<k_norm_blocks, k_threads, 0, st>>>(grad, is_bf16, n, scratch_);
+    DFA_CUDA_CHECK_LAUNCH();
+    sq_norm_final<<<1, 1024, 0, st>>>(scratch_, scratch_ + k_norm_blocks);
+    DFA_CUDA_CHECK_LAUNCH();
+    double out = 0;
+    DFA_CUDA_TRY(cudaMemcpyAsync(&out, scratch_ + k_norm_blocks, sizeof(double), cudaMemcpyDeviceToHost, st));
+    DFA_CUDA_TRY(cudaStreamSynchronize(st));
+    return out;
+  }
+
+ private:
+  int device_;
+  int sms_ = 0;
+  double* scratch_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<compute> make_cuda_compute(int device) { return std::make_unique<cuda_compute>(device); }
+
+}  // namespace deferalloc::optim::detail

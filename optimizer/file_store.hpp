@@ -1,0 +1,117 @@
+// The file tier: one state file per rank, two slots of FP32 state and a commit record.
+// See Note [File tier] in file_store.cpp.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace deferalloc::optim::detail {
+
+/// A group of I/O requests that completes together; wait() throws io_error with the
+/// first failure (which names the file, offset and what was being read or written).
+class io_batch {
+ public:
+  void wait();
+  bool done() const;
+
+ private:
+  friend class file_store;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::size_t pending_ = 0;
+  std::string error_;
+};
+
+class file_store {
+ public:
+  /// Test hooks: fail the nth read/write block or commit.
+  enum class fault_kind { none, eio, enospc, short_read, crash };
+  enum class fault_op { read, write, commit };
+
+  static constexpr std::size_t align = 4096;
+
+  /// Opens (resume) or creates `dir`/deferalloc-rank<rank>.state for shards of the given
+  /// sizes, reserving the whole file's space up front (fallocate) so a full disk fails
+  /// here.  Created 0600, without following symlinks.
+  /// @throws io_error, corrupt_data (resume with another layout)
+  file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
+             std::size_t request_bytes);
+  ~file_store();
+
+  const std::string& path() const { return path_; }
+  bool resumed() const { return resumed_; }
+  std::uint64_t committed_step() const { return step_; }
+  int active_slot() const { return slot_; }
+  bool moments_written() const { return moments_written_; }
+  bool direct_io() const { return direct_; }
+
+  /// Byte offset of element `elem` of array `a` (0 main, 1 exp_avg, 2 exp_avg_sq) of
+  /// shard `s` in slot `slot`.
+  std::uint64_t offset(int slot, std::size_t s, int a, std::size_t elem) const;
+  /// Bytes of `n` FP32 values rounded up to the I/O alignment.
+  static std::size_t io_bytes(std::size_t n) { return (n * 4 + align - 1) / align * align; }
+
+  /// Adds a read (write) of `bytes` at `off` to `batch` (created when null).  `buf` and
+  /// `off` must be aligned; `what` names the data for error messages.
+  std::shared_ptr<io_batch> read(void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
+                                 std::shared_ptr<io_batch> batch = nullptr);
+  std::shared_ptr<io_batch> write(const void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
+                                  std::shared_ptr<io_batch> batch = nullptr);
+  /// Makes every written byte durable, then writes the commit record (step, slot) in the
+  /// header copy of the next sequence number's parity, then makes it durable.
+  void commit(std::uint64_t step, int slot, bool moments_written);
+
+  void inject(fault_op op, fault_kind kind, std::uint64_t nth);
+
+ private:
+  struct request {
+    void* buf;
+    std::size_t bytes;
+    std::uint64_t off;
+    bool write;
+    std::string what;
+    std::shared_ptr<io_batch> batch;
+  };
+  std::shared_ptr<io_batch> submit(void* buf, std::size_t bytes, std::uint64_t off, bool write, const std::string& what,
+                                   std::shared_ptr<io_batch> batch);
+  void worker();
+  void run(request& r);
+  fault_kind take_fault(fault_op op);
+  bool read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments, std::uint64_t& seq);
+
+  std::string path_;
+  int fd_ = -1;
+  bool direct_ = false;
+  bool resumed_ = false;
+  std::uint64_t step_ = 0;
+  std::uint64_t seq_ = 0;
+  int slot_ = 0;
+  bool moments_written_ = false;
+  std::uint64_t layout_hash_ = 0;
+  std::vector<std::uint64_t> shard_base_;
+  std::vector<std::uint64_t> array_bytes_;
+  std::uint64_t slot_bytes_ = 0;
+  std::size_t request_bytes_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<request> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+
+  std::mutex fault_mu_;
+  fault_kind fault_[3] = {fault_kind::none, fault_kind::none, fault_kind::none};
+  std::uint64_t countdown_[3] = {0, 0, 0};
+};
+
+/// 64-bit checksum for corruption detection (not cryptographic), ~10 GB/s.
+std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
+
+}  // namespace deferalloc::optim::detail

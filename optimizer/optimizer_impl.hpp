@@ -1,0 +1,68 @@
+// The optimizer's private state, shared by streamed_adamw.cpp (pipeline) and
+// checkpoint.cpp (state transfer and checkpoints).
+#pragma once
+#include <deferalloc/chunk_pool.hpp>
+#include <deferalloc/optimizer.hpp>
+#include <deferalloc/reservations.hpp>
+
+#include <array>
+#include <chrono>
+#include <mutex>
+
+#include "compute.hpp"
+#include "file_store.hpp"
+
+namespace deferalloc::optim {
+
+struct streamed_adamw::impl {
+  enum class pass { init, step, export_bf16 };
+  struct shard {
+    shard_info info;
+    std::array<reservation_id, 3> res{};  // main, exp_avg, exp_avg_sq
+    std::array<float*, 3> home{};         // host tier: pinned home of each array
+  };
+  struct piece_ref {
+    std::size_t shard, e0, n;
+  };
+
+  std::mutex mu;
+  std::shared_ptr<driver> drv;
+  optimizer_config cfg;
+  std::shared_ptr<chunk_pool> pool;
+  std::unique_ptr<reservation_manager> mgr;
+  std::unique_ptr<detail::compute> comp;
+  std::unique_ptr<detail::file_store> file;
+  std::vector<shard> shards;
+  std::vector<shard_info> infos;
+  std::size_t piece = 0;  // elements per piece (streamed tiers)
+  stream_t h2d = nullptr, d2h = nullptr, exec = nullptr;
+  std::vector<event_t> events;
+  std::vector<void*> stage_in, stage_out;
+  std::size_t stage_bytes = 0;
+  std::uint64_t step_count = 0;
+  bool initialized = false;
+  bool moments_written = false;
+  std::uint64_t failed_step = 0;       // the step number that failed part-way (in place tiers), 0 = none
+  std::size_t failed_pieces_done = 0;  // its pieces (device tier: shards) already written back
+  step_report report;
+
+  void ensure_file();
+  void ensure_staging();
+  void free_staging() noexcept;
+  event_t event(std::size_t i);
+  std::vector<piece_ref> pieces() const;
+  detail::adamw_scalars scalars(std::uint64_t t, float grad_scale) const;
+  std::string where(const piece_ref& p) const;
+  void report_progress(const char* phase, std::size_t done, std::size_t total,
+                       std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
+  void run_pass(pass kind, std::span<const void* const> grads, grad_type gt, float grad_scale, stream_t user,
+                std::size_t skip);
+  /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`.
+  void read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out);
+  /// Writes host memory into shard `s`'s array `a` at home (file tier: into `slot`).
+  void write_home(std::size_t s, int a, const float* in, int slot);
+  /// BF16(main) into the model parameters; `stream` waits for it.
+  void sync_model(stream_t stream);
+};
+
+}  // namespace deferalloc::optim

@@ -1,0 +1,548 @@
+// Note [Window pipeline]
+//
+// Rationale: the FP32 main params and Adam moments (12 B/param) are touched once per
+// step, so they need HBM only while the step passes over them.  Each shard gets three
+// deferred reservations (main, exp_avg, exp_avg_sq): stable device addresses that are
+// backed piece by piece, while a fixed window budget bounds the physical memory.
+//
+// Approach
+//  - A piece is n elements of one shard, all three arrays; n is the largest multiple of
+//    the granule (in floats) with depth * 12 * n <= window_bytes.  The reservations are
+//    padded to a multiple of n, so every piece maps the same chunk shapes: after the
+//    first `depth` pieces the chunk pool (budget = window) serves every piece from its
+//    cache, and no cuMemCreate happens in steady state.
+//  - Per piece, on three streams: materialize -> fetch (H2D from pinned home or
+//    staging; never-written moments are zeroed on the device instead of copied) ->
+//    kernel -> write-back (D2H) -> retire (host waits for that piece's write-back
+//    event, then release).  With depth 3, fetch(i+1), step(i) and write-back(i-1)
+//    overlap, and H2D and D2H run at once (the link is duplex).
+//  - File tier: reads run `depth` pieces ahead into a ring of 2*depth pinned staging
+//    buffers, writes drain from another ring; see Note [File tier] for the two slots
+//    and the commit record that make a step atomic.
+//  - The first `depth` pieces are materialized before any write-back, so running out of
+//    memory at the start of a pass fails before any state changed.
+//  - Failure: the pass drains every stream and I/O, releases its pieces and throws with
+//    the shard, element offset (and file offset for I/O).  File tier: the previous step
+//    is intact (the commit record still points to it) and the BF16 params are re-derived
+//    from it.  Host/device tiers update in place: the pieces whose write-back was issued
+//    are counted, and a step retried with the same gradients skips them.
+//
+// Limits: one pass at a time per optimizer (calls are serialized by a mutex); shards
+// much smaller than a piece still map a whole piece.
+#include <deferalloc/errors.hpp>
+#include <deferalloc/optimizer.hpp>
+#include <deferalloc/reservations.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <mutex>
+
+#include "../allocator/log.hpp"
+#include "compute.hpp"
+#include "file_store.hpp"
+#include "optimizer_impl.hpp"
+
+namespace deferalloc::optim {
+
+const char* to_string(tier t) noexcept {
+  switch (t) {
+    case tier::device: return "device";
+    case tier::host: return "host";
+    case tier::file: return "file";
+  }
+  return "unknown";
+}
+
+tier parse_tier(const std::string& s) {
+  if (s == "device") return tier::device;
+  if (s == "host") return tier::host;
+  if (s == "file") return tier::file;
+  throw invalid_argument("unknown state tier '" + s + "' (device, host or file)");
+}
+
+using clk = std::chrono::steady_clock;
+using detail::adamw_scalars;
+using detail::file_store;
+
+namespace {
+double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+}  // namespace
+
+// ---- construction -------------------------------------------------------------------
+
+streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg) : impl_(std::make_unique<impl>()) {
+  auto& I = *impl_;
+  DFA_EXPECTS(drv != nullptr, "streamed_adamw: driver is null");
+  DFA_EXPECTS(cfg.depth >= 1, "streamed_adamw: depth must be at least 1");
+  DFA_EXPECTS(cfg.home != tier::file || !cfg.directory.empty(), "streamed_adamw: the file tier needs a directory");
+  I.drv = std::move(drv);
+  I.cfg = std::move(cfg);
+  const std::size_t g = I.drv->granularity();
+  if (I.cfg.home != tier::device) {
+    const std::size_t gran_elems = g / 4;
+    const std::size_t per_piece = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth));  // params
+    I.piece = per_piece / gran_elems * gran_elems;
+    DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
+                                 std::to_string(I.cfg.depth) + " needs at least " +
+                                 std::to_string(12 * I.cfg.depth * g) + " bytes");
+    I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{}, I.cfg.window_bytes});
+  } else {
+    I.pool = std::make_shared<chunk_pool>(I.drv);
+  }
+  I.mgr = std::make_unique<reservation_manager>(I.pool);
+  I.comp = detail::make_compute(*I.drv);
+  I.h2d = I.drv->create_stream();
+  I.d2h = I.drv->create_stream();
+  I.exec = I.drv->create_stream();
+}
+
+streamed_adamw::~streamed_adamw() {
+  if (!impl_) return;
+  auto& I = *impl_;
+  try {
+    I.drv->synchronize_stream(I.h2d);
+    I.drv->synchronize_stream(I.exec);
+    I.drv->synchronize_stream(I.d2h);
+  } catch (const std::exception& e) {
+    deferalloc::detail::log(log_level::error, std::string("streamed_adamw: ") + e.what());
+  }
+  I.free_staging();
+  for (auto& s : I.shards)
+    for (float* h : s.home) I.drv->host_free(h);
+  for (event_t e : I.events) I.drv->destroy_event(e);
+  I.file.reset();
+  I.mgr.reset();
+  I.drv->destroy_stream(I.h2d);
+  I.drv->destroy_stream(I.d2h);
+  I.drv->destroy_stream(I.exec);
+}
+
+std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t numel, std::string name) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(!I.initialized, "add_shard: shards must be registered before initialize()", invalid_state);
+  DFA_EXPECTS(param_bf16 != nullptr, "add_shard: param_bf16 is null");
+  DFA_EXPECTS(numel > 0, "add_shard: numel is zero");
+  DFA_EXPECTS(numel <= (std::size_t{1} << 40), "add_shard: numel " + std::to_string(numel) + " is absurd");
+  impl::shard s;
+  s.info.name = name.empty() ? "shard" + std::to_string(I.shards.size()) : std::move(name);
+  s.info.numel = numel;
+  s.info.param_bf16 = param_bf16;
+  const std::size_t bytes =
+      I.cfg.home == tier::device ? numel * 4 : (numel + I.piece - 1) / I.piece * I.piece * 4;
+  std::size_t made = 0;
+  try {
+    for (; made < 3; ++made) s.res[made] = I.mgr->reserve(bytes);
+    if (I.cfg.home == tier::device) {
+      std::vector<range> rs{{s.res[0], 0, whole}, {s.res[1], 0, whole}, {s.res[2], 0, whole}};
+      I.mgr->materialize(std::span<const range>(rs).subspan(1), fill_mode::zero, I.exec);
+      I.mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, I.exec);
+    } else if (I.cfg.home == tier::host) {
+      for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(numel * 4));
+    }
+  } catch (...) {
+    for (float*& h : s.home)
+      if (h) I.drv->host_free(h), h = nullptr;
+    for (std::size_t a = 0; a < made; ++a) I.mgr->free(s.res[a]);
+    throw;
+  }
+  s.info.main_param = static_cast<float*>(I.mgr->address(s.res[0]));
+  s.info.exp_avg = static_cast<float*>(I.mgr->address(s.res[1]));
+  s.info.exp_avg_sq = static_cast<float*>(I.mgr->address(s.res[2]));
+  I.shards.push_back(std::move(s));
+  I.infos.push_back(I.shards.back().info);
+  return I.shards.size() - 1;
+}
+
+// ---- queries ------------------------------------------------------------------------
+
+std::uint64_t streamed_adamw::steps() const { return impl_->step_count; }
+bool streamed_adamw::initialized() const { return impl_->initialized; }
+bool streamed_adamw::resumed() const { return impl_->file && impl_->file->resumed(); }
+const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->infos; }
+const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
+void streamed_adamw::set_hyper(const adamw_params& p) {
+  std::lock_guard lk(impl_->mu);
+  impl_->cfg.adamw = p;
+}
+std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
+step_report streamed_adamw::last_report() const { return impl_->report; }
+reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
+
+// ---- the pipeline -------------------------------------------------------------------
+
+void streamed_adamw::impl::ensure_file() {
+  if (file || cfg.home != tier::file) return;
+  std::vector<std::size_t> numel;
+  for (auto& s : shards) numel.push_back(s.info.numel);
+  file = std::make_unique<file_store>(cfg.directory, cfg.rank, numel, cfg.resume, cfg.io_threads, cfg.io_request_bytes);
+  if (file->resumed()) {
+    step_count = file->committed_step();
+    moments_written = file->moments_written();
+    initialized = true;
+  }
+}
+
+void streamed_adamw::impl::ensure_staging() {
+  if (!stage_in.empty()) return;
+  stage_bytes = 3 * file_store::io_bytes(piece);
+  try {
+    for (int i = 0; i < 2 * cfg.depth; ++i) stage_in.push_back(drv->host_alloc(stage_bytes));
+    for (int i = 0; i < 2 * cfg.depth; ++i) stage_out.push_back(drv->host_alloc(stage_bytes));
+  } catch (...) {
+    free_staging();
+    throw;
+  }
+}
+
+void streamed_adamw::impl::free_staging() noexcept {
+  for (void* p : stage_in) drv->host_free(p);
+  for (void* p : stage_out) drv->host_free(p);
+  stage_in.clear();
+  stage_out.clear();
+}
+
+event_t streamed_adamw::impl::event(std::size_t i) {
+  while (events.size() <= i) events.push_back(drv->create_event());
+  return events[i];
+}
+
+std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces() const {
+  std::vector<piece_ref> out;
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += piece)
+      out.push_back({s, e0, std::min(piece, shards[s].info.numel - e0)});
+  return out;
+}
+
+adamw_scalars streamed_adamw::impl::scalars(std::uint64_t t, float grad_scale) const {
+  const adamw_params& h = cfg.adamw;
+  adamw_scalars k{};
+  k.lr_wd = h.lr * h.weight_decay;
+  k.beta1 = h.beta1;
+  k.one_minus_beta1 = 1.0f - h.beta1;
+  k.beta2 = h.beta2;
+  k.one_minus_beta2 = 1.0f - h.beta2;
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(t));
+  k.step_size = static_cast<float>(h.lr / bc1);
+  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.eps = h.eps;
+  k.grad_scale = grad_scale;
+  return k;
+}
+
+std::string streamed_adamw::impl::where(const piece_ref& p) const {
+  return "shard " + std::to_string(p.shard) + " ('" + shards[p.shard].info.name + "') elements [" + std::to_string(p.e0) +
+         ", " + std::to_string(p.e0 + p.n) + ")";
+}
+
+void streamed_adamw::impl::report_progress(const char* phase, std::size_t done, std::size_t total, clk::time_point t0,
+                                           clk::time_point& last_line) {
+  const double sec = since(t0);
+  if (cfg.on_progress) cfg.on_progress(progress{phase, done, total, sec});
+  if (cfg.progress_line && sec > 1.0 && (since(last_line) > 0.5 || done == total)) {
+    last_line = clk::now();
+    std::fprintf(stderr, "\r[deferalloc] %s %5.1f%%  %.2f Gparam/s%s", phase, 100.0 * done / total, done / sec / 1e9,
+                 done == total ? "\n" : "");
+    std::fflush(stderr);
+  }
+}
+
+// One pass over every piece.  See Note [Window pipeline].
+void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grads, grad_type gt, float grad_scale,
+                                    stream_t user, std::size_t skip) {
+  const auto ps = pieces();
+  const std::size_t P = ps.size();
+  const int K = cfg.depth;
+  const bool to_file = cfg.home == tier::file;
+  const int arrays = kind == pass::step ? 3 : 1;
+  const bool fetch_main = kind != pass::init;
+  const bool write_back = kind != pass::export_bf16;
+  const int read_slot = to_file ? file->active_slot() : 0;
+  const int write_slot = kind == pass::step ? 1 - read_slot : read_slot;
+  const adamw_scalars k = scalars(step_count + 1, grad_scale);
+  if (to_file) ensure_staging();
+
+  auto t0 = clk::now(), last_line = t0;
+  report = step_report{};
+  pool->reset_peak();
+  std::size_t params = 0, done_params = 0;
+  for (std::size_t j = skip; j < P; ++j) params += ps[j].n;
+
+  // The kernels read what the user's stream produced (gradients, BF16 params).
+  event_t user_ready = event(0);
+  drv->record(user_ready, user);
+  drv->stream_wait(exec, user_ready);
+
+  std::vector<bool> mapped(P, false), wb_issued(P, false);
+  std::vector<std::shared_ptr<detail::io_batch>> reads(P), writes(P);
+  const std::size_t pbytes = piece * 4;
+  auto ranges_of = [&](const piece_ref& p) {
+    std::vector<range> rs;
+    for (int a = 0; a < arrays; ++a) rs.push_back({shards[p.shard].res[a], p.e0 * 4, pbytes});
+    return rs;
+  };
+  auto ev = [&](std::size_t i, int which) { return event(1 + (i % K) * 3 + which); };
+  auto host_ptr = [&](std::size_t i, int a, bool out) -> char* {
+    const auto& p = ps[i];
+    if (!to_file) return reinterpret_cast<char*>(shards[p.shard].home[a] + p.e0);
+    auto& ring = out ? stage_out : stage_in;
+    return static_cast<char*>(ring[i % (2 * K)]) + a * file_store::io_bytes(piece);
+  };
+  auto issue_read = [&](std::size_t j) {
+    if (!to_file || !fetch_main || j >= P || j < skip) return;
+    const auto& p = ps[j];
+    const int n_arr = kind == pass::step && moments_written ? 3 : 1;
+    for (int a = 0; a < n_arr; ++a)
+      reads[j] = file->read(host_ptr(j, a, false), file_store::io_bytes(p.n), file->offset(read_slot, p.shard, a, p.e0),
+                            "state of " + where(p), reads[j]);
+  };
+  auto materialize = [&](std::size_t i) {
+    auto rs = ranges_of(ps[i]);
+    mgr->materialize(rs, fill_mode::undefined, h2d);
+    mapped[i] = true;
+  };
+  auto retire = [&](std::size_t i) {
+    const auto& p = ps[i];
+    drv->synchronize(ev(i, 2));
+    auto rs = ranges_of(p);
+    mgr->release(rs, keep_mode::discard, d2h);
+    mapped[i] = false;
+    if (to_file && write_back)
+      for (int a = 0; a < arrays; ++a)
+        writes[i] = file->write(host_ptr(i, a, true), file_store::io_bytes(p.n), file->offset(write_slot, p.shard, a, p.e0),
+                                "state of " + where(p), writes[i]);
+    done_params += p.n;
+    report_progress(kind == pass::init ? "init" : kind == pass::step ? "step" : "sync", done_params, params, t0, last_line);
+  };
+
+  std::size_t i = skip;
+  try {
+    for (std::size_t j = skip; j < std::min(P, skip + 2 * static_cast<std::size_t>(K)); ++j) issue_read(j);
+    // The first K pieces' memory before any write-back: OOM here changes nothing.
+    for (std::size_t j = skip; j < std::min(P, skip + static_cast<std::size_t>(K)); ++j) materialize(j);
+    for (; i < P; ++i) {
+      const auto& p = ps[i];
+      const auto& sh = shards[p.shard];
+      if (i >= skip + K) {
+        retire(i - K);
+        issue_read(i + K);
+        materialize(i);
+      }
+      float* dev[3] = {sh.info.main_param + p.e0, sh.info.exp_avg + p.e0, sh.info.exp_avg_sq + p.e0};
+      // Fetch.
+      if (fetch_main) {
+        if (to_file) reads[i]->wait();
+        drv->copy_async(dev[0], host_ptr(i, 0, false), p.n * 4, h2d);
+        report.bytes_to_device += p.n * 4;
+      }
+      if (kind == pass::step)
+        for (int a = 1; a < 3; ++a) {
+          if (moments_written) {
+            drv->copy_async(dev[a], host_ptr(i, a, false), p.n * 4, h2d);
+            report.bytes_to_device += p.n * 4;
+          } else {
+            drv->zero_async(dev[a], p.n * 4, h2d);  // never written: zero by construction
+          }
+        }
+      drv->record(ev(i, 0), h2d);
+      // Compute.
+      drv->stream_wait(exec, ev(i, 0));
+      if (kind == pass::init) {
+        comp->upcast(sh.info.param_bf16 + p.e0, dev[0], p.n, exec);
+      } else if (kind == pass::export_bf16) {
+        comp->downcast(dev[0], sh.info.param_bf16 + p.e0, p.n, exec);
+      } else {
+        const std::size_t gsz = gt == grad_type::bf16 ? 2 : 4;
+        comp->adamw({dev[0], dev[1], dev[2], sh.info.param_bf16 + p.e0,
+                     static_cast<const char*>(grads[p.shard]) + p.e0 * gsz, gt == grad_type::bf16, p.n},
+                    k, exec);
+      }
+      drv->record(ev(i, 1), exec);
+      // Write back.
+      drv->stream_wait(d2h, ev(i, 1));
+      if (write_back) {
+        if (to_file && i >= skip + 2 * static_cast<std::size_t>(K) && writes[i - 2 * K]) writes[i - 2 * K]->wait();
+        for (int a = 0; a < arrays; ++a) drv->copy_async(host_ptr(i, a, true), dev[a], p.n * 4, d2h);
+        report.bytes_from_device += arrays * p.n * 4;
+      }
+      drv->record(ev(i, 2), d2h);
+      wb_issued[i] = true;
+    }
+    for (std::size_t j = P > static_cast<std::size_t>(K) ? std::max(skip, P - K) : skip; j < P; ++j) retire(j);
+    if (to_file)
+      for (auto& w : writes)
+        if (w) w->wait();
+  } catch (const std::exception& e) {
+    // Drain: every stream and every I/O request, then give the window back.
+    try {
+      drv->synchronize_stream(h2d);
+      drv->synchronize_stream(exec);
+      drv->synchronize_stream(d2h);
+    } catch (...) {
+    }
+    for (auto* v : {&reads, &writes})
+      for (auto& b : *v)
+        if (b) try {
+            b->wait();
+          } catch (...) {
+          }
+    for (std::size_t j = 0; j < P; ++j)
+      if (mapped[j]) try {
+          auto rs = ranges_of(ps[j]);
+          mgr->release(rs, keep_mode::discard, d2h);
+        } catch (...) {
+        }
+    std::size_t written = skip;
+    while (written < P && wb_issued[written]) ++written;
+    failed_pieces_done = written;
+    const std::string at = i < P ? " at " + where(ps[i]) : "";
+    const std::string msg = std::string(kind == pass::init ? "initialize" : kind == pass::step ? "step" : "sync") +
+                            " failed" + at + ": " + e.what();
+    if (dynamic_cast<const out_of_memory*>(&e)) throw out_of_memory(msg);
+    if (dynamic_cast<const io_error*>(&e)) throw io_error(msg);
+    if (dynamic_cast<const cuda_error*>(&e)) throw cuda_error(msg);
+    throw error(msg);
+  }
+  report.seconds = since(t0);
+  report.params = params;
+  report.pieces = P - skip;
+  report.peak_backed_bytes = pool->stats().peak_alive_bytes;
+}
+
+// ---- initialize / step ---------------------------------------------------------------
+
+void streamed_adamw::initialize(stream_t stream) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(!I.shards.empty(), "initialize: no shard registered", invalid_state);
+  I.ensure_file();
+  DFA_EXPECTS(!I.initialized, I.file && I.file->resumed()
+                                  ? "initialize: the file tier resumed committed state at step " +
+                                        std::to_string(I.step_count) + " (call sync_model_params, not initialize)"
+                                  : std::string("initialize: already initialized"),
+              invalid_state);
+  if (I.cfg.home == tier::device) {
+    auto t0 = clk::now();
+    event_t e = I.event(0);
+    I.drv->record(e, stream);
+    I.drv->stream_wait(I.exec, e);
+    for (auto& s : I.shards) I.comp->upcast(s.info.param_bf16, s.info.main_param, s.info.numel, I.exec);
+    I.drv->synchronize_stream(I.exec);
+    I.report = step_report{};
+    I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
+    for (auto& s : I.shards) I.report.params += s.info.numel;
+  } else {
+    I.run_pass(impl::pass::init, {}, grad_type::bf16, 1.0f, stream, 0);
+    if (I.file) I.file->commit(0, I.file->active_slot(), false);
+  }
+  I.step_count = 0;
+  I.moments_written = false;
+  I.initialized = true;
+}
+
+void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, float grad_scale, stream_t stream) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(I.initialized, "step: call initialize() first", invalid_state);
+  DFA_EXPECTS(grads.size() == I.shards.size(), "step: " + std::to_string(grads.size()) + " gradients for " +
+                                                   std::to_string(I.shards.size()) + " shards");
+  for (std::size_t s = 0; s < grads.size(); ++s)
+    DFA_EXPECTS(grads[s] != nullptr, "step: gradient of shard " + std::to_string(s) + " is null");
+  DFA_EXPECTS(std::isfinite(grad_scale), "step: grad_scale is not finite");
+
+  // An in-place step that failed part-way resumes where it stopped (same gradients).
+  const std::size_t skip = I.failed_step == I.step_count + 1 ? I.failed_pieces_done : 0;
+  try {
+    if (I.cfg.home == tier::device) {
+      const adamw_scalars k = I.scalars(I.step_count + 1, grad_scale);
+      auto t0 = clk::now();
+      event_t e = I.event(0);
+      I.drv->record(e, stream);
+      I.drv->stream_wait(I.exec, e);
+      for (std::size_t s = skip; s < I.shards.size(); ++s) {
+        auto& sh = I.shards[s].info;
+        I.comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param_bf16, grads[s], gt == grad_type::bf16, sh.numel},
+                      k, I.exec);
+        I.failed_pieces_done = s + 1;
+      }
+      I.drv->record(e, I.exec);
+      I.drv->stream_wait(stream, e);
+      I.report = step_report{};
+      I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
+      for (auto& s : I.shards) I.report.params += s.info.numel;
+    } else {
+      I.run_pass(impl::pass::step, grads, gt, grad_scale, stream, skip);
+      if (I.file) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
+      event_t e = I.event(0);
+      I.drv->record(e, I.exec);
+      I.drv->stream_wait(stream, e);
+    }
+  } catch (...) {
+    if (I.cfg.home == tier::file) {
+      // The commit record still names the previous step; make the BF16 params match it.
+      I.failed_step = 0;
+      try {
+        I.sync_model(stream);
+      } catch (const std::exception& e2) {
+        deferalloc::detail::log(log_level::error,
+                                std::string("step failed and the BF16 params could not be restored: ") + e2.what());
+      }
+    } else {
+      I.failed_step = I.step_count + 1;
+    }
+    throw;
+  }
+  I.failed_step = 0;
+  I.failed_pieces_done = 0;
+  I.moments_written = true;
+  ++I.step_count;
+}
+
+void streamed_adamw::sync_model_params(stream_t stream) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.ensure_file();
+  DFA_EXPECTS(I.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
+  I.sync_model(stream);
+}
+
+void streamed_adamw::impl::sync_model(stream_t stream) {
+  if (cfg.home == tier::device) {
+    event_t e = event(0);
+    drv->record(e, stream);
+    drv->stream_wait(exec, e);
+    for (auto& s : shards) comp->downcast(s.info.main_param, s.info.param_bf16, s.info.numel, exec);
+  } else {
+    run_pass(pass::export_bf16, {}, grad_type::bf16, 1.0f, stream, 0);
+  }
+  event_t e = event(0);
+  drv->record(e, exec);
+  drv->stream_wait(stream, e);
+}
+
+double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(grads.size() == I.shards.size(), "grad_sq_norm: one gradient per shard expected");
+  event_t e = I.event(0);
+  I.drv->record(e, stream);
+  I.drv->stream_wait(I.exec, e);
+  double s = 0;
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    s += I.comp->sq_norm(grads[i], gt == grad_type::bf16, I.shards[i].info.numel, I.exec);
+  return s;
+}
+
+void detail::inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth) {
+  auto& I = *o.impl_;
+  std::lock_guard lk(I.mu);
+  I.ensure_file();
+  DFA_EXPECTS(I.file != nullptr, "inject_file_fault: the optimizer has no file tier", invalid_state);
+  I.file->inject(static_cast<file_store::fault_op>(op), static_cast<file_store::fault_kind>(kind), nth);
+}
+
+}  // namespace deferalloc::optim

@@ -1,0 +1,477 @@
+// The streamed AdamW optimizer, on the driver under test (host: the CPU twin; cuda:
+// the CUDA kernels).  Tiers must agree bit for bit, match a double-precision
+// reference, keep the HBM peak under the window, survive I/O and memory faults with
+// the previous step intact, resume after a crash, and checkpoint exactly.
+#include <deferalloc/optimizer.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "../optimizer/adamw_math.hpp"
+#include "../optimizer/file_store.hpp"
+#include "common.hpp"
+
+using namespace deferalloc;
+using namespace deferalloc::optim;
+using namespace dfa_test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A temporary directory removed at the end of the test.
+struct temp_dir {
+  temp_dir() {
+    char tmpl[] = "/tmp/dfa-opt-XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~temp_dir() { fs::remove_all(path); }
+  std::string path;
+};
+
+// Device memory for the model's BF16 params and gradients, from its own manager.
+struct device_buffers {
+  explicit device_buffers(std::shared_ptr<driver> d) : s(std::move(d)) {}
+  void* alloc(std::size_t bytes) {
+    auto id = s.mgr->reserve(bytes);
+    s.mgr->materialize(id, 0, whole, fill_mode::zero);
+    return s.mgr->address(id);
+  }
+  stack s;
+};
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<std::uint16_t> v(n);
+  for (auto& x : v) x = optim::detail::to_bf16(nd(rng));
+  return v;
+}
+
+struct problem {
+  std::vector<std::size_t> sizes;
+  std::size_t window;
+  int steps = 10;
+  std::vector<std::vector<std::uint16_t>> params;             // initial BF16 params
+  std::vector<std::vector<std::vector<std::uint16_t>>> grads;  // [step][shard]
+  adamw_params hyper{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+  float scale(int step) const { return step % 3 == 1 ? 0.5f : 1.0f; }
+};
+
+// Shard sizes in units of the granule (in floats): one larger than the window, odd tails.
+problem make_problem(std::size_t granule, int steps = 10) {
+  problem p;
+  const std::size_t base = granule / 4;
+  p.sizes = {13 * base + 1, base + base / 3 + 3, 5001};
+  p.window = 3 * 12 * granule;  // depth 3, one granule of each array per piece
+  p.steps = steps;
+  for (std::size_t s = 0; s < p.sizes.size(); ++s) p.params.push_back(random_bf16(p.sizes[s], 10 + s, 1.0f));
+  p.grads.resize(steps);
+  for (int t = 0; t < steps; ++t)
+    for (std::size_t s = 0; s < p.sizes.size(); ++s) p.grads[t].push_back(random_bf16(p.sizes[s], 1000 * t + s, 0.1f));
+  return p;
+}
+
+struct result {
+  std::vector<std::vector<float>> main, m, v;
+  std::vector<std::vector<std::uint16_t>> bf16;
+};
+
+// The model and its optimizer on one driver.
+struct run {
+  run(std::shared_ptr<driver> d, const problem& p, optimizer_config cfg) : drv(d), bufs(d), prob(p) {
+    cfg.window_bytes = p.window;
+    cfg.adamw = p.hyper;
+    opt = std::make_unique<streamed_adamw>(d, cfg);
+    for (std::size_t s = 0; s < p.sizes.size(); ++s) {
+      params.push_back(static_cast<std::uint16_t*>(bufs.alloc(p.sizes[s] * 2)));
+      grads.push_back(bufs.alloc(p.sizes[s] * 2));
+      upload(*d, params.back(), as_bytes(p.params[s]));
+      opt->add_shard(params.back(), p.sizes[s], "layer" + std::to_string(s));
+    }
+  }
+  static std::vector<std::uint8_t> as_bytes(const std::vector<std::uint16_t>& v) {
+    std::vector<std::uint8_t> b(v.size() * 2);
+    std::memcpy(b.data(), v.data(), b.size());
+    return b;
+  }
+  void load_grads(int t) {
+    for (std::size_t s = 0; s < prob.sizes.size(); ++s) upload(*drv, const_cast<void*>(grads[s]), as_bytes(prob.grads[t][s]));
+  }
+  void step(int t) {
+    load_grads(t);
+    opt->step(grads, grad_type::bf16, prob.scale(t));
+    drv->synchronize_stream(nullptr);
+  }
+  result state() {
+    result r;
+    for (std::size_t s = 0; s < prob.sizes.size(); ++s) {
+      const std::size_t n = prob.sizes[s];
+      r.main.emplace_back(n, -1.0f);
+      r.m.emplace_back(n, -1.0f);
+      r.v.emplace_back(n, -1.0f);
+      opt->read_state(s, r.main.back().data(), r.m.back().data(), r.v.back().data());
+      auto raw = download(*drv, params[s], n * 2);
+      r.bf16.emplace_back(n);
+      std::memcpy(r.bf16.back().data(), raw.data(), n * 2);
+    }
+    return r;
+  }
+  std::shared_ptr<driver> drv;
+  device_buffers bufs;
+  const problem& prob;
+  std::unique_ptr<streamed_adamw> opt;
+  std::vector<std::uint16_t*> params;
+  std::vector<const void*> grads;
+};
+
+optimizer_config config_for(tier t, const std::string& dir = {}) {
+  optimizer_config c;
+  c.home = t;
+  c.directory = dir;
+  c.io_threads = 3;
+  c.io_request_bytes = 64 << 10;
+  return c;
+}
+
+void expect_same(const result& a, const result& b, const std::string& what) {
+  for (std::size_t s = 0; s < a.main.size(); ++s) {
+    EXPECT_EQ(std::memcmp(a.main[s].data(), b.main[s].data(), a.main[s].size() * 4), 0) << what << ": main, shard " << s;
+    EXPECT_EQ(std::memcmp(a.m[s].data(), b.m[s].data(), a.m[s].size() * 4), 0) << what << ": exp_avg, shard " << s;
+    EXPECT_EQ(std::memcmp(a.v[s].data(), b.v[s].data(), a.v[s].size() * 4), 0) << what << ": exp_avg_sq, shard " << s;
+    EXPECT_EQ(a.bf16[s], b.bf16[s]) << what << ": bf16 params, shard " << s;
+  }
+}
+
+// The CPU twin (same per-element arithmetic) in float, and a reference in double.
+result cpu_twin(const problem& p, int steps) {
+  result r;
+  for (std::size_t s = 0; s < p.sizes.size(); ++s) {
+    r.main.emplace_back(p.sizes[s]);
+    for (std::size_t i = 0; i < p.sizes[s]; ++i) r.main[s][i] = optim::detail::from_bf16(p.params[s][i]);
+    r.m.emplace_back(p.sizes[s], 0.0f);
+    r.v.emplace_back(p.sizes[s], 0.0f);
+    r.bf16.push_back(p.params[s]);
+  }
+  for (int t = 0; t < steps; ++t) {
+    const auto& h = p.hyper;
+    optim::detail::adamw_scalars k{};
+    k.lr_wd = h.lr * h.weight_decay;
+    k.beta1 = h.beta1, k.one_minus_beta1 = 1.0f - h.beta1, k.beta2 = h.beta2, k.one_minus_beta2 = 1.0f - h.beta2;
+    k.step_size = static_cast<float>(h.lr / (1.0 - std::pow(double(h.beta1), t + 1.0)));
+    k.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double(h.beta2), t + 1.0)));
+    k.eps = h.eps, k.grad_scale = p.scale(t);
+    for (std::size_t s = 0; s < p.sizes.size(); ++s)
+      for (std::size_t i = 0; i < p.sizes[s]; ++i)
+        r.bf16[s][i] = optim::detail::adamw_element(r.main[s][i], r.m[s][i], r.v[s][i],
+                                                    optim::detail::from_bf16(p.grads[t][s][i]), k);
+  }
+  return r;
+}
+
+double rel_error_vs_double(const problem& p, const result& got) {
+  double num = 0, den = 0;
+  for (std::size_t s = 0; s < p.sizes.size(); ++s)
+    for (std::size_t i = 0; i < p.sizes[s]; ++i) {
+      double x = optim::detail::from_bf16(p.params[s][i]), m = 0, v = 0;
+      const auto& h = p.hyper;
+      for (int t = 0; t < p.steps; ++t) {
+        const double g = double(optim::detail::from_bf16(p.grads[t][s][i])) * p.scale(t);
+        x -= double(h.lr) * h.weight_decay * x;
+        m = h.beta1 * m + (1.0 - h.beta1) * g;
+        v = h.beta2 * v + (1.0 - h.beta2) * g * g;
+        const double bc1 = 1.0 - std::pow(double(h.beta1), t + 1.0), bc2 = 1.0 - std::pow(double(h.beta2), t + 1.0);
+        x -= (h.lr / bc1) * m / (std::sqrt(v) / std::sqrt(bc2) + h.eps);
+      }
+      num += (got.main[s][i] - x) * (got.main[s][i] - x);
+      den += x * x;
+    }
+  return std::sqrt(num / den);
+}
+
+}  // namespace
+
+TEST(optimizer, tiers_agree_bit_for_bit_and_match_the_references) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity());
+  temp_dir dir;
+  std::vector<result> results;
+  for (tier t : {tier::device, tier::host, tier::file}) {
+    run r(d, p, config_for(t, dir.path));
+    r.opt->initialize();
+    for (int s = 0; s < p.steps; ++s) r.step(s);
+    EXPECT_EQ(r.opt->steps(), static_cast<std::uint64_t>(p.steps));
+    results.push_back(r.state());
+  }
+  expect_same(results[0], results[1], "device vs host tier");
+  expect_same(results[0], results[2], "device vs file tier");
+  expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
+  const double err = rel_error_vs_double(p, results[0]);
+  std::printf("relative error of main params against the double reference after %d steps: %.3g\n", p.steps, err);
+  EXPECT_LT(err, 1e-6);
+}
+
+TEST(optimizer, peak_physical_memory_stays_under_the_window_and_addresses_are_stable) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 3);
+  std::size_t free0 = 0, worst = 0;
+  optimizer_config cfg = config_for(tier::host);
+  cfg.on_progress = [&](const progress&) { worst = std::max(worst, free0 - d->get_memory_info().free_bytes); };
+  run r(d, p, cfg);
+  free0 = d->get_memory_info().free_bytes;
+  float* const main0 = r.opt->shards()[0].main_param;
+  r.opt->initialize();
+  for (int s = 0; s < p.steps; ++s) {
+    r.step(s);
+    EXPECT_EQ(r.opt->shards()[0].main_param, main0);
+    EXPECT_EQ(r.opt->reservations().stats().backed_bytes, 0u) << "state left backed between steps";
+    EXPECT_LE(r.opt->last_report().peak_backed_bytes, p.window);
+  }
+  std::printf("window %zu bytes, worst sampled use %zu bytes, piece %zu elements\n", p.window, worst,
+              r.opt->piece_elements());
+  EXPECT_GT(worst, 0u);
+  EXPECT_LE(worst, p.window + d->granularity());
+}
+
+TEST(optimizer, never_written_moments_are_not_copied) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 2);
+  run r(d, p, config_for(tier::host));
+  std::size_t params = 0;
+  for (auto n : p.sizes) params += n;
+  r.opt->initialize();
+  EXPECT_EQ(r.opt->last_report().bytes_to_device, 0u);
+  EXPECT_EQ(r.opt->last_report().bytes_from_device, params * 4);
+  r.step(0);
+  EXPECT_EQ(r.opt->last_report().bytes_to_device, params * 4) << "first step must read only the main params";
+  EXPECT_EQ(r.opt->last_report().bytes_from_device, params * 12);
+  r.step(1);
+  EXPECT_EQ(r.opt->last_report().bytes_to_device, params * 12);
+}
+
+// I/O faults at every request of a step leave the previous step intact and loadable.
+TEST(optimizer, file_tier_faults_keep_the_previous_step) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 3);
+  const result expect2 = cpu_twin(p, 2), expect3 = cpu_twin(p, 3);
+  using fk = optim::detail::file_store::fault_kind;
+  using fo = optim::detail::file_store::fault_op;
+  struct fault {
+    fo op;
+    fk kind;
+    const char* name;
+  };
+  const fault faults[] = {{fo::read, fk::eio, "EIO on read"},
+                          {fo::read, fk::short_read, "short read"},
+                          {fo::write, fk::enospc, "ENOSPC on write"},
+                          {fo::write, fk::eio, "EIO on write"},
+                          {fo::commit, fk::eio, "failed commit"}};
+  int injected = 0;
+  for (const auto& f : faults) {
+    for (std::uint64_t nth : {1, 3, 7, 1000}) {
+      if (f.op == fo::commit && nth > 1) break;
+      temp_dir dir;
+      run r(d, p, config_for(tier::file, dir.path));
+      r.opt->initialize();
+      r.step(0);
+      r.step(1);
+      optim::detail::inject_file_fault(*r.opt, static_cast<int>(f.op), static_cast<int>(f.kind), nth);
+      r.load_grads(2);
+      bool threw = false;
+      try {
+        r.opt->step(r.grads, grad_type::bf16, p.scale(2));
+      } catch (const io_error& e) {
+        threw = true;
+        const std::string w = e.what();
+        if (f.op != fo::commit) EXPECT_NE(w.find("shard"), std::string::npos) << w;
+        EXPECT_NE(w.find(dir.path), std::string::npos) << w;
+      }
+      d->synchronize_stream(nullptr);
+      const std::string where = std::string(f.name) + " at request " + std::to_string(nth);
+      if (!threw) {
+        EXPECT_EQ(nth, 1000u) << where << ": the fault did not surface";
+        expect_same(r.state(), expect3, where + " (no fault reached)");
+        continue;
+      }
+      ++injected;
+      EXPECT_EQ(r.opt->steps(), 2u) << where;
+      expect_same(r.state(), expect2, where + ": previous step");
+      r.step(2);
+      expect_same(r.state(), expect3, where + ": the step after the fault");
+    }
+  }
+  EXPECT_GE(injected, 9);
+}
+
+// Out of memory at every driver call of a step (file tier): previous step intact.
+TEST(optimizer, out_of_memory_during_a_step_keeps_the_previous_step) {
+  auto inner = make_driver();
+  const problem p = make_problem(inner->granularity(), 3);
+  const result expect2 = cpu_twin(p, 2), expect3 = cpu_twin(p, 3);
+  int injected = 0;
+  for (primitive prim : {primitive::create, primitive::map, primitive::set_access}) {
+    for (std::uint64_t nth : {1, 2, 5, 9}) {
+      auto f = std::make_shared<fault_driver>(make_driver());
+      temp_dir dir;
+      run r(f, p, config_for(tier::file, dir.path));
+      r.opt->initialize();
+      r.step(0);
+      r.step(1);
+      r.opt->reservations().pool().trim();  // so that create is called again
+      f->fail_nth(prim, nth);
+      r.load_grads(2);
+      bool threw = false;
+      try {
+        r.opt->step(r.grads, grad_type::bf16, p.scale(2));
+      } catch (const error& e) {
+        threw = true;
+        EXPECT_NE(std::string(e.what()).find("shard"), std::string::npos) << e.what();
+      }
+      f->clear();
+      const std::string where = std::string(to_string(prim)) + " fault at call " + std::to_string(nth);
+      if (!threw) {
+        expect_same(r.state(), expect3, where + " (absorbed or not reached)");
+        continue;
+      }
+      ++injected;
+      expect_same(r.state(), expect2, where + ": previous step");
+      r.step(2);
+      expect_same(r.state(), expect3, where + ": the step after the fault");
+    }
+  }
+  EXPECT_GT(injected, 3);
+}
+
+// Host tier: in place; a failed step retried with the same gradients completes exactly.
+TEST(optimizer, host_tier_step_retried_after_a_fault_completes_exactly) {
+  auto f = std::make_shared<fault_driver>(make_driver());
+  const problem p = make_problem(f->granularity(), 2);
+  run r(f, p, config_for(tier::host));
+  r.opt->initialize();
+  r.step(0);
+  // Three maps per piece (one chunk per array), the first three pieces mapped up front:
+  // the 13th map is piece 4's, after pieces 0 and 1 were written back in place.
+  f->fail_nth(primitive::map, 13);
+  r.load_grads(1);
+  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+  EXPECT_EQ(f->fired(), 1u);
+  EXPECT_EQ(r.opt->steps(), 1u);
+  // In place: the pieces written back before the fault already hold step 2's values.
+  std::vector<float> main0(p.sizes[0]);
+  r.opt->read_state(0, main0.data(), nullptr, nullptr);
+  const result one = cpu_twin(p, 1), two = cpu_twin(p, 2);
+  EXPECT_EQ(std::memcmp(main0.data(), two.main[0].data(), 4 * r.opt->piece_elements()), 0);
+  EXPECT_NE(std::memcmp(main0.data(), one.main[0].data(), 4 * r.opt->piece_elements()), 0);
+  r.opt->step(r.grads, grad_type::bf16, p.scale(1));
+  f->synchronize_stream(nullptr);
+  expect_same(r.state(), two, "retried step");
+}
+
+TEST(optimizer, checkpoint_continues_bit_identically_and_refuses_corruption) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 6);
+  temp_dir dir, ck;
+  run a(d, p, config_for(tier::host));
+  a.opt->initialize();
+  for (int s = 0; s < 3; ++s) a.step(s);
+  a.opt->save_checkpoint(ck.path);
+  for (int s = 3; s < 6; ++s) a.step(s);
+  const result uninterrupted = a.state();
+
+  // Loaded into another tier, at another address, continues exactly.
+  run b(d, p, config_for(tier::file, dir.path));
+  b.opt->initialize();
+  b.opt->load_checkpoint(ck.path);
+  EXPECT_EQ(b.opt->steps(), 3u);
+  for (int s = 3; s < 6; ++s) b.step(s);
+  expect_same(b.state(), uninterrupted, "checkpoint at step 3, continued to 6");
+
+  // A flipped byte is refused and changes nothing.
+  const result before = b.state();
+  {
+    std::fstream f(ck.path + "/shard-1.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1234);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(1234);
+    c ^= 0x10;
+    f.write(&c, 1);
+  }
+  EXPECT_THROW(b.opt->load_checkpoint(ck.path), corrupt_data);
+  expect_same(b.state(), before, "after a refused load");
+  EXPECT_EQ(b.opt->steps(), 6u);
+
+  // Another layout is refused with a clear message.
+  problem q = p;
+  q.sizes[1] += 1;
+  q.params[1].push_back(0);
+  for (auto& g : q.grads) g[1].push_back(0);
+  run c(d, q, config_for(tier::host));
+  c.opt->initialize();
+  try {
+    c.opt->load_checkpoint(ck.path);
+    FAIL() << "a mismatched layout was loaded";
+  } catch (const corrupt_data& e) {
+    EXPECT_NE(std::string(e.what()).find("layout mismatch"), std::string::npos) << e.what();
+  }
+}
+
+// A process killed in the middle of a step resumes from the last committed step.
+TEST(optimizer, file_tier_resumes_after_a_crash) {
+  if (driver_name() != "host") GTEST_SKIP() << "fork() with a CUDA context is not supported; runs on the host driver";
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 3);
+  temp_dir dir;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    run r(d, p, config_for(tier::file, dir.path));
+    r.opt->initialize();
+    r.step(0);
+    r.step(1);
+    optim::detail::inject_file_fault(*r.opt, static_cast<int>(optim::detail::file_store::fault_op::write),
+                                     static_cast<int>(optim::detail::file_store::fault_kind::crash), 5);
+    r.step(2);
+    ::_exit(0);  // not reached: the fault kills the process mid-step
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 86) << "the child was not killed mid-step";
+  optimizer_config cfg = config_for(tier::file, dir.path);
+  cfg.resume = true;
+  run r(d, p, cfg);
+  r.opt->sync_model_params();
+  d->synchronize_stream(nullptr);
+  EXPECT_TRUE(r.opt->resumed());
+  EXPECT_EQ(r.opt->steps(), 2u);
+  expect_same(r.state(), cpu_twin(p, 2), "resumed state");
+  EXPECT_THROW(r.opt->initialize(), invalid_state);
+  r.step(2);
+  expect_same(r.state(), cpu_twin(p, 3), "step after the resume");
+}
+
+TEST(optimizer, bad_input) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 1);
+  optimizer_config bad = config_for(tier::file, "");
+  EXPECT_THROW(streamed_adamw(d, bad), invalid_argument);
+  optimizer_config small = config_for(tier::host);
+  small.window_bytes = d->granularity();
+  EXPECT_THROW(streamed_adamw(d, small), invalid_argument);
+  EXPECT_THROW(parse_tier("disk"), invalid_argument);
+  run r(d, p, config_for(tier::host));
+  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16), invalid_state) << "step before initialize";
+  EXPECT_THROW(r.opt->add_shard(nullptr, 10), invalid_argument);
+  EXPECT_THROW(r.opt->add_shard(r.params[0], 0), invalid_argument);
+  r.opt->initialize();
+  EXPECT_THROW(r.opt->initialize(), invalid_state);
+  EXPECT_THROW(r.opt->add_shard(r.params[0], 10), invalid_state);
+  std::vector<const void*> few(r.grads.begin(), r.grads.end() - 1);
+  EXPECT_THROW(r.opt->step(few, grad_type::bf16), invalid_argument);
+  std::vector<const void*> with_null = r.grads;
+  with_null[1] = nullptr;
+  EXPECT_THROW(r.opt->step(with_null, grad_type::bf16), invalid_argument);
+  EXPECT_EQ(r.opt->steps(), 0u);
+}
