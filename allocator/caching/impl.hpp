@@ -1,0 +1,453 @@
+// The caching allocator's state and its internal operations, shared by
+// caching_allocator.cpp (allocate, free, cache) and caching_tags.cpp (tags, stats).
+// See Note [Caching allocator] in allocator/caching_allocator.cpp.
+#pragma once
+#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/errors.hpp>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "caching/state.hpp"
+#include "log.hpp"
+
+namespace deferalloc {
+namespace detail {
+
+inline constexpr std::size_t k_max_request = std::size_t{1} << 46;  // 64 TiB
+
+inline std::string hex(std::uintptr_t p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
+  return buf;
+}
+
+/// The tagged regions of this thread: (allocator, tag), innermost last.
+inline thread_local std::vector<std::pair<const void*, std::string>> t_regions;
+
+inline const std::string* innermost(const void* owner) {
+  for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
+    if (it->first == owner) return &it->second;
+  return nullptr;
+}
+
+inline void erase_regions_of(const void* owner) noexcept {
+  std::erase_if(t_regions, [&](const auto& r) { return r.first == owner; });
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+struct caching_allocator::impl {
+  impl(reservation_manager& m, const caching_allocator_config& c) : mgr(m), drv(m.drv()), cfg(c) {}
+
+  reservation_manager& mgr;
+  driver& drv;
+  caching_allocator_config cfg;
+  std::size_t g = 0;
+  std::size_t total = 0;
+  std::size_t limit = 0;
+  std::size_t segment_reserve = 0;
+
+  mutable std::mutex mu;
+  std::vector<std::unique_ptr<stream_state>> streams;
+  stream_state* last_stream = nullptr;
+  stream_state fresh;
+  group small_grp, large_grp;
+  std::vector<std::unique_ptr<tag_state>> tags;
+  ptr_map allocated;
+  std::vector<block*> spare;
+  struct pending_free {
+    block* b;
+    std::vector<event_t> events;
+  };
+  std::vector<pending_free> pending;
+  std::vector<event_t> free_events;
+  stat_set st;
+  std::size_t reserved = 0;  // backed bytes of our segments
+
+  // ---- small helpers ----
+  block* new_block() {
+    if (!spare.empty()) {
+      block* b = spare.back();
+      spare.pop_back();
+      *b = block{};
+      return b;
+    }
+    return new block{};
+  }
+  void recycle(block* b) noexcept {
+    delete b->users;
+    b->users = nullptr;
+    try {
+      spare.push_back(b);
+    } catch (...) {
+      delete b;
+    }
+  }
+  stream_state* state_of(stream_t s) {
+    if (last_stream != nullptr && last_stream->stream == s) return last_stream;
+    for (auto& p : streams)
+      if (p->stream == s) return last_stream = p.get();
+    streams.push_back(std::make_unique<stream_state>());
+    streams.back()->stream = s;
+    return last_stream = streams.back().get();
+  }
+  event_t take_event() {
+    if (!free_events.empty()) {
+      event_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    return drv.create_event();
+  }
+  void give_event(event_t e) noexcept {
+    try {
+      free_events.push_back(e);
+    } catch (...) {
+      drv.destroy_event(e);
+    }
+  }
+  tag_state* find_tag(std::string_view name) const {
+    for (auto& t : tags)
+      if (t->name == name) return t.get();
+    return nullptr;
+  }
+  std::size_t first_granule(const block* b) const { return (b->addr - b->seg->base) / g; }
+  std::size_t end_granule(const block* b) const { return (b->addr + b->size - b->seg->base + g - 1) / g; }
+  void seg_use(segment* s, stream_t stream) {
+    for (stream_t x : s->streams)
+      if (x == stream) return;
+    mgr.record_stream(s->id, stream);
+    s->streams.push_back(stream);
+  }
+
+  // ---- segments and blocks ----
+  segment& add_segment(group& grp, std::size_t min_bytes) {
+    const std::size_t bytes = std::max(segment_reserve, (min_bytes + g - 1) / g * g);
+    auto seg = std::make_unique<segment>();
+    seg->id = mgr.reserve(bytes);  // address space only; throws out_of_memory
+    try {
+      seg->base = reinterpret_cast<std::uintptr_t>(mgr.address(seg->id));
+      seg->size = bytes;
+      seg->backed.assign(bytes / g, 0);
+      seg->grp = &grp;
+      block* b = new_block();
+      b->addr = seg->base;
+      b->size = bytes;
+      b->seg = seg.get();
+      b->owner = &fresh;
+      seg->first = b;
+      grp.bins_of(&fresh).b.insert(b);
+      grp.segments.push_back(std::move(seg));
+    } catch (...) {
+      if (seg->first != nullptr) {
+        grp.bins_of(&fresh).b.remove(seg->first);
+        recycle(seg->first);
+      }
+      mgr.free(seg->id);
+      throw;
+    }
+    stat_set::add(st.segment, grp.small, 1);
+    return *grp.segments.back();
+  }
+
+  // Cuts `b` (detached from the bins) to `size`; the rest goes to `home` with b's owner.
+  void split(block* b, std::size_t size, owner_bins& home) {
+    if (b->size - size < k_block_unit) return;
+    block* r = new_block();
+    r->addr = b->addr + size;
+    r->size = b->size - size;
+    r->seg = b->seg;
+    r->owner = b->owner;
+    r->free_gen = b->free_gen;
+    r->prev = b;
+    r->next = b->next;
+    if (b->next != nullptr) b->next->prev = r;
+    b->next = r;
+    b->size = size;
+    home.b.insert(r);
+  }
+
+  // Refreshes a stream's lazy free event; records one when frees are not yet covered.
+  void poll(stream_state* s) {
+    if (s->event != nullptr && drv.query(s->event)) {
+      s->safe_gen = std::max(s->safe_gen, s->event_gen + 1);
+      give_event(s->event);
+      s->event = nullptr;
+    }
+    if (s->event == nullptr && s->dirty) {
+      event_t e = take_event();
+      try {
+        drv.record(e, s->stream);
+      } catch (...) {
+        give_event(e);
+        throw;
+      }
+      s->event = e;
+      s->event_gen = s->gen++;
+      s->dirty = false;
+      if (drv.query(e)) {  // the host driver completes at once
+        s->safe_gen = s->event_gen + 1;
+        give_event(e);
+        s->event = nullptr;
+      }
+    }
+  }
+
+  block* find_eligible(owner_bins& ob, std::size_t size) {
+    int c = bins::class_down(size);
+    int checked = 0;
+    while ((c = ob.b.first_at_least(c)) >= 0 && checked < 256) {
+      for (block* b = ob.b.head(c); b != nullptr && checked < 256; b = b->free_next, ++checked)
+        if (b->size >= size && b->free_gen < ob.st->safe_gen) return b;
+      ++c;
+    }
+    return nullptr;
+  }
+
+  // A detached block of at least `size` for stream `s` in `grp`.
+  block* take(group& grp, stream_state* s, std::size_t size) {
+    owner_bins& own = grp.bins_of(s);
+    if (block* b = own.b.find(size)) {
+      own.b.remove(b);
+      split(b, size, own);
+      return b;
+    }
+    for (std::size_t i = 0; i < grp.owners.size(); ++i) {
+      owner_bins& ob = *grp.owners[i];
+      if (ob.st == s || ob.st->fresh || ob.b.empty()) continue;
+      poll(ob.st);
+      if (block* b = find_eligible(ob, size)) {
+        ob.b.remove(b);
+        split(b, size, ob);
+        return b;
+      }
+    }
+    owner_bins& fr = grp.bins_of(&fresh);
+    block* b = fr.b.find(size);
+    if (b == nullptr) {
+      add_segment(grp, size);
+      b = fr.b.find(size);
+    }
+    fr.b.remove(b);
+    split(b, size, fr);
+    return b;
+  }
+
+  // Materializes the unbacked granules under `b`.  @throws out_of_memory
+  void ensure_backed(block* b, stream_t stream) {
+    segment& s = *b->seg;
+    const std::size_t first = first_granule(b), end = end_granule(b);
+    std::size_t missing = 0;
+    for (std::size_t i = first; i < end; ++i) missing += s.backed[i] == 0;
+    if (missing == 0) return;
+    if (reserved + missing * g > limit)
+      throw out_of_memory("memory fraction " + std::to_string(cfg.memory_fraction) + " allows " +
+                          std::to_string(limit) + " bytes, " + std::to_string(reserved) + " are backed");
+    std::vector<range> runs;
+    for (std::size_t i = first; i < end; ++i) {
+      if (s.backed[i]) continue;
+      if (!runs.empty() && runs.back().offset + runs.back().length == i * g) runs.back().length += g;
+      else runs.push_back({s.id, i * g, g});
+    }
+    mgr.materialize(runs, fill_mode::undefined, stream);
+    for (std::size_t i = first; i < end; ++i) s.backed[i] = 1;
+    note_backed(*s.grp, static_cast<std::int64_t>(missing * g));
+    st.num_device_alloc += static_cast<std::int64_t>(runs.size());
+  }
+  void note_backed(group& grp, std::int64_t bytes) {
+    reserved = static_cast<std::size_t>(static_cast<std::int64_t>(reserved) + bytes);
+    if (bytes > 0) stat_set::add(st.reserved_bytes, grp.small, bytes);
+    else stat_set::sub(st.reserved_bytes, grp.small, -bytes);
+  }
+
+  // Puts a detached or freed block into its owner's bins, coalescing.
+  void free_block(block* b) {
+    b->allocated = false;
+    b->pending = false;
+    b->resident = false;
+    delete b->users;
+    b->users = nullptr;
+    b->free_gen = b->owner->gen;
+    b->owner->dirty = true;
+    owner_bins& ob = b->seg->grp->bins_of(b->owner);
+    auto mergeable = [&](block* n) { return n != nullptr && n->bin >= 0 && n->owner == b->owner; };
+    if (mergeable(b->prev)) {
+      block* p = b->prev;
+      ob.b.remove(p);
+      p->size += b->size;
+      p->next = b->next;
+      if (b->next != nullptr) b->next->prev = p;
+      p->free_gen = std::max(p->free_gen, b->free_gen);
+      recycle(b);
+      b = p;
+    }
+    if (mergeable(b->next)) {
+      block* n = b->next;
+      ob.b.remove(n);
+      b->size += n->size;
+      b->next = n->next;
+      if (n->next != nullptr) n->next->prev = b;
+      b->free_gen = std::max(b->free_gen, n->free_gen);
+      recycle(n);
+    }
+    ob.b.insert(b);
+  }
+
+  void finish_free(block* b) {
+    stat_set::sub(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
+    stat_set::sub(st.active, b->small, 1);
+    free_block(b);
+  }
+
+  void process_pending(bool wait) {
+    for (std::size_t i = 0; i < pending.size();) {
+      auto& pf = pending[i];
+      bool done = true;
+      for (event_t e : pf.events) {
+        if (wait) drv.synchronize(e);
+        else if (!drv.query(e)) {
+          done = false;
+          break;
+        }
+      }
+      if (!done) {
+        ++i;
+        continue;
+      }
+      for (event_t e : pf.events) give_event(e);
+      block* b = pf.b;
+      pending[i] = std::move(pending.back());
+      pending.pop_back();
+      finish_free(b);
+    }
+  }
+
+  // Waits for every pending free and every stream's lazy event: all free blocks
+  // become free for any stream.
+  void sync_all() {
+    process_pending(true);
+    for (auto& s : streams) {
+      poll(s.get());
+      if (s->event != nullptr) {
+        drv.synchronize(s->event);
+        poll(s.get());
+      }
+    }
+    ++st.num_sync_all_streams;
+  }
+
+  // Releases the backed granules of `seg` that no allocated or pending block touches
+  // (and, for `keep_ranges`, those that hold allocated non-resident blocks).
+  struct granule_plan {
+    std::vector<range> free_runs, used_runs;
+  };
+  granule_plan plan(segment& s) const {
+    std::vector<std::uint8_t> use(s.backed.size(), 0);  // 1 used, 2 resident
+    for (block* b = s.first; b != nullptr; b = b->next) {
+      if (b->bin >= 0) continue;
+      const std::uint8_t v = b->resident ? 2 : 1;
+      for (std::size_t i = first_granule(b); i < end_granule(b); ++i) use[i] = std::max(use[i], v);
+    }
+    granule_plan p;
+    auto add = [&](std::vector<range>& rs, std::size_t i) {
+      if (!rs.empty() && rs.back().offset + rs.back().length == i * g) rs.back().length += g;
+      else rs.push_back({s.id, i * g, g});
+    };
+    for (std::size_t i = 0; i < use.size(); ++i) {
+      if (!s.backed[i]) continue;
+      if (use[i] == 0) add(p.free_runs, i);
+      else if (use[i] == 1) add(p.used_runs, i);
+    }
+    return p;
+  }
+  void mark_unbacked(segment& s, const std::vector<range>& rs) {
+    std::int64_t bytes = 0;
+    for (const range& r : rs)
+      for (std::size_t i = r.offset / g; i < (r.offset + r.length) / g; ++i) {
+        s.backed[i] = 0;
+        bytes += static_cast<std::int64_t>(g);
+      }
+    if (bytes != 0) {
+      note_backed(*s.grp, -bytes);
+      st.num_device_free += static_cast<std::int64_t>(rs.size());
+    }
+    s.streams.clear();  // the manager forgets streams of fully released reservations
+  }
+
+  // Releases every free granule of the groups that are not paused.  Never throws:
+  // a segment whose release fails keeps its granules (logged).
+  std::size_t release_free_granules() {
+    std::size_t bytes = 0;
+    auto run = [&](group& grp) {
+      if (grp.tag != nullptr && grp.tag->paused) return;
+      for (auto& s : grp.segments) {
+        granule_plan p = plan(*s);
+        if (p.free_runs.empty()) continue;
+        try {
+          mgr.release(p.free_runs, keep_mode::discard, nullptr);
+          for (const range& r : p.free_runs) bytes += r.length;
+          mark_unbacked(*s, p.free_runs);
+        } catch (const std::exception& e) {
+          detail::log(log_level::warn, std::string("caching_allocator: releasing cached granules: ") + e.what());
+        }
+      }
+    };
+    run(small_grp);
+    run(large_grp);
+    for (auto& t : tags) run(*t->grp);
+    return bytes;
+  }
+
+  std::size_t free_cached() {
+    try {
+      sync_all();
+    } catch (const std::exception& e) {
+      detail::log(log_level::warn, std::string("caching_allocator: waiting for pending frees: ") + e.what());
+    }
+    release_free_granules();
+    return mgr.pool().trim(0);
+  }
+
+  block* find_containing(std::uintptr_t p) const {
+    if (block* b = allocated.find(p)) return b;
+    auto look = [&](const group& grp) -> block* {
+      for (auto& s : grp.segments) {
+        if (p < s->base || p >= s->base + s->size) continue;
+        for (block* b = s->first; b != nullptr; b = b->next)
+          if (p >= b->addr && p < b->addr + b->size) return b->allocated ? b : nullptr;
+      }
+      return nullptr;
+    };
+    if (block* b = look(small_grp)) return b;
+    if (block* b = look(large_grp)) return b;
+    for (auto& t : tags)
+      if (block* b = look(*t->grp)) return b;
+    return nullptr;
+  }
+
+  void free_group(group& grp) noexcept {
+    for (auto& s : grp.segments) {
+      for (block* b = s->first; b != nullptr;) {
+        block* n = b->next;
+        delete b->users;
+        delete b;
+        b = n;
+      }
+      try {
+        mgr.free(s->id);
+      } catch (const std::exception& e) {
+        detail::log(log_level::error, std::string("caching_allocator: freeing a segment: ") + e.what());
+      }
+    }
+    grp.segments.clear();
+  }
+};
+
+}  // namespace deferalloc

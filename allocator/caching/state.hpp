@@ -1,0 +1,103 @@
+// Internal state of the caching allocator, shared by its source files.
+#pragma once
+#include <deferalloc/caching_allocator.hpp>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "caching/blocks.hpp"
+
+namespace deferalloc::detail {
+
+/// Per stream: the generation counter behind lazy free events.
+/// See Note [Cross-stream reuse] in caching_allocator.cpp.
+struct stream_state {
+  stream_t stream = nullptr;
+  bool fresh = false;            // the pseudo-owner of never-used address space
+  std::uint64_t gen = 1;         // frees stamp it into block::free_gen
+  std::uint64_t safe_gen = 0;    // blocks with free_gen < safe_gen are free for any stream
+  bool dirty = false;            // a block was freed since the last event was recorded
+  event_t event = nullptr;       // outstanding event, recorded after frees of gen <= event_gen
+  std::uint64_t event_gen = 0;
+};
+
+struct group;
+
+struct segment {
+  reservation_id id = 0;
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  std::vector<std::uint8_t> backed;  // per granule
+  group* grp = nullptr;
+  block* first = nullptr;
+  std::vector<stream_t> streams;     // recorded with the reservation manager
+};
+
+struct owner_bins {
+  stream_state* st = nullptr;
+  bins b;
+};
+
+struct tag_state;
+
+/// Segments whose free blocks are binned together: the small pool, the large pool,
+/// or one tag.
+struct group {
+  std::string name;
+  bool small = false;
+  tag_state* tag = nullptr;
+  std::vector<std::unique_ptr<segment>> segments;
+  std::vector<std::unique_ptr<owner_bins>> owners;
+  owner_bins* last = nullptr;
+
+  owner_bins& bins_of(stream_state* st) {
+    if (last != nullptr && last->st == st) return *last;
+    for (auto& o : owners)
+      if (o->st == st) return *(last = o.get());
+    owners.push_back(std::make_unique<owner_bins>());
+    owners.back()->st = st;
+    return *(last = owners.back().get());
+  }
+};
+
+struct tag_state {
+  std::string name;
+  std::unique_ptr<group> grp;
+  bool paused = false;
+  keep_mode keep = keep_mode::discard;
+  std::vector<range> saved;  // released at pause, backed again at resume
+};
+
+/// One statistic in PyTorch's four flavours.
+struct stat {
+  std::int64_t current = 0, peak = 0, allocated = 0, freed = 0;
+  void add(std::int64_t n) {
+    current += n;
+    allocated += n;
+    if (current > peak) peak = current;
+  }
+  void sub(std::int64_t n) {
+    current -= n;
+    freed += n;
+  }
+};
+enum stat_pool : int { pool_all = 0, pool_small = 1, pool_large = 2 };
+using stat_array = std::array<stat, 3>;
+
+struct stat_set {
+  stat_array allocation, segment, active, allocated_bytes, reserved_bytes, active_bytes, requested_bytes;
+  std::int64_t num_alloc_retries = 0, num_ooms = 0, num_sync_all_streams = 0, num_device_alloc = 0,
+               num_device_free = 0;
+  static void add(stat_array& s, bool small, std::int64_t n) {
+    s[pool_all].add(n);
+    s[small ? pool_small : pool_large].add(n);
+  }
+  static void sub(stat_array& s, bool small, std::int64_t n) {
+    s[pool_all].sub(n);
+    s[small ? pool_small : pool_large].sub(n);
+  }
+};
+
+}  // namespace deferalloc::detail

@@ -1,0 +1,260 @@
+// Note [Caching allocator]
+//
+// Rationale: PyTorch (and any process) allocates and frees millions of blocks; each
+// must cost a few tens of nanoseconds when cached, must respect stream order, and the
+// physical memory behind free blocks must be returnable (empty_cache, pause) without
+// moving the blocks that stay.
+//
+// Approach
+//  - Memory comes in segments: one reservation each (address space only, twice the
+//    device's memory by default), materialized granule by granule as blocks need it
+//    (expandable: a segment never has to be copied to grow, so large blocks do not
+//    fragment physical memory).  Groups of segments: the small pool (requests up to
+//    1 MiB), the large pool, and one group per tag, so that a tag's granules hold only
+//    its own blocks and can be released without touching anyone else's.
+//  - A segment starts as one free block owned by the "fresh" pseudo-stream.  Blocks
+//    are split on allocation (remainder >= 512 bytes) and coalesced on free with free
+//    neighbours of the same stream.  Free blocks sit in TLSF bins per (group, stream)
+//    (see caching/blocks.hpp); allocated blocks in an open-addressing map.
+//  - allocate(stream T): T's own bins (no event: stream order covers it), else a block
+//    of another stream whose free is known complete (Note [Cross-stream reuse]), else
+//    fresh address space, else a new segment.  Then the block's unbacked granules are
+//    materialized (chunks from the pool).  On out-of-memory (device, pool budget or
+//    memory fraction): wait for every pending free, release every free granule, trim
+//    the pool, retry once (num_alloc_retries); then num_ooms and out_of_memory.
+//  - deallocate: the block goes to the bins of the stream it is freed on; if
+//    record_stream added other streams, an event is recorded on each and the block
+//    waits in a pending list until they complete (checked at the next allocate).
+//  - empty_cache / pause release whole granules only: a granule is released when no
+//    allocated or pending block (of another tag: impossible by construction) overlaps
+//    it.  The reservation manager waits for the streams recorded on the segment (each
+//    stream that allocated or freed in it) before unmapping.
+//
+// Note [Cross-stream reuse]
+// Recording an event at every free would cost a microsecond per free.  Instead each
+// stream has a generation: a free stamps the current generation into the block; when
+// another stream wants that stream's blocks, one event is recorded (covering every free
+// made so far) and the generation advances; once the event has completed, blocks freed
+// before it are free for any stream.  So a block freed on S is reused by T only after an
+// event recorded on S after the free completed, and the hot path records nothing.
+//
+// Limits: one mutex per allocator; a block is never moved; granules shared by a
+// resident block and other blocks of a tag stay backed at pause; blocks of different
+// streams next to each other are not coalesced.
+#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/errors.hpp>
+
+#include <algorithm>
+
+#include "caching/impl.hpp"
+
+namespace deferalloc {
+
+// ---- construction ---------------------------------------------------------------------
+
+caching_allocator::caching_allocator(reservation_manager& mgr, caching_allocator_config cfg)
+    : mgr_(mgr), cfg_(cfg), impl_(std::make_unique<impl>(mgr, cfg)) {
+  DFA_EXPECTS(cfg.memory_fraction > 0.0 && cfg.memory_fraction <= 1.0,
+              "caching_allocator: memory_fraction must be in (0, 1], got " + std::to_string(cfg.memory_fraction));
+  DFA_EXPECTS(cfg.small_size >= k_block_unit && cfg.small_size <= (std::size_t{1} << 30),
+              "caching_allocator: small_size must be in [512 B, 1 GiB]");
+  impl& d = *impl_;
+  d.g = mgr.granularity();
+  d.total = mgr.drv().get_memory_info().total_bytes;
+  d.limit = static_cast<std::size_t>(static_cast<double>(d.total) * cfg.memory_fraction);
+  d.segment_reserve = cfg.segment_reserve != 0 ? cfg.segment_reserve : 2 * d.total;
+  d.segment_reserve = (d.segment_reserve + d.g - 1) / d.g * d.g;
+  d.fresh.fresh = true;
+  d.small_grp.name = "small";
+  d.small_grp.small = true;
+  d.large_grp.name = "large";
+}
+
+caching_allocator::~caching_allocator() {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  if (d.allocated.size() != 0)
+    detail::log(log_level::warn, "caching_allocator destroyed with " + std::to_string(d.allocated.size()) +
+                                     " blocks still allocated (their memory is released)");
+  try {
+    d.process_pending(true);
+  } catch (...) {
+  }
+  for (auto& s : d.streams)
+    if (s->event != nullptr) {
+      try {
+        d.drv.synchronize(s->event);
+      } catch (...) {
+      }
+      d.drv.destroy_event(s->event);
+    }
+  for (auto& pf : d.pending)
+    for (event_t e : pf.events) d.drv.destroy_event(e);
+  d.free_group(d.small_grp);
+  d.free_group(d.large_grp);
+  for (auto& t : d.tags) d.free_group(*t->grp);
+  for (block* b : d.spare) delete b;
+  for (event_t e : d.free_events) d.drv.destroy_event(e);
+  erase_regions_of(this);
+}
+
+// ---- allocate / deallocate ------------------------------------------------------------
+
+void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
+  DFA_EXPECTS(bytes > 0, "allocate: size is zero");
+  DFA_EXPECTS(bytes <= k_max_request, "allocate: size " + std::to_string(bytes) + " is absurd (limit 64 TiB)");
+  const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
+  impl& d = *impl_;
+  const std::string* tag = t_regions.empty() ? nullptr : innermost(this);
+  std::lock_guard lk(d.mu);
+  if (!d.pending.empty()) d.process_pending(false);
+  group* grp = size <= cfg_.small_size ? &d.small_grp : &d.large_grp;
+  if (tag != nullptr) {
+    tag_state* t = d.find_tag(*tag);
+    if (t->paused) throw invalid_state("allocate: tag '" + t->name + "' is paused; resume it before allocating in it");
+    grp = t->grp.get();
+  }
+  stream_state* s = d.state_of(stream);
+  block* b = nullptr;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      b = d.take(*grp, s, size);
+      d.ensure_backed(b, stream);
+      d.seg_use(b->seg, stream);
+      break;
+    } catch (const out_of_memory& e) {
+      if (b != nullptr) {
+        b->owner = s;
+        d.free_block(b);
+        b = nullptr;
+      }
+      if (attempt == 1) {
+        ++d.st.num_ooms;
+        throw out_of_memory(std::string("allocate ") + std::to_string(bytes) + " bytes: " + e.what() + " (" +
+                            std::to_string(d.st.allocated_bytes[pool_all].current) + " bytes allocated)");
+      }
+      ++d.st.num_alloc_retries;
+      d.free_cached();
+    } catch (...) {
+      if (b != nullptr) {
+        b->owner = s;
+        d.free_block(b);
+      }
+      throw;
+    }
+  }
+  b->allocated = true;
+  b->owner = s;
+  b->requested = bytes;
+  b->small = size <= cfg_.small_size;
+  d.allocated.insert(b->addr, b);
+  stat_set::add(d.st.allocation, b->small, 1);
+  stat_set::add(d.st.active, b->small, 1);
+  stat_set::add(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::add(d.st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::add(d.st.requested_bytes, b->small, static_cast<std::int64_t>(bytes));
+  return reinterpret_cast<void*>(b->addr);
+}
+
+void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream) {
+  impl& d = *impl_;
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard lk(d.mu);
+  block* b = d.allocated.find(p);
+  if (b == nullptr)
+    throw invalid_argument("deallocate: pointer " + hex(p) + " was not returned by this allocator (or is already freed)");
+  if (bytes != 0 && bytes != b->requested && bytes != b->size)
+    throw invalid_argument("deallocate: pointer " + hex(p) + " was allocated with " + std::to_string(b->requested) +
+                           " bytes, not " + std::to_string(bytes));
+  stream_state* s = d.state_of(stream);
+  std::vector<stream_t> others;
+  if (b->users != nullptr)
+    for (stream_t u : *b->users)
+      if (u != stream) others.push_back(u);
+  if (b->owner != s) {
+    others.push_back(b->owner->stream);
+    d.seg_use(b->seg, stream);
+  }
+  std::vector<event_t> events;
+  try {
+    for (stream_t u : others) {
+      events.push_back(d.take_event());
+      d.drv.record(events.back(), u);
+    }
+    if (!events.empty()) d.pending.reserve(d.pending.size() + 1);
+  } catch (...) {
+    for (event_t e : events) d.give_event(e);
+    throw;
+  }
+  d.allocated.erase(p);
+  stat_set::sub(d.st.allocation, b->small, 1);
+  stat_set::sub(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::sub(d.st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
+  b->owner = s;
+  b->allocated = false;
+  if (events.empty()) {
+    d.finish_free(b);
+  } else {
+    b->pending = true;
+    d.pending.push_back({b, std::move(events)});
+  }
+}
+
+void caching_allocator::record_stream(void* ptr, stream_t stream) {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  block* b = d.allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (b == nullptr) b = d.find_containing(reinterpret_cast<std::uintptr_t>(ptr));
+  if (b == nullptr)
+    throw invalid_argument("record_stream: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
+                           " is not an allocation of this allocator");
+  if (b->owner->stream == stream) return;
+  if (b->users == nullptr) b->users = new std::vector<stream_t>();
+  if (std::find(b->users->begin(), b->users->end(), stream) == b->users->end()) b->users->push_back(stream);
+  d.seg_use(b->seg, stream);
+}
+
+// ---- cache ------------------------------------------------------------------------------
+
+std::size_t caching_allocator::empty_cache() {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  return d.free_cached();
+}
+
+void caching_allocator::set_memory_fraction(double fraction) {
+  DFA_EXPECTS(fraction > 0.0 && fraction <= 1.0,
+              "set_memory_fraction: fraction must be in (0, 1], got " + std::to_string(fraction));
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  d.cfg.memory_fraction = fraction;
+  d.limit = static_cast<std::size_t>(static_cast<double>(d.total) * fraction);
+}
+
+double caching_allocator::memory_fraction() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->cfg.memory_fraction;
+}
+
+bool caching_allocator::owns(const void* ptr) const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->find_containing(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
+}
+
+void* caching_allocator::base_allocation(const void* ptr, std::size_t* size) const {
+  std::lock_guard lk(impl_->mu);
+  block* b = impl_->find_containing(reinterpret_cast<std::uintptr_t>(ptr));
+  if (b == nullptr)
+    throw invalid_argument("base_allocation: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
+                           " is not inside an allocation of this allocator");
+  if (size != nullptr) *size = b->size;
+  return reinterpret_cast<void*>(b->addr);
+}
+
+std::size_t caching_allocator::allocation_size(const void* ptr) const {
+  std::lock_guard lk(impl_->mu);
+  block* b = impl_->allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
+  return b == nullptr ? 0 : b->size;
+}
+
+}  // namespace deferalloc

@@ -1,0 +1,261 @@
+// Tags (pause/resume) and statistics of the caching allocator.
+//
+// A tag is a group of its own segments (See Note [Caching allocator]), so its granules
+// hold only its blocks.  pause: the granules that hold allocated blocks are released
+// with the caller's keep mode in one batched release (all backup copies enqueued before
+// one wait), the tag's free granules are discarded in the same step when nothing is kept
+// or just before otherwise; granules of resident blocks stay.  The released ranges are
+// remembered; resume materializes exactly them (restore or undefined) in one batched
+// call, with chunks from the pool.  Blocks freed while paused are simply free at resume.
+// Limits: a tag's memory is paused as a whole; allocating in a paused tag is an error.
+#include "caching/impl.hpp"
+
+namespace deferalloc {
+
+// ---- tagged regions -----------------------------------------------------------------------
+
+tag_scope::tag_scope(caching_allocator& a, std::string_view tag) : a_(a) { a_.begin_tag(tag); }
+
+tag_scope::~tag_scope() {
+  try {
+    a_.end_tag();
+  } catch (const std::exception& e) {
+    detail::log(log_level::error, std::string("tag_scope: ") + e.what());
+  }
+}
+
+void caching_allocator::begin_tag(std::string_view tag) {
+  DFA_EXPECTS(!tag.empty(), "begin_tag: the tag is empty");
+  DFA_EXPECTS(tag.size() <= 256, "begin_tag: the tag is longer than 256 characters");
+  impl& d = *impl_;
+  {
+    std::lock_guard lk(d.mu);
+    if (d.find_tag(tag) == nullptr) {
+      auto t = std::make_unique<tag_state>();
+      t->name = std::string(tag);
+      t->grp = std::make_unique<group>();
+      t->grp->name = t->name;
+      t->grp->tag = t.get();
+      d.tags.push_back(std::move(t));
+    }
+  }
+  t_regions.emplace_back(this, std::string(tag));
+}
+
+void caching_allocator::end_tag() {
+  for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
+    if (it->first == this) {
+      t_regions.erase(std::next(it).base());
+      return;
+    }
+  throw invalid_state("end_tag: this thread is not inside a tagged region of this allocator");
+}
+
+std::string caching_allocator::current_tag() const {
+  const std::string* t = innermost(this);
+  return t == nullptr ? std::string() : *t;
+}
+
+// ---- pause / resume -----------------------------------------------------------------------
+
+void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t stream) {
+  DFA_EXPECTS(keep == keep_mode::discard || keep == keep_mode::host, "pause: keep must be discard or host");
+  if (const std::string* in = innermost(this))
+    throw invalid_state("pause('" + std::string(tag) + "'): called inside the tagged region '" + *in +
+                        "' (leave the region first)");
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  tag_state* t = d.find_tag(tag);
+  if (t == nullptr) throw invalid_argument("pause: unknown tag '" + std::string(tag) + "'");
+  if (t->paused) throw invalid_state("pause: tag '" + t->name + "' is already paused");
+  d.process_pending(false);
+
+  struct seg_plan {
+    segment* s;
+    impl::granule_plan p;
+  };
+  std::vector<seg_plan> plans;
+  std::vector<range> free_runs, used_runs;
+  for (auto& s : t->grp->segments) {
+    plans.push_back({s.get(), d.plan(*s)});
+    free_runs.insert(free_runs.end(), plans.back().p.free_runs.begin(), plans.back().p.free_runs.end());
+    used_runs.insert(used_runs.end(), plans.back().p.used_runs.begin(), plans.back().p.used_runs.end());
+  }
+  if (keep == keep_mode::discard) {
+    std::vector<range> all = free_runs;
+    all.insert(all.end(), used_runs.begin(), used_runs.end());
+    if (!all.empty()) d.mgr.release(all, keep_mode::discard, stream);
+  } else {
+    if (!free_runs.empty()) {
+      d.mgr.release(free_runs, keep_mode::discard, stream);
+      for (auto& sp : plans) d.mark_unbacked(*sp.s, sp.p.free_runs);
+      for (auto& sp : plans) sp.p.free_runs.clear();
+    }
+    if (!used_runs.empty()) d.mgr.release(used_runs, keep_mode::host, stream);
+  }
+  for (auto& sp : plans) {
+    d.mark_unbacked(*sp.s, sp.p.free_runs);
+    d.mark_unbacked(*sp.s, sp.p.used_runs);
+  }
+  t->saved = std::move(used_runs);
+  t->keep = keep;
+  t->paused = true;
+}
+
+void caching_allocator::resume(std::string_view tag, stream_t stream) {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  tag_state* t = d.find_tag(tag);
+  if (t == nullptr) throw invalid_argument("resume: unknown tag '" + std::string(tag) + "'");
+  if (!t->paused) throw invalid_state("resume: tag '" + t->name + "' is not paused");
+  std::size_t bytes = 0;
+  for (const range& r : t->saved) bytes += r.length;
+  if (d.reserved + bytes > d.limit) d.free_cached();
+  if (d.reserved + bytes > d.limit)
+    throw out_of_memory("resume('" + t->name + "'): " + std::to_string(bytes) + " bytes would exceed the memory fraction (" +
+                        std::to_string(d.reserved) + " of " + std::to_string(d.limit) + " bytes backed)");
+  if (!t->saved.empty()) {
+    const fill_mode fill = t->keep == keep_mode::host ? fill_mode::restore : fill_mode::undefined;
+    try {
+      d.mgr.materialize(t->saved, fill, stream);
+    } catch (const out_of_memory&) {
+      ++d.st.num_alloc_retries;
+      d.free_cached();
+      d.mgr.materialize(t->saved, fill, stream);
+    }
+  }
+  for (auto& s : t->grp->segments) {
+    std::int64_t added = 0;
+    for (const range& r : t->saved) {
+      if (r.id != s->id) continue;
+      for (std::size_t i = r.offset / d.g; i < (r.offset + r.length) / d.g; ++i) {
+        s->backed[i] = 1;
+        added += static_cast<std::int64_t>(d.g);
+      }
+    }
+    if (added != 0) d.note_backed(*t->grp, added);
+    d.seg_use(s.get(), stream);
+  }
+  d.st.num_device_alloc += static_cast<std::int64_t>(t->saved.size());
+  t->saved.clear();
+  t->paused = false;
+}
+
+bool caching_allocator::is_paused(std::string_view tag) const {
+  std::lock_guard lk(impl_->mu);
+  tag_state* t = impl_->find_tag(tag);
+  if (t == nullptr) throw invalid_argument("is_paused: unknown tag '" + std::string(tag) + "'");
+  return t->paused;
+}
+
+void caching_allocator::set_resident(void* ptr, bool resident) {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  block* b = d.find_containing(reinterpret_cast<std::uintptr_t>(ptr));
+  if (b == nullptr)
+    throw invalid_argument("set_resident: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
+                           " is not an allocation of this allocator");
+  if (b->seg->grp->tag != nullptr && b->seg->grp->tag->paused)
+    throw invalid_state("set_resident: the allocation's tag '" + b->seg->grp->tag->name + "' is paused");
+  b->resident = resident;
+}
+
+std::vector<std::string> caching_allocator::tags() const {
+  std::lock_guard lk(impl_->mu);
+  std::vector<std::string> out;
+  for (auto& t : impl_->tags) out.push_back(t->name);
+  return out;
+}
+
+// ---- statistics ---------------------------------------------------------------------------
+
+std::map<std::string, std::int64_t> caching_allocator::stats() const {
+  const impl& d = *impl_;
+  std::map<std::string, std::int64_t> m;
+  std::lock_guard lk(d.mu);
+  const char* pools[3] = {"all", "small_pool", "large_pool"};
+  auto put = [&](const char* name, const stat_array& a) {
+    for (int p = 0; p < 3; ++p) {
+      const std::string k = std::string(name) + "." + pools[p] + ".";
+      m[k + "current"] = a[p].current;
+      m[k + "peak"] = a[p].peak;
+      m[k + "allocated"] = a[p].allocated;
+      m[k + "freed"] = a[p].freed;
+    }
+  };
+  put("allocation", d.st.allocation);
+  put("segment", d.st.segment);
+  put("active", d.st.active);
+  put("allocated_bytes", d.st.allocated_bytes);
+  put("reserved_bytes", d.st.reserved_bytes);
+  put("active_bytes", d.st.active_bytes);
+  put("requested_bytes", d.st.requested_bytes);
+  m["num_alloc_retries"] = d.st.num_alloc_retries;
+  m["num_ooms"] = d.st.num_ooms;
+  m["num_sync_all_streams"] = d.st.num_sync_all_streams;
+  m["num_device_alloc"] = d.st.num_device_alloc;
+  m["num_device_free"] = d.st.num_device_free;
+  m["max_split_size"] = -1;
+
+  std::int64_t address = 0, paused_tags = 0, paused_bytes = 0;
+  auto seg_bytes = [&](const group& grp) {
+    for (auto& s : grp.segments) address += static_cast<std::int64_t>(s->size);
+  };
+  seg_bytes(d.small_grp);
+  seg_bytes(d.large_grp);
+  for (auto& t : d.tags) {
+    seg_bytes(*t->grp);
+    if (t->paused) {
+      ++paused_tags;
+      for (const range& r : t->saved) paused_bytes += static_cast<std::int64_t>(r.length);
+    }
+  }
+  const reservation_stats rs = d.mgr.stats();
+  m["deferalloc.address_bytes"] = address;
+  m["deferalloc.backed_bytes"] = static_cast<std::int64_t>(d.reserved);
+  m["deferalloc.memory_limit_bytes"] = static_cast<std::int64_t>(d.limit);
+  m["deferalloc.tags"] = static_cast<std::int64_t>(d.tags.size());
+  m["deferalloc.paused_tags"] = paused_tags;
+  m["deferalloc.paused_bytes"] = paused_bytes;
+  m["deferalloc.pending_frees"] = static_cast<std::int64_t>(d.pending.size());
+  m["deferalloc.streams"] = static_cast<std::int64_t>(d.streams.size());
+  m["deferalloc.manager.reserved_bytes"] = static_cast<std::int64_t>(rs.reserved_bytes);
+  m["deferalloc.manager.backed_bytes"] = static_cast<std::int64_t>(rs.backed_bytes);
+  m["deferalloc.manager.backup_bytes"] = static_cast<std::int64_t>(rs.backup_bytes);
+  m["deferalloc.pool.alive_bytes"] = static_cast<std::int64_t>(rs.pool.alive_bytes);
+  m["deferalloc.pool.cached_bytes"] = static_cast<std::int64_t>(rs.pool.cached_bytes);
+  m["deferalloc.pool.chunks_created"] = static_cast<std::int64_t>(rs.pool.chunks_created);
+  m["deferalloc.pool.chunks_reused"] = static_cast<std::int64_t>(rs.pool.chunks_reused);
+  m["deferalloc.pinned_bytes"] = static_cast<std::int64_t>(rs.pinned.in_use_bytes + rs.pinned.cached_bytes);
+  for (int p = 0; p < primitive_count; ++p)
+    m[std::string("deferalloc.driver_calls.") + to_string(static_cast<primitive>(p))] =
+        static_cast<std::int64_t>(rs.pool.driver_calls.calls[p]);
+  return m;
+}
+
+std::int64_t caching_allocator::stat(std::string_view key) const {
+  auto m = stats();
+  auto it = m.find(std::string(key));
+  if (it == m.end()) throw invalid_argument("stat: unknown key '" + std::string(key) + "'");
+  return it->second;
+}
+
+void caching_allocator::reset_peak_stats() {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  for (stat_array* a : {&d.st.allocation, &d.st.segment, &d.st.active, &d.st.allocated_bytes, &d.st.reserved_bytes,
+                        &d.st.active_bytes, &d.st.requested_bytes})
+    for (auto& s : *a) s.peak = s.current;
+}
+
+void caching_allocator::reset_accumulated_stats() {
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  for (stat_array* a : {&d.st.allocation, &d.st.segment, &d.st.active, &d.st.allocated_bytes, &d.st.reserved_bytes,
+                        &d.st.active_bytes, &d.st.requested_bytes})
+    for (auto& s : *a) s.allocated = s.freed = 0;
+  d.st.num_alloc_retries = d.st.num_ooms = d.st.num_sync_all_streams = 0;
+  d.st.num_device_alloc = d.st.num_device_free = 0;
+}
+
+}  // namespace deferalloc

@@ -1,0 +1,151 @@
+// The caching allocator: stream-ordered malloc/free for a whole process, on top of
+// one reservation_manager (and so one chunk pool).  See Note [Caching allocator] in
+// allocator/caching_allocator.cpp.
+//
+// What it gives PyTorch (through the C ABI's dfa_malloc / dfa_free, a MemPool, full
+// replacement or LibTorch's install()):
+//  - blocks carved from a few large reservations that are materialized on demand
+//    (expandable: address space is reserved once, physical memory grows granule by
+//    granule), size classes with splitting and coalescing;
+//  - stream order: a block freed on stream S is reused at once on S, on another
+//    stream only after an event recorded on S after the free has completed;
+//  - empty_cache() really returns memory: free granules are released and the chunk
+//    pool trimmed;
+//  - tags: allocations made inside a tagged region can be paused (physical memory
+//    released, addresses kept, contents discarded or kept in a host backup) and
+//    resumed at the same addresses, chunks coming back from the pool;
+//  - statistics with PyTorch's key names.
+#pragma once
+#include <deferalloc/reservations.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace deferalloc {
+
+struct caching_allocator_config {
+  /// Requests up to this size go to the small-block segment (PyTorch's small pool).
+  std::size_t small_size = std::size_t{1} << 20;
+  /// Address space of each segment (reservation); 0 = twice the device's memory,
+  /// rounded up to the granularity.  A group that fills one gets another.
+  std::size_t segment_reserve = 0;
+  /// Fraction of the device's total memory that the allocator may keep backed
+  /// (PyTorch's set_per_process_memory_fraction), in (0, 1].
+  double memory_fraction = 1.0;
+};
+
+/// Per-thread tagged region of one allocator: allocations made on this thread while
+/// the object lives belong to `tag`.  Regions nest (the innermost wins).
+class caching_allocator;
+class DFA_API tag_scope {
+ public:
+  tag_scope(caching_allocator& a, std::string_view tag);
+  ~tag_scope();
+  tag_scope(const tag_scope&) = delete;
+  tag_scope& operator=(const tag_scope&) = delete;
+
+ private:
+  caching_allocator& a_;
+};
+
+class DFA_API caching_allocator {
+ public:
+  /// Builds an allocator on `mgr`, which must outlive it.  No driver call.
+  /// @throws invalid_argument for a bad config (fraction outside (0, 1], ...)
+  caching_allocator(reservation_manager& mgr, caching_allocator_config cfg = {});
+  /// Frees every segment (blocks still allocated are reported at log level warn).
+  ~caching_allocator();
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+
+  /// A block of at least `bytes` usable on `stream`, aligned to 512 bytes.
+  /// Cost: cached block of this stream: no driver call, one mutex; otherwise a block of
+  /// another stream whose free event completed (one event query), or new granules
+  /// (materialize: chunks from the pool, one cuMemMap per chunk, one cuMemSetAccess).
+  /// Under memory pressure: wait for pending frees, release cached granules, retry once.
+  /// @throws invalid_argument (0 or absurd size), invalid_state (the current tag is
+  ///         paused), out_of_memory (after the retry; counted in num_ooms)
+  void* allocate(std::size_t bytes, stream_t stream = nullptr);
+  /// Returns a block.  `bytes` is the size given to allocate (0: not checked); `stream`
+  /// is where its last use was ordered (it becomes the block's stream).  No driver call
+  /// unless record_stream added streams (then one event per added stream).
+  /// @throws invalid_argument for a pointer this allocator did not return (or already
+  ///         freed) or a wrong size; nothing changes then.
+  void deallocate(void* ptr, std::size_t bytes, stream_t stream = nullptr);
+  /// Notes that `stream` uses the block: its free waits for an event on `stream` too.
+  /// @throws invalid_argument for a pointer we do not own.
+  void record_stream(void* ptr, stream_t stream);
+
+  /// Releases every cached granule (free blocks only, after the streams that used them)
+  /// and trims the chunk pool, so the memory goes back to the device.  Returns the bytes
+  /// given back to the driver.  Cost: a batched release per segment, one cuMemRelease
+  /// per cached chunk.
+  std::size_t empty_cache();
+  /// @throws invalid_argument unless 0 < fraction <= 1.
+  void set_memory_fraction(double fraction);
+  double memory_fraction() const;
+
+  /// True when `ptr` points into a block this allocator handed out (allocated now).
+  bool owns(const void* ptr) const;
+  /// The start and size of the allocated block that contains `ptr`.
+  /// @throws invalid_argument when none does.
+  void* base_allocation(const void* ptr, std::size_t* size) const;
+  /// The size of the allocated block that starts at `ptr` (0 when none does).
+  std::size_t allocation_size(const void* ptr) const;
+
+  // ---- tags ----
+  /// Enters a tagged region on this thread (prefer tag_scope).  An empty tag is invalid.
+  void begin_tag(std::string_view tag);
+  /// Leaves the innermost region of this thread.  @throws invalid_state when none.
+  void end_tag();
+  /// The innermost tag of this thread ("" outside any region).
+  std::string current_tag() const;
+  /// Releases the physical memory of every allocation of `tag` (addresses stay), after
+  /// the streams that used it; keep_mode::host keeps the contents of allocated blocks
+  /// in pinned host memory (one batched release: the copies run back to back).
+  /// Free granules of the tag are discarded.  Resident allocations (set_resident) stay.
+  /// @throws invalid_argument (unknown tag), invalid_state (called inside a tagged
+  ///         region, tag already paused), out_of_memory (backup), cuda_error
+  void pause(std::string_view tag, keep_mode keep = keep_mode::discard, stream_t stream = nullptr);
+  /// Backs the tag's allocations again at the same addresses with chunks from the pool;
+  /// with the contents restored when it was paused with keep_mode::host (asynchronous,
+  /// `stream` waits for the copies), undefined otherwise.
+  /// @throws invalid_argument (unknown tag), invalid_state (not paused), out_of_memory
+  void resume(std::string_view tag, stream_t stream = nullptr);
+  bool is_paused(std::string_view tag) const;
+  /// Marks an allocation to stay backed when its tag is paused (e.g. NCCL buffers).
+  /// Granules it shares with other blocks of the tag stay backed too.
+  /// @throws invalid_argument for a pointer we do not own, invalid_state when its tag is paused
+  void set_resident(void* ptr, bool resident = true);
+  /// Known tags, in creation order.
+  std::vector<std::string> tags() const;
+
+  // ---- statistics ----
+  /// PyTorch's keys ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
+  /// "num_alloc_retries", "num_ooms", ...) plus deferalloc's ("deferalloc.*").
+  /// One mutex; no driver call.
+  std::map<std::string, std::int64_t> stats() const;
+  /// One statistic by key.  @throws invalid_argument for an unknown key.
+  std::int64_t stat(std::string_view key) const;
+  /// Peak values := current values (PyTorch's reset_peak_memory_stats).
+  void reset_peak_stats();
+  /// allocated/freed counters := 0, num_* := 0 (PyTorch's reset_accumulated_memory_stats).
+  void reset_accumulated_stats();
+
+  reservation_manager& reservations() const { return mgr_; }
+  const caching_allocator_config& config() const { return cfg_; }
+
+ private:
+  struct impl;
+  reservation_manager& mgr_;
+  caching_allocator_config cfg_;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace deferalloc

@@ -1,0 +1,345 @@
+// Caching allocator conformance (host driver everywhere, CUDA driver with label gpu):
+// stream-ordered reuse, splitting and coalescing without overlap, empty_cache really
+// returning memory, the memory fraction and OOM accounting, statistics with PyTorch's
+// keys, tags (pause/resume with and without host backup, resident blocks, pooled
+// chunks at resume) and every misuse as a typed error that changes nothing.
+#include <deferalloc/caching_allocator.hpp>
+
+#include <map>
+#include <set>
+#include <thread>
+
+#include "common.hpp"
+
+using namespace deferalloc;
+using namespace dfa_test;
+
+namespace {
+
+class caching : public ::testing::Test {
+ protected:
+  stack s{make_driver()};
+  driver& d = *s.drv;
+  std::size_t g = s.drv->granularity();
+  std::unique_ptr<caching_allocator> a = std::make_unique<caching_allocator>(*s.mgr);
+  stream_t s1 = d.create_stream();
+  stream_t s2 = d.create_stream();
+  void TearDown() override {
+    d.synchronize_stream(s1);
+    d.synchronize_stream(s2);
+    a.reset();
+    d.destroy_stream(s1);
+    d.destroy_stream(s2);
+  }
+  std::int64_t stat(const char* k) const { return a->stat(k); }
+  /// True when every granule under [p, p + n) is backed.
+  bool backed(void* p, std::size_t n) const {
+    const reservation_id id = *s.mgr->find(p);
+    const auto base = reinterpret_cast<std::uintptr_t>(s.mgr->address(id));
+    const auto q = reinterpret_cast<std::uintptr_t>(p);
+    const std::size_t off = (q - base) / g * g;
+    return s.mgr->is_backed(id, off, (q + n - base + g - 1) / g * g - off);
+  }
+};
+
+}  // namespace
+
+TEST_F(caching, freed_block_is_reused_at_once_on_its_stream) {
+  void* p = a->allocate(1000, s1);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u);
+  a->deallocate(p, 1000, s1);
+  EXPECT_EQ(a->allocate(1000, s1), p) << "a block freed on s1 must be handed out again on s1";
+  a->deallocate(p, 1000, s1);
+  void* big = a->allocate(40_MiB, s1);
+  a->deallocate(big, 40_MiB, s1);
+  EXPECT_EQ(a->allocate(40_MiB, s1), big);
+  a->deallocate(big, 0, s1);
+}
+
+TEST_F(caching, another_stream_reuses_a_block_only_after_its_free_event) {
+  void* p = a->allocate(8_MiB, s1);
+  upload(d, p, random_bytes(8_MiB, 1));
+  a->deallocate(p, 8_MiB, s1);
+  // s2 has no blocks of its own: the allocator records an event on s1 and takes s1's
+  // block once it completed, or takes fresh space; never an unfinished block.
+  void* q = a->allocate(8_MiB, s2);
+  if (q != p) {
+    d.synchronize_stream(s1);
+    a->deallocate(q, 8_MiB, s2);
+    void* r = a->allocate(8_MiB, s2);
+    EXPECT_TRUE(r == q || r == p);
+    a->deallocate(r, 8_MiB, s2);
+  } else {
+    a->deallocate(q, 8_MiB, s2);
+  }
+  if (!d.asynchronous()) {
+    // Events complete at once on the host driver: s1's block is taken, no new memory.
+    void* x = a->allocate(4_MiB, s1);
+    a->deallocate(x, 4_MiB, s1);
+    const auto reserved = stat("reserved_bytes.all.current");
+    void* y = a->allocate(4_MiB, s2);
+    EXPECT_EQ(stat("reserved_bytes.all.current"), reserved) << "s2 should have reused s1's completed block";
+    a->deallocate(y, 4_MiB, s2);
+  }
+}
+
+TEST_F(caching, record_stream_defers_the_free_until_the_other_stream_is_done) {
+  void* p = a->allocate(3_MiB, s1);
+  a->record_stream(p, s2);
+  a->deallocate(p, 3_MiB, s1);
+  d.synchronize_stream(s2);
+  d.synchronize_stream(s1);
+  // Processed at the next allocation: the block is free again.
+  void* q = a->allocate(3_MiB, s1);
+  EXPECT_EQ(q, p);
+  a->deallocate(q, 3_MiB, s1);
+  EXPECT_EQ(stat("active_bytes.all.current"), 0);
+}
+
+TEST_F(caching, random_blocks_never_overlap_and_keep_their_contents) {
+  std::mt19937_64 rng(7);
+  std::map<std::uintptr_t, std::pair<std::size_t, std::uint64_t>> live;  // addr -> size, seed
+  std::uint64_t seed = 100;
+  const std::size_t cap = d.asynchronous() ? 2_GiB : 256_MiB;
+  std::size_t live_bytes = 0;
+  for (int i = 0; i < 600; ++i) {
+    const bool alloc = live.empty() || (rng() % 100 < 60 && live_bytes < cap);
+    if (alloc) {
+      const std::size_t n = rng() % 4 == 0 ? 1 + rng() % (12_MiB) : 1 + rng() % (600_KiB);
+      void* p = a->allocate(n, i % 3 == 0 ? s2 : s1);
+      const auto q = reinterpret_cast<std::uintptr_t>(p);
+      auto it = live.upper_bound(q);
+      if (it != live.end()) ASSERT_LE(q + n, it->first) << "overlaps the next block";
+      if (it != live.begin()) {
+        --it;
+        ASSERT_LE(it->first + it->second.first, q) << "overlaps the previous block";
+      }
+      upload(d, p, random_bytes(n, ++seed));
+      live[q] = {n, seed};
+      live_bytes += n;
+    } else {
+      auto it = live.begin();
+      std::advance(it, static_cast<long>(rng() % live.size()));
+      const auto [n, sd] = it->second;
+      ASSERT_EQ(download(d, reinterpret_cast<void*>(it->first), n), random_bytes(n, sd)) << "contents changed";
+      a->deallocate(reinterpret_cast<void*>(it->first), n, s1);
+      live_bytes -= n;
+      live.erase(it);
+    }
+  }
+  EXPECT_EQ(stat("allocation.all.current"), static_cast<std::int64_t>(live.size()));
+  for (auto& [q, v] : live) a->deallocate(reinterpret_cast<void*>(q), v.first, s1);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 0);
+}
+
+TEST_F(caching, empty_cache_returns_memory_to_the_device) {
+  s.pool->trim();
+  const auto before = d.get_memory_info().free_bytes;
+  std::vector<void*> ps;
+  for (int i = 0; i < 8; ++i) ps.push_back(a->allocate(5_MiB + 100, s1));
+  void* keep = a->allocate(3000, s1);
+  for (void* p : ps) a->deallocate(p, 0, s1);
+  EXPECT_GT(stat("reserved_bytes.all.current"), 40 * (1 << 20)) << "freed blocks stay cached";
+  const std::size_t released = a->empty_cache();
+  EXPECT_GT(released, 0u);
+  EXPECT_LE(stat("reserved_bytes.all.current"), static_cast<std::int64_t>(g)) << "only the granule of `keep` stays";
+  EXPECT_LE(before - d.get_memory_info().free_bytes, g);
+  a->deallocate(keep, 3000, s1);
+  EXPECT_GE(stat("num_device_free"), 1);
+}
+
+TEST_F(caching, memory_fraction_gives_out_of_memory_after_one_retry) {
+  const std::size_t total = d.get_memory_info().total_bytes;
+  EXPECT_THROW(a->set_memory_fraction(0.0), invalid_argument);
+  EXPECT_THROW(a->set_memory_fraction(1.5), invalid_argument);
+  a->set_memory_fraction(0.25);
+  EXPECT_EQ(a->memory_fraction(), 0.25);
+  void* p = a->allocate(total / 8, s1);
+  upload(d, p, random_bytes(4096, 3));
+  EXPECT_THROW(a->allocate(total / 5, s1), out_of_memory);
+  EXPECT_EQ(stat("num_ooms"), 1);
+  EXPECT_EQ(stat("num_alloc_retries"), 1);
+  EXPECT_EQ(download(d, p, 4096), random_bytes(4096, 3)) << "a failed allocation touched a live block";
+  a->deallocate(p, 0, s1);
+  void* q = a->allocate(total / 5, s1);  // the cached block is released and re-used
+  a->deallocate(q, 0, s1);
+}
+
+TEST_F(caching, statistics_have_pytorch_keys_and_peaks_reset) {
+  for (const char* k : {"allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
+                        "reserved_bytes.all.peak", "active_bytes.large_pool.current", "requested_bytes.small_pool.peak",
+                        "allocation.all.current", "segment.all.current", "num_alloc_retries", "num_ooms",
+                        "num_device_alloc", "num_device_free", "deferalloc.pool.cached_bytes",
+                        "deferalloc.driver_calls.map"})
+    EXPECT_NO_THROW(a->stat(k)) << k;
+  EXPECT_THROW(a->stat("allocated_bytes.all.nonsense"), invalid_argument);
+  void* p = a->allocate(10_MiB, s1);
+  void* q = a->allocate(1000, s1);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), static_cast<std::int64_t>(10_MiB + 1024));
+  EXPECT_EQ(stat("allocated_bytes.large_pool.current"), static_cast<std::int64_t>(10_MiB));
+  EXPECT_EQ(stat("allocated_bytes.small_pool.current"), 1024);
+  EXPECT_EQ(stat("requested_bytes.small_pool.current"), 1000);
+  a->deallocate(p, 10_MiB, s1);
+  EXPECT_EQ(stat("allocated_bytes.all.peak"), static_cast<std::int64_t>(10_MiB + 1024));
+  a->reset_peak_stats();
+  EXPECT_EQ(stat("allocated_bytes.all.peak"), 1024);
+  EXPECT_GE(stat("reserved_bytes.all.peak"), stat("reserved_bytes.all.current"));
+  a->deallocate(q, 1000, s1);
+  a->reset_accumulated_stats();
+  EXPECT_EQ(stat("allocated_bytes.all.allocated"), 0);
+}
+
+TEST_F(caching, misuse_is_a_typed_error_that_changes_nothing) {
+  void* p = a->allocate(4096, s1);
+  const auto before = a->stats();
+  int on_stack = 0;
+  EXPECT_THROW(a->deallocate(&on_stack, 4, s1), invalid_argument) << "pointer we do not own";
+  EXPECT_THROW(a->deallocate(static_cast<char*>(p) + 512, 0, s1), invalid_argument) << "interior pointer";
+  EXPECT_THROW(a->deallocate(p, 12345, s1), invalid_argument) << "wrong size";
+  EXPECT_THROW(a->record_stream(&on_stack, s2), invalid_argument);
+  EXPECT_THROW(a->allocate(0, s1), invalid_argument);
+  EXPECT_THROW(a->allocate(std::size_t{1} << 60, s1), invalid_argument);
+  EXPECT_THROW(a->set_resident(&on_stack), invalid_argument);
+  EXPECT_THROW(a->end_tag(), invalid_state);
+  EXPECT_THROW(a->begin_tag(""), invalid_argument);
+  EXPECT_EQ(a->stats(), before);
+  a->deallocate(p, 4096, s1);
+  EXPECT_THROW(a->deallocate(p, 4096, s1), invalid_argument) << "double free";
+}
+
+TEST_F(caching, tag_pause_and_resume_keep_addresses_and_contents) {
+  std::vector<std::pair<void*, std::size_t>> blocks;
+  {
+    tag_scope region(*a, "weights");
+    EXPECT_EQ(a->current_tag(), "weights");
+    for (std::size_t n : {700_KiB, 3_MiB + 5, 64_KiB, 9_MiB}) blocks.emplace_back(a->allocate(n, s1), n);
+  }
+  EXPECT_EQ(a->current_tag(), "");
+  void* untagged = a->allocate(2_MiB, s1);
+  upload(d, untagged, random_bytes(2_MiB, 99));
+  for (std::size_t i = 0; i < blocks.size(); ++i) upload(d, blocks[i].first, random_bytes(blocks[i].second, i));
+  // One cycle first: the first resume may back merged runs with larger chunks than the
+  // ones that grew block by block; from then on the pool holds exactly what it needs.
+  a->pause("weights", keep_mode::host, s1);
+  a->resume("weights", s1);
+  const auto backed_bytes = stat("deferalloc.backed_bytes");
+  const auto creates = d.call_counts()[primitive::create];
+
+  a->pause("weights", keep_mode::host, s1);
+  EXPECT_TRUE(a->is_paused("weights"));
+  EXPECT_LT(stat("deferalloc.backed_bytes"), backed_bytes - static_cast<std::int64_t>(12_MiB));
+  for (auto& [p, n] : blocks) EXPECT_FALSE(backed(p, n));
+  EXPECT_TRUE(backed(untagged, 2_MiB));
+  EXPECT_GT(s.mgr->stats().backup_bytes, 0u);
+  {
+    tag_scope region(*a, "weights");
+    EXPECT_THROW(a->allocate(100, s1), invalid_state) << "allocating in a paused tag";
+  }
+  a->resume("weights", s1);
+  d.synchronize_stream(s1);
+  EXPECT_EQ(stat("deferalloc.backed_bytes"), backed_bytes);
+  EXPECT_EQ(d.call_counts()[primitive::create], creates) << "resume must reuse pooled chunks";
+  for (std::size_t i = 0; i < blocks.size(); ++i)
+    EXPECT_EQ(download(d, blocks[i].first, blocks[i].second), random_bytes(blocks[i].second, i)) << "block " << i;
+  EXPECT_EQ(download(d, untagged, 2_MiB), random_bytes(2_MiB, 99)) << "an untagged block was touched";
+
+  // Without backup: same addresses, memory back, contents undefined.
+  a->pause("weights", keep_mode::discard, s1);
+  a->resume("weights", s1);
+  for (auto& [p, n] : blocks) EXPECT_TRUE(backed(p, n));
+  for (auto& [p, n] : blocks) a->deallocate(p, n, s1);
+  a->deallocate(untagged, 2_MiB, s1);
+}
+
+TEST_F(caching, resident_blocks_stay_backed_when_their_tag_pauses) {
+  void* nccl = nullptr;
+  void* other = nullptr;
+  {
+    tag_scope region(*a, "train");
+    nccl = a->allocate(4_MiB, s1);
+    other = a->allocate(6_MiB, s1);
+  }
+  a->set_resident(nccl);
+  upload(d, nccl, random_bytes(4_MiB, 5));
+  a->pause("train", keep_mode::discard, s1);
+  EXPECT_TRUE(backed(nccl, 4_MiB));
+  EXPECT_FALSE(backed(static_cast<char*>(other) + 2 * g, 2 * g)) << "granules of `other` alone are released";
+  EXPECT_EQ(download(d, nccl, 4_MiB), random_bytes(4_MiB, 5));
+  EXPECT_THROW(a->set_resident(other, false), invalid_state);
+  a->resume("train", s1);
+  a->deallocate(nccl, 0, s1);
+  a->deallocate(other, 0, s1);
+}
+
+TEST_F(caching, tag_misuse_is_reported) {
+  EXPECT_THROW(a->resume("never", s1), invalid_argument) << "resume of an unknown tag";
+  EXPECT_THROW(a->pause("never", keep_mode::discard, s1), invalid_argument);
+  void* p = nullptr;
+  {
+    tag_scope region(*a, "kv");
+    p = a->allocate(1_MiB, s1);
+    EXPECT_THROW(a->pause("kv", keep_mode::discard, s1), invalid_state) << "pause inside a region";
+  }
+  EXPECT_THROW(a->resume("kv", s1), invalid_state) << "resume of a tag that is not paused";
+  a->pause("kv", keep_mode::discard, s1);
+  EXPECT_THROW(a->pause("kv", keep_mode::discard, s1), invalid_state) << "double pause";
+  a->deallocate(p, 1_MiB, s1);  // freeing while paused is fine
+  a->resume("kv", s1);
+  EXPECT_EQ(a->tags(), std::vector<std::string>{"kv"});
+}
+
+TEST_F(caching, pause_resume_cycles_reuse_chunks) {
+  std::vector<void*> ps;
+  {
+    tag_scope region(*a, "cycle");
+    for (int i = 0; i < 16; ++i) ps.push_back(a->allocate(4 * g, s1));
+  }
+  a->pause("cycle", keep_mode::discard, s1);
+  a->resume("cycle", s1);
+  const auto creates = d.call_counts()[primitive::create];
+  for (int i = 0; i < 20; ++i) {
+    a->pause("cycle", keep_mode::host, s1);
+    a->resume("cycle", s1);
+  }
+  EXPECT_EQ(d.call_counts()[primitive::create], creates);
+  for (void* p : ps) a->deallocate(p, 0, s1);
+}
+
+TEST_F(caching, failed_materialize_rolls_back) {
+  auto fd = std::make_shared<fault_driver>(make_driver());
+  stack fs(fd);
+  caching_allocator fa(*fs.mgr);
+  void* p = fa.allocate(1_MiB, nullptr);
+  const auto before = fa.stat("allocated_bytes.all.current");
+  fd->fail_nth(primitive::map, 1);
+  EXPECT_THROW(fa.allocate(20_MiB, nullptr), cuda_error);
+  EXPECT_EQ(fa.stat("allocated_bytes.all.current"), before);
+  void* q = fa.allocate(20_MiB, nullptr);  // works once the fault has fired
+  fa.deallocate(q, 0, nullptr);
+  fa.deallocate(p, 0, nullptr);
+}
+
+TEST_F(caching, threads_allocate_concurrently) {
+  std::vector<std::thread> ts;
+  std::atomic<int> errors{0};
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      std::vector<std::pair<void*, std::size_t>> mine;
+      for (int i = 0; i < 2000; ++i) {
+        if (mine.size() < 20 && rng() % 2 == 0) {
+          const std::size_t n = 1 + rng() % 2_MiB;
+          mine.emplace_back(a->allocate(n, t % 2 ? s1 : s2), n);
+        } else if (!mine.empty()) {
+          a->deallocate(mine.back().first, mine.back().second, t % 2 ? s1 : s2);
+          mine.pop_back();
+        }
+      }
+      for (auto& [p, n] : mine) a->deallocate(p, n, t % 2 ? s1 : s2);
+      if (a->stat("allocation.all.current") < 0) ++errors;
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(stat("allocation.all.current"), 0);
+}
