@@ -5,15 +5,24 @@
 // ABI.  The instance is created once (dfa_init or first use) and torn down by
 // dfa_shutdown; a shared mutex lets calls run concurrently while init/shutdown are
 // exclusive.
+#include <deferalloc/caching_allocator.hpp>
 #include <deferalloc/context.hpp>
 #include <deferalloc/deferalloc.h>
 #include <deferalloc/errors.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <new>
 #include <shared_mutex>
 #include <string>
+#include <vector>
+
+#include "dlpack_abi.hpp"
+#include "log.hpp"
 
 namespace {
 
@@ -22,6 +31,15 @@ using namespace deferalloc;
 thread_local std::string t_last_error;
 std::shared_mutex g_mu;
 std::unique_ptr<context> g_ctx;
+
+// One caching allocator per device, on g_ctx (its device) or on a context of its own.
+struct device_allocator {
+  std::unique_ptr<context> own;
+  std::unique_ptr<caching_allocator> alloc;
+};
+std::map<int, std::unique_ptr<device_allocator>> g_allocs;  // guarded by g_mu
+std::atomic<std::uint64_t> g_generation{1};                 // bumped by dfa_shutdown
+thread_local std::vector<std::string> t_tags;               // dfa_tag_begin/end
 
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
@@ -85,6 +103,78 @@ void need(const T* p, const char* what) {
   if (p == nullptr) throw invalid_argument(std::string(what) + " is null");
 }
 
+// The caching allocator of `device` (-1: the instance's), created on first use.
+// Returns with `lk` held shared.  The host driver has one device: every ordinal maps to it.
+caching_allocator& allocator_for(int device, std::shared_lock<std::shared_mutex>& lk) {
+  context& ctx = instance(lk);
+  const int key = (device < 0 || ctx.drv->name() == "host") ? ctx.config.device : device;
+  auto it = g_allocs.find(key);
+  if (it != g_allocs.end()) return *it->second->alloc;
+  lk.unlock();
+  {
+    std::unique_lock ex(g_mu);
+    if (!g_ctx) throw invalid_state("the instance was shut down concurrently");
+    if (g_allocs.find(key) == g_allocs.end()) {
+      auto d = std::make_unique<device_allocator>();
+      reservation_manager* m = g_ctx->reservations.get();
+      if (key != g_ctx->config.device) {
+        settings s = g_ctx->config;
+        s.device = key;
+        d->own = std::make_unique<context>(s);
+        m = d->own->reservations.get();
+      }
+      d->alloc = std::make_unique<caching_allocator>(*m);
+      g_allocs.emplace(key, std::move(d));
+    }
+  }
+  lk.lock();
+  if (!g_ctx) throw invalid_state("the instance was shut down concurrently");
+  return *g_allocs.at(key)->alloc;
+}
+
+// Every caching allocator created so far (g_mu held shared by the caller).
+std::vector<caching_allocator*> all_allocators() {
+  std::vector<caching_allocator*> out;
+  for (auto& [dev, d] : g_allocs) out.push_back(d->alloc.get());
+  return out;
+}
+
+void log_hook_error(const char* call) {
+  detail::log(log_level::error, t_last_error.empty() ? std::string(call) + " failed" : t_last_error);
+}
+
+// Applies `f` to every allocator that knows `tag`; unknown everywhere: invalid_argument.
+template <typename F>
+void for_tag(const char* call, const char* tag, F&& f) {
+  need(tag, "tag");
+  std::shared_lock<std::shared_mutex> lk;
+  allocator_for(-1, lk);
+  bool known = false;
+  for (caching_allocator* a : all_allocators()) {
+    auto ts = a->tags();
+    if (std::find(ts.begin(), ts.end(), tag) == ts.end()) continue;
+    known = true;
+    f(*a);
+  }
+  if (!known) throw invalid_argument(std::string(call) + ": unknown tag '" + tag + "'");
+}
+
+struct dlpack_holder {
+  DLManagedTensor tensor{};
+  std::vector<std::int64_t> shape;
+  dfa_reservation id = 0;
+  std::uint64_t generation = 0;
+};
+
+extern "C" void dfa_dlpack_deleter(DLManagedTensor* t) {
+  auto* h = static_cast<dlpack_holder*>(t->manager_ctx);
+  if (h->generation == g_generation.load()) {
+    // The instance that made the reservation still exists: free it.
+    if (dfa_free_reservation(h->id, nullptr) != DFA_SUCCESS) log_hook_error("DLPack deleter");
+  }
+  delete h;
+}
+
 }  // namespace
 
 extern "C" {
@@ -100,7 +190,9 @@ dfa_status dfa_init(const char* conf) {
 dfa_status dfa_shutdown(void) {
   return guard("dfa_shutdown", [&] {
     std::unique_lock ex(g_mu);
+    g_allocs.clear();
     g_ctx.reset();
+    g_generation.fetch_add(1);
   });
 }
 
@@ -160,8 +252,8 @@ dfa_status dfa_record_stream(dfa_reservation r, void* stream) {
   });
 }
 
-dfa_status dfa_free(dfa_reservation r, void* stream) {
-  return guard("dfa_free", [&] {
+dfa_status dfa_free_reservation(dfa_reservation r, void* stream) {
+  return guard("dfa_free_reservation", [&] {
     std::shared_lock<std::shared_mutex> lk;
     instance(lk).reservations->free(r, stream);
   });
@@ -212,6 +304,229 @@ dfa_status dfa_get_stats(dfa_stats* out) {
     d.chunks_reused = s.pool.chunks_reused;
     for (int i = 0; i < 8; ++i) d.driver_calls[i] = s.pool.driver_calls.calls[i];
     *out = d;
+  });
+}
+
+// ---- PyTorch faces: caching allocator, hooks, tags, statistics, DLPack ------------------
+
+void* dfa_malloc(size_t size, int device, void* stream) {
+  void* out = nullptr;
+  guard("dfa_malloc", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    caching_allocator& a = allocator_for(device, lk);
+    if (t_tags.empty()) {
+      out = a.allocate(size, stream);
+    } else {
+      tag_scope region(a, t_tags.back());
+      out = a.allocate(size, stream);
+    }
+  });
+  return out;
+}
+
+void dfa_free(void* ptr, size_t size, int device, void* stream) {
+  if (ptr == nullptr) return;
+  if (guard("dfa_free", [&] {
+        std::shared_lock<std::shared_mutex> lk;
+        allocator_for(device, lk).deallocate(ptr, size, stream);
+      }) != DFA_SUCCESS)
+    log_hook_error("dfa_free");
+}
+
+void dfa_init_hook(int device_count) {
+  if (guard("dfa_init_hook", [&] {
+        if (device_count < 0) throw invalid_argument("device_count is negative");
+        std::shared_lock<std::shared_mutex> lk;
+        allocator_for(-1, lk);
+      }) != DFA_SUCCESS)
+    log_hook_error("dfa_init_hook");
+}
+
+void dfa_empty_cache_hook(void) {
+  if (guard("dfa_empty_cache_hook", [&] {
+        std::shared_lock<std::shared_mutex> lk;
+        allocator_for(-1, lk);
+        for (caching_allocator* a : all_allocators()) a->empty_cache();
+      }) != DFA_SUCCESS)
+    log_hook_error("dfa_empty_cache_hook");
+}
+
+void dfa_memory_fraction_hook(double fraction, int device) {
+  if (dfa_set_memory_fraction(fraction, device) != DFA_SUCCESS) log_hook_error("dfa_memory_fraction_hook");
+}
+
+void* dfa_base_alloc_hook(void* ptr, size_t* size) {
+  void* out = nullptr;
+  if (guard("dfa_base_alloc_hook", [&] {
+        need(ptr, "ptr");
+        std::shared_lock<std::shared_mutex> lk;
+        allocator_for(-1, lk);
+        for (caching_allocator* a : all_allocators())
+          if (a->owns(ptr)) {
+            out = a->base_allocation(ptr, size);
+            return;
+          }
+        throw invalid_argument("pointer is not inside an allocation of deferalloc");
+      }) != DFA_SUCCESS)
+    log_hook_error("dfa_base_alloc_hook");
+  return out;
+}
+
+void dfa_record_stream_hook(void* ptr, void* stream) {
+  if (guard("dfa_record_stream_hook", [&] {
+        need(ptr, "ptr");
+        std::shared_lock<std::shared_mutex> lk;
+        allocator_for(-1, lk);
+        for (caching_allocator* a : all_allocators())
+          if (a->owns(ptr)) {
+            a->record_stream(ptr, stream);
+            return;
+          }
+        throw invalid_argument("pointer is not inside an allocation of deferalloc");
+      }) != DFA_SUCCESS)
+    log_hook_error("dfa_record_stream_hook");
+}
+
+dfa_status dfa_empty_cache(int device, size_t* released) {
+  return guard("dfa_empty_cache", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    size_t n = allocator_for(device, lk).empty_cache();
+    if (released) *released = n;
+  });
+}
+
+dfa_status dfa_set_memory_fraction(double fraction, int device) {
+  return guard("dfa_set_memory_fraction", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    allocator_for(device, lk).set_memory_fraction(fraction);
+  });
+}
+
+dfa_status dfa_set_resident(void* ptr, int resident) {
+  return guard("dfa_set_resident", [&] {
+    need(ptr, "ptr");
+    std::shared_lock<std::shared_mutex> lk;
+    allocator_for(-1, lk);
+    for (caching_allocator* a : all_allocators())
+      if (a->owns(ptr)) {
+        a->set_resident(ptr, resident != 0);
+        return;
+      }
+    throw invalid_argument("pointer is not inside an allocation of deferalloc");
+  });
+}
+
+dfa_status dfa_tag_begin(const char* tag) {
+  return guard("dfa_tag_begin", [&] {
+    need(tag, "tag");
+    if (*tag == '\0') throw invalid_argument("the tag is empty");
+    std::shared_lock<std::shared_mutex> lk;
+    caching_allocator& a = allocator_for(-1, lk);
+    a.begin_tag(tag);  // registers the tag (pause/resume know it from now on)
+    a.end_tag();
+    t_tags.emplace_back(tag);
+  });
+}
+
+dfa_status dfa_tag_end(void) {
+  return guard("dfa_tag_end", [&] {
+    if (t_tags.empty()) throw invalid_state("no tagged region is open on this thread");
+    t_tags.pop_back();
+  });
+}
+
+
+dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream) {
+  return guard("dfa_tag_pause", [&] {
+    if (keep != DFA_KEEP_DISCARD && keep != DFA_KEEP_HOST)
+      throw invalid_argument("keep must be DFA_KEEP_DISCARD or DFA_KEEP_HOST");
+    if (!t_tags.empty())
+      throw invalid_state("called inside the tagged region '" + t_tags.back() + "' (dfa_tag_end first)");
+    for_tag("pause", tag, [&](caching_allocator& a) { a.pause(tag, static_cast<keep_mode>(keep), stream); });
+  });
+}
+
+dfa_status dfa_tag_resume(const char* tag, void* stream) {
+  return guard("dfa_tag_resume", [&] { for_tag("resume", tag, [&](caching_allocator& a) { a.resume(tag, stream); }); });
+}
+
+dfa_status dfa_tag_is_paused(const char* tag, int* out) {
+  return guard("dfa_tag_is_paused", [&] {
+    need(out, "out");
+    int paused = 0;
+    for_tag("is_paused", tag, [&](caching_allocator& a) { paused |= a.is_paused(tag) ? 1 : 0; });
+    *out = paused;
+  });
+}
+
+dfa_status dfa_memory_stats(int device, char* buf, size_t cap, size_t* needed) {
+  return guard("dfa_memory_stats", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    std::string text;
+    for (auto& [k, v] : allocator_for(device, lk).stats()) text += k + " " + std::to_string(v) + "\n";
+    if (needed) *needed = text.size() + 1;
+    if (buf == nullptr) {
+      if (needed == nullptr) throw invalid_argument("buf and needed are both null");
+      return;
+    }
+    if (cap < text.size() + 1)
+      throw invalid_argument("buffer of " + std::to_string(cap) + " bytes is too small (" +
+                             std::to_string(text.size() + 1) + " needed)");
+    std::memcpy(buf, text.c_str(), text.size() + 1);
+  });
+}
+
+dfa_status dfa_memory_stat(int device, const char* key, int64_t* out) {
+  return guard("dfa_memory_stat", [&] {
+    need(key, "key");
+    need(out, "out");
+    std::shared_lock<std::shared_mutex> lk;
+    *out = allocator_for(device, lk).stat(key);
+  });
+}
+
+dfa_status dfa_reset_peak_stats(int device) {
+  return guard("dfa_reset_peak_stats", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    allocator_for(device, lk).reset_peak_stats();
+  });
+}
+
+dfa_status dfa_export_dlpack(dfa_reservation r, const int64_t* shape, int ndim, uint8_t code, uint8_t bits,
+                             uint16_t lanes, struct DLManagedTensor** out) {
+  return guard("dfa_export_dlpack", [&] {
+    need(out, "out");
+    if (ndim < 0 || ndim > 64) throw invalid_argument("ndim " + std::to_string(ndim) + " is outside [0, 64]");
+    if (ndim > 0) need(shape, "shape");
+    if (bits == 0 || lanes == 0) throw invalid_argument("dtype bits and lanes must be positive");
+    if (code > 17) throw invalid_argument("dtype code " + std::to_string(code) + " is not a DLPack type code");
+    std::shared_lock<std::shared_mutex> lk;
+    context& ctx = instance(lk);
+    const reservation_info info = ctx.reservations->info(r);  // throws for an unknown id
+    unsigned __int128 bytes = (static_cast<unsigned>(bits) * lanes + 7) / 8;
+    for (int i = 0; i < ndim; ++i) {
+      if (shape[i] < 0) throw invalid_argument("shape[" + std::to_string(i) + "] is negative");
+      bytes *= static_cast<std::uint64_t>(shape[i]);
+      if (bytes > info.size) break;
+    }
+    if (bytes > info.size)
+      throw invalid_argument("the shape needs more than the reservation's " + std::to_string(info.size) + " bytes");
+    auto h = std::make_unique<dlpack_holder>();
+    h->shape.assign(shape, shape + ndim);
+    h->id = r;
+    h->generation = g_generation.load();
+    DLTensor& t = h->tensor.dl_tensor;
+    t.data = reinterpret_cast<void*>(info.address);
+    const bool host = ctx.drv->name() == "host";
+    t.device = {host ? detail::k_dl_cpu : detail::k_dl_cuda, host ? 0 : ctx.drv->device()};
+    t.ndim = ndim;
+    t.dtype = {code, bits, lanes};
+    t.shape = h->shape.data();
+    t.strides = nullptr;
+    t.byte_offset = 0;
+    h->tensor.manager_ctx = h.get();
+    h->tensor.deleter = &dfa_dlpack_deleter;
+    *out = &h.release()->tensor;
   });
 }
 

@@ -43,7 +43,7 @@ TEST_F(c_api, reserve_materialize_release_free) {
   ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
   EXPECT_EQ(st.reservations, 1u);
   EXPECT_EQ(st.backed_bytes, 4 * g);
-  ASSERT_EQ(dfa_free(r, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
   size_t released = 0;
   ASSERT_EQ(dfa_trim(0, &released), DFA_SUCCESS);
   EXPECT_GE(released, 4 * g);
@@ -82,7 +82,7 @@ TEST_F(c_api, bad_input_table) {
       {"dfa_find", [&] { return dfa_find(&flag, &out); }, DFA_ERROR_INVALID_ARGUMENT},
       {"dfa_get_stats", [&] { return dfa_get_stats(nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
       {"dfa_init", [&] { return dfa_init("driver:host"); }, DFA_ERROR_INVALID_STATE},
-      {"dfa_free", [&] { return dfa_free(r + 100, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
+      {"dfa_free_reservation", [&] { return dfa_free_reservation(r + 100, nullptr); }, DFA_ERROR_INVALID_ARGUMENT},
   };
   for (const auto& row : table) {
     EXPECT_EQ(row.f(), row.expect) << row.call;
@@ -94,8 +94,8 @@ TEST_F(c_api, bad_input_table) {
     EXPECT_EQ(now.reservations, before.reservations) << row.call;
     EXPECT_EQ(std::memcmp(now.driver_calls, before.driver_calls, sizeof now.driver_calls), 0) << row.call;
   }
-  ASSERT_EQ(dfa_free(r, nullptr), DFA_SUCCESS);
-  EXPECT_EQ(dfa_free(r, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "double free";
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_free_reservation(r, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "double free";
   EXPECT_NE(std::string(dfa_last_error()).find("unknown reservation"), std::string::npos) << dfa_last_error();
 }
 

@@ -75,14 +75,72 @@ DFA_C_API dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t le
 DFA_C_API dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream);
 /* Releases waits for `stream` too. */
 DFA_C_API dfa_status dfa_record_stream(dfa_reservation r, void* stream);
-/* Releases everything and frees the address range.  Unknown or freed: INVALID_ARGUMENT. */
-DFA_C_API dfa_status dfa_free(dfa_reservation r, void* stream);
+/* Releases everything and frees the address range.  Unknown or freed: INVALID_ARGUMENT.
+ * (Named dfa_free_reservation so that dfa_free can be CUDAPluggableAllocator's free.) */
+DFA_C_API dfa_status dfa_free_reservation(dfa_reservation r, void* stream);
 DFA_C_API dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* out);
 /* The reservation containing `ptr`. */
 DFA_C_API dfa_status dfa_find(const void* ptr, dfa_reservation* out);
 /* Gives cached chunks back to the driver until at most `keep_bytes` stay cached. */
 DFA_C_API dfa_status dfa_trim(size_t keep_bytes, size_t* released);
 DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
+
+/* ---- PyTorch faces: the caching allocator, tags, statistics, DLPack ---------------
+ * One caching allocator per device, created on first use on top of the instance
+ * (device -1: the instance's device).  Streams are cudaStream_t (NULL: default stream). */
+
+/* CUDAPluggableAllocator's alloc: a block of `size` bytes usable on `stream`, or NULL
+ * with dfa_last_error() set.  Inside a tagged region (dfa_tag_begin) the block belongs
+ * to the tag.  Cost: cached: one mutex, no driver call; see caching_allocator.hpp. */
+DFA_C_API void* dfa_malloc(size_t size, int device, void* stream);
+/* CUDAPluggableAllocator's free (no status: a pointer we do not own sets
+ * dfa_last_error() and is logged; nothing changes). */
+DFA_C_API void dfa_free(void* ptr, size_t size, int device, void* stream);
+/* The optional hooks of torch.cuda.memory.CUDAPluggableAllocator (PyTorch 2.11):
+ * set_init_fn, set_reset_fn (= empty_cache), set_memory_fraction_fn,
+ * set_base_alloc_fn, set_record_stream_fn.  Errors set dfa_last_error() and are logged. */
+DFA_C_API void dfa_init_hook(int device_count);
+DFA_C_API void dfa_empty_cache_hook(void);
+DFA_C_API void dfa_memory_fraction_hook(double fraction, int device);
+DFA_C_API void* dfa_base_alloc_hook(void* ptr, size_t* size);
+DFA_C_API void dfa_record_stream_hook(void* ptr, void* stream);
+
+/* Releases every cached granule of the device's caching allocator and trims the pool.
+ * `released` (may be NULL): bytes given back to the driver. */
+DFA_C_API dfa_status dfa_empty_cache(int device, size_t* released);
+/* 0 < fraction <= 1 of the device's memory may stay backed. */
+DFA_C_API dfa_status dfa_set_memory_fraction(double fraction, int device);
+/* Marks the allocation containing `ptr` to stay backed when its tag pauses. */
+DFA_C_API dfa_status dfa_set_resident(void* ptr, int resident);
+
+/* Tagged regions of the calling thread (they nest; the innermost wins). */
+DFA_C_API dfa_status dfa_tag_begin(const char* tag);
+DFA_C_API dfa_status dfa_tag_end(void);
+/* Releases the physical memory of every allocation of `tag` on every device, addresses
+ * kept; DFA_KEEP_HOST keeps contents in pinned host memory.  Unknown tag:
+ * INVALID_ARGUMENT; inside a tagged region or already paused: INVALID_STATE. */
+DFA_C_API dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream);
+/* Backs the tag again at the same addresses (contents restored if kept). */
+DFA_C_API dfa_status dfa_tag_resume(const char* tag, void* stream);
+/* *out = 1 when the tag is paused. */
+DFA_C_API dfa_status dfa_tag_is_paused(const char* tag, int* out);
+
+/* Statistics of the device's caching allocator, PyTorch's key names
+ * ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_ooms", ...) and
+ * deferalloc's ("deferalloc.*"), as "key value\n" lines into buf (NUL-terminated).
+ * `needed` gets the size buf must have; a too small buf gives INVALID_ARGUMENT. */
+DFA_C_API dfa_status dfa_memory_stats(int device, char* buf, size_t cap, size_t* needed);
+DFA_C_API dfa_status dfa_memory_stat(int device, const char* key, int64_t* out);
+DFA_C_API dfa_status dfa_reset_peak_stats(int device);
+
+/* DLPack: a DLManagedTensor (DLPack's legacy, unversioned struct, as in dlpack.h) whose
+ * data is the reservation's address: kDLCUDA on the CUDA driver, kDLCPU on the host
+ * driver.  Its deleter frees the reservation.  dtype is DLPack's (code, bits, lanes);
+ * the shape is contiguous (strides NULL) and must fit in the reservation.  Ownership of
+ * the reservation passes to the tensor on success. */
+struct DLManagedTensor;
+DFA_C_API dfa_status dfa_export_dlpack(dfa_reservation r, const int64_t* shape, int ndim, uint8_t code, uint8_t bits,
+                                       uint16_t lanes, struct DLManagedTensor** out);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,123 @@
+// The C ABI of the PyTorch faces on the host driver: dfa_malloc/dfa_free and the
+// CUDAPluggableAllocator hooks, tags, statistics and the DLPack export.  Failures
+// set dfa_last_error() and change nothing; nothing crashes.
+#include <deferalloc/deferalloc.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+#include "../allocator/dlpack_abi.hpp"
+
+namespace {
+class c_api_caching : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(dfa_init(nullptr), DFA_SUCCESS) << dfa_last_error(); }
+  void TearDown() override { EXPECT_EQ(dfa_shutdown(), DFA_SUCCESS); }
+  static int64_t stat(const char* k) {
+    int64_t v = -1;
+    EXPECT_EQ(dfa_memory_stat(0, k, &v), DFA_SUCCESS) << dfa_last_error();
+    return v;
+  }
+};
+}  // namespace
+
+TEST_F(c_api_caching, malloc_free_and_hooks) {
+  void* p = dfa_malloc(3000, 0, nullptr);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  std::memset(p, 0x11, 3000);  // host driver: the block is host memory
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 3072);
+  size_t size = 0;
+  EXPECT_EQ(dfa_base_alloc_hook(static_cast<char*>(p) + 100, &size), p);
+  EXPECT_EQ(size, 3072u);
+  dfa_record_stream_hook(p, nullptr);
+  EXPECT_STREQ(dfa_last_error(), "");
+  dfa_free(p, 3000, 0, nullptr);
+  EXPECT_STREQ(dfa_last_error(), "");
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 0);
+  EXPECT_EQ(stat("allocated_bytes.all.peak"), 3072);
+  ASSERT_EQ(dfa_reset_peak_stats(0), DFA_SUCCESS);
+  EXPECT_EQ(stat("allocated_bytes.all.peak"), 0);
+  dfa_init_hook(1);
+  dfa_memory_fraction_hook(0.5, 0);
+  EXPECT_STREQ(dfa_last_error(), "");
+  dfa_empty_cache_hook();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0) << "empty_cache must release every free granule";
+}
+
+TEST_F(c_api_caching, bad_input_sets_the_error_and_changes_nothing) {
+  int x = 0;
+  EXPECT_EQ(dfa_malloc(0, 0, nullptr), nullptr);
+  EXPECT_NE(std::string(dfa_last_error()).find("dfa_malloc"), std::string::npos);
+  dfa_free(&x, 4, 0, nullptr);
+  EXPECT_NE(std::string(dfa_last_error()).find("not returned by this allocator"), std::string::npos) << dfa_last_error();
+  EXPECT_EQ(dfa_base_alloc_hook(&x, nullptr), nullptr);
+  dfa_memory_fraction_hook(2.0, 0);
+  EXPECT_NE(std::string(dfa_last_error()).find("fraction"), std::string::npos);
+  EXPECT_EQ(dfa_set_memory_fraction(-1, 0), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_memory_stat(0, "nonsense", nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  int64_t v = 0;
+  EXPECT_EQ(dfa_memory_stat(0, "nonsense", &v), DFA_ERROR_INVALID_ARGUMENT);
+  char small[4];
+  size_t needed = 0;
+  EXPECT_EQ(dfa_memory_stats(0, small, sizeof small, &needed), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_GT(needed, 1000u);
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_memory_stats(0, text.data(), text.size(), &needed), DFA_SUCCESS);
+  EXPECT_NE(text.find("reserved_bytes.all.peak "), std::string::npos);
+  EXPECT_NE(text.find("num_ooms 0\n"), std::string::npos);
+  EXPECT_EQ(dfa_set_resident(&x, 1), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(stat("allocation.all.current"), 0);
+}
+
+TEST_F(c_api_caching, tags_pause_and_resume) {
+  EXPECT_EQ(dfa_tag_resume("unknown", nullptr), DFA_ERROR_INVALID_ARGUMENT) << "resume of an unknown tag";
+  EXPECT_EQ(dfa_tag_end(), DFA_ERROR_INVALID_STATE);
+  EXPECT_EQ(dfa_tag_begin(""), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_tag_begin("rollout"), DFA_SUCCESS);
+  void* p = dfa_malloc(6 << 20, 0, nullptr);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  EXPECT_EQ(dfa_tag_pause("rollout", DFA_KEEP_HOST, nullptr), DFA_ERROR_INVALID_STATE) << "pause inside a region";
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  void* q = dfa_malloc(1 << 20, 0, nullptr);  // untagged
+  std::memset(p, 0x42, 6 << 20);
+  ASSERT_EQ(dfa_tag_pause("rollout", DFA_KEEP_HOST, nullptr), DFA_SUCCESS) << dfa_last_error();
+  int paused = 0;
+  ASSERT_EQ(dfa_tag_is_paused("rollout", &paused), DFA_SUCCESS);
+  EXPECT_EQ(paused, 1);
+  EXPECT_EQ(dfa_tag_pause("rollout", DFA_KEEP_HOST, nullptr), DFA_ERROR_INVALID_STATE) << "double pause";
+  EXPECT_EQ(stat("deferalloc.paused_bytes") >= (6 << 20), true);
+  EXPECT_GE(stat("deferalloc.manager.backup_bytes"), 6 << 20);
+  ASSERT_EQ(dfa_tag_resume("rollout", nullptr), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(p)[(6 << 20) - 1], 0x42);
+  EXPECT_EQ(static_cast<unsigned char*>(p)[0], 0x42);
+  dfa_free(p, 6 << 20, 0, nullptr);
+  dfa_free(q, 1 << 20, 0, nullptr);
+  EXPECT_STREQ(dfa_last_error(), "");
+}
+
+TEST_F(c_api_caching, dlpack_export_and_deleter_frees_the_reservation) {
+  dfa_reservation r = 0;
+  void* addr = nullptr;
+  ASSERT_EQ(dfa_reserve(4096 * 8, &r, &addr), DFA_SUCCESS);
+  const int64_t shape[2] = {64, 128};
+  DLManagedTensor* t = nullptr;
+  EXPECT_EQ(dfa_export_dlpack(r, shape, 2, 2, 64, 1, &t), DFA_ERROR_INVALID_ARGUMENT) << "64x128 f64 does not fit";
+  EXPECT_EQ(dfa_export_dlpack(r + 99, shape, 2, 2, 32, 1, &t), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_export_dlpack(r, nullptr, 2, 2, 32, 1, &t), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_export_dlpack(r, shape, 2, 2, 32, 1, &t), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(t->dl_tensor.data, addr);
+  EXPECT_EQ(t->dl_tensor.device.device_type, 1) << "kDLCPU on the host driver";
+  EXPECT_EQ(t->dl_tensor.shape[1], 128);
+  EXPECT_EQ(t->dl_tensor.dtype.bits, 32);
+  t->deleter(t);
+  int backed = 0;
+  EXPECT_EQ(dfa_is_backed(r, 0, DFA_WHOLE, &backed), DFA_ERROR_INVALID_ARGUMENT) << "the deleter freed it";
+  // A tensor that outlives the instance: its deleter does nothing harmful.
+  ASSERT_EQ(dfa_reserve(4096, &r, &addr), DFA_SUCCESS);
+  const int64_t one = 1024;
+  ASSERT_EQ(dfa_export_dlpack(r, &one, 1, 2, 32, 1, &t), DFA_SUCCESS);
+  ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_init(nullptr), DFA_SUCCESS);
+  t->deleter(t);
+}
