@@ -76,6 +76,7 @@ def main(paths):
     compare("host backup restore vs pinned H2D", "BM_host_backup/restore:1/manual_time",
             "BM_pinned_memcpy_baseline/h2d:1/manual_time", 0.8)
 
+    optimizer_report(rows)
     print(f"\n{'scenario':46s} {'measured':>14s} {'baseline':>14s} {'ratio':>9s}  {'target':24s} verdict")
     for what, v, bv, ratio, target, ok in checks:
         if v is None and bv is None:
@@ -83,6 +84,62 @@ def main(paths):
         verdict = "-" if ok is None or target == "-" else ("PASS" if ok else "FAIL")
         r = f"{ratio:8.2f}x" if ratio else "      n/a"
         print(f"{what:46s} {fmt(v, 'B/s'):>14s} {fmt(bv, 'B/s'):>14s} {r}  {target:24s} {verdict}")
+
+
+def find(rows, prefix):
+    for name, b in rows.items():
+        if name.startswith(prefix):
+            return b
+    return None
+
+
+def optimizer_report(rows):
+    """The optimizer's figures against bounds measured in the same run."""
+    duplex, dio = find(rows, "BM_pinned_duplex"), find(rows, "BM_direct_io")
+    tiers = {t: find(rows, f"BM_tier/{t}") for t in ("device", "host", "file")}
+    torch_b, serial = find(rows, "BM_torch_fused_adamw"), find(rows, "BM_serial_baseline")
+    if not any(tiers.values()):
+        return
+    out = []
+
+    def line(what, value, bound, bound_name, target):
+        ratio = value / bound if value and bound else None
+        verdict = "-" if ratio is None or target is None else ("PASS" if ratio >= target else "FAIL")
+        out.append((what, value, bound, bound_name, ratio, target, verdict))
+
+    g = lambda b, k: b.get(k) if b else None
+    pcie = min(g(duplex, "h2d_gbps"), g(duplex, "d2h_gbps")) * 1e9 / 12 / 1e9 if duplex else None
+    disk = 1e9 / (12 / (g(dio, "read_gbps") * 1e9) + 12 / (g(dio, "write_gbps") * 1e9)) / 1e9 if dio else None
+    line("device tier step", g(tiers["device"], "gparams_per_s"), g(torch_b, "gparams_per_s"), "torch fused AdamW", 1.0)
+    line("host tier step", g(tiers["host"], "gparams_per_s"), pcie, "PCIe duplex bound", 0.85)
+    line("host tier step vs serial order", g(tiers["host"], "gparams_per_s"), g(serial, "gparams_per_s"), "serial baseline",
+         None)
+    line("file tier step", g(tiers["file"], "gparams_per_s"), disk, "direct-I/O bound", 0.85)
+    line("device tier init", g(tiers["device"], "init_gparams_per_s"), g(duplex, "d2d_gbps") / 6 if duplex else None,
+         "D2D copy, 6 B/param", 0.85)
+    line("host tier init", g(tiers["host"], "init_gparams_per_s"), g(duplex, "d2h_alone_gbps") / 4 if duplex else None,
+         "D2H copy, 4 B/param", 0.85)
+    line("file tier init", g(tiers["file"], "init_gparams_per_s"), g(dio, "write_gbps") / 4 if dio else None,
+         "direct-I/O write, 4 B/param", 0.85)
+    print(f"\n{'optimizer (Gparam/s)':32s} {'measured':>9s} {'bound/base':>10s} {'ratio':>7s}  {'against':28s} verdict")
+    for what, v, b, bn, r, t, verdict in out:
+        fv = f"{v:9.2f}" if v else "      n/a"
+        fb = f"{b:10.2f}" if b else "       n/a"
+        fr = f"{r:6.2f}x" if r else "    n/a"
+        tgt = f" (>= {t:g}x)" if t else ""
+        print(f"{what:32s} {fv} {fb} {fr}  {bn + tgt:28s} {verdict}")
+    if duplex:
+        print(f"pinned copy: H2D {duplex['h2d_gbps']:.1f} GB/s and D2H {duplex['d2h_gbps']:.1f} GB/s at once, "
+              f"D2H alone {duplex['d2h_alone_gbps']:.1f} GB/s, D2D {duplex['d2d_gbps']:.0f} GB/s")
+    if dio:
+        print(f"direct I/O: write {dio['write_gbps']:.2f} GB/s, read {dio['read_gbps']:.2f} GB/s")
+    for t in ("host", "file"):
+        b = tiers[t]
+        if b and "peak_state_hbm" in b:
+            peak, window, gran = b["peak_state_hbm"], b["window"], b["granule"]
+            verdict = "PASS" if peak <= window + gran else "FAIL"
+            print(f"{t} tier, {b['params'] / 1e9:.2f} G params: peak state HBM {peak / 2**20:.1f} MiB "
+                  f"(window {window / 2**20:.0f} MiB + granule {gran / 2**20:.0f} MiB) {verdict}")
 
 
 if __name__ == "__main__":

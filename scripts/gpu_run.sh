@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the tests, run the benchmarks, print a table.
-#   scripts/gpu_run.sh [build] [tests] [bench] [demo]   (default: all four)
+#   scripts/gpu_run.sh [build] [tests] [bench] [optbench] [demo]   (default: all)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests bench demo)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests bench optbench demo)
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
@@ -28,13 +28,18 @@ if has tests; then
   summary+=("ctest -LE gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest-other.log" | tail -1)")
   grep -E "Passed|Failed|Skipped|\*\*\*" "$OUT/ctest-gpu.log" "$OUT/ctest-other.log" | sed 's|.*log:||' | head -40
 fi
-if has bench; then
-  for b in build-gpu/benchmarks/bench_*; do
-    n=$(basename "$b")
-    "$b" --benchmark_min_time=0.3 --benchmark_out="$OUT/$n.json" --benchmark_out_format=json > "$OUT/$n.log" 2>&1 \
-      || { echo "$n failed"; tail -20 "$OUT/$n.log"; }
-  done
-  python3 benchmarks/report.py "$OUT"/bench_*.json | tee "$OUT/report.txt"
+bench() {  # name, extra args...
+  local n=$1; shift
+  "build-gpu/benchmarks/$n" --benchmark_out="$OUT/$n.json" --benchmark_out_format=json "$@" > "$OUT/$n.log" 2>&1 \
+    || { echo "$n failed"; tail -20 "$OUT/$n.log"; }
+}
+if has bench; then bench bench_reservations --benchmark_min_time=0.3; fi
+if has optbench; then
+  df -h "${DFA_BENCH_DIR:-/tmp}" > "$OUT/disk.txt" 2>&1
+  bench bench_optimizer
+fi
+if has bench || has optbench; then
+  python3 benchmarks/report.py "$OUT"/bench_*.json > "$OUT/report.txt"; cat "$OUT/report.txt"
 fi
 if has demo; then
   ./build-gpu/examples/deferalloc_demo > "$OUT/demo.log" 2>&1; summary+=("demo: exit $?")
