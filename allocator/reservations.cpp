@@ -218,7 +218,7 @@ void reservation_manager::free(reservation_id id, stream_t stream) {
   reservation& r = get(id);
   // Release everything (also drops backups) through the one release path.
   const range all{id, 0, whole};
-  release_locked(std::span<const range>(&all, 1), keep_mode::discard, stream);
+  release_locked(std::span<const range>(&all, 1), keep_mode::discard, stream, nullptr);
   drv_->free_reservation(r.base, r.padded);
   reserved_bytes_ -= r.padded;
   by_address_.erase(r.base);
@@ -453,7 +453,7 @@ void reservation_manager::drop_backup_granules(reservation& r, std::size_t begin
 // it), the old chunk unmapped and the new ones mapped in its place.  Rare by design:
 // materialize cuts ranges at their own boundaries, so only a release of a sub-range
 // of what was materialized splits.
-void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t stream) {
+void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t stream, event_t after) {
   auto it = r.chunks.upper_bound(cut);
   if (it == r.chunks.begin()) return;
   --it;
@@ -476,8 +476,9 @@ void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t str
     }
     drv_->set_access(scratch_, old.bytes);
     std::vector<reservation*> rs{&r};
-    users = record_users(rs, stream);
+    if (after == nullptr) users = record_users(rs, stream);
     for (event_t e : users) drv_->stream_wait(copy_stream_, e);
+    if (after != nullptr) drv_->stream_wait(copy_stream_, after);
     drv_->copy_async(reinterpret_cast<void*>(scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, copy_stream_);
     drv_->synchronize_stream(copy_stream_);
     give_events(users);
@@ -515,10 +516,16 @@ void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t str
 
 void reservation_manager::release(std::span<const range> ranges, keep_mode keep, stream_t stream) {
   std::lock_guard lk(mu_);
-  release_locked(ranges, keep, stream);
+  release_locked(ranges, keep, stream, nullptr);
 }
 
-void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream) {
+void reservation_manager::release_after(std::span<const range> ranges, keep_mode keep, event_t last_use) {
+  DFA_EXPECTS(last_use != nullptr, "release_after: last_use is null");
+  std::lock_guard lk(mu_);
+  release_locked(ranges, keep, nullptr, last_use);
+}
+
+void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after) {
   const std::size_t g = granularity_;
   std::vector<work_item> ws;
   for (const range& rg : ranges) {
@@ -532,8 +539,8 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   // failure later leaves the reservation equivalent to before.
   for (const auto& w : ws) {
     auto& r = *static_cast<reservation*>(w.r);
-    split_at(r, w.begin, stream);
-    split_at(r, w.end, stream);
+    split_at(r, w.begin, stream, after);
+    split_at(r, w.end, stream, after);
   }
 
   // The chunks to unmap, in runs of adjacent chunks (one backup buffer per run).
@@ -571,14 +578,17 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
     try {
       if (keep == keep_mode::host)
         for (auto& rn : runs) rn.host = pinned_->acquire(rn.end - rn.begin);
-      users = record_users(touched, stream);
+      // The events to wait for: the caller's, or ones recorded now on every user stream.
+      if (after == nullptr) users = record_users(touched, stream);
+      std::vector<event_t> waits = users;
+      if (after != nullptr) waits.push_back(after);
       if (keep == keep_mode::host) {
-        for (event_t e : users) drv_->stream_wait(copy_stream_, e);
+        for (event_t e : waits) drv_->stream_wait(copy_stream_, e);
         for (auto& rn : runs)
           drv_->copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, copy_stream_);
         drv_->synchronize_stream(copy_stream_);
       } else {
-        for (event_t e : users) drv_->synchronize(e);
+        for (event_t e : waits) drv_->synchronize(e);
       }
       give_events(users);
     } catch (...) {

@@ -71,14 +71,37 @@ __global__ void adamw_scalar(adamw_piece p, adamw_scalars k) {
     p.model_bf16[j] = adamw_element(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_grad(p.grad, p.grad_is_bf16, j), k);
 }
 
+// BF16 <-> FP32, four values per thread when both pointers allow 8/16-byte accesses.
+template <bool Vec>
 __global__ void upcast_kernel(const std::uint16_t* in, float* out, std::size_t n) {
-  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
-    out[j] = from_bf16(in[j]);
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  if constexpr (Vec) {
+    for (; j < n / 4; j += stride) {
+      const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(in) + j);
+      __stcs(reinterpret_cast<float4*>(out) + j,
+             make_float4(from_bf16(raw.x & 0xFFFF), from_bf16(raw.x >> 16), from_bf16(raw.y & 0xFFFF), from_bf16(raw.y >> 16)));
+    }
+    if (blockIdx.x == 0 && threadIdx.x < n % 4) out[n / 4 * 4 + threadIdx.x] = from_bf16(in[n / 4 * 4 + threadIdx.x]);
+  } else {
+    for (; j < n; j += stride) out[j] = from_bf16(in[j]);
+  }
 }
 
+template <bool Vec>
 __global__ void downcast_kernel(const float* in, std::uint16_t* out, std::size_t n) {
-  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
-    out[j] = to_bf16(in[j]);
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  if constexpr (Vec) {
+    for (; j < n / 4; j += stride) {
+      const float4 f = __ldcs(reinterpret_cast<const float4*>(in) + j);
+      __stcs(reinterpret_cast<uint2*>(out) + j, make_uint2(to_bf16(f.x) | (std::uint32_t(to_bf16(f.y)) << 16),
+                                                           to_bf16(f.z) | (std::uint32_t(to_bf16(f.w)) << 16)));
+    }
+    if (blockIdx.x == 0 && threadIdx.x < n % 4) out[n / 4 * 4 + threadIdx.x] = to_bf16(in[n / 4 * 4 + threadIdx.x]);
+  } else {
+    for (; j < n; j += stride) out[j] = to_bf16(in[j]);
+  }
 }
 
 constexpr int k_norm_blocks = 1024;
@@ -130,8 +153,7 @@ class cuda_compute final : public compute {
     auto st = static_cast<cudaStream_t>(s);
     const bool vec = aligned(p.param, 16) && aligned(p.exp_avg, 16) && aligned(p.exp_avg_sq, 16) &&
                      aligned(p.model_bf16, 8) && aligned(p.grad, p.grad_is_bf16 ? 8 : 16);
-    const std::size_t work = vec ? p.n / 4 + 1 : p.n;
-    const int blocks = static_cast<int>(std::min<std::size_t>((work + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
+    const int blocks = grid(vec ? p.n / 4 + 1 : p.n);
     if (!vec) adamw_scalar<<<blocks, k_threads, 0, st>>>(p, k);
     else if (p.grad_is_bf16) adamw_vec4<true><<<blocks, k_threads, 0, st>>>(p, k);
     else adamw_vec4<false><<<blocks, k_threads, 0, st>>>(p, k);
@@ -141,16 +163,20 @@ class cuda_compute final : public compute {
   void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t s) override {
     if (n == 0) return;
     DFA_CUDA_TRY(cudaSetDevice(device_));
-    const int blocks = static_cast<int>(std::min<std::size_t>((n + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
-    upcast_kernel<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    const bool vec = aligned(in, 8) && aligned(out, 16);
+    const int blocks = grid(vec ? n / 4 + 1 : n);
+    if (vec) upcast_kernel<true><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    else upcast_kernel<false><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
     DFA_CUDA_CHECK_LAUNCH();
   }
 
   void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t s) override {
     if (n == 0) return;
     DFA_CUDA_TRY(cudaSetDevice(device_));
-    const int blocks = static_cast<int>(std::min<std::size_t>((n + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
-    downcast_kernel<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    const bool vec = aligned(in, 16) && aligned(out, 8);
+    const int blocks = grid(vec ? n / 4 + 1 : n);
+    if (vec) downcast_kernel<true><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    else downcast_kernel<false><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
     DFA_CUDA_CHECK_LAUNCH();
   }
 
@@ -169,6 +195,10 @@ class cuda_compute final : public compute {
   }
 
  private:
+  // Enough blocks for `work` items, at most 16 per multiprocessor (grid-stride beyond).
+  int grid(std::size_t work) const {
+    return static_cast<int>(std::min<std::size_t>((work + k_threads - 1) / k_threads, std::size_t(sms_) * 16));
+  }
   int device_;
   int sms_ = 0;
   double* scratch_ = nullptr;

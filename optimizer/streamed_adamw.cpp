@@ -307,9 +307,8 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   };
   auto retire = [&](std::size_t i) {
     const auto& p = ps[i];
-    drv->synchronize(ev(i, 2));
     auto rs = ranges_of(p);
-    mgr->release(rs, keep_mode::discard, d2h);
+    mgr->release_after(rs, keep_mode::discard, ev(i, 2));  // this piece only, not later queued work
     mapped[i] = false;
     if (to_file && write_back)
       for (int a = 0; a < arrays; ++a)

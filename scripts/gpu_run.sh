@@ -35,8 +35,12 @@ bench() {  # name, extra args...
 }
 if has bench; then bench bench_reservations --benchmark_min_time=0.3; fi
 if has optbench; then
-  df -h "${DFA_BENCH_DIR:-/tmp}" > "$OUT/disk.txt" 2>&1
-  bench bench_optimizer
+  df -h "${DFA_BENCH_DIR:-/tmp}" | tail -1
+  if [ -n "${DFA_GDB:-}" ]; then  # a backtrace if it crashes (cuda-gdb debugs host code too)
+    cuda-gdb -batch -ex run -ex bt --args build-gpu/benchmarks/bench_optimizer --benchmark_filter="$DFA_GDB" \
+      > "$OUT/gdb.log" 2>&1; grep -A25 -E "SIGSEGV|SIGABRT" "$OUT/gdb.log" | head -40
+  fi
+  bench bench_optimizer ${DFA_OPTBENCH_ARGS:-}
 fi
 if has bench || has optbench; then
   python3 benchmarks/report.py "$OUT"/bench_*.json > "$OUT/report.txt"; cat "$OUT/report.txt"

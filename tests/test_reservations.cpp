@@ -193,3 +193,21 @@ TEST_F(reservations, bad_input_table) {
   m.free(id);
   EXPECT_THROW(m.free(id), invalid_argument) << "double free";
 }
+
+// release_after waits for the caller's event only; the range is unbacked afterwards.
+TEST_F(reservations, release_after_an_event) {
+  auto id = m.reserve(4 * g);
+  m.materialize(id, 0, whole, fill_mode::zero, nullptr);
+  stream_t s = d.create_stream();
+  event_t e = d.create_event();
+  d.zero_async(m.address(id), 4 * g, s);
+  d.record(e, s);
+  std::vector<range> rs{{id, 0, 2 * g}};
+  m.release_after(rs, keep_mode::discard, e);
+  EXPECT_EQ(m.backed_granules(id), (std::vector<bool>{false, false, true, true}));
+  std::vector<range> null_event{{id, 2 * g, 2 * g}};
+  EXPECT_THROW(m.release_after(null_event, keep_mode::discard, nullptr), invalid_argument);
+  d.destroy_event(e);
+  d.destroy_stream(s);
+  m.free(id);
+}

@@ -106,6 +106,13 @@ class DFA_API reservation_manager {
   /// so the copies run back to back at the link's speed.
   void release(std::span<const range> ranges, keep_mode keep, stream_t stream = nullptr);
 
+  /// As the batched release(), for a caller that knows exactly when its last use of the
+  /// ranges completes: waits for `last_use` (an event of this driver) and for no stream.
+  /// Recording an event on a user stream at release time also waits for everything
+  /// enqueued on it since; a pipeline that keeps later work queued on the same streams
+  /// uses this to wait for its own piece only.
+  void release_after(std::span<const range> ranges, keep_mode keep, event_t last_use);
+
   /// Notes that `stream` uses the reservation: releases wait for it.  No driver call.
   void record_stream(reservation_id id, stream_t stream);
   /// Releases everything (discarding), drops backups and frees the address range.
@@ -136,8 +143,8 @@ class DFA_API reservation_manager {
   std::pair<std::size_t, std::size_t> clamp(const reservation& r, std::size_t offset, std::size_t length) const;
   bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, std::vector<std::pair<std::size_t, chunk>>& out);
   std::vector<std::pair<std::size_t, chunk>> plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs);
-  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream);
-  void split_at(reservation& r, std::size_t cut, stream_t stream);
+  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
+  void split_at(reservation& r, std::size_t cut, stream_t stream, event_t after);
   event_t take_event();
   void drop_backup_granules(reservation& r, std::size_t begin, std::size_t end);
   std::vector<event_t> record_users(const std::vector<reservation*>& rs, stream_t stream);
