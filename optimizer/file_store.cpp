@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "../allocator/log.hpp"
@@ -50,6 +51,18 @@ struct header {
 };
 
 std::string errtext(int e) { return std::strerror(e); }
+
+// One aligned page on the heap, for O_DIRECT header I/O.
+struct page {
+  page() : p(static_cast<unsigned char*>(std::aligned_alloc(file_store::align, file_store::align))) {
+    if (!p) throw out_of_memory("file tier: no memory for a header page");
+    std::memset(p, 0, file_store::align);
+  }
+  ~page() { std::free(p); }
+  page(const page&) = delete;
+  page& operator=(const page&) = delete;
+  unsigned char* p;
+};
 
 std::uint64_t rotl(std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
@@ -128,10 +141,12 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
       std::uint64_t s = 0, q = 0;
       int sl = 0;
       bool mw = false;
+      page raw_page;
       header raw{};
-      if (::pread(fd_, &raw, sizeof raw, c * align) == static_cast<ssize_t>(sizeof raw) &&
-          std::memcmp(raw.magic, k_magic, 8) == 0 && raw.layout != layout_hash_)
-        mismatch = true;
+      if (::pread(fd_, raw_page.p, align, c * align) == static_cast<ssize_t>(align)) {
+        std::memcpy(&raw, raw_page.p, sizeof raw);
+        if (std::memcmp(raw.magic, k_magic, 8) == 0 && raw.layout != layout_hash_) mismatch = true;
+      }
       if (read_header(c, layout_hash_, s, sl, mw, q) && (!found || q > best)) {
         found = true;
         best = q;
@@ -169,10 +184,10 @@ file_store::~file_store() {
 
 bool file_store::read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments,
                              std::uint64_t& seq) {
-  alignas(align) static thread_local unsigned char buf[align];
-  if (::pread(fd_, buf, align, copy * align) != static_cast<ssize_t>(align)) return false;
+  page buf;
+  if (::pread(fd_, buf.p, align, copy * align) != static_cast<ssize_t>(align)) return false;
   header h{};
-  std::memcpy(&h, buf, sizeof h);
+  std::memcpy(&h, buf.p, sizeof h);
   if (std::memcmp(h.magic, k_magic, 8) != 0 || h.version != 1 || h.layout != layout) return false;
   if (h.checksum != checksum64(&h, offsetof(header, checksum))) return false;
   step = h.step;
@@ -282,7 +297,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written) {
   if (f == fault_kind::crash) ::_exit(86);
   if (f != fault_kind::none) throw io_error("commit of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(EIO));
   if (::fdatasync(fd_) != 0) throw io_error("fdatasync of " + path_ + " failed: " + errtext(errno));
-  alignas(align) unsigned char buf[align] = {};
+  page buf;
   header h{};
   std::memcpy(h.magic, k_magic, 8);
   h.version = 1;
@@ -292,9 +307,9 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written) {
   h.moments_written = moments_written ? 1 : 0;
   h.seq = seq_ + 1;
   h.checksum = checksum64(&h, offsetof(header, checksum));
-  std::memcpy(buf, &h, sizeof h);
+  std::memcpy(buf.p, &h, sizeof h);
   const off_t where = static_cast<off_t>((h.seq % 2) * align);
-  if (::pwrite(fd_, buf, align, where) != static_cast<ssize_t>(align))
+  if (::pwrite(fd_, buf.p, align, where) != static_cast<ssize_t>(align))
     throw io_error("commit record of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(errno));
   if (::fdatasync(fd_) != 0) throw io_error("fdatasync of " + path_ + " failed: " + errtext(errno));
   seq_ = h.seq;

@@ -37,7 +37,7 @@ if has bench; then bench bench_reservations --benchmark_min_time=0.3; fi
 if has optbench; then
   df -h "${DFA_BENCH_DIR:-/tmp}" | tail -1
   if [ -n "${DFA_GDB:-}" ]; then  # a backtrace if it crashes (cuda-gdb debugs host code too)
-    cuda-gdb -batch -ex run -ex bt --args build-gpu/benchmarks/bench_optimizer --benchmark_filter="$DFA_GDB" \
+    cuda-gdb -batch -ex run -ex bt -ex 'x/24a $sp' --args build-gpu/benchmarks/bench_optimizer --benchmark_filter="$DFA_GDB" \
       > "$OUT/gdb.log" 2>&1; grep -A25 -E "SIGSEGV|SIGABRT" "$OUT/gdb.log" | head -40
   fi
   bench bench_optimizer ${DFA_OPTBENCH_ARGS:-}
