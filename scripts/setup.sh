@@ -16,3 +16,22 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
 fi
+
+# PyTorch faces: torch==2.11.0 (the GPU machine's version, PyPI's CUDA 13 wheel) in a
+# project-local venv .venv; LibTorch (headers, CMake config, libtorch_cuda and the
+# nvidia-* libraries it links) comes from the same wheel.  DEFERALLOC_NO_TORCH=1 skips it.
+DFA_TORCH_VERSION=2.11.0
+if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
+  root=$(cd "$(dirname "$0")/.." && pwd)
+  if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    echo "setup: installing python3-venv"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv
+  fi
+  [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv"
+  if ! "$root/.venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$DFA_TORCH_VERSION')" >/dev/null 2>&1; then
+    echo "setup: installing torch==$DFA_TORCH_VERSION into .venv (about 3 GB with its CUDA libraries)"
+    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check "torch==$DFA_TORCH_VERSION"
+  fi
+fi

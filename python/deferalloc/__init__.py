@@ -25,7 +25,7 @@ import torch
 __all__ = [
     "DeferallocError", "library_path", "deferred_empty", "materialize", "release", "is_backed",
     "tag", "pause", "resume", "is_paused", "set_resident", "memory_stats", "reset_peak_stats",
-    "empty_cache", "pluggable_allocator", "mem_pool", "install", "driver_name",
+    "empty_cache", "trim", "pluggable_allocator", "mem_pool", "install", "driver_name",
 ]
 
 _STATUS = {0: "success", 1: "invalid argument", 2: "invalid state", 3: "out of memory", 4: "CUDA error",
@@ -92,6 +92,7 @@ def _load():
         "dfa_memory_stats": (c.c_int, [c.c_int, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)]),
         "dfa_reset_peak_stats": (c.c_int, [c.c_int]),
         "dfa_empty_cache": (c.c_int, [c.c_int, c.POINTER(c.c_size_t)]),
+        "dfa_trim": (c.c_int, [c.c_size_t, c.POINTER(c.c_size_t)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -263,6 +264,13 @@ def memory_stats(device: int = -1) -> dict:
 
 def reset_peak_stats(device: int = -1) -> None:
     _check(_load().dfa_reset_peak_stats(device), "dfa_reset_peak_stats")
+
+
+def trim(keep_bytes: int = 0) -> int:
+    """Gives cached chunks of the pool back to the device; returns the bytes released."""
+    out = ctypes.c_size_t()
+    _check(_load().dfa_trim(keep_bytes, ctypes.byref(out)), "dfa_trim")
+    return out.value
 
 
 def empty_cache(device: int = -1) -> int:

@@ -1,0 +1,207 @@
+// Allocation speed, in one run, of deferalloc's caching allocator (C++ API) against
+// PyTorch's native caching allocator (c10::cuda::CUDACachingAllocator::
+// raw_alloc_with_stream / raw_delete) and cudaMallocAsync (default pool, release
+// threshold raised so it caches):
+//  - BM_pairs: cached alloc/free pairs, 512 B .. 64 MiB, on 1 and 4 streams;
+//    items_per_second = pairs per second;
+//  - BM_random: rmm's random-allocations scenario: 10,000 and 100,000 operations, 73%
+//    allocations, sizes uniform in [1, 4 MiB] and [1, 64 MiB], live bytes capped at
+//    16 GB; counters peak_reserved / peak_allocated and their ratio.
+// Without a GPU every benchmark reports SkipWithError.
+#include <benchmark/benchmark.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
+#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/context.hpp>
+#include <torch/torch.h>
+
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct resource {
+  virtual ~resource() = default;
+  virtual void* alloc(std::size_t n, cudaStream_t s) = 0;
+  virtual void free(void* p, std::size_t n, cudaStream_t s) = 0;
+  virtual void reset_peaks() = 0;
+  virtual double peak_reserved() = 0;
+  virtual double peak_allocated() = 0;
+  virtual void release_cache() = 0;
+};
+
+struct deferalloc_resource final : resource {
+  deferalloc::context ctx{deferalloc::parse_settings("driver:cuda")};
+  deferalloc::caching_allocator a{*ctx.reservations};
+  void* alloc(std::size_t n, cudaStream_t s) override { return a.allocate(n, s); }
+  void free(void* p, std::size_t n, cudaStream_t s) override { a.deallocate(p, n, s); }
+  void reset_peaks() override { a.reset_peak_stats(); }
+  double peak_reserved() override { return static_cast<double>(a.stat("reserved_bytes.all.peak")); }
+  double peak_allocated() override { return static_cast<double>(a.stat("allocated_bytes.all.peak")); }
+  void release_cache() override { a.empty_cache(); }
+};
+
+struct torch_resource final : resource {
+  torch_resource() { at::empty({1}, at::TensorOptions().device(at::kCUDA)); }  // initializes the allocator
+  void* alloc(std::size_t n, cudaStream_t s) override {
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(n, s);
+  }
+  void free(void* p, std::size_t, cudaStream_t) override { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+  void reset_peaks() override { c10::cuda::CUDACachingAllocator::resetPeakStats(0); }
+  double peak_reserved() override {
+    return static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].peak);
+  }
+  double peak_allocated() override {
+    return static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak);
+  }
+  void release_cache() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
+};
+
+struct async_resource final : resource {
+  cudaMemPool_t pool{};
+  async_resource() {
+    cuda_check(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
+    std::uint64_t keep = ~std::uint64_t{0};
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "release threshold");
+  }
+  void* alloc(std::size_t n, cudaStream_t s) override {
+    void* p = nullptr;
+    cuda_check(cudaMallocAsync(&p, n, s), "cudaMallocAsync");
+    return p;
+  }
+  void free(void* p, std::size_t, cudaStream_t s) override { cuda_check(cudaFreeAsync(p, s), "cudaFreeAsync"); }
+  void reset_peaks() override {
+    std::uint64_t zero = 0;
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero), "reset");
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), "reset");
+  }
+  double get(cudaMemPoolAttr a) {
+    std::uint64_t v = 0;
+    cuda_check(cudaMemPoolGetAttribute(pool, a, &v), "attribute");
+    return static_cast<double>(v);
+  }
+  double peak_reserved() override { return get(cudaMemPoolAttrReservedMemHigh); }
+  double peak_allocated() override { return get(cudaMemPoolAttrUsedMemHigh); }
+  void release_cache() override {
+    cuda_check(cudaDeviceSynchronize(), "sync");
+    cuda_check(cudaMemPoolTrimTo(pool, 0), "trim");
+  }
+};
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+template <typename R>
+resource* get() {
+  static std::unique_ptr<R> r;
+  if (!r) r = std::make_unique<R>();
+  return r.get();
+}
+
+struct streams {
+  std::vector<cudaStream_t> s;
+  explicit streams(int n) {
+    for (int i = 0; i < n; ++i) {
+      cudaStream_t x = nullptr;
+      cuda_check(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
+      s.push_back(x);
+    }
+  }
+  ~streams() {
+    for (auto x : s) {
+      cudaStreamSynchronize(x);
+      cudaStreamDestroy(x);
+    }
+  }
+};
+
+template <typename R>
+void BM_pairs(benchmark::State& state) {
+  if (!have_gpu()) return state.SkipWithError("needs a GPU");
+  resource* r = get<R>();
+  const auto n = static_cast<std::size_t>(state.range(0));
+  streams ss(static_cast<int>(state.range(1)));
+  for (auto s : ss.s) r->free(r->alloc(n, s), n, s);  // warm: the block is cached
+  for (auto _ : state)
+    for (auto s : ss.s) {
+      void* p = r->alloc(n, s);
+      benchmark::DoNotOptimize(p);
+      r->free(p, n, s);
+    }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ss.s.size()));  // pairs
+  state.counters["streams"] = static_cast<double>(ss.s.size());
+}
+
+template <typename R>
+void BM_random(benchmark::State& state) {
+  if (!have_gpu()) return state.SkipWithError("needs a GPU");
+  resource* r = get<R>();
+  const auto ops = static_cast<std::size_t>(state.range(0));
+  const auto max_size = static_cast<std::size_t>(state.range(1)) << 20;
+  constexpr std::size_t cap = 16'000'000'000ull;
+  cudaStream_t s = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  r->release_cache();
+  r->reset_peaks();
+  for (auto _ : state) {
+    std::mt19937_64 rng(42);
+    std::uniform_int_distribution<std::size_t> size_dist(1, max_size);
+    std::vector<std::pair<void*, std::size_t>> live;
+    std::size_t live_bytes = 0;
+    for (std::size_t i = 0; i < ops; ++i) {
+      const std::size_t n = size_dist(rng);
+      const bool alloc = live.empty() || (rng() % 100 < 73 && live_bytes + n <= cap);
+      if (alloc) {
+        live.emplace_back(r->alloc(n, s), n);
+        live_bytes += n;
+      } else {
+        const std::size_t k = rng() % live.size();
+        r->free(live[k].first, live[k].second, s);
+        live_bytes -= live[k].second;
+        live[k] = live.back();
+        live.pop_back();
+      }
+    }
+    for (auto& [p, n] : live) r->free(p, n, s);
+  }
+  cuda_check(cudaStreamSynchronize(s), "sync");
+  state.counters["peak_reserved_GB"] = r->peak_reserved() / 1e9;
+  state.counters["peak_allocated_GB"] = r->peak_allocated() / 1e9;
+  state.counters["reserved_over_allocated"] = r->peak_reserved() / std::max(1.0, r->peak_allocated());
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ops));
+  cuda_check(cudaStreamDestroy(s), "cudaStreamDestroy");
+  r->release_cache();
+}
+
+void pair_args(benchmark::internal::Benchmark* b) {
+  for (int streams : {1, 4})
+  {
+    for (std::int64_t n = 512; n <= (64 << 20); n *= 8) b->Args({n, streams});
+    b->Args({64 << 20, streams});
+  }
+}
+void random_args(benchmark::internal::Benchmark* b) {
+  for (std::int64_t ops : {10'000, 100'000})
+    for (std::int64_t mib : {4, 64}) b->Args({ops, mib});
+  b->Iterations(1)->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(BM_pairs, deferalloc_resource)->Apply(pair_args);
+BENCHMARK_TEMPLATE(BM_pairs, torch_resource)->Apply(pair_args);
+BENCHMARK_TEMPLATE(BM_pairs, async_resource)->Apply(pair_args);
+BENCHMARK_TEMPLATE(BM_random, deferalloc_resource)->Apply(random_args);
+BENCHMARK_TEMPLATE(BM_random, torch_resource)->Apply(random_args);
+BENCHMARK_TEMPLATE(BM_random, async_resource)->Apply(random_args);
+
+BENCHMARK_MAIN();
