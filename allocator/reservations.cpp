@@ -186,7 +186,8 @@ reservation_id reservation_manager::reserve(std::size_t bytes) {
   DFA_EXPECTS(bytes > 0, "reserve: size is zero");
   DFA_EXPECTS(bytes <= k_max_reservation, "reserve: size " + std::to_string(bytes) + " is absurd (limit 256 TiB)");
   const std::size_t padded = (bytes + granularity_ - 1) / granularity_ * granularity_;
-  const std::size_t align = std::max(granularity_, std::min(pool_->classes().back(), std::bit_floor(padded)));
+  // A power of two (the driver requires it), up to the largest chunk class.
+  const std::size_t align = std::max(granularity_, std::bit_floor(std::min(pool_->classes().back(), padded)));
   std::lock_guard lk(mu_);
   auto r = std::make_unique<reservation>();
   r->base = drv_->reserve(padded, align);

@@ -54,3 +54,17 @@ TEST(chunk_pool, budget_bounds_alive_bytes_and_trim_makes_room) {
   p.give_back(c);
   p.trim();
 }
+
+// Classes need not be powers of two (the optimizer uses one per piece shape); the
+// reservations built on such a pool still get a power-of-two alignment.
+TEST(chunk_pool, non_power_of_two_classes_serve_reservations) {
+  auto d = make_driver();
+  const std::size_t g = d->granularity();
+  auto pool = std::make_shared<chunk_pool>(d, chunk_pool_config{{28 * g}, 0});
+  reservation_manager m(pool);
+  auto id = m.reserve(56 * g + 5);
+  m.materialize(id, 0, whole, fill_mode::zero);
+  EXPECT_TRUE(m.is_backed(id));
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(m.address(id)) % (16 * g), 0u);
+  m.free(id);
+}

@@ -40,6 +40,7 @@ struct block {
   bool pending = false;           // freed, waiting for events of other streams
   bool resident = false;
   bool small = false;             // counted in the small pool
+  bool backed = false;            // every granule under the block is known to be backed
 };
 
 /// TLSF bins of one (group, stream) owner.

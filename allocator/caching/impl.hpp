@@ -166,6 +166,7 @@ struct caching_allocator::impl {
     r->seg = b->seg;
     r->owner = b->owner;
     r->free_gen = b->free_gen;
+    r->backed = b->backed;
     r->prev = b;
     r->next = b->next;
     if (b->next != nullptr) b->next->prev = r;
@@ -242,11 +243,15 @@ struct caching_allocator::impl {
 
   // Materializes the unbacked granules under `b`.  @throws out_of_memory
   void ensure_backed(block* b, stream_t stream) {
+    if (b->backed) return;
     segment& s = *b->seg;
     const std::size_t first = first_granule(b), end = end_granule(b);
     std::size_t missing = 0;
     for (std::size_t i = first; i < end; ++i) missing += s.backed[i] == 0;
-    if (missing == 0) return;
+    if (missing == 0) {
+      b->backed = true;
+      return;
+    }
     if (reserved + missing * g > limit)
       throw out_of_memory("memory fraction " + std::to_string(cfg.memory_fraction) + " allows " +
                           std::to_string(limit) + " bytes, " + std::to_string(reserved) + " are backed");
@@ -258,6 +263,7 @@ struct caching_allocator::impl {
     }
     mgr.materialize(runs, fill_mode::undefined, stream);
     for (std::size_t i = first; i < end; ++i) s.backed[i] = 1;
+    b->backed = true;
     note_backed(*s.grp, static_cast<std::int64_t>(missing * g));
     st.num_device_alloc += static_cast<std::int64_t>(runs.size());
   }
@@ -285,6 +291,7 @@ struct caching_allocator::impl {
       p->next = b->next;
       if (b->next != nullptr) b->next->prev = p;
       p->free_gen = std::max(p->free_gen, b->free_gen);
+      p->backed = p->backed && b->backed;
       recycle(b);
       b = p;
     }
@@ -295,6 +302,7 @@ struct caching_allocator::impl {
       b->next = n->next;
       if (n->next != nullptr) n->next->prev = b;
       b->free_gen = std::max(b->free_gen, n->free_gen);
+      b->backed = b->backed && n->backed;
       recycle(n);
     }
     ob.b.insert(b);
@@ -375,6 +383,13 @@ struct caching_allocator::impl {
         bytes += static_cast<std::int64_t>(g);
       }
     if (bytes != 0) {
+      for (block* b = s.first; b != nullptr; b = b->next)
+        if (b->backed)
+          for (std::size_t i = first_granule(b); i < end_granule(b); ++i)
+            if (!s.backed[i]) {
+              b->backed = false;
+              break;
+            }
       note_backed(*s.grp, -bytes);
       st.num_device_free += static_cast<std::int64_t>(rs.size());
     }

@@ -75,6 +75,7 @@ class host_driver final : public driver {
 
   std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) override {
     DFA_EXPECTS(bytes > 0 && bytes % granularity_ == 0, "host_driver::reserve: size must be a positive multiple of the granularity");
+    DFA_EXPECTS((alignment & (alignment - 1)) == 0, "host_driver::reserve: alignment must be a power of two (as cuMemAddressReserve requires)");
     if (alignment < granularity_) alignment = granularity_;
     const std::size_t span = bytes + alignment;
     void* p = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
