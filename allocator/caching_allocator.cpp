@@ -68,6 +68,7 @@ caching_allocator::caching_allocator(reservation_manager& mgr, caching_allocator
   d.small_grp.name = "small";
   d.small_grp.small = true;
   d.large_grp.name = "large";
+  d.large_grp.index = 1;
 }
 
 caching_allocator::~caching_allocator() {
@@ -105,7 +106,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
   DFA_EXPECTS(bytes <= k_max_request, "allocate: size " + std::to_string(bytes) + " is absurd (limit 64 TiB)");
   const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
   impl& d = *impl_;
-  const std::string* tag = t_regions.empty() ? nullptr : innermost(this);
+  const std::string* tag = g_open_regions.load(std::memory_order_relaxed) == 0 ? nullptr : innermost(this);
   std::lock_guard lk(d.mu);
   if (!d.pending.empty()) d.process_pending(false);
   group* grp = size <= cfg_.small_size ? &d.small_grp : &d.large_grp;
@@ -167,6 +168,15 @@ void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream
     throw invalid_argument("deallocate: pointer " + hex(p) + " was allocated with " + std::to_string(b->requested) +
                            " bytes, not " + std::to_string(bytes));
   stream_state* s = d.state_of(stream);
+  if (b->users == nullptr && b->owner == s) {  // the common case: no other stream to wait for
+    d.allocated.erase(p);
+    stat_set::sub(d.st.allocation, b->small, 1);
+    stat_set::sub(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
+    stat_set::sub(d.st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
+    b->allocated = false;
+    d.finish_free(b);
+    return;
+  }
   std::vector<stream_t> others;
   if (b->users != nullptr)
     for (stream_t u : *b->users)

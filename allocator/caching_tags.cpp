@@ -35,17 +35,20 @@ void caching_allocator::begin_tag(std::string_view tag) {
       t->name = std::string(tag);
       t->grp = std::make_unique<group>();
       t->grp->name = t->name;
+      t->grp->index = static_cast<int>(d.tags.size()) + 2;
       t->grp->tag = t.get();
       d.tags.push_back(std::move(t));
     }
   }
   t_regions.emplace_back(this, std::string(tag));
+  g_open_regions.fetch_add(1);
 }
 
 void caching_allocator::end_tag() {
   for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
     if (it->first == this) {
       t_regions.erase(std::next(it).base());
+      g_open_regions.fetch_sub(1);
       return;
     }
   throw invalid_state("end_tag: this thread is not inside a tagged region of this allocator");

@@ -6,6 +6,7 @@
 #include <deferalloc/errors.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <string>
@@ -28,6 +29,8 @@ inline std::string hex(std::uintptr_t p) {
 
 /// The tagged regions of this thread: (allocator, tag), innermost last.
 inline thread_local std::vector<std::pair<const void*, std::string>> t_regions;
+/// Regions open in all threads: when 0, allocate skips the thread-local lookup.
+inline std::atomic<long> g_open_regions{0};
 
 inline const std::string* innermost(const void* owner) {
   for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
@@ -36,7 +39,7 @@ inline const std::string* innermost(const void* owner) {
 }
 
 inline void erase_regions_of(const void* owner) noexcept {
-  std::erase_if(t_regions, [&](const auto& r) { return r.first == owner; });
+  g_open_regions.fetch_sub(static_cast<long>(std::erase_if(t_regions, [&](const auto& r) { return r.first == owner; })));
 }
 
 }  // namespace detail

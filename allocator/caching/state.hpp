@@ -21,6 +21,7 @@ struct stream_state {
   bool dirty = false;            // a block was freed since the last event was recorded
   event_t event = nullptr;       // outstanding event, recorded after frees of gen <= event_gen
   std::uint64_t event_gen = 0;
+  std::vector<struct owner_bins*> bins;  // by group index: this stream's bins there
 };
 
 struct group;
@@ -45,20 +46,22 @@ struct tag_state;
 /// Segments whose free blocks are binned together: the small pool, the large pool,
 /// or one tag.
 struct group {
+  int index = 0;  // small 0, large 1, tags 2..
   std::string name;
   bool small = false;
   tag_state* tag = nullptr;
   std::vector<std::unique_ptr<segment>> segments;
   std::vector<std::unique_ptr<owner_bins>> owners;
-  owner_bins* last = nullptr;
 
   owner_bins& bins_of(stream_state* st) {
-    if (last != nullptr && last->st == st) return *last;
+    if (static_cast<std::size_t>(index) < st->bins.size() && st->bins[index] != nullptr) return *st->bins[index];
     for (auto& o : owners)
-      if (o->st == st) return *(last = o.get());
+      if (o->st == st) return *o;
     owners.push_back(std::make_unique<owner_bins>());
     owners.back()->st = st;
-    return *(last = owners.back().get());
+    if (st->bins.size() <= static_cast<std::size_t>(index)) st->bins.resize(index + 1, nullptr);
+    st->bins[index] = owners.back().get();
+    return *owners.back();
   }
 };
 
