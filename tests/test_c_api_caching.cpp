@@ -48,6 +48,8 @@ TEST_F(c_api_caching, malloc_free_and_hooks) {
 TEST_F(c_api_caching, bad_input_sets_the_error_and_changes_nothing) {
   int x = 0;
   EXPECT_EQ(dfa_malloc(0, 0, nullptr), nullptr);
+  EXPECT_STREQ(dfa_last_error(), "") << "0 bytes is an empty tensor, not an error";
+  EXPECT_EQ(dfa_malloc(size_t{1} << 60, 0, nullptr), nullptr);
   EXPECT_NE(std::string(dfa_last_error()).find("dfa_malloc"), std::string::npos);
   dfa_free(&x, 4, 0, nullptr);
   EXPECT_NE(std::string(dfa_last_error()).find("not returned by this allocator"), std::string::npos) << dfa_last_error();

@@ -144,7 +144,8 @@ TEST_F(caching, empty_cache_returns_memory_to_the_device) {
   const std::size_t released = a->empty_cache();
   EXPECT_GT(released, 0u);
   EXPECT_LE(stat("reserved_bytes.all.current"), static_cast<std::int64_t>(g)) << "only the granule of `keep` stays";
-  EXPECT_LE(before - d.get_memory_info().free_bytes, g);
+  // Only the granule of `keep` stays (the CUDA driver may add a little for new events).
+  EXPECT_LE(before - d.get_memory_info().free_bytes, d.asynchronous() ? 4 * g : g);
   a->deallocate(keep, 3000, s1);
   EXPECT_GE(stat("num_device_free"), 1);
 }

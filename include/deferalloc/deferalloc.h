@@ -91,7 +91,8 @@ DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
 
 /* CUDAPluggableAllocator's alloc: a block of `size` bytes usable on `stream`, or NULL
  * with dfa_last_error() set.  Inside a tagged region (dfa_tag_begin) the block belongs
- * to the tag.  Cost: cached: one mutex, no driver call; see caching_allocator.hpp. */
+ * to the tag.  size 0 gives NULL without an error (PyTorch's empty tensors).
+ * Cost: cached: one mutex, no driver call; see caching_allocator.hpp. */
 DFA_C_API void* dfa_malloc(size_t size, int device, void* stream);
 /* CUDAPluggableAllocator's free (no status: a pointer we do not own sets
  * dfa_last_error() and is logged; nothing changes). */
