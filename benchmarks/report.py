@@ -109,7 +109,8 @@ def optimizer_report(rows):
 
     g = lambda b, k: b.get(k) if b else None
     pcie = min(g(duplex, "h2d_gbps"), g(duplex, "d2h_gbps")) * 1e9 / 12 / 1e9 if duplex else None
-    disk = 1e9 / (12 / (g(dio, "read_gbps") * 1e9) + 12 / (g(dio, "write_gbps") * 1e9)) / 1e9 if dio else None
+    # Reads and writes share the disk: 12 B/param read at R plus 12 B/param written at W.
+    disk = 1 / (12 / g(dio, "read_gbps") + 12 / g(dio, "write_gbps")) if dio else None
     line("device tier step", g(tiers["device"], "gparams_per_s"), g(torch_b, "gparams_per_s"), "torch fused AdamW", 1.0)
     line("host tier step", g(tiers["host"], "gparams_per_s"), pcie, "PCIe duplex bound", 0.85)
     line("host tier step vs serial order", g(tiers["host"], "gparams_per_s"), g(serial, "gparams_per_s"), "serial baseline",
