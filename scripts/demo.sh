@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
 cmake -S . -B build "${DFA_CMAKE_ARGS[@]}" -DDEFERALLOC_BUILD_TESTS=OFF -DDEFERALLOC_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build -j"$(nproc)" --target deferalloc_demo
+cmake --build build -j"$(nproc)" --target deferalloc_demo deferalloc_optimizer
 ./build/examples/deferalloc_demo "$@"
