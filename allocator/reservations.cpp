@@ -293,30 +293,32 @@ void reservation_manager::materialize(reservation_id id, std::size_t offset, std
   materialize(std::span<const range>(&r, 1), fill, stream);
 }
 
-namespace {
-struct work_item {
+struct reservation_manager::work_item {
   void* r;  // reservation*
   std::size_t begin, end;
 };
-void check_no_overlap(std::vector<work_item>& ws) {
-  std::sort(ws.begin(), ws.end(), [](const work_item& a, const work_item& b) {
-    return a.r != b.r ? std::less<void*>()(a.r, b.r) : a.begin < b.begin;
-  });
-  for (std::size_t i = 1; i < ws.size(); ++i)
-    DFA_EXPECTS(ws[i].r != ws[i - 1].r || ws[i].begin >= ws[i - 1].end, "ranges of one batch overlap");
-}
-}  // namespace
 
-void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
-  std::lock_guard lk(mu_);
-  const std::size_t g = granularity_;
+// Validates every range of a batch (known reservation, in bounds, aligned, no two
+// overlapping) and returns them as byte ranges, sorted.
+std::vector<reservation_manager::work_item> reservation_manager::resolve(std::span<const range> ranges) {
   std::vector<work_item> ws;
   for (const range& rg : ranges) {
     reservation& r = get(rg.id);
     auto [b, e] = clamp(r, rg.offset, rg.length);
     ws.push_back({&r, b, e});
   }
-  check_no_overlap(ws);
+  std::sort(ws.begin(), ws.end(), [](const work_item& a, const work_item& b) {
+    return a.r != b.r ? std::less<void*>()(a.r, b.r) : a.begin < b.begin;
+  });
+  for (std::size_t i = 1; i < ws.size(); ++i)
+    DFA_EXPECTS(ws[i].r != ws[i - 1].r || ws[i].begin >= ws[i - 1].end, "ranges of one batch overlap");
+  return ws;
+}
+
+void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  std::lock_guard lk(mu_);
+  const std::size_t g = granularity_;
+  std::vector<work_item> ws = resolve(ranges);
 
   // Unbacked runs, per reservation.
   struct run {
@@ -528,13 +530,7 @@ void reservation_manager::release_after(std::span<const range> ranges, keep_mode
 
 void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after) {
   const std::size_t g = granularity_;
-  std::vector<work_item> ws;
-  for (const range& rg : ranges) {
-    reservation& r = get(rg.id);
-    auto [b, e] = clamp(r, rg.offset, rg.length);
-    ws.push_back({&r, b, e});
-  }
-  check_no_overlap(ws);
+  std::vector<work_item> ws = resolve(ranges);
 
   // Chunks cut by a range are split first; the contents stay as they were, so a
   // failure later leaves the reservation equivalent to before.

@@ -136,7 +136,8 @@ class DFA_API reservation_manager {
  private:
   struct backup_segment;
   struct reservation;
-  struct release_plan;
+  struct work_item;
+  std::vector<work_item> resolve(std::span<const range> ranges);
 
   reservation& get(reservation_id id);
   const reservation& get(reservation_id id) const;
