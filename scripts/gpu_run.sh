@@ -13,8 +13,11 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 if has build; then
   prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+  # With the machine's torch: the LibTorch face, the torch tests and the torch baselines are
+  # built in the same tree (scripts/gpu_torch_run.sh can then run with DFA_BUILD_DIR=build-gpu).
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-        ${prefix:+-DCMAKE_PREFIX_PATH=$prefix} ${DFA_GPU_CMAKE_ARGS:-} > "$OUT/configure.log" 2>&1 \
+        ${prefix:+-DCMAKE_PREFIX_PATH=$prefix -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON=$(command -v python3)} \
+        ${DFA_GPU_CMAKE_ARGS:-} > "$OUT/configure.log" 2>&1 \
     || { tail -40 "$OUT/configure.log"; exit 1; }
   if ! cmake --build build-gpu -j16 > "$OUT/build.log" 2>&1; then
     grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
