@@ -107,38 +107,34 @@ resource* get() {
   return r.get();
 }
 
-struct streams {
-  std::vector<cudaStream_t> s;
-  explicit streams(int n) {
-    for (int i = 0; i < n; ++i) {
-      cudaStream_t x = nullptr;
-      cuda_check(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
-      s.push_back(x);
-    }
+// The same four streams for every benchmark (allocators keep per-stream state, as
+// PyTorch's stream pool does; streams are never destroyed during the run).
+std::vector<cudaStream_t> streams(int n) {
+  static std::vector<cudaStream_t> all;
+  while (all.size() < 4) {
+    cudaStream_t x = nullptr;
+    cuda_check(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
+    all.push_back(x);
   }
-  ~streams() {
-    for (auto x : s) {
-      cudaStreamSynchronize(x);
-      cudaStreamDestroy(x);
-    }
-  }
-};
+  return {all.begin(), all.begin() + n};
+}
 
 template <typename R>
 void BM_pairs(benchmark::State& state) {
   if (!have_gpu()) return state.SkipWithError("needs a GPU");
   resource* r = get<R>();
   const auto n = static_cast<std::size_t>(state.range(0));
-  streams ss(static_cast<int>(state.range(1)));
-  for (auto s : ss.s) r->free(r->alloc(n, s), n, s);  // warm: the block is cached
+  const std::vector<cudaStream_t> ss = streams(static_cast<int>(state.range(1)));
+  for (auto s : ss) r->free(r->alloc(n, s), n, s);  // warm: the block is cached
   for (auto _ : state)
-    for (auto s : ss.s) {
+    for (auto s : ss) {
       void* p = r->alloc(n, s);
       benchmark::DoNotOptimize(p);
       r->free(p, n, s);
     }
-  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ss.s.size()));  // pairs
-  state.counters["streams"] = static_cast<double>(ss.s.size());
+  for (auto s : ss) cuda_check(cudaStreamSynchronize(s), "sync");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ss.size()));  // pairs
+  state.counters["streams"] = static_cast<double>(ss.size());
 }
 
 template <typename R>
@@ -148,8 +144,7 @@ void BM_random(benchmark::State& state) {
   const auto ops = static_cast<std::size_t>(state.range(0));
   const auto max_size = static_cast<std::size_t>(state.range(1)) << 20;
   constexpr std::size_t cap = 16'000'000'000ull;
-  cudaStream_t s = nullptr;
-  cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaStream_t s = streams(1)[0];
   r->release_cache();
   r->reset_peaks();
   for (auto _ : state) {
@@ -178,7 +173,6 @@ void BM_random(benchmark::State& state) {
   state.counters["peak_allocated_GB"] = r->peak_allocated() / 1e9;
   state.counters["reserved_over_allocated"] = r->peak_reserved() / std::max(1.0, r->peak_allocated());
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ops));
-  cuda_check(cudaStreamDestroy(s), "cudaStreamDestroy");
   r->release_cache();
 }
 
