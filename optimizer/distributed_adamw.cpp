@@ -1,0 +1,313 @@
+// Note [Distributed step]
+//
+// Rationale: data-parallel ranks hold the same model; the FP32 main params and Adam
+// moments (12 B/param) need to exist once per data-parallel group, not once per rank
+// (ZeRO-1, Megatron's distributed optimizer).  Each rank keeps the state of one
+// contiguous shard of the flat parameter buffer, and that state is itself deferred and
+// streamed (streamed_adamw, any tier), so the state's HBM is a window, not 12 B/param.
+//
+// Approach
+//  - make_layout pads the flat buffers to world * shard elements, shard a multiple of
+//    `align`; the padding is zero in params and grads, so AdamW keeps it exactly zero
+//    (m = v = 0, update 0 / (0 + eps) = 0, decay of 0 is 0): the optimizer registers the
+//    whole padded shard, every rank has a non-empty shard whatever numel and world are.
+//  - step(): in-place reduce-scatter (sum) of the gradient buffer, so rank r's block of
+//    that buffer holds the summed gradient of its shard -> squared norm of the shard
+//    (grad_sq_norm, double), all-gathered, summed in rank order (every rank gets the same
+//    bits, whatever order a ring would add in) -> grad_scale = clip / world (averaging
+//    folded into the kernel's scale; the BF16 sum is rounded once per NCCL add) ->
+//    streamed_adamw::step on the shard, which writes the BF16 shard -> in-place
+//    all-gather of the BF16 params, queued on the user's stream.
+//  - Buffers the collectives touch are registered with the communicator
+//    (ncclCommRegister).  A registration names physical memory that peers may map, so a
+//    pause that releases the buffers' memory must deregister them first and register
+//    again after the resume (see deregister_buffers / register_buffers), or keep the
+//    buffers resident.  A step while deregistered runs unregistered (correct, maybe
+//    slower).
+//
+// Limits: one flat buffer (one dtype) per model; the gradient buffer's non-owned blocks
+// are garbage after a step (zero them before the next backward, as Megatron does).
+#include <deferalloc/chunk_pool.hpp>
+#include <deferalloc/distributed.hpp>
+#include <deferalloc/errors.hpp>
+#include <deferalloc/reservations.hpp>
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "../allocator/log.hpp"
+
+namespace deferalloc::dist {
+
+std::size_t size_of(dtype t) noexcept {
+  switch (t) {
+    case dtype::bf16: return 2;
+    case dtype::fp32: return 4;
+    case dtype::fp64: return 8;
+  }
+  return 0;
+}
+
+shard_layout make_layout(std::size_t numel, int world, int rank, std::size_t align) {
+  DFA_EXPECTS(numel > 0, "make_layout: numel is zero");
+  DFA_EXPECTS(numel <= (std::size_t{1} << 44), "make_layout: numel " + std::to_string(numel) + " is absurd");
+  DFA_EXPECTS(world >= 1, "make_layout: world size " + std::to_string(world) + " < 1");
+  DFA_EXPECTS(rank >= 0 && rank < world,
+              "make_layout: rank " + std::to_string(rank) + " outside [0, " + std::to_string(world) + ")");
+  DFA_EXPECTS(align > 0, "make_layout: align is zero");
+  shard_layout l;
+  l.numel = numel;
+  l.world = world;
+  l.rank = rank;
+  const std::size_t w = static_cast<std::size_t>(world);
+  const std::size_t per = (numel + w - 1) / w;
+  l.shard = (per + align - 1) / align * align;
+  l.padded_numel = l.shard * w;
+  l.begin = l.shard * static_cast<std::size_t>(rank);
+  l.valid = numel > l.begin ? std::min(l.shard, numel - l.begin) : 0;
+  return l;
+}
+
+communicator::~communicator() = default;
+
+// ---- world size 1 without NCCL --------------------------------------------------------
+
+namespace {
+class local_communicator final : public communicator {
+ public:
+  explicit local_communicator(std::shared_ptr<driver> drv) : drv_(std::move(drv)) {
+    DFA_EXPECTS(drv_ != nullptr, "make_local_communicator: driver is null");
+  }
+  int rank() const override { return 0; }
+  int world() const override { return 1; }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
+    if (send != recv) drv_->copy_async(recv, send, count * size_of(t), s);
+  }
+  void all_gather(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
+    if (send != recv) drv_->copy_async(recv, send, count * size_of(t), s);
+  }
+  void all_reduce_sum(void*, std::size_t, dtype, stream_t) override {}
+  void* register_buffer(void*, std::size_t) override { return nullptr; }
+  void deregister_buffer(void*) override {}
+  std::string name() const override { return "local"; }
+
+ private:
+  std::shared_ptr<driver> drv_;
+};
+}  // namespace
+
+std::shared_ptr<communicator> make_local_communicator(std::shared_ptr<driver> drv) {
+  return std::make_shared<local_communicator>(std::move(drv));
+}
+
+// ---- the distributed optimizer ---------------------------------------------------------
+
+using clk = std::chrono::steady_clock;
+
+struct distributed_adamw::impl {
+  std::shared_ptr<driver> drv;
+  std::shared_ptr<communicator> comm;
+  dist_config cfg;
+  shard_layout lay;
+  std::uint16_t* params = nullptr;
+  void* grads = nullptr;
+  std::unique_ptr<optim::streamed_adamw> opt;
+  // One granule for the norms' all-gather (world doubles), from its own manager.
+  std::shared_ptr<chunk_pool> pool;
+  std::unique_ptr<reservation_manager> mgr;
+  reservation_id scratch_id{};
+  double* scratch = nullptr;
+  void* reg_params = nullptr;
+  void* reg_grads = nullptr;
+  bool registered = false;
+
+  std::size_t grad_size() const { return cfg.grads == optim::grad_type::bf16 ? 2 : 4; }
+  dtype grad_dtype() const { return cfg.grads == optim::grad_type::bf16 ? dtype::bf16 : dtype::fp32; }
+  void* grad_shard() const { return static_cast<char*>(grads) + lay.begin * grad_size(); }
+  double global_sq_norm(stream_t s);
+};
+
+shard_layout distributed_adamw::layout_for(std::size_t numel, const communicator& comm, std::size_t align) {
+  return make_layout(numel, comm.world(), comm.rank(), align);
+}
+
+distributed_adamw::distributed_adamw(std::shared_ptr<driver> drv, std::shared_ptr<communicator> comm, std::size_t numel,
+                                     std::uint16_t* params, void* grads, dist_config cfg)
+    : impl_(std::make_unique<impl>()) {
+  auto& I = *impl_;
+  DFA_EXPECTS(drv != nullptr, "distributed_adamw: driver is null");
+  DFA_EXPECTS(comm != nullptr, "distributed_adamw: communicator is null");
+  DFA_EXPECTS(params != nullptr && grads != nullptr, "distributed_adamw: params or grads buffer is null");
+  DFA_EXPECTS(std::isfinite(cfg.max_grad_norm) && cfg.max_grad_norm >= 0,
+              "distributed_adamw: max_grad_norm must be finite and >= 0");
+  I.drv = std::move(drv);
+  I.comm = std::move(comm);
+  I.cfg = std::move(cfg);
+  I.lay = make_layout(numel, I.comm->world(), I.comm->rank(), I.cfg.align);
+  I.params = params;
+  I.grads = grads;
+  optim::optimizer_config oc = I.cfg.optimizer;
+  oc.rank = I.comm->rank();
+  I.opt = std::make_unique<optim::streamed_adamw>(I.drv, std::move(oc));
+  I.opt->add_shard(params + I.lay.begin, I.lay.shard, "rank" + std::to_string(I.lay.rank));
+  I.pool = std::make_shared<chunk_pool>(I.drv);
+  I.mgr = std::make_unique<reservation_manager>(I.pool);
+  const std::size_t bytes = std::max<std::size_t>(I.drv->granularity(), sizeof(double) * I.lay.world);
+  I.scratch_id = I.mgr->reserve(bytes);
+  I.mgr->materialize(I.scratch_id, 0, whole, fill_mode::zero, nullptr);
+  I.scratch = static_cast<double*>(I.mgr->address(I.scratch_id));
+  if (I.cfg.register_buffers) register_buffers();
+}
+
+distributed_adamw::~distributed_adamw() {
+  if (!impl_) return;
+  try {
+    deregister_buffers();
+  } catch (const std::exception& e) {
+    deferalloc::detail::log(log_level::error, std::string("distributed_adamw: ") + e.what());
+  }
+}
+
+const shard_layout& distributed_adamw::layout() const { return impl_->lay; }
+std::uint64_t distributed_adamw::steps() const { return impl_->opt->steps(); }
+optim::streamed_adamw& distributed_adamw::optimizer() { return *impl_->opt; }
+communicator& distributed_adamw::comm() { return *impl_->comm; }
+bool distributed_adamw::buffers_registered() const { return impl_->registered; }
+
+bool distributed_adamw::register_buffers() {
+  auto& I = *impl_;
+  if (I.registered) return true;
+  I.reg_params = I.comm->register_buffer(I.params, I.lay.padded_numel * 2);
+  try {
+    I.reg_grads = I.comm->register_buffer(I.grads, I.lay.padded_numel * I.grad_size());
+  } catch (...) {
+    I.comm->deregister_buffer(I.reg_params);
+    I.reg_params = nullptr;
+    throw;
+  }
+  I.registered = true;
+  return true;
+}
+
+void distributed_adamw::deregister_buffers() {
+  auto& I = *impl_;
+  if (!I.registered) return;
+  void* p = I.reg_params;
+  void* g = I.reg_grads;
+  I.reg_params = I.reg_grads = nullptr;
+  I.registered = false;
+  std::string err;
+  try {
+    I.comm->deregister_buffer(g);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  I.comm->deregister_buffer(p);
+  if (!err.empty()) throw cuda_error("deregister_buffers: " + err);
+}
+
+void distributed_adamw::initialize(stream_t stream) { impl_->opt->initialize(stream); }
+
+// Sum over ranks of each rank's squared shard norm, added in rank order: every rank
+// computes the same double (an all-reduce would let a ring add in rank-dependent order).
+double distributed_adamw::impl::global_sq_norm(stream_t s) {
+  const void* g[1] = {grad_shard()};
+  const double local = opt->grad_sq_norm(g, cfg.grads, s);
+  if (lay.world == 1) return local;
+  std::vector<double> all(static_cast<std::size_t>(lay.world), 0.0);
+  drv->copy_async(scratch + lay.rank, &local, sizeof(double), s);
+  comm->all_gather(scratch + lay.rank, scratch, 1, dtype::fp64, s);
+  drv->copy_async(all.data(), scratch, sizeof(double) * all.size(), s);
+  drv->synchronize_stream(s);
+  double sum = 0;
+  for (double v : all) sum += v;
+  return sum;
+}
+
+dist_step_report distributed_adamw::step(stream_t stream) {
+  auto& I = *impl_;
+  DFA_EXPECTS(I.opt->initialized(), "distributed_adamw::step: call initialize() (or load a checkpoint) first",
+              invalid_state);
+  dist_step_report r;
+  auto t0 = clk::now();
+  I.comm->reduce_scatter(I.grads, I.grad_shard(), I.lay.shard, I.grad_dtype(), stream);
+  const double w = static_cast<double>(I.lay.world);
+  double scale = 1.0 / w;
+  if (I.cfg.max_grad_norm > 0) {
+    const double sq = I.global_sq_norm(stream);
+    DFA_EXPECTS(std::isfinite(sq), "distributed_adamw::step: the gradient norm is not finite (step " +
+                                       std::to_string(I.opt->steps() + 1) + ")",
+                invalid_state);
+    r.grad_norm = std::sqrt(sq) / w;
+    const double coef = I.cfg.max_grad_norm / (r.grad_norm + 1e-6);
+    if (coef < 1.0) scale = coef / w;
+  }
+  r.grad_scale = static_cast<float>(scale);
+  auto t1 = clk::now();
+  const void* g[1] = {I.grad_shard()};
+  I.opt->step(g, I.cfg.grads, r.grad_scale, stream);
+  auto t2 = clk::now();
+  I.comm->all_gather(I.params + I.lay.begin, I.params, I.lay.shard, dtype::bf16, stream);
+  auto t3 = clk::now();
+  r.seconds_reduce = std::chrono::duration<double>(t1 - t0).count();
+  r.seconds_step = std::chrono::duration<double>(t2 - t1).count();
+  r.seconds_gather = std::chrono::duration<double>(t3 - t2).count();
+  r.optimizer = I.opt->last_report();
+  return r;
+}
+
+void distributed_adamw::sync_model_params(stream_t stream) {
+  auto& I = *impl_;
+  I.opt->sync_model_params(stream);
+  I.comm->all_gather(I.params + I.lay.begin, I.params, I.lay.shard, dtype::bf16, stream);
+}
+
+namespace {
+std::string layout_text(const shard_layout& l) {
+  std::ostringstream o;
+  o << "deferalloc-distributed 1\nworld " << l.world << "\nnumel " << l.numel << "\nshard " << l.shard << "\n";
+  return o.str();
+}
+}  // namespace
+
+void distributed_adamw::save_checkpoint(const std::string& dir) {
+  auto& I = *impl_;
+  DFA_EXPECTS(!dir.empty(), "distributed_adamw::save_checkpoint: directory is empty");
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw io_error("save_checkpoint: cannot create " + dir + ": " + std::strerror(errno));
+  I.opt->save_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
+  if (I.lay.rank == 0) {
+    const std::string path = dir + "/distributed.txt", tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      f << layout_text(I.lay);
+      f.flush();
+      if (!f) throw io_error("save_checkpoint: cannot write " + tmp);
+    }
+    ::chmod(tmp.c_str(), 0600);
+    if (std::rename(tmp.c_str(), path.c_str()) != 0)
+      throw io_error("save_checkpoint: cannot rename " + tmp + ": " + std::strerror(errno));
+  }
+}
+
+void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream) {
+  auto& I = *impl_;
+  std::ifstream f(dir + "/distributed.txt");
+  if (!f) throw corrupt_data("load_checkpoint: " + dir + "/distributed.txt is missing (not a distributed checkpoint)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  if (ss.str() != layout_text(I.lay))
+    throw corrupt_data("load_checkpoint: " + dir + " was saved with another layout:\n" + ss.str() + "this run has:\n" +
+                       layout_text(I.lay));
+  I.opt->load_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
+  sync_model_params(stream);
+}
+
+}  // namespace deferalloc::dist
