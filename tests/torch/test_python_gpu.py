@@ -35,7 +35,12 @@ class GpuDeferred(unittest.TestCase):
             t.fill_(i)
             dfa.release(t, keep="host")
             dfa.trim()
-            self.assertEqual(free_hbm(), free0, f"HBM used while released, cycle {i}")
+            if i == 0:
+                # The pinned 1 GiB backup is mapped into the GPU's address space once: its page
+                # tables take HBM (2 MiB per GiB on the H200); the tensor's bytes take none.
+                free_released = free_hbm()
+                self.assertLessEqual(free0 - free_released, (256 << 20) * 4 // 256)
+            self.assertEqual(free_hbm(), free_released, f"HBM used while released, cycle {i}")
             self.assertEqual((t.data_ptr(), id(t)), (ptr, ident))
 
     def test_cuda_graph_after_release_restore(self):

@@ -46,6 +46,7 @@ TEST(torch_gpu, deferred_tensor_100_cycles_stable_and_zero_hbm_while_released) {
   const void* ptr = t.data_ptr();
   const auto* impl = t.unsafeGetTensorImpl();
   EXPECT_EQ(free_hbm(), free0) << "reserving used HBM";
+  std::size_t free_released = 0;
   for (int i = 0; i < 100; ++i) {
     deferalloc::torch::materialize(t, i == 0 ? fill_mode::zero : fill_mode::restore);
     if (i == 0) EXPECT_EQ(free0 - free_hbm(), static_cast<std::size_t>(n) * 4) << "materialize backs exactly the tensor";
@@ -53,7 +54,15 @@ TEST(torch_gpu, deferred_tensor_100_cycles_stable_and_zero_hbm_while_released) {
     t.fill_(static_cast<float>(i));
     deferalloc::torch::release(t, keep_mode::host);
     ASSERT_EQ(dfa_trim(0, nullptr), DFA_SUCCESS);
-    ASSERT_EQ(free_hbm(), free0) << "HBM used while released, cycle " << i;
+    if (i == 0) {
+      // The first release pins a 1 GiB host backup, which the driver maps into the GPU's
+      // address space: its page tables take HBM once (2 MiB per GiB of 4 KiB host pages,
+      // seen on the H200), for as long as the pinned buffer is cached.  The tensor's own
+      // bytes must take none, in every cycle.
+      free_released = free_hbm();
+      EXPECT_LE(free0 - free_released, static_cast<std::size_t>(n) * 4 / 256) << "more than page tables held";
+    }
+    ASSERT_EQ(free_hbm(), free_released) << "HBM used while released, cycle " << i;
     ASSERT_EQ(t.data_ptr(), ptr);
     ASSERT_EQ(t.unsafeGetTensorImpl(), impl);
   }
