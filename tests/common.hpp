@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <unistd.h>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <algorithm>
 #include <atomic>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -55,6 +58,22 @@ inline std::vector<std::uint8_t> download(deferalloc::driver& d, const void* dev
   d.synchronize_stream(nullptr);
   return out;
 }
+
+/// A fresh directory under /tmp (mkdtemp: 0700, unpredictable name), removed at the end.
+struct temp_dir {
+  temp_dir() {
+    char tmpl[] = "/tmp/dfa-test-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = tmpl;
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+  std::string path;
+};
 
 /// Builds a pool and a manager on `drv`.
 struct stack {

@@ -25,7 +25,6 @@
 using namespace deferalloc;
 using namespace deferalloc::dist;
 using namespace dfa_test;
-namespace fs = std::filesystem;
 using optim::detail::from_bf16;
 using optim::detail::to_bf16;
 using optim::tier;
@@ -37,15 +36,6 @@ int test_world() {
   return e && *e ? std::atoi(e) : 0;
 }
 bool on_cuda() { return driver_name() == "cuda"; }
-
-struct temp_dir {
-  temp_dir() {
-    char tmpl[] = "/tmp/dfa-dist-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~temp_dir() { fs::remove_all(path); }
-  std::string path;
-};
 
 // ---- an in-process communicator: ranks are threads, memory is host memory ----------
 struct group {

@@ -17,19 +17,8 @@
 using namespace deferalloc;
 using namespace deferalloc::optim;
 using namespace dfa_test;
-namespace fs = std::filesystem;
 
 namespace {
-
-// A temporary directory removed at the end of the test.
-struct temp_dir {
-  temp_dir() {
-    char tmpl[] = "/tmp/dfa-opt-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~temp_dir() { fs::remove_all(path); }
-  std::string path;
-};
 
 // Device memory for the model's BF16 params and gradients, from its own manager.
 struct device_buffers {

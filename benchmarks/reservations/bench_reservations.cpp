@@ -27,15 +27,32 @@ void add_driver_counters(benchmark::State& st, const driver_call_counts& before,
   st.counters["set_access_per_iter"] = (after[primitive::set_access] - before[primitive::set_access]) / it;
 }
 
+// The driver under measurement, a pool, a manager and `n` reservations of total_bytes()/n.
+struct bench_stack {
+  explicit bench_stack(std::size_t n)
+      : drv(make_bench_driver()), pool(std::make_shared<chunk_pool>(drv)), m(std::make_unique<reservation_manager>(pool)),
+        each(total_bytes() / n) {
+    for (std::size_t i = 0; i < n; ++i) rs.push_back({m->reserve(each), 0, whole});
+  }
+  ~bench_stack() {
+    for (const auto& r : rs) m->free(r.id);
+  }
+  std::shared_ptr<driver> drv;
+  std::shared_ptr<chunk_pool> pool;
+  std::unique_ptr<reservation_manager> m;
+  std::size_t each;
+  std::vector<range> rs;
+};
+
 void BM_materialize_release(benchmark::State& st) {
   const auto n = static_cast<std::size_t>(st.range(0));
   const bool warm = st.range(1) != 0, batch = st.range(2) != 0;
-  auto drv = make_bench_driver();
-  auto pool = std::make_shared<chunk_pool>(drv);
-  reservation_manager m(pool);
-  const std::size_t each = total_bytes() / n;
-  std::vector<range> rs;
-  for (std::size_t i = 0; i < n; ++i) rs.push_back({m.reserve(each), 0, whole});
+  bench_stack b(n);
+  auto& drv = b.drv;
+  auto& pool = b.pool;
+  auto& m = *b.m;
+  auto& rs = b.rs;
+  const std::size_t each = b.each;
   auto cycle = [&] {
     if (batch) {
       m.materialize(rs, fill_mode::undefined);
@@ -58,7 +75,6 @@ void BM_materialize_release(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * n * each));
   add_driver_counters(st, calls0, *drv);
   st.SetLabel(drv->name());
-  for (const auto& r : rs) m.free(r.id);
 }
 
 void BM_per_granule_baseline(benchmark::State& st) {
@@ -112,12 +128,11 @@ void BM_cudaMalloc_baseline(benchmark::State& st) {
 void BM_host_backup(benchmark::State& st) {
   const bool restore = st.range(0) != 0;
   const std::size_t n = 64;
-  auto drv = make_bench_driver();
-  auto pool = std::make_shared<chunk_pool>(drv);
-  reservation_manager m(pool);
-  const std::size_t each = total_bytes() / n;
-  std::vector<range> rs;
-  for (std::size_t i = 0; i < n; ++i) rs.push_back({m.reserve(each), 0, whole});
+  bench_stack b(n);
+  auto& drv = b.drv;
+  auto& m = *b.m;
+  auto& rs = b.rs;
+  const std::size_t each = b.each;
   m.materialize(rs, fill_mode::zero);
   drv->synchronize_stream(nullptr);
   m.release(rs, keep_mode::host);  // warm-up: pins the backup buffers once
@@ -142,7 +157,6 @@ void BM_host_backup(benchmark::State& st) {
   }
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * n * each));
   st.SetLabel(drv->name());
-  for (const auto& r : rs) m.free(r.id);
 }
 
 void BM_pinned_memcpy_baseline(benchmark::State& st) {
