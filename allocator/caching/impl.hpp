@@ -258,15 +258,24 @@ struct caching_allocator::impl {
     if (reserved + missing * g > limit)
       throw out_of_memory("memory fraction " + std::to_string(cfg.memory_fraction) + " allows " +
                           std::to_string(limit) + " bytes, " + std::to_string(reserved) + " are backed");
+    // Grow in steps: also back the unbacked granules that follow the block (free space,
+    // since allocated blocks are always backed) up to cfg.grow_bytes in all, within the limit.
+    std::size_t grow_end = end;
+    const std::size_t granules = s.backed.size();
+    const std::size_t grow = s.grp->small ? 0 : cfg.grow_bytes;  // small blocks share granules anyway
+    while (grow_end < granules && !s.backed[grow_end] && (missing + grow_end - end + 1) * g <= grow &&
+           reserved + (missing + grow_end - end + 1) * g <= limit)
+      ++grow_end;
     std::vector<range> runs;
-    for (std::size_t i = first; i < end; ++i) {
+    for (std::size_t i = first; i < grow_end; ++i) {
       if (s.backed[i]) continue;
       if (!runs.empty() && runs.back().offset + runs.back().length == i * g) runs.back().length += g;
       else runs.push_back({s.id, i * g, g});
     }
     mgr.materialize(runs, fill_mode::undefined, stream);
-    for (std::size_t i = first; i < end; ++i) s.backed[i] = 1;
+    for (std::size_t i = first; i < grow_end; ++i) s.backed[i] = 1;
     b->backed = true;
+    missing += grow_end - end;
     note_backed(*s.grp, static_cast<std::int64_t>(missing * g));
     st.num_device_alloc += static_cast<std::int64_t>(runs.size());
   }
