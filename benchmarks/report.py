@@ -118,6 +118,8 @@ def optimizer_report(rows):
     line("file tier step", g(tiers["file"], "gparams_per_s"), disk, "direct-I/O bound", 0.85)
     line("device tier init", g(tiers["device"], "init_gparams_per_s"), g(duplex, "d2d_gbps") / 6 if duplex else None,
          "D2D copy, 6 B/param", 0.85)
+    line("device tier BF16 sync (warm)", g(tiers["device"], "downcast_gparams_per_s"),
+         g(duplex, "d2d_gbps") / 6 if duplex else None, "D2D copy, 6 B/param", None)
     line("host tier init", g(tiers["host"], "init_gparams_per_s"), g(duplex, "d2h_alone_gbps") / 4 if duplex else None,
          "D2H copy, 4 B/param", 0.85)
     line("file tier init", g(tiers["file"], "init_gparams_per_s"), g(dio, "write_gbps") / 4 if dio else None,
