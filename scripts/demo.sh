@@ -2,8 +2,8 @@
 # Builds and runs the main job: deferalloc_demo (GPU when present, host driver otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+DEFERALLOC_NO_TORCH=1 bash scripts/setup.sh  # the demo needs no torch
 source scripts/env.sh
-cmake -S . -B build "${DFA_CMAKE_ARGS[@]}" -DDEFERALLOC_BUILD_TESTS=OFF -DDEFERALLOC_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build -j"$(nproc)" --target deferalloc_demo deferalloc_optimizer
-./build/examples/deferalloc_demo "$@"
+cmake -S . -B build-demo "${DFA_CMAKE_ARGS[@]}" -DDEFERALLOC_BUILD_TESTS=OFF -DDEFERALLOC_BUILD_BENCHMARKS=OFF >/dev/null
+cmake --build build-demo -j"$(nproc)" --target deferalloc_demo
+./build-demo/examples/deferalloc_demo "$@"
