@@ -78,27 +78,22 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaStreamSynchronize(s));
 
     std::vector<double> p_ms, r_ms, ph_ms, rh_ms;
-    for (int r = 0; r < reps; ++r) {
+    // One timed pause + resume of the tag.
+    auto cycle = [&](deferalloc::keep_mode keep, std::vector<double>& pause_ms, std::vector<double>& resume_ms) {
       auto t0 = clk::now();
-      a.pause("bench", deferalloc::keep_mode::discard, s);
+      a.pause("bench", keep, s);
       auto t1 = clk::now();
       a.resume("bench", s);
       CUDA_CHECK(cudaStreamSynchronize(s));
       auto t2 = clk::now();
-      p_ms.push_back(ms(t0, t1));
-      r_ms.push_back(ms(t1, t2));
-    }
+      pause_ms.push_back(ms(t0, t1));
+      resume_ms.push_back(ms(t1, t2));
+    };
+    for (int r = 0; r < reps; ++r) cycle(deferalloc::keep_mode::discard, p_ms, r_ms);
     fill();
     bool ok = true;
     for (int r = 0; r < reps; ++r) {
-      auto t0 = clk::now();
-      a.pause("bench", deferalloc::keep_mode::host, s);
-      auto t1 = clk::now();
-      a.resume("bench", s);
-      CUDA_CHECK(cudaStreamSynchronize(s));
-      auto t2 = clk::now();
-      ph_ms.push_back(ms(t0, t1));
-      rh_ms.push_back(ms(t1, t2));
+      cycle(deferalloc::keep_mode::host, ph_ms, rh_ms);
       ok &= verify();
     }
 
