@@ -134,6 +134,11 @@ def optimizer_report(rows):
     if duplex:
         print(f"pinned copy: H2D {duplex['h2d_gbps']:.1f} GB/s and D2H {duplex['d2h_gbps']:.1f} GB/s at once, "
               f"D2H alone {duplex['d2h_alone_gbps']:.1f} GB/s, D2D {duplex['d2d_gbps']:.0f} GB/s")
+    ft = find(rows, "BM_first_touch")
+    if ft:
+        print(f"D2D copy of 2 GiB into fresh memory: cudaMalloc {ft['cudamalloc_first_gbps']:.0f} GB/s first, "
+              f"{ft['cudamalloc_second_gbps']:.0f} second; deferred reservation {ft['vmm_first_gbps']:.0f} first, "
+              f"{ft['vmm_second_gbps']:.0f} second")
     if dio:
         print(f"direct I/O: write {dio['write_gbps']:.2f} GB/s, read {dio['read_gbps']:.2f} GB/s")
     for t in ("host", "file"):

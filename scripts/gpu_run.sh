@@ -15,7 +15,7 @@ if has build; then
   prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
   # With the machine's torch: the LibTorch face, the torch tests and the torch baselines are
   # built in the same tree (scripts/gpu_torch_run.sh can then run with DFA_BUILD_DIR=build-gpu).
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
         ${prefix:+-DCMAKE_PREFIX_PATH=$prefix -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON=$(command -v python3)} \
         ${DFA_GPU_CMAKE_ARGS:-} > "$OUT/configure.log" 2>&1 \
     || { tail -40 "$OUT/configure.log"; exit 1; }

@@ -10,7 +10,9 @@
 // DFA_BENCH_DEVICE_MPARAMS (1000); file tier under DFA_BENCH_DIR (default /tmp).
 // Counters: gparams_per_s (work), gbps (baselines), peak_state_hbm (bytes, host tier:
 // cuMemGetInfo sampled after every piece of init and steps), window.
+#include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/optimizer.hpp>
+#include <deferalloc/reservations.hpp>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -187,6 +189,52 @@ void BM_pinned_duplex(benchmark::State& st) {
   cudaFree(d2);
 }
 
+// First write into memory that was never touched, against a second write into the same
+// memory: a 2 GiB D2D copy into (a) a fresh cudaMalloc buffer, (b) a fresh deferred
+// reservation (cuMemCreate + cuMemMap through the pool).  Tells whether the device-tier
+// initializer's one-shot figure pays for first touch, and whether VMM memory pays more
+// than cudaMalloc memory for it.
+void BM_first_touch(benchmark::State& st) {
+  if (!on_gpu()) {
+    st.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::size_t bytes = std::size_t{2} << 30;
+  auto drv = make_cuda_driver(0);
+  auto pool = std::make_shared<chunk_pool>(drv);
+  reservation_manager mgr(pool);
+  void* src = nullptr;
+  DFA_BENCH_CUDA(cudaMalloc(&src, bytes));
+  DFA_BENCH_CUDA(cudaMemset(src, 1, bytes));
+  DFA_BENCH_CUDA(cudaDeviceSynchronize());
+  auto copy = [&](void* dst) {
+    DFA_BENCH_CUDA(cudaDeviceSynchronize());
+    auto t0 = clock::now();
+    DFA_BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
+    DFA_BENCH_CUDA(cudaDeviceSynchronize());
+    return 2.0 * bytes / seconds_since(t0) / 1e9;  // read + write, as d2d_gbps
+  };
+  double mf = 0, ms = 0, vf = 0, vs = 0;
+  for (auto _ : st) {
+    void* dst = nullptr;
+    auto t0 = clock::now();
+    DFA_BENCH_CUDA(cudaMalloc(&dst, bytes));
+    mf = copy(dst), ms = copy(dst);
+    DFA_BENCH_CUDA(cudaFree(dst));
+    const reservation_id r = mgr.reserve(bytes);
+    mgr.materialize(r, 0, bytes, fill_mode::undefined, nullptr);
+    vf = copy(mgr.address(r)), vs = copy(mgr.address(r));
+    mgr.free(r);
+    pool->trim(0);  // the next iteration creates its chunks again
+    st.SetIterationTime(seconds_since(t0));
+  }
+  st.counters["cudamalloc_first_gbps"] = mf;
+  st.counters["cudamalloc_second_gbps"] = ms;
+  st.counters["vmm_first_gbps"] = vf;
+  st.counters["vmm_second_gbps"] = vs;
+  cudaFree(src);
+}
+
 // Direct-I/O write then read bandwidth on the benchmark directory's disk: 8 threads,
 // 8 MiB requests, the same shape as the file tier's I/O.
 void BM_direct_io(benchmark::State& st) {
@@ -317,6 +365,7 @@ const std::size_t k_file = env_size("DFA_BENCH_FILE_MPARAMS", 250) * 1'000'000;
 }  // namespace
 
 BENCHMARK(BM_pinned_duplex)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_first_touch)->Iterations(2)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_direct_io)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_tier, device, tier::device, k_device)->Iterations(5)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_tier, host, tier::host, k_host)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
