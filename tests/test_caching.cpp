@@ -5,6 +5,8 @@
 // chunks at resume) and every misuse as a typed error that changes nothing.
 #include <deferalloc/caching_allocator.hpp>
 
+#include <algorithm>
+#include <bit>
 #include <map>
 #include <set>
 #include <thread>
@@ -345,24 +347,37 @@ TEST_F(caching, threads_allocate_concurrently) {
   EXPECT_EQ(stat("allocation.all.current"), 0);
 }
 
-// A growing heap backs memory in steps of grow_bytes: one map/set_access per step, not
-// per block (cuMemSetAccess costs 26 us on H200).  grow_bytes = 0 backs block by block.
+// A growing heap backs memory in aligned steps (Note [Growth steps]): one chunk, one
+// map and one set_access per step of at least 16 MiB in the large pool, not per block
+// (cuMemSetAccess costs 26 us on H200), with at most one step unused at the heap's end.
+// grow_bytes = 0 backs block by block.
 TEST_F(caching, a_growing_heap_backs_memory_in_steps) {
-  const std::size_t block = 24 * g + g / 2;  // large blocks, not granule multiples
-  for (std::size_t grow : {std::size_t{0}, 40 * block}) {
+  const std::size_t block = (std::size_t{1} << 20) + g + g / 2;  // large blocks (> 1 MiB), not granule multiples
+  const std::size_t step = std::bit_floor(std::max((std::size_t{16} << 20) / g, std::size_t{1})) * g;
+  const int n = 40;
+  for (std::size_t grow : {std::size_t{0}, std::size_t{64} << 20}) {
     caching_allocator_config cfg;
     cfg.grow_bytes = grow;
     caching_allocator b(*s.mgr, cfg);
-    const auto before = d.call_counts()[primitive::set_access];
+    const auto before = d.call_counts();
     std::vector<void*> ps;
-    for (int i = 0; i < 10; ++i) {
+    for (int i = 0; i < n; ++i) {
       ps.push_back(b.allocate(block, s1));
       ASSERT_TRUE(backed(ps.back(), block)) << "block " << i << " is not backed";
     }
-    const auto calls = d.call_counts()[primitive::set_access] - before;
-    if (grow == 0) EXPECT_GE(calls, 10u) << "block by block";
-    else EXPECT_LE(calls, 1u) << "one growth step covers all ten blocks";
-    EXPECT_LE(static_cast<std::size_t>(b.stat("reserved_bytes.all.current")), std::max(grow, 10 * block + 2 * g));
+    const auto after = d.call_counts();
+    const auto calls = after[primitive::set_access] - before[primitive::set_access];
+    const auto creates = after[primitive::create] - before[primitive::create];
+    const auto reserved = static_cast<std::size_t>(b.stat("reserved_bytes.all.current"));
+    if (grow == 0) {
+      EXPECT_GE(calls, static_cast<std::uint64_t>(n) / 2) << "block by block";
+    } else {
+      EXPECT_LE(calls, (n * block + step - 1) / step) << "one call per step";
+      EXPECT_EQ(creates, calls) << "aligned steps: one chunk each";
+      EXPECT_LE(reserved, n * block + step) << "at most one step unused at the end";
+      EXPECT_EQ(reserved % step, 0u);
+    }
+    EXPECT_GE(reserved, n * block);
     for (void* p : ps) b.deallocate(p, block, s1);
     b.empty_cache();
     EXPECT_EQ(b.stat("reserved_bytes.all.current"), 0) << "empty_cache returns the grown memory too";

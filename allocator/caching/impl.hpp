@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cinttypes>
 #include <cstdio>
 #include <string>
@@ -258,13 +259,14 @@ struct caching_allocator::impl {
     if (reserved + missing * g > limit)
       throw out_of_memory("memory fraction " + std::to_string(cfg.memory_fraction) + " allows " +
                           std::to_string(limit) + " bytes, " + std::to_string(reserved) + " are backed");
-    // Grow in steps: also back the unbacked granules that follow the block (free space,
-    // since allocated blocks are always backed) up to cfg.grow_bytes in all, within the limit.
+    // Grow in steps (see Note [Growth steps] in caching_allocator.cpp): also back the
+    // unbacked granules after the block (free space: allocated blocks are always backed)
+    // up to the next multiple of the group's step, within the limit.
     std::size_t grow_end = end;
     const std::size_t granules = s.backed.size();
-    const std::size_t grow = s.grp->small ? 0 : cfg.grow_bytes;  // small blocks share granules anyway
-    while (grow_end < granules && !s.backed[grow_end] && (missing + grow_end - end + 1) * g <= grow &&
-           reserved + (missing + grow_end - end + 1) * g <= limit)
+    const std::size_t step = growth_step(*s.grp) / g;
+    const std::size_t target = std::min(granules, (end + step - 1) / step * step);
+    while (grow_end < target && !s.backed[grow_end] && reserved + (missing + grow_end - end + 1) * g <= limit)
       ++grow_end;
     std::vector<range> runs;
     for (std::size_t i = first; i < grow_end; ++i) {
@@ -279,8 +281,18 @@ struct caching_allocator::impl {
     note_backed(*s.grp, static_cast<std::int64_t>(missing * g));
     st.num_device_alloc += static_cast<std::int64_t>(runs.size());
   }
+  // The growth step of `grp` (Note [Growth steps]): a power of two number of granules,
+  // an eighth of what the group holds backed, at least one granule (small pool) or
+  // 16 MiB (large pool and tags, as PyTorch's 20 MiB large segments), at most
+  // cfg.grow_bytes; 0 = block by block.
+  std::size_t growth_step(const group& grp) const {
+    const std::size_t cap = std::bit_floor(std::max(cfg.grow_bytes / g, std::size_t{1}));
+    const std::size_t low = grp.small ? 1 : std::min(cap, std::bit_floor(std::max((std::size_t{16} << 20) / g, std::size_t{1})));
+    return std::bit_floor(std::clamp(grp.backed / 8 / g, low, cap)) * g;
+  }
   void note_backed(group& grp, std::int64_t bytes) {
     reserved = static_cast<std::size_t>(static_cast<std::int64_t>(reserved) + bytes);
+    grp.backed = static_cast<std::size_t>(static_cast<std::int64_t>(grp.backed) + bytes);
     if (bytes > 0) stat_set::add(st.reserved_bytes, grp.small, bytes);
     else stat_set::sub(st.reserved_bytes, grp.small, -bytes);
   }

@@ -50,6 +50,7 @@ struct group {
   std::string name;
   bool small = false;
   tag_state* tag = nullptr;
+  std::size_t backed = 0;  // bytes of the group's segments backed now
   std::vector<std::unique_ptr<segment>> segments;
   std::vector<std::unique_ptr<owner_bins>> owners;
 

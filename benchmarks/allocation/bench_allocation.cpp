@@ -6,7 +6,8 @@
 //    items_per_second = pairs per second;
 //  - BM_random: rmm's random-allocations scenario: 10,000 and 100,000 operations, 73%
 //    allocations, sizes uniform in [1, 4 MiB] and [1, 64 MiB], live bytes capped at
-//    16 GB; counters peak_reserved / peak_allocated and their ratio.
+//    16 GB; counters peak_reserved / peak_allocated and their ratio, peak reserved over
+//    the peak of the bytes asked for (one denominator for all), device allocations.
 // Without a GPU every benchmark reports SkipWithError.
 #include <benchmark/benchmark.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -35,6 +36,10 @@ struct resource {
   virtual double peak_reserved() = 0;
   virtual double peak_allocated() = 0;
   virtual void release_cache() = 0;
+  /// Physical allocations made so far (cudaMalloc / cuMemCreate-backed growths); -1 unknown.
+  virtual double device_allocs() { return -1; }
+  /// VMM driver calls made so far (deferalloc only); -1 unknown.
+  virtual double driver_calls() { return -1; }
 };
 
 struct deferalloc_resource final : resource {
@@ -46,6 +51,12 @@ struct deferalloc_resource final : resource {
   double peak_reserved() override { return static_cast<double>(a.stat("reserved_bytes.all.peak")); }
   double peak_allocated() override { return static_cast<double>(a.stat("allocated_bytes.all.peak")); }
   void release_cache() override { a.empty_cache(); }
+  double device_allocs() override { return static_cast<double>(a.stat("num_device_alloc")); }
+  double driver_calls() override {
+    double n = 0;
+    for (auto c : ctx.drv->call_counts().calls) n += static_cast<double>(c);
+    return n;
+  }
 };
 
 struct torch_resource final : resource {
@@ -62,6 +73,9 @@ struct torch_resource final : resource {
     return static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak);
   }
   void release_cache() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
+  double device_allocs() override {
+    return static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc);
+  }
 };
 
 struct async_resource final : resource {
@@ -126,6 +140,7 @@ void BM_pairs(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   const std::vector<cudaStream_t> ss = streams(static_cast<int>(state.range(1)));
   for (auto s : ss) r->free(r->alloc(n, s), n, s);  // warm: the block is cached
+  const double allocs0 = r->device_allocs(), calls0 = r->driver_calls();
   for (auto _ : state)
     for (auto s : ss) {
       void* p = r->alloc(n, s);
@@ -135,6 +150,8 @@ void BM_pairs(benchmark::State& state) {
   for (auto s : ss) cuda_check(cudaStreamSynchronize(s), "sync");
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ss.size()));  // pairs
   state.counters["streams"] = static_cast<double>(ss.size());
+  state.counters["device_allocs_in_loop"] = r->device_allocs() - allocs0;
+  state.counters["driver_calls_in_loop"] = r->driver_calls() - calls0;
 }
 
 template <typename R>
@@ -145,6 +162,8 @@ void BM_random(benchmark::State& state) {
   const auto max_size = static_cast<std::size_t>(state.range(1)) << 20;
   constexpr std::size_t cap = 16'000'000'000ull;
   cudaStream_t s = streams(1)[0];
+  std::size_t peak_live = 0;
+  double allocs0 = 0;
   r->release_cache();
   r->reset_peaks();
   for (auto _ : state) {
@@ -152,12 +171,15 @@ void BM_random(benchmark::State& state) {
     std::uniform_int_distribution<std::size_t> size_dist(1, max_size);
     std::vector<std::pair<void*, std::size_t>> live;
     std::size_t live_bytes = 0;
+    peak_live = 0;
+    allocs0 = r->device_allocs();
     for (std::size_t i = 0; i < ops; ++i) {
       const std::size_t n = size_dist(rng);
       const bool alloc = live.empty() || (rng() % 100 < 73 && live_bytes + n <= cap);
       if (alloc) {
         live.emplace_back(r->alloc(n, s), n);
         live_bytes += n;
+        peak_live = std::max(peak_live, live_bytes);
       } else {
         const std::size_t k = rng() % live.size();
         r->free(live[k].first, live[k].second, s);
@@ -172,6 +194,11 @@ void BM_random(benchmark::State& state) {
   state.counters["peak_reserved_GB"] = r->peak_reserved() / 1e9;
   state.counters["peak_allocated_GB"] = r->peak_allocated() / 1e9;
   state.counters["reserved_over_allocated"] = r->peak_reserved() / std::max(1.0, r->peak_allocated());
+  // The same denominator for every allocator: the peak of the bytes the run asked for
+  // (allocators count rounding and unsplit remainders in "allocated" differently).
+  state.counters["peak_live_GB"] = static_cast<double>(peak_live) / 1e9;
+  state.counters["reserved_over_live"] = r->peak_reserved() / std::max(1.0, static_cast<double>(peak_live));
+  state.counters["device_allocs"] = r->device_allocs() - allocs0;
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ops));
   r->release_cache();
 }

@@ -25,8 +25,12 @@ def main(path):
         kind, res, a1, a2 = m.group(1), RES.get(m.group(2), m.group(2)), int(m.group(3)), int(m.group(4))
         if kind == "pairs":
             pairs.setdefault((a1, a2), {})[res] = 1e9 / b["items_per_second"]
+            if b.get("device_allocs_in_loop", 0) > 0 or b.get("driver_calls_in_loop", 0) > 0:
+                print(f"note: {b['name']} made {b['device_allocs_in_loop']:.0f} device allocations and "
+                      f"{b.get('driver_calls_in_loop', 0):.0f} VMM driver calls in its timed loop")
         else:
-            rand.setdefault((a1, a2), {})[res] = (b["real_time"], b.get("reserved_over_allocated", 0.0))
+            rand.setdefault((a1, a2), {})[res] = (b["real_time"], b.get("reserved_over_allocated", 0.0),
+                                                 b.get("reserved_over_live", 0.0), b.get("device_allocs", -1))
     for msg, n in errors.items():
         print(f"{n} benchmarks failed: {msg}")
     if pairs:
@@ -42,12 +46,23 @@ def main(path):
             if rs:
                 print(f"median ratio deferalloc/pytorch, {s} stream(s): {statistics.median(rs):.2f}x (target <= 0.5x)")
     if rand:
-        print(f"\n{'random allocations':<28} {'deferalloc':>14} {'pytorch':>14} {'cudaMallocAsync':>16}   (ms, reserved/allocated)")
+        print(f"\n{'random allocations':<28} {'deferalloc':>20} {'pytorch':>20} {'cudaMallocAsync':>20}")
+        print(f"{'(ms, reserved/allocated, reserved/asked)':<28}")
+        verdicts = []
         for (ops, mib), r in sorted(rand.items()):
-            cells = [f"{r[k][0]:>7.0f} {r[k][1]:>5.2f}" if k in r else f"{'-':>13}" for k in
+            cells = [f"{r[k][0]:>6.0f} {r[k][1]:>5.2f} {r[k][2]:>5.2f}" if k in r else f"{'-':>18}" for k in
                      ("deferalloc", "pytorch", "cudaMallocAsync")]
-            print(f"{ops:>7} ops, <= {mib:>2} MiB       {cells[0]:>14} {cells[1]:>14} {cells[2]:>16}")
-
+            print(f"{ops:>7} ops, <= {mib:>2} MiB       {cells[0]:>20} {cells[1]:>20} {cells[2]:>20}")
+            d, t = r.get("deferalloc"), r.get("pytorch")
+            if d and t:
+                allocs = f"device allocations {d[3]:.0f} vs {t[3]:.0f}" if d[3] >= 0 and t[3] >= 0 else ""
+                ok = d[0] <= t[0] and d[2] <= t[2]
+                verdicts.append(ok)
+                print(f"{'':28} time {d[0] / t[0]:.2f}x, reserved/asked {d[2]:.3f} vs {t[2]:.3f}, {allocs} "
+                      f"{'PASS' if ok else 'FAIL'}")
+        if verdicts:
+            print(f"random allocations no slower than PyTorch, peak reserved no worse: "
+                  f"{'PASS' if all(verdicts) else 'FAIL'} ({sum(verdicts)}/{len(verdicts)})")
 
 if __name__ == "__main__":
     main(sys.argv[1])

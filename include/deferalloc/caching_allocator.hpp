@@ -38,10 +38,13 @@ struct caching_allocator_config {
   /// Fraction of the device's total memory that the allocator may keep backed
   /// (PyTorch's set_per_process_memory_fraction), in (0, 1].
   double memory_fraction = 1.0;
-  /// When a block needs physical memory, back at least this much (the block plus the
-  /// unbacked free space after it): a growing heap then pays one cuMemSetAccess (26 us on
-  /// H200) per `grow_bytes` rather than per block.  PyTorch's large segments are 20 MiB.
-  std::size_t grow_bytes = std::size_t{20} << 20;
+  /// The largest growth step.  When a block needs physical memory, the unbacked free
+  /// space after it is backed too, up to the next multiple of the group's step: an
+  /// eighth of what the group (small pool, large pool or tag) holds, at least one
+  /// granule, at most `grow_bytes` rounded down to a power of two.  A growing heap then
+  /// pays one cuMemCreate + cuMemMap + cuMemSetAccess per step rather than per block, and
+  /// holds at most one step unused at its end.  0 = back block by block.
+  std::size_t grow_bytes = std::size_t{64} << 20;
 };
 
 /// Per-thread tagged region of one allocator: allocations made on this thread while
