@@ -44,10 +44,15 @@ int main(int argc, char** argv) {
   const std::size_t size = total / count / 512 * 512;
   const double bytes = static_cast<double>(size) * count;
   try {
+    // The stream outlives the allocator: freeing its segments waits for the streams that used them.
+    struct stream_guard {
+      cudaStream_t s = nullptr;
+      ~stream_guard() { cudaStreamDestroy(s); }
+    } guard;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&guard.s, cudaStreamNonBlocking));
+    cudaStream_t s = guard.s;
     deferalloc::context ctx(deferalloc::parse_settings("driver:cuda"));
     deferalloc::caching_allocator a(*ctx.reservations);
-    cudaStream_t s = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::vector<void*> ps;
     {
       deferalloc::tag_scope region(a, "bench");
@@ -116,7 +121,6 @@ int main(int argc, char** argv) {
     }
     CUDA_CHECK(cudaFreeHost(host));
     for (void* p : ps) a.deallocate(p, size, s);
-    CUDA_CHECK(cudaStreamDestroy(s));
 
     const double gb = bytes / 1e9;
     const double pause = median(p_ms), resume = median(r_ms);

@@ -76,6 +76,9 @@ class DFA_API caching_allocator {
   /// another stream whose free event completed (one event query), or new granules
   /// (materialize: chunks from the pool, one cuMemMap per chunk, one cuMemSetAccess).
   /// Under memory pressure: wait for pending frees, release cached granules, retry once.
+  /// `stream` must stay alive until this allocator is destroyed or empty_cache() has
+  /// run (releasing memory waits for every stream that used it, as PyTorch's
+  /// record_stream does; PyTorch's pooled streams are never destroyed).
   /// @throws invalid_argument (0 or absurd size), invalid_state (the current tag is
   ///         paused), out_of_memory (after the retry; counted in num_ooms)
   void* allocate(std::size_t bytes, stream_t stream = nullptr);
