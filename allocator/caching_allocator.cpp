@@ -36,7 +36,11 @@
 // another stream wants that stream's blocks, one event is recorded (covering every free
 // made so far) and the generation advances; once the event has completed, blocks freed
 // before it are free for any stream.  So a block freed on S is reused by T only after an
-// event recorded on S after the free completed, and the hot path records nothing.
+// event recorded on S after the free completed, and the hot path records nothing.  The
+// event is recorded when T first looks and only used at a later look (on a GPU): a
+// block that S keeps allocating and freeing is never eligible, so streams do not pass
+// one block round (measured on H200: 2 us per alloc/free pair on four streams when the
+// event was queried at once), each keeps its own as with PyTorch.
 //
 // Note [Growth steps]
 // A heap that grows block by block pays a cuMemCreate, a cuMemMap and a cuMemSetAccess

@@ -222,6 +222,8 @@ std::map<std::string, std::int64_t> caching_allocator::stats() const {
   m["deferalloc.paused_bytes"] = paused_bytes;
   m["deferalloc.pending_frees"] = static_cast<std::int64_t>(d.pending.size());
   m["deferalloc.streams"] = static_cast<std::int64_t>(d.streams.size());
+  m["deferalloc.cross_stream_reuses"] = d.st.cross_stream_reuses;
+  m["deferalloc.stream_events"] = d.st.stream_events;
   m["deferalloc.manager.reserved_bytes"] = static_cast<std::int64_t>(rs.reserved_bytes);
   m["deferalloc.manager.backed_bytes"] = static_cast<std::int64_t>(rs.backed_bytes);
   m["deferalloc.manager.backup_bytes"] = static_cast<std::int64_t>(rs.backup_bytes);
@@ -259,6 +261,7 @@ void caching_allocator::reset_accumulated_stats() {
     for (auto& s : *a) s.allocated = s.freed = 0;
   d.st.num_alloc_retries = d.st.num_ooms = d.st.num_sync_all_streams = 0;
   d.st.num_device_alloc = d.st.num_device_free = 0;
+  d.st.cross_stream_reuses = d.st.stream_events = 0;
 }
 
 }  // namespace deferalloc

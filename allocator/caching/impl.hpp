@@ -195,9 +195,14 @@ struct caching_allocator::impl {
         throw;
       }
       s->event = e;
+      ++st.stream_events;
       s->event_gen = s->gen++;
       s->dirty = false;
-      if (drv.query(e)) {  // the host driver completes at once
+      // Not queried at once on a GPU: the event covers the frees made so far, and it is
+      // used at a later poll.  Querying now would let streams pass one block round and
+      // round (each allocation stealing the block the previous stream just freed, a
+      // record + query, 2 us, per pair); this way each stream keeps its own blocks.
+      if (!drv.asynchronous() && drv.query(e)) {  // the host driver completes at once
         s->safe_gen = s->event_gen + 1;
         give_event(e);
         s->event = nullptr;
@@ -229,6 +234,7 @@ struct caching_allocator::impl {
       if (ob.st == s || ob.st->fresh || ob.b.empty()) continue;
       poll(ob.st);
       if (block* b = find_eligible(ob, size)) {
+        ++st.cross_stream_reuses;
         ob.b.remove(b);
         split(b, size, ob);
         return b;

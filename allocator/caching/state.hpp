@@ -94,6 +94,8 @@ struct stat_set {
   stat_array allocation, segment, active, allocated_bytes, reserved_bytes, active_bytes, requested_bytes;
   std::int64_t num_alloc_retries = 0, num_ooms = 0, num_sync_all_streams = 0, num_device_alloc = 0,
                num_device_free = 0;
+  std::int64_t cross_stream_reuses = 0;  // blocks taken from another stream's bins
+  std::int64_t stream_events = 0;        // lazy free events recorded (Note [Cross-stream reuse])
   static void add(stat_array& s, bool small, std::int64_t n) {
     s[pool_all].add(n);
     s[small ? pool_small : pool_large].add(n);

@@ -40,6 +40,9 @@ struct resource {
   virtual double device_allocs() { return -1; }
   /// VMM driver calls made so far (deferalloc only); -1 unknown.
   virtual double driver_calls() { return -1; }
+  /// Blocks taken from another stream / lazy free events recorded (deferalloc only).
+  virtual double reuses() { return 0; }
+  virtual double events() { return 0; }
 };
 
 struct deferalloc_resource final : resource {
@@ -52,6 +55,8 @@ struct deferalloc_resource final : resource {
   double peak_allocated() override { return static_cast<double>(a.stat("allocated_bytes.all.peak")); }
   void release_cache() override { a.empty_cache(); }
   double device_allocs() override { return static_cast<double>(a.stat("num_device_alloc")); }
+  double reuses() override { return static_cast<double>(a.stat("deferalloc.cross_stream_reuses")); }
+  double events() override { return static_cast<double>(a.stat("deferalloc.stream_events")); }
   double driver_calls() override {
     double n = 0;
     for (auto c : ctx.drv->call_counts().calls) n += static_cast<double>(c);
@@ -140,7 +145,7 @@ void BM_pairs(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   const std::vector<cudaStream_t> ss = streams(static_cast<int>(state.range(1)));
   for (auto s : ss) r->free(r->alloc(n, s), n, s);  // warm: the block is cached
-  const double allocs0 = r->device_allocs(), calls0 = r->driver_calls();
+  const double allocs0 = r->device_allocs(), calls0 = r->driver_calls(), reuses0 = r->reuses(), events0 = r->events();
   for (auto _ : state)
     for (auto s : ss) {
       void* p = r->alloc(n, s);
@@ -152,6 +157,8 @@ void BM_pairs(benchmark::State& state) {
   state.counters["streams"] = static_cast<double>(ss.size());
   state.counters["device_allocs_in_loop"] = r->device_allocs() - allocs0;
   state.counters["driver_calls_in_loop"] = r->driver_calls() - calls0;
+  state.counters["cross_stream_reuses_in_loop"] = r->reuses() - reuses0;
+  state.counters["stream_events_in_loop"] = r->events() - events0;
 }
 
 template <typename R>

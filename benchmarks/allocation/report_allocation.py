@@ -25,9 +25,11 @@ def main(path):
         kind, res, a1, a2 = m.group(1), RES.get(m.group(2), m.group(2)), int(m.group(3)), int(m.group(4))
         if kind == "pairs":
             pairs.setdefault((a1, a2), {})[res] = 1e9 / b["items_per_second"]
-            if b.get("device_allocs_in_loop", 0) > 0 or b.get("driver_calls_in_loop", 0) > 0:
-                print(f"note: {b['name']} made {b['device_allocs_in_loop']:.0f} device allocations and "
-                      f"{b.get('driver_calls_in_loop', 0):.0f} VMM driver calls in its timed loop")
+            extra = {k: b.get(k + "_in_loop", 0) for k in ("device_allocs", "driver_calls", "cross_stream_reuses",
+                                                               "stream_events")}
+            if any(v > 0 for v in extra.values()):
+                print(f"note: {b['name']} ({b['iterations']} iterations) in its timed loop: " +
+                      ", ".join(f"{k} {v:.0f}" for k, v in extra.items()))
         else:
             rand.setdefault((a1, a2), {})[res] = (b["real_time"], b.get("reserved_over_allocated", 0.0),
                                                  b.get("reserved_over_live", 0.0), b.get("device_allocs", -1))
