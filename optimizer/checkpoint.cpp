@@ -20,37 +20,22 @@
 #include <fstream>
 #include <sstream>
 
+#include "file_util.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {
 
 using detail::checksum64;
+using detail::aligned_buffer;
 using detail::file_store;
+using detail::write_all;
+using detail::write_file_atomically;
 
 namespace {
 
 constexpr const char* k_header = "deferalloc-optimizer-checkpoint";
 constexpr int k_version = 1;
 const char* const k_arrays[3] = {"main", "exp_avg", "exp_avg_sq"};
-
-struct aligned_buffer {
-  explicit aligned_buffer(std::size_t n) : p(std::aligned_alloc(file_store::align, n)) {
-    if (!p) throw out_of_memory("checkpoint: no host memory for a bounce buffer");
-  }
-  ~aligned_buffer() { std::free(p); }
-  void* p;
-};
-
-void write_all(int fd, const void* data, std::size_t n, const std::string& path) {
-  const char* c = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) throw io_error("checkpoint: writing " + path + " failed: " + std::strerror(errno));
-    c += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
 
 void read_all(int fd, void* data, std::size_t n, const std::string& path) {
   char* c = static_cast<char*>(data);
@@ -63,26 +48,6 @@ void read_all(int fd, void* data, std::size_t n, const std::string& path) {
                                    " of " + std::to_string(n) + " bytes)");
     got += static_cast<std::size_t>(r);
   }
-}
-
-// Creates `path`.tmp (0600, exclusive, no symlink), lets `fill` write it, syncs, renames.
-template <typename F>
-void write_file_atomically(const std::string& path, F&& fill) {
-  const std::string tmp = path + ".tmp";
-  ::unlink(tmp.c_str());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) throw io_error("checkpoint: cannot create " + tmp + ": " + std::strerror(errno));
-  try {
-    fill(fd, tmp);
-    if (::fsync(fd) != 0) throw io_error("checkpoint: fsync of " + tmp + " failed: " + std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw io_error("checkpoint: cannot rename " + tmp + ": " + std::strerror(errno));
 }
 
 std::string hexfloat(float f) {
@@ -111,10 +76,10 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
     case tier::host: std::memcpy(out, sh.home[a] + e0, n * 4); return;
     case tier::file: {
       const std::size_t block = std::size_t{64} << 20;
-      aligned_buffer buf(block);
+      aligned_buffer buf(block, false, "checkpoint: no host memory for a bounce buffer");
       for (std::size_t done = 0; done < n * 4; done += block) {
         const std::size_t want = std::min(block, n * 4 - done);
-        file->read(buf.p, (want + file_store::align - 1) / file_store::align * file_store::align,
+        file->read(buf.p, file_store::io_bytes(want / 4),
                    file->offset(file->active_slot(), s, a, e0) + done, std::string(k_arrays[a]) + " of " + sh.info.name)
             ->wait();
         std::memcpy(reinterpret_cast<char*>(out) + done, buf.p, want);
@@ -137,11 +102,11 @@ void streamed_adamw::impl::write_home(std::size_t s, int a, const float* in, int
     case tier::host: std::memcpy(sh.home[a], in, n * 4); return;
     case tier::file: {
       const std::size_t block = std::size_t{64} << 20;
-      aligned_buffer buf(block);
+      aligned_buffer buf(block, false, "checkpoint: no host memory for a bounce buffer");
       for (std::size_t done = 0; done < n * 4; done += block) {
         const std::size_t want = std::min(block, n * 4 - done);
-        const std::size_t io = (want + file_store::align - 1) / file_store::align * file_store::align;
-        std::memset(static_cast<char*>(buf.p) + want, 0, io - want);
+        const std::size_t io = file_store::io_bytes(want / 4);
+        std::memset(buf.p + want, 0, io - want);
         std::memcpy(buf.p, reinterpret_cast<const char*>(in) + done, want);
         file->write(buf.p, io, file->offset(slot, s, a, 0) + done, std::string(k_arrays[a]) + " of " + sh.info.name)
             ->wait();
@@ -168,8 +133,7 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(!dir.empty(), "save_checkpoint: directory is empty");
   DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
-    throw io_error("save_checkpoint: cannot create " + dir + ": " + std::strerror(errno));
+  detail::ensure_dir(dir, "save_checkpoint: cannot create ");
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "../allocator/log.hpp"
+#include "file_util.hpp"
 
 namespace deferalloc::dist {
 
@@ -280,20 +281,13 @@ std::string layout_text(const shard_layout& l) {
 void distributed_adamw::save_checkpoint(const std::string& dir) {
   auto& I = *impl_;
   DFA_EXPECTS(!dir.empty(), "distributed_adamw::save_checkpoint: directory is empty");
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
-    throw io_error("save_checkpoint: cannot create " + dir + ": " + std::strerror(errno));
+  optim::detail::ensure_dir(dir, "save_checkpoint: cannot create ");
   I.opt->save_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
   if (I.lay.rank == 0) {
-    const std::string path = dir + "/distributed.txt", tmp = path + ".tmp";
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      f << layout_text(I.lay);
-      f.flush();
-      if (!f) throw io_error("save_checkpoint: cannot write " + tmp);
-    }
-    ::chmod(tmp.c_str(), 0600);
-    if (std::rename(tmp.c_str(), path.c_str()) != 0)
-      throw io_error("save_checkpoint: cannot rename " + tmp + ": " + std::strerror(errno));
+    const std::string text = layout_text(I.lay);
+    optim::detail::write_file_atomically(dir + "/distributed.txt", [&](int fd, const std::string& tmp) {
+      optim::detail::write_all(fd, text.data(), text.size(), tmp);
+    });
   }
 }
 

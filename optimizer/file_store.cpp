@@ -20,6 +20,7 @@
 //
 // Limits: one file per rank, no compression; the two slots cost 24 B per parameter.
 #include "file_store.hpp"
+#include "file_util.hpp"
 
 #include <deferalloc/errors.hpp>
 #include <fcntl.h>
@@ -52,16 +53,9 @@ struct header {
 
 std::string errtext(int e) { return std::strerror(e); }
 
-// One aligned page on the heap, for O_DIRECT header I/O.
-struct page {
-  page() : p(static_cast<unsigned char*>(std::aligned_alloc(file_store::align, file_store::align))) {
-    if (!p) throw out_of_memory("file tier: no memory for a header page");
-    std::memset(p, 0, file_store::align);
-  }
-  ~page() { std::free(p); }
-  page(const page&) = delete;
-  page& operator=(const page&) = delete;
-  unsigned char* p;
+// One zeroed aligned page, for O_DIRECT header I/O.
+struct page : aligned_buffer {
+  page() : aligned_buffer(file_store::align, true, "file tier: no memory for a header page") {}
 };
 
 std::uint64_t rotl(std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
@@ -103,8 +97,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
     : request_bytes_(std::max<std::size_t>(align, request_bytes / align * align)) {
   if (dir.empty()) throw invalid_argument("file tier: no directory given (optimizer_config::directory)");
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
-    throw io_error("file tier: cannot create directory " + dir + ": " + errtext(errno));
+  ensure_dir(dir, "file tier: cannot create directory ");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
 
   // Layout.
@@ -141,13 +134,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
       std::uint64_t s = 0, q = 0;
       int sl = 0;
       bool mw = false;
-      page raw_page;
-      header raw{};
-      if (::pread(fd_, raw_page.p, align, c * align) == static_cast<ssize_t>(align)) {
-        std::memcpy(&raw, raw_page.p, sizeof raw);
-        if (std::memcmp(raw.magic, k_magic, 8) == 0 && raw.layout != layout_hash_) mismatch = true;
-      }
-      if (read_header(c, layout_hash_, s, sl, mw, q) && (!found || q > best)) {
+      if (read_header(c, layout_hash_, s, sl, mw, q, mismatch) && (!found || q > best)) {
         found = true;
         best = q;
         seq_ = q;
@@ -183,12 +170,14 @@ file_store::~file_store() {
 }
 
 bool file_store::read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments,
-                             std::uint64_t& seq) {
+                             std::uint64_t& seq, bool& other_layout) {
   page buf;
   if (::pread(fd_, buf.p, align, copy * align) != static_cast<ssize_t>(align)) return false;
   header h{};
   std::memcpy(&h, buf.p, sizeof h);
-  if (std::memcmp(h.magic, k_magic, 8) != 0 || h.version != 1 || h.layout != layout) return false;
+  if (std::memcmp(h.magic, k_magic, 8) != 0) return false;
+  if (h.layout != layout) other_layout = true;
+  if (h.version != 1 || h.layout != layout) return false;
   if (h.checksum != checksum64(&h, offsetof(header, checksum))) return false;
   step = h.step;
   seq = h.seq;

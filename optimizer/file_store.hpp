@@ -84,7 +84,10 @@ class file_store {
   void worker();
   void run(request& r);
   fault_kind take_fault(fault_op op);
-  bool read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments, std::uint64_t& seq);
+  /// Reads header copy `copy`; true when it is valid for `layout`.  Sets `other_layout`
+  /// when the copy is ours (magic) but written for another layout.
+  bool read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments, std::uint64_t& seq,
+                   bool& other_layout);
 
   std::string path_;
   int fd_ = -1;
