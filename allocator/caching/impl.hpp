@@ -303,6 +303,18 @@ struct caching_allocator::impl {
     else stat_set::sub(st.reserved_bytes, grp.small, -bytes);
   }
 
+  // Merges the free block after `l` (out of the bins) into `l`; returns `l`.
+  block* absorb_next(block* l) noexcept {
+    block* r = l->next;
+    l->size += r->size;
+    l->next = r->next;
+    if (r->next != nullptr) r->next->prev = l;
+    l->free_gen = std::max(l->free_gen, r->free_gen);
+    l->backed = l->backed && r->backed;
+    recycle(r);
+    return l;
+  }
+
   // Puts a detached or freed block into its owner's bins, coalescing.
   void free_block(block* b) {
     b->allocated = false;
@@ -315,25 +327,12 @@ struct caching_allocator::impl {
     owner_bins& ob = b->seg->grp->bins_of(b->owner);
     auto mergeable = [&](block* n) { return n != nullptr && n->bin >= 0 && n->owner == b->owner; };
     if (mergeable(b->prev)) {
-      block* p = b->prev;
-      ob.b.remove(p);
-      p->size += b->size;
-      p->next = b->next;
-      if (b->next != nullptr) b->next->prev = p;
-      p->free_gen = std::max(p->free_gen, b->free_gen);
-      p->backed = p->backed && b->backed;
-      recycle(b);
-      b = p;
+      ob.b.remove(b->prev);
+      b = absorb_next(b->prev);
     }
     if (mergeable(b->next)) {
-      block* n = b->next;
-      ob.b.remove(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (n->next != nullptr) n->next->prev = b;
-      b->free_gen = std::max(b->free_gen, n->free_gen);
-      b->backed = b->backed && n->backed;
-      recycle(n);
+      ob.b.remove(b->next);
+      absorb_next(b);
     }
     ob.b.insert(b);
   }

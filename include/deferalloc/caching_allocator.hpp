@@ -41,7 +41,8 @@ struct caching_allocator_config {
   /// The largest growth step.  When a block needs physical memory, the unbacked free
   /// space after it is backed too, up to the next multiple of the group's step: an
   /// eighth of what the group (small pool, large pool or tag) holds, at least one
-  /// granule, at most `grow_bytes` rounded down to a power of two.  A growing heap then
+  /// granule in the small pool and 16 MiB elsewhere, at most `grow_bytes` rounded down to
+  /// a power of two.  A growing heap then
   /// pays one cuMemCreate + cuMemMap + cuMemSetAccess per step rather than per block, and
   /// holds at most one step unused at its end.  0 = back block by block.
   std::size_t grow_bytes = std::size_t{64} << 20;
