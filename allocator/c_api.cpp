@@ -139,6 +139,17 @@ std::vector<caching_allocator*> all_allocators() {
   return out;
 }
 
+// Applies `f` to the allocator that holds `ptr`; none: invalid_argument.
+template <typename F>
+void for_owner(const void* ptr, F&& f) {
+  need(ptr, "ptr");
+  std::shared_lock<std::shared_mutex> lk;
+  allocator_for(-1, lk);
+  for (caching_allocator* a : all_allocators())
+    if (a->owns(ptr)) return f(*a);
+  throw invalid_argument("pointer is not inside an allocation of deferalloc");
+}
+
 void log_hook_error(const char* call) {
   detail::log(log_level::error, t_last_error.empty() ? std::string(call) + " failed" : t_last_error);
 }
@@ -362,15 +373,7 @@ void dfa_memory_fraction_hook(double fraction, int device) {
 void* dfa_base_alloc_hook(void* ptr, size_t* size) {
   void* out = nullptr;
   if (guard("dfa_base_alloc_hook", [&] {
-        need(ptr, "ptr");
-        std::shared_lock<std::shared_mutex> lk;
-        allocator_for(-1, lk);
-        for (caching_allocator* a : all_allocators())
-          if (a->owns(ptr)) {
-            out = a->base_allocation(ptr, size);
-            return;
-          }
-        throw invalid_argument("pointer is not inside an allocation of deferalloc");
+        for_owner(ptr, [&](caching_allocator& a) { out = a.base_allocation(ptr, size); });
       }) != DFA_SUCCESS)
     log_hook_error("dfa_base_alloc_hook");
   return out;
@@ -378,15 +381,7 @@ void* dfa_base_alloc_hook(void* ptr, size_t* size) {
 
 void dfa_record_stream_hook(void* ptr, void* stream) {
   if (guard("dfa_record_stream_hook", [&] {
-        need(ptr, "ptr");
-        std::shared_lock<std::shared_mutex> lk;
-        allocator_for(-1, lk);
-        for (caching_allocator* a : all_allocators())
-          if (a->owns(ptr)) {
-            a->record_stream(ptr, stream);
-            return;
-          }
-        throw invalid_argument("pointer is not inside an allocation of deferalloc");
+        for_owner(ptr, [&](caching_allocator& a) { a.record_stream(ptr, stream); });
       }) != DFA_SUCCESS)
     log_hook_error("dfa_record_stream_hook");
 }
@@ -408,15 +403,7 @@ dfa_status dfa_set_memory_fraction(double fraction, int device) {
 
 dfa_status dfa_set_resident(void* ptr, int resident) {
   return guard("dfa_set_resident", [&] {
-    need(ptr, "ptr");
-    std::shared_lock<std::shared_mutex> lk;
-    allocator_for(-1, lk);
-    for (caching_allocator* a : all_allocators())
-      if (a->owns(ptr)) {
-        a->set_resident(ptr, resident != 0);
-        return;
-      }
-    throw invalid_argument("pointer is not inside an allocation of deferalloc");
+    for_owner(ptr, [&](caching_allocator& a) { a.set_resident(ptr, resident != 0); });
   });
 }
 
