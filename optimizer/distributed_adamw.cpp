@@ -38,6 +38,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -133,6 +134,10 @@ struct distributed_adamw::impl {
   dtype grad_dtype() const { return cfg.grads == optim::grad_type::bf16 ? dtype::bf16 : dtype::fp32; }
   void* grad_shard() const { return static_cast<char*>(grads) + lay.begin * grad_size(); }
   double global_sq_norm(stream_t s);
+  // Every rank's `local`, in rank order (a collective; the host waits for it).
+  std::vector<double> gather_doubles(double local, stream_t s);
+  // Every rank's BF16 shard of the model params into every rank's buffer.
+  void gather_params(stream_t s) { comm->all_gather(params + lay.begin, params, lay.shard, dtype::bf16, s); }
 };
 
 shard_layout distributed_adamw::layout_for(std::size_t numel, const communicator& comm, std::size_t align) {
@@ -218,17 +223,22 @@ void distributed_adamw::initialize(stream_t stream) { impl_->opt->initialize(str
 
 // Sum over ranks of each rank's squared shard norm, added in rank order: every rank
 // computes the same double (an all-reduce would let a ring add in rank-dependent order).
-double distributed_adamw::impl::global_sq_norm(stream_t s) {
-  const void* g[1] = {grad_shard()};
-  const double local = opt->grad_sq_norm(g, cfg.grads, s);
-  if (lay.world == 1) return local;
+std::vector<double> distributed_adamw::impl::gather_doubles(double local, stream_t s) {
+  if (lay.world == 1) return {local};
   std::vector<double> all(static_cast<std::size_t>(lay.world), 0.0);
   drv->copy_async(scratch + lay.rank, &local, sizeof(double), s);
   comm->all_gather(scratch + lay.rank, scratch, 1, dtype::fp64, s);
   drv->copy_async(all.data(), scratch, sizeof(double) * all.size(), s);
   drv->synchronize_stream(s);
+  return all;
+}
+
+double distributed_adamw::impl::global_sq_norm(stream_t s) {
+  const void* g[1] = {grad_shard()};
+  const double local = opt->grad_sq_norm(g, cfg.grads, s);
+  if (lay.world == 1) return local;
   double sum = 0;
-  for (double v : all) sum += v;
+  for (double v : gather_doubles(local, s)) sum += v;
   return sum;
 }
 
@@ -255,7 +265,7 @@ dist_step_report distributed_adamw::step(stream_t stream) {
   const void* g[1] = {I.grad_shard()};
   I.opt->step(g, I.cfg.grads, r.grad_scale, stream);
   auto t2 = clk::now();
-  I.comm->all_gather(I.params + I.lay.begin, I.params, I.lay.shard, dtype::bf16, stream);
+  I.gather_params(stream);
   auto t3 = clk::now();
   r.seconds_reduce = std::chrono::duration<double>(t1 - t0).count();
   r.seconds_step = std::chrono::duration<double>(t2 - t1).count();
@@ -267,7 +277,7 @@ dist_step_report distributed_adamw::step(stream_t stream) {
 void distributed_adamw::sync_model_params(stream_t stream) {
   auto& I = *impl_;
   I.opt->sync_model_params(stream);
-  I.comm->all_gather(I.params + I.lay.begin, I.params, I.lay.shard, dtype::bf16, stream);
+  I.gather_params(stream);
 }
 
 namespace {
@@ -281,14 +291,26 @@ std::string layout_text(const shard_layout& l) {
 void distributed_adamw::save_checkpoint(const std::string& dir) {
   auto& I = *impl_;
   DFA_EXPECTS(!dir.empty(), "distributed_adamw::save_checkpoint: directory is empty");
-  optim::detail::ensure_dir(dir, "save_checkpoint: cannot create ");
-  I.opt->save_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
-  if (I.lay.rank == 0) {
-    const std::string text = layout_text(I.lay);
-    optim::detail::write_file_atomically(dir + "/distributed.txt", [&](int fd, const std::string& tmp) {
-      optim::detail::write_all(fd, text.data(), text.size(), tmp);
-    });
+  // Collective: every rank learns whether every rank's part is written, so that no rank
+  // loads (or reports success) before rank 0's distributed.txt exists, and a failure on
+  // one rank is an error on all instead of a hang in the next collective.
+  std::exception_ptr failed;
+  try {
+    optim::detail::ensure_dir(dir, "save_checkpoint: cannot create ");
+    I.opt->save_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
+    if (I.lay.rank == 0) {
+      const std::string text = layout_text(I.lay);
+      optim::detail::write_file_atomically(dir + "/distributed.txt", [&](int fd, const std::string& tmp) {
+        optim::detail::write_all(fd, text.data(), text.size(), tmp);
+      });
+    }
+  } catch (...) {
+    failed = std::current_exception();
   }
+  const std::vector<double> ok = I.gather_doubles(failed ? 0.0 : 1.0, nullptr);
+  if (failed) std::rethrow_exception(failed);
+  for (std::size_t r = 0; r < ok.size(); ++r)
+    if (ok[r] == 0.0) throw io_error("save_checkpoint: rank " + std::to_string(r) + " failed to write its part of " + dir);
 }
 
 void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream) {
@@ -300,8 +322,8 @@ void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream)
   if (ss.str() != layout_text(I.lay))
     throw corrupt_data("load_checkpoint: " + dir + " was saved with another layout:\n" + ss.str() + "this run has:\n" +
                        layout_text(I.lay));
-  I.opt->load_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
-  sync_model_params(stream);
+  I.opt->load_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));  // writes this rank's BF16 shard
+  I.gather_params(stream);
 }
 
 }  // namespace deferalloc::dist

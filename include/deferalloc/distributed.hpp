@@ -150,10 +150,13 @@ class DFA_API distributed_adamw {
   void sync_model_params(stream_t stream = nullptr);
 
   /// Saves this rank's shard to `dir`/rank-<r> (streamed_adamw's format) and, on rank 0,
-  /// `dir`/distributed.txt (world, numel, shard).  Every rank calls it.
+  /// `dir`/distributed.txt (world, numel, shard).  Collective: every rank calls it, and
+  /// it returns on every rank once every rank's part is written (one all-gather of a
+  /// flag); a failure on any rank throws io_error on all.
   void save_checkpoint(const std::string& dir);
-  /// Loads what save_checkpoint wrote at the same world size and layout, then
-  /// sync_model_params.  @throws corrupt_data (another world size or layout, checksum)
+  /// Loads what save_checkpoint wrote at the same world size and layout (which writes
+  /// this rank's BF16 shard), then all-gathers the model params.  Collective.
+  /// @throws corrupt_data (another world size or layout, checksum)
   void load_checkpoint(const std::string& dir, stream_t stream = nullptr);
 
   /// Registers both flat buffers (ncclCommRegister) unless registered.  Call after the

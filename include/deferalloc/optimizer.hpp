@@ -155,7 +155,8 @@ class DFA_API streamed_adamw {
   /// Saves the whole state to `dir`: manifest.txt (version, dtypes, shapes, step,
   /// hyper-parameters, checksums), written last, and one data file per shard.
   void save_checkpoint(const std::string& dir);
-  /// Loads a checkpoint saved by save_checkpoint into the registered shards.
+  /// Loads a checkpoint saved by save_checkpoint into the registered shards and writes
+  /// BF16(main) into their model params (done when it returns).
   /// @throws corrupt_data on a checksum failure or a mismatched layout (the message
   /// says which shard and why); the optimizer's state is unchanged then.
   void load_checkpoint(const std::string& dir);
