@@ -3,8 +3,8 @@
 // Every entry point runs its body through guard(), which turns each exception into a
 // status code and a thread-local message "dfa_<call>: <cause>", so nothing crosses the
 // ABI.  The instance is created once (dfa_init or first use) and torn down by
-// dfa_shutdown; a shared mutex lets calls run concurrently while init/shutdown are
-// exclusive.
+// dfa_shutdown (not by the exit of the process: Note [Process lifetime]); a shared
+// mutex lets calls run concurrently while init/shutdown are exclusive.
 #include <deferalloc/caching_allocator.hpp>
 #include <deferalloc/context.hpp>
 #include <deferalloc/deferalloc.h>
@@ -29,15 +29,25 @@ namespace {
 using namespace deferalloc;
 
 thread_local std::string t_last_error;
-std::shared_mutex g_mu;
-std::unique_ptr<context> g_ctx;
+
+// Note [Process lifetime]: the instance is torn down by dfa_shutdown, never by the exit
+// of the process.  At exit, the CUDA runtime destroys the primary context from its own
+// atexit handler, which runs before the destructors of statics constructed earlier; a
+// destructor of ours would then meet a deinitialized driver (every call fails, and each
+// failure was logged), and a free from another library's static destructor could reach
+// a map already destroyed.  So the state below is allocated once and never destroyed, as
+// PyTorch does with its caching allocator; the driver takes back the memory with the
+// context, and an exit leaves nothing behind.
+std::shared_mutex& g_mu = *new std::shared_mutex;
+std::unique_ptr<context>& g_ctx = *new std::unique_ptr<context>;
 
 // One caching allocator per device, on g_ctx (its device) or on a context of its own.
 struct device_allocator {
   std::unique_ptr<context> own;
   std::unique_ptr<caching_allocator> alloc;
 };
-std::map<int, std::unique_ptr<device_allocator>> g_allocs;  // guarded by g_mu
+std::map<int, std::unique_ptr<device_allocator>>& g_allocs =
+    *new std::map<int, std::unique_ptr<device_allocator>>;  // guarded by g_mu
 std::atomic<std::uint64_t> g_generation{1};                 // bumped by dfa_shutdown
 thread_local std::vector<std::string> t_tags;               // dfa_tag_begin/end
 

@@ -42,9 +42,11 @@
 
 namespace {
 
-// Our allocations: base address -> reservation.
-std::mutex g_mu;
-std::unordered_map<void*, dfa_reservation> g_ours;
+// Our allocations: base address -> reservation.  Never destroyed, like the C ABI's
+// instance (Note [Process lifetime] in c_api.cpp): a cudaFree from a static destructor
+// that runs after ours would otherwise find the map gone.
+std::mutex& g_mu = *new std::mutex;
+std::unordered_map<void*, dfa_reservation>& g_ours = *new std::unordered_map<void*, dfa_reservation>;
 
 using malloc_fn = cudaError_t (*)(void**, size_t);
 using free_fn = cudaError_t (*)(void*);

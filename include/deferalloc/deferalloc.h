@@ -58,7 +58,10 @@ typedef struct dfa_stats {
  * INVALID_STATE if one exists already; unknown keys give INVALID_ARGUMENT with the list
  * of valid keys.  Cost: driver load, one context. */
 DFA_C_API dfa_status dfa_init(const char* conf);
-/* Frees every reservation and the instance.  Safe to call when none exists. */
+/* Frees every reservation and the instance.  Safe to call when none exists.  The exit of
+ * the process does not run it (the CUDA driver takes the memory back with the context,
+ * and nothing is left to tear down against a driver already shut down): call it to give
+ * the memory back earlier. */
 DFA_C_API dfa_status dfa_shutdown(void);
 /* The last error of this thread ("" after a success). */
 DFA_C_API const char* dfa_last_error(void);
