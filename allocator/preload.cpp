@@ -37,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -102,14 +103,25 @@ void warn_about_pytorch_conf() {
                  "none of it. Remove that setting to let deferalloc serve PyTorch's segments.\n");
 }
 
+// DEFERALLOC_CONF, parsed once (at load, or at a cudaMalloc that comes first); empty
+// when invalid, which is said once.  (The instance parses it again when it is created.)
+const std::optional<deferalloc::settings>& conf_settings() {
+  static const std::optional<deferalloc::settings> s = []() -> std::optional<deferalloc::settings> {
+    const char* conf = std::getenv("DEFERALLOC_CONF");
+    try {
+      return deferalloc::parse_settings(conf ? conf : "");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[deferalloc preload] DEFERALLOC_CONF is invalid, cudaMalloc is NOT interposed: %s\n",
+                   e.what());
+      return std::nullopt;
+    }
+  }();
+  return s;
+}
+
 __attribute__((constructor)) void preload_start() {
   warn_about_pytorch_conf();
-  const char* conf = std::getenv("DEFERALLOC_CONF");
-  try {
-    deferalloc::parse_settings(conf ? conf : "");
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "[deferalloc preload] DEFERALLOC_CONF is invalid, cudaMalloc is NOT interposed: %s\n", e.what());
-  }
+  conf_settings();
 }
 
 // The instance, created on the first cudaMalloc (from DEFERALLOC_CONF).
@@ -123,11 +135,7 @@ const preload_state& state() {
       return p;
     }
     p.host = std::string(name) == "host";
-    const char* conf = std::getenv("DEFERALLOC_CONF");
-    try {
-      p.device = deferalloc::parse_settings(conf ? conf : "").device;
-    } catch (...) {
-    }
+    if (conf_settings()) p.device = conf_settings()->device;
     p.enabled = true;
     if (deferalloc::get_log_level() >= deferalloc::log_level::info)
       std::fprintf(stderr, "[deferalloc preload] serving cudaMalloc/cudaFree of device %d from the %s driver\n", p.device,

@@ -91,6 +91,11 @@ DFA_HD float from_bf16(std::uint16_t h) {
 #endif
 }
 
+/// Element i of a gradient array, BF16 or FP32.
+DFA_HD float load_grad(const void* g, bool bf16, std::size_t i) {
+  return bf16 ? from_bf16(static_cast<const std::uint16_t*>(g)[i]) : static_cast<const float*>(g)[i];
+}
+
 /// One element: updates p, m, v in place and returns the new BF16 parameter.
 DFA_HD std::uint16_t adamw_element(float& p, float& m, float& v, float grad, const adamw_scalars& s) {
   const float g = f_mul(grad, s.grad_scale);

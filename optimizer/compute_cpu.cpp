@@ -11,11 +11,8 @@ namespace {
 class cpu_compute final : public compute {
  public:
   void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t) override {
-    for (std::size_t i = 0; i < p.n; ++i) {
-      const float g = p.grad_is_bf16 ? from_bf16(static_cast<const std::uint16_t*>(p.grad)[i])
-                                     : static_cast<const float*>(p.grad)[i];
-      p.model_bf16[i] = adamw_element(p.param[i], p.exp_avg[i], p.exp_avg_sq[i], g, k);
-    }
+    for (std::size_t i = 0; i < p.n; ++i)
+      p.model_bf16[i] = adamw_element(p.param[i], p.exp_avg[i], p.exp_avg_sq[i], load_grad(p.grad, p.grad_is_bf16, i), k);
   }
   void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t) override {
     for (std::size_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
@@ -26,7 +23,7 @@ class cpu_compute final : public compute {
   double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t) override {
     double s = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      const double g = is_bf16 ? from_bf16(static_cast<const std::uint16_t*>(grad)[i]) : static_cast<const float*>(grad)[i];
+      const double g = load_grad(grad, is_bf16, i);
       s += g * g;
     }
     return s;

@@ -26,10 +26,6 @@ namespace {
 
 constexpr int k_threads = 256;
 
-__device__ __forceinline__ float load_grad(const void* g, bool bf16, std::size_t i) {
-  return bf16 ? from_bf16(static_cast<const std::uint16_t*>(g)[i]) : static_cast<const float*>(g)[i];
-}
-
 template <bool GradBf16>
 __global__ void adamw_vec4(adamw_piece p, adamw_scalars k) {
   const std::size_t n4 = p.n / 4;
@@ -170,23 +166,11 @@ class cuda_compute final : public compute {
   }
 
   void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t s) override {
-    if (n == 0) return;
-    DFA_CUDA_TRY(cudaSetDevice(device_));
-    const bool vec = aligned(in, 8) && aligned(out, 16);
-    const int blocks = grid(vec ? n / 4 + 1 : n);
-    if (vec) upcast_kernel<true><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
-    else upcast_kernel<false><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
-    DFA_CUDA_CHECK_LAUNCH();
+    launch_cast(upcast_kernel<true>, upcast_kernel<false>, aligned(in, 8) && aligned(out, 16), 4, in, out, n, s);
   }
 
   void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t s) override {
-    if (n == 0) return;
-    DFA_CUDA_TRY(cudaSetDevice(device_));
-    const bool vec = aligned(in, 16) && aligned(out, 16);
-    const int blocks = grid(vec ? n / 8 + 1 : n);
-    if (vec) downcast_kernel<true><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
-    else downcast_kernel<false><<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
-    DFA_CUDA_CHECK_LAUNCH();
+    launch_cast(downcast_kernel<true>, downcast_kernel<false>, aligned(in, 16) && aligned(out, 16), 8, in, out, n, s);
   }
 
   double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) override {
@@ -204,6 +188,17 @@ class cuda_compute final : public compute {
   }
 
  private:
+  // A cast kernel's vector instantiation (`per_thread` values per thread) when `vec`, else
+  // its scalar one.
+  template <typename In, typename Out>
+  void launch_cast(void (*vec_kernel)(const In*, Out*, std::size_t), void (*scalar_kernel)(const In*, Out*, std::size_t),
+                   bool vec, std::size_t per_thread, const In* in, Out* out, std::size_t n, stream_t s) {
+    if (n == 0) return;
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    const int blocks = grid(vec ? n / per_thread + 1 : n);
+    (vec ? vec_kernel : scalar_kernel)<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    DFA_CUDA_CHECK_LAUNCH();
+  }
   // Enough blocks for `work` items, at most 16 per multiprocessor (grid-stride beyond).
   int grid(std::size_t work) const {
     return static_cast<int>(std::min<std::size_t>((work + k_threads - 1) / k_threads, std::size_t(sms_) * 16));

@@ -95,7 +95,6 @@ class local_communicator final : public communicator {
   void all_gather(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
     if (send != recv) drv_->copy_async(recv, send, count * size_of(t), s);
   }
-  void all_reduce_sum(void*, std::size_t, dtype, stream_t) override {}
   void* register_buffer(void*, std::size_t) override { return nullptr; }
   void deregister_buffer(void*) override {}
   std::string name() const override { return "local"; }

@@ -45,7 +45,6 @@ struct nccl_api {
   DFA_NCCL_FN(ncclGetLastError)
   DFA_NCCL_FN(ncclReduceScatter)
   DFA_NCCL_FN(ncclAllGather)
-  DFA_NCCL_FN(ncclAllReduce)
   DFA_NCCL_FN(ncclCommRegister)
   DFA_NCCL_FN(ncclCommDeregister)
 #undef DFA_NCCL_FN
@@ -87,7 +86,6 @@ const nccl_api& api() {
     get("ncclGetLastError", r.ncclGetLastError);
     get("ncclReduceScatter", r.ncclReduceScatter);
     get("ncclAllGather", r.ncclAllGather);
-    get("ncclAllReduce", r.ncclAllReduce);
     get("ncclCommRegister", r.ncclCommRegister);
     get("ncclCommDeregister", r.ncclCommDeregister);
     if (!ok) {
@@ -156,10 +154,6 @@ class nccl_communicator final : public communicator {
   void all_gather(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
     check(api().ncclAllGather(send, recv, count, to_nccl(t), comm_, static_cast<cudaStream_t>(s)), "ncclAllGather",
           comm_);
-  }
-  void all_reduce_sum(void* buf, std::size_t count, dtype t, stream_t s) override {
-    check(api().ncclAllReduce(buf, buf, count, to_nccl(t), ncclSum, comm_, static_cast<cudaStream_t>(s)),
-          "ncclAllReduce", comm_);
   }
   void* register_buffer(void* ptr, std::size_t bytes) override {
     DFA_EXPECTS(ptr != nullptr && bytes > 0, "nccl register_buffer: null or empty buffer");

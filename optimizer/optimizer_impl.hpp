@@ -50,6 +50,9 @@ struct streamed_adamw::impl {
   void ensure_staging();
   void free_staging() noexcept;
   event_t event(std::size_t i);
+  /// Work enqueued on `waiter` from now on runs after all that is enqueued on `producer` so
+  /// far (one record of event 0 + one wait; no host synchronisation).
+  void after(stream_t waiter, stream_t producer);
   std::vector<piece_ref> pieces() const;
   detail::adamw_scalars scalars(std::uint64_t t, float grad_scale) const;
   std::string where(const piece_ref& p) const;

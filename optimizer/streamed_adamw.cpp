@@ -211,6 +211,12 @@ event_t streamed_adamw::impl::event(std::size_t i) {
   return events[i];
 }
 
+void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
+  event_t e = event(0);
+  drv->record(e, producer);
+  drv->stream_wait(waiter, e);
+}
+
 std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces() const {
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
@@ -275,9 +281,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   for (std::size_t j = skip; j < P; ++j) params += ps[j].n;
 
   // The kernels read what the user's stream produced (gradients, BF16 params).
-  event_t user_ready = event(0);
-  drv->record(user_ready, user);
-  drv->stream_wait(exec, user_ready);
+  after(exec, user);
 
   std::vector<bool> mapped(P, false), wb_issued(P, false);
   std::vector<std::shared_ptr<detail::io_batch>> reads(P), writes(P);
@@ -428,9 +432,7 @@ void streamed_adamw::initialize(stream_t stream) {
               invalid_state);
   if (I.cfg.home == tier::device) {
     auto t0 = clk::now();
-    event_t e = I.event(0);
-    I.drv->record(e, stream);
-    I.drv->stream_wait(I.exec, e);
+    I.after(I.exec, stream);
     for (auto& s : I.shards) I.comp->upcast(s.info.param_bf16, s.info.main_param, s.info.numel, I.exec);
     I.drv->synchronize_stream(I.exec);
     I.report = step_report{};
@@ -461,26 +463,21 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
     if (I.cfg.home == tier::device) {
       const adamw_scalars k = I.scalars(I.step_count + 1, grad_scale);
       auto t0 = clk::now();
-      event_t e = I.event(0);
-      I.drv->record(e, stream);
-      I.drv->stream_wait(I.exec, e);
+      I.after(I.exec, stream);
       for (std::size_t s = skip; s < I.shards.size(); ++s) {
         auto& sh = I.shards[s].info;
         I.comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param_bf16, grads[s], gt == grad_type::bf16, sh.numel},
                       k, I.exec);
         I.failed_pieces_done = s + 1;
       }
-      I.drv->record(e, I.exec);
-      I.drv->stream_wait(stream, e);
+      I.after(stream, I.exec);
       I.report = step_report{};
       I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
       for (auto& s : I.shards) I.report.params += s.info.numel;
     } else {
       I.run_pass(impl::pass::step, grads, gt, grad_scale, stream, skip);
       if (I.file) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
-      event_t e = I.event(0);
-      I.drv->record(e, I.exec);
-      I.drv->stream_wait(stream, e);
+      I.after(stream, I.exec);
     }
   } catch (...) {
     if (I.cfg.home == tier::file) {
@@ -513,25 +510,19 @@ void streamed_adamw::sync_model_params(stream_t stream) {
 
 void streamed_adamw::impl::sync_model(stream_t stream) {
   if (cfg.home == tier::device) {
-    event_t e = event(0);
-    drv->record(e, stream);
-    drv->stream_wait(exec, e);
+    after(exec, stream);
     for (auto& s : shards) comp->downcast(s.info.main_param, s.info.param_bf16, s.info.numel, exec);
   } else {
     run_pass(pass::export_bf16, {}, grad_type::bf16, 1.0f, stream, 0);
   }
-  event_t e = event(0);
-  drv->record(e, exec);
-  drv->stream_wait(stream, e);
+  after(stream, exec);
 }
 
 double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(grads.size() == I.shards.size(), "grad_sq_norm: one gradient per shard expected");
-  event_t e = I.event(0);
-  I.drv->record(e, stream);
-  I.drv->stream_wait(I.exec, e);
+  I.after(I.exec, stream);
   double s = 0;
   for (std::size_t i = 0; i < grads.size(); ++i)
     s += I.comp->sq_norm(grads[i], gt == grad_type::bf16, I.shards[i].info.numel, I.exec);

@@ -6,7 +6,7 @@
 // per rank; rank r owns the contiguous shard [r * shard, (r + 1) * shard) of both, and
 // keeps the FP32 main params and Adam moments of that shard only, deferred and streamed
 // (any tier of streamed_adamw).  Per step:
-//   reduce-scatter(grads) -> clip (all-reduce of the squared norm) -> streamed AdamW
+//   reduce-scatter(grads) -> clip (the squared norm summed over ranks) -> streamed AdamW
 //   step on the shard -> all-gather(BF16 params).
 // NCCL is opened at run time (libnccl.so.2), as libcuda is: the library loads without it.
 #pragma once
@@ -42,8 +42,9 @@ struct shard_layout {
 /// arithmetic.  @throws invalid_argument (numel 0, world < 1, rank outside [0, world), align 0)
 DFA_API shard_layout make_layout(std::size_t numel, int world, int rank, std::size_t align = 1024);
 
-/// A data-parallel group: the three collectives the distributed step needs, plus buffer
-/// registration.  Every operation is stream-ordered on `s` (device memory of the
+/// A data-parallel group: the two collectives the distributed step needs, plus buffer
+/// registration.  (The gradient norm needs no all-reduce: each rank's partial sum is
+/// all-gathered and added in rank order, so every rank gets the same bits.)  Every operation is stream-ordered on `s` (device memory of the
 /// driver's device); implementations check every return code and throw cuda_error.
 class DFA_API communicator {
  public:
@@ -58,8 +59,6 @@ class DFA_API communicator {
   /// Concatenation over ranks of `send` (count elements each) into `recv`
   /// (world * count).  In place when send == recv + r * count.
   virtual void all_gather(const void* send, void* recv, std::size_t count, dtype t, stream_t s) = 0;
-  /// In-place sum over ranks of `count` elements at `buf`.
-  virtual void all_reduce_sum(void* buf, std::size_t count, dtype t, stream_t s) = 0;
   /// Registers a buffer for zero-copy collectives (ncclCommRegister).  Returns an opaque
   /// handle (nullptr when the implementation has nothing to register).  The physical
   /// memory behind [ptr, ptr + bytes) must stay mapped until deregister_buffer.
@@ -140,7 +139,7 @@ class DFA_API distributed_adamw {
   /// Synchronous; no collective.  @throws what streamed_adamw::initialize throws
   void initialize(stream_t stream = nullptr);
   /// One step: reduce-scatter of the gradients (sum; the buffer's other blocks are
-  /// clobbered), the squared norm all-reduced when clipping (one host wait), the streamed
+  /// clobbered), the squared norm summed over ranks when clipping (one host wait), the streamed
   /// step with grad_scale = clip / world, then the all-gather of the BF16 params, in
   /// place, on `stream`.  Returns when the shard's state is home; the gather is queued.
   /// Every rank must call it.  @throws cuda_error, out_of_memory, io_error
