@@ -32,12 +32,8 @@
 #include <deferalloc/errors.hpp>
 #include <deferalloc/reservations.hpp>
 
-#include <sys/stat.h>
-
-#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <exception>
 #include <fstream>
 #include <sstream>

@@ -44,8 +44,9 @@ DFA_API shard_layout make_layout(std::size_t numel, int world, int rank, std::si
 
 /// A data-parallel group: the two collectives the distributed step needs, plus buffer
 /// registration.  (The gradient norm needs no all-reduce: each rank's partial sum is
-/// all-gathered and added in rank order, so every rank gets the same bits.)  Every operation is stream-ordered on `s` (device memory of the
-/// driver's device); implementations check every return code and throw cuda_error.
+/// all-gathered and added in rank order, so every rank gets the same bits.)  Every
+/// operation is stream-ordered on `s` (device memory of the driver's device);
+/// implementations check every return code and throw cuda_error.
 class DFA_API communicator {
  public:
   virtual ~communicator();
@@ -139,9 +140,9 @@ class DFA_API distributed_adamw {
   /// Synchronous; no collective.  @throws what streamed_adamw::initialize throws
   void initialize(stream_t stream = nullptr);
   /// One step: reduce-scatter of the gradients (sum; the buffer's other blocks are
-  /// clobbered), the squared norm summed over ranks when clipping (one host wait), the streamed
-  /// step with grad_scale = clip / world, then the all-gather of the BF16 params, in
-  /// place, on `stream`.  Returns when the shard's state is home; the gather is queued.
+  /// clobbered), the squared norm summed over ranks when clipping (one host wait), the
+  /// streamed step with grad_scale = clip / world, then the all-gather of the BF16
+  /// params, in place, on `stream`.  Returns when the shard's state is home; the gather is queued.
   /// Every rank must call it.  @throws cuda_error, out_of_memory, io_error
   dist_step_report step(stream_t stream = nullptr);
   /// BF16(main) into the shard, then all-gather: the whole model matches the state
