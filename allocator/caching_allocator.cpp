@@ -132,18 +132,27 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
   }
   stream_state* s = d.state_of(stream);
   block* b = nullptr;
+  // A failed request leaves nothing behind: the block goes back to the bins and a
+  // segment added for it (address space and bookkeeping) is freed again.
+  auto undo = [&] {
+    if (b != nullptr) {
+      b->owner = s;
+      d.free_block(b);
+      b = nullptr;
+    }
+    if (d.added != nullptr) d.drop_segment_if_unused(d.added);
+    d.added = nullptr;
+  };
   for (int attempt = 0;; ++attempt) {
+    d.added = nullptr;
     try {
       b = d.take(*grp, s, size);
       d.ensure_backed(b, stream);
       d.seg_use(b->seg, stream);
+      d.added = nullptr;
       break;
     } catch (const out_of_memory& e) {
-      if (b != nullptr) {
-        b->owner = s;
-        d.free_block(b);
-        b = nullptr;
-      }
+      undo();
       if (attempt == 1) {
         ++d.st.num_ooms;
         throw out_of_memory(std::string("allocate ") + std::to_string(bytes) + " bytes: " + e.what() + " (" +
@@ -152,10 +161,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
       ++d.st.num_alloc_retries;
       d.free_cached();
     } catch (...) {
-      if (b != nullptr) {
-        b->owner = s;
-        d.free_block(b);
-      }
+      undo();
       throw;
     }
   }

@@ -1,12 +1,15 @@
 // Tags (pause/resume) and statistics of the caching allocator.
 //
 // A tag is a group of its own segments (See Note [Caching allocator]), so its granules
-// hold only its blocks.  pause: the granules that hold allocated blocks are released
-// with the caller's keep mode in one batched release (all backup copies enqueued before
-// one wait), the tag's free granules are discarded in the same step when nothing is kept
-// or just before otherwise; granules of resident blocks stay.  The released ranges are
-// remembered; resume materializes exactly them (restore or undefined) in one batched
-// call, with chunks from the pool.  Blocks freed while paused are simply free at resume.
+// hold only its blocks.  pause, in two batched releases of whole chunks (never a
+// split: a resident block's bytes never move): first the chunks that hold no allocated
+// block are discarded; then every chunk that holds no resident block is released with
+// the caller's keep mode (all backup copies enqueued before one wait; free granules
+// that share a chunk with an allocated block are kept with it).  Chunks under resident
+// blocks stay backed.  The second step's ranges are remembered; resume materializes
+// exactly them (restore or undefined) in one batched call, cached chunks first.  Blocks
+// freed while paused are simply free at resume.  Chunks given back beyond the pool's
+// cache bound go to the driver at once (Note [Physical memory policy]).
 // Limits: a tag's memory is paused as a whole; allocating in a paused tag is an error.
 #include "caching/impl.hpp"
 
@@ -73,34 +76,28 @@ void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t str
   if (t->paused) throw invalid_state("pause: tag '" + t->name + "' is already paused");
   d.process_pending(false);
 
-  struct seg_plan {
-    segment* s;
-    impl::granule_plan p;
-  };
-  std::vector<seg_plan> plans;
-  std::vector<range> free_runs, used_runs;
+  // Step 1: whole free chunks, discarded.
+  std::vector<range> runs;
   for (auto& s : t->grp->segments) {
-    plans.push_back({s.get(), d.plan(*s)});
-    free_runs.insert(free_runs.end(), plans.back().p.free_runs.begin(), plans.back().p.free_runs.end());
-    used_runs.insert(used_runs.end(), plans.back().p.used_runs.begin(), plans.back().p.used_runs.end());
+    impl::granule_plan p = d.plan(*s);
+    runs.insert(runs.end(), p.free_runs.begin(), p.free_runs.end());
   }
-  if (keep == keep_mode::discard) {
-    std::vector<range> all = free_runs;
-    all.insert(all.end(), used_runs.begin(), used_runs.end());
-    if (!all.empty()) d.mgr.release(all, keep_mode::discard, stream);
-  } else {
-    if (!free_runs.empty()) {
-      d.mgr.release(free_runs, keep_mode::discard, stream);
-      for (auto& sp : plans) d.mark_unbacked(*sp.s, sp.p.free_runs);
-      for (auto& sp : plans) sp.p.free_runs.clear();
-    }
-    if (!used_runs.empty()) d.mgr.release(used_runs, keep_mode::host, stream);
+  if (!runs.empty()) {
+    const std::vector<range> done = d.mgr.release_whole_chunks(runs, keep_mode::discard, stream);
+    for (auto& s : t->grp->segments) d.mark_unbacked(*s, done);
   }
-  for (auto& sp : plans) {
-    d.mark_unbacked(*sp.s, sp.p.free_runs);
-    d.mark_unbacked(*sp.s, sp.p.used_runs);
+  // Step 2: every chunk under no resident block, with the caller's keep mode.
+  runs.clear();
+  for (auto& s : t->grp->segments) {
+    impl::granule_plan p = d.plan(*s);
+    runs.insert(runs.end(), p.unpinned_runs.begin(), p.unpinned_runs.end());
   }
-  t->saved = std::move(used_runs);
+  std::vector<range> saved;
+  if (!runs.empty()) {
+    saved = d.mgr.release_whole_chunks(runs, keep, stream);
+    for (auto& s : t->grp->segments) d.mark_unbacked(*s, saved);
+  }
+  t->saved = std::move(saved);
   t->keep = keep;
   t->paused = true;
 }

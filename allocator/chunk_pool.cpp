@@ -4,6 +4,17 @@
 // creates (budget permitting; a device OOM is returned as nullopt so the caller can
 // fall back to smaller classes that may be cached); acquire adds one trim-and-retry.
 // Limits: one mutex; creation happens under it (tens of microseconds at most).
+//
+// Note [Physical memory policy]
+// Released memory goes back to the device: the point of releasing is that someone
+// else (this process or another) can use it.  So the pool caches at most cache_limit
+// bytes (pool_cache_mb, 64 MiB by default) for churn, and give_back releases chunks
+// beyond it to the driver at once; pause, empty_cache and every release therefore
+// leave at most that much cached, and physical bytes held <= bytes mapped behind
+// reservations + cache_limit (tests assert it on the host driver, which counts its
+// chunks, and with cuMemGetInfo on the GPU).  Users that cycle a fixed window of
+// chunks (the streamed optimizer) set the limit to their window.  Pinned backup
+// buffers follow the same rule (pinned_pool's cache_limit, pinned_cache_mb).
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/errors.hpp>
 
@@ -14,7 +25,7 @@
 namespace deferalloc {
 
 chunk_pool::chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg)
-    : drv_(std::move(drv)), granularity_(0), budget_(cfg.budget) {
+    : drv_(std::move(drv)), granularity_(0), budget_(cfg.budget), cache_limit_(cfg.cache_limit) {
   DFA_EXPECTS(drv_ != nullptr, "chunk_pool: driver is null");
   granularity_ = drv_->granularity();
   classes_ = std::move(cfg.classes);
@@ -66,6 +77,15 @@ std::optional<chunk> chunk_pool::try_acquire(std::size_t bytes) {
   return take_locked(bytes);
 }
 
+std::optional<chunk> chunk_pool::try_reuse(std::span<const std::size_t> sizes) {
+  std::lock_guard lk(mu_);
+  for (std::size_t bytes : sizes) {
+    auto it = cache_.find(bytes);
+    if (it != cache_.end() && !it->second.empty()) return take_locked(bytes);
+  }
+  return std::nullopt;
+}
+
 chunk chunk_pool::acquire(std::size_t bytes) {
   DFA_EXPECTS(bytes > 0 && bytes % granularity_ == 0, "chunk_pool: chunk size must be a positive multiple of the granularity");
   std::lock_guard lk(mu_);
@@ -93,6 +113,7 @@ void chunk_pool::give_back(const chunk& c) noexcept {
   }
   stats_.taken_bytes -= c.bytes;
   stats_.cached_bytes += c.bytes;
+  if (stats_.cached_bytes > cache_limit_) trim_locked(cache_limit_);
 }
 
 std::size_t chunk_pool::trim_locked(std::size_t keep_bytes) noexcept {

@@ -24,7 +24,7 @@ std::string_view trim(std::string_view s) {
 std::atomic<int> g_level{static_cast<int>(log_level::warn)};
 
 const char* const k_keys[] = {"driver", "device", "chunk_classes_mb", "pool_budget_mb", "host_capacity_mb",
-                              "host_granularity_kb", "pinned_cache_mb", "log_level"};
+                              "host_granularity_kb", "pinned_cache_mb", "pool_cache_mb", "log_level"};
 
 std::size_t to_size(const std::string& key, const std::string& v) {
   std::size_t out = 0;
@@ -125,6 +125,8 @@ settings parse_settings(std::string_view text) {
       s.host_granularity = to_size(key, scalar(key, v)) << 10;
     } else if (key == "pinned_cache_mb") {
       s.pinned_cache = to_size(key, scalar(key, v)) << 20;
+    } else if (key == "pool_cache_mb") {
+      s.pool_cache = to_size(key, scalar(key, v)) << 20;
     } else if (key == "log_level") {
       const auto& l = scalar(key, v);
       if (l == "off") s.level = log_level::off;

@@ -21,7 +21,7 @@ std::shared_ptr<driver> make_driver(const settings& s) {
 context::context(const settings& s) : config(s) {
   set_log_level(s.level);
   drv = make_driver(s);
-  pool = std::make_shared<chunk_pool>(drv, chunk_pool_config{s.chunk_classes, s.pool_budget});
+  pool = std::make_shared<chunk_pool>(drv, chunk_pool_config{s.chunk_classes, s.pool_budget, s.pool_cache});
   reservations = std::make_unique<reservation_manager>(pool, reservation_manager_config{s.pinned_cache});
 }
 

@@ -51,7 +51,7 @@ void pinned_pool::give_back(void* p, std::size_t bytes) noexcept {
   const std::size_t n = round(bytes);
   std::lock_guard lk(mu_);
   stats_.in_use_bytes -= n;
-  if (cache_limit_ != 0 && stats_.cached_bytes + n > cache_limit_) {
+  if (stats_.cached_bytes + n > cache_limit_) {
     drv_->host_free(p);
     return;
   }

@@ -7,16 +7,21 @@
 // Approach
 //  - reserve: one cuMemAddressReserve, padded to the granularity, aligned to the
 //    largest chunk class that fits, so large ranges can be backed by large chunks.
-//  - per granule a state: unbacked, backed, or saved (unbacked, contents in a backup
-//    segment); per reservation the chunks mapped (offset -> chunk) and the streams
-//    that used it.
+//  - per reservation: the chunks mapped (offset -> chunk; they tile exactly the backed
+//    granules), the saved runs (offset -> end and backup segment: unbacked granules
+//    whose contents wait in pinned memory) and the streams that used it.  A granule in
+//    neither map is unbacked.  So the bookkeeping grows with what is backed or saved,
+//    never with what is reserved: reserving 16 TiB at 64 KiB granules costs a few
+//    hundred bytes (a test checks < 1 MiB of RSS), where one byte per granule would
+//    cost 256 MiB.  Lookups are O(log n + k) in the chunks or runs touched.
 //  - materialize: the unbacked runs of the range are cut greedily into the largest
 //    classes aligned at their offset; chunks come from the pool (cache first; on
 //    out-of-memory a piece falls back to smaller classes that may be cached, then the
 //    cache is trimmed and everything tried once more).  One cuMemMap per chunk, one
 //    cuMemSetAccess per run.  Fill is stream-ordered: zeros on the caller's stream,
 //    restores on the manager's copy stream with the caller's stream waiting on it.
-//  - release: a chunk cut by the range is split (See Note [Splitting chunks]); the
+//  - release: a chunk cut by the range is split (See Note [Splitting chunks];
+//    release_whole_chunks never splits: it releases only the chunks inside); the
 //    chunks inside are backed up (one pinned buffer per contiguous run, copies on the
 //    copy stream after it waited for events recorded on every stream that used the
 //    range), the host waits for those events only, then one cuMemUnmap per chunk and
@@ -28,7 +33,10 @@
 // Limits: one mutex per manager, held during host waits; a release with backups
 // waits for its copies (the batched release enqueues all copies before one wait).
 // Backup buffers are reused in stream order: every copy touching them runs on the one
-// copy stream.
+// copy stream; a buffer whose last granule is restored or dropped goes back to the
+// pinned pool (which may free it: Note [Physical memory policy]) only after an event
+// recorded on the copy stream has completed (checked at the next call, waited for by
+// trim_backup_cache and the destructor).
 #include <deferalloc/errors.hpp>
 #include <deferalloc/reservations.hpp>
 
@@ -41,8 +49,22 @@
 namespace deferalloc {
 
 namespace {
-enum : std::uint8_t { unbacked = 0, backed = 1, saved = 2 };
 constexpr std::size_t k_max_reservation = std::size_t{1} << 48;  // 256 TiB: beyond any device's VA
+
+// The runs of [b, e) that no chunk of `chunks` covers.
+std::vector<std::pair<std::size_t, std::size_t>> gaps(const std::map<std::size_t, chunk>& chunks, std::size_t b,
+                                                      std::size_t e) {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  std::size_t pos = b;
+  auto it = chunks.upper_bound(b);
+  if (it != chunks.begin()) pos = std::max(pos, std::prev(it)->first + std::prev(it)->second.bytes);
+  for (; pos < e && it != chunks.end() && it->first < e; ++it) {
+    if (it->first > pos) out.emplace_back(pos, it->first);
+    pos = std::max(pos, it->first + it->second.bytes);
+  }
+  if (pos < e) out.emplace_back(pos, e);
+  return out;
+}
 }  // namespace
 
 struct reservation_manager::backup_segment {
@@ -53,13 +75,16 @@ struct reservation_manager::backup_segment {
 };
 
 struct reservation_manager::reservation {
+  struct saved_run {
+    std::size_t end = 0;
+    std::uint64_t segment = 0;
+  };
   reservation_id id{};
   std::uintptr_t base{};
   std::size_t size{};
   std::size_t padded{};
-  std::vector<std::uint8_t> state;
-  std::vector<std::uint64_t> segment_of;  // per granule, 0 = none
-  std::map<std::size_t, chunk> chunks;
+  std::map<std::size_t, chunk> chunks;     // offset -> chunk: the backed granules, exactly
+  std::map<std::size_t, saved_run> saved;  // begin -> run of saved granules (disjoint, never backed)
   std::unordered_map<std::uint64_t, backup_segment> backups;
   std::uint64_t next_segment = 1;
   std::vector<stream_t> streams;
@@ -68,6 +93,29 @@ struct reservation_manager::reservation {
 
   void use(stream_t s) {
     if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+  }
+  // The saved run that contains `at`, else the first one after it.
+  std::map<std::size_t, saved_run>::iterator saved_from(std::size_t at) {
+    auto it = saved.upper_bound(at);
+    if (it != saved.begin() && std::prev(it)->second.end > at) --it;
+    return it;
+  }
+  // Splits the saved run that strictly contains `at` in two.
+  void cut_saved(std::size_t at) {
+    auto it = saved_from(at);
+    if (it == saved.end() || it->first >= at) return;
+    const saved_run tail = it->second;
+    it->second.end = at;
+    saved.emplace_hint(std::next(it), at, tail);
+  }
+  // The first offset of [b, e) that holds no backup (e when every granule does).
+  std::size_t first_unsaved(std::size_t b, std::size_t e) {
+    std::size_t pos = b;
+    for (auto it = saved_from(b); it != saved.end() && pos < e; ++it) {
+      if (it->first > pos) return pos;
+      pos = it->second.end;
+    }
+    return std::min(pos, e);
   }
 };
 
@@ -93,6 +141,7 @@ reservation_manager::~reservation_manager() {
       detail::log(log_level::error, std::string("reservation_manager: freeing reservation at destruction: ") + e.what());
     }
   }
+  reap_retired(true);
   try {
     drv_->synchronize_stream(copy_stream_);
     if (scratch_ != 0) drv_->free_reservation(scratch_, scratch_bytes_);
@@ -195,8 +244,6 @@ reservation_id reservation_manager::reserve(std::size_t bytes) {
   r->size = bytes;
   r->padded = padded;
   try {
-    r->state.assign(padded / granularity_, unbacked);
-    r->segment_of.assign(padded / granularity_, 0);
     by_address_[r->base] = r->id;
     reservation_id id = r->id;
     reservations_[id] = std::move(r);
@@ -228,19 +275,27 @@ void reservation_manager::free(reservation_id id, stream_t stream) {
 
 // ---- chunk planning -----------------------------------------------------------------
 
-// Acquires chunks for [pos, end) (offsets in one reservation), largest aligned class
-// first; a class the pool cannot give is replaced by smaller ones.  Appends to `out`;
+// Acquires chunks for [pos, end) (offsets in one reservation): at each position a
+// cached chunk of the largest aligned class that has one, else a new chunk of the
+// largest aligned class; a class the pool cannot give is replaced by smaller ones.  Appends to `out`;
 // returns false when even a granule could not be had (what was appended stays there).
 bool reservation_manager::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
                                          std::vector<std::pair<std::size_t, chunk>>& out) {
   const auto& classes = pool_->classes();
+  std::vector<std::size_t> fit;  // the classes that fit at pos, largest first
   while (pos < end) {
-    std::size_t c = granularity_;
+    fit.clear();
     for (auto it = classes.rbegin(); it != classes.rend(); ++it)
-      if (*it <= max_class && pos % *it == 0 && pos + *it <= end) {
-        c = *it;
-        break;
-      }
+      if (*it <= max_class && pos % *it == 0 && pos + *it <= end) fit.push_back(*it);
+    if (fit.empty()) fit.push_back(granularity_);
+    // A cached chunk of any class that fits comes first: memory already held is used
+    // before more is created (Note [Physical memory policy] in chunk_pool.cpp).
+    if (auto ch = pool_->try_reuse(fit)) {
+      out.emplace_back(pos, *ch);
+      pos += ch->bytes;
+      continue;
+    }
+    const std::size_t c = fit.front();
     if (auto ch = pool_->try_acquire(c)) {
       out.emplace_back(pos, *ch);
     } else {
@@ -317,6 +372,7 @@ std::vector<reservation_manager::work_item> reservation_manager::resolve(std::sp
 
 void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
   std::lock_guard lk(mu_);
+  reap_retired(false);
   const std::size_t g = granularity_;
   std::vector<work_item> ws = resolve(ranges);
 
@@ -328,13 +384,15 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
   std::vector<run> runs;
   for (const auto& w : ws) {
     auto& r = *static_cast<reservation*>(w.r);
-    for (std::size_t gi = w.begin / g; gi < w.end / g; ++gi) {
-      if (r.state[gi] == backed) continue;
-      if (fill == fill_mode::restore && r.state[gi] != saved)
-        throw invalid_state("materialize(restore): granule at offset " + std::to_string(gi * g) + " of reservation " +
-                            std::to_string(r.id) + " has no backup to restore (it was never released with keep=host)");
-      if (!runs.empty() && runs.back().r == &r && runs.back().end == gi * g) runs.back().end += g;
-      else runs.push_back({&r, gi * g, gi * g + g});
+    for (const auto& [b, e] : gaps(r.chunks, w.begin, w.end)) {
+      if (fill == fill_mode::restore) {
+        const std::size_t miss = r.first_unsaved(b, e);
+        if (miss < e)
+          throw invalid_state("materialize(restore): granule at offset " + std::to_string(miss) + " of reservation " +
+                              std::to_string(r.id) + " has no backup to restore (it was never released with keep=host)");
+      }
+      if (!runs.empty() && runs.back().r == &r && runs.back().end == b) runs.back().end = e;
+      else runs.push_back({&r, b, e});
     }
   }
   if (runs.empty()) return;  // already backed: a no-op
@@ -369,15 +427,11 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
     } else if (fill == fill_mode::restore) {
       for (const auto& rn : runs) {
         reservation& r = *rn.r;
-        std::size_t gi = rn.begin / g;
-        while (gi < rn.end / g) {
-          const std::uint64_t sid = r.segment_of[gi];
-          const backup_segment& seg = r.backups.at(sid);
-          std::size_t gj = gi;
-          while (gj < rn.end / g && r.segment_of[gj] == sid) ++gj;
-          drv_->copy_async(reinterpret_cast<void*>(r.base + gi * g),
-                           static_cast<const char*>(seg.host) + (gi * g - seg.offset), (gj - gi) * g, copy_stream_);
-          gi = gj;
+        for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
+          const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
+          const backup_segment& seg = r.backups.at(it->second.segment);
+          drv_->copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset),
+                           e - b, copy_stream_);
         }
       }
       std::vector<event_t> done{take_event()};
@@ -401,28 +455,19 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
     throw;
   }
 
-  // Commit.
+  // Commit.  Backups restored (or overwritten) are dropped; their buffers go back to
+  // the pinned pool once the copies reading them are done.
+  std::vector<std::pair<void*, std::size_t>> unused;
   for (std::size_t i = 0; i < runs.size(); ++i) {
     reservation& r = *runs[i].r;
     for (auto& [pos, c] : pieces[i]) r.chunks.emplace(pos, c);
-    for (std::size_t gi = runs[i].begin / g; gi < runs[i].end / g; ++gi) {
-      if (r.state[gi] == saved) {
-        auto it = r.backups.find(r.segment_of[gi]);
-        r.segment_of[gi] = 0;
-        --r.saved_granules;
-        backup_bytes_ -= g;
-        if (--it->second.live == 0) {
-          pinned_->give_back(it->second.host, it->second.bytes);
-          r.backups.erase(it);
-        }
-      }
-      r.state[gi] = backed;
-    }
+    drop_backup_granules(r, runs[i].begin, runs[i].end, unused);
     r.backed_granules += (runs[i].end - runs[i].begin) / g;
     backed_bytes_ += runs[i].end - runs[i].begin;
     r.use(stream);
   }
   peak_backed_ = std::max(peak_backed_, backed_bytes_);
+  retire_buffers(unused);
 }
 
 // ---- release ------------------------------------------------------------------------
@@ -433,19 +478,73 @@ void reservation_manager::release(reservation_id id, std::size_t offset, std::si
   release(std::span<const range>(&r, 1), keep, stream);
 }
 
-void reservation_manager::drop_backup_granules(reservation& r, std::size_t begin, std::size_t end) {
+// Forgets the backups of [begin, end); buffers left with no live granule are appended
+// to `unused` (for retire_buffers: a restore may still read them).
+void reservation_manager::drop_backup_granules(reservation& r, std::size_t begin, std::size_t end,
+                                               std::vector<std::pair<void*, std::size_t>>& unused) {
+  if (r.saved.empty()) return;
+  r.cut_saved(begin);
+  r.cut_saved(end);
   const std::size_t g = granularity_;
-  for (std::size_t gi = begin / g; gi < end / g; ++gi) {
-    if (r.state[gi] != saved) continue;
-    auto it = r.backups.find(r.segment_of[gi]);
-    r.segment_of[gi] = 0;
-    r.state[gi] = unbacked;
-    --r.saved_granules;
-    backup_bytes_ -= g;
-    if (--it->second.live == 0) {
-      pinned_->give_back(it->second.host, it->second.bytes);
-      r.backups.erase(it);
+  for (auto it = r.saved.lower_bound(begin); it != r.saved.end() && it->first < end;) {
+    const std::size_t n = (it->second.end - it->first) / g;
+    auto seg = r.backups.find(it->second.segment);
+    r.saved_granules -= n;
+    backup_bytes_ -= n * g;
+    seg->second.live -= n;
+    if (seg->second.live == 0) {
+      unused.emplace_back(seg->second.host, seg->second.bytes);
+      r.backups.erase(seg);
     }
+    it = r.saved.erase(it);
+  }
+}
+
+// Hands `buffers` back to the pinned pool after the copies enqueued so far on the copy
+// stream (an event; on the host driver at once).  Never throws: when no event can be
+// recorded, the copy stream is waited for instead.
+void reservation_manager::retire_buffers(std::vector<std::pair<void*, std::size_t>>& buffers) noexcept {
+  if (buffers.empty()) return;
+  event_t e = nullptr;
+  try {
+    e = take_event();
+    drv_->record(e, copy_stream_);
+    retired_.push_back({e, std::move(buffers)});
+  } catch (const std::exception& ex) {
+    if (e != nullptr) free_events_.push_back(e);
+    try {
+      drv_->synchronize_stream(copy_stream_);
+    } catch (const std::exception& ex2) {
+      detail::log(log_level::error, std::string("reservation_manager: waiting for restores: ") + ex2.what());
+    }
+    for (auto& [p, n] : buffers) pinned_->give_back(p, n);
+  }
+  buffers.clear();
+  reap_retired(false);
+}
+
+void reservation_manager::reap_retired(bool wait) noexcept {
+  for (std::size_t i = 0; i < retired_.size();) {
+    bool done = false;
+    try {
+      if (wait) drv_->synchronize(retired_[i].done);
+      done = wait || drv_->query(retired_[i].done);
+    } catch (const std::exception& e) {
+      detail::log(log_level::error, std::string("reservation_manager: backup buffers: ") + e.what());
+      done = wait;
+    }
+    if (!done) {
+      ++i;
+      continue;
+    }
+    for (auto& [p, n] : retired_[i].buffers) pinned_->give_back(p, n);
+    try {
+      free_events_.push_back(retired_[i].done);
+    } catch (...) {
+      drv_->destroy_event(retired_[i].done);
+    }
+    retired_[i] = std::move(retired_.back());
+    retired_.pop_back();
   }
 }
 
@@ -456,6 +555,17 @@ void reservation_manager::drop_backup_granules(reservation& r, std::size_t begin
 // it), the old chunk unmapped and the new ones mapped in its place.  Rare by design:
 // materialize cuts ranges at their own boundaries, so only a release of a sub-range
 // of what was materialized splits.
+//
+// A split moves the bytes of the chunk outside the released range, so it is safe only
+// when nothing else touches them meanwhile: the manager's mutex orders it against every
+// other call of the manager, and the copy waits for the streams recorded on the
+// reservation, but a host thread (or a kernel on a stream not recorded) writing those
+// bytes during the split loses its writes or faults.  Hence the rule: only an explicit
+// release of a range by the reservation's owner may split, and the owner must not use
+// the rest of the cut chunks during that call.  Nothing inside the library splits: the
+// caching allocator (empty_cache, the out-of-memory retry, pause) gives memory back with
+// release_whole_chunks, which releases only chunks that lie wholly inside its ranges and
+// so needs no new chunk (freeing cache works when memory is full) and moves nothing.
 void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t stream, event_t after) {
   auto it = r.chunks.upper_bound(cut);
   if (it == r.chunks.begin()) return;
@@ -529,6 +639,7 @@ void reservation_manager::release_after(std::span<const range> ranges, keep_mode
 }
 
 void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after) {
+  reap_retired(false);
   const std::size_t g = granularity_;
   std::vector<work_item> ws = resolve(ranges);
 
@@ -617,9 +728,10 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   }
 
   // Commit.
+  std::vector<std::pair<void*, std::size_t>> unused;
   for (const auto& w : ws) {
     auto& r = *static_cast<reservation*>(w.r);
-    if (keep == keep_mode::discard) drop_backup_granules(r, w.begin, w.end);
+    if (keep == keep_mode::discard) drop_backup_granules(r, w.begin, w.end, unused);
   }
   for (const auto& v : victims) {
     v.r->chunks.erase(v.pos);
@@ -631,18 +743,33 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
     if (keep == keep_mode::host) {
       sid = r.next_segment++;
       r.backups.emplace(sid, backup_segment{rn.begin, rn.end - rn.begin, rn.host, (rn.end - rn.begin) / g});
+      r.saved.emplace(rn.begin, reservation::saved_run{rn.end, sid});
       r.saved_granules += (rn.end - rn.begin) / g;
       backup_bytes_ += rn.end - rn.begin;
-    }
-    for (std::size_t gi = rn.begin / g; gi < rn.end / g; ++gi) {
-      r.state[gi] = keep == keep_mode::host ? saved : unbacked;
-      r.segment_of[gi] = sid;
     }
     r.backed_granules -= (rn.end - rn.begin) / g;
     backed_bytes_ -= rn.end - rn.begin;
   }
   for (reservation* r : touched)
     if (r->backed_granules == 0) r->streams.clear();
+  retire_buffers(unused);
+}
+
+std::vector<range> reservation_manager::release_whole_chunks(std::span<const range> ranges, keep_mode keep,
+                                                             stream_t stream) {
+  std::lock_guard lk(mu_);
+  std::vector<range> inner;
+  for (const auto& w : resolve(ranges)) {
+    auto& r = *static_cast<reservation*>(w.r);
+    for (auto it = r.chunks.lower_bound(w.begin); it != r.chunks.end() && it->first < w.end; ++it) {
+      if (it->first + it->second.bytes > w.end) break;
+      if (!inner.empty() && inner.back().id == r.id && inner.back().offset + inner.back().length == it->first)
+        inner.back().length += it->second.bytes;
+      else inner.push_back({r.id, it->first, it->second.bytes});
+    }
+  }
+  if (!inner.empty()) release_locked(inner, keep, stream, nullptr);
+  return inner;
 }
 
 // ---- queries ------------------------------------------------------------------------
@@ -656,16 +783,15 @@ bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::
   std::lock_guard lk(mu_);
   const reservation& r = get(id);
   auto [b, e] = clamp(r, offset, length);
-  for (std::size_t gi = b / granularity_; gi < e / granularity_; ++gi)
-    if (r.state[gi] != backed) return false;
-  return true;
+  return gaps(r.chunks, b, e).empty();
 }
 
 std::vector<bool> reservation_manager::backed_granules(reservation_id id) const {
   std::lock_guard lk(mu_);
   const reservation& r = get(id);
-  std::vector<bool> out(r.state.size());
-  for (std::size_t i = 0; i < r.state.size(); ++i) out[i] = r.state[i] == backed;
+  std::vector<bool> out(r.padded / granularity_, false);
+  for (const auto& [pos, c] : r.chunks)
+    for (std::size_t i = pos / granularity_; i < (pos + c.bytes) / granularity_; ++i) out[i] = true;
   return out;
 }
 
@@ -703,6 +829,12 @@ reservation_stats reservation_manager::stats() const {
 void reservation_manager::reset_peak() noexcept {
   std::lock_guard lk(mu_);
   peak_backed_ = backed_bytes_;
+}
+
+std::size_t reservation_manager::trim_backup_cache(std::size_t keep_bytes) {
+  std::lock_guard lk(mu_);
+  reap_retired(true);
+  return pinned_->trim(keep_bytes);
 }
 
 }  // namespace deferalloc

@@ -89,7 +89,7 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
                                  std::to_string(12 * I.cfg.depth * g) + " bytes");
     // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
     // copy engines briefly); every piece has that shape (reservations padded to pieces).
-    I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes});
+    I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes, I.cfg.window_bytes});
   } else {
     I.pool = std::make_shared<chunk_pool>(I.drv);
   }

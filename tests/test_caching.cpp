@@ -263,16 +263,28 @@ TEST_F(caching, resident_blocks_stay_backed_when_their_tag_pauses) {
     nccl = a->allocate(4_MiB, s1);
     other = a->allocate(6_MiB, s1);
   }
+  void* far = nullptr;  // spans the end of the first growth step (16 MiB) into the next chunk
+  {
+    tag_scope region(*a, "train");
+    far = a->allocate(20_MiB, s1);
+  }
   a->set_resident(nccl);
   upload(d, nccl, random_bytes(4_MiB, 5));
+  const auto splits = s.mgr->stats().splits;
   a->pause("train", keep_mode::discard, s1);
   EXPECT_TRUE(backed(nccl, 4_MiB));
-  EXPECT_FALSE(backed(static_cast<char*>(other) + 2 * g, 2 * g)) << "granules of `other` alone are released";
+  // Whole chunks only: `other` shares the resident block's chunk and stays backed; the
+  // part of `far` in a chunk of its own is released.  Nothing is split (moved).
+  EXPECT_TRUE(backed(other, 6_MiB)) << "a chunk under a resident block stays whole";
+  EXPECT_FALSE(backed(static_cast<char*>(far) + 8_MiB, 8_MiB)) << "chunks without a resident block are released";
+  EXPECT_EQ(s.mgr->stats().splits, splits);
   EXPECT_EQ(download(d, nccl, 4_MiB), random_bytes(4_MiB, 5));
   EXPECT_THROW(a->set_resident(other, false), invalid_state);
   a->resume("train", s1);
+  EXPECT_TRUE(backed(far, 20_MiB));
   a->deallocate(nccl, 0, s1);
   a->deallocate(other, 0, s1);
+  a->deallocate(far, 0, s1);
 }
 
 TEST_F(caching, tag_misuse_is_reported) {

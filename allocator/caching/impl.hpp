@@ -74,6 +74,7 @@ struct caching_allocator::impl {
   std::vector<event_t> free_events;
   stat_set st;
   std::size_t reserved = 0;  // backed bytes of our segments
+  segment* added = nullptr;  // the segment the current allocate added (dropped if it fails)
 
   // ---- small helpers ----
   block* new_block() {
@@ -243,7 +244,7 @@ struct caching_allocator::impl {
     owner_bins& fr = grp.bins_of(&fresh);
     block* b = fr.b.find(size);
     if (b == nullptr) {
-      add_segment(grp, size);
+      added = &add_segment(grp, size);
       b = fr.b.find(size);
     }
     fr.b.remove(b);
@@ -380,10 +381,13 @@ struct caching_allocator::impl {
     ++st.num_sync_all_streams;
   }
 
-  // Releases the backed granules of `seg` that no allocated or pending block touches
-  // (and, for `keep_ranges`, those that hold allocated non-resident blocks).
+  // The backed granules of `seg` in runs: free_runs hold no allocated or pending
+  // block, used_runs hold some but no resident one.  Releasing them goes through
+  // release_whole_chunks, which gives back only the chunks wholly inside a run (Note
+  // [Splitting chunks] in reservations.cpp): memory under a live block never moves.
   struct granule_plan {
     std::vector<range> free_runs, used_runs;
+    std::vector<range> unpinned_runs;  // free or used: every backed granule under no resident block
   };
   granule_plan plan(segment& s) const {
     std::vector<std::uint8_t> use(s.backed.size(), 0);  // 1 used, 2 resident
@@ -401,13 +405,15 @@ struct caching_allocator::impl {
       if (!s.backed[i]) continue;
       if (use[i] == 0) add(p.free_runs, i);
       else if (use[i] == 1) add(p.used_runs, i);
+      if (use[i] != 2) add(p.unpinned_runs, i);
     }
     return p;
   }
+  // Marks the ranges of `rs` that belong to `s` unbacked.
   void mark_unbacked(segment& s, const std::vector<range>& rs) {
     std::int64_t bytes = 0;
     for (const range& r : rs)
-      for (std::size_t i = r.offset / g; i < (r.offset + r.length) / g; ++i) {
+      for (std::size_t i = r.offset / g; r.id == s.id && i < (r.offset + r.length) / g; ++i) {
         s.backed[i] = 0;
         bytes += static_cast<std::int64_t>(g);
       }
@@ -425,8 +431,9 @@ struct caching_allocator::impl {
     s.streams.clear();  // the manager forgets streams of fully released reservations
   }
 
-  // Releases every free granule of the groups that are not paused.  Never throws:
-  // a segment whose release fails keeps its granules (logged).
+  // Releases every whole free chunk of the groups that are not paused (a chunk that
+  // also holds an allocated or pending block stays).  Never throws: a segment whose
+  // release fails keeps its granules (logged).
   std::size_t release_free_granules() {
     std::size_t bytes = 0;
     auto run = [&](group& grp) {
@@ -435,9 +442,9 @@ struct caching_allocator::impl {
         granule_plan p = plan(*s);
         if (p.free_runs.empty()) continue;
         try {
-          mgr.release(p.free_runs, keep_mode::discard, nullptr);
-          for (const range& r : p.free_runs) bytes += r.length;
-          mark_unbacked(*s, p.free_runs);
+          const std::vector<range> done = mgr.release_whole_chunks(p.free_runs, keep_mode::discard, nullptr);
+          for (const range& r : done) bytes += r.length;
+          mark_unbacked(*s, done);
         } catch (const std::exception& e) {
           detail::log(log_level::warn, std::string("caching_allocator: releasing cached granules: ") + e.what());
         }
@@ -449,14 +456,48 @@ struct caching_allocator::impl {
     return bytes;
   }
 
+  // Gives every whole free chunk and every cached chunk and pinned buffer back; returns
+  // the physical bytes given back to the driver.
   std::size_t free_cached() {
+    const std::size_t alive = mgr.pool().stats().alive_bytes;
     try {
       sync_all();
     } catch (const std::exception& e) {
       detail::log(log_level::warn, std::string("caching_allocator: waiting for pending frees: ") + e.what());
     }
     release_free_granules();
-    return mgr.pool().trim(0);
+    mgr.pool().trim(0);
+    try {
+      mgr.trim_backup_cache(0);
+    } catch (const std::exception& e) {
+      detail::log(log_level::warn, std::string("caching_allocator: freeing pinned buffers: ") + e.what());
+    }
+    const std::size_t now = mgr.pool().stats().alive_bytes;
+    return alive > now ? alive - now : 0;
+  }
+
+  // Removes `seg` when no block in it is allocated or pending and nothing is backed
+  // (the segment added for a request that then failed): its address space and
+  // bookkeeping go away.  Never throws.
+  void drop_segment_if_unused(segment* seg) noexcept {
+    group& grp = *seg->grp;
+    for (block* b = seg->first; b != nullptr; b = b->next)
+      if (b->bin < 0) return;
+    if (std::find(seg->backed.begin(), seg->backed.end(), 1) != seg->backed.end()) return;
+    for (block* b = seg->first; b != nullptr;) {
+      block* n = b->next;
+      grp.bins_of(b->owner).b.remove(b);
+      recycle(b);
+      b = n;
+    }
+    seg->first = nullptr;
+    try {
+      mgr.free(seg->id);
+    } catch (const std::exception& e) {
+      detail::log(log_level::error, std::string("caching_allocator: freeing an unused segment: ") + e.what());
+    }
+    std::erase_if(grp.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == seg; });
+    stat_set::sub(st.segment, grp.small, 1);
   }
 
   block* find_containing(std::uintptr_t p) const {

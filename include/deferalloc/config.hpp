@@ -35,7 +35,12 @@ struct settings {
   std::size_t pool_budget = 0;                  ///< pool_budget_mb: bytes of chunks alive; 0 = no limit
   std::size_t host_capacity = 0;                ///< host_capacity_mb: host driver capacity; 0 = 1/4 of RAM
   std::size_t host_granularity = std::size_t{2} << 20;  ///< host_granularity_kb
-  std::size_t pinned_cache = 0;                 ///< pinned_cache_mb: pinned backup buffers kept; 0 = no limit
+  /// pinned_cache_mb: pinned backup buffers kept cached after a restore; beyond it they
+  /// are freed (0 = none kept).  Note [Physical memory policy] in allocator/chunk_pool.cpp.
+  std::size_t pinned_cache = std::size_t{64} << 20;
+  /// pool_cache_mb: bytes of physical chunks the pool keeps cached for churn; chunks
+  /// given back beyond it are released to the device at once (0 = none kept).
+  std::size_t pool_cache = std::size_t{64} << 20;
   log_level level = log_level::warn;            ///< log_level: off | error | warn | info | debug
 };
 

@@ -2,7 +2,9 @@
 //
 // cuMemHostAlloc pins pages one by one (hundreds of milliseconds per GiB), so a
 // pause/resume cycle must not pin again: buffers come back here after a restore and
-// serve the next release of the same size.
+// serve the next release of the same size, up to a small bound (cache_limit, 64 MiB
+// by default, settings key pinned_cache_mb): buffers given back beyond it are freed at
+// once (See Note [Physical memory policy] in allocator/chunk_pool.cpp).
 #pragma once
 #include <deferalloc/driver.hpp>
 
@@ -23,8 +25,11 @@ struct pinned_pool_stats {
 
 class DFA_API pinned_pool {
  public:
-  /// `cache_limit`: bytes kept cached after give_back; 0 = no limit.
-  pinned_pool(std::shared_ptr<driver> drv, std::size_t cache_limit = 0);
+  /// Default bound on cached bytes (settings key pinned_cache_mb).
+  static constexpr std::size_t default_cache_limit = std::size_t{64} << 20;
+  /// `cache_limit`: bytes kept cached after give_back; 0 = nothing is cached,
+  /// SIZE_MAX = no limit.
+  pinned_pool(std::shared_ptr<driver> drv, std::size_t cache_limit = default_cache_limit);
   ~pinned_pool();
   pinned_pool(const pinned_pool&) = delete;
   pinned_pool& operator=(const pinned_pool&) = delete;
@@ -33,11 +38,13 @@ class DFA_API pinned_pool {
   /// on out-of-memory the cache is trimmed and the allocation tried once more.
   /// @throws out_of_memory
   void* acquire(std::size_t bytes);
-  /// Returns a buffer got from acquire with the same `bytes`.
+  /// Returns a buffer got from acquire with the same `bytes`: cached within the limit,
+  /// freed (cuMemFreeHost) beyond it.  The caller makes sure no copy still uses it.
   void give_back(void* p, std::size_t bytes) noexcept;
   /// Frees cached buffers until at most `keep_bytes` stay cached.
   std::size_t trim(std::size_t keep_bytes = 0) noexcept;
   pinned_pool_stats stats() const;
+  std::size_t cache_limit() const { return cache_limit_; }
 
  private:
   static std::size_t round(std::size_t bytes) { return (bytes + 0xFFFF) & ~std::size_t{0xFFFF}; }

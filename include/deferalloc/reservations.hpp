@@ -57,19 +57,22 @@ struct reservation_stats {
   std::size_t backed_bytes = 0;
   std::size_t peak_backed_bytes = 0;
   std::size_t backup_bytes = 0;
-  std::uint64_t splits = 0;  ///< chunks split because a release cut through them
+  std::uint64_t splits = 0;  ///< chunks split because an explicit release cut through them
   pool_stats pool;
   pinned_pool_stats pinned;
 };
 
 struct reservation_manager_config {
-  /// Pinned host bytes kept cached for backups after they are restored; 0 = no limit.
-  std::size_t pinned_cache = 0;
+  /// Pinned host bytes kept cached for backups after they are restored; beyond it the
+  /// buffers are freed.  0 = nothing cached, SIZE_MAX = no limit.
+  std::size_t pinned_cache = pinned_pool::default_cache_limit;
 };
 
 /// Owns reservations on one driver, backed from one chunk pool.  Thread-safe: every
 /// call takes one mutex.  Offsets and lengths are multiples of the granularity,
-/// except that a range may end at the reservation's size.
+/// except that a range may end at the reservation's size.  Host memory for the
+/// bookkeeping grows with the chunks mapped and the backup runs, not with the bytes
+/// reserved (reserving 16 TiB costs a few hundred bytes).
 class DFA_API reservation_manager {
  public:
   explicit reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg = {});
@@ -106,6 +109,16 @@ class DFA_API reservation_manager {
   /// so the copies run back to back at the link's speed.
   void release(std::span<const range> ranges, keep_mode keep, stream_t stream = nullptr);
 
+  /// As the batched release(), but only the chunks that lie wholly inside a range are
+  /// released: a chunk is never split, so the call needs no new memory (it works when
+  /// memory is full) and never copies, unmaps or remaps a byte outside the ranges.
+  /// Backups of unbacked granules are left alone.  What a caching allocator uses to give
+  /// free space back (See Note [Splitting chunks] in allocator/reservations.cpp).
+  /// Returns the ranges released (chunk boundaries, sorted), empty when none.
+  /// Cost: as release() for the chunks released; no driver call when none.
+  /// @throws invalid_argument, out_of_memory (backup memory), cuda_error
+  std::vector<range> release_whole_chunks(std::span<const range> ranges, keep_mode keep, stream_t stream = nullptr);
+
   /// As the batched release(), for a caller that knows exactly when its last use of the
   /// ranges completes: waits for `last_use` (an event of this driver) and for no stream.
   /// Recording an event on a user stream at release time also waits for everything
@@ -128,6 +141,11 @@ class DFA_API reservation_manager {
   std::optional<reservation_id> find(const void* ptr) const;
   reservation_stats stats() const;
   void reset_peak() noexcept;
+  /// Frees cached pinned backup buffers until at most `keep_bytes` stay cached (after
+  /// the restore copies that read them).  Returns the bytes freed.
+  /// Cost: one wait for the copy stream when restores are in flight, one cuMemFreeHost
+  /// per buffer.
+  std::size_t trim_backup_cache(std::size_t keep_bytes = 0);
 
   std::size_t granularity() const { return granularity_; }
   chunk_pool& pool() const { return *pool_; }
@@ -147,7 +165,10 @@ class DFA_API reservation_manager {
   void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
   void split_at(reservation& r, std::size_t cut, stream_t stream, event_t after);
   event_t take_event();
-  void drop_backup_granules(reservation& r, std::size_t begin, std::size_t end);
+  void drop_backup_granules(reservation& r, std::size_t begin, std::size_t end,
+                            std::vector<std::pair<void*, std::size_t>>& unused);
+  void retire_buffers(std::vector<std::pair<void*, std::size_t>>& buffers) noexcept;
+  void reap_retired(bool wait) noexcept;
   std::vector<event_t> record_users(const std::vector<reservation*>& rs, stream_t stream);
   void give_events(std::vector<event_t>& es) noexcept;
   void unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept;
@@ -162,6 +183,11 @@ class DFA_API reservation_manager {
   reservation_id next_id_ = 1;
   stream_t copy_stream_ = nullptr;
   std::vector<event_t> free_events_;
+  struct retired {
+    event_t done;
+    std::vector<std::pair<void*, std::size_t>> buffers;  // pinned buffers still read by restores
+  };
+  std::vector<retired> retired_;
   std::uintptr_t scratch_ = 0;  // address range for splitting chunks (largest class)
   std::size_t scratch_bytes_ = 0;
   std::size_t reserved_bytes_ = 0, backed_bytes_ = 0, peak_backed_ = 0, backup_bytes_ = 0;
