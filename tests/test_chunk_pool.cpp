@@ -68,3 +68,52 @@ TEST(chunk_pool, non_power_of_two_classes_serve_reservations) {
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(m.address(id)) % (16 * g), 0u);
   m.free(id);
 }
+
+// Note [Physical memory policy]: chunks given back beyond the cache bound go back to the
+// driver at once (largest first); what stays cached never exceeds the bound.
+TEST(chunk_pool, chunks_beyond_the_cache_limit_are_released_at_once) {
+  auto d = make_driver();
+  const std::size_t g = d->granularity();
+  chunk_pool p(d, {{}, 0, 3 * g});
+  const auto free0 = d->get_memory_info().free_bytes;
+  auto a = p.acquire(2 * g);
+  auto b = p.acquire(2 * g);
+  auto c = p.acquire(g);
+  p.give_back(a);
+  EXPECT_EQ(p.stats().cached_bytes, 2 * g);
+  p.give_back(b);  // 4 granules > 3: one 2-granule chunk goes back to the driver
+  EXPECT_EQ(p.stats().cached_bytes, 2 * g);
+  EXPECT_EQ(p.stats().chunks_released, 1u);
+  p.give_back(c);
+  EXPECT_EQ(p.stats().cached_bytes, 3 * g);
+  EXPECT_EQ(free0 - d->get_memory_info().free_bytes, 3 * g) << "held bytes = cached bytes, within the bound";
+  p.trim();
+  EXPECT_EQ(d->get_memory_info().free_bytes, free0);
+
+  chunk_pool none(d, {{}, 0, 0});  // cache nothing
+  none.give_back(none.acquire(g));
+  EXPECT_EQ(none.stats().alive_bytes, 0u);
+}
+
+TEST(chunk_pool, try_reuse_takes_only_cached_chunks_in_the_order_asked) {
+  auto d = make_driver();
+  const std::size_t g = d->granularity();
+  chunk_pool p(d);
+  const std::vector<std::size_t> sizes{4 * g, g};
+  EXPECT_FALSE(p.try_reuse(sizes).has_value()) << "nothing cached: nothing created either";
+  EXPECT_EQ(p.stats().alive_bytes, 0u);
+  auto small = p.acquire(g);
+  auto big = p.acquire(4 * g);
+  p.give_back(small);
+  p.give_back(big);
+  auto first = p.try_reuse(sizes);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->bytes, 4 * g);
+  auto second = p.try_reuse(sizes);
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->bytes, g);
+  EXPECT_FALSE(p.try_reuse(sizes).has_value());
+  p.give_back(*first);
+  p.give_back(*second);
+  p.trim();
+}

@@ -1,6 +1,7 @@
 // Reservation conformance: stable addresses, exact physical accounting, backups,
 // idempotence, one set_access per run, splits, bad input.
 #include "common.hpp"
+#include "memory_checks.hpp"
 
 using namespace deferalloc;
 using namespace dfa_test;
@@ -26,7 +27,9 @@ TEST_F(reservations, reserve_takes_no_physical_memory_and_materialize_takes_exac
   EXPECT_TRUE(m.is_backed(id, 8 * g, n));
   EXPECT_FALSE(m.is_backed(id, 0, 9 * g));
   m.release(id, 8 * g, n, keep_mode::discard);
-  EXPECT_EQ(before.free_bytes - d.get_memory_info().free_bytes, n) << "released chunks stay in the pool";
+  // Released chunks stay cached up to the pool's bound; the rest went back at once.
+  EXPECT_EQ(before.free_bytes - d.get_memory_info().free_bytes, s.pool->stats().cached_bytes);
+  EXPECT_LE(s.pool->stats().cached_bytes, s.pool->cache_limit());
   s.pool->trim();
   EXPECT_EQ(d.get_memory_info().free_bytes, before.free_bytes);
   m.free(id);
@@ -210,4 +213,121 @@ TEST_F(reservations, release_after_an_event) {
   d.destroy_event(e);
   d.destroy_stream(s);
   m.free(id);
+}
+
+// Issue 11 item 7: the bookkeeping grows with what is backed, not with what is reserved.
+TEST_F(reservations, reserving_terabytes_costs_kilobytes_of_host_memory) {
+  const std::size_t rss0 = rss_bytes();
+  ASSERT_GT(rss0, 0u) << "/proc/self/statm is unreadable";
+  auto id = m.reserve(16ull << 40);  // 16 TiB: 256 Mi granules of 64 KiB on the host driver
+  const std::size_t rss1 = rss_bytes();
+  EXPECT_LT(rss1 - std::min(rss1, rss0), 1_MiB) << "reserve(16 TiB) grew the resident set by " << (rss1 - rss0) << " bytes";
+  // Windows stream through it as usual; queries stay exact.
+  for (std::size_t w = 0; w < 8; ++w) {
+    const std::size_t off = (std::size_t{1} << 40) * w + 3 * g;
+    m.materialize(id, off, 4 * g, fill_mode::zero);
+    EXPECT_TRUE(m.is_backed(id, off, 4 * g));
+    EXPECT_FALSE(m.is_backed(id, off - g, 2 * g));
+    m.release(id, off, 2 * g, keep_mode::host);
+    EXPECT_EQ(m.info(id).backed_bytes, 2 * g);
+    EXPECT_EQ(m.info(id).backup_bytes, 2 * g);
+    m.materialize(id, off, 2 * g, fill_mode::restore);
+    m.release(id, off, 4 * g, keep_mode::discard);
+  }
+  EXPECT_EQ(m.info(id).backed_bytes, 0u);
+  EXPECT_LT(rss_bytes() - std::min(rss_bytes(), rss0), 1_MiB);
+  m.free(id);
+}
+
+// Issue 10 item 1: giving free space back never splits a chunk, so it needs no new
+// memory and works when memory is full; bytes outside the ranges never move.
+TEST_F(reservations, release_whole_chunks_never_splits_and_works_when_memory_is_full) {
+  stack full(make_driver(), chunk_pool_config{{}, 20 * g});  // a budget of exactly what is backed below
+  auto& fm = *full.mgr;
+  auto id = fm.reserve(32 * g);
+  fm.materialize(id, 0, 16 * g, fill_mode::undefined);       // one 16-granule chunk
+  fm.materialize(id, 16 * g, 4 * g, fill_mode::undefined);   // one 4-granule chunk
+  auto data = random_bytes(16 * g, 21);
+  upload(d, fm.address(id), data);
+  std::vector<range> free_space{{id, 2 * g, 18 * g}};
+  // A release that cuts the first chunk must split it: new chunks, none to be had.
+  EXPECT_THROW(fm.release(free_space, keep_mode::discard), out_of_memory);
+  EXPECT_TRUE(fm.is_backed(id, 0, 20 * g)) << "a failed release changes nothing";
+  const auto released = fm.release_whole_chunks(free_space, keep_mode::discard);
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0].id, id);
+  EXPECT_EQ(released[0].offset, 16 * g);
+  EXPECT_EQ(released[0].length, 4 * g);
+  EXPECT_EQ(fm.stats().splits, 0u);
+  EXPECT_TRUE(fm.is_backed(id, 0, 16 * g));
+  EXPECT_FALSE(fm.is_backed(id, 16 * g, g));
+  EXPECT_EQ(download(*full.drv, fm.address(id), 16 * g), data);
+  EXPECT_TRUE(fm.release_whole_chunks(free_space, keep_mode::discard).empty()) << "nothing left to give back";
+  fm.free(id);
+}
+
+// Cached chunks of any class that fits are used before new ones are created.
+TEST_F(reservations, materialize_reuses_smaller_cached_chunks_before_creating) {
+  auto a = m.reserve(4 * g);
+  for (std::size_t i = 0; i < 4; ++i) m.materialize(a, i * g, g, fill_mode::undefined);  // four 1-granule chunks
+  m.release(a, 0, whole, keep_mode::discard);
+  ASSERT_EQ(s.pool->stats().cached_bytes, 4 * g);
+  auto b = m.reserve(4 * g);
+  const auto creates = d.call_counts()[primitive::create];
+  m.materialize(b, 0, whole, fill_mode::zero);
+  EXPECT_EQ(d.call_counts()[primitive::create], creates) << "a 4-granule chunk was created while 4 granules were cached";
+  EXPECT_EQ(s.pool->stats().cached_bytes, 0u);
+  m.free(a);
+  m.free(b);
+}
+
+// Issue 10 item 2: physical bytes held <= backed bytes + the pool's cache bound, at every
+// step of a random materialize/release/restore sequence (the host driver counts its
+// chunks; the CUDA driver answers cuMemGetInfo).
+TEST_F(reservations, physical_memory_held_stays_within_backed_plus_cache_bound) {
+  stack b(make_driver(), chunk_pool_config{{}, 0, 8 * g});
+  auto& bm = *b.mgr;
+  b.pool->trim();
+  const auto base = b.drv->get_memory_info();
+  std::mt19937 rng(7);
+  std::vector<reservation_id> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(bm.reserve(64 * g));
+  for (int step = 0; step < 300; ++step) {
+    const reservation_id id = ids[rng() % ids.size()];
+    const std::size_t off = (rng() % 48) * g, len = (1 + rng() % 16) * g;
+    switch (rng() % 3) {
+      case 0: bm.materialize(id, off, len, fill_mode::undefined); break;
+      case 1: bm.release(id, off, len, keep_mode::discard); break;
+      default: bm.release(id, off, len, keep_mode::host); break;
+    }
+    const auto st = bm.stats();
+    ASSERT_LE(held_since(*b.drv, base), static_cast<std::int64_t>(st.backed_bytes + b.pool->cache_limit()) + held_slack(*b.drv))
+        << "step " << step;
+    ASSERT_LE(st.pool.cached_bytes, b.pool->cache_limit());
+  }
+  for (auto id : ids) bm.free(id);
+  EXPECT_LE(held_since(*b.drv, base), static_cast<std::int64_t>(8 * g) + held_slack(*b.drv));
+}
+
+// Pinned backups follow the same policy: after restores, at most the pinned bound stays.
+TEST_F(reservations, pinned_backups_above_the_bound_are_freed_after_restore) {
+  stack p(make_driver());
+  auto mgr = std::make_unique<reservation_manager>(p.pool, reservation_manager_config{2 * g});
+  std::vector<reservation_id> ids;
+  for (int i = 0; i < 4; ++i) {
+    ids.push_back(mgr->reserve(4 * g));
+    mgr->materialize(ids.back(), 0, whole, fill_mode::zero);
+  }
+  std::vector<range> all;
+  for (auto id : ids) all.push_back({id, 0, whole});
+  mgr->release(all, keep_mode::host);
+  EXPECT_GE(mgr->stats().pinned.in_use_bytes, 16 * g);
+  mgr->materialize(all, fill_mode::restore);
+  mgr->trim_backup_cache(2 * g);  // waits for the restores' copies (nothing to free beyond the bound)
+  const auto st = mgr->stats().pinned;
+  EXPECT_EQ(st.in_use_bytes, 0u);
+  EXPECT_LE(st.cached_bytes, 2 * g) << "pinned buffers beyond the bound stayed after the restore";
+  mgr->trim_backup_cache(0);
+  EXPECT_EQ(mgr->stats().pinned.cached_bytes, 0u);
+  for (auto id : ids) mgr->free(id);
 }
