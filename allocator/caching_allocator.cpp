@@ -19,16 +19,24 @@
 //  - allocate(stream T): T's own bins (no event: stream order covers it), else a block
 //    of another stream whose free is known complete (Note [Cross-stream reuse]), else
 //    fresh address space, else a new segment.  Then the block's unbacked granules are
-//    materialized (chunks from the pool).  On out-of-memory (device, pool budget or
-//    memory fraction): wait for every pending free, release every free granule, trim
-//    the pool, retry once (num_alloc_retries); then num_ooms and out_of_memory.
+//    materialized (chunks from the pool, cached ones of any fitting class first).  On
+//    out-of-memory (device, pool budget or memory fraction): wait for every pending
+//    free, give back every whole free chunk, trim the pool and the pinned cache, retry
+//    once (num_alloc_retries); then num_ooms and out_of_memory.  A failed request
+//    leaves nothing behind: a segment added for it is freed again.
 //  - deallocate: the block goes to the bins of the stream it is freed on; if
 //    record_stream added other streams, an event is recorded on each and the block
 //    waits in a pending list until they complete (checked at the next allocate).
-//  - empty_cache / pause release whole granules only: a granule is released when no
-//    allocated or pending block (of another tag: impossible by construction) overlaps
-//    it.  The reservation manager waits for the streams recorded on the segment (each
-//    stream that allocated or freed in it) before unmapping.
+//  - empty_cache / the retry / pause release whole chunks only
+//    (reservation_manager::release_whole_chunks): a chunk is released when no allocated
+//    or pending block (of another tag: impossible by construction; resident blocks at
+//    pause) overlaps any of its granules.  Memory in use is never copied, unmapped or
+//    remapped, and giving memory back needs no new chunk, so it works exactly when
+//    memory is full (a split would need chunks first: Note [Splitting chunks]).  The
+//    reservation manager waits for the streams recorded on the segment (each stream
+//    that allocated or freed in it) before unmapping.  What the pool then caches beyond
+//    its bound goes back to the device at once (Note [Physical memory policy]):
+//    physical bytes held <= backed bytes + pool_cache_mb, tested on both drivers.
 //
 // Note [Cross-stream reuse]
 // Recording an event at every free would cost a microsecond per free.  Instead each
@@ -51,11 +59,16 @@
 // one chunk, one map, one set_access.  The step is an eighth of what the group holds,
 // at least one granule in the small pool and 16 MiB elsewhere (PyTorch's large segments
 // are 20 MiB), at most cfg.grow_bytes (64 MiB): a heap holds at most one step unused at
-// its end, 12.5% of it when small, 64 MiB when large.
+// its end, 12.5% of it when small, 64 MiB when large.  Chunks are cut at multiples of
+// max(grow_bytes, 16 MiB) (max_chunk), also for blocks larger than that: since only
+// whole free chunks are given back, a live block keeps backed at most the chunks it
+// touches, so this bounds the free memory one block can strand.  When the device cannot
+// give a whole step, the block alone is backed (a step never makes a fitting request fail).
 //
-// Limits: one mutex per allocator; a block is never moved; granules shared by a
-// resident block and other blocks of a tag stay backed at pause; blocks of different
-// streams next to each other are not coalesced.
+// Limits: one mutex per allocator; a block is never moved; free space that shares a
+// chunk with a live block stays backed until the block is freed (at most max_chunk per
+// side of a block); chunks shared by a resident block and other blocks of a tag stay
+// backed at pause; blocks of different streams next to each other are not coalesced.
 #include <deferalloc/caching_allocator.hpp>
 #include <deferalloc/errors.hpp>
 

@@ -14,8 +14,8 @@
 //    never with what is reserved: reserving 16 TiB at 64 KiB granules costs a few
 //    hundred bytes (a test checks < 1 MiB of RSS), where one byte per granule would
 //    cost 256 MiB.  Lookups are O(log n + k) in the chunks or runs touched.
-//  - materialize: the unbacked runs of the range are cut greedily into the largest
-//    classes aligned at their offset; chunks come from the pool (cache first; on
+//  - materialize: the unbacked runs of each range are cut greedily into the largest
+//    classes aligned at their offset (never across the ranges of a batch); chunks come from the pool (cache first; on
 //    out-of-memory a piece falls back to smaller classes that may be cached, then the
 //    cache is trimmed and everything tried once more).  One cuMemMap per chunk, one
 //    cuMemSetAccess per run.  Fill is stream-ordered: zeros on the caller's stream,
@@ -376,10 +376,13 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
   const std::size_t g = granularity_;
   std::vector<work_item> ws = resolve(ranges);
 
-  // Unbacked runs, per reservation.
+  // Unbacked runs, per reservation; `parts` are the pieces of the ranges asked for.
+  // Chunks are planned per part, so that no chunk crosses a boundary of the ranges (a
+  // later release of one range then never splits); set_access and fills go per run.
   struct run {
     reservation* r;
     std::size_t begin, end;
+    std::vector<std::pair<std::size_t, std::size_t>> parts;
   };
   std::vector<run> runs;
   for (const auto& w : ws) {
@@ -391,8 +394,9 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
           throw invalid_state("materialize(restore): granule at offset " + std::to_string(miss) + " of reservation " +
                               std::to_string(r.id) + " has no backup to restore (it was never released with keep=host)");
       }
-      if (!runs.empty() && runs.back().r == &r && runs.back().end == b) runs.back().end = e;
-      else runs.push_back({&r, b, e});
+      if (runs.empty() || runs.back().r != &r || runs.back().end != b) runs.push_back({&r, b, b, {}});
+      runs.back().end = e;
+      runs.back().parts.emplace_back(b, e);
     }
   }
   if (runs.empty()) return;  // already backed: a no-op
@@ -404,7 +408,7 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
       for (auto& [pos, c] : ps) pool_->give_back(c);
   };
   try {
-    for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks({{runs[i].begin, runs[i].end}});
+    for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks(runs[i].parts);
   } catch (...) {
     give_back_all();
     throw;

@@ -275,13 +275,28 @@ struct caching_allocator::impl {
     const std::size_t target = std::min(granules, (end + step - 1) / step * step);
     while (grow_end < target && !s.backed[grow_end] && reserved + (missing + grow_end - end + 1) * g <= limit)
       ++grow_end;
-    std::vector<range> runs;
-    for (std::size_t i = first; i < grow_end; ++i) {
-      if (s.backed[i]) continue;
-      if (!runs.empty() && runs.back().offset + runs.back().length == i * g) runs.back().length += g;
-      else runs.push_back({s.id, i * g, g});
+    // Ranges cut at multiples of the largest chunk (Note [Growth steps]).
+    const std::size_t cut = max_chunk() / g;
+    auto unbacked_runs = [&](std::size_t stop) {
+      std::vector<range> rs;
+      for (std::size_t i = first; i < stop; ++i) {
+        if (s.backed[i]) continue;
+        if (!rs.empty() && rs.back().offset + rs.back().length == i * g && i % cut != 0) rs.back().length += g;
+        else rs.push_back({s.id, i * g, g});
+      }
+      return rs;
+    };
+    std::vector<range> runs = unbacked_runs(grow_end);
+    try {
+      mgr.materialize(runs, fill_mode::undefined, stream);
+    } catch (const out_of_memory&) {
+      if (grow_end == end) throw;
+      // The device cannot give the whole step: back the block alone (the step is an
+      // optimisation, never a reason to fail a request that fits).
+      grow_end = end;
+      runs = unbacked_runs(end);
+      mgr.materialize(runs, fill_mode::undefined, stream);
     }
-    mgr.materialize(runs, fill_mode::undefined, stream);
     for (std::size_t i = first; i < grow_end; ++i) s.backed[i] = 1;
     b->backed = true;
     missing += grow_end - end;
@@ -296,6 +311,12 @@ struct caching_allocator::impl {
     const std::size_t cap = std::bit_floor(std::max(cfg.grow_bytes / g, std::size_t{1}));
     const std::size_t low = grp.small ? 1 : std::min(cap, std::bit_floor(std::max((std::size_t{16} << 20) / g, std::size_t{1})));
     return std::bit_floor(std::clamp(grp.backed / 8 / g, low, cap)) * g;
+  }
+  // The largest chunk behind a block: the largest growth step, at least 16 MiB.  A
+  // live block keeps at most the chunks it touches backed, so this bounds what one
+  // small block can hold beyond itself (whole-chunk release, Note [Splitting chunks]).
+  std::size_t max_chunk() const {
+    return std::max(std::bit_floor(std::max(cfg.grow_bytes, g)), std::max(std::size_t{16} << 20, g));
   }
   void note_backed(group& grp, std::int64_t bytes) {
     reserved = static_cast<std::size_t>(static_cast<std::int64_t>(reserved) + bytes);

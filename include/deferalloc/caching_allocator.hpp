@@ -9,8 +9,8 @@
 //    granule), size classes with splitting and coalescing;
 //  - stream order: a block freed on stream S is reused at once on S, on another
 //    stream only after an event recorded on S after the free has completed;
-//  - empty_cache() really returns memory: free granules are released and the chunk
-//    pool trimmed;
+//  - empty_cache() really returns memory: whole free chunks are released (memory in
+//    use never moves) and the chunk pool and pinned cache trimmed;
 //  - tags: allocations made inside a tagged region can be paused (physical memory
 //    released, addresses kept, contents discarded or kept in a host backup) and
 //    resumed at the same addresses, chunks coming back from the pool;
@@ -93,10 +93,11 @@ class DFA_API caching_allocator {
   /// @throws invalid_argument for a pointer we do not own.
   void record_stream(void* ptr, stream_t stream);
 
-  /// Releases every cached granule (free blocks only, after the streams that used them)
-  /// and trims the chunk pool, so the memory goes back to the device.  Returns the bytes
-  /// given back to the driver.  Cost: a batched release per segment, one cuMemRelease
-  /// per cached chunk.
+  /// Releases every chunk that holds only free blocks (after the streams that used
+  /// them; a chunk under an allocated block is never touched) and trims the chunk pool
+  /// and the pinned backup cache, so the memory goes back to the device.  Needs no new
+  /// memory.  Returns the physical bytes given back to the driver.  Cost: a batched
+  /// release per segment, one cuMemRelease per chunk.
   std::size_t empty_cache();
   /// @throws invalid_argument unless 0 < fraction <= 1.
   void set_memory_fraction(double fraction);

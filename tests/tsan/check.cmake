@@ -1,0 +1,12 @@
+# Configures and builds tests/tsan (ThreadSanitizer) in WORK_DIR, then runs the stress
+# test on the host driver for DFA_STRESS_SECONDS (default 3); any ThreadSanitizer
+# report fails the run (halt_on_error).
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR} -G ${GENERATOR}
+                -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=${CXX_COMPILER} COMMAND_ERROR_IS_FATAL ANY)
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR} -j2 COMMAND_ERROR_IS_FATAL ANY)
+if(NOT DEFINED ENV{DFA_STRESS_SECONDS})
+  set(ENV{DFA_STRESS_SECONDS} 3)
+endif()
+set(ENV{DFA_TEST_DRIVER} host)
+set(ENV{TSAN_OPTIONS} "halt_on_error=1 second_deadlock_stack=1")
+execute_process(COMMAND ${WORK_DIR}/stress_tsan COMMAND_ERROR_IS_FATAL ANY)
