@@ -275,27 +275,52 @@ void reservation_manager::free(reservation_id id, stream_t stream) {
 
 // ---- chunk planning -----------------------------------------------------------------
 
-// Acquires chunks for [pos, end) (offsets in one reservation): at each position a
-// cached chunk of the largest aligned class that has one, else a new chunk of the
-// largest aligned class; a class the pool cannot give is replaced by smaller ones.  Appends to `out`;
-// returns false when even a granule could not be had (what was appended stays there).
+// The classes that fit at `pos` inside [pos, end), at most `max_class`, largest first
+// (the granularity when none does).
+std::vector<std::size_t> reservation_manager::classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const {
+  std::vector<std::size_t> fit;
+  const auto& classes = pool_->classes();
+  for (auto it = classes.rbegin(); it != classes.rend(); ++it)
+    if (*it <= max_class && pos % *it == 0 && pos + *it <= end) fit.push_back(*it);
+  if (fit.empty()) fit.push_back(granularity_);
+  return fit;
+}
+
+// Covers [pos, end) with cached chunks only (at each position the largest cached class
+// that fits), all or none: appends to `out` and returns true, or leaves `out` as it
+// was.  No driver call.
+bool reservation_manager::reuse_cached(std::size_t pos, std::size_t end, std::vector<std::pair<std::size_t, chunk>>& out) {
+  const std::size_t mark = out.size();
+  while (pos < end) {
+    auto ch = pool_->try_reuse(classes_at(pos, end, end - pos));
+    if (!ch) {
+      for (std::size_t i = mark; i < out.size(); ++i) pool_->give_back(out[i].second);
+      out.resize(mark);
+      return false;
+    }
+    out.emplace_back(pos, *ch);
+    pos += ch->bytes;
+  }
+  return true;
+}
+
+// Acquires chunks for [pos, end) (offsets in one reservation), piece by piece of the
+// largest aligned class: a cached chunk of that class, else cached chunks of smaller
+// classes that cover the whole piece (memory already held is used before more is
+// created: Note [Physical memory policy] in chunk_pool.cpp), else a new chunk; a class
+// the pool cannot give is replaced by smaller ones.  Smaller cached chunks are used
+// only when they cover a whole piece, so one small cached chunk never breaks a large
+// range into many small pieces.  Appends to `out`; returns false when even a granule
+// could not be had (what was appended stays there).
 bool reservation_manager::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
                                          std::vector<std::pair<std::size_t, chunk>>& out) {
   const auto& classes = pool_->classes();
-  std::vector<std::size_t> fit;  // the classes that fit at pos, largest first
   while (pos < end) {
-    fit.clear();
-    for (auto it = classes.rbegin(); it != classes.rend(); ++it)
-      if (*it <= max_class && pos % *it == 0 && pos + *it <= end) fit.push_back(*it);
-    if (fit.empty()) fit.push_back(granularity_);
-    // A cached chunk of any class that fits comes first: memory already held is used
-    // before more is created (Note [Physical memory policy] in chunk_pool.cpp).
-    if (auto ch = pool_->try_reuse(fit)) {
-      out.emplace_back(pos, *ch);
-      pos += ch->bytes;
+    const std::size_t c = classes_at(pos, end, max_class).front();
+    if (reuse_cached(pos, pos + c, out)) {
+      pos += c;
       continue;
     }
-    const std::size_t c = fit.front();
     if (auto ch = pool_->try_acquire(c)) {
       out.emplace_back(pos, *ch);
     } else {

@@ -157,3 +157,14 @@ TEST(faults, reserve) {
     w.s->mgr->free(id);
   });
 }
+
+// The caching allocator's way of giving memory back: whole chunks only, rolled back as
+// release() is (the chunk cut by the first range stays mapped, untouched).
+TEST(faults, release_whole_chunks_with_backup) {
+  run_all_faults("release_whole_chunks(host)", [](world& w) {
+    std::vector<range> rs{{w.ids[0], w.g, 5 * w.g}, {w.ids[2], 0, whole}};
+    const auto done = w.s->mgr->release_whole_chunks(rs, keep_mode::host);
+    EXPECT_EQ(w.s->mgr->stats().splits, 0u);
+    EXPECT_FALSE(done.empty());
+  });
+}

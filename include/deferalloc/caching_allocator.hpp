@@ -121,7 +121,8 @@ class DFA_API caching_allocator {
   /// Releases the physical memory of every allocation of `tag` (addresses stay), after
   /// the streams that used it; keep_mode::host keeps the contents of allocated blocks
   /// in pinned host memory (one batched release: the copies run back to back).
-  /// Free granules of the tag are discarded.  Resident allocations (set_resident) stay.
+  /// Free granules of the tag are discarded.  Only whole chunks are released: the chunks
+  /// under resident allocations (set_resident) stay, with whatever shares them.
   /// @throws invalid_argument (unknown tag), invalid_state (called inside a tagged
   ///         region, tag already paused), out_of_memory (backup), cuda_error
   void pause(std::string_view tag, keep_mode keep = keep_mode::discard, stream_t stream = nullptr);
@@ -132,7 +133,7 @@ class DFA_API caching_allocator {
   void resume(std::string_view tag, stream_t stream = nullptr);
   bool is_paused(std::string_view tag) const;
   /// Marks an allocation to stay backed when its tag is paused (e.g. NCCL buffers).
-  /// Granules it shares with other blocks of the tag stay backed too.
+  /// Chunks it shares with other blocks of the tag stay backed too.
   /// @throws invalid_argument for a pointer we do not own, invalid_state when its tag is paused
   void set_resident(void* ptr, bool resident = true);
   /// Known tags, in creation order.

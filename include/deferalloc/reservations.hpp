@@ -102,7 +102,9 @@ class DFA_API reservation_manager {
   /// keep_mode::discard drops their backups).  Waits on the host for events recorded on
   /// `stream` and on every stream given to record_stream (never the whole device), and for
   /// the backup copies; then one cuMemUnmap per chunk.  A chunk that the range cuts
-  /// through is split first (its kept part is copied into smaller chunks).  All-or-nothing.
+  /// through is split first: its kept part is copied into new, smaller chunks (so this
+  /// needs free memory), and the bytes of the chunk outside the range must not be
+  /// touched by anyone during the call (Note [Splitting chunks]).  All-or-nothing.
   /// @throws invalid_argument, out_of_memory (backup memory), cuda_error
   void release(reservation_id id, std::size_t offset, std::size_t length, keep_mode keep, stream_t stream = nullptr);
   /// The same for many ranges: every backup copy is enqueued before the one host wait,
@@ -160,6 +162,8 @@ class DFA_API reservation_manager {
   reservation& get(reservation_id id);
   const reservation& get(reservation_id id) const;
   std::pair<std::size_t, std::size_t> clamp(const reservation& r, std::size_t offset, std::size_t length) const;
+  std::vector<std::size_t> classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const;
+  bool reuse_cached(std::size_t pos, std::size_t end, std::vector<std::pair<std::size_t, chunk>>& out);
   bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, std::vector<std::pair<std::size_t, chunk>>& out);
   std::vector<std::pair<std::size_t, chunk>> plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs);
   void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
