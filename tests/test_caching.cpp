@@ -305,21 +305,26 @@ TEST_F(caching, tag_misuse_is_reported) {
   EXPECT_EQ(a->tags(), std::vector<std::string>{"kv"});
 }
 
+// With a pool cache that holds the paused bytes (pool_cache_mb at least the tag's size;
+// on a GPU the tag below is 128 MiB, twice the default bound), resume creates nothing.
 TEST_F(caching, pause_resume_cycles_reuse_chunks) {
+  stack big(s.drv, chunk_pool_config{{}, 0, no_cache_limit});
+  caching_allocator b(*big.mgr);
   std::vector<void*> ps;
   {
-    tag_scope region(*a, "cycle");
-    for (int i = 0; i < 16; ++i) ps.push_back(a->allocate(4 * g, s1));
+    tag_scope region(b, "cycle");
+    for (int i = 0; i < 16; ++i) ps.push_back(b.allocate(4 * g, s1));
   }
-  a->pause("cycle", keep_mode::discard, s1);
-  a->resume("cycle", s1);
+  b.pause("cycle", keep_mode::discard, s1);
+  b.resume("cycle", s1);
   const auto creates = d.call_counts()[primitive::create];
   for (int i = 0; i < 20; ++i) {
-    a->pause("cycle", keep_mode::host, s1);
-    a->resume("cycle", s1);
+    b.pause("cycle", keep_mode::host, s1);
+    b.resume("cycle", s1);
   }
   EXPECT_EQ(d.call_counts()[primitive::create], creates);
-  for (void* p : ps) a->deallocate(p, 0, s1);
+  for (void* p : ps) b.deallocate(p, 0, s1);
+  d.synchronize_stream(s1);
 }
 
 TEST_F(caching, failed_materialize_rolls_back) {
@@ -590,32 +595,43 @@ TEST_F(caching, empty_cache_while_another_thread_writes_its_live_block) {
   a->deallocate(live, n, s1);
 }
 
-// The invariant across 10 pause/resume cycles with host backups: physical memory held
-// <= backed bytes + the pool's cache bound, and after each pause at most the cache bound
-// stays of the paused memory.
-TEST_F(caching, pause_resume_cycles_hold_at_most_live_plus_cache_bound) {
+// Issue 10's H200 scenario (scaled down on the host driver): a tag of 1,000 allocations
+// (16 GiB on a GPU, 250 MiB on the host driver) is paused: all of it but at most the
+// pool's cache bound shows free to the driver (cuMemGetInfo on the GPU: >= 99% of
+// 16 GiB), and 10 pause/resume cycles (two with host backups, checked) never hold more
+// than live + cache bound.
+TEST_F(caching, pause_gives_the_memory_back_to_the_device) {
+  const std::size_t each = d.asynchronous() ? 16_MiB : 256_KiB;
+  const int count = 1000;
   a->empty_cache();
   const auto base = d.get_memory_info();
   const auto bound = static_cast<std::int64_t>(s.pool->cache_limit());
-  std::vector<std::pair<void*, std::size_t>> ps;
+  std::vector<void*> ps;
   {
-    tag_scope r(*a, "weights");
-    for (int i = 0; i < 24; ++i) ps.emplace_back(a->allocate(5_MiB + 4096 * i, s1), 5_MiB + 4096 * i);
+    tag_scope region(*a, "big");
+    for (int i = 0; i < count; ++i) ps.push_back(a->allocate(each, s1));
   }
-  for (std::size_t i = 0; i < ps.size(); ++i) upload(d, ps[i].first, random_bytes(ps[i].second, 900 + i));
-  auto check = [&](const char* when, int cycle) {
-    const auto backed_now = static_cast<std::int64_t>(s.mgr->stats().backed_bytes);
-    EXPECT_LE(held_since(d, base), backed_now + bound + held_slack(d)) << when << " of cycle " << cycle;
-  };
+  for (int i = 0; i < count; i += 97) upload(d, ps[i], random_bytes(4096, 7000 + i));
+  const std::int64_t live = held_since(d, base);
+  ASSERT_GE(live, static_cast<std::int64_t>(each) * count);
   for (int cycle = 0; cycle < 10; ++cycle) {
-    a->pause("weights", keep_mode::host, s1);
-    check("after pause", cycle);
-    EXPECT_EQ(s.mgr->stats().backed_bytes, 0u) << "a paused tag keeps no chunk";
-    a->resume("weights", s1);
+    const bool kept = cycle == 1 || cycle == 9;  // two host-kept cycles: pinning 16 GiB costs seconds
+    a->pause("big", kept ? keep_mode::host : keep_mode::discard, s1);
+    const std::int64_t held = held_since(d, base);
+    EXPECT_LE(held, bound + held_slack(d)) << "cycle " << cycle << ": the paused tag still holds memory";
+    if (cycle == 0)
+      std::printf("pause: %.2f%% of %.1f MiB shows free to the driver\n", 100.0 * static_cast<double>(live - held) / live,
+                  static_cast<double>(live) / (1 << 20));
+    a->resume("big", s1);
     d.synchronize_stream(s1);
-    check("after resume", cycle);
+    EXPECT_LE(held_since(d, base), static_cast<std::int64_t>(s.mgr->stats().backed_bytes) + bound + held_slack(d))
+        << "cycle " << cycle << " after resume";
+    for (int i = 0; i < count; i += 97) {
+      if (kept)
+        EXPECT_EQ(download(d, ps[i], 4096), random_bytes(4096, 7000 + i)) << "allocation " << i << ", cycle " << cycle;
+      else
+        upload(d, ps[i], random_bytes(4096, 7000 + i));  // discarded: written again
+    }
   }
-  for (std::size_t i = 0; i < ps.size(); ++i)
-    EXPECT_EQ(download(d, ps[i].first, ps[i].second), random_bytes(ps[i].second, 900 + i)) << "block " << i;
-  for (auto& [p, n] : ps) a->deallocate(p, 0, s1);
+  for (void* p : ps) a->deallocate(p, 0, s1);
 }

@@ -117,3 +117,22 @@ TEST(chunk_pool, try_reuse_takes_only_cached_chunks_in_the_order_asked) {
   p.give_back(*second);
   p.trim();
 }
+
+// The settings keys of the policy reach the pools that a context builds.
+TEST(chunk_pool, settings_bound_the_pool_and_pinned_caches) {
+  const settings defaults = parse_settings("");
+  EXPECT_EQ(defaults.pool_cache, 64_MiB);
+  EXPECT_EQ(defaults.pinned_cache, 64_MiB);
+  context ctx(parse_settings("driver:host,host_granularity_kb:64,host_capacity_mb:64,pool_cache_mb:1,pinned_cache_mb:0"));
+  EXPECT_EQ(ctx.pool->cache_limit(), 1_MiB);
+  EXPECT_THROW(parse_settings("pool_cache_mb:-1"), invalid_argument);
+  auto& m = *ctx.reservations;
+  auto id = m.reserve(4_MiB);
+  m.materialize(id, 0, whole, fill_mode::zero);
+  m.release(id, 0, whole, keep_mode::host);
+  m.materialize(id, 0, whole, fill_mode::restore);
+  m.release(id, 0, whole, keep_mode::discard);
+  EXPECT_LE(m.stats().pool.cached_bytes, 1_MiB);
+  EXPECT_EQ(m.stats().pinned.cached_bytes, 0u) << "pinned_cache_mb:0 keeps no pinned buffer";
+  m.free(id);
+}
