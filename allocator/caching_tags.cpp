@@ -11,6 +11,8 @@
 // freed while paused are simply free at resume.  Chunks given back beyond the pool's
 // cache bound go to the driver at once (Note [Physical memory policy]).
 // Limits: a tag's memory is paused as a whole; allocating in a paused tag is an error.
+#include <limits>
+
 #include "caching/impl.hpp"
 
 namespace deferalloc {
@@ -226,6 +228,9 @@ std::map<std::string, std::int64_t> caching_allocator::stats() const {
   m["deferalloc.manager.backup_bytes"] = static_cast<std::int64_t>(rs.backup_bytes);
   m["deferalloc.pool.alive_bytes"] = static_cast<std::int64_t>(rs.pool.alive_bytes);
   m["deferalloc.pool.cached_bytes"] = static_cast<std::int64_t>(rs.pool.cached_bytes);
+  m["deferalloc.pool.cache_limit_bytes"] = static_cast<std::int64_t>(
+      std::min<std::size_t>(d.mgr.pool().cache_limit(), std::numeric_limits<std::int64_t>::max()));
+  m["deferalloc.manager.splits"] = static_cast<std::int64_t>(rs.splits);
   m["deferalloc.pool.chunks_created"] = static_cast<std::int64_t>(rs.pool.chunks_created);
   m["deferalloc.pool.chunks_reused"] = static_cast<std::int64_t>(rs.pool.chunks_reused);
   m["deferalloc.pinned_bytes"] = static_cast<std::int64_t>(rs.pinned.in_use_bytes + rs.pinned.cached_bytes);

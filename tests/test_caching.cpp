@@ -175,6 +175,7 @@ TEST_F(caching, statistics_have_pytorch_keys_and_peaks_reset) {
                         "reserved_bytes.all.peak", "active_bytes.large_pool.current", "requested_bytes.small_pool.peak",
                         "allocation.all.current", "segment.all.current", "num_alloc_retries", "num_ooms",
                         "num_device_alloc", "num_device_free", "deferalloc.pool.cached_bytes",
+                        "deferalloc.pool.cache_limit_bytes", "deferalloc.manager.splits",
                         "deferalloc.driver_calls.map"})
     EXPECT_NO_THROW(a->stat(k)) << k;
   EXPECT_THROW(a->stat("allocated_bytes.all.nonsense"), invalid_argument);
@@ -592,6 +593,7 @@ TEST_F(caching, empty_cache_while_another_thread_writes_its_live_block) {
   writer.join();
   EXPECT_EQ(corrupted.load(), 0);
   EXPECT_EQ(s.mgr->stats().splits, splits) << "empty_cache split a chunk";
+  EXPECT_EQ(a->stat("deferalloc.manager.splits"), static_cast<std::int64_t>(splits));
   a->deallocate(live, n, s1);
 }
 

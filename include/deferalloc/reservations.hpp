@@ -136,7 +136,8 @@ class DFA_API reservation_manager {
 
   /// True when every granule of the range is backed.  No driver call.
   bool is_backed(reservation_id id, std::size_t offset = 0, std::size_t length = whole) const;
-  /// Per-granule backed flags.
+  /// Per-granule backed flags.  Cost: one bit per granule of the reservation (a test
+  /// and debugging aid; is_backed answers for a range from the chunks alone).
   std::vector<bool> backed_granules(reservation_id id) const;
   reservation_info info(reservation_id id) const;
   /// The reservation that contains `ptr`, if any.
