@@ -15,9 +15,10 @@
 //    hundred bytes (a test checks < 1 MiB of RSS), where one byte per granule would
 //    cost 256 MiB.  Lookups are O(log n + k) in the chunks or runs touched.
 //  - materialize: the unbacked runs of each range are cut greedily into the largest
-//    classes aligned at their offset (never across the ranges of a batch); chunks come from the pool (cache first; on
-//    out-of-memory a piece falls back to smaller classes that may be cached, then the
-//    cache is trimmed and everything tried once more).  One cuMemMap per chunk, one
+//    classes aligned at their offset (never across the ranges of a batch); chunks come
+//    from the pool (cached ones first, also smaller cached ones that cover a whole
+//    piece; on out-of-memory a piece falls back to smaller classes, then the cache is
+//    trimmed and everything tried once more).  One cuMemMap per chunk, one
 //    cuMemSetAccess per run.  Fill is stream-ordered: zeros on the caller's stream,
 //    restores on the manager's copy stream with the caller's stream waiting on it.
 //  - release: a chunk cut by the range is split (See Note [Splitting chunks];
