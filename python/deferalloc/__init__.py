@@ -314,7 +314,8 @@ def region(name: str, keep: str = "discard", device=None) -> Iterator[None]:
     device by default), with segments from deferalloc; after ``install()`` they go to
     deferalloc directly.  On the host driver (no CUDA) only the tag is opened.  Cost: the
     first region of a tag and device creates its MemPool; then a dict lookup.
-    Raises TypeError / InvalidArgument for a bad name or keep, InvalidState when the tag is paused.
+    Raises TypeError / InvalidArgument for a bad name or keep.  Allocating while the tag is
+    paused fails (deferalloc refuses; PyTorch reports it as out of memory).
     """
     raw = _tag_name(name)
     _choice(keep, "region: keep", _KEEP)
