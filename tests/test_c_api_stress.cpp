@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -47,6 +48,53 @@ struct counters {
   }
 };
 
+// Host memory for reading blocks back: pinned on the CUDA driver, so that a copy on a
+// stream stays queued (a copy to pageable memory returns only when done).
+class host_buffer {
+ public:
+  explicit host_buffer(bool pinned) : pinned_(pinned) {}
+  host_buffer(host_buffer&& o) noexcept : pinned_(o.pinned_), p_(o.p_), n_(o.n_), cap_(o.cap_) { o.p_ = nullptr; }
+  host_buffer(const host_buffer&) = delete;
+  host_buffer& operator=(const host_buffer&) = delete;
+  host_buffer& operator=(host_buffer&& o) noexcept {
+    std::swap(pinned_, o.pinned_);
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    std::swap(cap_, o.cap_);
+    return *this;
+  }
+  ~host_buffer() { release(); }
+  void resize(std::size_t n) {
+    if (n > cap_) {
+      release();
+      if (pinned_) {
+        if (cudaMallocHost(reinterpret_cast<void**>(&p_), n) != cudaSuccess) std::abort();
+      } else {
+        p_ = new unsigned char[n];
+      }
+      cap_ = n;
+    }
+    n_ = n;
+  }
+  unsigned char* data() const { return p_; }
+  std::size_t size() const { return n_; }
+
+ private:
+  void release() noexcept {
+    if (p_ == nullptr) return;
+    if (pinned_)
+      cudaFreeHost(p_);
+    else
+      delete[] p_;
+    p_ = nullptr;
+    cap_ = 0;
+  }
+  bool pinned_;
+  unsigned char* p_ = nullptr;
+  std::size_t n_ = 0;
+  std::size_t cap_ = 0;
+};
+
 // Memory access on either driver: host memory on the host driver, device memory and real
 // streams on the CUDA driver.
 class memory_access {
@@ -67,6 +115,7 @@ class memory_access {
       for (void* s : streams_) cudaStreamDestroy(static_cast<cudaStream_t>(s));
   }
   void* stream(int i) const { return streams_[i]; }
+  host_buffer buffer() const { return host_buffer(cuda_); }
 
   // Fills p with v, ordered on `stream`; returns when the fill is complete.
   void fill(void* p, std::size_t n, unsigned char v, void* stream) const {
@@ -78,7 +127,7 @@ class memory_access {
     if (cudaMemsetAsync(p, v, n, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess) std::abort();
   }
   // Copies p to `out` on `stream`; host driver: at once.  `wait` waits for the copy.
-  void read(const void* p, std::size_t n, std::vector<unsigned char>& out, void* stream, bool wait) const {
+  void read(const void* p, std::size_t n, host_buffer& out, void* stream, bool wait) const {
     out.resize(n);
     if (!cuda_) {
       std::memcpy(out.data(), p, n);
@@ -97,9 +146,9 @@ class memory_access {
   void* streams_[3]{};
 };
 
-bool all_equal(const std::vector<unsigned char>& b, unsigned char v) {
-  for (unsigned char c : b)
-    if (c != v) return false;
+bool all_equal(const host_buffer& b, unsigned char v) {
+  for (std::size_t i = 0; i < b.size(); ++i)
+    if (b.data()[i] != v) return false;
   return true;
 }
 
@@ -125,9 +174,9 @@ double stress_seconds() {
 void worker(int id, const memory_access& mem, counters& c, const std::atomic<bool>& stop) {
   std::mt19937_64 rng(1000 + id);
   std::vector<block> live;
-  std::vector<unsigned char> buf;
-  std::vector<std::pair<block, std::vector<unsigned char>>> in_flight;  // read queued on another stream
-  auto check = [&](const block& b, const std::vector<unsigned char>& got, const char* when) {
+  host_buffer buf = mem.buffer();
+  std::vector<std::pair<block, host_buffer>> in_flight;  // read queued on another stream
+  auto check = [&](const block& b, const host_buffer& got, const char* when) {
     c.verified.fetch_add(1);
     if (!all_equal(got, b.v)) {
       c.corrupted.fetch_add(1);
@@ -166,7 +215,7 @@ void worker(int id, const memory_access& mem, counters& c, const std::atomic<boo
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
       const int other = (b.si + 1 + static_cast<int>(rng() % 2)) % 3;
       dfa_record_stream_hook(b.p, mem.stream(other));
-      std::vector<unsigned char> out;
+      host_buffer out = mem.buffer();
       mem.read(b.p, b.n, out, mem.stream(other), false);
       dfa_free(b.p, b.n, 0, mem.stream(b.si));
       in_flight.emplace_back(block{b.p, b.n, b.v, other}, std::move(out));
@@ -192,7 +241,7 @@ void worker(int id, const memory_access& mem, counters& c, const std::atomic<boo
 void tag_owner(const std::string& tag, const memory_access& mem, counters& c, const std::atomic<bool>& stop) {
   std::mt19937_64 rng(std::hash<std::string>{}(tag));
   std::vector<block> live;
-  std::vector<unsigned char> buf;
+  host_buffer buf = mem.buffer();
   void* s = mem.stream(0);
   while (!stop.load(std::memory_order_relaxed)) {
     if (dfa_tag_begin(tag.c_str()) != DFA_SUCCESS) c.error(dfa_last_error());
