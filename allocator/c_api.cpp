@@ -4,11 +4,15 @@
 // status code and a thread-local message "dfa_<call>: <cause>", so nothing crosses the
 // ABI.  The instance is created once (dfa_init or first use) and torn down by
 // dfa_shutdown (not by the exit of the process: Note [Process lifetime]); a shared
-// mutex lets calls run concurrently while init/shutdown are exclusive.
+// mutex lets calls run concurrently while init/shutdown are exclusive.  The reservation
+// calls act only on the reservations the ABI handed out (Note [Reservations of the ABI]);
+// on the host driver a touch of released memory is reported by name (Note
+// [Released-memory faults] in fault_report.hpp).
 #include <deferalloc/caching_allocator.hpp>
 #include <deferalloc/context.hpp>
 #include <deferalloc/deferalloc.h>
 #include <deferalloc/errors.hpp>
+#include <deferalloc/mode_checks.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -16,12 +20,15 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <shared_mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "dlpack_abi.hpp"
+#include "fault_report.hpp"
 #include "log.hpp"
 
 namespace {
@@ -49,7 +56,65 @@ struct device_allocator {
 std::map<int, std::unique_ptr<device_allocator>>& g_allocs =
     *new std::map<int, std::unique_ptr<device_allocator>>;  // guarded by g_mu
 std::atomic<std::uint64_t> g_generation{1};                 // bumped by dfa_shutdown
-thread_local std::vector<std::string> t_tags;               // dfa_tag_begin/end
+std::atomic<bool> g_report_faults{false};                   // the instance runs on the host driver
+
+// The tagged regions of the calling thread (dfa_tag_begin/end).  They belong to one
+// instance: a thread that left a region open across dfa_shutdown finds it closed (the
+// list is dropped when its generation is not the current one).
+thread_local std::vector<std::string> t_tags;
+thread_local std::uint64_t t_tags_generation = 0;
+
+std::vector<std::string>& thread_tags() {
+  const std::uint64_t now = g_generation.load();
+  if (t_tags_generation != now) {
+    t_tags.clear();
+    t_tags_generation = now;
+  }
+  return t_tags;
+}
+
+// Note [Reservations of the ABI]: the reservation calls (dfa_find, dfa_materialize,
+// dfa_release, dfa_record_stream, dfa_free_reservation, dfa_is_backed,
+// dfa_export_dlpack) act only on reservations that dfa_reserve handed out, deferred
+// tensors of the Python and LibTorch faces included.  The caching allocator's segments
+// are reservations of the same manager, but they are its own: a release or free behind
+// its back would let the next dfa_malloc return an unmapped block.  So the ABI remembers
+// the ids it handed out; dfa_find does not name a segment, and the other calls refuse a
+// segment's id with INVALID_ARGUMENT saying why.  Cost: one mutex and a hash lookup.
+std::mutex& g_ids_mu = *new std::mutex;
+std::unordered_set<dfa_reservation>& g_ids = *new std::unordered_set<dfa_reservation>;  // guarded by g_ids_mu
+
+bool handed_out(dfa_reservation r) {
+  std::lock_guard lk(g_ids_mu);
+  return g_ids.count(r) != 0;
+}
+
+// Throws invalid_argument unless dfa_reserve handed `r` out: the manager's message for an
+// unknown id, the reason for a segment of the caching allocator.
+void expect_handed_out(const reservation_manager& m, dfa_reservation r) {
+  if (handed_out(r)) return;
+  (void)m.info(r);  // throws for an unknown (or freed) id
+  throw invalid_argument("reservation " + std::to_string(r) +
+                         " is a segment of deferalloc's caching allocator (it holds dfa_malloc blocks), not a "
+                         "reservation of dfa_reserve: the reservation calls refuse it");
+}
+
+// Called with g_mu held exclusively once an instance exists.
+void on_new_instance(const context& c) {
+  const bool host = c.drv->name() == "host";
+  if (host) detail::install_fault_reporter();
+  g_report_faults.store(host);
+}
+
+// Lists the caching allocator's segment holding `block` for the fault report (host driver).
+void note_segment(caching_allocator& a, const void* block) {
+  if (!g_report_faults.load(std::memory_order_relaxed)) return;
+  if (detail::faults().contains(reinterpret_cast<std::uintptr_t>(block))) return;
+  if (auto id = a.reservations().find(block)) {
+    const reservation_info info = a.reservations().info(*id);
+    detail::faults().add(*id, info.address, info.reserved_bytes);
+  }
+}
 
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
@@ -102,7 +167,10 @@ context& instance(std::shared_lock<std::shared_mutex>& lk) {
   lk.unlock();
   {
     std::unique_lock ex(g_mu);
-    if (!g_ctx) g_ctx = std::make_unique<context>(env_settings());
+    if (!g_ctx) {
+      g_ctx = std::make_unique<context>(env_settings());
+      on_new_instance(*g_ctx);
+    }
   }
   lk.lock();
   return *g_ctx;
@@ -160,6 +228,20 @@ void for_owner(const void* ptr, F&& f) {
   throw invalid_argument("pointer is not inside an allocation of deferalloc");
 }
 
+// The "size it first" convention of dfa_memory_stats and dfa_tag_names: `needed` gets
+// the bytes buf needs (NUL included); a null buf only asks; a too small one is refused.
+void copy_text(const std::string& text, char* buf, size_t cap, size_t* needed) {
+  if (needed) *needed = text.size() + 1;
+  if (buf == nullptr) {
+    if (needed == nullptr) throw invalid_argument("buf and needed are both null");
+    return;
+  }
+  if (cap < text.size() + 1)
+    throw invalid_argument("buffer of " + std::to_string(cap) + " bytes is too small (" +
+                           std::to_string(text.size() + 1) + " needed)");
+  std::memcpy(buf, text.c_str(), text.size() + 1);
+}
+
 void log_hook_error(const char* call) {
   detail::log(log_level::error, t_last_error.empty() ? std::string(call) + " failed" : t_last_error);
 }
@@ -205,6 +287,7 @@ dfa_status dfa_init(const char* conf) {
     std::unique_lock ex(g_mu);
     if (g_ctx) throw invalid_state("already initialized (call dfa_shutdown first)");
     g_ctx = std::make_unique<context>(conf ? parse_settings(conf) : env_settings());
+    on_new_instance(*g_ctx);
   });
 }
 
@@ -213,7 +296,13 @@ dfa_status dfa_shutdown(void) {
     std::unique_lock ex(g_mu);
     g_allocs.clear();
     g_ctx.reset();
-    g_generation.fetch_add(1);
+    {
+      std::lock_guard ids(g_ids_mu);
+      g_ids.clear();
+    }
+    detail::faults().clear();
+    g_report_faults.store(false);
+    g_generation.fetch_add(1);  // drops every thread's tagged regions (thread_tags)
   });
 }
 
@@ -243,6 +332,17 @@ dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     reservation_id id = m.reserve(bytes);
+    try {
+      std::lock_guard ids(g_ids_mu);
+      g_ids.insert(id);
+    } catch (...) {
+      m.free(id);
+      throw;
+    }
+    if (g_report_faults.load()) {
+      const reservation_info info = m.info(id);
+      detail::faults().add(id, info.address, info.reserved_bytes);
+    }
     *out = id;
     if (address) *address = m.address(id);
   });
@@ -250,33 +350,42 @@ dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
 
 dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
   return guard("dfa_materialize", [&] {
-    if (fill != DFA_FILL_UNDEFINED && fill != DFA_FILL_ZERO && fill != DFA_FILL_RESTORE)
-      throw invalid_argument("fill must be DFA_FILL_UNDEFINED, DFA_FILL_ZERO or DFA_FILL_RESTORE");
+    const fill_mode f = fill_from_int(raw_enum_value(fill));  // Note [Enum values from callers]
     std::shared_lock<std::shared_mutex> lk;
-    instance(lk).reservations->materialize(r, offset, length, static_cast<fill_mode>(fill), stream);
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.materialize(r, offset, length, f, stream);
   });
 }
 
 dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream) {
   return guard("dfa_release", [&] {
-    if (keep != DFA_KEEP_DISCARD && keep != DFA_KEEP_HOST)
-      throw invalid_argument("keep must be DFA_KEEP_DISCARD or DFA_KEEP_HOST");
+    const keep_mode k = keep_from_int(raw_enum_value(keep));
     std::shared_lock<std::shared_mutex> lk;
-    instance(lk).reservations->release(r, offset, length, static_cast<keep_mode>(keep), stream);
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.release(r, offset, length, k, stream);
   });
 }
 
 dfa_status dfa_record_stream(dfa_reservation r, void* stream) {
   return guard("dfa_record_stream", [&] {
     std::shared_lock<std::shared_mutex> lk;
-    instance(lk).reservations->record_stream(r, stream);
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.record_stream(r, stream);
   });
 }
 
 dfa_status dfa_free_reservation(dfa_reservation r, void* stream) {
   return guard("dfa_free_reservation", [&] {
     std::shared_lock<std::shared_mutex> lk;
-    instance(lk).reservations->free(r, stream);
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.free(r, stream);
+    detail::faults().remove(r);
+    std::lock_guard ids(g_ids_mu);
+    g_ids.erase(r);
   });
 }
 
@@ -284,7 +393,9 @@ dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* o
   return guard("dfa_is_backed", [&] {
     need(out, "out");
     std::shared_lock<std::shared_mutex> lk;
-    *out = instance(lk).reservations->is_backed(r, offset, length) ? 1 : 0;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    *out = m.is_backed(r, offset, length) ? 1 : 0;
   });
 }
 
@@ -295,6 +406,9 @@ dfa_status dfa_find(const void* ptr, dfa_reservation* out) {
     std::shared_lock<std::shared_mutex> lk;
     auto id = instance(lk).reservations->find(ptr);
     if (!id) throw invalid_argument("pointer is not inside any reservation");
+    if (!handed_out(*id))
+      throw invalid_argument("pointer lies in a segment of deferalloc's caching allocator (a dfa_malloc block), "
+                             "not in a reservation of dfa_reserve");
     *out = *id;
   });
 }
@@ -339,12 +453,14 @@ void* dfa_malloc(size_t size, int device, void* stream) {
   guard("dfa_malloc", [&] {
     std::shared_lock<std::shared_mutex> lk;
     caching_allocator& a = allocator_for(device, lk);
-    if (t_tags.empty()) {
+    const std::vector<std::string>& tags = thread_tags();
+    if (tags.empty()) {
       out = a.allocate(size, stream);
     } else {
-      tag_scope region(a, t_tags.back());
+      tag_scope region(a, tags.back());
       out = a.allocate(size, stream);
     }
+    note_segment(a, out);
   });
   return out;
 }
@@ -425,25 +541,26 @@ dfa_status dfa_tag_begin(const char* tag) {
     caching_allocator& a = allocator_for(-1, lk);
     a.begin_tag(tag);  // registers the tag (pause/resume know it from now on)
     a.end_tag();
-    t_tags.emplace_back(tag);
+    thread_tags().emplace_back(tag);
   });
 }
 
 dfa_status dfa_tag_end(void) {
   return guard("dfa_tag_end", [&] {
-    if (t_tags.empty()) throw invalid_state("no tagged region is open on this thread");
-    t_tags.pop_back();
+    std::vector<std::string>& tags = thread_tags();
+    if (tags.empty()) throw invalid_state("no tagged region is open on this thread");
+    tags.pop_back();
   });
 }
 
 
 dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream) {
   return guard("dfa_tag_pause", [&] {
-    if (keep != DFA_KEEP_DISCARD && keep != DFA_KEEP_HOST)
-      throw invalid_argument("keep must be DFA_KEEP_DISCARD or DFA_KEEP_HOST");
-    if (!t_tags.empty())
-      throw invalid_state("called inside the tagged region '" + t_tags.back() + "' (dfa_tag_end first)");
-    for_tag("pause", tag, [&](caching_allocator& a) { a.pause(tag, static_cast<keep_mode>(keep), stream); });
+    const keep_mode k = keep_from_int(raw_enum_value(keep));
+    const std::vector<std::string>& tags = thread_tags();
+    if (!tags.empty())
+      throw invalid_state("called inside the tagged region '" + tags.back() + "' (dfa_tag_end first)");
+    for_tag("pause", tag, [&](caching_allocator& a) { a.pause(tag, k, stream); });
   });
 }
 
@@ -460,20 +577,26 @@ dfa_status dfa_tag_is_paused(const char* tag, int* out) {
   });
 }
 
+dfa_status dfa_tag_names(char* buf, size_t cap, size_t* needed) {
+  return guard("dfa_tag_names", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    allocator_for(-1, lk);
+    std::vector<std::string> names;
+    for (caching_allocator* a : all_allocators())
+      for (std::string& t : a->tags())
+        if (std::find(names.begin(), names.end(), t) == names.end()) names.push_back(std::move(t));
+    std::string text;
+    for (const std::string& t : names) text += t + "\n";
+    copy_text(text, buf, cap, needed);
+  });
+}
+
 dfa_status dfa_memory_stats(int device, char* buf, size_t cap, size_t* needed) {
   return guard("dfa_memory_stats", [&] {
     std::shared_lock<std::shared_mutex> lk;
     std::string text;
     for (auto& [k, v] : allocator_for(device, lk).stats()) text += k + " " + std::to_string(v) + "\n";
-    if (needed) *needed = text.size() + 1;
-    if (buf == nullptr) {
-      if (needed == nullptr) throw invalid_argument("buf and needed are both null");
-      return;
-    }
-    if (cap < text.size() + 1)
-      throw invalid_argument("buffer of " + std::to_string(cap) + " bytes is too small (" +
-                             std::to_string(text.size() + 1) + " needed)");
-    std::memcpy(buf, text.c_str(), text.size() + 1);
+    copy_text(text, buf, cap, needed);
   });
 }
 
@@ -503,7 +626,8 @@ dfa_status dfa_export_dlpack(dfa_reservation r, const int64_t* shape, int ndim, 
     if (code > 17) throw invalid_argument("dtype code " + std::to_string(code) + " is not a DLPack type code");
     std::shared_lock<std::shared_mutex> lk;
     context& ctx = instance(lk);
-    const reservation_info info = ctx.reservations->info(r);  // throws for an unknown id
+    expect_handed_out(*ctx.reservations, r);
+    const reservation_info info = ctx.reservations->info(r);
     unsigned __int128 bytes = (static_cast<unsigned>(bits) * lanes + 7) / 8;
     for (int i = 0; i < ndim; ++i) {
       if (shape[i] < 0) throw invalid_argument("shape[" + std::to_string(i) + "] is negative");

@@ -3,6 +3,8 @@
 #include <deferalloc/deferalloc.h>
 #include <gtest/gtest.h>
 
+#include <climits>
+#include <csignal>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -15,6 +17,16 @@ class c_api : public ::testing::Test {
   void SetUp() override { ASSERT_EQ(dfa_init(nullptr), DFA_SUCCESS) << dfa_last_error(); }
   void TearDown() override { EXPECT_EQ(dfa_shutdown(), DFA_SUCCESS); }
 };
+
+// An enumeration object holding `v`, as a C caller (or ctypes) passes an int: the bytes
+// are copied, no conversion to the enumeration takes place here.
+template <typename E>
+E raw_enum(int v) {
+  static_assert(sizeof(E) == sizeof(int));
+  E e;
+  std::memcpy(&e, &v, sizeof e);
+  return e;
+}
 
 }  // namespace
 
@@ -113,4 +125,50 @@ TEST(c_api_init, cuda_driver_without_a_device_is_a_clear_error) {
     GTEST_SKIP() << "a CUDA device is present";
   }
   EXPECT_NE(std::string(dfa_last_error()).find("cuda_driver"), std::string::npos) << dfa_last_error();
+}
+
+TEST_F(c_api, out_of_range_modes_are_refused_as_integers) {
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  ASSERT_EQ(dfa_reserve(2 * g, &r, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_materialize(r, 0, g, DFA_FILL_ZERO, nullptr), DFA_SUCCESS);
+  dfa_stats before{};
+  ASSERT_EQ(dfa_get_stats(&before), DFA_SUCCESS);
+  for (int v : {3, 4, 7, 255, -1, INT_MAX, INT_MIN}) {
+    EXPECT_EQ(dfa_materialize(r, g, g, raw_enum<dfa_fill>(v), nullptr), DFA_ERROR_INVALID_ARGUMENT) << v;
+    EXPECT_NE(std::string(dfa_last_error()).find("fill " + std::to_string(v) + " is not"), std::string::npos)
+        << dfa_last_error();
+  }
+  for (int v : {2, 3, 255, -1, INT_MAX, INT_MIN}) {
+    EXPECT_EQ(dfa_release(r, 0, g, raw_enum<dfa_keep>(v), nullptr), DFA_ERROR_INVALID_ARGUMENT) << v;
+    EXPECT_NE(std::string(dfa_last_error()).find("keep " + std::to_string(v) + " is not"), std::string::npos)
+        << dfa_last_error();
+    EXPECT_EQ(dfa_tag_pause("t", raw_enum<dfa_keep>(v), nullptr), DFA_ERROR_INVALID_ARGUMENT) << v;
+  }
+  dfa_stats now{};
+  ASSERT_EQ(dfa_get_stats(&now), DFA_SUCCESS);
+  EXPECT_EQ(now.backed_bytes, before.backed_bytes);
+  EXPECT_EQ(std::memcmp(now.driver_calls, before.driver_calls, sizeof now.driver_calls), 0);
+  EXPECT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+}
+
+// Note [Released-memory faults]: the process still dies of SIGSEGV, but says why first.
+TEST_F(c_api, touching_released_memory_names_the_reservation) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_reserve(4 * g, &r, &p), DFA_SUCCESS);
+  ASSERT_EQ(dfa_materialize(r, 0, DFA_WHOLE, DFA_FILL_ZERO, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_release(r, 2 * g, g, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS);
+  volatile char* bytes = static_cast<char*>(p);
+  bytes[g] = 1;  // still backed: fine
+  const std::string expect = "reservation " + std::to_string(r) + " \\(address 0x[0-9a-f]+, " + std::to_string(4 * g) +
+                             " bytes\\), offset " + std::to_string(2 * g + 8) + ", touched while released";
+  EXPECT_EXIT(bytes[2 * g + 8] = 1, ::testing::KilledBySignal(SIGSEGV), expect);
+  // A fault outside every reservation is handed on unnamed (the default action here).
+  EXPECT_EXIT(*static_cast<volatile int*>(nullptr) = 1, ::testing::KilledBySignal(SIGSEGV), "^$");
+  EXPECT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
 }

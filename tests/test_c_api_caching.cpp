@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "../allocator/dlpack_abi.hpp"
 
@@ -122,4 +125,136 @@ TEST_F(c_api_caching, dlpack_export_and_deleter_frees_the_reservation) {
   ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
   ASSERT_EQ(dfa_init(nullptr), DFA_SUCCESS);
   t->deleter(t);
+}
+
+// Note [Reservations of the ABI]: a dfa_malloc block's segment is not the caller's to free.
+TEST_F(c_api_caching, abi_refuses_the_caching_allocators_segments) {
+  const size_t n = 3 << 20;
+  void* p = dfa_malloc(n, 0, nullptr);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  std::memset(p, 0x3C, n);
+  dfa_reservation found = 0;
+  EXPECT_EQ(dfa_find(p, &found), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dfa_last_error()).find("caching allocator"), std::string::npos) << dfa_last_error();
+  dfa_reservation mine = 0;
+  ASSERT_EQ(dfa_reserve(1 << 20, &mine, nullptr), DFA_SUCCESS);
+  // Every id the manager knows that dfa_reserve did not hand out is a segment: refused.
+  int segments = 0;
+  const int64_t shape[1] = {16};
+  DLManagedTensor* t = nullptr;
+  int backed = 0;
+  for (dfa_reservation id = 1; id < mine + 8; ++id) {
+    if (id == mine) continue;
+    const dfa_status st = dfa_free_reservation(id, nullptr);
+    ASSERT_EQ(st, DFA_ERROR_INVALID_ARGUMENT) << "id " << id;
+    if (std::string(dfa_last_error()).find("caching allocator") == std::string::npos) continue;
+    ++segments;
+    const struct {
+      const char* call;
+      dfa_status st;
+    } rows[] = {
+        {"dfa_release", dfa_release(id, 0, DFA_WHOLE, DFA_KEEP_DISCARD, nullptr)},
+        {"dfa_materialize", dfa_materialize(id, 0, DFA_WHOLE, DFA_FILL_ZERO, nullptr)},
+        {"dfa_record_stream", dfa_record_stream(id, nullptr)},
+        {"dfa_is_backed", dfa_is_backed(id, 0, DFA_WHOLE, &backed)},
+        {"dfa_export_dlpack", dfa_export_dlpack(id, shape, 1, 2, 32, 1, &t)},
+    };
+    for (const auto& row : rows) EXPECT_EQ(row.st, DFA_ERROR_INVALID_ARGUMENT) << row.call << " on segment " << id;
+    EXPECT_NE(std::string(dfa_last_error()).find("caching allocator"), std::string::npos) << dfa_last_error();
+  }
+  EXPECT_GE(segments, 1) << "the block's segment must be among the ids below the last one handed out";
+  // The block is intact and the allocator still serves mapped memory.
+  for (size_t i = 0; i < n; i += 4096) ASSERT_EQ(static_cast<unsigned char*>(p)[i], 0x3C) << i;
+  dfa_free(p, n, 0, nullptr);
+  void* q = dfa_malloc(n, 0, nullptr);
+  ASSERT_NE(q, nullptr) << dfa_last_error();
+  std::memset(q, 0x11, n);
+  dfa_free(q, n, 0, nullptr);
+  EXPECT_EQ(dfa_free_reservation(mine, nullptr), DFA_SUCCESS);
+}
+
+TEST_F(c_api_caching, tagged_region_does_not_survive_shutdown) {
+  ASSERT_EQ(dfa_tag_begin("left-open"), DFA_SUCCESS);
+  std::thread other([] { EXPECT_EQ(dfa_tag_begin("other-thread"), DFA_SUCCESS); });
+  other.join();
+  ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_init(nullptr), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(dfa_tag_end(), DFA_ERROR_INVALID_STATE) << "the region belonged to the previous instance";
+  void* p = dfa_malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  int paused = 0;
+  EXPECT_EQ(dfa_tag_is_paused("left-open", &paused), DFA_ERROR_INVALID_ARGUMENT) << "the block must be untagged";
+  EXPECT_EQ(dfa_tag_pause("left-open", DFA_KEEP_DISCARD, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  dfa_free(p, 4096, 0, nullptr);
+}
+
+TEST_F(c_api_caching, tag_names_lists_every_tag) {
+  size_t needed = 0;
+  ASSERT_EQ(dfa_tag_names(nullptr, 0, &needed), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(needed, 1u);
+  ASSERT_EQ(dfa_tag_begin("x"), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_begin("y"), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  char small[2];
+  EXPECT_EQ(dfa_tag_names(small, sizeof small, &needed), DFA_ERROR_INVALID_ARGUMENT);
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_tag_names(text.data(), text.size(), &needed), DFA_SUCCESS);
+  EXPECT_EQ(std::string(text.c_str()), "x\ny\n");
+}
+
+// Item 4 of issue 10 at the C ABI: blocks of one tag freed and re-allocated under another
+// never share memory, so pausing one tag leaves every block of the other mapped and intact.
+TEST_F(c_api_caching, pausing_one_tag_never_unmaps_another_after_cross_tag_reuse) {
+  struct block {
+    void* p;
+    size_t n;
+    unsigned char v;
+  };
+  std::vector<block> a, b;
+  std::mt19937 rng(10);
+  auto alloc = [&](const char* tag, std::vector<block>& into) {
+    const size_t n = size_t{1} << (12 + rng() % 11);  // 4 KiB .. 4 MiB
+    EXPECT_EQ(dfa_tag_begin(tag), DFA_SUCCESS);
+    void* p = dfa_malloc(n, 0, nullptr);
+    EXPECT_EQ(dfa_tag_end(), DFA_SUCCESS);
+    ASSERT_NE(p, nullptr) << dfa_last_error();
+    const auto v = static_cast<unsigned char>(rng() | 1);
+    std::memset(p, v, n);
+    into.push_back({p, n, v});
+  };
+  auto drop = [&](std::vector<block>& from) {
+    if (from.empty()) return;
+    const size_t i = rng() % from.size();
+    dfa_free(from[i].p, from[i].n, 0, nullptr);
+    from.erase(from.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  auto intact = [](const std::vector<block>& bs) {
+    for (const block& x : bs)
+      for (size_t i = 0; i < x.n; i += 512)
+        if (static_cast<const unsigned char*>(x.p)[i] != x.v) return false;
+    return true;
+  };
+  for (int round = 0; round < 200; ++round) {
+    alloc(round % 2 ? "a" : "b", round % 2 ? a : b);
+    if (round % 3 == 0) drop(a);
+    if (round % 5 == 0) drop(b);
+  }
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    ASSERT_EQ(dfa_tag_pause("a", DFA_KEEP_HOST, nullptr), DFA_SUCCESS) << dfa_last_error();
+    EXPECT_TRUE(intact(b)) << "pausing 'a' changed a block of 'b'";  // an unmapped block faults here
+    ASSERT_EQ(dfa_tag_resume("a", nullptr), DFA_SUCCESS) << dfa_last_error();
+    EXPECT_TRUE(intact(a)) << "a block of 'a' lost its contents across pause/resume";
+    ASSERT_EQ(dfa_tag_pause("b", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+    EXPECT_TRUE(intact(a)) << "pausing 'b' changed a block of 'a'";
+    ASSERT_EQ(dfa_tag_resume("b", nullptr), DFA_SUCCESS) << dfa_last_error();
+    for (block& x : b) std::memset(x.p, x.v, x.n);  // discarded: write them again
+    drop(a);
+    drop(b);
+    alloc("a", a);
+    alloc("b", b);
+  }
+  for (block& x : a) dfa_free(x.p, x.n, 0, nullptr);
+  for (block& x : b) dfa_free(x.p, x.n, 0, nullptr);
+  EXPECT_STREQ(dfa_last_error(), "");
 }

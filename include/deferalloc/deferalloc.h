@@ -6,7 +6,18 @@
  * dfa_last_error() gives a thread-local message naming the call and the cause.
  * No exception ever crosses this interface, and no function exits the process.
  * Offsets and lengths are multiples of dfa_granularity(), except that a range may
- * end at the reservation's size; DFA_WHOLE as length means "to the end". */
+ * end at the reservation's size; DFA_WHOLE as length means "to the end".
+ *
+ * The reservation calls (dfa_find .. dfa_is_backed, dfa_export_dlpack) act only on
+ * reservations that dfa_reserve handed out: the segments behind dfa_malloc blocks belong
+ * to the caching allocator, dfa_find does not name them and the other calls refuse their
+ * ids with INVALID_ARGUMENT.  dfa_fill / dfa_keep values are checked as integers.
+ *
+ * On the host driver, a touch of released memory (unbacked, paused or freed) raises
+ * SIGSEGV as it faults on the GPU; the library's SIGSEGV handler (installed with the
+ * first host-driver instance, chained to the previous handler) first writes one line to
+ * stderr naming the reservation: "[deferalloc] SIGSEGV at 0x..: reservation N (address
+ * 0x.., S bytes), offset O, touched while released (...)".  The signal then proceeds. */
 #ifndef DEFERALLOC_H
 #define DEFERALLOC_H
 
@@ -58,7 +69,8 @@ typedef struct dfa_stats {
  * INVALID_STATE if one exists already; unknown keys give INVALID_ARGUMENT with the list
  * of valid keys.  Cost: driver load, one context. */
 DFA_C_API dfa_status dfa_init(const char* conf);
-/* Frees every reservation and the instance.  Safe to call when none exists.  The exit of
+/* Frees every reservation and the instance, and closes every thread's tagged regions
+ * (they do not survive into the next instance).  Safe to call when none exists.  The exit of
  * the process does not run it (the CUDA driver takes the memory back with the context,
  * and nothing is left to tear down against a driver already shut down): call it to give
  * the memory back earlier. */
@@ -82,7 +94,7 @@ DFA_C_API dfa_status dfa_record_stream(dfa_reservation r, void* stream);
  * (Named dfa_free_reservation so that dfa_free can be CUDAPluggableAllocator's free.) */
 DFA_C_API dfa_status dfa_free_reservation(dfa_reservation r, void* stream);
 DFA_C_API dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* out);
-/* The reservation containing `ptr`. */
+/* The reservation of dfa_reserve containing `ptr` (a dfa_malloc block: INVALID_ARGUMENT). */
 DFA_C_API dfa_status dfa_find(const void* ptr, dfa_reservation* out);
 /* Gives cached chunks back to the driver until at most `keep_bytes` stay cached. */
 DFA_C_API dfa_status dfa_trim(size_t keep_bytes, size_t* released);
@@ -128,6 +140,9 @@ DFA_C_API dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream)
 DFA_C_API dfa_status dfa_tag_resume(const char* tag, void* stream);
 /* *out = 1 when the tag is paused. */
 DFA_C_API dfa_status dfa_tag_is_paused(const char* tag, int* out);
+/* The known tags (of every device), one per line, into buf (NUL-terminated); `needed` and
+ * a too small buf as in dfa_memory_stats.  Lets a caller pause or resume every tag. */
+DFA_C_API dfa_status dfa_tag_names(char* buf, size_t cap, size_t* needed);
 
 /* Statistics of the device's caching allocator, PyTorch's key names
  * ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_ooms", ...) and

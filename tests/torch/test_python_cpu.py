@@ -2,7 +2,10 @@
 
 Run by ctest (label torch) with DEFERALLOC_CONF=driver:host and DEFERALLOC_LIB set.
 """
+import ctypes
 import gc
+import signal
+import subprocess
 import sys
 import unittest
 
@@ -78,6 +81,128 @@ class Tags(unittest.TestCase):
         stats = dfa.memory_stats()
         for k in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms"):
             self.assertIn(k, stats)
+
+
+def _malloc_api():
+    lib = dfa._load()
+    lib.dfa_malloc.restype = ctypes.c_void_p
+    lib.dfa_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.dfa_free.restype = None
+    lib.dfa_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+class Errors(unittest.TestCase):
+    def test_one_class_per_status_with_the_c_message(self):
+        from deferalloc import errors
+        self.assertTrue(issubclass(dfa.OutOfMemory, torch.OutOfMemoryError))
+        self.assertTrue(issubclass(dfa.InvalidArgument, ValueError))
+        self.assertEqual({c.status for c in errors.BY_STATUS.values()}, set(range(1, 9)))
+        for status, cls in errors.BY_STATUS.items():
+            self.assertTrue(issubclass(cls, dfa.DeferallocError))
+            self.assertEqual(errors.from_status(status, "m").status, status)
+        with self.assertRaises(dfa.InvalidState) as e:
+            dfa.materialize(dfa.deferred_empty((4,), torch.float32, "cpu"), "restore")
+        self.assertTrue(str(e.exception).startswith("dfa_materialize: "), str(e.exception))
+        self.assertEqual(e.exception.status, 2)
+
+    def test_65_dimensions_keep_the_message_of_c(self):
+        with self.assertRaises(dfa.InvalidArgument) as e:
+            dfa.deferred_empty((1,) * 65, torch.float32, "cpu")
+        self.assertIn("ndim 65 is outside [0, 64]", str(e.exception))
+
+    def test_sizes_and_types_are_checked_before_c(self):
+        bad = [
+            (TypeError, lambda: dfa.deferred_empty((4.0, 2), torch.float32, "cpu")),
+            (TypeError, lambda: dfa.deferred_empty((True,), torch.float32, "cpu")),
+            (TypeError, lambda: dfa.deferred_empty((4,), "float32", "cpu")),
+            (ValueError, lambda: dfa.deferred_empty((4, -1), torch.float32, "cpu")),
+            (ValueError, lambda: dfa.deferred_empty((2 ** 62,), torch.float32, "cpu")),
+            (ValueError, lambda: dfa.deferred_empty((2 ** 31, 2 ** 31, 4), torch.float64, "cpu")),
+            (ValueError, lambda: dfa.trim(-1)),
+            (ValueError, lambda: dfa.trim(2 ** 64)),
+            (TypeError, lambda: dfa.trim(1.5)),
+            (ValueError, lambda: dfa.memory_stats(-2)),
+            (ValueError, lambda: dfa.pause("py", keep="disk")),
+            (TypeError, lambda: dfa.pause("py", keep=1)),
+            (ValueError, lambda: dfa.pause("")),
+            (TypeError, lambda: dfa.pause(b"py")),
+            (ValueError, lambda: dfa.region("r", keep="bogus").__enter__()),
+        ]
+        t = dfa.deferred_empty((4,), torch.float32, "cpu")
+        bad += [(ValueError, lambda: dfa.materialize(t, "bogus")), (TypeError, lambda: dfa.materialize(t, 2)),
+                (ValueError, lambda: dfa.release(t, "nvme")), (TypeError, lambda: dfa.is_backed(t.data_ptr()))]
+        for i, (exc, f) in enumerate(bad):
+            with self.assertRaises(exc, msg=f"case {i}"):
+                f()
+        self.assertEqual(dfa.deferred_empty(torch.Size([3, 2]), torch.float32, "cpu").shape, (3, 2))
+        self.assertEqual(dfa.deferred_empty(5, torch.int8, "cpu").shape, (5,))
+
+    def test_out_of_range_modes_reach_c_as_integers(self):
+        lib = dfa._load()
+        t = dfa.materialize(dfa.deferred_empty((1024,), torch.float32, "cpu"))
+        rid = dfa._reservation(t)
+        for v in (3, 7, -1, 2 ** 31 - 1):
+            self.assertEqual(lib.dfa_materialize(rid, 0, 2 ** 64 - 1, v, None), 1)
+            self.assertIn(f"fill {v} is not", lib.dfa_last_error().decode())
+        for v in (2, -1, 255):
+            self.assertEqual(lib.dfa_release(rid, 0, 2 ** 64 - 1, v, None), 1)
+            self.assertIn(f"keep {v} is not", lib.dfa_last_error().decode())
+        self.assertTrue(dfa.is_backed(t))
+
+    def test_a_dfa_malloc_block_is_not_a_reservation(self):
+        lib = _malloc_api()
+        p = lib.dfa_malloc(1 << 20, 0, None)
+        self.assertTrue(p)
+        rid = ctypes.c_uint64()
+        self.assertEqual(lib.dfa_find(ctypes.c_void_p(p), ctypes.byref(rid)), 1)
+        self.assertIn("caching allocator", lib.dfa_last_error().decode())
+        lib.dfa_free(p, 1 << 20, 0, None)
+
+    def test_touching_a_released_tensor_names_the_reservation(self):
+        code = ("import torch, deferalloc as dfa\n"
+                "t = dfa.materialize(dfa.deferred_empty((1 << 16,), torch.float32, 'cpu'))\n"
+                "print('reservation', dfa._reservation(t), flush=True)\n"
+                "dfa.release(t)\n"
+                "t.fill_(1)\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, -signal.SIGSEGV, r.stderr[-2000:])
+        rid = r.stdout.split()[-1]
+        self.assertRegex(r.stderr, rf"\[deferalloc\] SIGSEGV at 0x[0-9a-f]+: reservation {rid} \(address 0x[0-9a-f]+, "
+                                   rf"\d+ bytes\), offset \d+, touched while released")
+
+
+class Regions(unittest.TestCase):
+    def test_pause_and_resume_every_tag_with_the_regions_keep(self):
+        lib = _malloc_api()
+        blocks = []
+        for name, keep, v in (("ra", "host", 0x5A), ("rb", "host", 0x3C), ("rc", "discard", 0x11)):
+            with dfa.region(name, keep=keep):
+                p = lib.dfa_malloc(3 << 20, 0, None)
+                self.assertTrue(p, lib.dfa_last_error())
+            ctypes.memset(p, v, 3 << 20)
+            blocks.append((name, keep, p, v))
+        dfa.pause()
+        for name, _, _, _ in blocks:
+            self.assertTrue(dfa.is_paused(name), name)
+        self.assertGreaterEqual(dfa.memory_stats()["deferalloc.manager.backup_bytes"], 2 * (3 << 20))
+        with self.assertRaises(dfa.InvalidState):
+            dfa.pause("ra")
+        dfa.resume()
+        for name, keep, p, v in blocks:
+            self.assertFalse(dfa.is_paused(name), name)
+            if keep == "host":
+                got = ctypes.string_at(p, 3 << 20)
+                self.assertEqual(got, bytes([v]) * (3 << 20), name)
+        # keep given to pause overrides the region's
+        dfa.pause("ra", keep="discard")
+        self.assertEqual(dfa.memory_stats()["deferalloc.manager.backup_bytes"], 0)
+        dfa.resume("ra")
+        for _, _, p, _ in blocks:
+            lib.dfa_free(p, 3 << 20, 0, None)
+        self.assertIn("ra", dfa.tags())
+        with self.assertRaises(dfa.InvalidArgument):
+            dfa.pause("never-made")
 
 
 if __name__ == "__main__":
