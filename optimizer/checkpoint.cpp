@@ -133,7 +133,7 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(!dir.empty(), "save_checkpoint: directory is empty");
   DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  detail::ensure_dir(dir, "save_checkpoint: cannot create ");
+  detail::check_dir(dir, "save_checkpoint");
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';

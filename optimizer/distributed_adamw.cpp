@@ -291,7 +291,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   // one rank is an error on all instead of a hang in the next collective.
   std::exception_ptr failed;
   try {
-    optim::detail::ensure_dir(dir, "save_checkpoint: cannot create ");
+    optim::detail::check_dir(dir, "save_checkpoint");
     I.opt->save_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
     if (I.lay.rank == 0) {
       const std::string text = layout_text(I.lay);

@@ -16,9 +16,37 @@
 
 namespace deferalloc::optim::detail {
 
-/// Creates `dir` (0700) unless it exists.  @throws io_error(`what` + dir + reason)
-inline void ensure_dir(const std::string& dir, const std::string& what) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) throw io_error(what + dir + ": " + std::strerror(errno));
+/// Creates `dir` (0700) unless it exists, then refuses it unless it is a directory
+/// owned by this user and not a symbolic link.  @throws io_error naming `what` and dir
+inline void check_dir(const std::string& dir, const std::string& what) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw io_error(what + ": cannot create " + dir + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) throw io_error(what + ": cannot stat " + dir + ": " + std::strerror(errno));
+  if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + dir + " is a symbolic link; refusing to follow it");
+  if (!S_ISDIR(st.st_mode)) throw io_error(what + ": " + dir + " is not a directory");
+  if (st.st_uid != ::geteuid())
+    throw io_error(what + ": " + dir + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user");
+}
+
+/// Refuses an existing path (from lstat) that is not a regular file owned by this user.
+/// @throws io_error
+inline void check_owned_file(const std::string& path, const struct stat& st, const std::string& what) {
+  if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + path + " is a symbolic link; refusing to follow it");
+  if (!S_ISREG(st.st_mode)) throw io_error(what + ": " + path + " is not a regular file; refusing to use it");
+  if (st.st_uid != ::geteuid())
+    throw io_error(what + ": " + path + " is owned by uid " + std::to_string(st.st_uid) +
+                   ", not by this user; refusing to use it");
+}
+
+/// Makes a directory's entries (renames, creations) durable.  @throws io_error
+inline void fsync_dir(const std::string& dir, const std::string& what) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) throw io_error(what + ": cannot open directory " + dir + ": " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int e = errno;
+  ::close(fd);
+  if (rc != 0) throw io_error(what + ": fsync of directory " + dir + " failed: " + std::strerror(e));
 }
 
 /// `n` bytes on the heap aligned for O_DIRECT (file_store::align), zeroed if asked.

@@ -81,7 +81,8 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   I.cfg = std::move(cfg);
   const std::size_t g = I.drv->granularity();
   if (I.cfg.home != tier::device) {
-    const std::size_t gran_elems = g / 4;
+    // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
+    const std::size_t gran_elems = std::max(g, I.cfg.home == tier::file ? file_store::block : std::size_t{1}) / 4;
     const std::size_t per_piece = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth));  // params
     I.piece = per_piece / gran_elems * gran_elems;
     DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
@@ -409,6 +410,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
                             " failed" + at + ": " + e.what();
     if (dynamic_cast<const out_of_memory*>(&e)) throw out_of_memory(msg);
     if (dynamic_cast<const io_error*>(&e)) throw io_error(msg);
+    if (dynamic_cast<const corrupt_data*>(&e)) throw corrupt_data(msg);
     if (dynamic_cast<const cuda_error*>(&e)) throw cuda_error(msg);
     throw error(msg);
   }
@@ -522,6 +524,8 @@ double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_typ
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(grads.size() == I.shards.size(), "grad_sq_norm: one gradient per shard expected");
+  for (std::size_t s = 0; s < grads.size(); ++s)
+    DFA_EXPECTS(grads[s] != nullptr, "grad_sq_norm: gradient of shard " + std::to_string(s) + " is null");
   I.after(I.exec, stream);
   double s = 0;
   for (std::size_t i = 0; i < grads.size(); ++i)
