@@ -163,7 +163,12 @@ std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t num
 
 std::uint64_t streamed_adamw::steps() const { return impl_->step_count; }
 bool streamed_adamw::initialized() const { return impl_->initialized; }
-bool streamed_adamw::resumed() const { return impl_->file && impl_->file->resumed(); }
+bool streamed_adamw::resumed() const {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  if (!I.shards.empty()) I.ensure_file();  // opens the state file: a damaged one throws here
+  return I.file && I.file->resumed();
+}
 const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->infos; }
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {

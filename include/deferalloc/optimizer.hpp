@@ -144,7 +144,10 @@ class DFA_API streamed_adamw {
   /// Completed steps.
   std::uint64_t steps() const;
   bool initialized() const;
-  /// File tier with resume: true when the state came from an existing file.
+  /// File tier with resume: true when the state came from an existing file.  Opens the
+  /// state file when shards are registered and it is not open yet (so that
+  /// `if (opt.resumed()) opt.sync_model_params(); else opt.initialize();` works).
+  /// @throws corrupt_data, io_error: a state file that exists but cannot be resumed
   bool resumed() const;
   const std::vector<shard_info>& shards() const;
   const optimizer_config& config() const;
