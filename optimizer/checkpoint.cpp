@@ -260,7 +260,9 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");
   const auto endpos = all.rfind("end ");
   if (endpos == std::string::npos) throw corrupt_data("load_checkpoint: " + mpath + " is truncated (no end record)");
-  if (std::strtoull(all.c_str() + endpos + 4, nullptr, 16) != checksum64(all.data(), endpos))
+  char expect_end[64];
+  std::snprintf(expect_end, sizeof expect_end, "end %016" PRIx64 "\n", checksum64(all.data(), endpos));
+  if (all.compare(endpos, std::string::npos, expect_end) != 0)
     throw corrupt_data("load_checkpoint: " + mpath + " fails its checksum");
   std::istringstream m(all.substr(0, endpos));
   std::string word;
