@@ -219,25 +219,32 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     const auto cs = chunks_of(numel);
     std::vector<std::uint64_t> sums[3];
     for (const auto& c : cs) sums[c.a].resize(c.index + 1);
+    const std::uint64_t array_bytes = file_store::io_bytes(numel);  // arrays start 4 KiB-aligned (O_DIRECT)
     write_new_file(dir + "/" + file, [&](int fd, const std::string& path) {
       for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
-        const float* src = reinterpret_cast<const float*>(buf);
+        const std::size_t io = file_store::io_bytes(c.n);
+        const unsigned char* src = buf;
         if (c.a > 0 && !I.moments_written && I.cfg.home != tier::device) {
           std::memset(buf, 0, c.n * 4);  // never written: zero by construction
         } else if (I.cfg.home == tier::host) {
-          src = sh.home[c.a] + c.e0;  // straight from the pinned home, no copy
+          const float* home = sh.home[c.a] + c.e0;
+          if (io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0)
+            src = reinterpret_cast<const unsigned char*>(home);  // straight from the pinned home, no copy
+          else
+            std::memcpy(buf, home, c.n * 4);
         } else if (I.cfg.home == tier::file) {
-          I.file->read(buf, file_store::io_bytes(c.n), I.file->offset(I.file->active_slot(), s, c.a, c.e0),
+          I.file->read(buf, io, I.file->offset(I.file->active_slot(), s, c.a, c.e0),
                        std::string(k_arrays[c.a]) + " of " + sh.info.name)
               ->wait();
         } else {
           std::lock_guard dl(device_mu);
           I.read_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf));
         }
-        sums[c.a][c.index] = checksum64(src, c.n * 4);
-        pwrite_all(fd, src, c.n * 4, (c.a * numel + c.e0) * 4, path);
+        if (src == buf) std::memset(buf + c.n * 4, 0, io - c.n * 4);
+        sums[c.a][c.index] = checksum64(src, io);
+        pwrite_all(fd, src, io, c.a * array_bytes + c.e0 * 4, path);
       });
-    });
+    }, true);
     char line[512];
     std::snprintf(line, sizeof line,
                   "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64 " exp_avg_sq %016" PRIx64
@@ -318,25 +325,34 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   for (int pass = in_place ? 0 : 1; pass < 2; ++pass)
     for (std::size_t s = 0; s < count; ++s) {
       const std::string path = dir + "/" + es[s].file;
-      int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      int fd = detail::open_direct(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
       if (fd < 0) throw io_error("load_checkpoint: cannot open " + path + ": " + std::strerror(errno));
       try {
+        const std::uint64_t array_bytes = file_store::io_bytes(es[s].numel);
         struct stat st {};
-        if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::size_t>(st.st_size) != es[s].numel * 12)
+        if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != 3 * array_bytes)
           throw corrupt_data("load_checkpoint: " + path + " has " + std::to_string(st.st_size) + " bytes, expected " +
-                             std::to_string(es[s].numel * 12));
+                             std::to_string(3 * array_bytes));
         const auto cs = chunks_of(es[s].numel);
         std::vector<std::uint64_t> sums[3];
         for (const auto& c : cs) sums[c.a].resize(c.index + 1);
         for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
-          detail::pread_all(fd, buf, c.n * 4, (c.a * es[s].numel + c.e0) * 4, path);
-          sums[c.a][c.index] = checksum64(buf, c.n * 4);
+          const std::size_t io = file_store::io_bytes(c.n);
+          float* home = I.cfg.home == tier::host ? I.shards[s].home[c.a] + c.e0 : nullptr;
+          if (pass == 1 && !in_place && home && io == c.n * 4 &&
+              reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
+            // Nothing to keep: straight into the pinned home, no bounce and no copy.
+            detail::pread_all(fd, home, io, c.a * array_bytes + c.e0 * 4, path);
+            sums[c.a][c.index] = checksum64(home, io);
+            return;
+          }
+          detail::pread_all(fd, buf, io, c.a * array_bytes + c.e0 * 4, path);
+          sums[c.a][c.index] = checksum64(buf, io);
           if (pass == 0) return;
           std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
           if (I.cfg.home == tier::device) dl.lock();
           I.write_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
         });
-        ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         for (int a = 0; a < 3; ++a)
           if (fold(sums[a]) != es[s].sum[a])
             throw corrupt_data("load_checkpoint: " + std::string(k_arrays[a]) + " of shard " + std::to_string(s) + " in " +

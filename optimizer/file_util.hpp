@@ -79,12 +79,21 @@ inline void write_all(int fd, const void* data, std::size_t n, const std::string
   }
 }
 
-/// Creates `path` (0600, exclusive: never an existing file or a symlink), lets
-/// `fill(fd, path)` write it, fsyncs it and drops it from the page cache.  On failure
-/// the file is removed.  @throws io_error
+/// Opens `path` with `flags` plus O_DIRECT where the file system has it (else without).
+/// Returns -1 with errno set on failure.
+inline int open_direct(const std::string& path, int flags, mode_t mode = 0600) {
+  int fd = ::open(path.c_str(), flags | O_DIRECT, mode);
+  if (fd < 0 && errno == EINVAL) fd = ::open(path.c_str(), flags, mode);
+  return fd;
+}
+
+/// Creates `path` (0600, exclusive: never an existing file or a symlink; with `direct`,
+/// O_DIRECT where possible, so every write must then be aligned), lets `fill(fd, path)`
+/// write it, fsyncs it.  On failure the file is removed.  @throws io_error
 template <typename F>
-void write_new_file(const std::string& path, F&& fill) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+void write_new_file(const std::string& path, F&& fill, bool direct = false) {
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  int fd = direct ? open_direct(path, flags) : ::open(path.c_str(), flags, 0600);
   if (fd < 0) throw io_error("checkpoint: cannot create " + path + ": " + std::strerror(errno));
   try {
     fill(fd, path);
@@ -94,7 +103,6 @@ void write_new_file(const std::string& path, F&& fill) {
     ::unlink(path.c_str());
     throw;
   }
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);  // written once, read rarely: keep the cache for the trainer
   ::close(fd);
 }
 
