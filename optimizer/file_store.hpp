@@ -1,6 +1,8 @@
 // The file tier: one state file per rank, two slots of FP32 state and a commit record.
 // See Note [File tier] in file_store.cpp.
 #pragma once
+#include <deferalloc/export.hpp>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -146,7 +148,8 @@ class file_store {
   std::uint64_t countdown_[3] = {0, 0, 0};
 };
 
-/// 64-bit checksum for corruption detection (not cryptographic), ~10 GB/s.
-std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
+/// 64-bit checksum for corruption detection (not cryptographic), ~10 GB/s per core.
+/// Exported for the checkpoint benchmark, which measures its cost.
+DFA_API std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
 
 }  // namespace deferalloc::optim::detail

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "../../optimizer/file_store.hpp"
+
 using namespace deferalloc;
 using namespace deferalloc::optim;
 namespace fs = std::filesystem;
@@ -187,6 +189,16 @@ int main(int argc, char** argv) {
   // is the CPU twin, not I/O; shown apart so the I/O ratio can be read too.
   std::printf("each load includes sync_model_params: %.2f s; load (fresh) without it: %.2fx dd\n", t_sync,
               rows[2].dd / std::max(1e-9, rows[2].ours - t_sync));
+  // The cost of the checksums (file-tier blocks and checkpoint chunks), one core.
+  {
+    std::vector<std::uint64_t> buf((std::size_t{256} << 20) / 8, 0x9E3779B97F4A7C15ull);
+    std::uint64_t sink = 0;
+    const double t0 = now();
+    for (int i = 0; i < 4; ++i) sink += optim::detail::checksum64(buf.data(), buf.size() * 8, sink);
+    const double s = now() - t0;
+    std::printf("checksum64: %.1f GB/s on one core (%016llx)\n", 4 * (buf.size() * 8) / 1e9 / s,
+                static_cast<unsigned long long>(sink));
+  }
   std::error_code ec;
   fs::remove_all(root, ec);
   return 0;
