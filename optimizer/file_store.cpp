@@ -24,12 +24,17 @@
 //    the I/O thread that writes it (from the staging buffer, before the write) and
 //    verified by the thread that reads it, so verification streams with the data.  A
 //    mismatch is corrupt_data naming the file, slot, offset and data.
-//  - Resume picks the valid header copy with the highest sequence.  The other copy is
-//    used only when the newest one is damaged: a torn header write of a killed commit
-//    looks exactly like that, and the older copy then names the newest commit that
-//    completed (its slot was not written since: the killed step wrote the other slot).
-//    A valid newest header is never passed over for the older slot, even when its data
-//    turns out corrupt: that would silently drop a committed step, so the read throws.
+//  - Which slot a resume reads.  Commits alternate slots and header copies: commit n
+//    writes slot X and copy n%2; copy (n-1)%2 still names slot 1-X and step n-1, whose
+//    data stays intact until step n+1 starts writing slot 1-X.  Resume takes the valid
+//    copy with the highest sequence.  The other slot is used only when it holds the
+//    newest commit that can be proven: when the copy naming the newer step is damaged
+//    (its checksum fails; a torn header write of a killed commit looks exactly like
+//    that, and that commit never completed).  It is never used because the newest valid
+//    copy's data is corrupt: that slot's step is the last committed one, the other slot
+//    is a step older (or half overwritten by a killed step), so falling back would
+//    silently drop a committed step; the read throws corrupt_data instead.  Whatever is
+//    resumed is still verified block by block as it is read.
 //  - Refused loudly, never a fresh start: both header copies unreadable, a file shorter
 //    than its layout (a truncation that fallocate would have re-extended with zeros), a
 //    checksum table that fails the header's checksum, another layout or format version.
@@ -39,8 +44,10 @@
 //    files are opened with O_NOFOLLOW and never with O_TRUNC.
 //
 // Limits: one file per rank, no compression; the two slots cost 24 B per parameter,
-// the tables 16 B per 64 KiB.  A block damaged in the inactive slot is not noticed
-// until that slot is read (it is rewritten by the next step first).
+// the tables 16 B per 64 KiB (on disk and in memory).  A block damaged in the inactive
+// slot is not noticed until that slot is read (it is rewritten by the next step first).
+// A header copy rotted after its commit completed cannot be told from a torn write: the
+// resume then takes the step before it (intact, verified) and logs a warning.
 #include "file_store.hpp"
 #include "file_util.hpp"
 

@@ -87,7 +87,7 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
     I.piece = per_piece / gran_elems * gran_elems;
     DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                  std::to_string(I.cfg.depth) + " needs at least " +
-                                 std::to_string(12 * I.cfg.depth * g) + " bytes");
+                                 std::to_string(12 * I.cfg.depth * gran_elems * 4) + " bytes");
     // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
     // copy engines briefly); every piece has that shape (reservations padded to pieces).
     I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes});
