@@ -48,6 +48,7 @@
 #include <filesystem>
 #include <mutex>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "file_util.hpp"
@@ -102,17 +103,20 @@ std::vector<chunk> chunks_of(std::size_t numel) {
   return out;
 }
 
-// Runs fn(chunk, buffer) for every chunk on k_lanes threads, each with its own
-// k_chunk-byte aligned buffer.  The first failure stops the lanes and is rethrown.
+// Runs fn(chunk, buffer) for every chunk on up to k_lanes threads, each with its own
+// aligned buffer of the largest chunk's I/O size (<= k_chunk).  The first failure stops
+// the lanes and is rethrown.
 template <typename F>
 void for_each_chunk(const std::vector<chunk>& cs, F&& fn) {
+  std::size_t largest = 0;
+  for (const auto& c : cs) largest = std::max(largest, file_store::io_bytes(c.n));
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
   std::mutex mu;
   std::exception_ptr first;
   auto lane = [&] {
     try {
-      aligned_buffer buf(k_chunk, false, "checkpoint: no host memory for an I/O buffer");
+      aligned_buffer buf(largest, false, "checkpoint: no host memory for an I/O buffer");
       for (std::size_t i; !stop && (i = next++) < cs.size();) fn(cs[i], buf.p);
     } catch (...) {
       std::lock_guard lk(mu);
@@ -120,9 +124,13 @@ void for_each_chunk(const std::vector<chunk>& cs, F&& fn) {
       stop = true;
     }
   };
-  const int lanes = static_cast<int>(std::min<std::size_t>(k_lanes, cs.size()));
+  const std::size_t lanes = std::min<std::size_t>(k_lanes, cs.size());
   std::vector<std::thread> ts;
-  for (int l = 1; l < lanes; ++l) ts.emplace_back(lane);
+  try {
+    while (ts.size() + 1 < lanes) ts.emplace_back(lane);
+  } catch (const std::system_error&) {
+    // No more threads: the lanes started (and this one) do all the chunks.
+  }
   lane();
   for (auto& t : ts) t.join();
   if (first) std::rethrow_exception(first);
