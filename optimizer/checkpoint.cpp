@@ -333,7 +333,10 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   for (int pass = in_place ? 0 : 1; pass < 2; ++pass)
     for (std::size_t s = 0; s < count; ++s) {
       const std::string path = dir + "/" + es[s].file;
-      int fd = detail::open_direct(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      // Two passes read through the page cache, so the second is served from memory
+      // where it fits; one pass reads direct.
+      const int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC;
+      int fd = in_place ? ::open(path.c_str(), flags) : detail::open_direct(path, flags);
       if (fd < 0) throw io_error("load_checkpoint: cannot open " + path + ": " + std::strerror(errno));
       try {
         const std::uint64_t array_bytes = file_store::io_bytes(es[s].numel);
@@ -361,6 +364,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           if (I.cfg.home == tier::device) dl.lock();
           I.write_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
         });
+        if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         for (int a = 0; a < 3; ++a)
           if (fold(sums[a]) != es[s].sum[a])
             throw corrupt_data("load_checkpoint: " + std::string(k_arrays[a]) + " of shard " + std::to_string(s) + " in " +
