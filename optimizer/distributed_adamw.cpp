@@ -299,12 +299,14 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   // Collective: every rank learns whether every rank's part is written, so that no rank
   // loads (or reports success) before the generation is published, and a failure on
   // one rank is an error on all instead of a hang in the next collective.
-  auto all_ok = [&](std::exception_ptr& failed, const char* phase) {
-    const std::vector<double> ok = I.gather_doubles(failed ? 0.0 : 1.0, nullptr);
+  // Gathers `value` (0 on this rank's failure) and throws on every rank if any failed.
+  auto all_ok = [&](std::exception_ptr& failed, const char* phase, double value = 1.0) {
+    const std::vector<double> ok = I.gather_doubles(failed ? 0.0 : value, nullptr);
     if (failed) std::rethrow_exception(failed);
     for (std::size_t r = 0; r < ok.size(); ++r)
       if (ok[r] == 0.0)
         throw io_error("save_checkpoint: rank " + std::to_string(r) + " failed to " + phase + " " + dir);
+    return ok;
   };
   std::exception_ptr failed;
   double proposal = 0;
@@ -314,8 +316,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   } catch (...) {
     failed = std::current_exception();
   }
-  const std::vector<double> proposals = I.gather_doubles(failed ? 0.0 : proposal, nullptr);
-  all_ok(failed, "prepare a checkpoint in");
+  const std::vector<double> proposals = all_ok(failed, "prepare a checkpoint in", proposal);
   const auto gen = static_cast<std::uint64_t>(*std::max_element(proposals.begin(), proposals.end()));
   const std::string tmp = optim::detail::generation_path(dir, gen, true);
   try {
