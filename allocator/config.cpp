@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <charconv>
+#include <cstdint>
 #include <cstdio>
 
 #include "log.hpp"
@@ -26,12 +27,28 @@ std::atomic<int> g_level{static_cast<int>(log_level::warn)};
 const char* const k_keys[] = {"driver", "device", "chunk_classes_mb", "pool_budget_mb", "host_capacity_mb",
                               "host_granularity_kb", "pinned_cache_mb", "pool_cache_mb", "log_level"};
 
-std::size_t to_size(const std::string& key, const std::string& v) {
-  std::size_t out = 0;
+// Note [Settings ranges]
+// Every number is parsed as an unsigned 64-bit integer and checked against its key's
+// range before it is scaled, so no value wraps (device:4294967296 is not device 0, a
+// huge pool_budget_mb is not 1 MiB or "unlimited").  Sizes in MB are capped at 16 TiB,
+// far above any device or host, and well below the 2^64 bytes where the shift would
+// wrap; granularities must be powers of two.  Every error names the key and its range.
+constexpr std::uint64_t k_max_mb = std::uint64_t{1} << 24;  // 16 TiB
+
+std::uint64_t to_uint(const std::string& key, const std::string& v, std::uint64_t lo, std::uint64_t hi) {
+  std::uint64_t out = 0;
   auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  if (ec == std::errc::result_out_of_range || (ec == std::errc() && p == v.data() + v.size() && (out < lo || out > hi)))
+    throw invalid_argument("DEFERALLOC_CONF: " + key + " is " + v + ", outside its range " + range);
   if (ec != std::errc() || p != v.data() + v.size())
-    throw invalid_argument("DEFERALLOC_CONF: " + key + " expects a non-negative integer, got '" + v + "'");
+    throw invalid_argument("DEFERALLOC_CONF: " + key + " expects an integer in " + range + ", got '" + v + "'");
   return out;
+}
+
+/// A size in MB, at most 16 TiB: `to_size(...) << 20` cannot wrap.
+std::size_t to_size(const std::string& key, const std::string& v) {
+  return static_cast<std::size_t>(to_uint(key, v, 0, k_max_mb));
 }
 
 const std::string& scalar(const std::string& key, const config_value& v) {
@@ -109,12 +126,12 @@ settings parse_settings(std::string_view text) {
       else if (d == "host") s.driver = driver_kind::host;
       else throw invalid_argument("DEFERALLOC_CONF: driver must be auto, cuda or host, got '" + d + "'");
     } else if (key == "device") {
-      s.device = static_cast<int>(to_size(key, scalar(key, v)));
+      s.device = static_cast<int>(to_uint(key, scalar(key, v), 0, 1023));
     } else if (key == "chunk_classes_mb") {
       s.chunk_classes.clear();
       for (const auto& item : v.items) {
-        std::size_t mb = to_size(key, item);
-        if (mb == 0) throw invalid_argument("DEFERALLOC_CONF: chunk_classes_mb items must be positive");
+        const std::size_t mb = to_size(key, item);
+        if (mb == 0) throw invalid_argument("DEFERALLOC_CONF: chunk_classes_mb items must be in [1, 16777216]");
         s.chunk_classes.push_back(mb << 20);
       }
     } else if (key == "pool_budget_mb") {
@@ -122,7 +139,11 @@ settings parse_settings(std::string_view text) {
     } else if (key == "host_capacity_mb") {
       s.host_capacity = to_size(key, scalar(key, v)) << 20;
     } else if (key == "host_granularity_kb") {
-      s.host_granularity = to_size(key, scalar(key, v)) << 10;
+      const std::uint64_t kb = to_uint(key, scalar(key, v), 4, std::uint64_t{1} << 20);
+      if ((kb & (kb - 1)) != 0)
+        throw invalid_argument("DEFERALLOC_CONF: host_granularity_kb is " + std::to_string(kb) +
+                               ", not a power of two in [4, 1048576] (4 KiB to 1 GiB)");
+      s.host_granularity = static_cast<std::size_t>(kb << 10);
     } else if (key == "pinned_cache_mb") {
       s.pinned_cache = to_size(key, scalar(key, v)) << 20;
     } else if (key == "pool_cache_mb") {

@@ -1,52 +1,84 @@
 // State transfer between the home tiers and host memory, and checkpoints.
 //
-// A checkpoint is a directory: one data file per shard (main, exp_avg, exp_avg_sq as
-// raw little-endian FP32, one after the other) and manifest.txt, written last, that
-// names the format version, step, hyper-parameters (hex floats, exact), shapes, dtypes
-// and a checksum per array.  Files are written to a temporary name (created 0600,
-// O_EXCL, no symlink followed), made durable, then renamed.  Loading checks the layout
-// and every checksum before it changes any state, so a flipped byte or a different
-// model is refused with the optimizer untouched.
+// Note [Checkpoint generations]
+//
+// Rationale: a checkpoint is overwritten many times in a run; a save that is killed or
+// fails (full disk, one shard's write) must leave the previous checkpoint loadable, and
+// a save of a multi-GB state should run at the disk's speed in bounded memory.
+//
+// Approach
+//  - save_checkpoint(dir) writes a new generation dir/gen-<N>.tmp (N above every
+//    generation present): one data file per shard (main, exp_avg, exp_avg_sq as raw
+//    little-endian FP32, one after the other) and manifest.txt (format version, step,
+//    hyper-parameters as exact hex floats, shapes, dtypes, a checksum per array), each
+//    created 0600 exclusive without following symlinks and fsynced; then the generation's
+//    directory is fsynced, renamed to gen-<N> (the one atomic publish) and dir fsynced.
+//    Only then are older generations (and unfinished ones of killed saves) removed.
+//    load_checkpoint(dir) takes the newest gen-<N>: a complete generation is never
+//    passed over for an older one, so a damaged newest checkpoint is an error, not a
+//    silent step back.
+//  - Streaming: every array is cut into 32 MiB chunks, processed by 4 lanes (threads),
+//    each with its own aligned buffer (128 MiB in all, whatever the shard size), so four
+//    writes or reads are in flight.  Each chunk's checksum64 is computed by its lane;
+//    an array's checksum is checksum64 of its chunks' checksums, so verification streams
+//    too.  Host tier: the lanes write straight from the pinned home (no copy); file tier:
+//    they read the active slot (verified by the file tier's block checksums) into their
+//    buffer.  Written files are dropped from the page cache after their fsync.
+//  - Load reads each file once, verifying as it streams, into a place that changes
+//    nothing until all is verified: the file tier's inactive slot, committed at the end.
+//    The host and device tiers update in place, so when they already hold state they
+//    verify in a first pass and copy in a second (each file read twice then).
+//  - The distributed optimizer publishes every rank's files in one generation (see
+//    distributed_adamw.cpp) with write_checkpoint_files / read_checkpoint_files.
+//
+// Limits: the checkpoint directory must be owned by this user; generations are kept one
+// at a time (plus the one being written); no compression.
 #include <deferalloc/errors.hpp>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <exception>
+#include <filesystem>
+#include <mutex>
 #include <sstream>
+#include <system_error>
+#include <thread>
 
 #include "file_util.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {
 
-using detail::checksum64;
 using detail::aligned_buffer;
+using detail::checksum64;
 using detail::file_store;
 using detail::write_all;
-using detail::write_file_atomically;
+using detail::write_new_file;
 
 namespace {
 
 constexpr const char* k_header = "deferalloc-optimizer-checkpoint";
-constexpr int k_version = 1;
+constexpr int k_version = 2;
+constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a multiple of file_store::block
+constexpr int k_lanes = 4;                              // chunks in flight
 const char* const k_arrays[3] = {"main", "exp_avg", "exp_avg_sq"};
 
-void read_all(int fd, void* data, std::size_t n, const std::string& path) {
-  char* c = static_cast<char*>(data);
-  std::size_t got = 0;
-  while (got < n) {
-    ssize_t r = ::read(fd, c + got, n - got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw io_error("checkpoint: reading " + path + " failed: " + std::strerror(errno));
-    if (r == 0) throw corrupt_data("checkpoint: " + path + " is shorter than its manifest says (" + std::to_string(got) +
-                                   " of " + std::to_string(n) + " bytes)");
-    got += static_cast<std::size_t>(r);
+void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t off, const std::string& path) {
+  const char* c = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, c, n, static_cast<off_t>(off));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) throw io_error("checkpoint: writing " + path + " failed: " + std::strerror(errno));
+    c += w;
+    off += static_cast<std::uint64_t>(w);
+    n -= static_cast<std::size_t>(w);
   }
 }
 
@@ -55,6 +87,57 @@ std::string hexfloat(float f) {
   std::snprintf(b, sizeof b, "%a", static_cast<double>(f));
   return b;
 }
+
+// One chunk of one array of a shard file.
+struct chunk {
+  int a;
+  std::size_t e0, n;  // elements
+  std::size_t index;  // within the array
+};
+
+std::vector<chunk> chunks_of(std::size_t numel) {
+  std::vector<chunk> out;
+  const std::size_t per = k_chunk / 4;
+  for (int a = 0; a < 3; ++a)
+    for (std::size_t e0 = 0, i = 0; e0 < numel; e0 += per, ++i) out.push_back({a, e0, std::min(per, numel - e0), i});
+  return out;
+}
+
+// Runs fn(chunk, buffer) for every chunk on up to k_lanes threads, each with its own
+// aligned buffer of the largest chunk's I/O size (<= k_chunk).  The first failure stops
+// the lanes and is rethrown.
+template <typename F>
+void for_each_chunk(const std::vector<chunk>& cs, F&& fn) {
+  std::size_t largest = 0;
+  for (const auto& c : cs) largest = std::max(largest, file_store::io_bytes(c.n));
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::exception_ptr first;
+  auto lane = [&] {
+    try {
+      aligned_buffer buf(largest, false, "checkpoint: no host memory for an I/O buffer");
+      for (std::size_t i; !stop && (i = next++) < cs.size();) fn(cs[i], buf.p);
+    } catch (...) {
+      std::lock_guard lk(mu);
+      if (!first) first = std::current_exception();
+      stop = true;
+    }
+  };
+  const std::size_t lanes = std::min<std::size_t>(k_lanes, cs.size());
+  std::vector<std::thread> ts;
+  try {
+    while (ts.size() + 1 < lanes) ts.emplace_back(lane);
+  } catch (const std::system_error&) {
+    // No more threads: the lanes started (and this one) do all the chunks.
+  }
+  lane();
+  for (auto& t : ts) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+// An array's checksum: checksum64 of its chunks' checksums.
+std::uint64_t fold(const std::vector<std::uint64_t>& sums) { return checksum64(sums.data(), sums.size() * 8); }
 
 }  // namespace
 
@@ -75,42 +158,37 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
     }
     case tier::host: std::memcpy(out, sh.home[a] + e0, n * 4); return;
     case tier::file: {
-      const std::size_t block = std::size_t{64} << 20;
-      aligned_buffer buf(block, false, "checkpoint: no host memory for a bounce buffer");
-      for (std::size_t done = 0; done < n * 4; done += block) {
-        const std::size_t want = std::min(block, n * 4 - done);
-        file->read(buf.p, file_store::io_bytes(want / 4),
-                   file->offset(file->active_slot(), s, a, e0) + done, std::string(k_arrays[a]) + " of " + sh.info.name)
+      const bool direct = reinterpret_cast<std::uintptr_t>(out) % file_store::align == 0 && (n * 4) % file_store::align == 0;
+      const std::size_t block = std::min<std::size_t>(k_chunk, n * 4);
+      std::unique_ptr<aligned_buffer> bounce;
+      if (!direct) bounce = std::make_unique<aligned_buffer>(file_store::io_bytes(block / 4), false, "checkpoint: no host memory for a bounce buffer");
+      for (std::size_t done = 0; done < n * 4; done += k_chunk) {
+        const std::size_t want = std::min(k_chunk, n * 4 - done);
+        char* to = direct ? reinterpret_cast<char*>(out) + done : reinterpret_cast<char*>(bounce->p);
+        file->read(to, file_store::io_bytes(want / 4), file->offset(file->active_slot(), s, a, e0) + done,
+                   std::string(k_arrays[a]) + " of " + sh.info.name)
             ->wait();
-        std::memcpy(reinterpret_cast<char*>(out) + done, buf.p, want);
+        if (!direct) std::memcpy(reinterpret_cast<char*>(out) + done, to, want);
       }
       return;
     }
   }
 }
 
-void streamed_adamw::impl::write_home(std::size_t s, int a, const float* in, int slot) {
+void streamed_adamw::impl::write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot) {
   const shard& sh = shards[s];
-  const std::size_t n = sh.info.numel;
   switch (cfg.home) {
     case tier::device: {
       float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
-      drv->copy_async(dev, in, n * 4, exec);
+      drv->copy_async(dev + e0, in, n * 4, exec);
       drv->synchronize_stream(exec);
       return;
     }
-    case tier::host: std::memcpy(sh.home[a], in, n * 4); return;
+    case tier::host: std::memcpy(sh.home[a] + e0, in, n * 4); return;
     case tier::file: {
-      const std::size_t block = std::size_t{64} << 20;
-      aligned_buffer buf(block, false, "checkpoint: no host memory for a bounce buffer");
-      for (std::size_t done = 0; done < n * 4; done += block) {
-        const std::size_t want = std::min(block, n * 4 - done);
-        const std::size_t io = file_store::io_bytes(want / 4);
-        std::memset(buf.p + want, 0, io - want);
-        std::memcpy(buf.p, reinterpret_cast<const char*>(in) + done, want);
-        file->write(buf.p, io, file->offset(slot, s, a, 0) + done, std::string(k_arrays[a]) + " of " + sh.info.name)
-            ->wait();
-      }
+      const std::size_t io = file_store::io_bytes(n);
+      std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
+      file->write(in, io, file->offset(slot, s, a, e0), std::string(k_arrays[a]) + " of " + sh.info.name)->wait();
       return;
     }
   }
@@ -126,14 +204,12 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
     if (outs[a]) I.read_home(shard, a, 0, I.shards[shard].info.numel, outs[a]);
 }
 
-// ---- checkpoints --------------------------------------------------------------------
+// ---- checkpoint files ----------------------------------------------------------------
 
-void streamed_adamw::save_checkpoint(const std::string& dir) {
-  auto& I = *impl_;
+void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
+  auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
-  DFA_EXPECTS(!dir.empty(), "save_checkpoint: directory is empty");
   DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  detail::ensure_dir(dir, "save_checkpoint: cannot create ");
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';
@@ -141,53 +217,74 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
   const adamw_params& h = I.cfg.adamw;
   m << "adamw lr " << hexfloat(h.lr) << " beta1 " << hexfloat(h.beta1) << " beta2 " << hexfloat(h.beta2) << " eps "
     << hexfloat(h.eps) << " weight_decay " << hexfloat(h.weight_decay) << '\n';
+  m << "chunk_bytes " << k_chunk << '\n';
   m << "shards " << I.shards.size() << '\n';
-  std::vector<float> buf;
+  std::mutex device_mu;  // the device tier's copies share one stream
   for (std::size_t s = 0; s < I.shards.size(); ++s) {
-    const auto& info = I.shards[s].info;
-    buf.resize(info.numel);
+    const auto& sh = I.shards[s];
+    const std::size_t numel = sh.info.numel;
     const std::string file = "shard-" + std::to_string(s) + ".bin";
-    std::uint64_t sums[3] = {};
-    write_file_atomically(dir + "/" + file, [&](int fd, const std::string& path) {
-      for (int a = 0; a < 3; ++a) {
-        I.read_home(s, a, 0, info.numel, buf.data());
-        sums[a] = checksum64(buf.data(), info.numel * 4);
-        write_all(fd, buf.data(), info.numel * 4, path);
-      }
-    });
+    const auto cs = chunks_of(numel);
+    std::vector<std::uint64_t> sums[3];
+    for (const auto& c : cs) sums[c.a].resize(c.index + 1);
+    const std::uint64_t array_bytes = file_store::io_bytes(numel);  // arrays start 4 KiB-aligned (O_DIRECT)
+    write_new_file(dir + "/" + file, [&](int fd, const std::string& path) {
+      for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
+        const std::size_t io = file_store::io_bytes(c.n);
+        const unsigned char* src = buf;
+        if (c.a > 0 && !I.moments_written && I.cfg.home != tier::device) {
+          std::memset(buf, 0, c.n * 4);  // never written: zero by construction
+        } else if (I.cfg.home == tier::host) {
+          const float* home = sh.home[c.a] + c.e0;
+          if (io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0)
+            src = reinterpret_cast<const unsigned char*>(home);  // straight from the pinned home, no copy
+          else
+            std::memcpy(buf, home, c.n * 4);
+        } else if (I.cfg.home == tier::file) {
+          I.file->read(buf, io, I.file->offset(I.file->active_slot(), s, c.a, c.e0),
+                       std::string(k_arrays[c.a]) + " of " + sh.info.name)
+              ->wait();
+        } else {
+          std::lock_guard dl(device_mu);
+          I.read_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf));
+        }
+        if (src == buf) std::memset(buf + c.n * 4, 0, io - c.n * 4);
+        sums[c.a][c.index] = checksum64(src, io);
+        pwrite_all(fd, src, io, c.a * array_bytes + c.e0 * 4, path);
+      });
+    }, true);
     char line[512];
-    std::snprintf(line, sizeof line, "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64
-                                     " exp_avg_sq %016" PRIx64 "\n",
-                  s, info.numel, file.c_str(), sums[0], sums[1], sums[2]);
+    std::snprintf(line, sizeof line,
+                  "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64 " exp_avg_sq %016" PRIx64
+                  "\n",
+                  s, numel, file.c_str(), fold(sums[0]), fold(sums[1]), fold(sums[2]));
     m << line;
   }
   const std::string text = m.str();
   char end[64];
   std::snprintf(end, sizeof end, "end %016" PRIx64 "\n", checksum64(text.data(), text.size()));
   const std::string all = text + end;
-  write_file_atomically(dir + "/manifest.txt", [&](int fd, const std::string& path) { write_all(fd, all.data(), all.size(), path); });
+  write_new_file(dir + "/manifest.txt", [&](int fd, const std::string& path) { write_all(fd, all.data(), all.size(), path); });
 }
 
-void streamed_adamw::load_checkpoint(const std::string& dir) {
-  auto& I = *impl_;
+void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
+  auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
   I.ensure_file();
   const std::string mpath = dir + "/manifest.txt";
-  std::ifstream in(mpath);
-  if (!in) throw io_error("load_checkpoint: cannot open " + mpath);
-  std::stringstream whole;
-  whole << in.rdbuf();
-  const std::string all = whole.str();
+  const std::string all = detail::read_text_file(mpath, "load_checkpoint");
   const auto endpos = all.rfind("end ");
   if (endpos == std::string::npos) throw corrupt_data("load_checkpoint: " + mpath + " is truncated (no end record)");
-  if (std::strtoull(all.c_str() + endpos + 4, nullptr, 16) != checksum64(all.data(), endpos))
+  char expect_end[64];
+  std::snprintf(expect_end, sizeof expect_end, "end %016" PRIx64 "\n", checksum64(all.data(), endpos));
+  if (all.compare(endpos, std::string::npos, expect_end) != 0)
     throw corrupt_data("load_checkpoint: " + mpath + " fails its checksum");
   std::istringstream m(all.substr(0, endpos));
   std::string word;
   int version = 0;
   std::uint64_t step = 0;
   int moments = 0;
-  std::size_t count = 0;
+  std::size_t count = 0, chunk_bytes = 0;
   adamw_params h{};
   std::string lr, b1, b2, eps, wd, k1, k2, k3, k4, k5;
   m >> word >> version;
@@ -202,6 +299,9 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
   h.beta2 = std::strtof(b2.c_str(), nullptr);
   h.eps = std::strtof(eps.c_str(), nullptr);
   h.weight_decay = std::strtof(wd.c_str(), nullptr);
+  m >> word >> chunk_bytes;
+  if (!m || word != "chunk_bytes" || chunk_bytes != k_chunk)
+    throw corrupt_data("load_checkpoint: " + mpath + ": bad chunk_bytes record");
   m >> word >> count;
   if (!m || count != I.shards.size())
     throw corrupt_data("load_checkpoint: layout mismatch: the checkpoint has " + std::to_string(count) +
@@ -225,27 +325,50 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
     if (es[s].file.find('/') != std::string::npos) throw corrupt_data("load_checkpoint: bad file name in " + mpath);
     for (int a = 0; a < 3; ++a) es[s].sum[a] = std::strtoull(sums[a].c_str(), nullptr, 16);
   }
-  // Pass 1: verify everything.  Pass 2: write.  Nothing changes unless all is sound.
-  std::vector<float> buf;
+  // One pass when nothing changes until the end (file tier: the inactive slot, committed
+  // last; or no state yet); else verify first, then copy.  See Note [Checkpoint generations].
+  const bool in_place = I.cfg.home != tier::file && I.initialized;
   const int slot = I.file ? 1 - I.file->active_slot() : 0;
-  for (int pass = 0; pass < 2; ++pass)
+  std::mutex device_mu;
+  for (int pass = in_place ? 0 : 1; pass < 2; ++pass)
     for (std::size_t s = 0; s < count; ++s) {
       const std::string path = dir + "/" + es[s].file;
-      int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      // Two passes read through the page cache, so the second is served from memory
+      // where it fits; one pass reads direct.
+      const int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC;
+      int fd = in_place ? ::open(path.c_str(), flags) : detail::open_direct(path, flags);
       if (fd < 0) throw io_error("load_checkpoint: cannot open " + path + ": " + std::strerror(errno));
       try {
+        const std::uint64_t array_bytes = file_store::io_bytes(es[s].numel);
         struct stat st {};
-        if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != es[s].numel * 12)
+        if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != 3 * array_bytes)
           throw corrupt_data("load_checkpoint: " + path + " has " + std::to_string(st.st_size) + " bytes, expected " +
-                             std::to_string(es[s].numel * 12));
-        buf.resize(es[s].numel);
-        for (int a = 0; a < 3; ++a) {
-          read_all(fd, buf.data(), es[s].numel * 4, path);
-          if (pass == 0 && checksum64(buf.data(), es[s].numel * 4) != es[s].sum[a])
+                             std::to_string(3 * array_bytes));
+        const auto cs = chunks_of(es[s].numel);
+        std::vector<std::uint64_t> sums[3];
+        for (const auto& c : cs) sums[c.a].resize(c.index + 1);
+        for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
+          const std::size_t io = file_store::io_bytes(c.n);
+          float* home = I.cfg.home == tier::host ? I.shards[s].home[c.a] + c.e0 : nullptr;
+          if (pass == 1 && !in_place && home && io == c.n * 4 &&
+              reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
+            // Nothing to keep: straight into the pinned home, no bounce and no copy.
+            detail::pread_all(fd, home, io, c.a * array_bytes + c.e0 * 4, path);
+            sums[c.a][c.index] = checksum64(home, io);
+            return;
+          }
+          detail::pread_all(fd, buf, io, c.a * array_bytes + c.e0 * 4, path);
+          sums[c.a][c.index] = checksum64(buf, io);
+          if (pass == 0) return;
+          std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
+          if (I.cfg.home == tier::device) dl.lock();
+          I.write_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
+        });
+        if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        for (int a = 0; a < 3; ++a)
+          if (fold(sums[a]) != es[s].sum[a])
             throw corrupt_data("load_checkpoint: " + std::string(k_arrays[a]) + " of shard " + std::to_string(s) + " in " +
                                path + " fails its checksum (the file is corrupt)");
-          if (pass == 1) I.write_home(s, a, buf.data(), slot);
-        }
       } catch (...) {
         ::close(fd);
         throw;
@@ -260,6 +383,31 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
   I.failed_step = 0;
   I.sync_model(nullptr);
   I.drv->synchronize_stream(nullptr);
+}
+
+// ---- checkpoints --------------------------------------------------------------------
+
+void streamed_adamw::save_checkpoint(const std::string& dir) {
+  DFA_EXPECTS(!dir.empty(), "save_checkpoint: directory is empty");
+  DFA_EXPECTS(initialized(), "save_checkpoint: no state yet (initialize() first)", invalid_state);
+  detail::check_dir(dir, "save_checkpoint");
+  const std::uint64_t n = detail::scan_generations(dir).highest + 1;
+  const std::string tmp = detail::generation_path(dir, n, true);
+  detail::check_dir(tmp, "save_checkpoint");
+  try {
+    detail::write_checkpoint_files(*this, tmp);
+    detail::publish_generation(dir, n, "save_checkpoint");
+  } catch (...) {
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);
+    throw;
+  }
+  detail::prune_generations(dir, n);
+}
+
+void streamed_adamw::load_checkpoint(const std::string& dir) {
+  DFA_EXPECTS(!dir.empty(), "load_checkpoint: directory is empty");
+  detail::read_checkpoint_files(*this, detail::newest_generation(dir, "load_checkpoint"));
 }
 
 }  // namespace deferalloc::optim

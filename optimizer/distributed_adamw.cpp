@@ -32,10 +32,10 @@
 #include <deferalloc/errors.hpp>
 #include <deferalloc/reservations.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <exception>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
@@ -283,42 +283,92 @@ std::string layout_text(const shard_layout& l) {
 }
 }  // namespace
 
+// Note [Distributed checkpoint]
+// One generation holds every rank's part: dir/gen-<N>/{rank-<r>/, distributed.txt}.
+// The ranks agree on N (each proposes one above the generations it sees, the largest
+// wins), each writes and fsyncs its part inside gen-<N>.tmp, all learn whether all
+// succeeded, then rank 0 writes distributed.txt and publishes the generation with one
+// rename (Note [Checkpoint generations]); a last exchange keeps every rank from
+// returning (or loading) before the publish.  A save killed or failed on any rank
+// leaves the previous generation the newest complete one.  Load: the ranks agree on the
+// newest complete generation before any of them changes state.  Assumes, as before, one
+// directory tree that every rank sees (one host, or a shared file system).
 void distributed_adamw::save_checkpoint(const std::string& dir) {
   auto& I = *impl_;
   DFA_EXPECTS(!dir.empty(), "distributed_adamw::save_checkpoint: directory is empty");
   // Collective: every rank learns whether every rank's part is written, so that no rank
-  // loads (or reports success) before rank 0's distributed.txt exists, and a failure on
+  // loads (or reports success) before the generation is published, and a failure on
   // one rank is an error on all instead of a hang in the next collective.
+  // Gathers `value` (0 on this rank's failure) and throws on every rank if any failed.
+  auto all_ok = [&](std::exception_ptr& failed, const char* phase, double value = 1.0) {
+    const std::vector<double> ok = I.gather_doubles(failed ? 0.0 : value, nullptr);
+    if (failed) std::rethrow_exception(failed);
+    for (std::size_t r = 0; r < ok.size(); ++r)
+      if (ok[r] == 0.0)
+        throw io_error("save_checkpoint: rank " + std::to_string(r) + " failed to " + phase + " " + dir);
+    return ok;
+  };
   std::exception_ptr failed;
+  double proposal = 0;
   try {
-    optim::detail::ensure_dir(dir, "save_checkpoint: cannot create ");
-    I.opt->save_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));
+    optim::detail::check_dir(dir, "save_checkpoint");
+    proposal = static_cast<double>(optim::detail::scan_generations(dir).highest + 1);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  const std::vector<double> proposals = all_ok(failed, "prepare a checkpoint in", proposal);
+  const auto gen = static_cast<std::uint64_t>(*std::max_element(proposals.begin(), proposals.end()));
+  const std::string tmp = optim::detail::generation_path(dir, gen, true);
+  try {
+    optim::detail::check_dir(tmp, "save_checkpoint");
+    const std::string part = tmp + "/rank-" + std::to_string(I.lay.rank);
+    optim::detail::check_dir(part, "save_checkpoint");
+    optim::detail::write_checkpoint_files(*I.opt, part);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  all_ok(failed, "write its part of");
+  try {
     if (I.lay.rank == 0) {
       const std::string text = layout_text(I.lay);
-      optim::detail::write_file_atomically(dir + "/distributed.txt", [&](int fd, const std::string& tmp) {
-        optim::detail::write_all(fd, text.data(), text.size(), tmp);
+      optim::detail::write_new_file(tmp + "/distributed.txt", [&](int fd, const std::string& path) {
+        optim::detail::write_all(fd, text.data(), text.size(), path);
       });
+      optim::detail::publish_generation(dir, gen, "save_checkpoint");
+      optim::detail::prune_generations(dir, gen);
     }
   } catch (...) {
     failed = std::current_exception();
   }
-  const std::vector<double> ok = I.gather_doubles(failed ? 0.0 : 1.0, nullptr);
-  if (failed) std::rethrow_exception(failed);
-  for (std::size_t r = 0; r < ok.size(); ++r)
-    if (ok[r] == 0.0) throw io_error("save_checkpoint: rank " + std::to_string(r) + " failed to write its part of " + dir);
+  all_ok(failed, "publish");
 }
 
 void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream) {
   auto& I = *impl_;
-  std::ifstream f(dir + "/distributed.txt");
-  if (!f) throw corrupt_data("load_checkpoint: " + dir + "/distributed.txt is missing (not a distributed checkpoint)");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (ss.str() != layout_text(I.lay))
-    throw corrupt_data("load_checkpoint: " + dir + " was saved with another layout:\n" + ss.str() + "this run has:\n" +
-                       layout_text(I.lay));
-  I.opt->load_checkpoint(dir + "/rank-" + std::to_string(I.lay.rank));  // writes this rank's BF16 shard
-  I.gather_params(stream);
+  DFA_EXPECTS(!dir.empty(), "distributed_adamw::load_checkpoint: directory is empty");
+  std::exception_ptr failed;
+  std::string gen_dir;
+  double mine = -1.0;
+  try {
+    gen_dir = optim::detail::newest_generation(dir, "load_checkpoint");
+    mine = static_cast<double>(optim::detail::scan_generations(dir).newest_complete);
+    const std::string text = optim::detail::read_text_file(gen_dir + "/distributed.txt", "load_checkpoint");
+    if (text != layout_text(I.lay))
+      throw corrupt_data("load_checkpoint: " + gen_dir + " was saved with another layout:\n" + text + "this run has:\n" +
+                         layout_text(I.lay));
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  // Every rank must load the same generation.
+  if (failed) mine = -1.0;
+  const std::vector<double> seen = I.gather_doubles(mine, nullptr);
+  if (failed) std::rethrow_exception(failed);
+  for (std::size_t r = 0; r < seen.size(); ++r)
+    if (seen[r] != mine)
+      throw io_error("load_checkpoint: rank " + std::to_string(r) + " " +
+                     (seen[r] < 0 ? "cannot load " + dir : "sees another newest generation in " + dir));
+  optim::detail::read_checkpoint_files(*I.opt, gen_dir + "/rank-" + std::to_string(I.lay.rank));
+  I.gather_params(stream);  // writes every rank's BF16 shard everywhere
 }
 
 }  // namespace deferalloc::dist

@@ -2,23 +2,52 @@
 //
 // Rationale: the file tier holds a rank's FP32 state on NVMe.  A step must never
 // leave it half-updated: a failed or killed step has to leave the previous step
-// loadable.
+// loadable, and state that cannot be read back exactly must be refused, never used.
 //
 // Approach
-//  - layout: two 4 KiB header copies, then two slots; a slot holds, per shard, the
-//    main params, exp_avg and exp_avg_sq, each padded to 4 KiB.  Step k reads the
-//    active slot and writes the other; commit() makes the data durable (fdatasync),
-//    then writes the header copy of the commit's parity (sequence number, step, slot, a
-//    layout hash and a checksum) and makes that durable.  Opening picks the valid header
-//    copy with the highest sequence, so a torn header write falls back to the previous
-//    commit.
+//  - layout: two 4 KiB header copies, then two slots, then one checksum table per slot.
+//    A slot holds, per shard, the main params, exp_avg and exp_avg_sq, each padded to a
+//    64 KiB block.  Step k reads the active slot and writes the other; commit() makes
+//    the data durable, writes the slot's checksum table and makes it durable, then
+//    writes the header copy of the commit's parity (sequence number, step, slot, layout
+//    hash, the table's checksum, and a checksum of the header) and makes that durable.
+//  - a new file is created as <name>.new and renamed into place (and the directory
+//    fsynced) by its first commit, so a file at the final name always holds a commit.
 //  - the whole file is fallocate'd at creation: a full disk fails before any step.
 //  - I/O: O_DIRECT (when the file system allows it) from aligned pinned buffers, cut
 //    into request_bytes blocks served by a pool of threads, so several requests are in
 //    flight.  Every failure (EIO, ENOSPC, a short read) is kept with the file, offset
 //    and what was being moved, and thrown by io_batch::wait().
 //
-// Limits: one file per rank, no compression; the two slots cost 24 B per parameter.
+// Note [File tier integrity]
+//  - Every 64 KiB block of slot data has a checksum64 in its slot's table, computed by
+//    the I/O thread that writes it (from the staging buffer, before the write) and
+//    verified by the thread that reads it, so verification streams with the data.  A
+//    mismatch is corrupt_data naming the file, slot, offset and data.
+//  - Which slot a resume reads.  Commits alternate slots and header copies: commit n
+//    writes slot X and copy n%2; copy (n-1)%2 still names slot 1-X and step n-1, whose
+//    data stays intact until step n+1 starts writing slot 1-X.  Resume takes the valid
+//    copy with the highest sequence.  The other slot is used only when it holds the
+//    newest commit that can be proven: when the copy naming the newer step is damaged
+//    (its checksum fails; a torn header write of a killed commit looks exactly like
+//    that, and that commit never completed).  It is never used because the newest valid
+//    copy's data is corrupt: that slot's step is the last committed one, the other slot
+//    is a step older (or half overwritten by a killed step), so falling back would
+//    silently drop a committed step; the read throws corrupt_data instead.  Whatever is
+//    resumed is still verified block by block as it is read.
+//  - Refused loudly, never a fresh start: both header copies unreadable, a file shorter
+//    than its layout (a truncation that fallocate would have re-extended with zeros), a
+//    checksum table that fails the header's checksum, another layout or format version.
+//    A missing file is the one case that resumes nothing (resumed() false).
+//  - Before anything is written: the directory must be a directory owned by this user
+//    (not a symlink), and an existing state file a regular file owned by this user;
+//    files are opened with O_NOFOLLOW and never with O_TRUNC.
+//
+// Limits: one file per rank, no compression; the two slots cost 24 B per parameter,
+// the tables 16 B per 64 KiB (on disk and in memory).  A block damaged in the inactive
+// slot is not noticed until that slot is read (it is rewritten by the next step first).
+// A header copy rotted after its commit completed cannot be told from a torn write: the
+// resume then takes the step before it (intact, verified) and logs a warning.
 #include "file_store.hpp"
 #include "file_util.hpp"
 
@@ -46,10 +75,12 @@ struct header {
   std::uint64_t layout;
   std::uint64_t step;
   std::uint32_t moments_written;
-  std::uint32_t pad;
-  std::uint64_t seq;       // commit sequence: the valid copy with the highest wins
-  std::uint64_t checksum;  // of the bytes before it
+  std::uint32_t block_bytes;
+  std::uint64_t seq;        // commit sequence: the valid copy with the highest wins
+  std::uint64_t table_sum;  // checksum64 of the slot's checksum table
+  std::uint64_t checksum;   // of the bytes before it
 };
+constexpr std::uint32_t k_version = 2;
 
 std::string errtext(int e) { return std::strerror(e); }
 
@@ -85,7 +116,9 @@ std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed
 void io_batch::wait() {
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return pending_ == 0; });
-  if (!error_.empty()) throw io_error(error_);
+  if (error_.empty()) return;
+  if (corrupt_) throw corrupt_data(error_);
+  throw io_error(error_);
 }
 bool io_batch::done() const {
   std::lock_guard lk(mu_);
@@ -94,69 +127,130 @@ bool io_batch::done() const {
 
 file_store::file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
                        std::size_t request_bytes)
-    : request_bytes_(std::max<std::size_t>(align, request_bytes / align * align)) {
+    : dir_(dir), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)) {
   if (dir.empty()) throw invalid_argument("file tier: no directory given (optimizer_config::directory)");
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
-  ensure_dir(dir, "file tier: cannot create directory ");
+  check_dir(dir, "file tier");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
+  tmp_path_ = path_ + ".new";
 
   // Layout.
   std::uint64_t h = 0;
   for (std::size_t n : numel) {
     shard_base_.push_back(slot_bytes_);
-    array_bytes_.push_back(io_bytes(n));
-    slot_bytes_ += 3 * io_bytes(n);
+    array_bytes_.push_back((io_bytes(n) + block - 1) / block * block);
+    slot_bytes_ += 3 * array_bytes_.back();
     h = checksum64(&n, sizeof n, h);
   }
   layout_hash_ = h;
-  const std::uint64_t total = 2 * align + 2 * slot_bytes_;
+  blocks_per_slot_ = slot_bytes_ / block;
+  table_bytes_ = (blocks_per_slot_ * 8 + align - 1) / align * align;
+  for (auto& t : table_) t.assign(blocks_per_slot_, 0);
 
-  int flags = O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC;
-  if (!resume) flags |= O_TRUNC;
-  fd_ = ::open(path_.c_str(), flags | O_DIRECT, 0600);
-  if (fd_ >= 0) {
-    direct_ = true;
-  } else if (errno == EINVAL) {
-    fd_ = ::open(path_.c_str(), flags, 0600);
+  struct stat st {};
+  const bool exists = ::lstat(path_.c_str(), &st) == 0;
+  if (exists) check_owned_file(path_, st, "file tier");
+  if (resume && exists) open_existing();
+  else create_new();
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+// Opens fd_ on `path` with `flags` (O_DIRECT when the file system has it); the file
+// must be a regular file owned by this user.
+static int open_checked(const std::string& path, int flags, bool& direct, const std::string& dir) {
+  int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+  direct = fd >= 0;
+  if (fd < 0 && errno == EINVAL) {
+    fd = ::open(path.c_str(), flags, 0600);
     deferalloc::detail::log(log_level::info, "file tier: " + dir + " does not support O_DIRECT; using buffered I/O");
   }
-  if (fd_ < 0) throw io_error("file tier: cannot open " + path_ + ": " + errtext(errno));
+  if (fd < 0) throw io_error("file tier: cannot open " + path + ": " + std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
-    ::close(fd_);
-    throw io_error("file tier: " + path_ + " is not a regular file owned by this user");
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+    ::close(fd);
+    throw io_error("file tier: " + path + " is not a regular file owned by this user; refusing to use it");
   }
+  return fd;
+}
 
-  if (resume) {
-    std::uint64_t best = 0;
-    bool found = false, mismatch = false;
-    for (int c = 0; c < 2; ++c) {
-      std::uint64_t s = 0, q = 0;
-      int sl = 0;
-      bool mw = false;
-      if (read_header(c, layout_hash_, s, sl, mw, q, mismatch) && (!found || q > best)) {
-        found = true;
-        best = q;
-        seq_ = q;
-        step_ = s;
-        slot_ = sl;
-        moments_written_ = mw;
-      }
-    }
-    if (!found && mismatch) {
-      ::close(fd_);
-      throw corrupt_data("file tier: " + path_ + " holds state of another layout (different shards); refusing to resume");
-    }
-    resumed_ = found;
+void file_store::create_new() {
+  struct stat st {};
+  if (::lstat(tmp_path_.c_str(), &st) == 0) {
+    check_owned_file(tmp_path_, st, "file tier");
+    ::unlink(tmp_path_.c_str());  // a killed run's unpublished file
   }
+  fd_ = open_checked(tmp_path_, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, direct_, dir_);
+  published_ = false;
+  const std::uint64_t total = table_offset(2);
   if (::fallocate(fd_, 0, 0, static_cast<off_t>(total)) != 0) {
     const int e = errno;
     if (e != EOPNOTSUPP) {
       ::close(fd_);
-      throw io_error("file tier: cannot reserve " + std::to_string(total) + " bytes for " + path_ + ": " + errtext(e));
+      ::unlink(tmp_path_.c_str());
+      throw io_error("file tier: cannot reserve " + std::to_string(total) + " bytes for " + tmp_path_ + ": " + errtext(e));
+    }
+    if (::ftruncate(fd_, static_cast<off_t>(total)) != 0) {
+      ::close(fd_);
+      ::unlink(tmp_path_.c_str());
+      throw io_error("file tier: cannot size " + tmp_path_ + ": " + errtext(errno));
     }
   }
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+void file_store::open_existing() {
+  fd_ = open_checked(path_, O_RDWR | O_NOFOLLOW | O_CLOEXEC, direct_, dir_);
+  try {
+    struct stat st {};
+    const std::uint64_t total = table_offset(2);
+    if (::fstat(fd_, &st) != 0 || static_cast<std::uint64_t>(st.st_size) < total)
+      throw corrupt_data("file tier: " + path_ + " is " + std::to_string(st.st_size) + " bytes, its layout needs " +
+                         std::to_string(total) + " (truncated); refusing to resume");
+    commit_record best, rec;
+    bool found = false;
+    header_state states[2];
+    for (int c = 0; c < 2; ++c) {
+      states[c] = read_header(c, rec);
+      if (states[c] == header_state::valid && (!found || rec.seq > best.seq)) {
+        found = true;
+        best = rec;
+      }
+    }
+    if (!found) {
+      for (header_state hs : states) {
+        if (hs == header_state::other_layout)
+          throw corrupt_data("file tier: " + path_ + " holds state of another layout (different shards); refusing to resume");
+        if (hs == header_state::other_version)
+          throw corrupt_data("file tier: " + path_ + " has another format version (this build reads " +
+                             std::to_string(k_version) + "); refusing to resume");
+      }
+      throw corrupt_data("file tier: both commit records of " + path_ +
+                         " (offsets 0 and 4096) are unreadable; refusing to resume (this would restart from step 0)");
+    }
+    for (int c = 0; c < 2; ++c)
+      if (states[c] != header_state::valid)
+        deferalloc::detail::log(log_level::warn, "file tier: commit record " + std::to_string(c) + " of " + path_ +
+                                                     " is damaged; resuming from the other one, step " +
+                                                     std::to_string(best.step));
+    auto& t = table_[best.slot];
+    aligned_buffer buf(table_bytes_, false, "file tier: no memory for the checksum table");
+    const std::uint64_t toff = table_offset(best.slot);
+    if (::pread(fd_, buf.p, table_bytes_, static_cast<off_t>(toff)) != static_cast<ssize_t>(table_bytes_))
+      throw io_error("file tier: reading the checksum table of slot " + std::to_string(best.slot) + " at offset " +
+                     std::to_string(toff) + " of " + path_ + " failed");
+    std::memcpy(t.data(), buf.p, t.size() * 8);
+    if (checksum64(t.data(), t.size() * 8) != best.table_sum)
+      throw corrupt_data("file tier: the checksum table of slot " + std::to_string(best.slot) + " at offset " +
+                         std::to_string(toff) + " of " + path_ + " is corrupt; refusing to resume");
+    seq_ = best.seq;
+    step_ = best.step;
+    slot_ = best.slot;
+    moments_written_ = best.moments;
+    resumed_ = true;
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
 }
 
 file_store::~file_store() {
@@ -167,24 +261,31 @@ file_store::~file_store() {
   cv_.notify_all();
   for (auto& t : threads_) t.join();
   if (fd_ >= 0) ::close(fd_);
+  if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
 }
 
-bool file_store::read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments,
-                             std::uint64_t& seq, bool& other_layout) {
+file_store::header_state file_store::read_header(int copy, commit_record& out) {
   page buf;
-  if (::pread(fd_, buf.p, align, copy * align) != static_cast<ssize_t>(align)) return false;
+  if (::pread(fd_, buf.p, align, copy * align) != static_cast<ssize_t>(align)) return header_state::damaged;
   header h{};
   std::memcpy(&h, buf.p, sizeof h);
-  if (std::memcmp(h.magic, k_magic, 8) != 0) return false;
-  if (h.layout != layout) other_layout = true;
-  if (h.version != 1 || h.layout != layout) return false;
-  if (h.checksum != checksum64(&h, offsetof(header, checksum))) return false;
-  step = h.step;
-  seq = h.seq;
-  slot = static_cast<int>(h.slot);
-  moments = h.moments_written != 0;
-  return slot == 0 || slot == 1;
+  bool empty = true;
+  for (std::size_t i = 0; i < align && empty; ++i) empty = buf.p[i] == 0;
+  if (empty) return header_state::empty;
+  if (h.checksum != checksum64(&h, offsetof(header, checksum)) || std::memcmp(h.magic, k_magic, 8) != 0)
+    return header_state::damaged;
+  if (h.version != k_version || h.block_bytes != block) return header_state::other_version;
+  if (h.layout != layout_hash_) return header_state::other_layout;
+  if (h.slot > 1) return header_state::damaged;
+  out.step = h.step;
+  out.seq = h.seq;
+  out.slot = static_cast<int>(h.slot);
+  out.moments = h.moments_written != 0;
+  out.table_sum = h.table_sum;
+  return header_state::valid;
 }
+
+std::uint64_t file_store::table_offset(int slot) const { return 2 * align + 2 * slot_bytes_ + slot * table_bytes_; }
 
 std::uint64_t file_store::offset(int slot, std::size_t s, int a, std::size_t elem) const {
   return 2 * align + static_cast<std::uint64_t>(slot) * slot_bytes_ + shard_base_[s] + a * array_bytes_[s] + elem * 4;
@@ -202,7 +303,8 @@ std::shared_ptr<io_batch> file_store::write(const void* buf, std::size_t bytes, 
 std::shared_ptr<io_batch> file_store::submit(void* buf, std::size_t bytes, std::uint64_t off, bool write,
                                              const std::string& what, std::shared_ptr<io_batch> batch) {
   if (!batch) batch = std::make_shared<io_batch>();
-  if (bytes % align != 0 || off % align != 0 || reinterpret_cast<std::uintptr_t>(buf) % align != 0)
+  if (bytes % align != 0 || off < 2 * align || off + bytes > table_offset(0) ||
+      (off - 2 * align) % slot_bytes_ % block != 0 || reinterpret_cast<std::uintptr_t>(buf) % align != 0)
     throw invalid_argument("file tier: unaligned request for " + what);
   std::lock_guard lk(mu_);
   for (std::size_t done = 0; done < bytes; done += request_bytes_) {
@@ -235,6 +337,7 @@ void file_store::run(request& r) {
   const std::string where = r.what + " at offset " + std::to_string(r.off) + " of " + path_;
   const fault_kind f = take_fault(r.write ? fault_op::write : fault_op::read);
   if (f == fault_kind::crash) ::_exit(86);  // test hook: a process killed mid-step
+  if (r.write) checksum_blocks(r);
   std::size_t done = 0;
   while (done < r.bytes) {
     ssize_t n;
@@ -257,6 +360,24 @@ void file_store::run(request& r) {
                      " of " + std::to_string(r.bytes) + " bytes");
     done += static_cast<std::size_t>(n);
   }
+  if (!r.write) checksum_blocks(r);
+}
+
+void file_store::checksum_blocks(const request& r) {
+  const std::uint64_t rel = r.off - 2 * align;
+  const int slot = static_cast<int>(rel / slot_bytes_);
+  const std::uint64_t first = rel % slot_bytes_ / block;
+  for (std::size_t done = 0, k = first; done < r.bytes; done += block, ++k) {
+    const std::size_t n = std::min(block, r.bytes - done);
+    // Seeded with the block's place, so a block written at the wrong offset fails too.
+    const std::uint64_t sum = checksum64(static_cast<const char*>(r.buf) + done, n, slot * blocks_per_slot_ + k);
+    if (r.write) {
+      table_[slot][k] = sum;
+    } else if (table_[slot][k] != sum) {
+      throw corrupt_data("file tier: " + path_ + ": slot " + std::to_string(slot) + ", " + r.what + ", block at offset " +
+                         std::to_string(r.off + done) + " fails its checksum (the state file is corrupt)");
+    }
+  }
 }
 
 void file_store::worker() {
@@ -270,13 +391,20 @@ void file_store::worker() {
       queue_.pop_front();
     }
     std::string err;
+    bool corrupt = false;
     try {
       run(r);
+    } catch (const corrupt_data& e) {
+      err = e.what();
+      corrupt = true;
     } catch (const std::exception& e) {
       err = e.what();
     }
     std::lock_guard bl(r.batch->mu_);
-    if (!err.empty() && r.batch->error_.empty()) r.batch->error_ = err;
+    if (!err.empty() && r.batch->error_.empty()) {
+      r.batch->error_ = err;
+      r.batch->corrupt_ = corrupt;
+    }
     if (--r.batch->pending_ == 0) r.batch->cv_.notify_all();
   }
 }
@@ -285,22 +413,38 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written) {
   const fault_kind f = take_fault(fault_op::commit);
   if (f == fault_kind::crash) ::_exit(86);
   if (f != fault_kind::none) throw io_error("commit of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(EIO));
+  const auto& t = table_[slot];
+  {
+    aligned_buffer tb(table_bytes_, true, "file tier: no memory for the checksum table");
+    std::memcpy(tb.p, t.data(), t.size() * 8);
+    const off_t toff = static_cast<off_t>(table_offset(slot));
+    if (::pwrite(fd_, tb.p, table_bytes_, toff) != static_cast<ssize_t>(table_bytes_))
+      throw io_error("checksum table of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(errno));
+  }
   if (::fdatasync(fd_) != 0) throw io_error("fdatasync of " + path_ + " failed: " + errtext(errno));
   page buf;
   header h{};
   std::memcpy(h.magic, k_magic, 8);
-  h.version = 1;
+  h.version = k_version;
   h.slot = static_cast<std::uint32_t>(slot);
   h.layout = layout_hash_;
   h.step = step;
   h.moments_written = moments_written ? 1 : 0;
+  h.block_bytes = block;
   h.seq = seq_ + 1;
+  h.table_sum = checksum64(t.data(), t.size() * 8);
   h.checksum = checksum64(&h, offsetof(header, checksum));
   std::memcpy(buf.p, &h, sizeof h);
   const off_t where = static_cast<off_t>((h.seq % 2) * align);
   if (::pwrite(fd_, buf.p, align, where) != static_cast<ssize_t>(align))
     throw io_error("commit record of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(errno));
   if (::fdatasync(fd_) != 0) throw io_error("fdatasync of " + path_ + " failed: " + errtext(errno));
+  if (!published_) {
+    if (::rename(tmp_path_.c_str(), path_.c_str()) != 0)
+      throw io_error("file tier: cannot rename " + tmp_path_ + " to " + path_ + ": " + errtext(errno));
+    published_ = true;
+    fsync_dir(dir_, "file tier");
+  }
   seq_ = h.seq;
   step_ = step;
   slot_ = slot;

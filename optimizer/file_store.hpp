@@ -1,6 +1,8 @@
 // The file tier: one state file per rank, two slots of FP32 state and a commit record.
 // See Note [File tier] in file_store.cpp.
 #pragma once
+#include <deferalloc/export.hpp>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -14,8 +16,9 @@
 
 namespace deferalloc::optim::detail {
 
-/// A group of I/O requests that completes together; wait() throws io_error with the
-/// first failure (which names the file, offset and what was being read or written).
+/// A group of I/O requests that completes together; wait() throws io_error (or
+/// corrupt_data, for data that fails its checksum) with the first failure, which names
+/// the file, slot, offset and what was being read or written.
 class io_batch {
  public:
   void wait();
@@ -27,6 +30,7 @@ class io_batch {
   std::condition_variable cv_;
   std::size_t pending_ = 0;
   std::string error_;
+  bool corrupt_ = false;
 };
 
 class file_store {
@@ -36,11 +40,20 @@ class file_store {
   enum class fault_op { read, write, commit };
 
   static constexpr std::size_t align = 4096;
+  /// The checksum unit: every request starts on a block boundary of its slot and covers
+  /// whole blocks (the last block of an array ends at io_bytes of the array).
+  static constexpr std::size_t block = std::size_t{64} << 10;
 
   /// Opens (resume) or creates `dir`/deferalloc-rank<rank>.state for shards of the given
-  /// sizes, reserving the whole file's space up front (fallocate) so a full disk fails
-  /// here.  Created 0600, without following symlinks.
-  /// @throws io_error, corrupt_data (resume with another layout)
+  /// sizes.  A new file is created under a temporary name (0600, exclusive, no symlink
+  /// followed), its space reserved up front (fallocate) so a full disk fails here, and
+  /// renamed into place by the first commit.  `dir` must be a directory owned by this
+  /// user, not a symlink; an existing state file must be a regular file owned by this
+  /// user, checked before anything is written.  Resume reads the newest valid commit
+  /// record and its checksum table; a file with no commit is refused (see
+  /// Note [File tier integrity]).  Cost: one file open, two header reads, one table read.
+  /// @throws io_error (open, ownership, space), corrupt_data (another layout or format,
+  ///         truncated, both commit records unreadable, a damaged checksum table)
   file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
              std::size_t request_bytes);
   ~file_store();
@@ -59,7 +72,11 @@ class file_store {
   static std::size_t io_bytes(std::size_t n) { return (n * 4 + align - 1) / align * align; }
 
   /// Adds a read (write) of `bytes` at `off` to `batch` (created when null).  `buf` and
-  /// `off` must be aligned; `what` names the data for error messages.
+  /// `off` must be aligned, `off` on a block boundary of its slot, `bytes` whole blocks
+  /// or up to the end of an array; `what` names the data for error messages.  Writes
+  /// record each block's checksum for the next commit of that slot; reads verify each
+  /// block against the committed table as it arrives (cost: one checksum64 pass over
+  /// the bytes, on the I/O threads).
   std::shared_ptr<io_batch> read(void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
                                  std::shared_ptr<io_batch> batch = nullptr);
   std::shared_ptr<io_batch> write(const void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
@@ -86,8 +103,25 @@ class file_store {
   fault_kind take_fault(fault_op op);
   /// Reads header copy `copy`; true when it is valid for `layout`.  Sets `other_layout`
   /// when the copy is ours (magic) but written for another layout.
-  bool read_header(int copy, std::uint64_t layout, std::uint64_t& step, int& slot, bool& moments, std::uint64_t& seq,
-                   bool& other_layout);
+  enum class header_state { valid, empty, damaged, other_layout, other_version };
+  struct commit_record {
+    std::uint64_t step = 0, seq = 0, table_sum = 0;
+    int slot = 0;
+    bool moments = false;
+  };
+  header_state read_header(int copy, commit_record& out);
+  void open_existing();
+  void create_new();
+  /// Checksums (write) or verifies (read) the blocks of one request.
+  void checksum_blocks(const request& r);
+  std::uint64_t table_offset(int slot) const;
+
+  std::string tmp_path_;
+  std::string dir_;
+  bool published_ = true;
+  std::uint64_t blocks_per_slot_ = 0;
+  std::uint64_t table_bytes_ = 0;
+  std::vector<std::uint64_t> table_[2];  // per block of each slot: checksum64 of its bytes
 
   std::string path_;
   int fd_ = -1;
@@ -114,7 +148,8 @@ class file_store {
   std::uint64_t countdown_[3] = {0, 0, 0};
 };
 
-/// 64-bit checksum for corruption detection (not cryptographic), ~10 GB/s.
-std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
+/// 64-bit checksum for corruption detection (not cryptographic), ~10 GB/s per core.
+/// Exported for the checkpoint benchmark, which measures its cost.
+DFA_API std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
 
 }  // namespace deferalloc::optim::detail

@@ -1,24 +1,58 @@
 // Small file helpers shared by the file tier, checkpoints and the distributed optimizer's
-// checkpoint: a private directory, aligned buffers for O_DIRECT, and files written whole
-// (exclusive 0600 temporary, fsync, rename).  Internal.
+// checkpoint: directory and owner checks, aligned buffers for O_DIRECT, files written
+// whole (exclusive 0600, fsync), and checkpoint generations.  Internal.
 #pragma once
 #include <deferalloc/errors.hpp>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "file_store.hpp"
 
 namespace deferalloc::optim::detail {
 
-/// Creates `dir` (0700) unless it exists.  @throws io_error(`what` + dir + reason)
-inline void ensure_dir(const std::string& dir, const std::string& what) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) throw io_error(what + dir + ": " + std::strerror(errno));
+/// Creates `dir` (0700) unless it exists, then refuses it unless it is a directory
+/// owned by this user and not a symbolic link.  @throws io_error naming `what` and dir
+inline void check_dir(const std::string& dir, const std::string& what) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw io_error(what + ": cannot create " + dir + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) throw io_error(what + ": cannot stat " + dir + ": " + std::strerror(errno));
+  if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + dir + " is a symbolic link; refusing to follow it");
+  if (!S_ISDIR(st.st_mode)) throw io_error(what + ": " + dir + " is not a directory");
+  if (st.st_uid != ::geteuid())
+    throw io_error(what + ": " + dir + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user");
+}
+
+/// Refuses an existing path (from lstat) that is not a regular file owned by this user.
+/// @throws io_error
+inline void check_owned_file(const std::string& path, const struct stat& st, const std::string& what) {
+  if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + path + " is a symbolic link; refusing to follow it");
+  if (!S_ISREG(st.st_mode)) throw io_error(what + ": " + path + " is not a regular file; refusing to use it");
+  if (st.st_uid != ::geteuid())
+    throw io_error(what + ": " + path + " is owned by uid " + std::to_string(st.st_uid) +
+                   ", not by this user; refusing to use it");
+}
+
+/// Makes a directory's entries (renames, creations) durable.  @throws io_error
+inline void fsync_dir(const std::string& dir, const std::string& what) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) throw io_error(what + ": cannot open directory " + dir + ": " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int e = errno;
+  ::close(fd);
+  if (rc != 0) throw io_error(what + ": fsync of directory " + dir + " failed: " + std::strerror(e));
 }
 
 /// `n` bytes on the heap aligned for O_DIRECT (file_store::align), zeroed if asked.
@@ -45,25 +79,136 @@ inline void write_all(int fd, const void* data, std::size_t n, const std::string
   }
 }
 
-/// Creates `path`.tmp (0600, exclusive, no symlink), lets `fill(fd, tmp)` write it,
-/// syncs, renames it to `path`.
+/// Opens `path` with `flags` plus O_DIRECT where the file system has it (else without).
+/// Returns -1 with errno set on failure.
+inline int open_direct(const std::string& path, int flags, mode_t mode = 0600) {
+  int fd = ::open(path.c_str(), flags | O_DIRECT, mode);
+  if (fd < 0 && errno == EINVAL) fd = ::open(path.c_str(), flags, mode);
+  return fd;
+}
+
+/// Creates `path` (0600, exclusive: never an existing file or a symlink; with `direct`,
+/// O_DIRECT where possible, so every write must then be aligned), lets `fill(fd, path)`
+/// write it, fsyncs it.  On failure the file is removed.  @throws io_error
 template <typename F>
-void write_file_atomically(const std::string& path, F&& fill) {
-  const std::string tmp = path + ".tmp";
-  ::unlink(tmp.c_str());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) throw io_error("checkpoint: cannot create " + tmp + ": " + std::strerror(errno));
+void write_new_file(const std::string& path, F&& fill, bool direct = false) {
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  int fd = direct ? open_direct(path, flags) : ::open(path.c_str(), flags, 0600);
+  if (fd < 0) throw io_error("checkpoint: cannot create " + path + ": " + std::strerror(errno));
   try {
-    fill(fd, tmp);
-    if (::fsync(fd) != 0) throw io_error("checkpoint: fsync of " + tmp + " failed: " + std::strerror(errno));
+    fill(fd, path);
+    if (::fsync(fd) != 0) throw io_error("checkpoint: fsync of " + path + " failed: " + std::strerror(errno));
   } catch (...) {
     ::close(fd);
-    ::unlink(tmp.c_str());
+    ::unlink(path.c_str());
     throw;
   }
   ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw io_error("checkpoint: cannot rename " + tmp + ": " + std::strerror(errno));
+}
+
+/// Reads exactly `n` bytes at `off`.  @throws io_error, corrupt_data (end of file first)
+inline void pread_all(int fd, void* data, std::size_t n, std::uint64_t off, const std::string& path) {
+  char* c = static_cast<char*>(data);
+  std::size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::pread(fd, c + got, n - got, static_cast<off_t>(off + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw io_error("checkpoint: reading " + path + " failed: " + std::strerror(errno));
+    if (r == 0) throw corrupt_data("checkpoint: " + path + " is shorter than its manifest says (" + std::to_string(got) + " of " + std::to_string(n) + " bytes at offset " + std::to_string(off) + ")");
+    got += static_cast<std::size_t>(r);
+  }
+}
+
+/// A small regular file (manifest, layout) read whole, without following a symlink.
+/// @throws io_error, corrupt_data (over 64 MiB)
+inline std::string read_text_file(const std::string& path, const std::string& what) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) throw io_error(what + ": cannot open " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  std::string text;
+  try {
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) throw io_error(what + ": " + path + " is not a regular file");
+    if (static_cast<std::size_t>(st.st_size) > (std::size_t{64} << 20)) throw corrupt_data(what + ": " + path + " is too large");
+    text.resize(static_cast<std::size_t>(st.st_size));
+    pread_all(fd, text.data(), text.size(), 0, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return text;
+}
+
+
+// ---- checkpoint generations (see Note [Checkpoint generations] in checkpoint.cpp) ----
+
+struct generations {
+  std::uint64_t newest_complete = 0;  // 0: none
+  std::uint64_t highest = 0;          // over complete and unfinished (gen-N.tmp) ones
+};
+
+/// True when `name` is gen-<N> or gen-<N>.tmp (`tmp` says which).
+inline bool parse_generation(const std::string& name, std::uint64_t& n, bool& tmp) {
+  if (name.rfind("gen-", 0) != 0) return false;
+  tmp = name.size() > 8 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+  const std::string digits = name.substr(4, name.size() - 4 - (tmp ? 4 : 0));
+  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  n = std::stoull(digits);
+  return true;
+}
+
+/// Scans `dir` for gen-<N> and gen-<N>.tmp entries.  Cost: one readdir.
+inline generations scan_generations(const std::string& dir) {
+  generations g;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    std::uint64_t n = 0;
+    bool tmp = false;
+    if (!parse_generation(e.path().filename().string(), n, tmp)) continue;
+    g.highest = std::max(g.highest, n);
+    if (!tmp && e.is_directory(ec) && !e.is_symlink(ec)) g.newest_complete = std::max(g.newest_complete, n);
+  }
+  return g;
+}
+
+inline std::string generation_path(const std::string& dir, std::uint64_t n, bool tmp) {
+  return dir + "/gen-" + std::to_string(n) + (tmp ? ".tmp" : "");
+}
+
+/// The newest complete generation's directory.  @throws io_error when there is none
+inline std::string newest_generation(const std::string& dir, const std::string& what) {
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) throw io_error(what + ": cannot open " + dir + ": " + std::strerror(errno));
+  if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + dir + " is a symbolic link; refusing to follow it");
+  const generations g = scan_generations(dir);
+  if (g.newest_complete == 0) throw io_error(what + ": no complete checkpoint (gen-<N>) in " + dir);
+  return generation_path(dir, g.newest_complete, false);
+}
+
+/// Publishes gen-`n`.tmp as gen-`n`: fsyncs the generation's directory, renames it,
+/// fsyncs `dir`.  The test hook DEFERALLOC_TEST_PUBLISH_DELAY_MS sleeps before the
+/// rename (to widen the window a kill test aims at).  @throws io_error
+inline void publish_generation(const std::string& dir, std::uint64_t n, const std::string& what) {
+  const std::string tmp = generation_path(dir, n, true), fin = generation_path(dir, n, false);
+  fsync_dir(tmp, what);
+  if (const char* d = std::getenv("DEFERALLOC_TEST_PUBLISH_DELAY_MS"))
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(d)));
+  if (::rename(tmp.c_str(), fin.c_str()) != 0)
+    throw io_error(what + ": cannot publish " + tmp + " as " + fin + ": " + std::strerror(errno));
+  fsync_dir(dir, what);
+}
+
+/// Removes every generation (complete or not) older than `keep`.  Best effort: a
+/// failure leaves a stale directory that the next save removes.
+inline void prune_generations(const std::string& dir, std::uint64_t keep) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> old;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    std::uint64_t n = 0;
+    bool tmp = false;
+    if (parse_generation(e.path().filename().string(), n, tmp) && n < keep) old.push_back(e.path());
+  }
+  for (const auto& p : old) std::filesystem::remove_all(p, ec);
 }
 
 }  // namespace deferalloc::optim::detail

@@ -62,8 +62,9 @@ struct streamed_adamw::impl {
                 std::size_t skip);
   /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`.
   void read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out);
-  /// Writes host memory into shard `s`'s array `a` at home (file tier: into `slot`).
-  void write_home(std::size_t s, int a, const float* in, int slot);
+  /// Writes `n` elements from host memory into shard `s`'s array `a` at `e0` (file tier:
+  /// into `slot`; `in` aligned, with room for io_bytes(n), `e0` on a block boundary).
+  void write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot);
   /// BF16(main) into the model parameters; `stream` waits for it.
   void sync_model(stream_t stream);
 };

@@ -81,12 +81,13 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   I.cfg = std::move(cfg);
   const std::size_t g = I.drv->granularity();
   if (I.cfg.home != tier::device) {
-    const std::size_t gran_elems = g / 4;
+    // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
+    const std::size_t gran_elems = std::max(g, I.cfg.home == tier::file ? file_store::block : std::size_t{1}) / 4;
     const std::size_t per_piece = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth));  // params
     I.piece = per_piece / gran_elems * gran_elems;
     DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                  std::to_string(I.cfg.depth) + " needs at least " +
-                                 std::to_string(12 * I.cfg.depth * g) + " bytes");
+                                 std::to_string(12 * I.cfg.depth * gran_elems * 4) + " bytes");
     // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
     // copy engines briefly); every piece has that shape (reservations padded to pieces).
     I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes, I.cfg.window_bytes});
@@ -162,7 +163,12 @@ std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t num
 
 std::uint64_t streamed_adamw::steps() const { return impl_->step_count; }
 bool streamed_adamw::initialized() const { return impl_->initialized; }
-bool streamed_adamw::resumed() const { return impl_->file && impl_->file->resumed(); }
+bool streamed_adamw::resumed() const {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  if (!I.shards.empty()) I.ensure_file();  // opens the state file: a damaged one throws here
+  return I.file && I.file->resumed();
+}
 const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->infos; }
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {
@@ -409,6 +415,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
                             " failed" + at + ": " + e.what();
     if (dynamic_cast<const out_of_memory*>(&e)) throw out_of_memory(msg);
     if (dynamic_cast<const io_error*>(&e)) throw io_error(msg);
+    if (dynamic_cast<const corrupt_data*>(&e)) throw corrupt_data(msg);
     if (dynamic_cast<const cuda_error*>(&e)) throw cuda_error(msg);
     throw error(msg);
   }
@@ -522,6 +529,8 @@ double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_typ
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(grads.size() == I.shards.size(), "grad_sq_norm: one gradient per shard expected");
+  for (std::size_t s = 0; s < grads.size(); ++s)
+    DFA_EXPECTS(grads[s] != nullptr, "grad_sq_norm: gradient of shard " + std::to_string(s) + " is null");
   I.after(I.exec, stream);
   double s = 0;
   for (std::size_t i = 0; i < grads.size(); ++i)

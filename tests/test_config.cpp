@@ -50,3 +50,39 @@ TEST(config, bad_values_and_syntax_are_errors) {
   EXPECT_THROW(parse_config_text("a:"), invalid_argument);
   EXPECT_THROW(parse_config_text("a:[1,,2]"), invalid_argument);
 }
+
+// Every number is range-checked before it is scaled; the error names the key and range.
+TEST(config, numbers_are_range_checked_and_never_wrap) {
+  struct bad {
+    const char* text;
+    const char* key;
+  };
+  const bad table[] = {
+      {"device:4294967296", "device"},
+      {"device:18446744073709551616", "device"},
+      {"device:1024", "device"},
+      {"pool_budget_mb:17592186044416", "pool_budget_mb"},  // 2^44 MB: << 20 would wrap to 0
+      {"pool_budget_mb:18446744073709551615", "pool_budget_mb"},
+      {"host_capacity_mb:16777217", "host_capacity_mb"},
+      {"pinned_cache_mb:99999999999999999999", "pinned_cache_mb"},
+      {"chunk_classes_mb:[2,17592186044416]", "chunk_classes_mb"},
+      {"host_granularity_kb:12", "host_granularity_kb"},
+      {"host_granularity_kb:2", "host_granularity_kb"},
+      {"host_granularity_kb:2097152", "host_granularity_kb"},
+      {"host_granularity_kb:18014398509481984", "host_granularity_kb"},
+  };
+  for (const auto& b : table) {
+    try {
+      const settings s = parse_settings(b.text);
+      ADD_FAILURE() << b.text << " was accepted: device " << s.device << ", pool_budget " << s.pool_budget;
+    } catch (const invalid_argument& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find(b.key), std::string::npos) << b.text << ": " << w;
+      EXPECT_NE(w.find('['), std::string::npos) << b.text << ": the error does not give the valid range: " << w;
+    }
+  }
+  const settings s = parse_settings("device:1023,pool_budget_mb:16777216,host_granularity_kb:4,chunk_classes_mb:[1]");
+  EXPECT_EQ(s.device, 1023);
+  EXPECT_EQ(s.pool_budget, std::size_t{1} << 44);
+  EXPECT_EQ(s.host_granularity, 4096u);
+}

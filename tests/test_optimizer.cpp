@@ -380,7 +380,7 @@ TEST(optimizer, checkpoint_continues_bit_identically_and_refuses_corruption) {
   // A flipped byte is refused and changes nothing.
   const result before = b.state();
   {
-    std::fstream f(ck.path + "/shard-1.bin", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(ck.path + "/gen-1/shard-1.bin", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(1234);
     char c = 0;
     f.read(&c, 1);

@@ -149,14 +149,18 @@ class DFA_API distributed_adamw {
   /// (after load_checkpoint or a file-tier resume).  Collective.
   void sync_model_params(stream_t stream = nullptr);
 
-  /// Saves this rank's shard to `dir`/rank-<r> (streamed_adamw's format) and, on rank 0,
-  /// `dir`/distributed.txt (world, numel, shard).  Collective: every rank calls it, and
-  /// it returns on every rank once every rank's part is written (one all-gather of a
-  /// flag); a failure on any rank throws io_error on all.
+  /// Saves a new generation `dir`/gen-<N>: this rank's shard in rank-<r> (streamed_adamw's
+  /// format) and, from rank 0, distributed.txt (world, numel, shard), published by one
+  /// rename once every rank's part is durable; older generations are pruned after.
+  /// Collective: every rank calls it, it returns on every rank once the generation is
+  /// published (three all-gathers of a number), and a failure on any rank throws io_error
+  /// on all and leaves the previous generation the newest.  See Note [Distributed checkpoint].
   void save_checkpoint(const std::string& dir);
-  /// Loads what save_checkpoint wrote at the same world size and layout (which writes
-  /// this rank's BF16 shard), then all-gathers the model params.  Collective.
-  /// @throws corrupt_data (another world size or layout, checksum)
+  /// Loads the newest generation save_checkpoint published at the same world size and
+  /// layout (which writes this rank's BF16 shard), then all-gathers the model params.
+  /// Collective; the ranks first agree on the generation.
+  /// @throws io_error (no checkpoint, ranks see different ones), corrupt_data (another
+  /// world size or layout, checksum)
   void load_checkpoint(const std::string& dir, stream_t stream = nullptr);
 
   /// Registers both flat buffers (ncclCommRegister) unless registered.  Call after the

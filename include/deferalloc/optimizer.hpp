@@ -98,6 +98,8 @@ struct shard_info {
 class streamed_adamw;
 namespace detail {
 void inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth);
+void write_checkpoint_files(streamed_adamw& o, const std::string& dir);
+void read_checkpoint_files(streamed_adamw& o, const std::string& dir);
 }
 
 class DFA_API streamed_adamw {
@@ -142,7 +144,10 @@ class DFA_API streamed_adamw {
   /// Completed steps.
   std::uint64_t steps() const;
   bool initialized() const;
-  /// File tier with resume: true when the state came from an existing file.
+  /// File tier with resume: true when the state came from an existing file.  Opens the
+  /// state file when shards are registered and it is not open yet (so that
+  /// `if (opt.resumed()) opt.sync_model_params(); else opt.initialize();` works).
+  /// @throws corrupt_data, io_error: a state file that exists but cannot be resumed
   bool resumed() const;
   const std::vector<shard_info>& shards() const;
   const optimizer_config& config() const;
@@ -152,19 +157,27 @@ class DFA_API streamed_adamw {
 
   /// Copies a shard's state to host memory (any tier).  Null outputs are skipped.
   void read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq);
-  /// Saves the whole state to `dir`: manifest.txt (version, dtypes, shapes, step,
-  /// hyper-parameters, checksums), written last, and one data file per shard.
+  /// Saves the whole state as a new generation `dir`/gen-<N>: one data file per shard and
+  /// manifest.txt (version, dtypes, shapes, step, hyper-parameters, checksums), all
+  /// fsynced, published by one rename; older generations are pruned after.  A killed or
+  /// failed save leaves the previous generation loadable.  Streamed in bounded chunks
+  /// (<= 128 MiB of buffers), several writes in flight.  See Note [Checkpoint generations].
+  /// @throws io_error (the directory is a symlink or another user's, a write fails)
   void save_checkpoint(const std::string& dir);
-  /// Loads a checkpoint saved by save_checkpoint into the registered shards and writes
-  /// BF16(main) into their model params (done when it returns).
-  /// @throws corrupt_data on a checksum failure or a mismatched layout (the message
-  /// says which shard and why); the optimizer's state is unchanged then.
+  /// Loads the newest complete generation in `dir` into the registered shards and writes
+  /// BF16(main) into their model params (done when it returns).  Reads each file once
+  /// (twice on the host and device tiers when they already hold state: verify, then copy).
+  /// @throws io_error (no checkpoint), corrupt_data on a checksum failure or a mismatched
+  /// layout (the message says which file, array and why); the optimizer's state is
+  /// unchanged then.
   void load_checkpoint(const std::string& dir);
 
   reservation_manager& reservations();
 
  private:
   friend void detail::inject_file_fault(streamed_adamw&, int, int, std::uint64_t);
+  friend void detail::write_checkpoint_files(streamed_adamw&, const std::string&);
+  friend void detail::read_checkpoint_files(streamed_adamw&, const std::string&);
   struct impl;
   std::unique_ptr<impl> impl_;
 };
@@ -174,6 +187,11 @@ namespace detail {
 /// fails with `kind` (1 EIO, 2 ENOSPC, 3 short read, 4 the process exits at once, as if
 /// killed).  @throws invalid_state when the optimizer has no file tier.
 DFA_API void inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth);
+/// One generation's files (shard-N.bin, manifest.txt) written into the existing `dir`
+/// and made durable, or read from it (for the distributed optimizer, which publishes
+/// all ranks' files in one generation).  See Note [Checkpoint generations].
+DFA_API void write_checkpoint_files(streamed_adamw& o, const std::string& dir);
+DFA_API void read_checkpoint_files(streamed_adamw& o, const std::string& dir);
 }  // namespace detail
 
 }  // namespace deferalloc::optim
