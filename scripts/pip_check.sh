@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The issue-15 acceptance, as a user runs it: `python3 -m venv v && v/bin/pip install .`,
+# then `import deferalloc` finds its own libraries with no environment variable set.
+#   scripts/pip_check.sh WORK_DIR [TORCH_PYTHON]
+# WORK_DIR/v is the venv (kept: the README-example test runs in it); the wheel builds in
+# WORK_DIR/pip-build (incremental across runs).  torch is not installed into v: a .pth
+# file makes TORCH_PYTHON's site-packages (the shared .venv with torch 2.11.0) visible
+# after v's own, which saves a second 3 GB download.  Needs PyPI for scikit-build-core
+# (pip's isolated build environment).
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+work=$1
+torch_py=${2:-}
+mkdir -p "$work"
+unset DEFERALLOC_LIB DEFERALLOC_CONF PYTHONPATH
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+[ -x "$work/v/bin/python" ] || python3 -m venv "$work/v"
+t0=$SECONDS
+"$work/v/bin/pip" install --quiet --disable-pip-version-check "$src" -C "build-dir=$work/pip-build"
+echo "pip install .: $((SECONDS - t0)) s"
+if [ -n "$torch_py" ]; then
+  site=$("$torch_py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  own=$("$work/v/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$site" > "$own/deferalloc_ci_torch.pth"
+fi
+cd "$work"  # not the source tree: the installed package, not python/deferalloc
+"$work/v/bin/python" - <<'PY'
+import deferalloc, torch
+assert "site-packages" in deferalloc.library_path(), deferalloc.library_path()
+dev = "cuda" if deferalloc.driver_name() == "cuda" else "cpu"
+t = deferalloc.deferred_empty((1 << 20,), torch.float32, dev)
+deferalloc.materialize(t, "zero")
+t.fill_(2.0)
+deferalloc.release(t, keep="host")
+assert not deferalloc.is_backed(t)
+deferalloc.materialize(t, "restore")
+assert t.sum().item() == 2.0 * (1 << 20)
+print(f"pip install: ok ({deferalloc.driver_name()} driver, {t.device} tensor, library {deferalloc.library_path()})")
+PY
