@@ -1,4 +1,5 @@
 # Tests of the package as users get it (included by the top level with the tests):
+#   python_logging   library messages reach logging.getLogger("deferalloc") (label torch).
 #   pip_install      scripts/pip_check.sh: `pip install .` into a fresh venv, then a deferred
 #                    tensor with no environment variable set (labels pip, torch).
 #   readme_examples  the README's marked examples (scripts/readme_examples.py): Python ones
@@ -21,3 +22,8 @@ add_test(NAME readme_examples_gpu COMMAND ${dfa_readme_cmd} --work ${PROJECT_BIN
 set_tests_properties(readme_examples PROPERTIES LABELS "pip;torch" TIMEOUT 900 FIXTURES_REQUIRED pip_venv)
 set_tests_properties(readme_examples_gpu PROPERTIES LABELS "pip;torch;gpu" TIMEOUT 900 FIXTURES_REQUIRED pip_venv
                      SKIP_RETURN_CODE 77)
+
+# The library's log messages in Python's logging (python/deferalloc/_logging.py).
+add_test(NAME python_logging COMMAND ${DEFERALLOC_PYTHON} ${PROJECT_SOURCE_DIR}/tests/packaging/test_logging.py)
+set_tests_properties(python_logging PROPERTIES LABELS torch TIMEOUT 300 ENVIRONMENT
+  "DEFERALLOC_CONF=driver:host,host_granularity_kb:64;DEFERALLOC_LIB=$<TARGET_FILE:deferalloc>;PYTHONPATH=${PROJECT_SOURCE_DIR}/python")

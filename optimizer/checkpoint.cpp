@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -143,6 +144,10 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
     << hexfloat(h.eps) << " weight_decay " << hexfloat(h.weight_decay) << '\n';
   m << "shards " << I.shards.size() << '\n';
   std::vector<float> buf;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_line = t0;
+  std::size_t done = 0, total = 0;
+  for (const auto& sh : I.shards) total += sh.info.numel;
   for (std::size_t s = 0; s < I.shards.size(); ++s) {
     const auto& info = I.shards[s].info;
     buf.resize(info.numel);
@@ -160,6 +165,7 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
                                      " exp_avg_sq %016" PRIx64 "\n",
                   s, info.numel, file.c_str(), sums[0], sums[1], sums[2]);
     m << line;
+    I.report_progress("checkpoint save", done += info.numel, total, t0, last_line);
   }
   const std::string text = m.str();
   char end[64];
@@ -228,6 +234,10 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
   // Pass 1: verify everything.  Pass 2: write.  Nothing changes unless all is sound.
   std::vector<float> buf;
   const int slot = I.file ? 1 - I.file->active_slot() : 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_line = t0;
+  std::size_t done = 0, total = 0;
+  for (std::size_t s = 0; s < count; ++s) total += 2 * es[s].numel;  // verified, then written
   for (int pass = 0; pass < 2; ++pass)
     for (std::size_t s = 0; s < count; ++s) {
       const std::string path = dir + "/" + es[s].file;
@@ -251,6 +261,7 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
         throw;
       }
       ::close(fd);
+      I.report_progress("checkpoint load", done += es[s].numel, total, t0, last_line);
     }
   if (I.file) I.file->commit(step, slot, moments != 0);
   I.step_count = step;

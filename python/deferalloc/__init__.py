@@ -22,6 +22,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import _logging
+
 __all__ = [
     "DeferallocError", "library_path", "deferred_empty", "materialize", "release", "is_backed",
     "tag", "pause", "resume", "is_paused", "set_resident", "memory_stats", "reset_peak_stats",
@@ -103,6 +105,7 @@ def _load():
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+    _logging.install(lib)  # the library's messages to logging.getLogger("deferalloc")
     _lib = lib
     return lib
 
