@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots and tables of docs/BENCHMARKS.md from Google Benchmark JSON.
 
-usage: plot.py [--out DIR] [--tables] bench_a.json [bench_b.json ...]
+usage: plot.py [--out DIR] [--tables] [--no-plots] [--check DOC] bench_a.json [...]
 
 Reads what the benchmark programs write with --benchmark_out=X.json
 --benchmark_out_format=json (bench_reservations, bench_optimizer, bench_allocation; one
@@ -113,6 +113,21 @@ def print_tables(rows):
                   f"{fmt(t[1], 3)} | {fmt(d[2], 0)} vs {fmt(t[2], 0)} |")
 
 
+def check(rows, doc):
+    """Every measured figure of the JSON (not the ratios, which are recomputed) appears
+    in `doc`: the transcription and the document agree.  Returns the missing ones."""
+    text = open(doc).read()
+    present = [float(x.replace(",", "")) for x in re.findall(r"\d[\d,]*(?:\.\d+)?", text)]
+    figures = [(f"{n} reservations, {k}", x) for n, v in reservations(rows) for k, x in v.items()]
+    figures += [(what, v) for what, v, _, _ in optimizer(rows)]
+    figures += [(f"{ops} ops <= {mib} MiB, {k} {i}", x) for (ops, mib), r in allocation(rows).items()
+                for k, vals in r.items() for i, x in zip(("ms", "reserved/asked", "device allocations"), vals)]
+    figures += [(f"host backup {n}", gbps(rows, n)) for n in ("BM_host_backup/restore:0/manual_time",
+                                                              "BM_host_backup/restore:1/manual_time")]
+    return [(what, x) for what, x in figures
+            if x is not None and not any(abs(x - y) <= 1e-9 + 1e-6 * abs(y) for y in present)]
+
+
 def bars(ax, groups, series, values, log=True):
     """Grouped bars: values[i][j] is series j in group i (None: no bar)."""
     width = 0.8 / len(series)
@@ -173,6 +188,7 @@ def main(argv):
     ap.add_argument("--out", default="docs/plots")
     ap.add_argument("--tables", action="store_true", help="print the tables in Markdown")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--check", metavar="DOC", help="fail unless every measured figure appears in DOC")
     a = ap.parse_args(argv)
     rows = load(a.json)
     if not rows:
@@ -180,6 +196,13 @@ def main(argv):
         return 1
     if a.tables:
         print_tables(rows)
+    if a.check:
+        missing = check(rows, a.check)
+        for what, x in missing:
+            print(f"plot: {what} = {x:g} is not in {a.check}")
+        if missing:
+            return 1
+        print(f"plot: every measured figure of {', '.join(a.json)} is in {a.check}")
     if not a.no_plots:
         for path in plot(rows, a.out, ", ".join(os.path.basename(j) for j in a.json)):
             print(f"plot: wrote {path}", file=sys.stderr)

@@ -1,4 +1,5 @@
 # Tests of the package as users get it (included by the top level with the tests):
+#   benchmarks_doc   the data the plots are drawn from agrees with docs/BENCHMARKS.md.
 #   python_logging   library messages reach logging.getLogger("deferalloc") (label torch).
 #   pip_install      scripts/pip_check.sh: `pip install .` into a fresh venv, then a deferred
 #                    tensor with no environment variable set (labels pip, torch).
@@ -7,6 +8,11 @@
 #                    the host driver; readme_examples_gpu runs them on the GPU (label gpu).
 # The consumer project (tests/consumer, one program per exported target) is the
 # install_consumer test of tests/CMakeLists.txt.
+find_program(DFA_PYTHON3 NAMES python3)
+if(DFA_PYTHON3)
+  add_test(NAME benchmarks_doc COMMAND ${DFA_PYTHON3} ${PROJECT_SOURCE_DIR}/benchmarks/plot.py --no-plots
+           --check ${PROJECT_SOURCE_DIR}/docs/BENCHMARKS.md ${PROJECT_SOURCE_DIR}/docs/data/h200-2026-11-30.json)
+endif()
 if(NOT DEFERALLOC_WITH_TORCH)
   return()  # the Python face imports torch
 endif()

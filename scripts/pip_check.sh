@@ -6,7 +6,8 @@
 # WORK_DIR/pip-build (incremental across runs).  torch is not installed into v: a .pth
 # file makes TORCH_PYTHON's site-packages (the shared .venv with torch 2.11.0) visible
 # after v's own, which saves a second 3 GB download.  Needs PyPI for scikit-build-core
-# (pip's isolated build environment).
+# (pip's isolated build environment), or, offline (the GPU machine), its wheels in the
+# folder DFA_PIP_FIND_LINKS names (pip download scikit-build-core -d .whl).
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 work=$1
@@ -15,8 +16,10 @@ mkdir -p "$work"
 unset DEFERALLOC_LIB DEFERALLOC_CONF PYTHONPATH
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 [ -x "$work/v/bin/python" ] || python3 -m venv "$work/v"
+offline=()
+[ -n "${DFA_PIP_FIND_LINKS:-}" ] && offline=(--no-index --find-links "$DFA_PIP_FIND_LINKS")
 t0=$SECONDS
-"$work/v/bin/pip" install --quiet --disable-pip-version-check "$src" -C "build-dir=$work/pip-build"
+"$work/v/bin/pip" install --quiet --disable-pip-version-check "${offline[@]}" "$src" -C "build-dir=$work/pip-build"
 echo "pip install .: $((SECONDS - t0)) s"
 if [ -n "$torch_py" ]; then
   site=$("$torch_py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
