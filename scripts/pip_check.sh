@@ -26,10 +26,17 @@ if [ -n "$torch_py" ]; then
   own=$("$work/v/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site" > "$own/deferalloc_ci_torch.pth"
 fi
+# Where a GPU is, the same wheel must give CUDA tensors (driver:auto picks the GPU).
+DFA_EXPECT_CUDA=0
+nvidia-smi -L >/dev/null 2>&1 && DFA_EXPECT_CUDA=1
+export DFA_EXPECT_CUDA
 cd "$work"  # not the source tree: the installed package, not python/deferalloc
 "$work/v/bin/python" - <<'PY'
+import os
 import deferalloc, torch
 assert "site-packages" in deferalloc.library_path(), deferalloc.library_path()
+if os.environ["DFA_EXPECT_CUDA"] == "1":
+    assert deferalloc.driver_name() == "cuda", "a GPU is present but the wheel's library chose " + deferalloc.driver_name()
 dev = "cuda" if deferalloc.driver_name() == "cuda" else "cpu"
 t = deferalloc.deferred_empty((1 << 20,), torch.float32, dev)
 deferalloc.materialize(t, "zero")

@@ -5,8 +5,11 @@ An example is the fenced block that follows a marker comment in README.md:
     <!-- example: NAME.py -->                      run with --python (the pip-installed venv)
     <!-- example: NAME.cpp links TARGET -->        built against an install of --build
                                                    (find_package(deferalloc), TARGET), then run
-Every example runs with the driver given by --driver: `host` (DEFERALLOC_CONF=driver:host,
-which the host driver serves everywhere) or `cuda` (exit 77, ctest's Skipped, without a GPU).
+A C++ block without main() is a fragment: it runs as the body of main() after
+#include <deferalloc/deferalloc.hpp>, with `stream` the default stream.  A marker ending in `gpu` names an example that needs a
+GPU: it runs with --driver cuda only.  Every example runs with the driver given by
+--driver: `host` (DEFERALLOC_CONF=driver:host, which the host driver serves everywhere) or
+`cuda` (exit 77, ctest's Skipped, without a GPU).
 A README with no marked Python or no marked C++ example fails: the test cannot pass empty.
 """
 import argparse
@@ -16,12 +19,27 @@ import shutil
 import subprocess
 import sys
 
-MARKER = re.compile(r"<!-- example: (\S+)(?: links (\S+))? -->[^\n]*\n```[a-z]*\n(.*?)\n```", re.S)
+MARKER = re.compile(r"<!-- example: (\S+)(?: links (\S+))?( gpu)? -->[^\n]*\n\s*```[a-z]*\n(.*?)\n```", re.S)
+FRAGMENT = """#include <deferalloc/deferalloc.hpp>
+int main() {{
+  deferalloc::stream_t stream = nullptr;
+{code}}}
+"""
 
 
-def examples(readme):
+def examples(readme, driver):
+    """(file name, CMake target, code) of each example that runs on `driver`."""
     text = open(readme).read()
-    return [(m.group(1), m.group(2), m.group(3) + "\n") for m in MARKER.finditer(text)]
+    out = []
+    for m in MARKER.finditer(text):
+        name, target, gpu, code = m.group(1), m.group(2), m.group(3), m.group(4) + "\n"
+        if gpu and driver != "cuda":
+            print(f"readme_examples: {name} needs a GPU: not run on the {driver} driver")
+            continue
+        if name.endswith(".cpp") and "int main(" not in code:
+            code = FRAGMENT.format(code="".join("  " + line + "\n" for line in code.splitlines()))
+        out.append((name, target, code))
+    return out
 
 
 def run(cmd, **kw):
@@ -38,7 +56,7 @@ def main(argv):
     ap.add_argument("--generator", default="Ninja")
     ap.add_argument("--driver", choices=("host", "cuda"), default="host")
     a = ap.parse_args(argv)
-    found = examples(a.readme)
+    found = examples(a.readme, a.driver)
     kinds = {os.path.splitext(name)[1] for name, _, _ in found}
     if not {".py", ".cpp"} <= kinds:
         print(f"readme_examples: {a.readme} must mark at least one .py and one .cpp example; found {kinds or 'none'}")
