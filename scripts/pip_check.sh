@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The issue-15 acceptance, as a user runs it: `python3 -m venv v && v/bin/pip install .`,
-# then `import deferalloc` finds its own libraries with no environment variable set.
+# then `import deferalloc` finds its own libraries with no environment variable set, and
+# a CMake project finds the package inside it (deferalloc/lib/cmake).
 #   scripts/pip_check.sh WORK_DIR [TORCH_PYTHON]
 # WORK_DIR/v is the venv (kept: the README-example test runs in it); the wheel builds in
 # WORK_DIR/pip-build (incremental across runs).  torch is not installed into v: a .pth
@@ -47,3 +48,14 @@ deferalloc.materialize(t, "restore")
 assert t.sum().item() == 2.0 * (1 << 20)
 print(f"pip install: ok ({deferalloc.driver_name()} driver, {t.device} tensor, library {deferalloc.library_path()})")
 PY
+# The CMake package inside the Python package: the consumer project links the installed
+# wheel's libraries (no deferalloc::torch there: the wheel is built without LibTorch).
+pkg=$("$work/v/bin/python" -c 'import deferalloc, os; print(os.path.dirname(deferalloc.__file__))')
+dist=OFF; [ -f "$pkg/lib/libdeferalloc_distributed.so" ] && dist=ON
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S "$src/tests/consumer" -B "$work/consumer" "${gen[@]}" "-DCMAKE_PREFIX_PATH=$pkg" -DDFA_EXPECT_DISTRIBUTED=$dist \
+      -DCMAKE_BUILD_TYPE=Release > "$work/consumer-configure.log" || { cat "$work/consumer-configure.log"; exit 1; }
+cmake --build "$work/consumer" > "$work/consumer-build.log" || { cat "$work/consumer-build.log"; exit 1; }
+for p in consumer consumer_optimizer $([ $dist = ON ] && echo consumer_distributed); do
+  DEFERALLOC_CONF=driver:host,host_granularity_kb:64 "$work/consumer/$p"
+done
