@@ -25,7 +25,7 @@ print(json.dumps(records))
 
 
 def child(**env):
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k != "RANK"}
     e.update(env)
     r = subprocess.run([sys.executable, "-c", CHILD], env=e, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
@@ -43,12 +43,9 @@ class Logging(unittest.TestCase):
         self.assertNotIn("[deferalloc error]", err)
 
     def test_no_rank_no_prefix(self):
-        env = {k: v for k, v in os.environ.items() if k != "RANK"}
-        os.environ.pop("RANK", None)
         records, _ = child()
         self.assertTrue(records)
         self.assertFalse(any(m.startswith("[rank") for _, m in records), records)
-        os.environ.update(env)
 
     def test_opt_out_keeps_stderr(self):
         records, err = child(DEFERALLOC_PY_LOGGING="0")
