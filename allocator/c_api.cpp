@@ -308,6 +308,13 @@ dfa_status dfa_shutdown(void) {
 
 const char* dfa_last_error(void) { return t_last_error.c_str(); }
 
+dfa_status dfa_set_log_callback(dfa_log_fn fn, void* user, int level) {
+  return guard("dfa_set_log_callback", [&] {
+    if (level < 0 || level > static_cast<int>(log_level::debug)) throw invalid_argument("level must be 0 .. 4");
+    detail::set_log_sink(fn, user, static_cast<log_level>(level));
+  });
+}
+
 dfa_status dfa_driver_name(const char** out) {
   return guard("dfa_driver_name", [&] {
     need(out, "out");

@@ -10,6 +10,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <new>
 
 #include "log.hpp"
 
@@ -167,8 +168,29 @@ void set_log_level(log_level l) noexcept { g_level.store(static_cast<int>(l)); }
 log_level get_log_level() noexcept { return static_cast<log_level>(g_level.load()); }
 
 namespace detail {
+namespace {
+struct sink {
+  log_sink fn = nullptr;
+  void* user = nullptr;
+  int level = 0;
+};
+std::atomic<sink*> g_sink{nullptr};
+}  // namespace
+
+void set_log_sink(log_sink fn, void* user, log_level level) noexcept {
+  // Never freed: a message being delivered on another thread may still hold the old one.
+  auto* s = fn ? new (std::nothrow) sink{fn, user, static_cast<int>(level)} : nullptr;
+  if (fn && !s) return;
+  g_sink.store(s);
+}
+
 void log(log_level level, const std::string& msg) noexcept {
-  if (static_cast<int>(level) > g_level.load() || level == log_level::off) return;
+  if (level == log_level::off) return;
+  if (const sink* s = g_sink.load()) {
+    if (static_cast<int>(level) <= s->level) s->fn(static_cast<int>(level), msg.c_str(), s->user);
+    return;
+  }
+  if (static_cast<int>(level) > g_level.load()) return;
   static const char* const names[] = {"", "error", "warn", "info", "debug"};
   std::fprintf(stderr, "[deferalloc %s] %s\n", names[static_cast<int>(level)], msg.c_str());
 }

@@ -8,4 +8,9 @@
 namespace deferalloc::detail {
 // Exported (not in a public header) so the optimizer library logs the same way.
 DFA_API void log(log_level level, const std::string& msg) noexcept;
+
+// Where log() sends a message instead of stderr (dfa_set_log_callback): `fn` gets every
+// message at or below `level`, whatever the settings' log_level; nullptr restores stderr.
+using log_sink = void (*)(int level, const char* msg, void* user);
+DFA_API void set_log_sink(log_sink fn, void* user, log_level level) noexcept;
 }

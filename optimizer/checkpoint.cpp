@@ -40,6 +40,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -220,6 +221,10 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   m << "chunk_bytes " << k_chunk << '\n';
   m << "shards " << I.shards.size() << '\n';
   std::mutex device_mu;  // the device tier's copies share one stream
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_line = t0;
+  std::size_t done = 0, total = 0;
+  for (const auto& sh : I.shards) total += sh.info.numel;
   for (std::size_t s = 0; s < I.shards.size(); ++s) {
     const auto& sh = I.shards[s];
     const std::size_t numel = sh.info.numel;
@@ -259,6 +264,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
                   "\n",
                   s, numel, file.c_str(), fold(sums[0]), fold(sums[1]), fold(sums[2]));
     m << line;
+    I.report_progress("checkpoint save", done += numel, total, t0, last_line);
   }
   const std::string text = m.str();
   char end[64];
@@ -330,6 +336,10 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   const bool in_place = I.cfg.home != tier::file && I.initialized;
   const int slot = I.file ? 1 - I.file->active_slot() : 0;
   std::mutex device_mu;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_line = t0;
+  std::size_t done = 0, total = 0;
+  for (std::size_t s = 0; s < count; ++s) total += (in_place ? 2 : 1) * es[s].numel;  // verified, then written
   for (int pass = in_place ? 0 : 1; pass < 2; ++pass)
     for (std::size_t s = 0; s < count; ++s) {
       const std::string path = dir + "/" + es[s].file;
@@ -374,6 +384,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         throw;
       }
       ::close(fd);
+      I.report_progress("checkpoint load", done += es[s].numel, total, t0, last_line);
     }
   if (I.file) I.file->commit(step, slot, moments != 0);
   I.step_count = step;

@@ -39,6 +39,8 @@
 #include <cstdio>
 #include <mutex>
 
+#include <unistd.h>
+
 #include "../allocator/log.hpp"
 #include "compute.hpp"
 #include "file_store.hpp"
@@ -253,14 +255,19 @@ std::string streamed_adamw::impl::where(const piece_ref& p) const {
          ", " + std::to_string(p.e0 + p.n) + ")";
 }
 
+// On a terminal one line rewritten in place ('\r', twice a second); in a log (stderr not
+// a terminal) whole lines: the first after a second, then one every 10 s, and the last.
+// Used by initialize(), step(), sync and checkpoint save/load (checkpoint.cpp).
 void streamed_adamw::impl::report_progress(const char* phase, std::size_t done, std::size_t total, clk::time_point t0,
                                            clk::time_point& last_line) {
   const double sec = since(t0);
   if (cfg.on_progress) cfg.on_progress(progress{phase, done, total, sec});
-  if (cfg.progress_line && sec > 1.0 && (since(last_line) > 0.5 || done == total)) {
+  static const bool tty = ::isatty(STDERR_FILENO) == 1;
+  const bool due = last_line == t0 || since(last_line) > (tty ? 0.5 : 10.0) || done == total;
+  if (cfg.progress_line && sec > 1.0 && due) {
     last_line = clk::now();
-    std::fprintf(stderr, "\r[deferalloc] %s %5.1f%%  %.2f Gparam/s%s", phase, 100.0 * done / total, done / sec / 1e9,
-                 done == total ? "\n" : "");
+    std::fprintf(stderr, "%s[deferalloc] %s %5.1f%%  %.2f Gparam/s%s", tty ? "\r" : "", phase, 100.0 * done / total,
+                 done / sec / 1e9, done == total || !tty ? "\n" : "");
     std::fflush(stderr);
   }
 }

@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The pip_install test offline: scikit-build-core's wheels carried in .whl (scripts/pip_check.sh).
+if [ -z "${DFA_PIP_FIND_LINKS:-}" ] && ls .whl/scikit_build_core-*.whl >/dev/null 2>&1; then
+  export DFA_PIP_FIND_LINKS=$PWD/.whl
+fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests bench optbench demo)
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 summary=()

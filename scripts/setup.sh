@@ -31,7 +31,12 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
   fi
   [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv"
   if ! "$root/.venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$DFA_TORCH_VERSION')" >/dev/null 2>&1; then
-    echo "setup: installing torch==$DFA_TORCH_VERSION into .venv (about 3 GB with its CUDA libraries)"
+    echo "setup: installing torch==$DFA_TORCH_VERSION into .venv (about 4.6 GB installed with its CUDA libraries)"
     "$root/.venv/bin/pip" install --quiet --disable-pip-version-check "torch==$DFA_TORCH_VERSION"
+  fi
+  # benchmarks/plot.py draws docs/BENCHMARKS.md's plots with matplotlib.
+  if ! "$root/.venv/bin/python" -c 'import matplotlib' >/dev/null 2>&1; then
+    echo "setup: installing matplotlib into .venv"
+    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check matplotlib
   fi
 fi

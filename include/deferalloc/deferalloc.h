@@ -77,6 +77,12 @@ DFA_C_API dfa_status dfa_init(const char* conf);
 DFA_C_API dfa_status dfa_shutdown(void);
 /* The last error of this thread ("" after a success). */
 DFA_C_API const char* dfa_last_error(void);
+/* Sends the library's log messages to `fn` instead of stderr: every message at or below
+ * `level` (1 error, 2 warn, 3 info, 4 debug; the settings' log_level then does not
+ * apply), from whichever thread logs, with `user` passed back.  NULL restores stderr
+ * and log_level.  Python's logging bridge uses it (deferalloc/_logging.py).  Cost: none. */
+typedef void (*dfa_log_fn)(int level, const char* message, void* user);
+DFA_C_API dfa_status dfa_set_log_callback(dfa_log_fn fn, void* user, int level);
 /* "cuda" or "host" (initializes on first use). */
 DFA_C_API dfa_status dfa_driver_name(const char** out);
 DFA_C_API dfa_status dfa_granularity(size_t* out);

@@ -1,7 +1,7 @@
 """deferalloc for PyTorch, in pure Python: ctypes over the C ABI and DLPack.
 
-No compiled extension: the library is libdeferalloc.so (found through $DEFERALLOC_LIB,
-else the dynamic linker's search path).  Three things:
+No compiled extension: the library is libdeferalloc.so ($DEFERALLOC_LIB, else the copy
+that ``pip install`` put inside this package, else the dynamic linker's search path).  Three things:
 
 * deferred tensors: ``deferred_empty(shape, dtype, device)`` returns a torch.Tensor whose
   storage is a deferalloc reservation (stable ``data_ptr()``, no physical memory until
@@ -51,6 +51,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import _logging
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState,
                      IoError, NoDevice, OutOfMemory, from_status)
 
@@ -77,13 +78,18 @@ _path = None
 
 
 def library_path() -> str:
-    """Path of libdeferalloc.so: $DEFERALLOC_LIB, else what the dynamic linker finds."""
+    """Path of libdeferalloc.so: $DEFERALLOC_LIB, else the one installed inside this package
+    (``pip install``: deferalloc/lib), else what the dynamic linker finds."""
     env = os.environ.get("DEFERALLOC_LIB")
     if env:
         return env
+    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libdeferalloc.so")
+    if os.path.exists(bundled):
+        return bundled
     found = ctypes.util.find_library("deferalloc")
     if found is None:
-        raise NoDevice("libdeferalloc.so not found: set DEFERALLOC_LIB to its path")
+        raise DeferallocError("libdeferalloc.so not found: install the package (pip install .) "
+                              "or set DEFERALLOC_LIB to the library's path")
     return found
 
 
@@ -123,6 +129,7 @@ def _load():
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+    _logging.install(lib)  # the library's messages to logging.getLogger("deferalloc")
     _lib = lib
     return lib
 

@@ -1,5 +1,6 @@
 # Installs the build tree into WORK_DIR/prefix, then configures, builds and runs the
-# consumer project against it with find_package(deferalloc CONFIG REQUIRED).
+# consumer project against it with find_package(deferalloc CONFIG REQUIRED): one program
+# per exported target, the optional ones (distributed, torch) when the build has them.
 file(REMOVE_RECURSE ${WORK_DIR})
 function(step)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
@@ -7,8 +8,23 @@ function(step)
     message(FATAL_ERROR "failed (${rc}): ${ARGV}")
   endif()
 endfunction()
+load_cache(${BUILD_DIR} READ_WITH_PREFIX dfa_ DEFERALLOC_WITH_TORCH DEFERALLOC_HAVE_NCCL Torch_DIR)
+set(expect -DDFA_EXPECT_DISTRIBUTED=${dfa_DEFERALLOC_HAVE_NCCL} -DDFA_EXPECT_TORCH=${dfa_DEFERALLOC_WITH_TORCH})
+if(dfa_DEFERALLOC_WITH_TORCH)
+  list(APPEND expect -DTorch_DIR=${dfa_Torch_DIR})
+endif()
 step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
-step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
+step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR} ${expect}
      -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
 step(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
-step(${WORK_DIR}/build/consumer)
+set(programs consumer consumer_optimizer)
+if(dfa_DEFERALLOC_HAVE_NCCL)
+  list(APPEND programs consumer_distributed)
+endif()
+if(dfa_DEFERALLOC_WITH_TORCH)
+  list(APPEND programs consumer_torch)
+endif()
+foreach(p IN LISTS programs)
+  step(${CMAKE_COMMAND} -E env DEFERALLOC_CONF=driver:host,host_granularity_kb:64 ${WORK_DIR}/build/${p})
+endforeach()
+message(STATUS "consumer programs ran: ${programs}")

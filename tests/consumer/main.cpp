@@ -4,6 +4,14 @@
 
 #include <cstdio>
 #include <cstring>
+#include <string>
+
+namespace {
+std::string g_logged;
+void keep_log(int level, const char* message, void*) {
+  if (level == 1) g_logged += message;
+}
+}  // namespace
 
 int main() {
   auto ctx = deferalloc::context(deferalloc::parse_settings("driver:host,host_granularity_kb:64"));
@@ -20,7 +28,12 @@ int main() {
     std::printf("consumer: C ABI failed: %s\n", dfa_last_error());
     return 1;
   }
+  // The log callback gets the error of a free of a pointer deferalloc does not own.
+  int buf = 0;
+  const bool logged = dfa_set_log_callback(keep_log, nullptr, 2) == DFA_SUCCESS &&
+                      (dfa_free(&buf, sizeof buf, 0, nullptr), g_logged.find("dfa_free") != std::string::npos) &&
+                      dfa_set_log_callback(nullptr, nullptr, 0) == DFA_SUCCESS;
   dfa_shutdown();
-  std::printf("consumer: %s\n", ok ? "ok" : "WRONG CONTENTS");
-  return ok ? 0 : 1;
+  std::printf("consumer: %s%s\n", ok ? "ok" : "WRONG CONTENTS", logged ? "" : ", log callback got nothing");
+  return ok && logged ? 0 : 1;
 }

@@ -1,0 +1,35 @@
+# Tests of the package as users get it (included by the top level with the tests):
+#   benchmarks_doc   the data the plots are drawn from agrees with docs/BENCHMARKS.md.
+#   python_logging   library messages reach logging.getLogger("deferalloc") (label torch).
+#   pip_install      scripts/pip_check.sh: `pip install .` into a fresh venv, then a deferred
+#                    tensor with no environment variable set (labels pip, torch).
+#   readme_examples  the README's marked examples (scripts/readme_examples.py): Python ones
+#                    in that venv, C++ ones built against an install of this build tree, on
+#                    the host driver; readme_examples_gpu runs them on the GPU (label gpu).
+# The consumer project (tests/consumer, one program per exported target) is the
+# install_consumer test of tests/CMakeLists.txt.
+find_program(DFA_PYTHON3 NAMES python3)
+if(DFA_PYTHON3)
+  add_test(NAME benchmarks_doc COMMAND ${DFA_PYTHON3} ${PROJECT_SOURCE_DIR}/benchmarks/plot.py --no-plots
+           --check ${PROJECT_SOURCE_DIR}/docs/BENCHMARKS.md ${PROJECT_SOURCE_DIR}/docs/data/h200-2026-11-30.json)
+endif()
+if(NOT DEFERALLOC_WITH_TORCH)
+  return()  # the Python face imports torch
+endif()
+set(dfa_pip_work ${PROJECT_BINARY_DIR}/pip-check)
+add_test(NAME pip_install COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/pip_check.sh ${dfa_pip_work} ${DEFERALLOC_PYTHON})
+set_tests_properties(pip_install PROPERTIES LABELS "pip;torch" TIMEOUT 1200 FIXTURES_SETUP pip_venv)
+
+set(dfa_readme_cmd ${DEFERALLOC_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/readme_examples.py
+    --readme ${PROJECT_SOURCE_DIR}/README.md --python ${dfa_pip_work}/v/bin/python
+    --build ${PROJECT_BINARY_DIR} --generator ${CMAKE_GENERATOR})
+add_test(NAME readme_examples COMMAND ${dfa_readme_cmd} --work ${PROJECT_BINARY_DIR}/readme-host --driver host)
+add_test(NAME readme_examples_gpu COMMAND ${dfa_readme_cmd} --work ${PROJECT_BINARY_DIR}/readme-gpu --driver cuda)
+set_tests_properties(readme_examples PROPERTIES LABELS "pip;torch" TIMEOUT 900 FIXTURES_REQUIRED pip_venv)
+set_tests_properties(readme_examples_gpu PROPERTIES LABELS "pip;torch;gpu" TIMEOUT 900 FIXTURES_REQUIRED pip_venv
+                     SKIP_RETURN_CODE 77)
+
+# The library's log messages in Python's logging (python/deferalloc/_logging.py).
+add_test(NAME python_logging COMMAND ${DEFERALLOC_PYTHON} ${PROJECT_SOURCE_DIR}/tests/packaging/test_logging.py)
+set_tests_properties(python_logging PROPERTIES LABELS torch TIMEOUT 300 ENVIRONMENT
+  "DEFERALLOC_CONF=driver:host,host_granularity_kb:64;DEFERALLOC_LIB=$<TARGET_FILE:deferalloc>;PYTHONPATH=${PROJECT_SOURCE_DIR}/python")
