@@ -39,6 +39,7 @@
 // recorded on the copy stream has completed (checked at the next call, waited for by
 // trim_backup_cache and the destructor).
 #include <deferalloc/errors.hpp>
+#include <deferalloc/mode_checks.hpp>
 #include <deferalloc/reservations.hpp>
 
 #include <algorithm>
@@ -397,6 +398,7 @@ std::vector<reservation_manager::work_item> reservation_manager::resolve(std::sp
 }
 
 void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  expect_valid(fill, "materialize");
   std::lock_guard lk(mu_);
   reap_retired(false);
   const std::size_t g = granularity_;
@@ -669,6 +671,7 @@ void reservation_manager::release_after(std::span<const range> ranges, keep_mode
 }
 
 void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after) {
+  expect_valid(keep, "release");
   reap_retired(false);
   const std::size_t g = granularity_;
   std::vector<work_item> ws = resolve(ranges);
@@ -787,6 +790,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
 
 std::vector<range> reservation_manager::release_whole_chunks(std::span<const range> ranges, keep_mode keep,
                                                              stream_t stream) {
+  expect_valid(keep, "release_whole_chunks");
   std::lock_guard lk(mu_);
   std::vector<range> inner;
   for (const auto& w : resolve(ranges)) {

@@ -333,3 +333,15 @@ TEST_F(reservations, pinned_backups_above_the_bound_are_freed_after_restore) {
   EXPECT_EQ(mgr->stats().pinned.cached_bytes, 0u);
   for (auto id : ids) mgr->free(id);
 }
+
+TEST_F(reservations, out_of_range_modes_are_refused_and_change_nothing) {
+  auto id = m.reserve(4 * g);
+  EXPECT_THROW(m.materialize(id, 0, g, static_cast<fill_mode>(7)), invalid_argument);
+  EXPECT_FALSE(m.is_backed(id, 0, g));
+  m.materialize(id, 0, g, fill_mode::zero);
+  EXPECT_THROW(m.release(id, 0, g, static_cast<keep_mode>(-1)), invalid_argument);
+  const range r{id, 0, g};
+  EXPECT_THROW(m.release_whole_chunks(std::span<const range>(&r, 1), static_cast<keep_mode>(2)), invalid_argument);
+  EXPECT_TRUE(m.is_backed(id, 0, g));
+  m.free(id);
+}

@@ -261,12 +261,15 @@ def main() -> int:
     res = {
         "replace": run_phase("replace", args, {}),
         "pool": run_phase("pool", args, {}),
+        # The same with the pinned backups kept cached (pinned_cache_mb above the paused
+        # size): no re-pinning on each pause, as a user who pauses often would set it.
+        "replace_pinned": run_phase("replace", args, {"DEFERALLOC_CONF": "driver:cuda,pinned_cache_mb:20480"}),
         "preload": run_phase("preload", args, {"LD_PRELOAD": preload}),
         "tms": run_phase("tms", args, {}),
     }
     checks = []  # (criterion, value, ok)
     rep, pool, pre, tms = res["replace"], res["pool"], res["preload"], res["tms"]
-    for name, r in (("replace", rep), ("pool", pool)):
+    for name, r in (("replace", rep), ("pool", pool), ("replace_pinned", res["replace_pinned"])):
         if r is None:
             checks.append((f"{name}: phase ran", "failed", False))
             continue
@@ -297,7 +300,7 @@ def main() -> int:
 
     print("\n| phase | pause discard ms | resume discard ms | pause host ms | resume host ms | given back |")
     print("|---|---|---|---|---|---|")
-    for name in ("replace", "pool", "tms"):
+    for name in ("replace", "pool", "replace_pinned", "tms"):
         r = res[name]
         if r is None:
             print(f"| {name} | failed | | | | |")
