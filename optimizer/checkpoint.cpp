@@ -50,9 +50,9 @@ void read_all(int fd, void* data, std::size_t n, const std::string& path) {
   }
 }
 
-std::string hexfloat(float f) {
+std::string hexfloat(double f) {
   char b[64];
-  std::snprintf(b, sizeof b, "%a", static_cast<double>(f));
+  std::snprintf(b, sizeof b, "%a", f);
   return b;
 }
 
@@ -197,11 +197,11 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
                        std::to_string(k_version));
   m >> word >> step >> word >> moments;
   m >> word >> k1 >> lr >> k2 >> b1 >> k3 >> b2 >> k4 >> eps >> k5 >> wd;
-  h.lr = std::strtof(lr.c_str(), nullptr);
-  h.beta1 = std::strtof(b1.c_str(), nullptr);
-  h.beta2 = std::strtof(b2.c_str(), nullptr);
-  h.eps = std::strtof(eps.c_str(), nullptr);
-  h.weight_decay = std::strtof(wd.c_str(), nullptr);
+  h.lr = std::strtod(lr.c_str(), nullptr);
+  h.beta1 = std::strtod(b1.c_str(), nullptr);
+  h.beta2 = std::strtod(b2.c_str(), nullptr);
+  h.eps = std::strtod(eps.c_str(), nullptr);
+  h.weight_decay = std::strtod(wd.c_str(), nullptr);
   m >> word >> count;
   if (!m || count != I.shards.size())
     throw corrupt_data("load_checkpoint: layout mismatch: the checkpoint has " + std::to_string(count) +
@@ -254,6 +254,7 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
     }
   if (I.file) I.file->commit(step, slot, moments != 0);
   I.step_count = step;
+  for (auto& sh : I.shards) sh.step = step;  // one count per checkpoint
   I.moments_written = moments != 0;
   I.cfg.adamw = h;
   I.initialized = true;
