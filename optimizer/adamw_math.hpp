@@ -14,7 +14,10 @@
 //   m  = f32(fma(1-beta1, g, beta1*m))
 //   v  = f32(fma((1-beta2)*g, g, beta2*v))
 //   bc1 = f32(1 - pow(beta1, t)), step_size = f32(lr / bc1)
-//   bc2_sqrt = sqrtf(f32(1 - pow(beta2, t)))
+//   bc2_sqrt = f32(sqrt(1 - pow(beta2, t)))            (double, as FusedAdamMathFunctor
+//                                                       computes both corrections since
+//                                                       the lr-tensor version; older torch
+//                                                       took sqrtf of a float)
 //   denom = f32((sqrtf(v) / bc2_sqrt) + eps)           (float div, then a double add)
 //   p  = p - (step_size * m) / denom                   (float)
 // grad_scale multiplies the gradient first (1 is exact and skipped).  Torch evaluates
@@ -42,7 +45,7 @@ struct adamw_scalars {
   double beta1, one_minus_beta1;
   double beta2, one_minus_beta2;
   float step_size;  // f32(lr / f32(1 - beta1^t))
-  float bc2_sqrt;   // sqrtf(f32(1 - beta2^t))
+  float bc2_sqrt;   // f32(sqrt(1 - beta2^t)), the root in double
   double eps;
   float grad_scale;
 };
@@ -56,10 +59,10 @@ inline adamw_scalars make_scalars(double lr, double beta1, double beta2, double 
   k.one_minus_beta1 = 1 - beta1;
   k.beta2 = beta2;
   k.one_minus_beta2 = 1 - beta2;
-  const float bc1 = static_cast<float>(1 - std::pow(beta1, static_cast<double>(static_cast<float>(t))));
-  const float bc2 = static_cast<float>(1 - std::pow(beta2, static_cast<double>(static_cast<float>(t))));
+  const double tf = static_cast<float>(t);  // torch keeps `step` in a float tensor
+  const float bc1 = static_cast<float>(1 - std::pow(beta1, tf));
   k.step_size = static_cast<float>(lr / static_cast<double>(bc1));
-  k.bc2_sqrt = std::sqrt(bc2);
+  k.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, tf)));
   k.eps = eps;
   k.grad_scale = grad_scale;
   return k;

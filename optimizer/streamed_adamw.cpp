@@ -9,8 +9,9 @@
 //  - A piece is n elements of one shard, all three arrays; n is the largest multiple of
 //    the granule (in floats) with depth * 12 * n <= window_bytes.  The reservations are
 //    padded to a multiple of n, so every piece maps the same chunk shapes: after the
-//    first `depth` pieces the chunk pool (budget = window) serves every piece from its
-//    cache, and no cuMemCreate happens in steady state.
+//    first `depth` pieces the chunk pool (budget = window) serves every piece of the pass
+//    from its cache; at the end of a pass the cache is trimmed, so that between steps
+//    the state holds no HBM at all (3 * depth cuMemCreate per pass).
 //  - Per piece, on three streams: materialize -> fetch (H2D from pinned home or
 //    staging; never-written moments are zeroed on the device instead of copied) ->
 //    kernel -> write-back (D2H) -> retire (host waits for that piece's write-back
@@ -467,6 +468,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
           mgr->release(rs, keep_mode::discard, d2h);
         } catch (...) {
         }
+    pool->trim();
     std::size_t written = skip;
     while (written < P && wb_issued[written]) ++written;
     failed_pieces_done = written;
@@ -482,6 +484,10 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   report.params = params;
   report.pieces = P - skip;
   report.peak_backed_bytes = pool->stats().peak_alive_bytes;
+  // Between passes the state holds no HBM: the window's chunks go back to the driver
+  // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
+  // against a pass of milliseconds).
+  pool->trim();
 }
 
 // ---- initialize / step ---------------------------------------------------------------

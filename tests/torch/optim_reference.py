@@ -41,9 +41,8 @@ class ReferenceAdamW:
         self.step_count[i] += 1
         t = float(f32(float(self.step_count[i])))
         bc1 = f32(1 - beta1 ** t)
-        bc2 = f32(1 - beta2 ** t)
         step_size = f32(lr / bc1)
-        bc2_sqrt = f32(math.sqrt(bc2))
+        bc2_sqrt = f32(math.sqrt(1 - beta2 ** t))
         lr_wd = lr * wd
         omb1, omb2 = 1 - beta1, 1 - beta2
         p, m, v = self.main[i], self.m[i], self.v[i]
