@@ -239,6 +239,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                 _check(lib.dfa_opt_add_shard(h, ctypes.c_void_p(p.data_ptr()), p.numel(), _DTYPE[p.dtype], gi,
                                              name.encode(), None), "dfa_opt_add_shard")
         n = len(self._params)
+        self._numels = [(p, p.numel()) for p in self._params]
         self._grad_ptrs = (ctypes.c_void_p * n)()
         self._grad_types = (ctypes.c_int * n)()
         self._pushed: list[tuple | None] = [None] * len(self.param_groups)
@@ -385,26 +386,22 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._ensure_initialized()
         self._push_groups()
         keep = []
-        ptrs, types = self._grad_ptrs, self._grad_types
-        for i, p in enumerate(self._params):
+        ptrs, types, dtypes = self._grad_ptrs, self._grad_types, _DTYPE
+        # torch checks a .grad's size, dtype and device against its parameter on assignment;
+        # what remains to check per step is cheap (see Note [ctypes, not an extension]).
+        for i, (p, n) in enumerate(self._numels):
             g = p.grad
             if g is None:
                 ptrs[i] = None
-                types[i] = 0
                 continue
-            if g.is_sparse:
-                raise InvalidArgumentError(1, "StreamedAdamW: sparse gradients are not supported")
-            if g.device != self._device:
-                raise InvalidArgumentError(1, f"StreamedAdamW: a gradient on {g.device}, parameters on {self._device}")
-            if g.numel() != p.numel():
-                raise InvalidArgumentError(1, f"StreamedAdamW: a gradient of {g.numel()} elements for a parameter "
-                                              f"of {p.numel()}")
+            t = dtypes.get(g.dtype)
+            if t is None or g.is_sparse or g.numel() != n:
+                raise InvalidArgumentError(1, f"StreamedAdamW: the gradient of parameter {i} is "
+                                              f"{'sparse' if g.is_sparse else f'{g.dtype}, {g.numel()} elements'} "
+                                              f"(dense bfloat16 / float16 / float32 of {n} elements expected)")
             if not g.is_contiguous():
                 g = g.contiguous()
                 keep.append(g)
-            t = _DTYPE.get(g.dtype)
-            if t is None:
-                raise InvalidArgumentError(1, f"StreamedAdamW: gradient dtype {g.dtype}")
             ptrs[i] = g.data_ptr()
             types[i] = t
         stream = _stream_ptr(self._stream, self._device)
