@@ -165,6 +165,31 @@ torch.save({{"model": [p.detach() for p in params], "opt": opt.state_dict()}}, {
                 for k in ("main_param", "exp_avg", "exp_avg_sq", "step"):
                     self.assertTrue(torch.equal(mine[i][k], got["opt"]["state"][i][k]), f"{k} of {i}")
 
+    def test_file_tier_takes_a_state_dict_and_resumes_its_file(self):
+        a_params, b_params = make_params(), make_params(seed=3)
+        with tempfile.TemporaryDirectory() as da, tempfile.TemporaryDirectory() as db:
+            a = build(a_params, da, "file")
+            train(a, a_params, 3)
+            b = build(b_params, db, "file")
+            b.load_state_dict(a.state_dict())
+            with torch.no_grad():
+                for p, q in zip(b_params, a_params):
+                    p.copy_(q)
+            train(a, a_params, 2, first=3)
+            train(b, b_params, 2, first=3)
+            for p, q in zip(a_params, b_params):
+                self.assertTrue(torch.equal(p.detach(), q.detach()), "file tier after load_state_dict")
+            want = a.state_dict()["state"]
+            del a
+            c_params = make_params(seed=4)
+            c = build(c_params, da, "file", resume=True)
+            got = c.state_dict()["state"]
+            for i in want:
+                for k in ("main_param", "exp_avg", "exp_avg_sq"):
+                    self.assertTrue(torch.equal(want[i][k], got[i][k]), f"resumed {k} of {i}")
+            for p, q in zip(c_params, a_params):
+                self.assertTrue(torch.equal(p.detach(), q.detach()), "resume writes the parameters from main")
+
     def test_loads_torch_adamw_state(self):
         params = make_params()
         ref = torch.optim.AdamW(params, lr=1e-3)
