@@ -15,6 +15,7 @@
       PYTHONPATH=python python tests/torch/test_optim_gpu.py [--megatron-wheel megatron_core-*.whl]
 
 Exit 0 when every check passes, 1 when one fails, 77 without a GPU.  About a minute on an H200.
+--device cpu --size tiny runs (a) and (d) on the host driver (ctest test_optim_gpu_script_on_cpu).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "python"))
 import train_llama as L  # noqa: E402
 
 ROWS: list[tuple[str, str, str, bool | None]] = []
+DEV = torch.device("cuda")
+SIZE = "small"  # --size tiny and --device cpu (host driver): a smoke test of (a) and (d) without a GPU
 
 
 def row(what: str, value: str, target: str = "", ok: bool | None = None) -> None:
@@ -47,35 +50,41 @@ def row(what: str, value: str, target: str = "", ok: bool | None = None) -> None
 
 def losses_and_memory(steps: int, window_mb: int) -> None:
     torch.use_deterministic_algorithms(True)
-    dev = torch.device("cuda")
-    ref_losses, ref_opt = L.train("reference", "small", steps, dev, window_mb=window_mb)
+    dev, cuda = DEV, DEV.type == "cuda"
+    ref_losses, ref_opt = L.train("reference", SIZE, steps, dev, window_mb=window_mb)
     ref_main = [ref_opt.state[p]["main"].cpu() for g in ref_opt.param_groups for p in g["params"]]
     nparams = sum(t.numel() for t in ref_main)
-    _, flavour = L.build_model("small", torch.device("cpu"))
+    _, flavour = L.build_model(SIZE, torch.device("cpu"))
     row("(a) model", f"{flavour} Llama, {nparams / 1e6:.1f} M params, BF16, {steps} steps")
     del ref_opt
+    tier_losses = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tier in ("device", "host", "file"):
             samples = []
 
             def log(t, loss, opt):
-                torch.cuda.synchronize()
-                free = torch.cuda.mem_get_info()[0]
-                samples.append((free, torch.cuda.memory_reserved(), opt.stats()["peak_backed_bytes"]))
+                if cuda:
+                    torch.cuda.synchronize()
+                free = torch.cuda.mem_get_info()[0] if cuda else 0
+                samples.append((free, torch.cuda.memory_reserved() if cuda else 0, opt.stats()["peak_backed_bytes"]))
 
-            torch.cuda.synchronize()
-            free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-            losses, opt = L.train(tier, "small", steps, dev, window_mb=window_mb,
+            if cuda:
+                torch.cuda.synchronize()
+            free0, res0 = (torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()) if cuda else (0, 0)
+            losses, opt = L.train(tier, SIZE, steps, dev, window_mb=window_mb,
                                   directory=tmp if tier == "file" else None, log=log)
             same = losses == ref_losses
             first = next((i for i, (a, b) in enumerate(zip(losses, ref_losses)) if a != b), None)
+            # On the CPU, torch._fused_adamw_ rounds otherwise than its CUDA kernel: informational.
             row(f"(a) losses {tier:6s} vs resident torch._fused_adamw_",
                 "bit-identical" if same else f"differ from step {first} ({losses[first]!r} vs {ref_losses[first]!r})",
-                "", same)
+                "", same if cuda else None)
+            tier_losses[tier] = losses
             st = opt.state_dict()["state"]
             mism = sum(int((st[i]["main_param"] != m).sum()) for i, m in enumerate(ref_main) if i in st)
-            row(f"(a) FP32 main params {tier:6s} vs reference", f"{mism} of {nparams} elements differ", "", mism == 0)
-            if tier != "device":
+            row(f"(a) FP32 main params {tier:6s} vs reference", f"{mism} of {nparams} elements differ", "",
+                mism == 0 if cuda else None)
+            if tier != "device" and cuda:
                 # HBM taken between steps beyond PyTorch's own cache (model, grads, activations).
                 extra = max((free0 - f) - (r - res0) for f, r, _ in samples[1:])
                 peak = max(p for _, _, p in samples)
@@ -85,6 +94,8 @@ def losses_and_memory(steps: int, window_mb: int) -> None:
                     peak <= window_mb << 20)
             del opt
             gc.collect()  # the device tier's state goes before the next tier is measured
+    agree = tier_losses["device"] == tier_losses["host"] == tier_losses["file"]
+    row("(a) losses device = host = file", "bit-identical" if agree else "differ", "", agree)
     torch.use_deterministic_algorithms(False)
 
 
@@ -261,30 +272,31 @@ def run_steps(model, opt, sched, data) -> list[float]:
 
 def resume_child(path: str, out: str, steps: int) -> None:
     torch.use_deterministic_algorithms(True)
-    dev = torch.device("cuda")
+    dev = DEV
     ck = torch.load(path)
-    model, _ = L.build_model("small", dev, seed=123)  # other weights: all must come from the checkpoint
+    model, _ = L.build_model(SIZE, dev, seed=123)  # other weights: all must come from the checkpoint
     model.load_state_dict(ck["model"])
     opt = L.make_optimizer("host", model, 1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, L.schedule(max(1, 2 * steps // 10), 2 * steps))
     opt.load_state_dict(ck["opt"])
     sched.load_state_dict(ck["sched"])
-    torch.save(run_steps(model, opt, sched, L.batches("small", 2 * steps, 4, dev)[steps:]), out)
+    torch.save(run_steps(model, opt, sched, L.batches(SIZE, 2 * steps, 4, dev)[steps:]), out)
 
 
 def resume_check(steps: int) -> None:
     torch.use_deterministic_algorithms(True)
-    dev = torch.device("cuda")
-    model, _ = L.build_model("small", dev)
+    dev = DEV
+    model, _ = L.build_model(SIZE, dev)
     opt = L.make_optimizer("host", model, 1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, L.schedule(max(1, 2 * steps // 10), 2 * steps))
-    data = L.batches("small", 2 * steps, 4, dev)
+    data = L.batches(SIZE, 2 * steps, 4, dev)
     with tempfile.TemporaryDirectory() as tmp:
         path, out = os.path.join(tmp, "ckpt.pt"), os.path.join(tmp, "losses.pt")
         losses = run_steps(model, opt, sched, data[:steps])
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, path)
         losses += run_steps(model, opt, sched, data[steps:])
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path, out, str(steps)], check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path, out, str(steps),
+                        "--device", DEV.type, "--size", SIZE], check=True)
         child = torch.load(out)
     same = child == losses[steps:]
     row("(d) state_dict -> torch.save -> new process", "continues bit-identically" if same else
@@ -298,18 +310,24 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=0.5, help="G parameters for (c)")
     ap.add_argument("--window-mb", type=int, default=512)
     ap.add_argument("--child", nargs=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--size", default="small", choices=sorted(L.SIZES))
     a = ap.parse_args()
+    global DEV, SIZE
+    DEV, SIZE = torch.device(a.device), a.size
     if a.child:
         resume_child(a.child[0], a.child[1], int(a.child[2]))
         return 0
-    if not torch.cuda.is_available():
+    if DEV.type == "cuda" and not torch.cuda.is_available():
         print("SKIP: no CUDA device (this is the GPU acceptance of StreamedAdamW)")
         return 77
-    print(f"StreamedAdamW acceptance on {torch.cuda.get_device_name()} (torch {torch.__version__})", flush=True)
+    where = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU (host driver, smoke test)"
+    print(f"StreamedAdamW acceptance on {where} (torch {torch.__version__})", flush=True)
     t0 = time.perf_counter()
     losses_and_memory(20, a.window_mb)
     resume_check(10)
-    throughput(int(a.params * (1 << 30)) // 8 * 8, a.window_mb, a.megatron_wheel)
+    if DEV.type == "cuda":
+        throughput(int(a.params * (1 << 30)) // 8 * 8, a.window_mb, a.megatron_wheel)
     print(f"\n| check | result | target | |\n|---|---|---|---|")
     for what, value, target, ok in ROWS:
         print(f"| {what} | {value} | {target} | {'' if ok is None else ('pass' if ok else 'FAIL')} |")
