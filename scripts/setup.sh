@@ -34,4 +34,10 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     echo "setup: installing torch==$DFA_TORCH_VERSION into .venv (about 3 GB with its CUDA libraries)"
     "$root/.venv/bin/pip" install --quiet --disable-pip-version-check "torch==$DFA_TORCH_VERSION"
   fi
+  # transformers' LlamaForCausalLM for StreamedAdamW's example and GPU acceptance (issue 13);
+  # without it they use a built-in Llama.
+  if ! "$root/.venv/bin/python" -c 'import transformers' >/dev/null 2>&1; then
+    echo "setup: installing transformers into .venv"
+    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check transformers
+  fi
 fi
