@@ -83,9 +83,9 @@ void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t off, cons
   }
 }
 
-std::string hexfloat(float f) {
+std::string hexfloat(double f) {
   char b[64];
-  std::snprintf(b, sizeof b, "%a", static_cast<double>(f));
+  std::snprintf(b, sizeof b, "%a", f);
   return b;
 }
 
@@ -300,11 +300,11 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
                        std::to_string(k_version));
   m >> word >> step >> word >> moments;
   m >> word >> k1 >> lr >> k2 >> b1 >> k3 >> b2 >> k4 >> eps >> k5 >> wd;
-  h.lr = std::strtof(lr.c_str(), nullptr);
-  h.beta1 = std::strtof(b1.c_str(), nullptr);
-  h.beta2 = std::strtof(b2.c_str(), nullptr);
-  h.eps = std::strtof(eps.c_str(), nullptr);
-  h.weight_decay = std::strtof(wd.c_str(), nullptr);
+  h.lr = std::strtod(lr.c_str(), nullptr);
+  h.beta1 = std::strtod(b1.c_str(), nullptr);
+  h.beta2 = std::strtod(b2.c_str(), nullptr);
+  h.eps = std::strtod(eps.c_str(), nullptr);
+  h.weight_decay = std::strtod(wd.c_str(), nullptr);
   m >> word >> chunk_bytes;
   if (!m || word != "chunk_bytes" || chunk_bytes != k_chunk)
     throw corrupt_data("load_checkpoint: " + mpath + ": bad chunk_bytes record");
@@ -388,6 +388,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     }
   if (I.file) I.file->commit(step, slot, moments != 0);
   I.step_count = step;
+  for (auto& sh : I.shards) sh.step = step;  // one count per checkpoint
   I.moments_written = moments != 0;
   I.cfg.adamw = h;
   I.initialized = true;

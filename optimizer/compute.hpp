@@ -14,10 +14,10 @@ class compute {
   virtual ~compute() = default;
   /// AdamW over one piece, on `s`.
   virtual void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) = 0;
-  /// out[i] = float(in[i]) for n BF16 values, on `s`.
-  virtual void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t s) = 0;
-  /// out[i] = bf16(in[i]) (round to nearest even), on `s`.
-  virtual void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t s) = 0;
+  /// out[i] = float(in[i]) for n values of type `t` (k_bf16, k_fp16, k_fp32), on `s`.
+  virtual void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) = 0;
+  /// out[i] = in[i] as type `t` (round to nearest even), on `s`.
+  virtual void downcast(const float* in, void* out, int t, std::size_t n, stream_t s) = 0;
   /// Sum of squares of n gradient values, in a fixed order; waits for `s`.
   virtual double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) = 0;
 };

@@ -11,14 +11,16 @@ namespace {
 class cpu_compute final : public compute {
  public:
   void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t) override {
-    for (std::size_t i = 0; i < p.n; ++i)
-      p.model_bf16[i] = adamw_element(p.param[i], p.exp_avg[i], p.exp_avg_sq[i], load_grad(p.grad, p.grad_is_bf16, i), k);
+    for (std::size_t i = 0; i < p.n; ++i) {
+      adamw_update(p.param[i], p.exp_avg[i], p.exp_avg_sq[i], load_as_float(p.grad, p.grad_type, i), k);
+      store_from_float(p.model, p.model_type, i, p.param[i]);
+    }
   }
-  void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t) override {
-    for (std::size_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
+  void upcast(const void* in, int t, float* out, std::size_t n, stream_t) override {
+    for (std::size_t i = 0; i < n; ++i) out[i] = load_as_float(in, t, i);
   }
-  void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t) override {
-    for (std::size_t i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
+  void downcast(const float* in, void* out, int t, std::size_t n, stream_t) override {
+    for (std::size_t i = 0; i < n; ++i) store_from_float(out, t, i, in[i]);
   }
   double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t) override {
     double s = 0;

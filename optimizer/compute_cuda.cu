@@ -1,8 +1,9 @@
-// CUDA kernels of the optimizer: the fused AdamW step, the BF16 -> FP32 upcast of the
-// initializer, and a deterministic sum of squares for gradient clipping.
+// CUDA kernels of the optimizer: the fused AdamW step (BF16 / FP16 / FP32 model
+// parameters and gradients), the upcast of the initializer and the downcast of a
+// checkpoint load, and a deterministic sum of squares for gradient clipping.
 //
-// Memory-bound by design (28 bytes per parameter for the step: FP32 p, m, v read and
-// written, a BF16 or FP32 gradient read, a BF16 parameter written), so the kernels
+// Memory-bound by design (28 bytes per parameter for the step with BF16 parameters and gradients: FP32 p, m,
+// v read and written, the gradient read, the model parameter written), so the kernels
 // move 16-byte vectors when every pointer allows it and fall back to scalars
 // otherwise.  The arithmetic is adamw_math.hpp's, with explicit rounding, so the
 // results equal the CPU twin's bit for bit.
@@ -26,45 +27,70 @@ namespace {
 
 constexpr int k_threads = 256;
 
-template <bool GradBf16>
+// Four gradient values (BF16 / FP16: one 8-byte load; FP32: one 16-byte load).
+template <int GradT>
+__device__ __forceinline__ void load_grad4(const void* g, std::size_t i, float out[4]) {
+  if constexpr (GradT == k_fp32) {
+    const float4 raw = __ldcs(reinterpret_cast<const float4*>(g) + i);
+    out[0] = raw.x, out[1] = raw.y, out[2] = raw.z, out[3] = raw.w;
+  } else {
+    const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(g) + i);
+    const std::uint16_t h[4] = {static_cast<std::uint16_t>(raw.x & 0xFFFF), static_cast<std::uint16_t>(raw.x >> 16),
+                                static_cast<std::uint16_t>(raw.y & 0xFFFF), static_cast<std::uint16_t>(raw.y >> 16)};
+    for (int j = 0; j < 4; ++j) out[j] = GradT == k_bf16 ? from_bf16(h[j]) : from_fp16(h[j]);
+  }
+}
+// Four model values (BF16 / FP16: one 8-byte store; FP32: one 16-byte store).
+template <int ModelT>
+__device__ __forceinline__ void store_model4(void* out, std::size_t i, const float4& p) {
+  if constexpr (ModelT == k_fp32) {
+    __stcs(reinterpret_cast<float4*>(out) + i, p);
+  } else {
+    auto cv = [](float x) -> std::uint32_t { return ModelT == k_bf16 ? to_bf16(x) : to_fp16(x); };
+    __stcs(reinterpret_cast<uint2*>(out) + i, make_uint2(cv(p.x) | (cv(p.y) << 16), cv(p.z) | (cv(p.w) << 16)));
+  }
+}
+
+template <int ModelT, int GradT>
 __global__ void adamw_vec4(adamw_piece p, adamw_scalars k) {
   const std::size_t n4 = p.n / 4;
   auto* P = reinterpret_cast<float4*>(p.param);
   auto* M = reinterpret_cast<float4*>(p.exp_avg);
   auto* V = reinterpret_cast<float4*>(p.exp_avg_sq);
-  auto* B = reinterpret_cast<uint2*>(p.model_bf16);
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n4; i += std::size_t(gridDim.x) * blockDim.x) {
     float4 pv = __ldcs(P + i), mv = __ldcs(M + i), vv = __ldcs(V + i);
     float g[4];
-    if constexpr (GradBf16) {
-      const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p.grad) + i);
-      g[0] = from_bf16(static_cast<std::uint16_t>(raw.x & 0xFFFF));
-      g[1] = from_bf16(static_cast<std::uint16_t>(raw.x >> 16));
-      g[2] = from_bf16(static_cast<std::uint16_t>(raw.y & 0xFFFF));
-      g[3] = from_bf16(static_cast<std::uint16_t>(raw.y >> 16));
-    } else {
-      const float4 raw = __ldcs(reinterpret_cast<const float4*>(p.grad) + i);
-      g[0] = raw.x, g[1] = raw.y, g[2] = raw.z, g[3] = raw.w;
-    }
-    const std::uint16_t b0 = adamw_element(pv.x, mv.x, vv.x, g[0], k);
-    const std::uint16_t b1 = adamw_element(pv.y, mv.y, vv.y, g[1], k);
-    const std::uint16_t b2 = adamw_element(pv.z, mv.z, vv.z, g[2], k);
-    const std::uint16_t b3 = adamw_element(pv.w, mv.w, vv.w, g[3], k);
+    load_grad4<GradT>(p.grad, i, g);
+    adamw_update(pv.x, mv.x, vv.x, g[0], k);
+    adamw_update(pv.y, mv.y, vv.y, g[1], k);
+    adamw_update(pv.z, mv.z, vv.z, g[2], k);
+    adamw_update(pv.w, mv.w, vv.w, g[3], k);
     __stcs(P + i, pv);
     __stcs(M + i, mv);
     __stcs(V + i, vv);
-    __stcs(B + i, make_uint2(b0 | (std::uint32_t(b1) << 16), b2 | (std::uint32_t(b3) << 16)));
+    store_model4<ModelT>(p.model, i, pv);
   }
   // The last n % 4 elements.
   if (blockIdx.x == 0 && threadIdx.x < p.n % 4) {
     const std::size_t j = n4 * 4 + threadIdx.x;
-    p.model_bf16[j] = adamw_element(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_grad(p.grad, GradBf16, j), k);
+    adamw_update(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_as_float(p.grad, GradT, j), k);
+    store_from_float(p.model, ModelT, j, p.param[j]);
   }
 }
 
 __global__ void adamw_scalar(adamw_piece p, adamw_scalars k) {
-  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < p.n; j += std::size_t(gridDim.x) * blockDim.x)
-    p.model_bf16[j] = adamw_element(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_grad(p.grad, p.grad_is_bf16, j), k);
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < p.n; j += std::size_t(gridDim.x) * blockDim.x) {
+    adamw_update(p.param[j], p.exp_avg[j], p.exp_avg_sq[j], load_as_float(p.grad, p.grad_type, j), k);
+    store_from_float(p.model, p.model_type, j, p.param[j]);
+  }
+}
+
+// The vector kernel for a (model, gradient) type pair.
+template <int ModelT>
+void (*vec_kernel_for(int grad_t))(adamw_piece, adamw_scalars) {
+  if (grad_t == k_bf16) return adamw_vec4<ModelT, k_bf16>;
+  if (grad_t == k_fp16) return adamw_vec4<ModelT, k_fp16>;
+  return adamw_vec4<ModelT, k_fp32>;
 }
 
 // BF16 -> FP32, four values per thread (an 8-byte load, a 16-byte store) when both
@@ -107,6 +133,16 @@ __global__ void downcast_kernel(const float* in, std::uint16_t* out, std::size_t
   } else {
     for (; j < n; j += stride) out[j] = to_bf16(in[j]);
   }
+}
+
+// FP16 / FP32 model parameters (not on the BF16 fast path): one value per thread.
+__global__ void upcast_any(const void* in, int t, float* out, std::size_t n) {
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
+    out[j] = load_as_float(in, t, j);
+}
+__global__ void downcast_any(const float* in, void* out, int t, std::size_t n) {
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
+    store_from_float(out, t, j, in[j]);
 }
 
 constexpr int k_norm_blocks = 1024;
@@ -157,20 +193,40 @@ class cuda_compute final : public compute {
     DFA_CUDA_TRY(cudaSetDevice(device_));
     auto st = static_cast<cudaStream_t>(s);
     const bool vec = aligned(p.param, 16) && aligned(p.exp_avg, 16) && aligned(p.exp_avg_sq, 16) &&
-                     aligned(p.model_bf16, 8) && aligned(p.grad, p.grad_is_bf16 ? 8 : 16);
+                     aligned(p.model, p.model_type == k_fp32 ? 16 : 8) && aligned(p.grad, p.grad_type == k_fp32 ? 16 : 8);
     const int blocks = grid(vec ? p.n / 4 + 1 : p.n);
     if (!vec) adamw_scalar<<<blocks, k_threads, 0, st>>>(p, k);
-    else if (p.grad_is_bf16) adamw_vec4<true><<<blocks, k_threads, 0, st>>>(p, k);
-    else adamw_vec4<false><<<blocks, k_threads, 0, st>>>(p, k);
+    else {
+      auto* kern = p.model_type == k_bf16   ? vec_kernel_for<k_bf16>(p.grad_type)
+                   : p.model_type == k_fp16 ? vec_kernel_for<k_fp16>(p.grad_type)
+                                            : vec_kernel_for<k_fp32>(p.grad_type);
+      kern<<<blocks, k_threads, 0, st>>>(p, k);
+    }
     DFA_CUDA_CHECK_LAUNCH();
   }
 
-  void upcast(const std::uint16_t* in, float* out, std::size_t n, stream_t s) override {
-    launch_cast(upcast_kernel<true>, upcast_kernel<false>, aligned(in, 8) && aligned(out, 16), 4, in, out, n, s);
+  void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) override {
+    if (t == k_bf16) {
+      auto* b = static_cast<const std::uint16_t*>(in);
+      launch_cast(upcast_kernel<true>, upcast_kernel<false>, aligned(in, 8) && aligned(out, 16), 4, b, out, n, s);
+      return;
+    }
+    if (n == 0) return;
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    upcast_any<<<grid(n), k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, t, out, n);
+    DFA_CUDA_CHECK_LAUNCH();
   }
 
-  void downcast(const float* in, std::uint16_t* out, std::size_t n, stream_t s) override {
-    launch_cast(downcast_kernel<true>, downcast_kernel<false>, aligned(in, 16) && aligned(out, 16), 8, in, out, n, s);
+  void downcast(const float* in, void* out, int t, std::size_t n, stream_t s) override {
+    if (t == k_bf16) {
+      auto* b = static_cast<std::uint16_t*>(out);
+      launch_cast(downcast_kernel<true>, downcast_kernel<false>, aligned(in, 16) && aligned(out, 16), 8, in, b, n, s);
+      return;
+    }
+    if (n == 0) return;
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    downcast_any<<<grid(n), k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, t, n);
+    DFA_CUDA_CHECK_LAUNCH();
   }
 
   double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) override {

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <chrono>
+#include <map>
 #include <mutex>
 
 #include "compute.hpp"
@@ -20,6 +21,7 @@ struct streamed_adamw::impl {
     shard_info info;
     std::array<reservation_id, 3> res{};  // main, exp_avg, exp_avg_sq
     std::array<float*, 3> home{};         // host tier: pinned home of each array
+    std::uint64_t step = 0;               // PyTorch's per-parameter step
   };
   struct piece_ref {
     std::size_t shard, e0, n;
@@ -34,6 +36,7 @@ struct streamed_adamw::impl {
   std::unique_ptr<detail::file_store> file;
   std::vector<shard> shards;
   std::vector<shard_info> infos;
+  std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
   std::size_t piece = 0;  // elements per piece (streamed tiers)
   stream_t h2d = nullptr, d2h = nullptr, exec = nullptr;
   std::vector<event_t> events;
@@ -53,13 +56,16 @@ struct streamed_adamw::impl {
   /// Work enqueued on `waiter` from now on runs after all that is enqueued on `producer` so
   /// far (one record of event 0 + one wait; no host synchronisation).
   void after(stream_t waiter, stream_t producer);
-  std::vector<piece_ref> pieces() const;
-  detail::adamw_scalars scalars(std::uint64_t t, float grad_scale) const;
+  /// Every piece; with `grads` (a step), only those of shards with a gradient, unless
+  /// the file tier must carry the others into the new slot.
+  std::vector<piece_ref> pieces(std::span<const void* const> grads = {}) const;
+  /// Shard s's scalars for its next step.
+  detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   std::string where(const piece_ref& p) const;
   void report_progress(const char* phase, std::size_t done, std::size_t total,
                        std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
-  void run_pass(pass kind, std::span<const void* const> grads, grad_type gt, float grad_scale, stream_t user,
-                std::size_t skip);
+  void run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
+                stream_t user, std::size_t skip);
   /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`.
   void read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out);
   /// Writes `n` elements from host memory into shard `s`'s array `a` at `e0` (file tier:

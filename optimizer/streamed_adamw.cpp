@@ -9,8 +9,9 @@
 //  - A piece is n elements of one shard, all three arrays; n is the largest multiple of
 //    the granule (in floats) with depth * 12 * n <= window_bytes.  The reservations are
 //    padded to a multiple of n, so every piece maps the same chunk shapes: after the
-//    first `depth` pieces the chunk pool (budget = window) serves every piece from its
-//    cache, and no cuMemCreate happens in steady state.
+//    first `depth` pieces the chunk pool (budget = window) serves every piece of the pass
+//    from its cache; at the end of a pass the cache is trimmed, so that between steps
+//    the state holds no HBM at all (3 * depth cuMemCreate per pass).
 //  - Per piece, on three streams: materialize -> fetch (H2D from pinned home or
 //    staging; never-written moments are zeroed on the device instead of copied) ->
 //    kernel -> write-back (D2H) -> retire (host waits for that piece's write-back
@@ -37,6 +38,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 
 #include <unistd.h>
@@ -44,6 +46,7 @@
 #include "../allocator/log.hpp"
 #include "compute.hpp"
 #include "file_store.hpp"
+#include "file_util.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {
@@ -55,6 +58,26 @@ const char* to_string(tier t) noexcept {
     case tier::file: return "file";
   }
   return "unknown";
+}
+
+const char* to_string(value_type t) noexcept {
+  switch (t) {
+    case value_type::bf16: return "bf16";
+    case value_type::fp32: return "fp32";
+    case value_type::fp16: return "fp16";
+  }
+  return "unknown";
+}
+
+void validate(const adamw_params& p) {
+  auto bad = [](const char* what, double v, const char* rule) {
+    throw invalid_argument(std::string("adamw: invalid ") + what + " " + std::to_string(v) + " (" + rule + ")");
+  };
+  if (!std::isfinite(p.lr) || p.lr < 0) bad("learning rate", p.lr, "must be finite and >= 0");
+  if (!(p.beta1 >= 0 && p.beta1 < 1)) bad("beta1", p.beta1, "must be in [0, 1)");
+  if (!(p.beta2 >= 0 && p.beta2 < 1)) bad("beta2", p.beta2, "must be in [0, 1)");
+  if (!std::isfinite(p.eps) || p.eps < 0) bad("eps", p.eps, "must be finite and >= 0");
+  if (!std::isfinite(p.weight_decay) || p.weight_decay < 0) bad("weight_decay", p.weight_decay, "must be finite and >= 0");
 }
 
 tier parse_tier(const std::string& s) {
@@ -79,6 +102,7 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   DFA_EXPECTS(drv != nullptr, "streamed_adamw: driver is null");
   DFA_EXPECTS(cfg.depth >= 1, "streamed_adamw: depth must be at least 1");
   DFA_EXPECTS(cfg.home != tier::file || !cfg.directory.empty(), "streamed_adamw: the file tier needs a directory");
+  validate(cfg.adamw);
   I.drv = std::move(drv);
   I.cfg = std::move(cfg);
   const std::size_t g = I.drv->granularity();
@@ -125,16 +149,26 @@ streamed_adamw::~streamed_adamw() {
 }
 
 std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t numel, std::string name) {
+  return add_shard(param_bf16, numel, value_type::bf16, 0, std::move(name));
+}
+
+std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type t, int group, std::string name) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(!I.initialized, "add_shard: shards must be registered before initialize()", invalid_state);
-  DFA_EXPECTS(param_bf16 != nullptr, "add_shard: param_bf16 is null");
+  DFA_EXPECTS(param != nullptr, "add_shard: the parameter pointer is null");
   DFA_EXPECTS(numel > 0, "add_shard: numel is zero");
   DFA_EXPECTS(numel <= (std::size_t{1} << 40), "add_shard: numel " + std::to_string(numel) + " is absurd");
+  DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
+              "add_shard: unknown parameter type " + std::to_string(static_cast<int>(t)));
+  DFA_EXPECTS(group >= 0, "add_shard: group " + std::to_string(group) + " is negative");
   impl::shard s;
   s.info.name = name.empty() ? "shard" + std::to_string(I.shards.size()) : std::move(name);
   s.info.numel = numel;
-  s.info.param_bf16 = param_bf16;
+  s.info.param = param;
+  s.info.param_type = t;
+  s.info.param_bf16 = t == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
+  s.info.group = group;
   const std::size_t bytes =
       I.cfg.home == tier::device ? numel * 4 : (numel + I.piece - 1) / I.piece * I.piece * 4;
   std::size_t made = 0;
@@ -146,6 +180,10 @@ std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t num
       I.mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, I.exec);
     } else if (I.cfg.home == tier::host) {
       for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(numel * 4));
+      // Zero moments at home: a shard skipped by the first steps, or state loaded into
+      // some shards only, reads zeros (PyTorch's initial moments), never garbage.
+      std::memset(s.home[1], 0, numel * 4);
+      std::memset(s.home[2], 0, numel * 4);
     }
   } catch (...) {
     for (float*& h : s.home)
@@ -174,8 +212,31 @@ bool streamed_adamw::resumed() const {
 const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->infos; }
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {
+  validate(p);
   std::lock_guard lk(impl_->mu);
   impl_->cfg.adamw = p;
+  for (auto& [g, h] : impl_->groups) h = p;
+}
+void streamed_adamw::set_group(int g, const adamw_params& p) {
+  DFA_EXPECTS(g >= 0, "set_group: group " + std::to_string(g) + " is negative");
+  validate(p);
+  std::lock_guard lk(impl_->mu);
+  impl_->groups[g] = p;
+}
+adamw_params streamed_adamw::group(int g) const {
+  std::lock_guard lk(impl_->mu);
+  auto it = impl_->groups.find(g);
+  return it == impl_->groups.end() ? impl_->cfg.adamw : it->second;
+}
+std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
+  std::lock_guard lk(impl_->mu);
+  DFA_EXPECTS(s < impl_->shards.size(), "shard_step: no shard " + std::to_string(s));
+  return impl_->shards[s].step;
+}
+void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
+  std::lock_guard lk(impl_->mu);
+  DFA_EXPECTS(s < impl_->shards.size(), "set_shard_step: no shard " + std::to_string(s));
+  impl_->shards[s].step = step;
 }
 std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
 step_report streamed_adamw::last_report() const { return impl_->report; }
@@ -190,6 +251,7 @@ void streamed_adamw::impl::ensure_file() {
   file = std::make_unique<file_store>(cfg.directory, cfg.rank, numel, cfg.resume, cfg.io_threads, cfg.io_request_bytes);
   if (file->resumed()) {
     step_count = file->committed_step();
+    for (auto& s : shards) s.step = step_count;  // one count per file (see the header)
     moments_written = file->moments_written();
     initialized = true;
   }
@@ -225,29 +287,19 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
   drv->stream_wait(waiter, e);
 }
 
-std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces() const {
+std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads) const {
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
-    for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += piece)
+    if (grads.empty() || grads[s] != nullptr || cfg.home == tier::file)
+      for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += piece)
       out.push_back({s, e0, std::min(piece, shards[s].info.numel - e0)});
   return out;
 }
 
-adamw_scalars streamed_adamw::impl::scalars(std::uint64_t t, float grad_scale) const {
-  const adamw_params& h = cfg.adamw;
-  adamw_scalars k{};
-  k.lr_wd = h.lr * h.weight_decay;
-  k.beta1 = h.beta1;
-  k.one_minus_beta1 = 1.0f - h.beta1;
-  k.beta2 = h.beta2;
-  k.one_minus_beta2 = 1.0f - h.beta2;
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(t));
-  k.step_size = static_cast<float>(h.lr / bc1);
-  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  k.eps = h.eps;
-  k.grad_scale = grad_scale;
-  return k;
+adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
+  auto it = groups.find(shards[s].info.group);
+  const adamw_params& h = it == groups.end() ? cfg.adamw : it->second;
+  return detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale);
 }
 
 std::string streamed_adamw::impl::where(const piece_ref& p) const {
@@ -273,9 +325,9 @@ void streamed_adamw::impl::report_progress(const char* phase, std::size_t done, 
 }
 
 // One pass over every piece.  See Note [Window pipeline].
-void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grads, grad_type gt, float grad_scale,
-                                    stream_t user, std::size_t skip) {
-  const auto ps = pieces();
+void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts,
+                                    float grad_scale, stream_t user, std::size_t skip) {
+  const auto ps = pieces(grads);
   const std::size_t P = ps.size();
   const int K = cfg.depth;
   const bool to_file = cfg.home == tier::file;
@@ -284,7 +336,9 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   const bool write_back = kind != pass::export_bf16;
   const int read_slot = to_file ? file->active_slot() : 0;
   const int write_slot = kind == pass::step ? 1 - read_slot : read_slot;
-  const adamw_scalars k = scalars(step_count + 1, grad_scale);
+  std::vector<adamw_scalars> ks;
+  if (kind == pass::step)
+    for (std::size_t s = 0; s < shards.size(); ++s) ks.push_back(scalars(s, grad_scale));
   if (to_file) ensure_staging();
 
   auto t0 = clk::now(), last_line = t0;
@@ -321,13 +375,17 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   };
   auto materialize = [&](std::size_t i) {
     auto rs = ranges_of(ps[i]);
+    const auto t = clk::now();
     mgr->materialize(rs, fill_mode::undefined, h2d);
+    report.map_seconds += since(t);
     mapped[i] = true;
   };
   auto retire = [&](std::size_t i) {
     const auto& p = ps[i];
     auto rs = ranges_of(p);
+    const auto t = clk::now();
     mgr->release_after(rs, keep_mode::discard, ev(i, 2));  // this piece only, not later queued work
+    report.retire_seconds += since(t);
     mapped[i] = false;
     if (to_file && write_back)
       for (int a = 0; a < arrays; ++a)
@@ -353,7 +411,11 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
       float* dev[3] = {sh.info.main_param + p.e0, sh.info.exp_avg + p.e0, sh.info.exp_avg_sq + p.e0};
       // Fetch.
       if (fetch_main) {
-        if (to_file) reads[i]->wait();
+        if (to_file) {
+          const auto t = clk::now();
+          reads[i]->wait();
+          report.io_wait_seconds += since(t);
+        }
         drv->copy_async(dev[0], host_ptr(i, 0, false), p.n * 4, h2d);
         report.bytes_to_device += p.n * 4;
       }
@@ -369,21 +431,27 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
       drv->record(ev(i, 0), h2d);
       // Compute.
       drv->stream_wait(exec, ev(i, 0));
+      const int mt = static_cast<int>(sh.info.param_type);
+      char* model = static_cast<char*>(sh.info.param) + p.e0 * (mt == detail::k_fp32 ? 4 : 2);
       if (kind == pass::init) {
-        comp->upcast(sh.info.param_bf16 + p.e0, dev[0], p.n, exec);
+        comp->upcast(model, mt, dev[0], p.n, exec);
       } else if (kind == pass::export_bf16) {
-        comp->downcast(dev[0], sh.info.param_bf16 + p.e0, p.n, exec);
-      } else {
-        const std::size_t gsz = gt == grad_type::bf16 ? 2 : 4;
-        comp->adamw({dev[0], dev[1], dev[2], sh.info.param_bf16 + p.e0,
-                     static_cast<const char*>(grads[p.shard]) + p.e0 * gsz, gt == grad_type::bf16, p.n},
-                    k, exec);
+        comp->downcast(dev[0], model, mt, p.n, exec);
+      } else if (grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
+        const int gt = static_cast<int>(gts[p.shard]);
+        comp->adamw({dev[0], dev[1], dev[2], model,
+                     static_cast<const char*>(grads[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2), mt, gt, p.n},
+                    ks[p.shard], exec);
       }
       drv->record(ev(i, 1), exec);
       // Write back.
       drv->stream_wait(d2h, ev(i, 1));
       if (write_back) {
-        if (to_file && i >= skip + 2 * static_cast<std::size_t>(K) && writes[i - 2 * K]) writes[i - 2 * K]->wait();
+        if (to_file && i >= skip + 2 * static_cast<std::size_t>(K) && writes[i - 2 * K]) {
+          const auto t = clk::now();
+          writes[i - 2 * K]->wait();
+          report.io_wait_seconds += since(t);
+        }
         for (int a = 0; a < arrays; ++a) drv->copy_async(host_ptr(i, a, true), dev[a], p.n * 4, d2h);
         report.bytes_from_device += arrays * p.n * 4;
       }
@@ -414,6 +482,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
           mgr->release(rs, keep_mode::discard, d2h);
         } catch (...) {
         }
+    pool->trim();
     std::size_t written = skip;
     while (written < P && wb_issued[written]) ++written;
     failed_pieces_done = written;
@@ -430,6 +499,10 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   report.params = params;
   report.pieces = P - skip;
   report.peak_backed_bytes = pool->stats().peak_alive_bytes;
+  // Between passes the state holds no HBM: the window's chunks go back to the driver
+  // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
+  // against a pass of milliseconds).
+  pool->trim();
 }
 
 // ---- initialize / step ---------------------------------------------------------------
@@ -447,41 +520,53 @@ void streamed_adamw::initialize(stream_t stream) {
   if (I.cfg.home == tier::device) {
     auto t0 = clk::now();
     I.after(I.exec, stream);
-    for (auto& s : I.shards) I.comp->upcast(s.info.param_bf16, s.info.main_param, s.info.numel, I.exec);
+    for (auto& s : I.shards)
+      I.comp->upcast(s.info.param, static_cast<int>(s.info.param_type), s.info.main_param, s.info.numel, I.exec);
     I.drv->synchronize_stream(I.exec);
     I.report = step_report{};
     I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
     for (auto& s : I.shards) I.report.params += s.info.numel;
   } else {
-    I.run_pass(impl::pass::init, {}, grad_type::bf16, 1.0f, stream, 0);
+    I.run_pass(impl::pass::init, {}, {}, 1.0f, stream, 0);
     if (I.file) I.file->commit(0, I.file->active_slot(), false);
   }
   I.step_count = 0;
+  for (auto& s : I.shards) s.step = 0;
   I.moments_written = false;
   I.initialized = true;
 }
 
 void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, float grad_scale, stream_t stream) {
+  std::vector<value_type> gts(impl_->shards.size(), gt);
+  step(grads, gts, grad_scale, stream);
+}
+
+void streamed_adamw::step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
+                          stream_t stream) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(I.initialized, "step: call initialize() first", invalid_state);
   DFA_EXPECTS(grads.size() == I.shards.size(), "step: " + std::to_string(grads.size()) + " gradients for " +
                                                    std::to_string(I.shards.size()) + " shards");
-  for (std::size_t s = 0; s < grads.size(); ++s)
-    DFA_EXPECTS(grads[s] != nullptr, "step: gradient of shard " + std::to_string(s) + " is null");
+  DFA_EXPECTS(gts.size() == I.shards.size(), "step: " + std::to_string(gts.size()) + " gradient types for " +
+                                                 std::to_string(I.shards.size()) + " shards");
+  for (value_type t : gts)
+    DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
+                "step: unknown gradient type " + std::to_string(static_cast<int>(t)));
   DFA_EXPECTS(std::isfinite(grad_scale), "step: grad_scale is not finite");
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::size_t skip = I.failed_step == I.step_count + 1 ? I.failed_pieces_done : 0;
   try {
     if (I.cfg.home == tier::device) {
-      const adamw_scalars k = I.scalars(I.step_count + 1, grad_scale);
       auto t0 = clk::now();
       I.after(I.exec, stream);
       for (std::size_t s = skip; s < I.shards.size(); ++s) {
         auto& sh = I.shards[s].info;
-        I.comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param_bf16, grads[s], gt == grad_type::bf16, sh.numel},
-                      k, I.exec);
+        if (grads[s] != nullptr)
+          I.comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], static_cast<int>(sh.param_type),
+                         static_cast<int>(gts[s]), sh.numel},
+                        I.scalars(s, grad_scale), I.exec);
         I.failed_pieces_done = s + 1;
       }
       I.after(stream, I.exec);
@@ -489,7 +574,7 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
       I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
       for (auto& s : I.shards) I.report.params += s.info.numel;
     } else {
-      I.run_pass(impl::pass::step, grads, gt, grad_scale, stream, skip);
+      I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, skip);
       if (I.file) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
       I.after(stream, I.exec);
     }
@@ -512,6 +597,8 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
   I.failed_pieces_done = 0;
   I.moments_written = true;
   ++I.step_count;
+  for (std::size_t s = 0; s < I.shards.size(); ++s)
+    if (grads[s] != nullptr) ++I.shards[s].step;
 }
 
 void streamed_adamw::sync_model_params(stream_t stream) {
@@ -525,9 +612,10 @@ void streamed_adamw::sync_model_params(stream_t stream) {
 void streamed_adamw::impl::sync_model(stream_t stream) {
   if (cfg.home == tier::device) {
     after(exec, stream);
-    for (auto& s : shards) comp->downcast(s.info.main_param, s.info.param_bf16, s.info.numel, exec);
+    for (auto& s : shards)
+      comp->downcast(s.info.main_param, s.info.param, static_cast<int>(s.info.param_type), s.info.numel, exec);
   } else {
-    run_pass(pass::export_bf16, {}, grad_type::bf16, 1.0f, stream, 0);
+    run_pass(pass::export_bf16, {}, {}, 1.0f, stream, 0);
   }
   after(stream, exec);
 }
@@ -543,6 +631,84 @@ double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_typ
   for (std::size_t i = 0; i < grads.size(); ++i)
     s += I.comp->sq_norm(grads[i], gt == grad_type::bf16, I.shards[i].info.numel, I.exec);
   return s;
+}
+
+// ---- state ranges (PyTorch's state_dict) ---------------------------------------------
+
+namespace {
+void check_range(const char* fn, std::size_t shards, std::size_t s, state_array a, std::size_t offset, std::size_t n,
+                 std::size_t numel, bool file) {
+  DFA_EXPECTS(s < shards, std::string(fn) + ": no shard " + std::to_string(s));
+  DFA_EXPECTS(static_cast<int>(a) >= 0 && static_cast<int>(a) < 3,
+              std::string(fn) + ": unknown state array " + std::to_string(static_cast<int>(a)));
+  DFA_EXPECTS(offset <= numel && n <= numel - offset, std::string(fn) + ": range [" + std::to_string(offset) + ", " +
+                                                         std::to_string(offset + n) + ") outside shard " +
+                                                         std::to_string(s) + " of " + std::to_string(numel) + " elements");
+  DFA_EXPECTS(!file || (offset == 0 && n == numel),
+              std::string(fn) + ": the file tier takes whole arrays only (offset 0, n = numel)");
+}
+}  // namespace
+
+void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.ensure_file();
+  DFA_EXPECTS(I.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
+  DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
+  check_range("read_state_range", I.shards.size(), shard, a, offset, n,
+              shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.cfg.home == tier::file);
+  if (n > 0) I.read_home(shard, static_cast<int>(a), offset, n, out);
+}
+
+void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n,
+                                       const float* in) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.ensure_file();
+  DFA_EXPECTS(I.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
+  DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
+  check_range("write_state_range", I.shards.size(), shard, a, offset, n,
+              shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.cfg.home == tier::file);
+  if (n == 0) return;
+  const int ai = static_cast<int>(a);
+  auto& sh = I.shards[shard];
+  switch (I.cfg.home) {
+    case tier::device: {
+      float* dev = ai == 0 ? sh.info.main_param : ai == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
+      I.drv->copy_async(dev + offset, in, n * 4, I.exec);
+      I.drv->synchronize_stream(I.exec);
+      break;
+    }
+    case tier::host: std::memcpy(sh.home[ai] + offset, in, n * 4); break;
+    case tier::file: {
+      const int slot = I.file->active_slot();
+      // Whole arrays through an aligned bounce buffer, in pieces on checksum-block
+      // boundaries (write_home's file case pads each piece to whole blocks).
+      constexpr std::size_t piece = std::size_t{8} << 20;  // elements: 32 MiB
+      detail::aligned_buffer buf(file_store::io_bytes(piece), false, "write_state_range: no host memory for a bounce buffer");
+      auto write_array = [&](std::size_t s, int m, const float* src) {
+        const std::size_t numel = I.shards[s].info.numel;
+        for (std::size_t e0 = 0; e0 < numel; e0 += piece) {
+          const std::size_t k = std::min(piece, numel - e0);
+          if (src) std::memcpy(buf.p, src + e0, k * 4);
+          else std::memset(buf.p, 0, k * 4);
+          I.write_home(s, m, e0, k, reinterpret_cast<float*>(buf.p), slot);
+        }
+      };
+      if (ai > 0 && !I.moments_written) {
+        // The file holds no moments yet: zeros everywhere first, so that the shards not
+        // loaded read PyTorch's initial moments.
+        for (std::size_t s = 0; s < I.shards.size(); ++s)
+          for (int m = 1; m < 3; ++m) write_array(s, m, nullptr);
+        I.file->commit(I.step_count, slot, true);
+      }
+      write_array(shard, ai, in);
+      // The slot's checksum table now covers the new bytes: publish it (same step).
+      I.file->commit(I.step_count, slot, I.moments_written || ai > 0);
+      break;
+    }
+  }
+  if (ai > 0) I.moments_written = true;
 }
 
 void detail::inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth) {

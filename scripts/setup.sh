@@ -39,4 +39,10 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     echo "setup: installing matplotlib into .venv"
     "$root/.venv/bin/pip" install --quiet --disable-pip-version-check matplotlib
   fi
+  # transformers' LlamaForCausalLM for StreamedAdamW's example and GPU acceptance (issue 13);
+  # without it they use a built-in Llama.
+  if ! "$root/.venv/bin/python" -c 'import transformers' >/dev/null 2>&1; then
+    echo "setup: installing transformers into .venv"
+    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check transformers
+  fi
 fi

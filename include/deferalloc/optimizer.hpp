@@ -32,16 +32,26 @@ DFA_API const char* to_string(tier t) noexcept;
 /// "device" | "host" | "file".  @throws invalid_argument
 DFA_API tier parse_tier(const std::string& s);
 
-enum class grad_type { bf16, fp32 };
+/// Element type of model parameters and gradients.
+enum class value_type : int { bf16 = 0, fp32 = 1, fp16 = 2 };
+using grad_type = value_type;
+DFA_API const char* to_string(value_type t) noexcept;
 
-/// AdamW hyper-parameters (PyTorch's AdamW: decoupled weight decay, bias correction).
+/// AdamW hyper-parameters (PyTorch's AdamW: decoupled weight decay, bias correction),
+/// in double as PyTorch passes them to its fused kernel.
 struct adamw_params {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.01f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
 };
+/// PyTorch's checks: finite lr >= 0, 0 <= betas < 1, finite eps >= 0, finite weight
+/// decay >= 0.  @throws invalid_argument naming the hyper-parameter and its value.
+DFA_API void validate(const adamw_params& p);
+
+/// Which state array of a shard.
+enum class state_array : int { main = 0, exp_avg = 1, exp_avg_sq = 2 };
 
 /// Reported during initialize() and step().
 struct progress {
@@ -82,6 +92,9 @@ struct step_report {
   std::size_t bytes_to_device = 0;
   std::size_t bytes_from_device = 0;
   std::size_t peak_backed_bytes = 0;  ///< physical memory behind the state, at most
+  double map_seconds = 0;    ///< host time in materialize (map + access) of the pieces
+  double retire_seconds = 0; ///< host time retiring pieces (waiting for write-backs, unmap)
+  double io_wait_seconds = 0;  ///< file tier: host time waiting for reads and writes
   double gparams_per_second() const { return seconds > 0 ? params / seconds / 1e9 : 0; }
 };
 
@@ -89,7 +102,10 @@ struct step_report {
 struct shard_info {
   std::string name;
   std::size_t numel = 0;
-  std::uint16_t* param_bf16 = nullptr;  ///< the model's BF16 parameters (device)
+  std::uint16_t* param_bf16 = nullptr;  ///< the model's parameters when they are BF16, else null
+  void* param = nullptr;                ///< the model's parameters (device), of type param_type
+  value_type param_type = value_type::bf16;
+  int group = 0;                        ///< its hyper-parameter group (set_group)
   float* main_param = nullptr;          ///< stable device addresses of the FP32 state
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
@@ -118,6 +134,17 @@ class DFA_API streamed_adamw {
   /// addresses, no physical memory on the host and file tiers.  Must come before
   /// initialize().  Cost: three cuMemAddressReserve; device tier: 12 B/param of HBM.
   std::size_t add_shard(std::uint16_t* param_bf16, std::size_t numel, std::string name = {});
+  /// The same for parameters of type `t` (BF16, FP16 or FP32) in hyper-parameter group
+  /// `group` (>= 0).  FP32 parameters are treated like the others: the FP32 main copy is
+  /// streamed state too and the parameter is written from it after each step (exact:
+  /// the two stay equal), so an FP32 parameter costs 4 more bytes per step each way
+  /// than "the main copy is the parameter" would.
+  std::size_t add_shard(void* param, std::size_t numel, value_type t, int group, std::string name = {});
+
+  /// The hyper-parameters of group `g` (before or between steps).  Shards of a group
+  /// that was never set use config().adamw.  @throws invalid_argument (validate).
+  void set_group(int g, const adamw_params& p);
+  adamw_params group(int g) const;
 
   /// Direct-final initialization: main = float(param_bf16), written straight to the
   /// home tier window by window; the moments are zero by construction and never
@@ -132,7 +159,13 @@ class DFA_API streamed_adamw {
   /// file and offset; the file tier keeps the previous step intact; the host and device
   /// tiers update in place, and a step retried with the same gradients completes the
   /// pieces the failed one did not (bit-identical to an uninterrupted step).
+  /// A null `grads[i]` skips shard i: its state, parameter and step count stay as they
+  /// are (PyTorch's AdamW skips a parameter whose .grad is None).  Each shard's bias
+  /// correction uses its own step count (shard_step).
   void step(std::span<const void* const> grads, grad_type gt, float grad_scale = 1.0f, stream_t stream = nullptr);
+  /// The same with one gradient type per shard (`gts.size() == shards().size()`).
+  void step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale = 1.0f,
+            stream_t stream = nullptr);
 
   /// Writes BF16(main) into every shard's model parameters (after a resume or a
   /// checkpoint load: the model then matches the optimizer's state).  `stream` waits.
@@ -157,6 +190,19 @@ class DFA_API streamed_adamw {
 
   /// Copies a shard's state to host memory (any tier).  Null outputs are skipped.
   void read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq);
+  /// Copies elements [offset, offset + n) of one state array of a shard to host memory
+  /// `out`.  Synchronous; cost: a memcpy (host tier), a D2H copy (device tier), aligned
+  /// reads (file tier: offset must be 0).  @throws invalid_argument for a bad range.
+  void read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out);
+  /// Writes host memory into elements [offset, offset + n) of one state array.  The file
+  /// tier takes whole arrays only (offset 0, n = numel) and writes its committed slot in
+  /// place (not atomic: the engine's checkpoint is).  Does not touch model parameters
+  /// (sync_model_params does).  @throws invalid_argument for a bad range.
+  void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
+  /// Steps taken by shard `s` (PyTorch's per-parameter `step`), and setting it (state
+  /// loading).
+  std::uint64_t shard_step(std::size_t s) const;
+  void set_shard_step(std::size_t s, std::uint64_t step);
   /// Saves the whole state as a new generation `dir`/gen-<N>: one data file per shard and
   /// manifest.txt (version, dtypes, shapes, step, hyper-parameters, checksums), all
   /// fsynced, published by one rename; older generations are pruned after.  A killed or

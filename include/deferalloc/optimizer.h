@@ -1,0 +1,99 @@
+/* deferalloc optimizer C ABI: the streamed AdamW engine (optimizer.hpp) for callers in
+ * C, Python (ctypes) or any other language.  In libdeferalloc_optimizer.so.
+ *
+ * Conventions of deferalloc.h: every function returns a dfa_status; on failure
+ * dfa_opt_last_error() gives a thread-local message naming the call and the cause
+ * (the optimizer library keeps its own, beside the allocator's dfa_last_error()).
+ * Nothing throws across this interface and nothing exits the process.  Streams are
+ * cudaStream_t (NULL: the default stream); on the host driver they are ignored and the
+ * pointers are host memory.  An optimizer may be used from one thread at a time per
+ * call (calls are serialized inside). */
+#ifndef DEFERALLOC_OPTIMIZER_H
+#define DEFERALLOC_OPTIMIZER_H
+
+#include <deferalloc/deferalloc.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dfa_optimizer dfa_optimizer;
+
+typedef enum dfa_dtype { DFA_DTYPE_BF16 = 0, DFA_DTYPE_FP32 = 1, DFA_DTYPE_FP16 = 2 } dfa_dtype;
+typedef enum dfa_state_array { DFA_STATE_MAIN = 0, DFA_STATE_EXP_AVG = 1, DFA_STATE_EXP_AVG_SQ = 2 } dfa_state_array;
+
+/* PyTorch's AdamW hyper-parameters, in double as PyTorch passes them. */
+typedef struct dfa_adamw_params {
+  double lr, beta1, beta2, eps, weight_decay;
+} dfa_adamw_params;
+
+/* What the last initialize or step did, and the totals. */
+typedef struct dfa_optimizer_stats {
+  uint64_t steps;              /* step calls completed */
+  size_t shards;
+  size_t piece_elements;       /* streamed tiers: elements per piece */
+  double seconds;              /* last pass */
+  size_t params;               /* elements the last pass stepped */
+  size_t pieces;
+  size_t bytes_to_device;      /* last pass, H2D */
+  size_t bytes_from_device;    /* last pass, D2H */
+  size_t peak_backed_bytes;    /* last pass: physical memory behind the state, at most (<= window) */
+  double map_seconds;          /* last pass: host time mapping pieces */
+  double retire_seconds;       /* last pass: host time waiting for write-backs and unmapping */
+  double io_wait_seconds;      /* last pass, file tier: host time waiting for I/O */
+} dfa_optimizer_stats;
+
+/* phase is "init", "step" or "sync"; called from the calling thread after each piece. */
+typedef void (*dfa_progress_fn)(const char* phase, size_t done, size_t total, double seconds, void* user);
+
+/* Creates an optimizer from settings in DEFERALLOC_CONF's grammar ("key:value,..."):
+ * the driver keys of deferalloc.h (driver, device, host_capacity_mb, host_granularity_kb,
+ * log_level, ...) and tier:device|host|file, directory:PATH (file tier), window_mb (HBM
+ * budget of streamed state, default 512), depth (pieces in flight, default 3),
+ * resume:0|1 (file tier), rank, io_threads, io_request_mb, progress_line:0|1.
+ * Unknown keys: INVALID_ARGUMENT.  Cost: a driver and three streams. */
+DFA_C_API dfa_status dfa_opt_create(const char* settings, dfa_optimizer** out);
+/* Waits for its streams and frees everything.  NULL is allowed. */
+DFA_C_API dfa_status dfa_opt_destroy(dfa_optimizer* o);
+/* The last error of this thread in the optimizer library ("" after a success). */
+DFA_C_API const char* dfa_opt_last_error(void);
+
+/* Registers `numel` parameters of type `dtype` at `param` (device memory; host memory on
+ * the host driver) in hyper-parameter group `group` (>= 0); `name` may be NULL.  Before
+ * dfa_opt_initialize.  *index gets the shard's index.  Cost: three address reservations. */
+DFA_C_API dfa_status dfa_opt_add_shard(dfa_optimizer* o, void* param, size_t numel, dfa_dtype dtype, int group,
+                                       const char* name, size_t* index);
+/* Sets group `group`'s hyper-parameters (any time between steps).  PyTorch's checks: finite
+ * lr >= 0, 0 <= betas < 1, eps >= 0, weight_decay >= 0, else INVALID_ARGUMENT. */
+DFA_C_API dfa_status dfa_opt_set_group(dfa_optimizer* o, int group, const dfa_adamw_params* p);
+/* main = float(param) for every shard, written to the home tier; moments zero.  Waits for
+ * `stream` first; synchronous. */
+DFA_C_API dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream);
+/* One AdamW step: grads[i] is shard i's gradient (NULL: skip shard i, its step count stays),
+ * of type grad_dtypes[i] (grad_dtypes NULL: each shard's parameter type); each gradient is
+ * multiplied by `scale` first.  n must equal the number of shards.  The parameters are
+ * updated in place; `stream` waits for them.  Streamed tiers return when the state is home. */
+DFA_C_API dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, const int* grad_dtypes,
+                                  float scale, void* stream);
+/* Writes float(main) into the model parameters of every shard; `stream` waits. */
+DFA_C_API dfa_status dfa_opt_sync_model_params(dfa_optimizer* o, void* stream);
+/* Copies elements [offset, offset + n) of a shard's state array to/from host memory
+ * (synchronous).  The file tier takes whole arrays (offset 0, n = numel). */
+DFA_C_API dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
+                                        float* out);
+DFA_C_API dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
+                                         const float* in);
+/* PyTorch's per-parameter `step` of a shard. */
+DFA_C_API dfa_status dfa_opt_get_shard_step(dfa_optimizer* o, size_t shard, uint64_t* out);
+DFA_C_API dfa_status dfa_opt_set_shard_step(dfa_optimizer* o, size_t shard, uint64_t step);
+/* The engine's own checkpoint (a directory; see optimizer.hpp). */
+DFA_C_API dfa_status dfa_opt_save_checkpoint(dfa_optimizer* o, const char* dir);
+DFA_C_API dfa_status dfa_opt_load_checkpoint(dfa_optimizer* o, const char* dir);
+/* fn NULL removes the callback. */
+DFA_C_API dfa_status dfa_opt_set_progress(dfa_optimizer* o, dfa_progress_fn fn, void* user);
+DFA_C_API dfa_status dfa_opt_get_stats(dfa_optimizer* o, dfa_optimizer_stats* out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DEFERALLOC_OPTIMIZER_H */

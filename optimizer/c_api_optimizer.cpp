@@ -1,0 +1,260 @@
+// The optimizer's C ABI (include/deferalloc/optimizer.h): streamed_adamw behind an
+// opaque handle, for ctypes and other foreign callers.
+//
+// Each entry point runs through guard(), which maps every exception to a dfa_status and
+// a thread-local message "dfa_opt_<call>: <cause>" (this library's own, beside the
+// allocator's dfa_last_error()).  No global state besides that message: each handle
+// owns its driver, pool and streams, built from the settings string, so any number can
+// live in one process (the host driver's tests build several).
+#include <deferalloc/context.hpp>
+#include <deferalloc/errors.hpp>
+#include <deferalloc/optimizer.h>
+#include <deferalloc/optimizer.hpp>
+
+#include <charconv>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+struct dfa_optimizer {
+  std::unique_ptr<deferalloc::optim::streamed_adamw> opt;
+  dfa_progress_fn progress = nullptr;
+  void* progress_user = nullptr;
+};
+
+namespace {
+
+using namespace deferalloc;
+using namespace deferalloc::optim;
+
+thread_local std::string t_last_error;
+
+template <typename F>
+dfa_status guard(const char* call, F&& body) noexcept {
+  auto fail = [&](dfa_status st, const std::string& what) {
+    try {
+      t_last_error = std::string(call) + ": " + what;
+    } catch (...) {
+    }
+    return st;
+  };
+  try {
+    body();
+    t_last_error.clear();
+    return DFA_SUCCESS;
+  } catch (const no_device& e) {
+    return fail(DFA_ERROR_NO_DEVICE, e.what());
+  } catch (const cuda_error& e) {
+    return fail(DFA_ERROR_CUDA, e.what());
+  } catch (const invalid_argument& e) {
+    return fail(DFA_ERROR_INVALID_ARGUMENT, e.what());
+  } catch (const invalid_state& e) {
+    return fail(DFA_ERROR_INVALID_STATE, e.what());
+  } catch (const out_of_memory& e) {
+    return fail(DFA_ERROR_OUT_OF_MEMORY, e.what());
+  } catch (const io_error& e) {
+    return fail(DFA_ERROR_IO, e.what());
+  } catch (const corrupt_data& e) {
+    return fail(DFA_ERROR_CORRUPT, e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(DFA_ERROR_OUT_OF_MEMORY, "host memory exhausted");
+  } catch (const std::exception& e) {
+    return fail(DFA_ERROR_INTERNAL, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return fail(DFA_ERROR_INTERNAL, "internal error: unknown exception");
+  }
+}
+
+void need(const void* p, const char* what) {
+  if (p == nullptr) throw invalid_argument(std::string(what) + " is null");
+}
+streamed_adamw& opt_of(dfa_optimizer* o) {
+  need(o, "the optimizer");
+  return *o->opt;
+}
+
+std::size_t to_size(const std::string& key, const std::string& v) {
+  std::size_t out = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || p != v.data() + v.size())
+    throw invalid_argument("optimizer settings: " + key + " expects a non-negative integer, got '" + v + "'");
+  return out;
+}
+
+// Splits the settings into the optimizer's keys and the driver's (parse_settings).
+std::pair<optimizer_config, settings> parse(const char* text) {
+  optimizer_config oc;
+  std::string rest;
+  for (const auto& [key, v] : parse_config_text(text ? text : "")) {
+    const std::string one = v.is_list || v.items.size() != 1 ? std::string() : v.items[0];
+    auto scalar = [&]() -> const std::string& {
+      if (v.is_list || v.items.size() != 1) throw invalid_argument("optimizer settings: " + key + " expects a single value");
+      return one;
+    };
+    if (key == "tier") oc.home = parse_tier(scalar());
+    else if (key == "directory") oc.directory = scalar();
+    else if (key == "window_mb") oc.window_bytes = to_size(key, scalar()) << 20;
+    else if (key == "depth") oc.depth = static_cast<int>(to_size(key, scalar()));
+    else if (key == "resume") oc.resume = to_size(key, scalar()) != 0;
+    else if (key == "rank") oc.rank = static_cast<int>(to_size(key, scalar()));
+    else if (key == "io_threads") oc.io_threads = static_cast<int>(to_size(key, scalar()));
+    else if (key == "io_request_mb") oc.io_request_bytes = to_size(key, scalar()) << 20;
+    else if (key == "progress_line") oc.progress_line = to_size(key, scalar()) != 0;
+    else {
+      rest += rest.empty() ? "" : ",";
+      rest += key + ":";
+      if (v.is_list) {
+        rest += "[";
+        for (std::size_t i = 0; i < v.items.size(); ++i) rest += (i ? "," : "") + v.items[i];
+        rest += "]";
+      } else {
+        rest += one;
+      }
+    }
+  }
+  try {
+    return {oc, parse_settings(rest)};
+  } catch (const invalid_argument& e) {
+    throw invalid_argument(std::string(e.what()) +
+                           " (optimizer keys: tier, directory, window_mb, depth, resume, rank, io_threads, "
+                           "io_request_mb, progress_line)");
+  }
+}
+
+value_type dtype_of(int t, const char* what) {
+  if (t < 0 || t > 2) throw invalid_argument(std::string(what) + ": unknown dtype " + std::to_string(t));
+  return static_cast<value_type>(t);
+}
+
+}  // namespace
+
+extern "C" {
+
+dfa_status dfa_opt_create(const char* text, dfa_optimizer** out) {
+  return guard("dfa_opt_create", [&] {
+    need(out, "out");
+    *out = nullptr;
+    auto [oc, s] = parse(text);
+    auto h = std::make_unique<dfa_optimizer>();
+    dfa_optimizer* raw = h.get();
+    oc.on_progress = [raw](const progress& p) {
+      if (raw->progress) raw->progress(p.phase, p.done_params, p.total_params, p.seconds, raw->progress_user);
+    };
+    set_log_level(s.level);
+    h->opt = std::make_unique<streamed_adamw>(make_driver(s), std::move(oc));
+    *out = h.release();
+  });
+}
+
+dfa_status dfa_opt_destroy(dfa_optimizer* o) {
+  return guard("dfa_opt_destroy", [&] { delete o; });
+}
+
+const char* dfa_opt_last_error(void) { return t_last_error.c_str(); }
+
+dfa_status dfa_opt_add_shard(dfa_optimizer* o, void* param, size_t numel, dfa_dtype dtype, int group, const char* name,
+                             size_t* index) {
+  return guard("dfa_opt_add_shard", [&] {
+    auto& opt = opt_of(o);
+    const std::size_t i = opt.add_shard(param, numel, dtype_of(dtype, "dfa_opt_add_shard"), group, name ? name : "");
+    if (index) *index = i;
+  });
+}
+
+dfa_status dfa_opt_set_group(dfa_optimizer* o, int group, const dfa_adamw_params* p) {
+  return guard("dfa_opt_set_group", [&] {
+    need(p, "the hyper-parameters");
+    opt_of(o).set_group(group, adamw_params{p->lr, p->beta1, p->beta2, p->eps, p->weight_decay});
+  });
+}
+
+dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream) {
+  return guard("dfa_opt_initialize", [&] { opt_of(o).initialize(stream); });
+}
+
+dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, const int* grad_dtypes, float scale,
+                        void* stream) {
+  return guard("dfa_opt_step", [&] {
+    auto& opt = opt_of(o);
+    need(grads, "grads");
+    const auto& shards = opt.shards();
+    if (n != shards.size())
+      throw invalid_argument(std::to_string(n) + " gradients for " + std::to_string(shards.size()) + " shards");
+    std::vector<value_type> gts(n);
+    for (std::size_t i = 0; i < n; ++i)
+      gts[i] = grad_dtypes ? dtype_of(grad_dtypes[i], "dfa_opt_step") : shards[i].param_type;
+    opt.step(std::span<const void* const>(grads, n), gts, scale, stream);
+  });
+}
+
+dfa_status dfa_opt_sync_model_params(dfa_optimizer* o, void* stream) {
+  return guard("dfa_opt_sync_model_params", [&] { opt_of(o).sync_model_params(stream); });
+}
+
+dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n, float* out) {
+  return guard("dfa_opt_read_state",
+               [&] { opt_of(o).read_state_range(shard, static_cast<state_array>(a), offset, n, out); });
+}
+
+dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
+                               const float* in) {
+  return guard("dfa_opt_write_state",
+               [&] { opt_of(o).write_state_range(shard, static_cast<state_array>(a), offset, n, in); });
+}
+
+dfa_status dfa_opt_get_shard_step(dfa_optimizer* o, size_t shard, uint64_t* out) {
+  return guard("dfa_opt_get_shard_step", [&] {
+    need(out, "out");
+    *out = opt_of(o).shard_step(shard);
+  });
+}
+
+dfa_status dfa_opt_set_shard_step(dfa_optimizer* o, size_t shard, uint64_t step) {
+  return guard("dfa_opt_set_shard_step", [&] { opt_of(o).set_shard_step(shard, step); });
+}
+
+dfa_status dfa_opt_save_checkpoint(dfa_optimizer* o, const char* dir) {
+  return guard("dfa_opt_save_checkpoint", [&] {
+    need(dir, "dir");
+    opt_of(o).save_checkpoint(dir);
+  });
+}
+
+dfa_status dfa_opt_load_checkpoint(dfa_optimizer* o, const char* dir) {
+  return guard("dfa_opt_load_checkpoint", [&] {
+    need(dir, "dir");
+    opt_of(o).load_checkpoint(dir);
+  });
+}
+
+dfa_status dfa_opt_set_progress(dfa_optimizer* o, dfa_progress_fn fn, void* user) {
+  return guard("dfa_opt_set_progress", [&] {
+    need(o, "the optimizer");
+    o->progress = fn;
+    o->progress_user = user;
+  });
+}
+
+dfa_status dfa_opt_get_stats(dfa_optimizer* o, dfa_optimizer_stats* out) {
+  return guard("dfa_opt_get_stats", [&] {
+    auto& opt = opt_of(o);
+    need(out, "out");
+    const step_report r = opt.last_report();
+    *out = dfa_optimizer_stats{};
+    out->steps = opt.steps();
+    out->shards = opt.shards().size();
+    out->piece_elements = opt.piece_elements();
+    out->seconds = r.seconds;
+    out->params = r.params;
+    out->pieces = r.pieces;
+    out->bytes_to_device = r.bytes_to_device;
+    out->bytes_from_device = r.bytes_from_device;
+    out->peak_backed_bytes = r.peak_backed_bytes;
+    out->map_seconds = r.map_seconds;
+    out->retire_seconds = r.retire_seconds;
+    out->io_wait_seconds = r.io_wait_seconds;
+  });
+}
+
+}  // extern "C"
