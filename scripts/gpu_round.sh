@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for this round's acceptance: build (with the machine's torch),
+# every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
+#   scripts/gpu_round.sh [build] [ctest] [tms] [optim] [megatron] [overlap] [ckpt] [stress] [bench]
+#   (default: all).  DFA_STRESS_SECONDS sets the stress runs' length (default 60).
+# Wheels the machine lacks (torch-memory-saver, megatron-core) are taken from .whl/ when it
+# is there (see the device notes in docs/DEVELOPING.md).  Logs go to $OUT/logs.tar.gz, the
+# table to $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+L=$(mktemp -d)
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build ctest tms optim megatron overlap ckpt stress bench)
+has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+B=build-gpu
+summary=()
+row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); echo "== $1: $2"; }
+finish() {
+  { printf '%s\n' "${summary[@]}"; } > "$OUT/summary.txt"
+  tar -C "$L" -czf "$OUT/logs.tar.gz" . 2>/dev/null
+  echo; echo "================ summary"; cat "$OUT/summary.txt"
+}
+trap finish EXIT
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$L/gpu.txt" 2>&1
+cat "$L/gpu.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$L/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The pip_install test offline: scikit-build-core's wheels carried in .whl (scripts/pip_check.sh).
+if ls .whl/scikit_build_core-*.whl >/dev/null 2>&1; then export DFA_PIP_FIND_LINKS=$PWD/.whl; fi
+export DEFERALLOC_LIB=$PWD/$B/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$PWD/$B/optimizer/libdeferalloc_optimizer.so
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+run() {  # name, timeout seconds, command...
+  local n=$1 t=$2; shift 2
+  local s=$SECONDS
+  timeout "$t" "$@" > "$L/$n.log" 2>&1
+  local rc=$?
+  local tail_line
+  tail_line=$(grep -v '^\s*$' "$L/$n.log" | tail -1 | cut -c1-90)
+  row "$n" "rc=$rc $((SECONDS - s))s | $tail_line"
+  return $rc
+}
+if has build; then
+  prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
+        -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON="$(command -v python3)" \
+        > "$L/configure.log" 2>&1 || { tail -30 "$L/configure.log"; exit 1; }
+  if ! cmake --build $B -j16 > "$L/build.log" 2>&1; then
+    grep -E "error" "$L/build.log" | head -30; exit 1
+  fi
+  row build ok
+fi
+if has ctest; then
+  # DFA_CTEST_ARGS picks a subset (a call is limited to 10 minutes on the device machine).
+  read -r -a sel <<< "${DFA_CTEST_ARGS:--L gpu -LE multigpu}"
+  ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
+  row "ctest ${sel[*]}" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu.log" | tail -1)"
+  grep -E "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -40
+fi
+if has tms; then
+  tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
+  run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build $B ${tms:+--tms-wheel $tms}
+  tail -14 "$L/bench_tms.log"
+fi
+if has optim; then
+  mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run optim_gpu 420 python3 tests/torch/test_optim_gpu.py ${mc:+--megatron-wheel $mc}
+  tail -16 "$L/optim_gpu.log"
+fi
+if has megatron && [ -f examples/megatron/acceptance.py ]; then
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 examples/megatron/acceptance.py
+  tail -14 "$L/megatron.log"
+fi
+if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 480 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT"
+  tail -16 "$L/overlap.log"
+fi
+if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
+  run ckpt_host 200 $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp
+  tail -8 "$L/ckpt_host.log"
+  run ckpt_file 200 $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp
+  tail -8 "$L/ckpt_file.log"
+fi
+if has stress; then
+  secs=${DFA_STRESS_SECONDS:-60}
+  DFA_TEST_DRIVER=cuda DFA_STRESS_SECONDS=$secs run stress_caching $((secs + 120)) $B/tests/test_caching_stress
+  DEFERALLOC_CONF=driver:cuda DFA_STRESS_SECONDS=$secs run stress_c_api $((secs + 120)) $B/tests/test_c_api_stress
+fi
+if has bench; then
+  $B/benchmarks/bench_reservations --benchmark_min_time=0.3 --benchmark_out="$L/bench_reservations.json" \
+    --benchmark_out_format=json > "$L/bench_reservations.log" 2>&1
+  $B/benchmarks/bench_optimizer --benchmark_filter='BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused' \
+    --benchmark_out="$L/bench_optimizer.json" --benchmark_out_format=json > "$L/bench_optimizer.log" 2>&1
+  python3 benchmarks/report.py "$L"/bench_*.json > "$L/report.txt" 2>&1; cat "$L/report.txt"
+  cp "$L"/bench_*.json "$OUT"/ 2>/dev/null
+fi
