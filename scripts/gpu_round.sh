@@ -71,8 +71,8 @@ if has optim; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run optim_gpu 420 python3 tests/torch/test_optim_gpu.py ${mc:+--megatron-wheel $mc}
   tail -16 "$L/optim_gpu.log"
 fi
-if has megatron && [ -f examples/megatron/acceptance.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 examples/megatron/acceptance.py
+if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py ${DFA_MEGATRON_ARGS:-}
   tail -14 "$L/megatron.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
@@ -87,8 +87,12 @@ if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
 fi
 if has stress; then
   secs=${DFA_STRESS_SECONDS:-60}
-  DFA_TEST_DRIVER=cuda DFA_STRESS_SECONDS=$secs run stress_caching $((secs + 120)) $B/tests/test_caching_stress
+  # Both at once on the one GPU (more contention, half the wall time).
+  ( DFA_TEST_DRIVER=cuda DFA_STRESS_SECONDS=$secs timeout $((secs + 120)) $B/tests/test_caching_stress \
+      > "$L/stress_caching.log" 2>&1; echo $? > "$L/stress_caching.rc" ) &
   DEFERALLOC_CONF=driver:cuda DFA_STRESS_SECONDS=$secs run stress_c_api $((secs + 120)) $B/tests/test_c_api_stress
+  wait
+  row stress_caching "rc=$(cat "$L/stress_caching.rc") | $(grep -v '^\s*$' "$L/stress_caching.log" | tail -1 | cut -c1-90)"
 fi
 if has bench; then
   $B/benchmarks/bench_reservations --benchmark_min_time=0.3 --benchmark_out="$L/bench_reservations.json" \
