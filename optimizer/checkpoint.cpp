@@ -73,7 +73,12 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
       drv->synchronize_stream(exec);
       return;
     }
-    case tier::host: std::memcpy(out, sh.home[a] + e0, n * 4); return;
+    case tier::host:
+      if (a > 0 && cfg.moments != moment_format::fp32)
+        detail::decode_moments(static_cast<int>(cfg.moments), a, sh.home[a], sh.info.numel, e0, n, out);
+      else
+        std::memcpy(out, sh.home[a] + e0, n * 4);
+      return;
     case tier::file: {
       const std::size_t block = std::size_t{64} << 20;
       aligned_buffer buf(block, false, "checkpoint: no host memory for a bounce buffer");
@@ -99,7 +104,12 @@ void streamed_adamw::impl::write_home(std::size_t s, int a, const float* in, int
       drv->synchronize_stream(exec);
       return;
     }
-    case tier::host: std::memcpy(sh.home[a], in, n * 4); return;
+    case tier::host:
+      if (a > 0 && cfg.moments != moment_format::fp32)
+        detail::encode_moments(static_cast<int>(cfg.moments), a, sh.home[a], n, 0, n, in);
+      else
+        std::memcpy(sh.home[a], in, n * 4);
+      return;
     case tier::file: {
       const std::size_t block = std::size_t{64} << 20;
       aligned_buffer buf(block, false, "checkpoint: no host memory for a bounce buffer");
@@ -138,6 +148,8 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';
   m << "moments_written " << (I.moments_written ? 1 : 0) << '\n';
+  // The moments' storage (Note [Moment formats]); the data files hold them decoded to FP32.
+  if (I.cfg.moments != moment_format::fp32) m << "moment_format " << to_string(I.cfg.moments) << '\n';
   const adamw_params& h = I.cfg.adamw;
   m << "adamw lr " << hexfloat(h.lr) << " beta1 " << hexfloat(h.beta1) << " beta2 " << hexfloat(h.beta2) << " eps "
     << hexfloat(h.eps) << " weight_decay " << hexfloat(h.weight_decay) << '\n';
@@ -196,6 +208,15 @@ void streamed_adamw::load_checkpoint(const std::string& dir) {
     throw corrupt_data("load_checkpoint: " + mpath + " has format version " + std::to_string(version) + ", this build reads " +
                        std::to_string(k_version));
   m >> word >> step >> word >> moments;
+  const auto before_format = m.tellg();
+  std::string format = "fp32";  // a record of how the moments were stored; any format loads into any
+  if (m >> word && word == "moment_format") m >> format;
+  else m.seekg(before_format);
+  try {
+    parse_moment_format(format);
+  } catch (const invalid_argument&) {
+    throw corrupt_data("load_checkpoint: " + mpath + " names an unknown moment format '" + format + "'");
+  }
   m >> word >> k1 >> lr >> k2 >> b1 >> k3 >> b2 >> k4 >> eps >> k5 >> wd;
   h.lr = std::strtod(lr.c_str(), nullptr);
   h.beta1 = std::strtod(b1.c_str(), nullptr);

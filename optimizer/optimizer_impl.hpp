@@ -62,6 +62,9 @@ struct streamed_adamw::impl {
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   std::string where(const piece_ref& p) const;
+  /// Host tier, compressed moments: copies moment `a` of piece `p` between its home and
+  /// `dev` (the piece's window, in the format's layout) on `s`; returns the bytes moved.
+  std::size_t move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s);
   void report_progress(const char* phase, std::size_t done, std::size_t total,
                        std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
   void run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,

@@ -77,6 +77,22 @@ void validate(const adamw_params& p) {
   if (!std::isfinite(p.weight_decay) || p.weight_decay < 0) bad("weight_decay", p.weight_decay, "must be finite and >= 0");
 }
 
+const char* to_string(moment_format f) noexcept {
+  switch (f) {
+    case moment_format::fp32: return "fp32";
+    case moment_format::bf16: return "bf16";
+    case moment_format::int8: return "int8";
+  }
+  return "unknown";
+}
+
+moment_format parse_moment_format(const std::string& s) {
+  if (s == "fp32") return moment_format::fp32;
+  if (s == "bf16") return moment_format::bf16;
+  if (s == "int8") return moment_format::int8;
+  throw invalid_argument("unknown moment format '" + s + "' (fp32, bf16 or int8)");
+}
+
 tier parse_tier(const std::string& s) {
   if (s == "device") return tier::device;
   if (s == "host") return tier::host;
@@ -100,6 +116,9 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   DFA_EXPECTS(cfg.depth >= 1, "streamed_adamw: depth must be at least 1");
   DFA_EXPECTS(cfg.home != tier::file || !cfg.directory.empty(), "streamed_adamw: the file tier needs a directory");
   validate(cfg.adamw);
+  DFA_EXPECTS(cfg.moments == moment_format::fp32 || cfg.home == tier::host,
+              std::string("streamed_adamw: ") + to_string(cfg.moments) + " moments need the host tier (the " +
+                  to_string(cfg.home) + " tier keeps fp32 moments)");
   I.drv = std::move(drv);
   I.cfg = std::move(cfg);
   const std::size_t g = I.drv->granularity();
@@ -175,11 +194,13 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
       I.mgr->materialize(std::span<const range>(rs).subspan(1), fill_mode::zero, I.exec);
       I.mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, I.exec);
     } else if (I.cfg.home == tier::host) {
-      for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(numel * 4));
+      const std::size_t mb = detail::moment_bytes(static_cast<int>(I.cfg.moments), numel);
+      for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(a == 0 ? numel * 4 : mb));
       // Zero moments at home: a shard skipped by the first steps, or state loaded into
       // some shards only, reads zeros (PyTorch's initial moments), never garbage.
-      std::memset(s.home[1], 0, numel * 4);
-      std::memset(s.home[2], 0, numel * 4);
+      // (Compressed: zero codes and zero scales decode to zero.)
+      std::memset(s.home[1], 0, mb);
+      std::memset(s.home[2], 0, mb);
     }
   } catch (...) {
     for (float*& h : s.home)
@@ -293,6 +314,24 @@ adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) con
   return detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale);
 }
 
+std::size_t streamed_adamw::impl::move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s) {
+  const int f = static_cast<int>(cfg.moments);
+  char* home = reinterpret_cast<char*>(shards[p.shard].home[a]);
+  auto copy = [&](char* d, char* h, std::size_t bytes) {
+    if (to_device) drv->copy_async(d, h, bytes, s);
+    else drv->copy_async(h, d, bytes, s);
+    return bytes;
+  };
+  char* d = reinterpret_cast<char*>(dev);
+  if (f == detail::k_mom_bf16) return copy(d, home + 2 * p.e0, 2 * p.n);
+  // int8: the piece's codes, then its blocks' scales (pieces start on a block: the
+  // piece size is a multiple of the granule, itself of 256 elements).
+  const std::size_t numel = shards[p.shard].info.numel;
+  return copy(d, home + p.e0, p.n) +
+         copy(d + detail::q_scales_offset(p.n), home + detail::q_scales_offset(numel) + 4 * (p.e0 / detail::k_qblock),
+              4 * detail::q_blocks(p.n));
+}
+
 std::string streamed_adamw::impl::where(const piece_ref& p) const {
   return "shard " + std::to_string(p.shard) + " ('" + shards[p.shard].info.name + "') elements [" + std::to_string(p.e0) +
          ", " + std::to_string(p.e0 + p.n) + ")";
@@ -320,6 +359,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   const int arrays = kind == pass::step ? 3 : 1;
   const bool fetch_main = kind != pass::init;
   const bool write_back = kind != pass::export_bf16;
+  const bool compressed = cfg.moments != moment_format::fp32;  // host tier only (constructor)
   const int read_slot = to_file ? file->active_slot() : 0;
   const int write_slot = kind == pass::step ? 1 - read_slot : read_slot;
   std::vector<adamw_scalars> ks;
@@ -407,7 +447,9 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
       }
       if (kind == pass::step)
         for (int a = 1; a < 3; ++a) {
-          if (moments_written) {
+          if (moments_written && compressed) {
+            report.bytes_to_device += move_moment(p, a, dev[a], true, h2d);
+          } else if (moments_written) {
             drv->copy_async(dev[a], host_ptr(i, a, false), p.n * 4, h2d);
             report.bytes_to_device += p.n * 4;
           } else {
@@ -423,6 +465,12 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
         comp->upcast(model, mt, dev[0], p.n, exec);
       } else if (kind == pass::export_bf16) {
         comp->downcast(dev[0], model, mt, p.n, exec);
+      } else if (grads[p.shard] != nullptr && compressed) {
+        const int gt = static_cast<int>(gts[p.shard]);
+        comp->adamw_moments({dev[0], dev[1], dev[2], model,
+                             static_cast<const char*>(grads[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2), mt, gt,
+                             static_cast<int>(cfg.moments), p.n},
+                            ks[p.shard], exec);
       } else if (grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
         const int gt = static_cast<int>(gts[p.shard]);
         comp->adamw({dev[0], dev[1], dev[2], model,
@@ -438,8 +486,14 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
           writes[i - 2 * K]->wait();
           report.io_wait_seconds += since(t);
         }
-        for (int a = 0; a < arrays; ++a) drv->copy_async(host_ptr(i, a, true), dev[a], p.n * 4, d2h);
-        report.bytes_from_device += arrays * p.n * 4;
+        for (int a = 0; a < arrays; ++a) {
+          if (a > 0 && compressed) {
+            report.bytes_from_device += move_moment(p, a, dev[a], false, d2h);
+            continue;
+          }
+          drv->copy_async(host_ptr(i, a, true), dev[a], p.n * 4, d2h);
+          report.bytes_from_device += p.n * 4;
+        }
       }
       drv->record(ev(i, 2), d2h);
       wb_issued[i] = true;
@@ -662,7 +716,12 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
       I.drv->synchronize_stream(I.exec);
       break;
     }
-    case tier::host: std::memcpy(sh.home[ai] + offset, in, n * 4); break;
+    case tier::host:
+      if (ai > 0 && I.cfg.moments != moment_format::fp32)
+        detail::encode_moments(static_cast<int>(I.cfg.moments), ai, sh.home[ai], sh.info.numel, offset, n, in);
+      else
+        std::memcpy(sh.home[ai] + offset, in, n * 4);
+      break;
     case tier::file: {
       const int slot = I.file->active_slot();
       if (ai > 0 && !I.moments_written) {

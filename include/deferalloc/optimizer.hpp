@@ -50,6 +50,18 @@ struct adamw_params {
 /// decay >= 0.  @throws invalid_argument naming the hyper-parameter and its value.
 DFA_API void validate(const adamw_params& p);
 
+/// How the Adam moments are stored at home and moved over PCIe (host tier).  The
+/// arithmetic stays FP32 inside the window; main params are always FP32.  See
+/// Note [Moment formats] in optimizer/moment_format.hpp.
+enum class moment_format : int {
+  fp32 = 0,  ///< 4 B per moment (12 B/param with the main param), exact torch AdamW
+  bf16 = 1,  ///< 2 B per moment (8 B/param), round to nearest even after each step
+  int8 = 2,  ///< 1 B per moment + an FP32 scale per 256 (about 6 B/param), block-scaled 8-bit floats
+};
+DFA_API const char* to_string(moment_format f) noexcept;
+/// "fp32" | "bf16" | "int8".  @throws invalid_argument
+DFA_API moment_format parse_moment_format(const std::string& s);
+
 /// Which state array of a shard.
 enum class state_array : int { main = 0, exp_avg = 1, exp_avg_sq = 2 };
 
@@ -75,6 +87,8 @@ struct optimizer_config {
   /// Pieces in flight (fetch i+1, step i and write-back i-1 overlap from 3 on).
   int depth = 3;
   adamw_params adamw;
+  /// Storage of the moments at home (host tier; the device and file tiers take fp32 only).
+  moment_format moments = moment_format::fp32;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
