@@ -62,11 +62,11 @@ std::string hexfloat(double f) {
 
 void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out) {
   const shard& sh = shards[s];
-  if (a > 0 && !moments_written && cfg.home != tier::device) {
+  if (a > 0 && !moments_written && home_of(s) != tier::device) {
     std::memset(out, 0, n * 4);  // never written: zero by construction
     return;
   }
-  switch (cfg.home) {
+  switch (home_of(s)) {
     case tier::device: {
       float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
       drv->copy_async(out, dev + e0, n * 4, exec);
@@ -97,7 +97,7 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
 void streamed_adamw::impl::write_home(std::size_t s, int a, const float* in, int slot) {
   const shard& sh = shards[s];
   const std::size_t n = sh.info.numel;
-  switch (cfg.home) {
+  switch (home_of(s)) {
     case tier::device: {
       float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
       drv->copy_async(dev, in, n * 4, exec);

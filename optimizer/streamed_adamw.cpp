@@ -119,6 +119,9 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   DFA_EXPECTS(cfg.moments == moment_format::fp32 || cfg.home == tier::host,
               std::string("streamed_adamw: ") + to_string(cfg.moments) + " moments need the host tier (the " +
                   to_string(cfg.home) + " tier keeps fp32 moments)");
+  DFA_EXPECTS(cfg.resident_bytes == 0 || cfg.home == tier::host,
+              std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(cfg.home) +
+                  " tier keeps all or none of its state in HBM)");
   I.drv = std::move(drv);
   I.cfg = std::move(cfg);
   const std::size_t g = I.drv->granularity();
@@ -131,7 +134,8 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
                                  std::to_string(12 * I.cfg.depth * g) + " bytes");
     // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
     // copy engines briefly); every piece has that shape (reservations padded to pieces).
-    I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes});
+    I.pool = std::make_shared<chunk_pool>(I.drv,
+                                          chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes + I.cfg.resident_bytes});
   } else {
     I.pool = std::make_shared<chunk_pool>(I.drv);
   }
@@ -302,7 +306,7 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
 std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads) const {
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
-    if (grads.empty() || grads[s] != nullptr || cfg.home == tier::file)
+    if (!shards[s].resident && (grads.empty() || grads[s] != nullptr || cfg.home == tier::file))
       for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += piece)
       out.push_back({s, e0, std::min(piece, shards[s].info.numel - e0)});
   return out;
@@ -559,14 +563,17 @@ void streamed_adamw::initialize(stream_t stream) {
   if (I.cfg.home == tier::device) {
     auto t0 = clk::now();
     I.after(I.exec, stream);
-    for (auto& s : I.shards)
-      I.comp->upcast(s.info.param, static_cast<int>(s.info.param_type), s.info.main_param, s.info.numel, I.exec);
+    I.init_device_shards(true);
     I.drv->synchronize_stream(I.exec);
     I.report = step_report{};
     I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
     for (auto& s : I.shards) I.report.params += s.info.numel;
   } else {
+    I.place_resident();
+    I.after(I.exec, stream);
+    I.init_device_shards(false);
     I.run_pass(impl::pass::init, {}, {}, 1.0f, stream, 0);
+    I.drv->synchronize_stream(I.exec);
     if (I.file) I.file->commit(0, I.file->active_slot(), false);
   }
   I.step_count = 0;
@@ -600,19 +607,19 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     if (I.cfg.home == tier::device) {
       auto t0 = clk::now();
       I.after(I.exec, stream);
-      for (std::size_t s = skip; s < I.shards.size(); ++s) {
-        auto& sh = I.shards[s].info;
-        if (grads[s] != nullptr)
-          I.comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], static_cast<int>(sh.param_type),
-                         static_cast<int>(gts[s]), sh.numel},
-                        I.scalars(s, grad_scale), I.exec);
-        I.failed_pieces_done = s + 1;
-      }
+      I.step_device_shards(grads, gts, grad_scale, skip, true);
       I.after(stream, I.exec);
       I.report = step_report{};
       I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
       for (auto& s : I.shards) I.report.params += s.info.numel;
     } else {
+      // Resident shards first (the GPU steps them while the link streams the rest); a
+      // retry of a failed step does not step them twice.
+      if (!(I.failed_step == I.step_count + 1 && I.resident_stepped)) {
+        I.after(I.exec, stream);
+        I.step_device_shards(grads, gts, grad_scale, 0, false);
+        I.resident_stepped = true;
+      }
       I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, skip);
       if (I.file) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
       I.after(stream, I.exec);
@@ -634,6 +641,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   }
   I.failed_step = 0;
   I.failed_pieces_done = 0;
+  I.resident_stepped = false;
   I.moments_written = true;
   ++I.step_count;
   for (std::size_t s = 0; s < I.shards.size(); ++s)
@@ -649,13 +657,9 @@ void streamed_adamw::sync_model_params(stream_t stream) {
 }
 
 void streamed_adamw::impl::sync_model(stream_t stream) {
-  if (cfg.home == tier::device) {
-    after(exec, stream);
-    for (auto& s : shards)
-      comp->downcast(s.info.main_param, s.info.param, static_cast<int>(s.info.param_type), s.info.numel, exec);
-  } else {
-    run_pass(pass::export_bf16, {}, {}, 1.0f, stream, 0);
-  }
+  after(exec, stream);
+  sync_device_shards(cfg.home == tier::device);
+  if (cfg.home != tier::device) run_pass(pass::export_bf16, {}, {}, 1.0f, stream, 0);
   after(stream, exec);
 }
 
@@ -709,7 +713,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   if (n == 0) return;
   const int ai = static_cast<int>(a);
   auto& sh = I.shards[shard];
-  switch (I.cfg.home) {
+  switch (I.home_of(shard)) {
     case tier::device: {
       float* dev = ai == 0 ? sh.info.main_param : ai == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
       I.drv->copy_async(dev + offset, in, n * 4, I.exec);

@@ -295,3 +295,75 @@ TEST(moments, short_training_converges_like_fp32_moments) {
 }
 
 }  // namespace
+
+// ---- resident shards (Note [Resident shards]) ------------------------------------------------
+
+namespace {
+
+struct model3 {
+  std::vector<std::uint16_t> p0 = bf16_of(randn(70000, 21, 0.05f));  // several pieces: does not fit 1 MiB
+  std::vector<float> p1 = randn(5000, 22, 0.05f);
+  std::vector<std::uint16_t> p2 = bf16_of(randn(333, 23, 0.05f));
+  void add(handle& h) {
+    ASSERT_EQ(dfa_opt_add_shard(h.o, p0.data(), p0.size(), DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_add_shard(h.o, p1.data(), p1.size(), DFA_DTYPE_FP32, 1, nullptr, nullptr), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_add_shard(h.o, p2.data(), p2.size(), DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
+    const dfa_adamw_params g1{3e-3, 0.8, 0.99, 1e-6, 0.0};
+    ASSERT_EQ(dfa_opt_set_group(h.o, 1, &g1), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  }
+  void step(handle& h, int t) {
+    auto g0 = bf16_of(randn(p0.size(), 300 + t, 1e-3f)), g2 = bf16_of(randn(p2.size(), 500 + t, 1e-3f));
+    auto g1 = randn(p1.size(), 400 + t, 1e-3f);
+    const void* grads[3] = {g0.data(), t == 1 ? nullptr : g1.data(), g2.data()};
+    const int types[3] = {DFA_DTYPE_BF16, DFA_DTYPE_FP32, DFA_DTYPE_BF16};
+    ASSERT_EQ(dfa_opt_step(h.o, grads, 3, types, 0.5f, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  }
+};
+
+}  // namespace
+
+TEST(resident, a_resident_split_is_bit_identical_to_all_streamed) {
+  handle all("fp32"), split("fp32", ",resident_mb:1");
+  model3 a, b;
+  a.add(all);
+  b.add(split);
+  for (int t = 0; t < 4; ++t) a.step(all, t), b.step(split, t);
+  dfa_optimizer_stats sa{}, sb{};
+  ASSERT_EQ(dfa_opt_get_stats(all.o, &sa), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_get_stats(split.o, &sb), DFA_SUCCESS);
+  EXPECT_EQ(sa.bytes_to_device, 12 * (70000 + 5000 + 333));
+  EXPECT_EQ(sb.bytes_to_device, 12 * 70000u) << "shards 1 and 2 fit 1 MiB and stay resident; shard 0 streams";
+  const std::size_t n[3] = {70000, 5000, 333};
+  for (std::size_t s = 0; s < 3; ++s)
+    for (int arr = 0; arr < 3; ++arr) EXPECT_EQ(read(all, s, arr, n[s]), read(split, s, arr, n[s])) << s << " " << arr;
+  EXPECT_EQ(a.p0, b.p0);
+  EXPECT_EQ(a.p1, b.p1);
+  EXPECT_EQ(a.p2, b.p2);
+  // One checkpoint: the split's loads into an all-streamed optimizer and both continue alike.
+  const auto dir = std::filesystem::temp_directory_path() / ("dfa_resident_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(dfa_opt_save_checkpoint(split.o, dir.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  handle again("fp32");
+  model3 c;
+  c.add(again);
+  ASSERT_EQ(dfa_opt_load_checkpoint(again.o, dir.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  for (std::size_t s = 0; s < 3; ++s)
+    for (int arr = 0; arr < 3; ++arr) EXPECT_EQ(read(again, s, arr, n[s]), read(split, s, arr, n[s])) << s;
+  for (std::size_t s = 0; s < 3; ++s) {  // the checkpoint keeps one step count; shard 1 skipped one
+    std::uint64_t st = 0;
+    ASSERT_EQ(dfa_opt_get_shard_step(split.o, s, &st), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_set_shard_step(again.o, s, st), DFA_SUCCESS);
+  }
+  b.step(split, 9), c.step(again, 9);
+  EXPECT_EQ(b.p0, c.p0);
+  EXPECT_EQ(b.p1, c.p1);
+  EXPECT_EQ(b.p2, c.p2);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(resident, other_tiers_refuse_a_resident_budget) {
+  dfa_optimizer* o = nullptr;
+  EXPECT_EQ(dfa_opt_create("driver:host,tier:device,resident_mb:4", &o), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("host tier"), std::string::npos) << dfa_opt_last_error();
+}

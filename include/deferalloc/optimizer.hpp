@@ -89,6 +89,10 @@ struct optimizer_config {
   adamw_params adamw;
   /// Storage of the moments at home (host tier; the device and file tiers take fp32 only).
   moment_format moments = moment_format::fp32;
+  /// Host tier: HBM for shards kept resident (FP32 state in HBM, stepped in place like
+  /// the device tier, never streamed), taken in registration order at initialize() while
+  /// their 12 B/param fit; the rest stream.  See Note [Resident shards].
+  std::size_t resident_bytes = 0;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
@@ -123,6 +127,7 @@ struct shard_info {
   float* main_param = nullptr;          ///< stable device addresses of the FP32 state
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
+  bool resident = false;                ///< kept in HBM (optimizer_config::resident_bytes)
 };
 
 class streamed_adamw;
