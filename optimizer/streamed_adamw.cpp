@@ -544,8 +544,8 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   report.peak_backed_bytes = pool->stats().peak_alive_bytes;
   // Between passes the state holds no HBM: the window's chunks go back to the driver
   // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
-  // against a pass of milliseconds).
-  pool->trim();
+  // against a pass of milliseconds).  keep_window keeps them for back-to-back passes.
+  if (!cfg.keep_window) pool->trim();
 }
 
 // ---- initialize / step ---------------------------------------------------------------

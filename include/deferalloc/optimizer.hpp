@@ -93,6 +93,10 @@ struct optimizer_config {
   /// the device tier, never streamed), taken in registration order at initialize() while
   /// their 12 B/param fit; the rest stream.  See Note [Resident shards].
   std::size_t resident_bytes = 0;
+  /// Streamed tiers: keep the window's chunks between passes instead of returning them
+  /// (the window's HBM stays taken between steps, and back-to-back passes, as the buckets
+  /// of a step overlapped with backward, skip 3 * depth cuMemCreate each).
+  bool keep_window = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.

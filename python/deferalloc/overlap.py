@@ -7,7 +7,7 @@ A parameter's step needs only its own final gradient, so it can run while backwa
 computes the others' (DeepSpeed ZenFlow / SuperOffload, Megatron's overlapped offload).
 Approach
  - Buckets: the parameters in reverse registration order (backward's order, roughly),
-   cut every ``bucket_mb`` of parameters.  A post-accumulate-grad hook marks a parameter
+   cut every ``bucket_mb`` of parameters (counted as FP32).  A post-accumulate-grad hook marks a parameter
    ready; when a bucket is complete, the hook records a CUDA event on the current stream,
    keeps references to the bucket's gradients and queues the bucket with a snapshot of
    the groups' hyper-parameters.  One worker thread steps the queued buckets through the
@@ -19,7 +19,10 @@ Approach
    never came) and returns.  Forward pre-hooks on every module that owns parameters wait
    for the buckets holding them (host: the worker has issued them; device: the current
    stream waits for their event), so the next forward starts on the first layers while
-   the last buckets still stream.
+   the last buckets still stream.  The worker takes the queued bucket that the forward
+   needs first, so the first layers' bucket, complete last in backward, jumps the
+   backlog of the later layers' buckets.  Give the optimizer ``settings="keep_window:1"``
+   so that back-to-back bucket passes keep the window's chunks.
  - Clipping (``max_grad_norm``): each bucket is stepped speculatively with its gradients
    as they are, after its previous state (main, moments, step count) was kept.  At
    ``step()`` the total norm is computed as ``torch.nn.utils.clip_grad_norm_`` does;
@@ -84,7 +87,10 @@ class BackwardOverlap:
             self._buckets.append(_Bucket(len(self._buckets), cur))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
+        # Earliest in forward first (highest bucket index): at the end of backward the
+        # first layers' bucket jumps the backlog, so the next forward can start.
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = 0
         self._error: BaseException | None = None
         self._kept: dict[int, tuple] = {}  # shard -> (step, main, exp_avg, exp_avg_sq) before this iteration
         self._counts = {"buckets": 0, "speculative_steps": 0, "redos": 0}
@@ -125,7 +131,10 @@ class BackwardOverlap:
         groups = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
                    float(g["weight_decay"])) for g in self.opt.param_groups]
         grads = [(p, p.grad) for p in ready]
-        self._queue.put((b, grads, ev, groups))
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self._queue.put((-b.index, seq, (b, grads, ev, groups)))
 
     def _wait(self, buckets: list[_Bucket]) -> None:
         for b in buckets:
@@ -138,7 +147,7 @@ class BackwardOverlap:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            _, _, item = self._queue.get()
             if item is None:
                 return
             b, grads, ev, groups = item
@@ -253,7 +262,7 @@ class BackwardOverlap:
         self.synchronize()
         for h in self._hooks:
             h.remove()
-        self._queue.put(None)
+        self._queue.put((float("inf"), 0, None))
         self._worker.join()
 
 

@@ -100,6 +100,7 @@ class Overlap(unittest.TestCase):
             st = a[1].stats()
             self.assertLess(st["bytes_to_device"], 12 * sum(p.numel() for p in a[0].parameters()))
         self.same(train(4, "plain"), train(4, "plain", resident_mb=1))
+        self.same(train(4, "plain"), train(4, "overlap", bucket_mb=0, settings="keep_window:1"))
         with self.assertRaises(optim.InvalidArgumentError):
             train(1, "plain", moment_dtype="int4")
 
