@@ -28,6 +28,10 @@
 // beta2 = 0.999, v's 0.1% decay is below BF16's and the 8-bit codes' resolution and
 // shows only when a gradient moves v by more), the known cost of 8/16-bit moments
 // without stochastic rounding; the 300-step loss curves of bench_overlap.py measure it.
+// Measured on CPU (host driver), 300 steps of a 2-layer transformer on bigram data
+// (mean loss of the last 20 steps): fp32 0.6318, bf16 0.6320 (+0.04%), int8 0.6176
+// (-2.2%: lower, but further from FP32 than BF16); a noisy least-squares toy puts int8's
+// noise floor 15-20% above FP32's (tests/test_moments.cpp).
 // The device and file tiers keep FP32 moments.
 #pragma once
 #include <cstddef>

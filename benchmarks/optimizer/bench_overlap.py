@@ -295,12 +295,17 @@ def main() -> int:
     t0 = time.perf_counter()
     results = {}
     parts = a.parts.split(",")
-    if "0" in parts:
-        kernels_vs_cpu_twin()
-    if "1" in parts:
-        big_llama(a, results)
-    if "2" in parts:
-        curves(a, results)
+    for key, fn in (("0", lambda: kernels_vs_cpu_twin()), ("1", lambda: big_llama(a, results)),
+                    ("2", lambda: curves(a, results))):
+        if key in parts:
+            try:  # a failing part still leaves the others' rows and the table
+                fn()
+            except Exception as e:  # noqa: BLE001
+                import traceback
+                traceback.print_exc()
+                row(f"part {key}", f"{type(e).__name__}: {str(e)[:120]}", "runs", False)
+                gc.collect()
+                torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_overlap.json"), "w") as f:
         json.dump(dict(results=results, rows=ROWS), f)
