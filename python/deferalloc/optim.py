@@ -40,6 +40,9 @@ __all__ = [
 class OptimizerError(DeferallocError):
     """A call of the optimizer engine failed (a subclass names the status)."""
 
+    def __init__(self, status: int, message: str):
+        super().__init__(message, status)
+
 
 class InvalidArgumentError(OptimizerError, ValueError):
     """Bad input (a hyper-parameter, a dtype, a range); nothing changed."""
