@@ -100,6 +100,9 @@ std::pair<optimizer_config, settings> parse(const char* text) {
     else if (key == "rank") oc.rank = static_cast<int>(to_size(key, scalar()));
     else if (key == "io_threads") oc.io_threads = static_cast<int>(to_size(key, scalar()));
     else if (key == "io_request_mb") oc.io_request_bytes = to_size(key, scalar()) << 20;
+    else if (key == "keep_window") oc.keep_window = to_size(key, scalar()) != 0;
+    else if (key == "resident_mb") oc.resident_bytes = to_size(key, scalar()) << 20;
+    else if (key == "moments") oc.moments = parse_moment_format(scalar());
     else if (key == "progress_line") oc.progress_line = to_size(key, scalar()) != 0;
     else {
       rest += rest.empty() ? "" : ",";
@@ -118,7 +121,7 @@ std::pair<optimizer_config, settings> parse(const char* text) {
   } catch (const invalid_argument& e) {
     throw invalid_argument(std::string(e.what()) +
                            " (optimizer keys: tier, directory, window_mb, depth, resume, rank, io_threads, "
-                           "io_request_mb, progress_line)");
+                           "io_request_mb, progress_line, moments, resident_mb, keep_window)");
   }
 }
 

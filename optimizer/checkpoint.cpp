@@ -53,6 +53,7 @@
 #include <thread>
 
 #include "file_util.hpp"
+#include "moment_format.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {
@@ -69,6 +70,8 @@ constexpr const char* k_header = "deferalloc-optimizer-checkpoint";
 constexpr int k_version = 2;
 constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a multiple of file_store::block
 constexpr int k_lanes = 4;                              // chunks in flight
+// A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (write_home).
+static_assert((k_chunk / 4) % detail::k_qblock == 0);
 const char* const k_arrays[3] = {"main", "exp_avg", "exp_avg_sq"};
 
 void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t off, const std::string& path) {
@@ -146,18 +149,23 @@ std::uint64_t fold(const std::vector<std::uint64_t>& sums) { return checksum64(s
 
 void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out) {
   const shard& sh = shards[s];
-  if (a > 0 && !moments_written && cfg.home != tier::device) {
+  if (a > 0 && !moments_written && home_of(s) != tier::device) {
     std::memset(out, 0, n * 4);  // never written: zero by construction
     return;
   }
-  switch (cfg.home) {
+  switch (home_of(s)) {
     case tier::device: {
       float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
       drv->copy_async(out, dev + e0, n * 4, exec);
       drv->synchronize_stream(exec);
       return;
     }
-    case tier::host: std::memcpy(out, sh.home[a] + e0, n * 4); return;
+    case tier::host:
+      if (a > 0 && cfg.moments != moment_format::fp32)
+        detail::decode_moments(static_cast<int>(cfg.moments), a, sh.home[a], sh.info.numel, e0, n, out);
+      else
+        std::memcpy(out, sh.home[a] + e0, n * 4);
+      return;
     case tier::file: {
       const bool direct = reinterpret_cast<std::uintptr_t>(out) % file_store::align == 0 && (n * 4) % file_store::align == 0;
       const std::size_t block = std::min<std::size_t>(k_chunk, n * 4);
@@ -178,14 +186,28 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
 
 void streamed_adamw::impl::write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot) {
   const shard& sh = shards[s];
-  switch (cfg.home) {
+  switch (home_of(s)) {
     case tier::device: {
       float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
       drv->copy_async(dev + e0, in, n * 4, exec);
       drv->synchronize_stream(exec);
       return;
     }
-    case tier::host: std::memcpy(sh.home[a] + e0, in, n * 4); return;
+    case tier::host:
+      if (a > 0 && cfg.moments != moment_format::fp32) {
+        // Note [Moment formats]: int8 is blockwise (k_qblock elements, one scale each);
+        // the streamed checkpoint writes on chunk boundaries, which are whole blocks, so
+        // no block is re-encoded from a partly written state.
+        DFA_EXPECTS(cfg.moments != moment_format::int8 ||
+                        (e0 % detail::k_qblock == 0 && (n % detail::k_qblock == 0 || e0 + n == sh.info.numel)),
+                    "write_home: an int8 moment range [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                        ") is not whole blocks",
+                    invalid_state);
+        detail::encode_moments(static_cast<int>(cfg.moments), a, sh.home[a], sh.info.numel, e0, n, in);
+      } else {
+        std::memcpy(sh.home[a] + e0, in, n * 4);
+      }
+      return;
     case tier::file: {
       const std::size_t io = file_store::io_bytes(n);
       std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
@@ -215,6 +237,8 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';
   m << "moments_written " << (I.moments_written ? 1 : 0) << '\n';
+  // The moments' storage (Note [Moment formats]); the data files hold them decoded to FP32.
+  if (I.cfg.moments != moment_format::fp32) m << "moment_format " << to_string(I.cfg.moments) << '\n';
   const adamw_params& h = I.cfg.adamw;
   m << "adamw lr " << hexfloat(h.lr) << " beta1 " << hexfloat(h.beta1) << " beta2 " << hexfloat(h.beta2) << " eps "
     << hexfloat(h.eps) << " weight_decay " << hexfloat(h.weight_decay) << '\n';
@@ -237,20 +261,24 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
       for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
         const std::size_t io = file_store::io_bytes(c.n);
         const unsigned char* src = buf;
-        if (c.a > 0 && !I.moments_written && I.cfg.home != tier::device) {
+        const tier t = I.home_of(s);  // a resident shard lives on the device tier
+        if (c.a > 0 && !I.moments_written && t != tier::device) {
           std::memset(buf, 0, c.n * 4);  // never written: zero by construction
-        } else if (I.cfg.home == tier::host) {
+        } else if (t == tier::host && !(c.a > 0 && I.cfg.moments != moment_format::fp32)) {
           const float* home = sh.home[c.a] + c.e0;
           if (io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0)
             src = reinterpret_cast<const unsigned char*>(home);  // straight from the pinned home, no copy
           else
             std::memcpy(buf, home, c.n * 4);
-        } else if (I.cfg.home == tier::file) {
+        } else if (t == tier::file) {
           I.file->read(buf, io, I.file->offset(I.file->active_slot(), s, c.a, c.e0),
                        std::string(k_arrays[c.a]) + " of " + sh.info.name)
               ->wait();
         } else {
-          std::lock_guard dl(device_mu);
+          // The device tier, or compressed host moments (Note [Moment formats]): the home
+          // holds codes, read_home decodes them to FP32 into the buffer.
+          std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
+          if (t == tier::device) dl.lock();
           I.read_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf));
         }
         if (src == buf) std::memset(buf + c.n * 4, 0, io - c.n * 4);
@@ -299,6 +327,15 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     throw corrupt_data("load_checkpoint: " + mpath + " has format version " + std::to_string(version) + ", this build reads " +
                        std::to_string(k_version));
   m >> word >> step >> word >> moments;
+  const auto before_format = m.tellg();
+  std::string format = "fp32";  // a record of how the moments were stored; any format loads into any
+  if (m >> word && word == "moment_format") m >> format;
+  else m.seekg(before_format);
+  try {
+    parse_moment_format(format);
+  } catch (const invalid_argument&) {
+    throw corrupt_data("load_checkpoint: " + mpath + " names an unknown moment format '" + format + "'");
+  }
   m >> word >> k1 >> lr >> k2 >> b1 >> k3 >> b2 >> k4 >> eps >> k5 >> wd;
   h.lr = std::strtod(lr.c_str(), nullptr);
   h.beta1 = std::strtod(b1.c_str(), nullptr);
@@ -359,7 +396,11 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         for (const auto& c : cs) sums[c.a].resize(c.index + 1);
         for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
           const std::size_t io = file_store::io_bytes(c.n);
-          float* home = I.cfg.home == tier::host ? I.shards[s].home[c.a] + c.e0 : nullptr;
+          // The pinned home takes the file's bytes as they are only when it holds FP32
+          // (compressed moments are encoded by write_home; a resident shard is on the device).
+          const tier t = I.home_of(s);
+          const bool fp32_home = t == tier::host && !(c.a > 0 && I.cfg.moments != moment_format::fp32);
+          float* home = fp32_home ? I.shards[s].home[c.a] + c.e0 : nullptr;
           if (pass == 1 && !in_place && home && io == c.n * 4 &&
               reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
             // Nothing to keep: straight into the pinned home, no bounce and no copy.
@@ -371,7 +412,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           sums[c.a][c.index] = checksum64(buf, io);
           if (pass == 0) return;
           std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
-          if (I.cfg.home == tier::device) dl.lock();
+          if (t == tier::device) dl.lock();
           I.write_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
         });
         if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "adamw_math.hpp"
+#include "moment_format.hpp"
 
 namespace deferalloc::optim::detail {
 
@@ -14,6 +15,8 @@ class compute {
   virtual ~compute() = default;
   /// AdamW over one piece, on `s`.
   virtual void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) = 0;
+  /// AdamW over one piece with compressed moments (Note [Moment formats]), on `s`.
+  virtual void adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, stream_t s) = 0;
   /// out[i] = float(in[i]) for n values of type `t` (k_bf16, k_fp16, k_fp32), on `s`.
   virtual void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) = 0;
   /// out[i] = in[i] as type `t` (round to nearest even), on `s`.

@@ -16,6 +16,7 @@ class cpu_compute final : public compute {
       store_from_float(p.model, p.model_type, i, p.param[i]);
     }
   }
+  void adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, stream_t) override { cpu_adamw_moments(p, k); }
   void upcast(const void* in, int t, float* out, std::size_t n, stream_t) override {
     for (std::size_t i = 0; i < n; ++i) out[i] = load_as_float(in, t, i);
   }

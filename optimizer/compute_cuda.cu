@@ -205,6 +205,10 @@ class cuda_compute final : public compute {
     DFA_CUDA_CHECK_LAUNCH();
   }
 
+  void adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, stream_t s) override {
+    cuda_adamw_moments(p, k, s, device_, sms_);
+  }
+
   void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) override {
     if (t == k_bf16) {
       auto* b = static_cast<const std::uint16_t*>(in);

@@ -22,6 +22,7 @@ struct streamed_adamw::impl {
     std::array<reservation_id, 3> res{};  // main, exp_avg, exp_avg_sq
     std::array<float*, 3> home{};         // host tier: pinned home of each array
     std::uint64_t step = 0;               // PyTorch's per-parameter step
+    bool resident = false;                // Note [Resident shards]
   };
   struct piece_ref {
     std::size_t shard, e0, n;
@@ -48,6 +49,7 @@ struct streamed_adamw::impl {
   std::uint64_t failed_step = 0;       // the step number that failed part-way (in place tiers), 0 = none
   std::size_t failed_pieces_done = 0;  // its pieces (device tier: shards) already written back
   step_report report;
+  bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
 
   void ensure_file();
   void ensure_staging();
@@ -62,6 +64,9 @@ struct streamed_adamw::impl {
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   std::string where(const piece_ref& p) const;
+  /// Host tier, compressed moments: copies moment `a` of piece `p` between its home and
+  /// `dev` (the piece's window, in the format's layout) on `s`; returns the bytes moved.
+  std::size_t move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s);
   void report_progress(const char* phase, std::size_t done, std::size_t total,
                        std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
   void run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
@@ -71,6 +76,15 @@ struct streamed_adamw::impl {
   /// Writes `n` elements from host memory into shard `s`'s array `a` at `e0` (file tier:
   /// into `slot`; `in` aligned, with room for io_bytes(n), `e0` on a block boundary).
   void write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot);
+  /// Note [Resident shards] (resident.cpp): picks and backs them at initialize(); the
+  /// tier a shard's state lives in; the device-tier operations over resident shards
+  /// (on exec; `all` also takes the shards of a device-tier optimizer).
+  void place_resident();
+  tier home_of(std::size_t s) const { return shards[s].resident ? tier::device : cfg.home; }
+  void init_device_shards(bool all);
+  void step_device_shards(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
+                          std::size_t first, bool all);
+  void sync_device_shards(bool all);
   /// BF16(main) into the model parameters; `stream` waits for it.
   void sync_model(stream_t stream);
 };

@@ -80,6 +80,22 @@ void validate(const adamw_params& p) {
   if (!std::isfinite(p.weight_decay) || p.weight_decay < 0) bad("weight_decay", p.weight_decay, "must be finite and >= 0");
 }
 
+const char* to_string(moment_format f) noexcept {
+  switch (f) {
+    case moment_format::fp32: return "fp32";
+    case moment_format::bf16: return "bf16";
+    case moment_format::int8: return "int8";
+  }
+  return "unknown";
+}
+
+moment_format parse_moment_format(const std::string& s) {
+  if (s == "fp32") return moment_format::fp32;
+  if (s == "bf16") return moment_format::bf16;
+  if (s == "int8") return moment_format::int8;
+  throw invalid_argument("unknown moment format '" + s + "' (fp32, bf16 or int8)");
+}
+
 tier parse_tier(const std::string& s) {
   if (s == "device") return tier::device;
   if (s == "host") return tier::host;
@@ -103,6 +119,12 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   DFA_EXPECTS(cfg.depth >= 1, "streamed_adamw: depth must be at least 1");
   DFA_EXPECTS(cfg.home != tier::file || !cfg.directory.empty(), "streamed_adamw: the file tier needs a directory");
   validate(cfg.adamw);
+  DFA_EXPECTS(cfg.moments == moment_format::fp32 || cfg.home == tier::host,
+              std::string("streamed_adamw: ") + to_string(cfg.moments) + " moments need the host tier (the " +
+                  to_string(cfg.home) + " tier keeps fp32 moments)");
+  DFA_EXPECTS(cfg.resident_bytes == 0 || cfg.home == tier::host,
+              std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(cfg.home) +
+                  " tier keeps all or none of its state in HBM)");
   I.drv = std::move(drv);
   I.cfg = std::move(cfg);
   const std::size_t g = I.drv->granularity();
@@ -116,7 +138,10 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
                                  std::to_string(12 * I.cfg.depth * gran_elems * 4) + " bytes");
     // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
     // copy engines briefly); every piece has that shape (reservations padded to pieces).
-    I.pool = std::make_shared<chunk_pool>(I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes, I.cfg.window_bytes});
+    // Budget: the window and the resident shards (Note [Resident shards]); the cache
+    // holds the window's chunks only (resident chunks stay taken).
+    I.pool = std::make_shared<chunk_pool>(
+        I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes + I.cfg.resident_bytes, I.cfg.window_bytes});
   } else {
     I.pool = std::make_shared<chunk_pool>(I.drv);
   }
@@ -179,11 +204,13 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
       I.mgr->materialize(std::span<const range>(rs).subspan(1), fill_mode::zero, I.exec);
       I.mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, I.exec);
     } else if (I.cfg.home == tier::host) {
-      for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(numel * 4));
+      const std::size_t mb = detail::moment_bytes(static_cast<int>(I.cfg.moments), numel);
+      for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(a == 0 ? numel * 4 : mb));
       // Zero moments at home: a shard skipped by the first steps, or state loaded into
       // some shards only, reads zeros (PyTorch's initial moments), never garbage.
-      std::memset(s.home[1], 0, numel * 4);
-      std::memset(s.home[2], 0, numel * 4);
+      // (Compressed: zero codes and zero scales decode to zero.)
+      std::memset(s.home[1], 0, mb);
+      std::memset(s.home[2], 0, mb);
     }
   } catch (...) {
     for (float*& h : s.home)
@@ -290,7 +317,7 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
 std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads) const {
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
-    if (grads.empty() || grads[s] != nullptr || cfg.home == tier::file)
+    if (!shards[s].resident && (grads.empty() || grads[s] != nullptr || cfg.home == tier::file))
       for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += piece)
       out.push_back({s, e0, std::min(piece, shards[s].info.numel - e0)});
   return out;
@@ -300,6 +327,24 @@ adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) con
   auto it = groups.find(shards[s].info.group);
   const adamw_params& h = it == groups.end() ? cfg.adamw : it->second;
   return detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale);
+}
+
+std::size_t streamed_adamw::impl::move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s) {
+  const int f = static_cast<int>(cfg.moments);
+  char* home = reinterpret_cast<char*>(shards[p.shard].home[a]);
+  auto copy = [&](char* d, char* h, std::size_t bytes) {
+    if (to_device) drv->copy_async(d, h, bytes, s);
+    else drv->copy_async(h, d, bytes, s);
+    return bytes;
+  };
+  char* d = reinterpret_cast<char*>(dev);
+  if (f == detail::k_mom_bf16) return copy(d, home + 2 * p.e0, 2 * p.n);
+  // int8: the piece's codes, then its blocks' scales (pieces start on a block: the
+  // piece size is a multiple of the granule, itself of 256 elements).
+  const std::size_t numel = shards[p.shard].info.numel;
+  return copy(d, home + p.e0, p.n) +
+         copy(d + detail::q_scales_offset(p.n), home + detail::q_scales_offset(numel) + 4 * (p.e0 / detail::k_qblock),
+              4 * detail::q_blocks(p.n));
 }
 
 std::string streamed_adamw::impl::where(const piece_ref& p) const {
@@ -334,6 +379,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   const int arrays = kind == pass::step ? 3 : 1;
   const bool fetch_main = kind != pass::init;
   const bool write_back = kind != pass::export_bf16;
+  const bool compressed = cfg.moments != moment_format::fp32;  // host tier only (constructor)
   const int read_slot = to_file ? file->active_slot() : 0;
   const int write_slot = kind == pass::step ? 1 - read_slot : read_slot;
   std::vector<adamw_scalars> ks;
@@ -421,7 +467,9 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
       }
       if (kind == pass::step)
         for (int a = 1; a < 3; ++a) {
-          if (moments_written) {
+          if (moments_written && compressed) {
+            report.bytes_to_device += move_moment(p, a, dev[a], true, h2d);
+          } else if (moments_written) {
             drv->copy_async(dev[a], host_ptr(i, a, false), p.n * 4, h2d);
             report.bytes_to_device += p.n * 4;
           } else {
@@ -437,6 +485,12 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
         comp->upcast(model, mt, dev[0], p.n, exec);
       } else if (kind == pass::export_bf16) {
         comp->downcast(dev[0], model, mt, p.n, exec);
+      } else if (grads[p.shard] != nullptr && compressed) {
+        const int gt = static_cast<int>(gts[p.shard]);
+        comp->adamw_moments({dev[0], dev[1], dev[2], model,
+                             static_cast<const char*>(grads[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2), mt, gt,
+                             static_cast<int>(cfg.moments), p.n},
+                            ks[p.shard], exec);
       } else if (grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
         const int gt = static_cast<int>(gts[p.shard]);
         comp->adamw({dev[0], dev[1], dev[2], model,
@@ -452,8 +506,14 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
           writes[i - 2 * K]->wait();
           report.io_wait_seconds += since(t);
         }
-        for (int a = 0; a < arrays; ++a) drv->copy_async(host_ptr(i, a, true), dev[a], p.n * 4, d2h);
-        report.bytes_from_device += arrays * p.n * 4;
+        for (int a = 0; a < arrays; ++a) {
+          if (a > 0 && compressed) {
+            report.bytes_from_device += move_moment(p, a, dev[a], false, d2h);
+            continue;
+          }
+          drv->copy_async(host_ptr(i, a, true), dev[a], p.n * 4, d2h);
+          report.bytes_from_device += p.n * 4;
+        }
       }
       drv->record(ev(i, 2), d2h);
       wb_issued[i] = true;
@@ -501,8 +561,8 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   report.peak_backed_bytes = pool->stats().peak_alive_bytes;
   // Between passes the state holds no HBM: the window's chunks go back to the driver
   // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
-  // against a pass of milliseconds).
-  pool->trim();
+  // against a pass of milliseconds).  keep_window keeps them for back-to-back passes.
+  if (!cfg.keep_window) pool->trim();
 }
 
 // ---- initialize / step ---------------------------------------------------------------
@@ -520,14 +580,17 @@ void streamed_adamw::initialize(stream_t stream) {
   if (I.cfg.home == tier::device) {
     auto t0 = clk::now();
     I.after(I.exec, stream);
-    for (auto& s : I.shards)
-      I.comp->upcast(s.info.param, static_cast<int>(s.info.param_type), s.info.main_param, s.info.numel, I.exec);
+    I.init_device_shards(true);
     I.drv->synchronize_stream(I.exec);
     I.report = step_report{};
     I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
     for (auto& s : I.shards) I.report.params += s.info.numel;
   } else {
+    I.place_resident();
+    I.after(I.exec, stream);
+    I.init_device_shards(false);
     I.run_pass(impl::pass::init, {}, {}, 1.0f, stream, 0);
+    I.drv->synchronize_stream(I.exec);
     if (I.file) I.file->commit(0, I.file->active_slot(), false);
   }
   I.step_count = 0;
@@ -561,19 +624,19 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     if (I.cfg.home == tier::device) {
       auto t0 = clk::now();
       I.after(I.exec, stream);
-      for (std::size_t s = skip; s < I.shards.size(); ++s) {
-        auto& sh = I.shards[s].info;
-        if (grads[s] != nullptr)
-          I.comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], static_cast<int>(sh.param_type),
-                         static_cast<int>(gts[s]), sh.numel},
-                        I.scalars(s, grad_scale), I.exec);
-        I.failed_pieces_done = s + 1;
-      }
+      I.step_device_shards(grads, gts, grad_scale, skip, true);
       I.after(stream, I.exec);
       I.report = step_report{};
       I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
       for (auto& s : I.shards) I.report.params += s.info.numel;
     } else {
+      // Resident shards first (the GPU steps them while the link streams the rest); a
+      // retry of a failed step does not step them twice.
+      if (!(I.failed_step == I.step_count + 1 && I.resident_stepped)) {
+        I.after(I.exec, stream);
+        I.step_device_shards(grads, gts, grad_scale, 0, false);
+        I.resident_stepped = true;
+      }
       I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, skip);
       if (I.file) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
       I.after(stream, I.exec);
@@ -595,6 +658,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   }
   I.failed_step = 0;
   I.failed_pieces_done = 0;
+  I.resident_stepped = false;
   I.moments_written = true;
   ++I.step_count;
   for (std::size_t s = 0; s < I.shards.size(); ++s)
@@ -610,13 +674,9 @@ void streamed_adamw::sync_model_params(stream_t stream) {
 }
 
 void streamed_adamw::impl::sync_model(stream_t stream) {
-  if (cfg.home == tier::device) {
-    after(exec, stream);
-    for (auto& s : shards)
-      comp->downcast(s.info.main_param, s.info.param, static_cast<int>(s.info.param_type), s.info.numel, exec);
-  } else {
-    run_pass(pass::export_bf16, {}, {}, 1.0f, stream, 0);
-  }
+  after(exec, stream);
+  sync_device_shards(cfg.home == tier::device);
+  if (cfg.home != tier::device) run_pass(pass::export_bf16, {}, {}, 1.0f, stream, 0);
   after(stream, exec);
 }
 
@@ -672,14 +732,19 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   if (n == 0) return;
   const int ai = static_cast<int>(a);
   auto& sh = I.shards[shard];
-  switch (I.cfg.home) {
+  switch (I.home_of(shard)) {
     case tier::device: {
       float* dev = ai == 0 ? sh.info.main_param : ai == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
       I.drv->copy_async(dev + offset, in, n * 4, I.exec);
       I.drv->synchronize_stream(I.exec);
       break;
     }
-    case tier::host: std::memcpy(sh.home[ai] + offset, in, n * 4); break;
+    case tier::host:
+      if (ai > 0 && I.cfg.moments != moment_format::fp32)
+        detail::encode_moments(static_cast<int>(I.cfg.moments), ai, sh.home[ai], sh.info.numel, offset, n, in);
+      else
+        std::memcpy(sh.home[ai] + offset, in, n * 4);
+      break;
     case tier::file: {
       const int slot = I.file->active_slot();
       // Whole arrays through an aligned bounce buffer, in pieces on checksum-block

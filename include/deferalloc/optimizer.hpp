@@ -50,6 +50,18 @@ struct adamw_params {
 /// decay >= 0.  @throws invalid_argument naming the hyper-parameter and its value.
 DFA_API void validate(const adamw_params& p);
 
+/// How the Adam moments are stored at home and moved over PCIe (host tier).  The
+/// arithmetic stays FP32 inside the window; main params are always FP32.  See
+/// Note [Moment formats] in optimizer/moment_format.hpp.
+enum class moment_format : int {
+  fp32 = 0,  ///< 4 B per moment (12 B/param with the main param), exact torch AdamW
+  bf16 = 1,  ///< 2 B per moment (8 B/param), round to nearest even after each step
+  int8 = 2,  ///< 1 B per moment + an FP32 scale per 256 (about 6 B/param), block-scaled 8-bit floats
+};
+DFA_API const char* to_string(moment_format f) noexcept;
+/// "fp32" | "bf16" | "int8".  @throws invalid_argument
+DFA_API moment_format parse_moment_format(const std::string& s);
+
 /// Which state array of a shard.
 enum class state_array : int { main = 0, exp_avg = 1, exp_avg_sq = 2 };
 
@@ -75,6 +87,16 @@ struct optimizer_config {
   /// Pieces in flight (fetch i+1, step i and write-back i-1 overlap from 3 on).
   int depth = 3;
   adamw_params adamw;
+  /// Storage of the moments at home (host tier; the device and file tiers take fp32 only).
+  moment_format moments = moment_format::fp32;
+  /// Host tier: HBM for shards kept resident (FP32 state in HBM, stepped in place like
+  /// the device tier, never streamed), taken in registration order at initialize() while
+  /// their 12 B/param fit; the rest stream.  See Note [Resident shards].
+  std::size_t resident_bytes = 0;
+  /// Streamed tiers: keep the window's chunks between passes instead of returning them
+  /// (the window's HBM stays taken between steps, and back-to-back passes, as the buckets
+  /// of a step overlapped with backward, skip 3 * depth cuMemCreate each).
+  bool keep_window = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
@@ -109,6 +131,7 @@ struct shard_info {
   float* main_param = nullptr;          ///< stable device addresses of the FP32 state
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
+  bool resident = false;                ///< kept in HBM (optimizer_config::resident_bytes)
 };
 
 class streamed_adamw;

@@ -40,6 +40,9 @@ __all__ = [
 class OptimizerError(DeferallocError):
     """A call of the optimizer engine failed (a subclass names the status)."""
 
+    def __init__(self, status: int, message: str):
+        super().__init__(message, status)
+
 
 class InvalidArgumentError(OptimizerError, ValueError):
     """Bad input (a hyper-parameter, a dtype, a range); nothing changed."""
@@ -181,6 +184,12 @@ class StreamedAdamW(torch.optim.Optimizer):
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (param groups may set
             their own; schedulers may change them between steps).
         tier: "host" (pinned host memory), "file" (``directory``), or "device" (HBM).
+        moment_dtype: how the host tier stores the Adam moments: "fp32" (exact torch AdamW),
+            "bf16" (round to nearest even, 8 B/param moved each way instead of 12) or
+            "int8" (block-scaled 8-bit floats, ~6 B/param); the arithmetic stays FP32.
+        resident_mb: host tier: HBM (MiB) for parameters whose FP32 state stays resident
+            (taken in order while they fit; the rest stream), or "auto": the free HBM at
+            construction less the window and a tenth of the device (for activations).
         window_mb: HBM budget of the streamed state (host and file tiers).
         depth: pieces in flight (3 overlaps fetch, step and write-back).
         resume: file tier: continue from the state file's last committed step.
@@ -200,7 +209,8 @@ class StreamedAdamW(torch.optim.Optimizer):
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, tier: str = "host", directory: str | None = None,
                  window_mb: int = 512, depth: int = 3, resume: bool = False, stream=None,
-                 settings: str | None = None, progress: Callable[[str, int, int, float], None] | None = None):
+                 settings: str | None = None, moment_dtype: str = "fp32",
+                 resident_mb: int | str | None = None, progress: Callable[[str, int, int, float], None] | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
         self._handle = None
@@ -217,10 +227,17 @@ class StreamedAdamW(torch.optim.Optimizer):
         if tier == "file" and not directory:
             raise InvalidArgumentError(1, "StreamedAdamW: tier 'file' needs directory=")
         self._stream = stream
+        if resident_mb == "auto":
+            resident_mb = 0
+            if self._device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self._device)
+                resident_mb = max(0, (free - total // 10) // (1 << 20) - int(window_mb))
         driver = (f"driver:cuda,device:{self._device.index or 0}" if self._device.type == "cuda" else "driver:host")
         text = ",".join(t for t in (os.environ.get("DEFERALLOC_CONF", ""), driver, f"tier:{tier}",
                                     f"window_mb:{int(window_mb)}", f"depth:{int(depth)}",
                                     f"resume:{int(bool(resume))}", f"directory:{directory}" if directory else "",
+                                    f"moments:{moment_dtype}" if moment_dtype != "fp32" else "",
+                                    f"resident_mb:{int(resident_mb)}" if resident_mb else "",
                                     settings or "") if t)
         lib = _load()
         h = ctypes.c_void_p()

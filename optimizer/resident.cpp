@@ -1,0 +1,71 @@
+// Note [Resident shards]
+//
+// Rationale: when HBM holds part of the FP32 state, streaming all of it wastes the link:
+// a shard that stays in HBM steps at HBM speed (~28 B/param at 4.8 TB/s) and costs no
+// PCIe bytes, so a budget covering half the state halves the streamed bytes.
+// Approach: optimizer_config::resident_bytes (C ABI resident_mb; Python resident_mb or
+// "auto" from free HBM).  At initialize(), shards are taken in registration order while
+// their three padded FP32 arrays fit the budget (a shard that does not fit is skipped,
+// later smaller ones may still fit); their reservations are backed whole, their pinned
+// homes freed, and from then on they are device-tier shards inside a host-tier optimizer:
+// initialize upcasts, step runs the device tier's kernel on the exec stream (enqueued
+// before the streamed pass, so the GPU steps them while the link streams the rest),
+// state ranges and checkpoints read HBM.  One optimizer, one checkpoint, one step count.
+// The arithmetic is the same kernel's, so the split is bit-identical to all-streamed.
+// Compressed moments (Note [Moment formats]) apply to the streamed shards only; resident
+// shards keep FP32 moments (they cost no link bytes).
+// Limits: host tier only; the chunk pool's budget is window + resident bytes; the choice
+// is made once (a later budget change needs a new optimizer).
+#include <deferalloc/errors.hpp>
+
+#include "optimizer_impl.hpp"
+
+namespace deferalloc::optim {
+
+void streamed_adamw::impl::place_resident() {
+  if (cfg.resident_bytes == 0 || cfg.home != tier::host) return;
+  std::size_t left = cfg.resident_bytes;
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    auto& s = shards[i];
+    const std::size_t bytes = 3 * ((s.info.numel + piece - 1) / piece * piece * 4);  // the padded reservations
+    if (bytes > left) continue;
+    std::vector<range> rs{{s.res[1], 0, whole}, {s.res[2], 0, whole}};
+    mgr->materialize(rs, fill_mode::zero, exec);
+    try {
+      mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, exec);
+    } catch (...) {
+      mgr->release(rs, keep_mode::discard, exec);
+      throw;
+    }
+    left -= bytes;
+    s.resident = true;
+    infos[i].resident = true;
+    for (int a = 0; a < 3; ++a) drv->host_free(s.home[a]), s.home[a] = nullptr;
+  }
+}
+
+void streamed_adamw::impl::init_device_shards(bool all) {
+  for (auto& s : shards)
+    if (all || s.resident)
+      comp->upcast(s.info.param, static_cast<int>(s.info.param_type), s.info.main_param, s.info.numel, exec);
+}
+
+void streamed_adamw::impl::step_device_shards(std::span<const void* const> grads, std::span<const value_type> gts,
+                                              float grad_scale, std::size_t first, bool all) {
+  for (std::size_t s = first; s < shards.size(); ++s) {
+    auto& sh = shards[s].info;
+    if ((all || shards[s].resident) && grads[s] != nullptr)
+      comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], static_cast<int>(sh.param_type),
+                   static_cast<int>(gts[s]), sh.numel},
+                  scalars(s, grad_scale), exec);
+    if (all) failed_pieces_done = s + 1;
+  }
+}
+
+void streamed_adamw::impl::sync_device_shards(bool all) {
+  for (auto& s : shards)
+    if (all || s.resident)
+      comp->downcast(s.info.main_param, s.info.param, static_cast<int>(s.info.param_type), s.info.numel, exec);
+}
+
+}  // namespace deferalloc::optim
