@@ -8,7 +8,9 @@ gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed random 
 batches (the same for every run and every restart).  ``--deferalloc host|file|device``
 adds one call, ``deferalloc.megatron.stream_optimizer_state``, after
 ``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
-(HybridDeviceOptimizer, offload_fraction=1.0).  Megatron's own inner AdamW is told
+(HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
+precision-aware optimizer is unavailable, so Megatron keeps FP32 main params on the GPU and
+HDO steps them on the CPU).  Megatron's own inner AdamW is told
 ``fused=True`` (torch._fused_adamw_, the arithmetic the engine reproduces bit for bit;
 torch's default foreach AdamW rounds differently).
 
@@ -148,7 +150,7 @@ def build(args):
     ocfg = dict(optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                 bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if args.hdo:
-        ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
+        ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                     overlap_cpu_optimizer_d2h_h2d=True)
     optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
     streamed = []
