@@ -268,6 +268,8 @@ def main(argv=None) -> int:
     if args.load:
         first = load(gpt, optimizer, args.load) + 1
         summary["loaded_digest"] = state_digest(optimizer)
+        if args.save and args.save_at == first - 1:  # re-save what was loaded (resharding checks)
+            save(gpt, optimizer, args.save, first - 1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
