@@ -68,7 +68,9 @@ def parse_args(argv=None):
 class HbmSampler:
     """Device memory in use (total - free from cuMemGetInfo), polled by a thread."""
 
-    def __init__(self, period_s: float = 0.0005):
+    def __init__(self, period_s: float = 0.002):
+        # 2 ms: a streamed step holds its window for tens of ms, and a faster poll would take
+        # the GIL from the step being timed.
         self.period_s = period_s
         self.peak = 0
         self._on = False
@@ -79,10 +81,11 @@ class HbmSampler:
     def used() -> int:
         if not torch.cuda.is_available():
             return 0
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info(torch.cuda.current_device())
         return total - free
 
     def _run(self):
+        torch.cuda.set_device(self._device)
         while not self._stop.is_set():
             if self._on:
                 self.peak = max(self.peak, self.used())
@@ -90,6 +93,7 @@ class HbmSampler:
 
     def start(self):
         if torch.cuda.is_available():
+            self._device = torch.cuda.current_device()
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         self._on = True

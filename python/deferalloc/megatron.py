@@ -49,6 +49,8 @@ hyper-parameters and ``step`` (all Megatron keeps from it).  ``save_engine_check
 """
 from __future__ import annotations
 
+import gc
+import os
 import types
 from typing import Any, Iterable
 
@@ -245,7 +247,11 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings):
         for k, model_param in enumerate(dopt.model_float16_groups[gi]):
             mains[k] = g["params"][n_fp32 + k]
             model_param.main_param = mains[k]
-        dopt.opt_group_ranges[gi]["orig_group"] = g
+        # Megatron keeps the group dict it handed to the inner optimizer under two keys; the
+        # old dicts list the FP32 copies, which must not stay referenced.
+        for key in ("orig_group", "orig_group_idx"):
+            if key in dopt.opt_group_ranges[gi]:
+                dopt.opt_group_ranges[gi][key] = g
     dopt.optimizer = streamed
     _bind(dopt)
     return streamed
@@ -348,10 +354,10 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     for i, dopt in enumerate(chain):
         d = directory
         if directory and len(chain) > 1:
-            import os
             d = os.path.join(directory, f"optimizer{i}")
             os.makedirs(d, exist_ok=True)
         out.append(_stream_one(dopt, tier, d, window_mb, depth, settings))
+    gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out

@@ -22,11 +22,13 @@ Exit 0 / 1; 77 when megatron-core 0.16.1 is not importable.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "..", "examples", "megatron")
@@ -125,8 +127,14 @@ def in_process() -> None:
     for step in (1, 2):
         train_gpt.train_step(args2, ddp2, opt2, step, torch.device("cpu"))
     before = train_gpt.state_digest(opt2)
+    (dopt2,) = dm.streamed_optimizers(opt2)
+    old_mains = [weakref.ref(t) for g in dopt2.shard_fp32_from_float16_groups for t in g]
+    old_inner = weakref.ref(dopt2.optimizer)
     dm.stream_optimizer_state(opt2, tier="host")
     check(train_gpt.state_digest(opt2) == before, "existing Adam state moved into the engine unchanged")
+    gc.collect()
+    check(old_inner() is None and old_mains and all(r() is None for r in old_mains),
+          "Megatron's FP32 main copies and its torch AdamW are freed")
     torch.distributed.destroy_process_group()
 
 
