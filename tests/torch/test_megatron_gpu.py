@@ -80,7 +80,7 @@ def main() -> int:
             return json.load(f)
 
     steps = ["--steps", str(args.steps)]
-    own = run("megatron", steps + ["--save", f"{work}/ckpt_own", "--save-at", str(args.save_at)])
+    own = run("megatron", steps)
     host = run("deferalloc-host", steps + ["--deferalloc", "host", "--save", f"{work}/ckpt_host",
                                            "--save-at", str(args.save_at)])
     file_ = run("deferalloc-file", steps + ["--deferalloc", "file", "--directory", f"{work}/state"])
