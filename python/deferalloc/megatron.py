@@ -45,7 +45,8 @@ at another data-parallel size (the model-space formats reshard).  While a sharde
 is being built for loading, the read returns uninitialised CPU tensors of the right size
 instead (they are only load targets).  The inner optimizer's own ``state_dict`` carries the
 hyper-parameters and ``step`` (all Megatron keeps from it).  ``save_engine_checkpoint`` /
-``load_engine_checkpoint`` are the engine's raw fast path, for the same layout only.
+``load_engine_checkpoint`` (module functions) are the engine's raw fast path, for the same
+layout only.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ import torch
 from . import deferred_empty
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load  # noqa: F401
 
-__all__ = ["stream_optimizer_state", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers"]
+__all__ = ["stream_optimizer_state", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers",
+           "save_engine_checkpoint", "load_engine_checkpoint"]
 
 MEGATRON_CORE_VERSION = "0.16.1"
 _STATE_KEYS = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
@@ -316,8 +318,6 @@ def _bind(dopt) -> None:
                _init_optimizer_states_with_dummy_values):
         setattr(dopt, fn.__name__, types.MethodType(fn, dopt))
     dopt.sharded_state_dict = types.MethodType(_sharded_state_dict, dopt)
-    dopt.save_engine_checkpoint = types.MethodType(lambda self, d: self.optimizer.save_checkpoint(d), dopt)
-    dopt.load_engine_checkpoint = types.MethodType(lambda self, d: self.optimizer.load_checkpoint(d), dopt)
     dopt.main_param_shard = types.MethodType(lambda self, mp: self.optimizer.read_shard(_handle_of(self, mp))["param"],
                                              dopt)
 
@@ -361,3 +361,22 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def save_engine_checkpoint(optimizer, directory: str) -> None:
+    """The engine's own checkpoint of every streamed DistributedOptimizer in ``optimizer``
+    (``directory``/optimizer<i>): raw FP32 arrays and a checksummed manifest, the fast path
+    when the same layout (model, data-parallel size) loads it.  Hyper-parameters, the grad
+    scaler and the model stay with Megatron's own checkpoint.  Cost: the state read once
+    from its tier and written with fsync.  @throws the engine's errors (IOFailure, ...)."""
+    for i, dopt in enumerate(streamed_optimizers(optimizer)):
+        d = os.path.join(directory, f"optimizer{i}")
+        os.makedirs(d, exist_ok=True)
+        dopt.optimizer.save_checkpoint(d)
+
+
+def load_engine_checkpoint(optimizer, directory: str) -> None:
+    """Loads save_engine_checkpoint's directory and writes BF16(main) into the model
+    params.  @throws CorruptDataError (a check failed; nothing loaded), IOFailure."""
+    for i, dopt in enumerate(streamed_optimizers(optimizer)):
+        dopt.optimizer.load_checkpoint(os.path.join(directory, f"optimizer{i}"))

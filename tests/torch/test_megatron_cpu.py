@@ -103,10 +103,10 @@ def in_process() -> None:
     # The engine's checkpoint (fast path).
     before = train_gpt.state_digest(optimizer)
     with tempfile.TemporaryDirectory() as d:
-        dopt.save_engine_checkpoint(d)
+        dm.save_engine_checkpoint(optimizer, d)
         train_gpt.train_step(args, ddp, optimizer, 4, torch.device("cpu"))
         changed = train_gpt.state_digest(optimizer) != before
-        dopt.load_engine_checkpoint(d)
+        dm.load_engine_checkpoint(optimizer, d)
     check(changed and train_gpt.state_digest(optimizer) == before, "engine checkpoint round trip")
 
     # Errors.
