@@ -58,7 +58,7 @@ from typing import Any, Iterable
 import torch
 
 from . import deferred_empty
-from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load  # noqa: F401
+from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
 
 __all__ = ["stream_optimizer_state", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers",
            "save_engine_checkpoint", "load_engine_checkpoint"]
