@@ -6,8 +6,8 @@
 Local layer spec (no Transformer Engine, no Apex), BF16 params under Float16Module, FP32
 gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed random token
 batches (the same for every run and every restart).  ``--deferalloc host|file|device``
-adds one call, ``deferalloc.megatron.stream_optimizer_state``, after
-``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
+builds the optimizer inside ``deferalloc.megatron.deferred_main_params()`` and calls
+``deferalloc.megatron.stream_optimizer_state`` after ``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
 (HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
 precision-aware optimizer is unavailable, so Megatron keeps FP32 main params on the GPU and
 HDO steps them on the CPU).  Megatron's own inner AdamW is told
@@ -156,13 +156,18 @@ def build(args):
     if args.hdo:
         ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                     overlap_cpu_optimizer_d2h_h2d=True)
-    optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
     streamed = []
     if args.deferalloc != "off":
         import deferalloc.megatron
+        # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
+        # then the streamed engine: the two deferalloc lines of a Megatron script.
+        with deferalloc.megatron.deferred_main_params():
+            optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
         streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
                                                               directory=args.directory, window_mb=args.window_mb)
-    elif not args.hdo:
+    else:
+        optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
+    if args.deferalloc == "off" and not args.hdo:
         for dopt in getattr(optimizer, "chained_optimizers", [optimizer]):
             for g in dopt.optimizer.param_groups:
                 g["fused"], g["foreach"] = True, False

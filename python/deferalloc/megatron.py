@@ -21,15 +21,20 @@ Approach: the inner torch Adam/AdamW is replaced by ``StreamedMegatronAdamW``, a
 StreamedAdamW whose torch-side parameters are Megatron's main-param objects and whose engine
 side is the BF16 (or FP16) model shard in the param buffer: the engine writes BF16(main)
 straight into the param buffer, so ``_copy_main_params_to_model_params`` has nothing left to
-do and is bypassed.  Megatron's FP32 main tensors are replaced by handles: views of one
-deferalloc reservation (``deferred_empty``) with the shard's shape, dtype, device and tensor-
+do and is bypassed.  Megatron's FP32 main tensors are replaced by handles: deferalloc
+reservations (``deferred_empty``; views of one, or one each when made at construction) with the shard's shape, dtype, device and tensor-
 parallel attributes, a stable address and no memory.  They carry ``.grad`` for Megatron;
 their values are the engine's (reading one faults: ``optimizer.main_param_shard`` reads
 through the engine instead).  FP32 model params keep Megatron's layout: their main copy is
 the param itself and the engine streams only their moments.
-Limits: megatron-core 0.16.1 allocates the FP32 main copies in DistributedOptimizer.__init__
-(it has no hook to defer them); this call frees them, so they are resident only between
-construction and the call.  Refused: Megatron FSDP, precision-aware optimizer, FP8 params,
+Construction: megatron-core 0.16.1 makes the FP32 main copies in DistributedOptimizer.__init__
+(``shard.clone().float()``; it has no hook to defer them and no
+``defer_main_param_initialization`` option).  Built inside ``deferred_main_params()``,
+those become handles from the start (Megatron's own builder runs, with ``Tensor.clone`` of
+16-bit tensors answering a handle for ``.float()``), so no FP32 copy ever exists and the
+main-param objects keep their construction addresses; built outside, this call frees the
+copies (resident only between construction and the call).
+Limits: refused: Megatron FSDP, precision-aware optimizer, FP8 params,
 CPU offload (HybridDeviceOptimizer), SGD, Adam with L2 weight decay (torch.optim.Adam with
 weight_decay > 0), amsgrad.  Code outside megatron-core that reads ``param.main_param``
 values (Megatron-LM's --log-params-norm) must not be used.
@@ -37,11 +42,12 @@ values (Megatron-LM's --log-params-norm) must not be used.
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
 ``_get_main_param_and_optimizer_states`` and ``_set_main_param_and_optimizer_states``; every
-checkpoint format (fully_sharded_model_space, the default of ``sharded_state_dict``;
-dp_reshardable; fully_reshardable; dp_zero via save/load_parameter_state) is built on them.
-They are bound here to read the shard's three FP32 arrays from the tier into CPU tensors and
-to write them back, so Megatron's dist-checkpointing saves and loads real state, including
-at another data-parallel size (the model-space formats reshard).  While a sharded state dict
+checkpoint format (dp_reshardable; fully_reshardable; dp_zero via save/load_parameter_state;
+fully_sharded_model_space, ``sharded_state_dict``'s default, which 0.16.1's own
+dist-checkpointing rejects: "flattened_range is not supported") is built on them.  They are
+bound here to read the shard's three FP32 arrays from the tier into CPU tensors and to write
+them back, so Megatron's dist-checkpointing saves and loads real state, also at another
+data-parallel size (dp_reshardable and fully_reshardable, tested DP 1 -> 2 -> 1).  While a sharded state dict
 is being built for loading, the read returns uninitialised CPU tensors of the right size
 instead (they are only load targets).  The inner optimizer's own ``state_dict`` carries the
 hyper-parameters and ``step`` (all Megatron keeps from it).  ``save_engine_checkpoint`` /
@@ -50,17 +56,19 @@ layout only.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from . import deferred_empty
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
 
-__all__ = ["stream_optimizer_state", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers",
+__all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers",
            "save_engine_checkpoint", "load_engine_checkpoint"]
 
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -177,6 +185,71 @@ def _refuse_if_unsupported(dopt, inner) -> None:
         raise InvalidArgumentError(1, f"deferalloc.megatron.stream_optimizer_state: {why} is not supported")
 
 
+_HANDLE_ATTR = "_deferalloc_main_handle"
+
+
+def _is_handle(t: torch.Tensor) -> bool:
+    return getattr(t, _HANDLE_ATTR, False)
+
+
+class _DeferredClone:
+    """What ``Tensor.clone`` returns for a 16-bit tensor inside deferred_main_params: its
+    ``float()`` is a main-param handle (a reservation of the shard's size, no memory)."""
+
+    def __init__(self, source: torch.Tensor):
+        self.source = source
+
+    def float(self) -> torch.Tensor:
+        h = deferred_empty(self.source.shape, torch.float32, self.source.device)
+        setattr(h, _HANDLE_ATTR, True)
+        return h
+
+    def __getattr__(self, name):
+        raise InvalidStateError(2, f"deferalloc.megatron.deferred_main_params: Megatron used a 16-bit shard's clone "
+                                   f"for .{name} (only .float() is expected in megatron-core {MEGATRON_CORE_VERSION})")
+
+
+@contextlib.contextmanager
+def deferred_main_params() -> Iterator[None]:
+    """Within the block, a DistributedOptimizer built for BF16/FP16 params makes its FP32
+    main params as deferalloc handles (one address reservation each, no memory) instead of
+    FP32 copies of the model shards, so neither a shard's FP32 copy nor its BF16 clone ever
+    exists in HBM; ``stream_optimizer_state`` must then be called before anything reads
+    the main params (it keeps these handles: the main-param objects and their addresses are
+    those of construction).  Megatron's own ``_build_model_and_main_param_groups`` runs; only
+    ``Tensor.clone`` of a 16-bit CUDA tensor is changed, on this thread, during that call.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    tensor_clone = torch.Tensor.clone
+    owner = threading.get_ident()
+
+    def clone(self, *args, **kwargs):
+        if (threading.get_ident() == owner and not args and not kwargs
+                and self.dtype in (torch.bfloat16, torch.float16)):
+            return _DeferredClone(self)
+        return tensor_clone(self, *args, **kwargs)
+
+    own_clone = "clone" in torch.Tensor.__dict__  # else inherited from TensorBase
+
+    def build(cls, *args, **kwargs):
+        torch.Tensor.clone = clone
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            if own_clone:
+                torch.Tensor.clone = tensor_clone
+            else:
+                del torch.Tensor.clone
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build)
+    try:
+        yield
+    finally:
+        DistributedOptimizer._build_model_and_main_param_groups = original
+
+
 def _copy_tensor_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
     # Megatron keeps tensor-parallel attributes and `shared` in a tensor's __dict__.
     for k, v in vars(src).items():
@@ -194,11 +267,11 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings):
         raise InvalidStateError(2, "deferalloc.megatron.stream_optimizer_state: already streamed")
     _refuse_if_unsupported(dopt, inner)
 
-    n_main = sum(p.numel() for g in dopt.shard_fp32_from_float16_groups for p in g)
+    n_main = sum(p.numel() for g in dopt.shard_fp32_from_float16_groups for p in g if not _is_handle(p))
     some = next((p for g in dopt.shard_float16_groups + dopt.shard_fp32_groups for p in g), None)
     if some is None:
         raise InvalidArgumentError(1, "deferalloc.megatron.stream_optimizer_state: no parameter shards")
-    base = deferred_empty((max(n_main, 1),), torch.float32, some.device)
+    base = deferred_empty((n_main,), torch.float32, some.device) if n_main else None
 
     # Build everything beside Megatron's objects first; they change only once it all worked.
     targets: dict[torch.Tensor, torch.Tensor] = {}
@@ -214,9 +287,12 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings):
                                        f"other than {MEGATRON_CORE_VERSION}'s)")
         handles = []
         for main, shard in zip(mains, dopt.shard_float16_groups[gi]):
-            handle = base[offset:offset + main.numel()].view(main.shape)
-            offset += main.numel()
-            _copy_tensor_attributes(main, handle)
+            if _is_handle(main):  # made at construction (deferred_main_params): kept
+                handle = main
+            else:
+                handle = base[offset:offset + main.numel()].view(main.shape)
+                offset += main.numel()
+                _copy_tensor_attributes(main, handle)
             targets[handle] = shard
             replaced[main] = handle
             handles.append(handle)
@@ -341,9 +417,10 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         depth, settings: as ``deferalloc.optim.StreamedAdamW``.
 
     Returns the inner optimizers (one per DistributedOptimizer), for ``stats()``.
-    Cost: one address reservation per DistributedOptimizer, the engine's initialisation
-    (reads the model shards once, window by window), and freeing Megatron's FP32 main copies
-    (``torch.cuda.empty_cache`` gives them back).
+    Cost: one address reservation per DistributedOptimizer (none when it was built inside
+    ``deferred_main_params()``), the engine's initialisation (main = float(model shard),
+    window by window on the GPU), and freeing Megatron's FP32 main copies if it made them
+    (``gc.collect`` and ``torch.cuda.empty_cache`` give them back).
     @throws InvalidArgumentError for an unsupported configuration (nothing changed),
     InvalidStateError for another megatron-core version or a second call, the engine's
     errors (OutOfMemoryError, IOFailure, ...) otherwise.

@@ -60,6 +60,7 @@ def in_process() -> None:
     import train_gpt
     from optim_reference import ReferenceAdamW
 
+    import deferalloc
     import deferalloc.megatron as dm
     from deferalloc.optim import InvalidArgumentError, InvalidStateError
 
@@ -69,8 +70,12 @@ def in_process() -> None:
     (dopt,) = dm.streamed_optimizers(optimizer)
     inner = streamed[0]
     handles = [p for g in inner.param_groups for p in g["params"]]
-    check(all(h.untyped_storage().data_ptr() == handles[0].untyped_storage().data_ptr() for h in handles),
-          "main-param handles are views of one reservation")
+    check(all(dm._is_handle(h) and not deferalloc.is_backed(h) for h in handles),
+          "main params: deferalloc handles made at construction (deferred_main_params), unbacked")
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    check("clone" not in torch.Tensor.__dict__ and DistributedOptimizer.__dict__[
+        "_build_model_and_main_param_groups"].__func__.__name__ == "_build_model_and_main_param_groups",
+          "deferred_main_params restored Tensor.clone and Megatron's classmethod")
     check(all(mp.main_param is h for g, hs in zip(dopt.model_float16_groups, dopt.shard_fp32_from_float16_groups)
               for mp, h in zip(g, hs)), "model_param.main_param is the handle")
     shards = [inner._engine_tensor(h) for h in handles]
@@ -130,7 +135,10 @@ def in_process() -> None:
     (dopt2,) = dm.streamed_optimizers(opt2)
     old_mains = [weakref.ref(t) for g in dopt2.shard_fp32_from_float16_groups for t in g]
     old_inner = weakref.ref(dopt2.optimizer)
-    dm.stream_optimizer_state(opt2, tier="host")
+    inner2 = dm.stream_optimizer_state(opt2, tier="host")[0]
+    h2 = [p for g in inner2.param_groups for p in g["params"]]
+    check(all(h.untyped_storage().data_ptr() == h2[0].untyped_storage().data_ptr() for h in h2),
+          "without deferred_main_params: handles are views of one reservation")
     check(train_gpt.state_digest(opt2) == before, "existing Adam state moved into the engine unchanged")
     gc.collect()
     check(old_inner() is None and old_mains and all(r() is None for r in old_mains),
