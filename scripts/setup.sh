@@ -45,4 +45,10 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     echo "setup: installing transformers into .venv"
     "$root/.venv/bin/pip" install --quiet --disable-pip-version-check transformers
   fi
+  # deferalloc.megatron's tests (issue 14): megatron-core pinned, with the dependencies its
+  # wheel declares (numpy, packaging) and psutil, which its dist-checkpointing save uses.
+  if ! "$root/.venv/bin/python" -c "import sys, megatron.core as m, psutil; sys.exit(m.__version__ != '0.16.1')" >/dev/null 2>&1; then
+    echo "setup: installing megatron-core==0.16.1 and psutil into .venv"
+    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check "megatron-core==0.16.1" psutil
+  fi
 fi

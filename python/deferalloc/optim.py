@@ -253,7 +253,11 @@ class StreamedAdamW(torch.optim.Optimizer):
             for p in g["params"]:
                 name = f"group{gi}.param{len(self._shard_of)}"
                 self._shard_of[p] = len(self._shard_of)
-                _check(lib.dfa_opt_add_shard(h, ctypes.c_void_p(p.data_ptr()), p.numel(), _DTYPE[p.dtype], gi,
+                t = self._engine_tensor(p)
+                if t.numel() != p.numel() or t.dtype not in _DTYPE or not t.is_contiguous():
+                    raise InvalidArgumentError(1, f"StreamedAdamW: the engine tensor of {name} has {t.numel()} "
+                                                  f"{t.dtype} elements (contiguous, {p.numel()} expected)")
+                _check(lib.dfa_opt_add_shard(h, ctypes.c_void_p(t.data_ptr()), t.numel(), _DTYPE[t.dtype], gi,
                                              name.encode(), None), "dfa_opt_add_shard")
         n = len(self._params)
         self._numels = [(p, p.numel()) for p in self._params]
@@ -265,6 +269,12 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._push_groups()
         if resume:
             self._resume()
+
+    def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the engine updates in place for parameter ``p``: ``p`` itself here; a
+        subclass may name another of the same size (deferalloc.megatron: a BF16 model shard
+        for an FP32 main-param handle that holds no memory)."""
+        return p
 
     # ---- groups and hyper-parameters ---------------------------------------------------------
 
@@ -320,7 +330,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         if not self._initialized:
             return
         for p, i in self._shard_of.items():
-            self._write(i, 0, p.detach().float().contiguous().cpu())
+            self._write(i, 0, self._engine_tensor(p).detach().cpu().float())
 
     def _read(self, shard: int, array: int, p: torch.Tensor) -> torch.Tensor:
         out = torch.empty(p.shape, dtype=torch.float32)
@@ -374,11 +384,11 @@ class StreamedAdamW(torch.optim.Optimizer):
                 if st is None:
                     for a in (1, 2):
                         self._write(i, a, torch.zeros(p.shape))
-                    self._write(i, 0, p.detach().float())
+                    self._write(i, 0, self._engine_tensor(p).detach().cpu().float())
                     _check(_load().dfa_opt_set_shard_step(self._handle, i, 0), "dfa_opt_set_shard_step")
                     continue
                 for k, a in _ARRAYS.items():
-                    src = st.get(k, p.detach().float() if k == "main_param" else None)
+                    src = st.get(k, self._engine_tensor(p).detach().cpu().float() if k == "main_param" else None)
                     if src is None:
                         raise InvalidArgumentError(1, f"StreamedAdamW.load_state_dict: parameter {pid} has no {k}")
                     if src.numel() != p.numel():

@@ -1,0 +1,314 @@
+"""A small megatron-core GPTModel trained with the DistributedOptimizer, with or without deferalloc.
+
+    torchrun --nproc-per-node 1 examples/megatron/train_gpt.py --deferalloc host
+    torchrun --nproc-per-node 1 examples/megatron/train_gpt.py            # Megatron's own FP32 state
+
+Local layer spec (no Transformer Engine, no Apex), BF16 params under Float16Module, FP32
+gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed random token
+batches (the same for every run and every restart).  ``--deferalloc host|file|device``
+builds the optimizer inside ``deferalloc.megatron.deferred_main_params()`` and calls
+``deferalloc.megatron.stream_optimizer_state`` after ``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
+(HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
+precision-aware optimizer is unavailable, so Megatron keeps FP32 main params on the GPU and
+HDO steps them on the CPU).  Megatron's own inner AdamW is told
+``fused=True`` (torch._fused_adamw_, the arithmetic the engine reproduces bit for bit;
+torch's default foreach AdamW rounds differently).
+
+Prints one line per step (loss as a float hex, optimizer-phase seconds) and a JSON summary
+(``--summary FILE``): losses, peak HBM sampled through the steps with cuMemGetInfo (a thread
+polling torch.cuda.mem_get_info), HBM in use between steps, optimizer-phase times, the
+parameter count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after
+step N; ``--load DIR`` loads one and continues from the step after it.
+
+``--cpu-emulation`` runs the same flow on the CPU (CI without a GPU; see cpu_emulation.py;
+deferalloc's host driver).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--deferalloc", choices=["off", "host", "file", "device"], default="off")
+    ap.add_argument("--directory", help="file tier: the state directory")
+    ap.add_argument("--window-mb", type=int, default=512)
+    ap.add_argument("--hdo", action="store_true", help="megatron-core's HybridDeviceOptimizer(offload_fraction=1.0)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--save", help="dist-checkpointing directory to save into")
+    ap.add_argument("--save-at", type=int, default=0, help="save after this step")
+    ap.add_argument("--load", help="dist-checkpointing directory to load, then continue")
+    ap.add_argument("--summary", help="write the JSON summary here")
+    ap.add_argument("--cpu-emulation", action="store_true", help="CI: run on the CPU (deferalloc host driver)")
+    return ap.parse_args(argv)
+
+
+# ---- HBM sampling ---------------------------------------------------------------------------
+
+class HbmSampler:
+    """Device memory in use (total - free from cuMemGetInfo), polled by a thread."""
+
+    def __init__(self, period_s: float = 0.002):
+        # 2 ms: a streamed step holds its window for tens of ms, and a faster poll would take
+        # the GIL from the step being timed.
+        self.period_s = period_s
+        self.peak = 0
+        self._on = False
+        self._stop = threading.Event()
+        self._thread = None
+
+    @staticmethod
+    def used() -> int:
+        if not torch.cuda.is_available():
+            return 0
+        free, total = torch.cuda.mem_get_info(torch.cuda.current_device())
+        return total - free
+
+    def _run(self):
+        torch.cuda.set_device(self._device)
+        while not self._stop.is_set():
+            if self._on:
+                self.peak = max(self.peak, self.used())
+            time.sleep(self.period_s)
+
+    def start(self):
+        if torch.cuda.is_available():
+            self._device = torch.cuda.current_device()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        self._on = True
+
+    def stop(self):
+        self._on = False
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self.peak = max(self.peak, self.used())
+
+
+# ---- model and optimizer --------------------------------------------------------------------
+
+def setup(args):
+    if args.cpu_emulation:
+        sys.path.insert(0, HERE)
+        import cpu_emulation
+        cpu_emulation.enable()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if not args.cpu_emulation:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group("gloo" if args.cpu_emulation else "nccl")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    from megatron.core import parallel_state, tensor_parallel
+    parallel_state.initialize_model_parallel(1, 1)
+    if args.cpu_emulation:
+        cpu_emulation.after_model_parallel_init()
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+
+
+def build(args):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                            use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=True,
+                            params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                            deterministic_mode=not args.cpu_emulation)
+    torch.manual_seed(args.seed)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+                   max_sequence_length=args.seq)
+    model = Float16Module(cfg, gpt)
+    if not args.cpu_emulation:
+        model.cuda(torch.cuda.current_device())
+    ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False))
+    ocfg = dict(optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
+    if args.hdo:
+        ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                    overlap_cpu_optimizer_d2h_h2d=True)
+    streamed = []
+    if args.deferalloc != "off":
+        import deferalloc.megatron
+        # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
+        # then the streamed engine: the two deferalloc lines of a Megatron script.
+        with deferalloc.megatron.deferred_main_params():
+            optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
+        streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
+                                                              directory=args.directory, window_mb=args.window_mb)
+    else:
+        optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
+    if args.deferalloc == "off" and not args.hdo:
+        for dopt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for g in dopt.optimizer.param_groups:
+                g["fused"], g["foreach"] = True, False
+    return gpt, ddp, optimizer, streamed
+
+
+def batch(args, step: int, device):
+    g = torch.Generator().manual_seed(args.seed * 1000 + step)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    pos = torch.arange(args.seq).unsqueeze(0).expand(args.batch, -1)
+    return tokens[:, :-1].to(device), pos.to(device), tokens[:, 1:].to(device)
+
+
+def lr_at(args, step: int) -> float:
+    return args.lr * min(1.0, step / 5)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+def optimizers_of(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def state_digest(optimizer) -> str:
+    """sha256 over every model param's FP32 main shard and moments, read through Megatron's
+    own accessor (the one its checkpoint formats use)."""
+    h = hashlib.sha256()
+    for dopt in optimizers_of(optimizer):
+        for gbuf in dopt.gbuf_ranges:
+            for per_bucket in gbuf.values():
+                for bucket in per_bucket:
+                    for model_param in bucket["param_map"]:
+                        t = dopt._get_main_param_and_optimizer_states(model_param)
+                        for k in ("param", "exp_avg", "exp_avg_sq"):
+                            h.update(t[k].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# dp_reshardable: each rank saves its buckets' state in place (no gather), and a load at
+# another data-parallel size reshards it.  (megatron-core 0.16.1's own torch-AdamW
+# DistributedOptimizer cannot load its "fully_reshardable" format: the loaded tensors lack
+# the "step" key that _set_main_param_and_optimizer_states copies; the streamed optimizer
+# takes both.)
+CKPT_METADATA = {"distrib_optim_sharding_type": os.environ.get("DFA_MEGATRON_CKPT_FORMAT", "dp_reshardable"),
+                 "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def save(gpt, optimizer, directory: str, step: int) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if not filesystem_async.HAVE_PSUTIL:
+        # megatron-core 0.16.1's writer logs its RSS through psutil, a dependency its wheel
+        # does not declare; without psutil that log probe reads 0 (nothing else uses it).
+        filesystem_async._process_memory = lambda: 0
+    os.makedirs(directory, exist_ok=True)
+    model_sd = gpt.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=CKPT_METADATA),
+                             "step": step}, directory)
+
+
+def load(gpt, optimizer, directory: str) -> int:
+    from megatron.core import dist_checkpointing
+    for dopt in optimizers_of(optimizer):
+        dopt._init_optimizer_states_with_dummy_values()  # Megatron-LM does this before a load
+    model_sd = gpt.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd,
+                                      "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                                                   metadata=CKPT_METADATA),
+                                      "step": None}, directory)
+    gpt.load_state_dict(loaded["model"], strict=False)
+    optimizer.load_state_dict(loaded["optimizer"])
+    return int(loaded["step"])
+
+
+# ---- training -------------------------------------------------------------------------------
+
+def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, float]:
+    """One step: forward, backward, Megatron's grad sync, optimizer.step() (timed alone).
+    Returns (loss, grad norm, optimizer-phase seconds)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr_at(args, step)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, pos, labels = batch(args, step, device)
+    loss = ddp(tokens, pos, None, labels=labels).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ok, grad_norm, _ = optimizer.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if not ok:
+        raise RuntimeError(f"step {step}: Megatron skipped the update (inf/nan gradients)")
+    return loss.item(), float(grad_norm), time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup(args)
+    gpt, ddp, optimizer, streamed = build(args)
+    device = torch.device("cpu") if args.cpu_emulation else torch.device("cuda", torch.cuda.current_device())
+    n_params = sum(p.numel() for p in gpt.parameters())
+    first = 1
+    summary = {"params": n_params, "mode": "hdo" if args.hdo else args.deferalloc}
+    if args.load:
+        first = load(gpt, optimizer, args.load) + 1
+        summary["loaded_digest"] = state_digest(optimizer)
+        if args.save and args.save_at == first - 1:  # re-save what was loaded (resharding checks)
+            save(gpt, optimizer, args.save, first - 1)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    sampler = HbmSampler()
+    sampler.start()
+    losses, opt_seconds, between = {}, [], []
+    for step in range(first, args.steps + 1):
+        loss, grad_norm, seconds = train_step(args, ddp, optimizer, step, device)
+        opt_seconds.append(seconds)
+        between.append(sampler.used())
+        losses[step] = loss
+        print(f"step {step:3d} loss {losses[step]:.6f} {float(losses[step]).hex()} grad_norm {float(grad_norm):.4f} "
+              f"optimizer {opt_seconds[-1] * 1e3:.1f} ms", flush=True)
+        if args.save and step == args.save_at:
+            save(gpt, optimizer, args.save, step)
+            summary["saved_digest"] = state_digest(optimizer)
+    sampler.stop()
+    summary.update(losses={str(k): v.hex() for k, v in losses.items()}, peak_hbm=sampler.peak,
+                   between_hbm=max(between) if between else 0, optimizer_seconds=opt_seconds,
+                   window_mb=args.window_mb)
+    if streamed:
+        summary["engine_peak_backed"] = max(s.stats()["peak_backed_bytes"] for s in streamed)
+    print(f"params {n_params} peak HBM {sampler.peak / 2**20:.0f} MiB between steps "
+          f"{summary['between_hbm'] / 2**20:.0f} MiB", flush=True)
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary, f)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

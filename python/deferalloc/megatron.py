@@ -1,0 +1,459 @@
+"""megatron-core's DistributedOptimizer with its FP32 main params and Adam moments in deferalloc.
+
+``deferalloc.megatron.stream_optimizer_state(optimizer, tier="host", ...)`` is called once,
+after ``get_megatron_optimizer`` (or a DistributedOptimizer built by hand).  From then on
+the FP32 main params and both moments of every DistributedOptimizer in ``optimizer`` live in
+the streamed engine (libdeferalloc_optimizer.so through ``deferalloc.optim``): pinned host
+memory, a file, or HBM, streamed through a fixed HBM window at each step, and no HBM between
+steps.  Pinned to megatron-core 0.16.1 (checked at the call).
+
+Note [Megatron's step with a streamed inner optimizer]
+Rationale: DistributedOptimizer.step is prepare_grads (copy the reduce-scattered grad shards
+to ``main_param.grad``, unscale and check for inf with the grad scaler), clip_grad_norm
+(scales those ``.grad`` tensors in place by Megatron's clip coefficient), the inner
+``optimizer.step()``, ``_copy_main_params_to_model_params`` (BF16(main) into the param
+buffer) and the param all-gather.  Everything but the inner step and the two main-param
+copies stays Megatron's, so gradient reduction, loss scaling, clipping, the all-gather and
+their communicators are untouched; the engine reads the very ``.grad`` tensors Megatron's
+own Adam would read (already unscaled and clipped, so it is called with scale 1) and the
+arithmetic is torch._fused_adamw_'s.
+Approach: the inner torch Adam/AdamW is replaced by ``StreamedMegatronAdamW``, a
+StreamedAdamW whose torch-side parameters are Megatron's main-param objects and whose engine
+side is the BF16 (or FP16) model shard in the param buffer: the engine writes BF16(main)
+straight into the param buffer, so ``_copy_main_params_to_model_params`` has nothing left to
+do and is bypassed.  Megatron's FP32 main tensors are replaced by handles: deferalloc
+reservations (``deferred_empty``; views of one, or one each when made at construction) with the shard's shape, dtype, device and tensor-
+parallel attributes, a stable address and no memory.  They carry ``.grad`` for Megatron;
+their values are the engine's (reading one faults: ``optimizer.main_param_shard`` reads
+through the engine instead).  FP32 model params keep Megatron's layout: their main copy is
+the param itself and the engine streams only their moments.
+Construction: megatron-core 0.16.1 makes the FP32 main copies in DistributedOptimizer.__init__
+(``shard.clone().float()``; it has no hook to defer them and no
+``defer_main_param_initialization`` option).  Built inside ``deferred_main_params()``,
+those become handles from the start (Megatron's own builder runs, with ``Tensor.clone`` of
+16-bit tensors answering a handle for ``.float()``), so no FP32 copy ever exists and the
+main-param objects keep their construction addresses; built outside, this call frees the
+copies (resident only between construction and the call).
+Limits: refused: Megatron FSDP, precision-aware optimizer, FP8 params,
+CPU offload (HybridDeviceOptimizer), SGD, Adam with L2 weight decay (torch.optim.Adam with
+weight_decay > 0), amsgrad.  Code outside megatron-core that reads ``param.main_param``
+values (Megatron-LM's --log-params-norm) must not be used.
+
+Note [Megatron checkpoints through the engine]
+DistributedOptimizer reaches its parameter state through two methods,
+``_get_main_param_and_optimizer_states`` and ``_set_main_param_and_optimizer_states``; every
+checkpoint format (dp_reshardable; fully_reshardable; dp_zero via save/load_parameter_state;
+fully_sharded_model_space, ``sharded_state_dict``'s default, which 0.16.1's own
+dist-checkpointing rejects: "flattened_range is not supported") is built on them.  They are
+bound here to read the shard's three FP32 arrays from the tier into CPU tensors and to write
+them back, so Megatron's dist-checkpointing saves and loads real state, also at another
+data-parallel size (dp_reshardable and fully_reshardable, tested DP 1 -> 2 -> 1).  While a sharded state dict
+is being built for loading, the read returns uninitialised CPU tensors of the right size
+instead (they are only load targets).  The inner optimizer's own ``state_dict`` carries the
+hyper-parameters and ``step`` (all Megatron keeps from it).  ``save_engine_checkpoint`` /
+``load_engine_checkpoint`` (module functions) are the engine's raw fast path, for the same
+layout only.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import threading
+import types
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from . import deferred_empty
+from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
+
+__all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers",
+           "save_engine_checkpoint", "load_engine_checkpoint"]
+
+MEGATRON_CORE_VERSION = "0.16.1"
+_STATE_KEYS = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
+
+
+class StreamedMegatronAdamW(StreamedAdamW):
+    """The inner optimizer of a streamed DistributedOptimizer (see Note [Megatron's step with
+    a streamed inner optimizer]): torch-side parameters are main-param handles, the engine
+    updates ``targets[handle]`` (the model shard) in place.
+
+    ``state_dict()`` holds the hyper-parameters and each parameter's ``step`` only;
+    ``load_state_dict`` takes those (tensors in the given state are ignored: Megatron loads
+    them through the DistributedOptimizer, see Note [Megatron checkpoints through the
+    engine]).  ``state`` keeps one ``{"step": tensor}`` per parameter, so Megatron sees an
+    initialised optimizer and allocates no placeholder state on the GPU when it loads.
+    """
+
+    def __init__(self, params: Iterable, targets: dict[torch.Tensor, torch.Tensor], **kwargs):
+        self._targets = targets
+        super().__init__(params, **kwargs)
+        self._refresh_steps()
+
+    def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        return self._targets.get(p, p)
+
+    def _refresh_steps(self) -> None:
+        for p, i in self._shard_of.items():
+            self.state[p] = {"step": torch.tensor(float(self._shard_step(i)) if self._initialized else 0.0)}
+
+    def state_dict(self) -> dict[str, Any]:
+        self._refresh_steps()
+        return torch.optim.Optimizer.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
+            raise InvalidArgumentError(1, "StreamedMegatronAdamW.load_state_dict: the parameter groups do not match")
+        torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": groups})
+        self._ensure_initialized()
+        saved = state_dict.get("state", {})
+        for g, o in zip(groups, self.param_groups):
+            for pid, p in zip(g["params"], o["params"]):
+                st = saved.get(pid)
+                if st is not None and "step" in st:
+                    self.set_shard_step(p, int(float(st["step"])))
+        self._pushed = [None] * len(self.param_groups)
+        self._push_groups()
+        self._refresh_steps()
+
+    def set_shard_step(self, p: torch.Tensor, step: int) -> None:
+        """PyTorch's per-parameter ``step`` of handle ``p``."""
+        _check(_load().dfa_opt_set_shard_step(self._handle, self._shard_of[p], int(step)), "dfa_opt_set_shard_step")
+
+    def read_shard(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Main param, exp_avg and exp_avg_sq of handle ``p`` as FP32 CPU tensors (read now)."""
+        self._ensure_initialized()
+        i = self._shard_of[p]
+        return {k: self._read(i, a, p) for k, a in _STATE_KEYS.items()}
+
+    def write_shard(self, p: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Writes those of main param / exp_avg / exp_avg_sq that ``tensors`` holds."""
+        self._ensure_initialized()
+        i = self._shard_of[p]
+        for k, a in _STATE_KEYS.items():
+            t = tensors.get(k)
+            if t is None:
+                continue
+            if t.numel() != p.numel():
+                raise InvalidArgumentError(1, f"StreamedMegatronAdamW: {k} has {t.numel()} elements, the shard "
+                                              f"{p.numel()}")
+            self._write(i, a, t.detach().cpu().float())
+
+
+# ---- the call ------------------------------------------------------------------------------
+
+def streamed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers of ``optimizer`` (itself, or those of a ChainedOptimizer)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _check_megatron():
+    import megatron.core
+    version = getattr(megatron.core, "__version__", "?")
+    if version != MEGATRON_CORE_VERSION:
+        raise InvalidStateError(2, f"deferalloc.megatron: megatron-core {version} found, {MEGATRON_CORE_VERSION} "
+                                   f"is the version this integration is written against")
+
+
+def _refuse_if_unsupported(dopt, inner) -> None:
+    cfg = dopt.config
+    why = None
+    if getattr(dopt, "is_stub_optimizer", False):
+        why = "a stub optimizer (no parameters on this rank)"
+    elif dopt.ddp_config.use_megatron_fsdp:
+        why = "Megatron FSDP"
+    elif cfg.use_precision_aware_optimizer or getattr(cfg, "optimizer_cpu_offload", False):
+        why = "the precision-aware optimizer / CPU offload"
+    elif getattr(cfg, "fp8_recipe", None) and getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        why = "MXFP8 params"
+    elif not isinstance(inner, (torch.optim.AdamW, torch.optim.Adam)) or type(inner) not in (
+            torch.optim.AdamW, torch.optim.Adam):
+        why = f"inner optimizer {type(inner).__name__} (torch Adam / AdamW expected)"
+    elif type(inner) is torch.optim.Adam and any(g["weight_decay"] != 0 for g in inner.param_groups):
+        why = "torch.optim.Adam with L2 weight decay (decoupled_weight_decay=False); the engine is AdamW"
+    elif any(g.get("amsgrad") or g.get("maximize") for g in inner.param_groups):
+        why = "amsgrad / maximize"
+    if why is None:
+        from megatron.core.fp8_utils import is_float8tensor
+        if any(is_float8tensor(p) for g in dopt.model_float16_groups for p in g):
+            why = "FP8 params"
+    if why:
+        raise InvalidArgumentError(1, f"deferalloc.megatron.stream_optimizer_state: {why} is not supported")
+
+
+_HANDLE_ATTR = "_deferalloc_main_handle"
+
+
+def _is_handle(t: torch.Tensor) -> bool:
+    return getattr(t, _HANDLE_ATTR, False)
+
+
+class _DeferredClone:
+    """What ``Tensor.clone`` returns for a 16-bit tensor inside deferred_main_params: its
+    ``float()`` is a main-param handle (a reservation of the shard's size, no memory)."""
+
+    def __init__(self, source: torch.Tensor):
+        self.source = source
+
+    def float(self) -> torch.Tensor:
+        h = deferred_empty(self.source.shape, torch.float32, self.source.device)
+        setattr(h, _HANDLE_ATTR, True)
+        return h
+
+    def __getattr__(self, name):
+        raise InvalidStateError(2, f"deferalloc.megatron.deferred_main_params: Megatron used a 16-bit shard's clone "
+                                   f"for .{name} (only .float() is expected in megatron-core {MEGATRON_CORE_VERSION})")
+
+
+@contextlib.contextmanager
+def deferred_main_params() -> Iterator[None]:
+    """Within the block, a DistributedOptimizer built for BF16/FP16 params makes its FP32
+    main params as deferalloc handles (one address reservation each, no memory) instead of
+    FP32 copies of the model shards, so neither a shard's FP32 copy nor its BF16 clone ever
+    exists in HBM; ``stream_optimizer_state`` must then be called before anything reads
+    the main params (it keeps these handles: the main-param objects and their addresses are
+    those of construction).  Megatron's own ``_build_model_and_main_param_groups`` runs; only
+    ``Tensor.clone`` of a 16-bit CUDA tensor is changed, on this thread, during that call.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    tensor_clone = torch.Tensor.clone
+    owner = threading.get_ident()
+
+    def clone(self, *args, **kwargs):
+        if (threading.get_ident() == owner and not args and not kwargs
+                and self.dtype in (torch.bfloat16, torch.float16)):
+            return _DeferredClone(self)
+        return tensor_clone(self, *args, **kwargs)
+
+    own_clone = "clone" in torch.Tensor.__dict__  # else inherited from TensorBase
+
+    def build(cls, *args, **kwargs):
+        torch.Tensor.clone = clone
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            if own_clone:
+                torch.Tensor.clone = tensor_clone
+            else:
+                del torch.Tensor.clone
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build)
+    try:
+        yield
+    finally:
+        DistributedOptimizer._build_model_and_main_param_groups = original
+
+
+def _copy_tensor_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    # Megatron keeps tensor-parallel attributes and `shared` in a tensor's __dict__.
+    for k, v in vars(src).items():
+        setattr(dst, k, v)
+
+
+def _stream_one(dopt, tier, directory, window_mb, depth, settings):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(dopt, DistributedOptimizer):
+        raise InvalidArgumentError(1, f"deferalloc.megatron.stream_optimizer_state: {type(dopt).__name__} is not a "
+                                      f"DistributedOptimizer (set use_distributed_optimizer=True)")
+    inner = dopt.optimizer
+    if isinstance(inner, StreamedMegatronAdamW):
+        raise InvalidStateError(2, "deferalloc.megatron.stream_optimizer_state: already streamed")
+    _refuse_if_unsupported(dopt, inner)
+
+    n_main = sum(p.numel() for g in dopt.shard_fp32_from_float16_groups for p in g if not _is_handle(p))
+    some = next((p for g in dopt.shard_float16_groups + dopt.shard_fp32_groups for p in g), None)
+    if some is None:
+        raise InvalidArgumentError(1, "deferalloc.megatron.stream_optimizer_state: no parameter shards")
+    base = deferred_empty((n_main,), torch.float32, some.device) if n_main else None
+
+    # Build everything beside Megatron's objects first; they change only once it all worked.
+    targets: dict[torch.Tensor, torch.Tensor] = {}
+    replaced: dict[torch.Tensor, torch.Tensor] = {}   # Megatron's FP32 main -> its handle
+    new_groups = []
+    offset = 0
+    for gi, group in enumerate(inner.param_groups):
+        fp32_shards = dopt.shard_fp32_groups[gi]
+        mains = dopt.shard_fp32_from_float16_groups[gi]
+        if list(map(id, group["params"])) != list(map(id, [*fp32_shards, *mains])):
+            raise InvalidStateError(2, "deferalloc.megatron.stream_optimizer_state: the inner optimizer's group "
+                                       f"{gi} is not [shard_fp32, shard_fp32_from_float16] (a megatron-core layout "
+                                       f"other than {MEGATRON_CORE_VERSION}'s)")
+        handles = []
+        for main, shard in zip(mains, dopt.shard_float16_groups[gi]):
+            if _is_handle(main):  # made at construction (deferred_main_params): kept
+                handle = main
+            else:
+                handle = base[offset:offset + main.numel()].view(main.shape)
+                offset += main.numel()
+                _copy_tensor_attributes(main, handle)
+            targets[handle] = shard
+            replaced[main] = handle
+            handles.append(handle)
+        new_groups.append({**group, "params": [*fp32_shards, *handles]})
+
+    defaults = {k: inner.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    if type(inner) is torch.optim.Adam:
+        defaults["weight_decay"] = 0.0
+        for g in new_groups:
+            g["weight_decay"] = 0.0
+    streamed = StreamedMegatronAdamW(new_groups, targets, **defaults, tier=tier, directory=directory,
+                                     window_mb=window_mb, depth=depth, settings=settings)
+    # main = float(model shard), window by window; the moments start at zero.  An optimizer
+    # that already stepped (or loaded) hands over its state.
+    streamed._ensure_initialized()
+    for old, st in inner.state.items():
+        if not st:
+            continue
+        p = replaced.get(old, old)
+        streamed.write_shard(p, {"param": old if old in replaced else None,
+                                 "exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq")})
+        if "step" in st:
+            streamed.set_shard_step(p, int(float(st["step"])))
+    streamed._refresh_steps()
+
+    # Commit: Megatron's main-param objects become the handles, the old FP32 copies go.
+    for gi, g in enumerate(streamed.param_groups):
+        mains = dopt.shard_fp32_from_float16_groups[gi]
+        n_fp32 = len(dopt.shard_fp32_groups[gi])
+        for k, model_param in enumerate(dopt.model_float16_groups[gi]):
+            mains[k] = g["params"][n_fp32 + k]
+            model_param.main_param = mains[k]
+        # Megatron keeps the group dict it handed to the inner optimizer under two keys; the
+        # old dicts list the FP32 copies, which must not stay referenced.
+        for key in ("orig_group", "orig_group_idx"):
+            if key in dopt.opt_group_ranges[gi]:
+                dopt.opt_group_ranges[gi][key] = g
+    dopt.optimizer = streamed
+    _bind(dopt)
+    return streamed
+
+
+# ---- the DistributedOptimizer methods bound to the engine ----------------------------------
+
+def _handle_of(self, model_param):
+    gi, go = self.model_param_group_index_map[model_param]
+    return self.optimizer.param_groups[gi]["params"][go]
+
+
+def _get_main_param_and_optimizer_states(self, model_param):
+    h = _handle_of(self, model_param)
+    if getattr(self, "_dfa_loading", False):
+        return {k: torch.empty(h.shape, dtype=torch.float32) for k in _STATE_KEYS}
+    return self.optimizer.read_shard(h)
+
+
+def _set_main_param_and_optimizer_states(self, model_param, tensors):
+    self.optimizer.write_shard(_handle_of(self, model_param), tensors)
+
+
+def _sharded_state_dict(self, *args, **kwargs):
+    is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+    self._dfa_loading = bool(is_loading)
+    try:
+        return type(self).sharded_state_dict(self, *args, **kwargs)
+    finally:
+        self._dfa_loading = False
+
+
+def _copy_main_params_to_model_params(self):
+    # The engine wrote BF16(main) into the param buffer during the step.
+    return None
+
+
+def _copy_model_params_to_main_params(self, state_dict=None):
+    """main = float(model param shard) (or of the state_dict's tensor for it), per shard through
+    host memory: no HBM beyond the BF16 shard being read."""
+    source = self._build_model_param_to_state_dict_param_map(state_dict) if state_dict is not None else {}
+    for model_groups in (self.model_float16_groups, self.model_fp32_groups):
+        for group in model_groups:
+            for model_param in group:
+                rng = self._get_model_param_range_map(model_param)["param"]
+                src = source.get(model_param, model_param)
+                shard = src.detach().reshape(-1)[rng.start:rng.end]
+                h = _handle_of(self, model_param)
+                if h.dtype == shard.dtype and h.data_ptr() == shard.data_ptr():
+                    continue  # an FP32 param: its main copy is the param itself
+                self.optimizer.write_shard(h, {"param": shard.cpu()})
+
+
+def _init_optimizer_states_with_dummy_values(self):
+    # The engine's state exists from stream_optimizer_state on; nothing to allocate.
+    self.optimizer._ensure_initialized()
+
+
+def _bind(dopt) -> None:
+    for fn in (_get_main_param_and_optimizer_states, _set_main_param_and_optimizer_states,
+               _copy_main_params_to_model_params, _copy_model_params_to_main_params,
+               _init_optimizer_states_with_dummy_values):
+        setattr(dopt, fn.__name__, types.MethodType(fn, dopt))
+    dopt.sharded_state_dict = types.MethodType(_sharded_state_dict, dopt)
+    dopt.main_param_shard = types.MethodType(lambda self, mp: self.optimizer.read_shard(_handle_of(self, mp))["param"],
+                                             dopt)
+
+
+def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None = None, window_mb: int = 512,
+                           *, depth: int = 3, settings: str | None = None) -> list[StreamedMegatronAdamW]:
+    """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
+    DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
+    returns) into deferalloc's streamed engine.
+
+    After the call ``optimizer.step()`` is Megatron's (grad reduce-scatter, loss scaling,
+    clipping, param all-gather) with the inner Adam step streamed (Note [Megatron's step with
+    a streamed inner optimizer]); ``sharded_state_dict`` / ``state_dict`` / ``load_state_dict``
+    / ``reload_model_params`` work through the engine (Note [Megatron checkpoints through the
+    engine]).  Existing Adam state (an optimizer that already stepped or loaded) is moved.
+
+    Args:
+        tier: "host" (pinned host memory), "file" (``directory``; one sub-directory per
+            DistributedOptimizer of a chain), or "device".
+        window_mb: HBM budget of the streamed state.
+        depth, settings: as ``deferalloc.optim.StreamedAdamW``.
+
+    Returns the inner optimizers (one per DistributedOptimizer), for ``stats()``.
+    Cost: one address reservation per DistributedOptimizer (none when it was built inside
+    ``deferred_main_params()``), the engine's initialisation (main = float(model shard),
+    window by window on the GPU), and freeing Megatron's FP32 main copies if it made them
+    (``gc.collect`` and ``torch.cuda.empty_cache`` give them back).
+    @throws InvalidArgumentError for an unsupported configuration (nothing changed),
+    InvalidStateError for another megatron-core version or a second call, the engine's
+    errors (OutOfMemoryError, IOFailure, ...) otherwise.
+    """
+    _check_megatron()
+    chain = streamed_optimizers(optimizer)
+    out = []
+    for i, dopt in enumerate(chain):
+        d = directory
+        if directory and len(chain) > 1:
+            d = os.path.join(directory, f"optimizer{i}")
+            os.makedirs(d, exist_ok=True)
+        out.append(_stream_one(dopt, tier, d, window_mb, depth, settings))
+    gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def save_engine_checkpoint(optimizer, directory: str) -> None:
+    """The engine's own checkpoint of every streamed DistributedOptimizer in ``optimizer``
+    (``directory``/optimizer<i>): raw FP32 arrays and a checksummed manifest, the fast path
+    when the same layout (model, data-parallel size) loads it.  Hyper-parameters, the grad
+    scaler and the model stay with Megatron's own checkpoint.  Cost: the state read once
+    from its tier and written with fsync.  @throws the engine's errors (IOFailure, ...)."""
+    for i, dopt in enumerate(streamed_optimizers(optimizer)):
+        d = os.path.join(directory, f"optimizer{i}")
+        os.makedirs(d, exist_ok=True)
+        dopt.optimizer.save_checkpoint(d)
+
+
+def load_engine_checkpoint(optimizer, directory: str) -> None:
+    """Loads save_engine_checkpoint's directory and writes BF16(main) into the model
+    params.  @throws CorruptDataError (a check failed; nothing loaded), IOFailure."""
+    for i, dopt in enumerate(streamed_optimizers(optimizer)):
+        dopt.optimizer.load_checkpoint(os.path.join(directory, f"optimizer{i}"))
