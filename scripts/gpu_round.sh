@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
-#   scripts/gpu_round.sh [build] [ctest] [tms] [optim] [megatron] [overlap] [ckpt] [stress] [bench]
+#   scripts/gpu_round.sh [build] [ctest] [tms] [optim] [diag] [megatron] [overlap] [ckpt] [stress] [bench]
 #   (default: all).  DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the machine lacks (torch-memory-saver, megatron-core) are taken from .whl/ when it
 # is there (see the device notes in docs/DEVELOPING.md).  Logs go to $OUT/logs.tar.gz, the
@@ -70,6 +70,10 @@ if has optim; then
   mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run optim_gpu 420 python3 tests/torch/test_optim_gpu.py ${mc:+--megatron-wheel $mc}
   tail -16 "$L/optim_gpu.log"
+fi
+if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
+  run diag_adamw 120 env DEFERALLOC_CONF=driver:cuda python3 tests/torch/diag_fused_adamw.py
+  cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py ${DFA_MEGATRON_ARGS:-}
