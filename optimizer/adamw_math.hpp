@@ -4,26 +4,24 @@
 // build does not contract to FMA), so the GPU and the CPU give bit-identical results.
 //
 // Note [Torch's fused AdamW, bit for bit]
-// The formula and its roundings are those of torch._fused_adamw_ on CUDA
-// (aten/src/ATen/native/cuda/fused_adam_utils.cuh, adam_math): the state is float,
-// the hyper-parameters double, so the mixed expressions run in double and are rounded
-// to float when assigned.  nvcc contracts them (checked in the PTX / SASS of the same
-// source, nvcc 13, sm_90): the weight decay is one DFMA, each moment one DFMA whose
-// addend is the rounded product of the old moment:
-//   p  = f32(fma(-(lr*wd), p, p))                      (only when wd != 0)
-//   m  = f32(fma(1-beta1, g, beta1*m))
-//   v  = f32(fma((1-beta2)*g, g, beta2*v))
-//   bc1 = f32(1 - pow(beta1, t)), step_size = f32(lr / bc1)
-//   bc2_sqrt = f32(sqrt(1 - pow(beta2, t)))            (double, as FusedAdamMathFunctor
-//                                                       computes both corrections since
-//                                                       the lr-tensor version; older torch
-//                                                       took sqrtf of a float)
-//   denom = f32((sqrtf(v) / bc2_sqrt) + eps)           (float div, then a double add)
-//   p  = p - (step_size * m) / denom                   (float)
-// grad_scale multiplies the gradient first (1 is exact and skipped).  Torch evaluates
-// pow on the device, we on the host (glibc): both are within an ulp of the double
-// result, which is then rounded to float, so the scalars agree except in the rare case
-// where that ulp straddles a float rounding boundary.
+// The formula and its roundings are those of torch._fused_adamw_ on CUDA in torch 2.11
+// (aten/src/ATen/native/cuda/fused_adam_utils.cuh, FusedAdamMathFunctor + adam_math):
+// every hyper-parameter is cast to float (opmath) first, and the whole update is float:
+//   lr, beta1, beta2, wd, eps = f32(...)
+//   bc1 = 1 - powf(beta1, t), bc2_sqrt = sqrtf(1 - powf(beta2, t))   (t: float step)
+//   p  = fmaf(-(lr*wd), p, p)                          (only when wd != 0; nvcc contracts
+//                                                        p -= lr*wd*p into one FFMA)
+//   m  = fmaf(beta1, m, fmaf(-beta1, g, g))            (explicit std::fma in torch)
+//   v  = fmaf(beta2, v, fmaf(-beta2, g*g, g*g))
+//   step_size = lr / bc1
+//   denom = sqrtf(v) / bc2_sqrt + eps
+//   p  = p - (step_size * m) / denom
+// Earlier torch releases kept the hyper-parameters in double (mixed double/float
+// expressions): measured on the H200 against torch 2.11, that formula differed from the
+// kernel in every moment (1-4 ulp in exp_avg, up to 218 in exp_avg_sq at step 1), which is
+// the float rounding of beta1 and beta2.  grad_scale multiplies the gradient (1 is exact
+// and skipped; torch divides by its scale).  powf runs on the host here (glibc) and on the
+// device in torch: both are within an ulp, and agree for the small integer steps checked.
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -41,12 +39,11 @@ namespace deferalloc::optim::detail {
 /// Scalars of one step of one shard (its group's hyper-parameters, its step count),
 /// computed once on the host by make_scalars.
 struct adamw_scalars {
-  double lr_wd;  // lr * weight_decay; 0: no decay
-  double beta1, one_minus_beta1;
-  double beta2, one_minus_beta2;
-  float step_size;  // f32(lr / f32(1 - beta1^t))
-  float bc2_sqrt;   // f32(sqrt(1 - beta2^t)), the root in double
-  double eps;
+  float lr_wd;  // f32(lr) * f32(weight_decay); 0: no decay
+  float beta1, beta2;
+  float step_size;  // f32(lr) / (1 - powf(beta1, t))
+  float bc2_sqrt;   // sqrtf(1 - powf(beta2, t))
+  float eps;
   float grad_scale;
 };
 
@@ -54,16 +51,15 @@ struct adamw_scalars {
 inline adamw_scalars make_scalars(double lr, double beta1, double beta2, double eps, double wd, std::uint64_t t,
                                   float grad_scale) {
   adamw_scalars k{};
-  k.lr_wd = lr * wd;
-  k.beta1 = beta1;
-  k.one_minus_beta1 = 1 - beta1;
-  k.beta2 = beta2;
-  k.one_minus_beta2 = 1 - beta2;
-  const double tf = static_cast<float>(t);  // torch keeps `step` in a float tensor
-  const float bc1 = static_cast<float>(1 - std::pow(beta1, tf));
-  k.step_size = static_cast<float>(lr / static_cast<double>(bc1));
-  k.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, tf)));
-  k.eps = eps;
+  const float lr_f = static_cast<float>(lr), wd_f = static_cast<float>(wd);
+  k.lr_wd = wd_f != 0.0f ? lr_f * wd_f : 0.0f;
+  k.beta1 = static_cast<float>(beta1);
+  k.beta2 = static_cast<float>(beta2);
+  const float tf = static_cast<float>(t);  // torch keeps `step` in a float tensor
+  const float bc1 = 1.0f - std::pow(k.beta1, tf);
+  k.step_size = lr_f / bc1;
+  k.bc2_sqrt = std::sqrt(1.0f - std::pow(k.beta2, tf));
+  k.eps = static_cast<float>(eps);
   k.grad_scale = grad_scale;
   return k;
 }
@@ -89,32 +85,25 @@ DFA_HD float f_div(float a, float b) {
   return a / b;
 #endif
 }
+DFA_HD float f_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+DFA_HD float f_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
 DFA_HD float f_sqrt(float a) {
 #if defined(__CUDA_ARCH__)
   return __fsqrt_rn(a);
 #else
   return __builtin_sqrtf(a);
-#endif
-}
-DFA_HD double d_mul(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-DFA_HD double d_add(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-DFA_HD double d_fma(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
-  return __fma_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
 #endif
 }
 DFA_HD std::uint32_t f_bits(float f) {
@@ -197,12 +186,12 @@ DFA_HD float load_grad(const void* g, bool bf16, std::size_t i) { return load_as
 /// One element: updates p, m, v in place.  See Note [Torch's fused AdamW, bit for bit].
 DFA_HD void adamw_update(float& p, float& m, float& v, float grad, const adamw_scalars& s) {
   const float g = s.grad_scale == 1.0f ? grad : f_mul(grad, s.grad_scale);
-  const double gd = g;
   float pp = p;
-  if (s.lr_wd != 0) pp = static_cast<float>(d_fma(-s.lr_wd, static_cast<double>(pp), static_cast<double>(pp)));
-  const float mm = static_cast<float>(d_fma(s.one_minus_beta1, gd, d_mul(s.beta1, static_cast<double>(m))));
-  const float vv = static_cast<float>(d_fma(d_mul(s.one_minus_beta2, gd), gd, d_mul(s.beta2, static_cast<double>(v))));
-  const float denom = static_cast<float>(d_add(static_cast<double>(f_div(f_sqrt(vv), s.bc2_sqrt)), s.eps));
+  if (s.lr_wd != 0.0f) pp = f_fma(-s.lr_wd, pp, pp);
+  const float mm = f_fma(s.beta1, m, f_fma(-s.beta1, g, g));
+  const float gg = f_mul(g, g);
+  const float vv = f_fma(s.beta2, v, f_fma(-s.beta2, gg, gg));
+  const float denom = f_add(f_div(f_sqrt(vv), s.bc2_sqrt), s.eps);
   p = f_sub(pp, f_div(f_mul(s.step_size, mm), denom));
   m = mm;
   v = vv;

@@ -52,13 +52,6 @@ DFA_HD constexpr std::size_t moment_bytes(int f, std::size_t n) {
   return f == k_mom_fp32 ? 4 * n : f == k_mom_bf16 ? 2 * n : q_scales_offset(n) + 4 * q_blocks(n);
 }
 
-DFA_HD float f_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 /// r in [0, 1] -> the small float with E exponent bits (bias 2^E - 1, so that 1 is the
 /// largest exponent with a zero fraction) and M fraction bits, round to nearest even.
