@@ -76,11 +76,11 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
   cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py ${DFA_MEGATRON_ARGS:-}
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 300 python3 tests/torch/test_megatron_gpu.py ${DFA_MEGATRON_ARGS:-}
   tail -14 "$L/megatron.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 480 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT"
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 300 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT" ${DFA_OVERLAP_ARGS:-}
   tail -16 "$L/overlap.log"
 fi
 if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
