@@ -3,9 +3,11 @@
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [tms] [optim] [diag] [megatron] [overlap] [ckpt] [stress] [bench]
 #   (default: all).  DFA_STRESS_SECONDS sets the stress runs' length (default 60).
-# Wheels the machine lacks (torch-memory-saver, megatron-core) are taken from .whl/ when it
-# is there (see the device notes in docs/DEVELOPING.md).  Logs go to $OUT/logs.tar.gz, the
-# table to $OUT/summary.txt.
+# Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
+#   pip download --only-binary=:all: --python-version 3.12 -d .whl scikit-build-core   # the offline pip test
+# Logs go to $OUT/logs.tar.gz, the table to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
