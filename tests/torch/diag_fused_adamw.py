@@ -18,7 +18,7 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max().item()) if a.numel() else 0
 
 
-def run(dtype, wd: float, steps: int = 3, n: int = 1 << 20) -> None:
+def run(dtype, wd: float, steps: int = 8, n: int = 1 << 20) -> None:
     from deferalloc.optim import StreamedAdamW
     g = torch.Generator(device="cuda").manual_seed(1)
     init = torch.randn(n, device="cuda", generator=g).to(dtype)
@@ -47,10 +47,26 @@ def run(dtype, wd: float, steps: int = 3, n: int = 1 << 20) -> None:
         print("  ".join(row), flush=True)
 
 
+def powf_check(steps: int = 40) -> None:
+    """Device powf (torch's float pow kernel, as the fused AdamW's bias corrections) against
+    the host's (glibc powf, what make_scalars uses) for the betas of the tests."""
+    import ctypes
+    libm = ctypes.CDLL("libm.so.6")
+    libm.powf.restype, libm.powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    for beta in (0.9, 0.95, 0.999):
+        b = torch.tensor(beta, dtype=torch.float32)
+        ts = torch.arange(1, steps + 1, dtype=torch.float32)
+        dev = (b.cuda() ** ts.cuda()).cpu()
+        host = torch.tensor([libm.powf(float(b), float(t)) for t in ts], dtype=torch.float32)
+        bad = [int(t) for t, x, y in zip(ts, dev, host) if x != y]
+        print(f"powf({beta}f, t), t = 1..{steps}: device != host at t = {bad or 'none'}", flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("SKIPPED: needs a GPU")
         return 77
+    powf_check()
     for dtype in (torch.float32, torch.bfloat16):
         for wd in (0.0, 0.1):
             try:
