@@ -25,8 +25,10 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
+#include "abi_guard.hpp"
 #include "dlpack_abi.hpp"
 #include "fault_report.hpp"
 #include "log.hpp"
@@ -118,41 +120,7 @@ void note_segment(caching_allocator& a, const void* block) {
 
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
-  try {
-    body();
-    t_last_error.clear();
-    return DFA_SUCCESS;
-  } catch (const no_device& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_NO_DEVICE;
-  } catch (const cuda_error& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_CUDA;
-  } catch (const invalid_argument& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_INVALID_ARGUMENT;
-  } catch (const invalid_state& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_INVALID_STATE;
-  } catch (const out_of_memory& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_OUT_OF_MEMORY;
-  } catch (const io_error& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_IO;
-  } catch (const corrupt_data& e) {
-    t_last_error = std::string(call) + ": " + e.what();
-    return DFA_ERROR_CORRUPT;
-  } catch (const std::bad_alloc&) {
-    t_last_error = std::string(call) + ": host memory exhausted";
-    return DFA_ERROR_OUT_OF_MEMORY;
-  } catch (const std::exception& e) {
-    t_last_error = std::string(call) + ": internal error: " + e.what();
-    return DFA_ERROR_INTERNAL;
-  } catch (...) {
-    t_last_error = std::string(call) + ": internal error: unknown exception";
-    return DFA_ERROR_INTERNAL;
-  }
+  return detail::abi_guard(call, t_last_error, std::forward<F>(body));
 }
 
 settings env_settings() {
@@ -176,10 +144,7 @@ context& instance(std::shared_lock<std::shared_mutex>& lk) {
   return *g_ctx;
 }
 
-template <typename T>
-void need(const T* p, const char* what) {
-  if (p == nullptr) throw invalid_argument(std::string(what) + " is null");
-}
+using detail::need;
 
 // The caching allocator of `device` (-1: the instance's), created on first use.
 // Returns with `lk` held shared.  The host driver has one device: every ordinal maps to it.

@@ -15,7 +15,10 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "../allocator/abi_guard.hpp"
 
 struct dfa_optimizer {
   std::unique_ptr<deferalloc::optim::streamed_adamw> opt;
@@ -32,43 +35,11 @@ thread_local std::string t_last_error;
 
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
-  auto fail = [&](dfa_status st, const std::string& what) {
-    try {
-      t_last_error = std::string(call) + ": " + what;
-    } catch (...) {
-    }
-    return st;
-  };
-  try {
-    body();
-    t_last_error.clear();
-    return DFA_SUCCESS;
-  } catch (const no_device& e) {
-    return fail(DFA_ERROR_NO_DEVICE, e.what());
-  } catch (const cuda_error& e) {
-    return fail(DFA_ERROR_CUDA, e.what());
-  } catch (const invalid_argument& e) {
-    return fail(DFA_ERROR_INVALID_ARGUMENT, e.what());
-  } catch (const invalid_state& e) {
-    return fail(DFA_ERROR_INVALID_STATE, e.what());
-  } catch (const out_of_memory& e) {
-    return fail(DFA_ERROR_OUT_OF_MEMORY, e.what());
-  } catch (const io_error& e) {
-    return fail(DFA_ERROR_IO, e.what());
-  } catch (const corrupt_data& e) {
-    return fail(DFA_ERROR_CORRUPT, e.what());
-  } catch (const std::bad_alloc&) {
-    return fail(DFA_ERROR_OUT_OF_MEMORY, "host memory exhausted");
-  } catch (const std::exception& e) {
-    return fail(DFA_ERROR_INTERNAL, std::string("internal error: ") + e.what());
-  } catch (...) {
-    return fail(DFA_ERROR_INTERNAL, "internal error: unknown exception");
-  }
+  return deferalloc::detail::abi_guard(call, t_last_error, std::forward<F>(body));
 }
 
-void need(const void* p, const char* what) {
-  if (p == nullptr) throw invalid_argument(std::string(what) + " is null");
-}
+using deferalloc::detail::need;
+
 streamed_adamw& opt_of(dfa_optimizer* o) {
   need(o, "the optimizer");
   return *o->opt;
