@@ -206,8 +206,5 @@ class Regions(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    result = unittest.main(exit=False, verbosity=2).result
-    ok = result.wasSuccessful() and result.testsRun > 0
-    print(f"{result.testsRun - len(result.failures) - len(result.errors)} passed, "
-          f"{len(result.failures) + len(result.errors)} failed")
-    sys.exit(0 if ok else 1)
+    from unittest_main import run_tests
+    run_tests()

@@ -163,7 +163,5 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         print("SKIPPED: needs a GPU")
         sys.exit(77)
-    result = unittest.main(exit=False, verbosity=2).result
-    n_bad = len(result.failures) + len(result.errors)
-    print(f"{result.testsRun - n_bad} passed, {n_bad} failed")
-    sys.exit(0 if result.wasSuccessful() and result.testsRun > 0 else 1)
+    from unittest_main import run_tests
+    run_tests()
