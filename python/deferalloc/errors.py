@@ -49,7 +49,7 @@ class NoDevice(CudaError):
     status = 5
 
 
-class IoError(DeferallocError):
+class IoError(DeferallocError, OSError):
     """A file operation failed (DFA_ERROR_IO)."""
     status = 6
 

@@ -107,7 +107,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
-            raise InvalidArgumentError(1, "StreamedMegatronAdamW.load_state_dict: the parameter groups do not match")
+            raise InvalidArgumentError("StreamedMegatronAdamW.load_state_dict: the parameter groups do not match")
         torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": groups})
         self._ensure_initialized()
         saved = state_dict.get("state", {})
@@ -139,7 +139,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
             if t is None:
                 continue
             if t.numel() != p.numel():
-                raise InvalidArgumentError(1, f"StreamedMegatronAdamW: {k} has {t.numel()} elements, the shard "
+                raise InvalidArgumentError(f"StreamedMegatronAdamW: {k} has {t.numel()} elements, the shard "
                                               f"{p.numel()}")
             self._write(i, a, t.detach().cpu().float())
 
@@ -155,7 +155,7 @@ def _check_megatron():
     import megatron.core
     version = getattr(megatron.core, "__version__", "?")
     if version != MEGATRON_CORE_VERSION:
-        raise InvalidStateError(2, f"deferalloc.megatron: megatron-core {version} found, {MEGATRON_CORE_VERSION} "
+        raise InvalidStateError(f"deferalloc.megatron: megatron-core {version} found, {MEGATRON_CORE_VERSION} "
                                    f"is the version this integration is written against")
 
 
@@ -182,7 +182,7 @@ def _refuse_if_unsupported(dopt, inner) -> None:
         if any(is_float8tensor(p) for g in dopt.model_float16_groups for p in g):
             why = "FP8 params"
     if why:
-        raise InvalidArgumentError(1, f"deferalloc.megatron.stream_optimizer_state: {why} is not supported")
+        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: {why} is not supported")
 
 
 _HANDLE_ATTR = "_deferalloc_main_handle"
@@ -205,7 +205,7 @@ class _DeferredClone:
         return h
 
     def __getattr__(self, name):
-        raise InvalidStateError(2, f"deferalloc.megatron.deferred_main_params: Megatron used a 16-bit shard's clone "
+        raise InvalidStateError(f"deferalloc.megatron.deferred_main_params: Megatron used a 16-bit shard's clone "
                                    f"for .{name} (only .float() is expected in megatron-core {MEGATRON_CORE_VERSION})")
 
 
@@ -260,17 +260,17 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(dopt, DistributedOptimizer):
-        raise InvalidArgumentError(1, f"deferalloc.megatron.stream_optimizer_state: {type(dopt).__name__} is not a "
+        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: {type(dopt).__name__} is not a "
                                       f"DistributedOptimizer (set use_distributed_optimizer=True)")
     inner = dopt.optimizer
     if isinstance(inner, StreamedMegatronAdamW):
-        raise InvalidStateError(2, "deferalloc.megatron.stream_optimizer_state: already streamed")
+        raise InvalidStateError("deferalloc.megatron.stream_optimizer_state: already streamed")
     _refuse_if_unsupported(dopt, inner)
 
     n_main = sum(p.numel() for g in dopt.shard_fp32_from_float16_groups for p in g if not _is_handle(p))
     some = next((p for g in dopt.shard_float16_groups + dopt.shard_fp32_groups for p in g), None)
     if some is None:
-        raise InvalidArgumentError(1, "deferalloc.megatron.stream_optimizer_state: no parameter shards")
+        raise InvalidArgumentError("deferalloc.megatron.stream_optimizer_state: no parameter shards")
     base = deferred_empty((n_main,), torch.float32, some.device) if n_main else None
 
     # Build everything beside Megatron's objects first; they change only once it all worked.
@@ -282,7 +282,7 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings):
         fp32_shards = dopt.shard_fp32_groups[gi]
         mains = dopt.shard_fp32_from_float16_groups[gi]
         if list(map(id, group["params"])) != list(map(id, [*fp32_shards, *mains])):
-            raise InvalidStateError(2, "deferalloc.megatron.stream_optimizer_state: the inner optimizer's group "
+            raise InvalidStateError("deferalloc.megatron.stream_optimizer_state: the inner optimizer's group "
                                        f"{gi} is not [shard_fp32, shard_fp32_from_float16] (a megatron-core layout "
                                        f"other than {MEGATRON_CORE_VERSION}'s)")
         handles = []

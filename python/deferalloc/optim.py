@@ -27,7 +27,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import DeferallocError, library_path
+from . import library_path
+from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState, IoError,
+                     NoDevice, OutOfMemory, from_status)
 
 __all__ = [
     "StreamedAdamW", "OptimizerError", "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError",
@@ -35,49 +37,15 @@ __all__ = [
 ]
 
 
-# ---- errors: one class per dfa_status ------------------------------------------------------
-
-class OptimizerError(DeferallocError):
-    """A call of the optimizer engine failed (a subclass names the status)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message, status)
-
-
-class InvalidArgumentError(OptimizerError, ValueError):
-    """Bad input (a hyper-parameter, a dtype, a range); nothing changed."""
-
-
-class InvalidStateError(OptimizerError):
-    """The call does not fit the optimizer's state; nothing changed."""
-
-
-class OutOfMemoryError(OptimizerError, torch.OutOfMemoryError):
-    """The window or the home tier ran out of memory; the step was rolled back or can be retried."""
-
-
-class CudaError(OptimizerError):
-    """A CUDA call failed."""
-
-
-class NoDeviceError(CudaError):
-    """No usable CUDA driver or device."""
-
-
-class IOFailure(OptimizerError, OSError):
-    """The file tier or a checkpoint hit an I/O error (the previous step stays intact)."""
-
-
-class CorruptDataError(OptimizerError):
-    """A checkpoint or state file failed its checks."""
-
-
-class InternalError(OptimizerError):
-    """A bug in deferalloc."""
-
-
-_ERRORS = {1: InvalidArgumentError, 2: InvalidStateError, 3: OutOfMemoryError, 4: CudaError, 5: NoDeviceError,
-           6: IOFailure, 7: CorruptDataError, 8: InternalError}
+# ---- errors: the package's, one class per dfa_status (deferalloc.errors) ---------------------
+# The names below are kept for optimizer users; each is the class of deferalloc.errors.
+OptimizerError = DeferallocError
+InvalidArgumentError = InvalidArgument
+InvalidStateError = InvalidState
+OutOfMemoryError = OutOfMemory
+NoDeviceError = NoDevice
+IOFailure = IoError
+CorruptDataError = CorruptData
 
 
 # ---- the library ---------------------------------------------------------------------------
@@ -121,7 +89,7 @@ def optimizer_library_path() -> str:
     import ctypes.util
     found = ctypes.util.find_library("deferalloc_optimizer")
     if found is None:
-        raise NoDeviceError(5, "libdeferalloc_optimizer.so not found: set DEFERALLOC_OPTIMIZER_LIB to its path")
+        raise NoDeviceError("libdeferalloc_optimizer.so not found: set DEFERALLOC_OPTIMIZER_LIB to its path")
     return found
 
 
@@ -161,7 +129,7 @@ def _load():
 def _check(status: int, call: str) -> None:
     if status != 0:
         msg = _load().dfa_opt_last_error().decode(errors="replace") or call
-        raise _ERRORS.get(status, OptimizerError)(status, msg)
+        raise from_status(status, msg)
 
 
 def _stream_ptr(stream, device: torch.device):
@@ -217,15 +185,15 @@ class StreamedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
         if not self._params:
-            raise InvalidArgumentError(1, "StreamedAdamW: no parameters")
+            raise InvalidArgumentError("StreamedAdamW: no parameters")
         devices = {p.device for p in self._params}
         if len(devices) != 1:
-            raise InvalidArgumentError(1, f"StreamedAdamW: parameters on several devices {sorted(map(str, devices))}")
+            raise InvalidArgumentError(f"StreamedAdamW: parameters on several devices {sorted(map(str, devices))}")
         self._device = devices.pop()
         if self._device.type not in ("cuda", "cpu"):
-            raise InvalidArgumentError(1, f"StreamedAdamW: parameters on {self._device} (cuda or cpu expected)")
+            raise InvalidArgumentError(f"StreamedAdamW: parameters on {self._device} (cuda or cpu expected)")
         if tier == "file" and not directory:
-            raise InvalidArgumentError(1, "StreamedAdamW: tier 'file' needs directory=")
+            raise InvalidArgumentError("StreamedAdamW: tier 'file' needs directory=")
         self._stream = stream
         if resident_mb == "auto":
             resident_mb = 0
@@ -255,7 +223,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                 self._shard_of[p] = len(self._shard_of)
                 t = self._engine_tensor(p)
                 if t.numel() != p.numel() or t.dtype not in _DTYPE or not t.is_contiguous():
-                    raise InvalidArgumentError(1, f"StreamedAdamW: the engine tensor of {name} has {t.numel()} "
+                    raise InvalidArgumentError(f"StreamedAdamW: the engine tensor of {name} has {t.numel()} "
                                                   f"{t.dtype} elements (contiguous, {p.numel()} expected)")
                 _check(lib.dfa_opt_add_shard(h, ctypes.c_void_p(t.data_ptr()), t.numel(), _DTYPE[t.dtype], gi,
                                              name.encode(), None), "dfa_opt_add_shard")
@@ -280,22 +248,22 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_handle", None) is not None:
-            raise InvalidStateError(2, "StreamedAdamW: parameter groups are fixed once the optimizer exists "
+            raise InvalidStateError("StreamedAdamW: parameter groups are fixed once the optimizer exists "
                                        "(the engine registers its shards at construction)")
         for key, why in (("amsgrad", "amsgrad"), ("maximize", "maximize"), ("capturable", "capturable"),
                          ("differentiable", "differentiable")):
             if param_group.get(key, self.defaults.get(key)):
-                raise InvalidArgumentError(1, f"StreamedAdamW: {why}=True is not supported (torch._fused_adamw_'s "
+                raise InvalidArgumentError(f"StreamedAdamW: {why}=True is not supported (torch._fused_adamw_'s "
                                               f"plain AdamW only)")
         super().add_param_group(param_group)
         for p in param_group["params"]:
             if p.dtype not in _DTYPE:
-                raise InvalidArgumentError(1, f"StreamedAdamW: parameter dtype {p.dtype} (bfloat16, float16 or "
+                raise InvalidArgumentError(f"StreamedAdamW: parameter dtype {p.dtype} (bfloat16, float16 or "
                                               f"float32 expected)")
             if not p.is_contiguous():
-                raise InvalidArgumentError(1, "StreamedAdamW: parameters must be contiguous")
+                raise InvalidArgumentError("StreamedAdamW: parameters must be contiguous")
             if p.numel() == 0:
-                raise InvalidArgumentError(1, "StreamedAdamW: an empty parameter")
+                raise InvalidArgumentError("StreamedAdamW: an empty parameter")
 
     def _push_groups(self) -> None:
         lib = _load()
@@ -372,7 +340,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
-            raise InvalidArgumentError(1, "StreamedAdamW.load_state_dict: the parameter groups do not match "
+            raise InvalidArgumentError("StreamedAdamW.load_state_dict: the parameter groups do not match "
                                           "(number of groups or of parameters per group)")
         super().load_state_dict({"state": {}, "param_groups": groups})
         self._ensure_initialized()
@@ -390,9 +358,9 @@ class StreamedAdamW(torch.optim.Optimizer):
                 for k, a in _ARRAYS.items():
                     src = st.get(k, self._engine_tensor(p).detach().cpu().float() if k == "main_param" else None)
                     if src is None:
-                        raise InvalidArgumentError(1, f"StreamedAdamW.load_state_dict: parameter {pid} has no {k}")
+                        raise InvalidArgumentError(f"StreamedAdamW.load_state_dict: parameter {pid} has no {k}")
                     if src.numel() != p.numel():
-                        raise InvalidArgumentError(1, f"StreamedAdamW.load_state_dict: {k} of parameter {pid} has "
+                        raise InvalidArgumentError(f"StreamedAdamW.load_state_dict: {k} of parameter {pid} has "
                                                       f"{src.numel()} elements, the parameter {p.numel()}")
                     self._write(i, a, src)
                 _check(_load().dfa_opt_set_shard_step(self._handle, i, int(float(st["step"]))),
@@ -423,7 +391,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                 continue
             t = dtypes.get(g.dtype)
             if t is None or g.is_sparse or g.numel() != n:
-                raise InvalidArgumentError(1, f"StreamedAdamW: the gradient of parameter {i} is "
+                raise InvalidArgumentError(f"StreamedAdamW: the gradient of parameter {i} is "
                                               f"{'sparse' if g.is_sparse else f'{g.dtype}, {g.numel()} elements'} "
                                               f"(dense bfloat16 / float16 / float32 of {n} elements expected)")
             if not g.is_contiguous():
