@@ -59,7 +59,7 @@ fi
 if has ctest; then
   # DFA_CTEST_ARGS picks a subset (a call is limited to 10 minutes on the device machine).
   read -r -a sel <<< "${DFA_CTEST_ARGS:--L gpu -LE multigpu}"
-  ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
+  timeout "${DFA_CTEST_SECONDS:-540}" ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
   row "ctest ${sel[*]}" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu.log" | tail -1)"
   grep -E "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -40
 fi
