@@ -20,8 +20,14 @@
 // expressions): measured on the H200 against torch 2.11, that formula differed from the
 // kernel in every moment (1-4 ulp in exp_avg, up to 218 in exp_avg_sq at step 1), which is
 // the float rounding of beta1 and beta2.  grad_scale multiplies the gradient (1 is exact
-// and skipped; torch divides by its scale).  powf runs on the host here (glibc) and on the
-// device in torch: both are within an ulp, and agree for the small integer steps checked.
+// and skipped; torch divides by its scale).
+//
+// powf is not correctly rounded on the device: CUDA's powf(0.95f, 6) differs from glibc's
+// in the last bit (measured on the H200 with tests/torch/diag_fused_adamw.py: t = 6, 17, 32
+// of t <= 40 for beta 0.95; none for 0.9 and 0.999), and every element of the step takes
+// that bit, so the losses of a run part from torch's at step 6.  make_scalars therefore
+// takes the power from the compute backend: the CUDA backend evaluates powf on the device
+// (a table per beta, filled by one small kernel per 4096 steps), the CPU twin the host's.
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -37,7 +43,7 @@
 namespace deferalloc::optim::detail {
 
 /// Scalars of one step of one shard (its group's hyper-parameters, its step count),
-/// computed once on the host by make_scalars.
+/// computed once on the host by make_scalars (with the backend's powf).
 struct adamw_scalars {
   float lr_wd;  // f32(lr) * f32(weight_decay); 0: no decay
   float beta1, beta2;
@@ -47,18 +53,25 @@ struct adamw_scalars {
   float grad_scale;
 };
 
-/// The scalars of step `t` (1-based) with hyper-parameters lr, beta1, beta2, eps, wd.
-inline adamw_scalars make_scalars(double lr, double beta1, double beta2, double eps, double wd, std::uint64_t t,
-                                  float grad_scale) {
+/// powf on the host (the CPU twin's bias corrections).
+struct host_pow {
+  float operator()(float base, float e) const { return std::pow(base, e); }
+};
+
+/// The scalars of step `t` (1-based) with hyper-parameters lr, beta1, beta2, eps, wd;
+/// `pow` computes the bias corrections' powers (the backend's powf).
+template <typename Pow = host_pow>
+adamw_scalars make_scalars(double lr, double beta1, double beta2, double eps, double wd, std::uint64_t t,
+                           float grad_scale, Pow pow = {}) {
   adamw_scalars k{};
   const float lr_f = static_cast<float>(lr), wd_f = static_cast<float>(wd);
   k.lr_wd = wd_f != 0.0f ? lr_f * wd_f : 0.0f;
   k.beta1 = static_cast<float>(beta1);
   k.beta2 = static_cast<float>(beta2);
   const float tf = static_cast<float>(t);  // torch keeps `step` in a float tensor
-  const float bc1 = 1.0f - std::pow(k.beta1, tf);
+  const float bc1 = 1.0f - pow(k.beta1, tf);
   k.step_size = lr_f / bc1;
-  k.bc2_sqrt = std::sqrt(1.0f - std::pow(k.beta2, tf));
+  k.bc2_sqrt = std::sqrt(1.0f - pow(k.beta2, tf));
   k.eps = static_cast<float>(eps);
   k.grad_scale = grad_scale;
   return k;

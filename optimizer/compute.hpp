@@ -23,6 +23,9 @@ class compute {
   virtual void downcast(const float* in, void* out, int t, std::size_t n, stream_t s) = 0;
   /// Sum of squares of n gradient values, in a fixed order; waits for `s`.
   virtual double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) = 0;
+  /// powf(base, e) as this backend's kernels compute it: the bias corrections of a step
+  /// (Note [Torch's fused AdamW, bit for bit]).  The CPU twin uses the host's powf.
+  virtual float pow(float base, float e) { return std::pow(base, e); }
 };
 
 std::unique_ptr<compute> make_cpu_compute();

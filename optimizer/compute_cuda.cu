@@ -10,7 +10,11 @@
 #include <cuda_runtime.h>
 #include <deferalloc/errors.hpp>
 
+#include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "compute.hpp"
 
@@ -176,6 +180,15 @@ __global__ void sq_norm_final(const double* partial, double* out) {
   if (threadIdx.x == 0) *out = sh[0];
 }
 
+// powf(base, first + i) for i < n: the device's powf (libdevice), as torch's fused AdamW
+// evaluates its bias corrections.
+__global__ void pow_table(float base, std::uint64_t first, float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = powf(base, static_cast<float>(first + i));
+}
+
+__global__ void pow_any(float base, float e, float* out) { *out = powf(base, e); }
+
 bool aligned(const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
 
 class cuda_compute final : public compute {
@@ -186,6 +199,24 @@ class cuda_compute final : public compute {
   }
   ~cuda_compute() override {
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (pow_dev_ != nullptr) cudaFree(pow_dev_);
+  }
+
+  // The device's powf for integral steps, from a table per (base, block of k_pow_block
+  // steps) filled by one kernel and one synchronous copy on a miss: a step costs a lookup.
+  float pow(float base, float e) override {
+    const auto t = static_cast<std::uint64_t>(e);
+    if (e < 1.0f || static_cast<float>(t) != e) return device_pow(base, e);
+    std::uint32_t bits;
+    std::memcpy(&bits, &base, sizeof bits);
+    const std::uint64_t block = (t - 1) / k_pow_block;
+    const std::lock_guard<std::mutex> lock(pow_mu_);
+    auto& table = pow_cache_[{bits, block}];
+    if (table.empty()) {
+      table.resize(k_pow_block);
+      fill_pow(base, block * k_pow_block + 1, table.data(), k_pow_block);
+    }
+    return table[(t - 1) % k_pow_block];
   }
 
   void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) override {
@@ -248,6 +279,23 @@ class cuda_compute final : public compute {
   }
 
  private:
+  static constexpr int k_pow_block = 4096;
+  float device_pow(float base, float e) {
+    const std::lock_guard<std::mutex> lock(pow_mu_);
+    float out = 0;
+    fill_pow(base, 0, &out, 1, e);
+    return out;
+  }
+  // out[i] = device powf(base, first + i) for i < n (or powf(base, e) when n == 1 and e is
+  // given); on the legacy default stream, synchronously.  Caller holds pow_mu_.
+  void fill_pow(float base, std::uint64_t first, float* out, int n, float e = -1.0f) {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    if (pow_dev_ == nullptr) DFA_CUDA_TRY(cudaMalloc(&pow_dev_, k_pow_block * sizeof(float)));
+    if (e >= 0.0f || first == 0) pow_any<<<1, 1>>>(base, e, pow_dev_);
+    else pow_table<<<(n + k_threads - 1) / k_threads, k_threads>>>(base, first, pow_dev_, n);
+    DFA_CUDA_CHECK_LAUNCH();
+    DFA_CUDA_TRY(cudaMemcpy(out, pow_dev_, n * sizeof(float), cudaMemcpyDeviceToHost));
+  }
   // A cast kernel's vector instantiation (`per_thread` values per thread) when `vec`, else
   // its scalar one.
   template <typename In, typename Out>
@@ -266,6 +314,17 @@ class cuda_compute final : public compute {
   int device_;
   int sms_ = 0;
   double* scratch_ = nullptr;
+  struct pow_key {
+    std::uint32_t bits;
+    std::uint64_t block;
+    bool operator==(const pow_key& o) const { return bits == o.bits && block == o.block; }
+  };
+  struct pow_key_hash {
+    std::size_t operator()(const pow_key& k) const { return std::hash<std::uint64_t>{}(k.block * 0x9E3779B97F4A7C15ull ^ k.bits); }
+  };
+  std::mutex pow_mu_;
+  std::unordered_map<pow_key, std::vector<float>, pow_key_hash> pow_cache_;
+  float* pow_dev_ = nullptr;
 };
 
 }  // namespace

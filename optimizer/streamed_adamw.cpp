@@ -326,7 +326,8 @@ std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::s
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
   auto it = groups.find(shards[s].info.group);
   const adamw_params& h = it == groups.end() ? cfg.adamw : it->second;
-  return detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale);
+  return detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale,
+                              [this](float base, float e) { return comp->pow(base, e); });
 }
 
 std::size_t streamed_adamw::impl::move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s) {
