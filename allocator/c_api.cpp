@@ -388,7 +388,9 @@ dfa_status dfa_find(const void* ptr, dfa_reservation* out) {
 dfa_status dfa_trim(size_t keep_bytes, size_t* released) {
   return guard("dfa_trim", [&] {
     std::shared_lock<std::shared_mutex> lk;
-    size_t n = instance(lk).pool->trim(keep_bytes);
+    auto& inst = instance(lk);
+    size_t n = inst.pool->trim(keep_bytes);
+    inst.reservations->trim_backup_cache(0);  // cached pinned backup buffers too (host memory)
     if (released) *released = n;
   });
 }

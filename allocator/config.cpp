@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <new>
 
+#include <unistd.h>
+
 #include "log.hpp"
 
 namespace deferalloc {
@@ -115,6 +117,12 @@ std::string settings_keys() {
   std::string s;
   for (const char* k : k_keys) s += (s.empty() ? "" : ", ") + std::string(k);
   return s;
+}
+
+std::size_t default_pinned_cache() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4
+                               : std::size_t{64} << 20;
 }
 
 settings parse_settings(std::string_view text) {

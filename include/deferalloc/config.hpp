@@ -27,6 +27,9 @@ DFA_API std::map<std::string, config_value> parse_config_text(std::string_view t
 
 enum class driver_kind { automatic, cuda, host };
 
+/// The default pinned_cache_mb: a quarter of the machine's physical memory.
+DFA_API std::size_t default_pinned_cache() noexcept;
+
 /// Every setting of the library, with its default.
 struct settings {
   driver_kind driver = driver_kind::automatic;  ///< driver: auto | cuda | host
@@ -35,9 +38,11 @@ struct settings {
   std::size_t pool_budget = 0;                  ///< pool_budget_mb: bytes of chunks alive; 0 = no limit
   std::size_t host_capacity = 0;                ///< host_capacity_mb: host driver capacity; 0 = 1/4 of RAM
   std::size_t host_granularity = std::size_t{2} << 20;  ///< host_granularity_kb
-  /// pinned_cache_mb: pinned backup buffers kept cached after a restore; beyond it they
-  /// are freed (0 = none kept).  Note [Physical memory policy] in allocator/chunk_pool.cpp.
-  std::size_t pinned_cache = std::size_t{64} << 20;
+  /// pinned_cache_mb: pinned backup buffers kept cached after a restore, for the next
+  /// pause; beyond it they are freed (0 = none kept; default 1/4 of physical RAM, as
+  /// PyTorch's pinned host cache keeps everything).  empty_cache and trim free them.
+  /// Note [Physical memory policy] in allocator/chunk_pool.cpp.
+  std::size_t pinned_cache = default_pinned_cache();
   /// pool_cache_mb: bytes of physical chunks the pool keeps cached for churn; chunks
   /// given back beyond it are released to the device at once (0 = none kept).
   std::size_t pool_cache = std::size_t{64} << 20;

@@ -102,7 +102,8 @@ DFA_C_API dfa_status dfa_free_reservation(dfa_reservation r, void* stream);
 DFA_C_API dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* out);
 /* The reservation of dfa_reserve containing `ptr` (a dfa_malloc block: INVALID_ARGUMENT). */
 DFA_C_API dfa_status dfa_find(const void* ptr, dfa_reservation* out);
-/* Gives cached chunks back to the driver until at most `keep_bytes` stay cached. */
+/* Gives cached chunks back to the driver until at most `keep_bytes` stay cached, and frees
+ * the cached pinned backup buffers; `released`: device bytes given back. */
 DFA_C_API dfa_status dfa_trim(size_t keep_bytes, size_t* released);
 DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
 

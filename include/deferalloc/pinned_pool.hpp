@@ -2,8 +2,8 @@
 //
 // cuMemHostAlloc pins pages one by one (hundreds of milliseconds per GiB), so a
 // pause/resume cycle must not pin again: buffers come back here after a restore and
-// serve the next release of the same size, up to a small bound (cache_limit, 64 MiB
-// by default, settings key pinned_cache_mb): buffers given back beyond it are freed at
+// serve the next release of the same size, up to a bound (cache_limit; settings key
+// pinned_cache_mb, a quarter of RAM by default): buffers given back beyond it are freed at
 // once (See Note [Physical memory policy] in allocator/chunk_pool.cpp).
 #pragma once
 #include <deferalloc/driver.hpp>

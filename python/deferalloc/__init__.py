@@ -439,7 +439,7 @@ def reset_peak_stats(device: int = -1) -> None:
 
 def trim(keep_bytes: int = 0) -> int:
     """Gives cached chunks of the pool back to the device until at most ``keep_bytes`` stay
-    cached; returns the bytes released.  Raises TypeError / InvalidArgument for a bad size."""
+    cached, and frees the cached pinned backup buffers; returns the device bytes released.  Raises TypeError / InvalidArgument for a bad size."""
     keep_bytes = _int(keep_bytes, "trim: keep_bytes")
     out = ctypes.c_size_t()
     _check(_load().dfa_trim(keep_bytes, ctypes.byref(out)), "dfa_trim")
