@@ -43,10 +43,10 @@
 
 #include <unistd.h>
 
-#include "../allocator/log.hpp"
-#include "compute.hpp"
-#include "file_store.hpp"
-#include "file_util.hpp"
+#include "log.hpp"
+#include "kernels/compute.hpp"
+#include "store/file_store.hpp"
+#include "store/file_util.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {

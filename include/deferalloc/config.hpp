@@ -36,7 +36,7 @@ struct settings {
   std::size_t host_capacity = 0;                ///< host_capacity_mb: host driver capacity; 0 = 1/4 of RAM
   std::size_t host_granularity = std::size_t{2} << 20;  ///< host_granularity_kb
   /// pinned_cache_mb: pinned backup buffers kept cached after a restore; beyond it they
-  /// are freed (0 = none kept).  Note [Physical memory policy] in allocator/chunk_pool.cpp.
+  /// are freed (0 = none kept).  Note [Physical memory policy] in allocator/core/chunk_pool.cpp.
   std::size_t pinned_cache = std::size_t{64} << 20;
   /// pool_cache_mb: bytes of physical chunks the pool keeps cached for churn; chunks
   /// given back beyond it are released to the device at once (0 = none kept).

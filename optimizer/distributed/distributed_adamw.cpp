@@ -39,8 +39,8 @@
 #include <sstream>
 #include <vector>
 
-#include "../allocator/log.hpp"
-#include "file_util.hpp"
+#include "log.hpp"
+#include "store/file_util.hpp"
 
 namespace deferalloc::dist {
 
