@@ -15,37 +15,18 @@ namespace deferalloc::detail {
 /// exception it threw with `last_error` = "<call>: <what>".  Never throws.
 template <typename F>
 dfa_status abi_guard(const char* call, std::string& last_error, F&& body) noexcept {
-  auto fail = [&](dfa_status st, const char* prefix, const char* what) noexcept {
-    try {
-      last_error = std::string(call) + ": " + prefix + what;
-    } catch (...) {  // no memory for the message: the status still says what happened
-    }
-    return st;
-  };
   try {
     body();
     last_error.clear();
     return DFA_SUCCESS;
-  } catch (const no_device& e) {
-    return fail(DFA_ERROR_NO_DEVICE, "", e.what());
-  } catch (const cuda_error& e) {
-    return fail(DFA_ERROR_CUDA, "", e.what());
-  } catch (const invalid_argument& e) {
-    return fail(DFA_ERROR_INVALID_ARGUMENT, "", e.what());
-  } catch (const invalid_state& e) {
-    return fail(DFA_ERROR_INVALID_STATE, "", e.what());
-  } catch (const out_of_memory& e) {
-    return fail(DFA_ERROR_OUT_OF_MEMORY, "", e.what());
-  } catch (const io_error& e) {
-    return fail(DFA_ERROR_IO, "", e.what());
-  } catch (const corrupt_data& e) {
-    return fail(DFA_ERROR_CORRUPT, "", e.what());
-  } catch (const std::bad_alloc&) {
-    return fail(DFA_ERROR_OUT_OF_MEMORY, "", "host memory exhausted");
-  } catch (const std::exception& e) {
-    return fail(DFA_ERROR_INTERNAL, "internal error: ", e.what());
   } catch (...) {
-    return fail(DFA_ERROR_INTERNAL, "internal error: ", "unknown exception");
+    const dfa_status st = status_of(std::current_exception());  // the one mapping (errors.hpp)
+    try {
+      last_error = std::string(call) + ": " + (st == DFA_ERROR_INTERNAL ? "internal error: " : "") +
+                   message_of(std::current_exception());
+    } catch (...) {  // no memory for the message: the status still says what happened
+    }
+    return st;
   }
 }
 
