@@ -52,8 +52,8 @@
 #include <system_error>
 #include <thread>
 
-#include "file_util.hpp"
-#include "moment_format.hpp"
+#include "store/file_util.hpp"
+#include "kernels/moment_format.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {

@@ -10,8 +10,8 @@
 #include <map>
 #include <mutex>
 
-#include "compute.hpp"
-#include "file_store.hpp"
+#include "kernels/compute.hpp"
+#include "store/file_store.hpp"
 
 namespace deferalloc::optim {
 

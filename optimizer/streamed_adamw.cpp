@@ -43,10 +43,10 @@
 
 #include <unistd.h>
 
-#include "../allocator/log.hpp"
-#include "compute.hpp"
-#include "file_store.hpp"
-#include "file_util.hpp"
+#include "log.hpp"
+#include "kernels/compute.hpp"
+#include "store/file_store.hpp"
+#include "store/file_util.hpp"
 #include "optimizer_impl.hpp"
 
 namespace deferalloc::optim {
@@ -523,38 +523,37 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
     if (to_file)
       for (auto& w : writes)
         if (w) w->wait();
-  } catch (const std::exception& e) {
+  } catch (...) {
     // Drain: every stream and every I/O request, then give the window back.
     try {
       drv->synchronize_stream(h2d);
       drv->synchronize_stream(exec);
       drv->synchronize_stream(d2h);
     } catch (...) {
+      deferalloc::detail::log_current("streamed_adamw: draining the streams after a failed pass");
     }
     for (auto* v : {&reads, &writes})
       for (auto& b : *v)
         if (b) try {
             b->wait();
           } catch (...) {
+            deferalloc::detail::log_current("streamed_adamw: waiting for I/O after a failed pass");
           }
     for (std::size_t j = 0; j < P; ++j)
       if (mapped[j]) try {
           auto rs = ranges_of(ps[j]);
           mgr->release(rs, keep_mode::discard, d2h);
         } catch (...) {
+          deferalloc::detail::log_current("streamed_adamw: releasing the window after a failed pass");
         }
     pool->trim();
     std::size_t written = skip;
     while (written < P && wb_issued[written]) ++written;
     failed_pieces_done = written;
     const std::string at = i < P ? " at " + where(ps[i]) : "";
-    const std::string msg = std::string(kind == pass::init ? "initialize" : kind == pass::step ? "step" : "sync") +
-                            " failed" + at + ": " + e.what();
-    if (dynamic_cast<const out_of_memory*>(&e)) throw out_of_memory(msg);
-    if (dynamic_cast<const io_error*>(&e)) throw io_error(msg);
-    if (dynamic_cast<const corrupt_data*>(&e)) throw corrupt_data(msg);
-    if (dynamic_cast<const cuda_error*>(&e)) throw cuda_error(msg);
-    throw error(msg);
+    // The same class as the cause (no_device stays no_device), the cause nested in it.
+    rethrow_with_context(std::string(kind == pass::init ? "initialize" : kind == pass::step ? "step" : "sync") +
+                         " failed" + at);
   }
   report.seconds = since(t0);
   report.params = params;

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "../optimizer/adamw_math.hpp"
+#include "../optimizer/kernels/adamw_math.hpp"
 #include "common.hpp"
 
 namespace dfa_test::durability {

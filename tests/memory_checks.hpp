@@ -1,5 +1,5 @@
 // Checks of the physical-memory policy (Note [Physical memory policy] in
-// allocator/chunk_pool.cpp): what the process holds, measured by the driver itself
+// allocator/core/chunk_pool.cpp): what the process holds, measured by the driver itself
 // (the host driver counts its chunks; the CUDA driver answers cuMemGetInfo), and the
 // process's resident set.
 #pragma once

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "../allocator/dlpack_abi.hpp"
+#include "../allocator/abi/dlpack_abi.hpp"
 
 namespace {
 class c_api_caching : public ::testing::Test {

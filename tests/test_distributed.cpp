@@ -19,7 +19,7 @@
 #include <mutex>
 #include <thread>
 
-#include "../optimizer/adamw_math.hpp"
+#include "../optimizer/kernels/adamw_math.hpp"
 #include "common.hpp"
 
 using namespace deferalloc;

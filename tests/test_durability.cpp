@@ -15,7 +15,7 @@
 #include <fstream>
 #include <thread>
 
-#include "../optimizer/file_store.hpp"
+#include "../optimizer/store/file_store.hpp"
 #include "durability_model.hpp"
 
 using namespace deferalloc;

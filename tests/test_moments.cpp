@@ -1,11 +1,11 @@
-// Compressed Adam moments (Note [Moment formats], optimizer/moment_format.hpp) on the
+// Compressed Adam moments (Note [Moment formats], optimizer/kernels/moment_format.hpp) on the
 // host driver, through the C ABI: the codes against a brute-force reference of the
 // documented rounding, state round trips, the step's exactness against a reference that
 // quantizes the documented way, bytes moved, checkpoints, and a short convergence run.
 #include <deferalloc/optimizer.h>
 #include <gtest/gtest.h>
 
-#include "../optimizer/moment_format.hpp"
+#include "../optimizer/kernels/moment_format.hpp"
 
 #include <cfenv>
 #include <cmath>

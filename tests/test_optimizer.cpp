@@ -10,8 +10,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "../optimizer/adamw_math.hpp"
-#include "../optimizer/file_store.hpp"
+#include "../optimizer/kernels/adamw_math.hpp"
+#include "../optimizer/store/file_store.hpp"
 #include "common.hpp"
 
 using namespace deferalloc;

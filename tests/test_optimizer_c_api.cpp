@@ -4,7 +4,7 @@
 #include <deferalloc/optimizer.h>
 #include <gtest/gtest.h>
 
-#include "../optimizer/adamw_math.hpp"
+#include "../optimizer/kernels/adamw_math.hpp"
 
 #include <cmath>
 #include <cstdlib>

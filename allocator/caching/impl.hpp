@@ -1,6 +1,6 @@
 // The caching allocator's state and its internal operations, shared by
 // caching_allocator.cpp (allocate, free, cache) and caching_tags.cpp (tags, stats).
-// See Note [Caching allocator] in allocator/caching_allocator.cpp.
+// See Note [Caching allocator] in allocator/caching/caching_allocator.cpp.
 #pragma once
 #include <deferalloc/caching_allocator.hpp>
 #include <deferalloc/errors.hpp>

@@ -25,17 +25,7 @@ std::atomic<bool> g_installed{false};
 
 void check(dfa_status st) {
   if (st == DFA_SUCCESS) return;
-  const std::string msg = dfa_last_error();
-  switch (st) {
-    case DFA_ERROR_INVALID_ARGUMENT: throw invalid_argument(msg);
-    case DFA_ERROR_INVALID_STATE: throw invalid_state(msg);
-    case DFA_ERROR_OUT_OF_MEMORY: throw out_of_memory(msg);
-    case DFA_ERROR_NO_DEVICE: throw no_device(msg);
-    case DFA_ERROR_CUDA: throw cuda_error(msg);
-    case DFA_ERROR_IO: throw io_error(msg);
-    case DFA_ERROR_CORRUPT: throw corrupt_data(msg);
-    default: throw error(msg);
-  }
+  throw_status(st, dfa_last_error());  // the one mapping (errors.hpp)
 }
 
 bool host_driver() {

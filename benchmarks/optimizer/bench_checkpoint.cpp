@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "../../optimizer/file_store.hpp"
+#include "../../optimizer/store/file_store.hpp"
 
 using namespace deferalloc;
 using namespace deferalloc::optim;

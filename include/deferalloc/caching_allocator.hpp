@@ -1,6 +1,6 @@
 // The caching allocator: stream-ordered malloc/free for a whole process, on top of
 // one reservation_manager (and so one chunk pool).  See Note [Caching allocator] in
-// allocator/caching_allocator.cpp.
+// allocator/caching/caching_allocator.cpp.
 //
 // What it gives PyTorch (through the C ABI's dfa_malloc / dfa_free, a MemPool, full
 // replacement or LibTorch's install()):

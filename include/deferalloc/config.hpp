@@ -41,7 +41,7 @@ struct settings {
   /// pinned_cache_mb: pinned backup buffers kept cached after a restore, for the next
   /// pause; beyond it they are freed (0 = none kept; default 1/4 of physical RAM, as
   /// PyTorch's pinned host cache keeps everything).  empty_cache and trim free them.
-  /// Note [Physical memory policy] in allocator/chunk_pool.cpp.
+  /// Note [Physical memory policy] in allocator/core/chunk_pool.cpp.
   std::size_t pinned_cache = default_pinned_cache();
   /// pool_cache_mb: bytes of physical chunks the pool keeps cached for churn; chunks
   /// given back beyond it are released to the device at once (0 = none kept).

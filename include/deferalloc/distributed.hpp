@@ -1,6 +1,6 @@
 // The distributed optimizer: ZeRO-1 / Megatron-style sharding of the streamed AdamW
 // state across data-parallel ranks, over NCCL.  See Note [Distributed step] in
-// optimizer/distributed_adamw.cpp.
+// optimizer/distributed/distributed_adamw.cpp.
 //
 // The model's BF16 parameters and gradients live in one contiguous, padded buffer each
 // per rank; rank r owns the contiguous shard [r * shard, (r + 1) * shard) of both, and

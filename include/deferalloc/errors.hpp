@@ -2,9 +2,14 @@
 //
 // Every failure the library can report is one of these; the C ABI maps each to a
 // dfa_status code.  Library code never calls exit/abort, and destructors never throw.
+// The mapping both ways is written once, here (status_of / throw_status): the C ABIs
+// (allocator/abi/abi_guard.hpp), the LibTorch face and, mirrored class for class,
+// python/deferalloc/errors.py use it.
 #pragma once
+#include <deferalloc/deferalloc.h>
 #include <deferalloc/export.hpp>
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -53,6 +58,26 @@ class DFA_API corrupt_data : public error {
  public:
   using error::error;
 };
+
+/// The dfa_status that names the type of `e`: DFA_SUCCESS for a null pointer, the
+/// status of each class above (the most derived one: no_device, not cuda_error),
+/// DFA_ERROR_OUT_OF_MEMORY for std::bad_alloc, DFA_ERROR_INTERNAL for anything else.
+/// Costs one rethrow.
+DFA_API dfa_status status_of(const std::exception_ptr& e) noexcept;
+
+/// The what() of `e` ("host memory exhausted" for std::bad_alloc, "unknown exception"
+/// for one that is not a std::exception, "" for null).  May throw std::bad_alloc.
+DFA_API std::string message_of(const std::exception_ptr& e);
+
+/// Throws the class of `st` with message `msg` (DFA_ERROR_INTERNAL and unknown codes:
+/// the base `error`; DFA_SUCCESS is refused as invalid_argument).
+[[noreturn]] DFA_API void throw_status(dfa_status st, const std::string& msg);
+
+/// Throws the deferalloc class of `e` (status_of; by default the exception being
+/// handled) with the message "<context>: <its what()>" and `e` nested in it
+/// (std::throw_with_nested): the type survives and the context is added.
+[[noreturn]] DFA_API void rethrow_with_context(const std::string& context,
+                                               const std::exception_ptr& e = std::current_exception());
 
 }  // namespace deferalloc
 

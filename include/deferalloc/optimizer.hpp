@@ -52,7 +52,7 @@ DFA_API void validate(const adamw_params& p);
 
 /// How the Adam moments are stored at home and moved over PCIe (host tier).  The
 /// arithmetic stays FP32 inside the window; main params are always FP32.  See
-/// Note [Moment formats] in optimizer/moment_format.hpp.
+/// Note [Moment formats] in optimizer/kernels/moment_format.hpp.
 enum class moment_format : int {
   fp32 = 0,  ///< 4 B per moment (12 B/param with the main param), exact torch AdamW
   bf16 = 1,  ///< 2 B per moment (8 B/param), round to nearest even after each step

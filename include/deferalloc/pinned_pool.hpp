@@ -4,7 +4,7 @@
 // pause/resume cycle must not pin again: buffers come back here after a restore and
 // serve the next release of the same size, up to a bound (cache_limit; settings key
 // pinned_cache_mb, a quarter of RAM by default): buffers given back beyond it are freed at
-// once (See Note [Physical memory policy] in allocator/chunk_pool.cpp).
+// once (See Note [Physical memory policy] in allocator/core/chunk_pool.cpp).
 #pragma once
 #include <deferalloc/driver.hpp>
 

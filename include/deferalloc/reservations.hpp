@@ -1,6 +1,6 @@
 // Deferred reservations: device addresses that never change, backed by physical
 // chunks only between materialize and release.  See Note [Deferred reservations]
-// in allocator/reservations.cpp.
+// in allocator/core/reservations.cpp.
 #pragma once
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/pinned_pool.hpp>
@@ -115,7 +115,7 @@ class DFA_API reservation_manager {
   /// released: a chunk is never split, so the call needs no new memory (it works when
   /// memory is full) and never copies, unmaps or remaps a byte outside the ranges.
   /// Backups of unbacked granules are left alone.  What a caching allocator uses to give
-  /// free space back (See Note [Splitting chunks] in allocator/reservations.cpp).
+  /// free space back (See Note [Splitting chunks] in allocator/core/reservations.cpp).
   /// Returns the ranges released (chunk boundaries, sorted), empty when none.
   /// Cost: as release() for the chunks released; no driver call when none.
   /// @throws invalid_argument, out_of_memory (backup memory), cuda_error

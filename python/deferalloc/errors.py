@@ -1,5 +1,9 @@
 """Exceptions of the Python face: one class per dfa_status, all DeferallocError.
 
+The mirror of include/deferalloc/errors.hpp: status_of() there maps each C++ class to
+the status whose class is here (InvalidArgument <-> invalid_argument, NoDevice <->
+no_device, ..., InternalError <-> any other exception), throw_status() maps back.
+
 The message is dfa_last_error() of the failed call ("dfa_<call>: <cause>"), or, for the
 checks this package makes before calling C, a sentence naming the argument.
 InvalidArgument is also a ValueError; OutOfMemory is also torch.OutOfMemoryError (so

@@ -3,7 +3,7 @@
 Written from torch 2.11's kernel (aten/src/ATen/native/cuda/fused_adam_utils.cuh): every
 hyper-parameter cast to float and the whole update in float, with the fmas the kernel
 writes or nvcc makes (see Note [Torch's fused AdamW, bit for bit] in
-optimizer/adamw_math.hpp).  Pure Python: each float fma is computed exactly with fractions
+optimizer/kernels/adamw_math.hpp).  Pure Python: each float fma is computed exactly with fractions
 and rounded once to float; each other float operation is done in double and rounded to
 float, which is exact for +, -, *, / and sqrt of floats (53 >= 2 * 24 + 2).
 Slow (tens of microseconds per element): for tests of a few thousand elements.

@@ -23,7 +23,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "../allocator/log.hpp"
+#include "log.hpp"
 
 #ifndef DFA_NCCL_LIB_DIR
 #define DFA_NCCL_LIB_DIR ""

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "../allocator/abi_guard.hpp"
+#include "abi_guard.hpp"
 
 struct dfa_optimizer {
   std::unique_ptr<deferalloc::optim::streamed_adamw> opt;

@@ -1,7 +1,7 @@
 # deferalloc::distributed — the ZeRO-1 distributed optimizer over NCCL (issue 5).
 # Built only when nccl.h is found: the CUDA toolkit's include dir, $NCCL_HOME, or the
 # nvidia-nccl-cu13 wheel of python3 (DEFERALLOC_PYTHON).  libnccl.so.2 is opened at run
-# time (optimizer/nccl_communicator.cpp); the directory found here is its last fallback.
+# time (optimizer/distributed/nccl_communicator.cpp); the directory found here is its last fallback.
 set(dfa_nccl_hints /usr/local/cuda $ENV{NCCL_HOME} $ENV{CUDA_HOME})
 foreach(py IN ITEMS "${DEFERALLOC_PYTHON}" python3)
   if(py)
@@ -17,10 +17,11 @@ find_library(DFA_NCCL_LIBRARY NAMES nccl libnccl.so.2 PATHS ${dfa_nccl_hints} PA
 if(DFA_NCCL_INCLUDE_DIR)
   set(DEFERALLOC_HAVE_NCCL ON CACHE INTERNAL "")
   message(STATUS "deferalloc: NCCL headers in ${DFA_NCCL_INCLUDE_DIR}, library ${DFA_NCCL_LIBRARY} (opened at run time)")
-  add_library(deferalloc_distributed SHARED distributed_adamw.cpp nccl_communicator.cpp)
+  add_library(deferalloc_distributed SHARED distributed/distributed_adamw.cpp distributed/nccl_communicator.cpp)
   add_library(deferalloc::distributed ALIAS deferalloc_distributed)
   target_link_libraries(deferalloc_distributed PUBLIC deferalloc::optimizer PRIVATE CUDA::toolkit ${CMAKE_DL_LIBS})
-  target_include_directories(deferalloc_distributed PRIVATE ${DFA_NCCL_INCLUDE_DIR})
+  target_include_directories(deferalloc_distributed PRIVATE ${DFA_NCCL_INCLUDE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(deferalloc_distributed PRIVATE $<BUILD_INTERFACE:deferalloc_log>)
   if(DFA_NCCL_LIBRARY)
     get_filename_component(dfa_nccl_dir ${DFA_NCCL_LIBRARY} DIRECTORY)
     target_compile_definitions(deferalloc_distributed PRIVATE DFA_NCCL_LIB_DIR="${dfa_nccl_dir}")

@@ -39,8 +39,8 @@
 #include <sstream>
 #include <vector>
 
-#include "../allocator/log.hpp"
-#include "file_util.hpp"
+#include "log.hpp"
+#include "store/file_util.hpp"
 
 namespace deferalloc::dist {
 
@@ -204,14 +204,14 @@ void distributed_adamw::deregister_buffers() {
   void* g = I.reg_grads;
   I.reg_params = I.reg_grads = nullptr;
   I.registered = false;
-  std::string err;
+  std::exception_ptr failed;
   try {
     I.comm->deregister_buffer(g);
-  } catch (const std::exception& e) {
-    err = e.what();
+  } catch (...) {
+    failed = std::current_exception();
   }
   I.comm->deregister_buffer(p);
-  if (!err.empty()) throw cuda_error("deregister_buffers: " + err);
+  if (failed) rethrow_with_context("deregister_buffers", failed);  // its own class, not cuda_error
 }
 
 void distributed_adamw::initialize(stream_t stream) { impl_->opt->initialize(stream); }

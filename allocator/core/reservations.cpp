@@ -361,6 +361,7 @@ std::vector<std::pair<std::size_t, chunk>> reservation_manager::plan_chunks(
     auto mi = drv_->get_memory_info();
     dev = ", device free " + std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes);
   } catch (...) {
+    detail::log_current("out-of-memory report: device memory info", log_level::warn);
   }
   throw out_of_memory("out of memory backing " + std::to_string(want) + " bytes (pool: " +
                       std::to_string(ps.alive_bytes) + " bytes alive, " + std::to_string(ps.taken_bytes) + " mapped" + dev +
@@ -481,6 +482,7 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
       drv_->synchronize_stream(copy_stream_);
       drv_->synchronize_stream(stream);
     } catch (...) {
+      detail::log_current("materialize rollback: waiting for copies");
     }
     unmap_all();
     give_back_all();
@@ -737,6 +739,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
       try {
         drv_->synchronize_stream(copy_stream_);
       } catch (...) {
+        detail::log_current("release rollback: waiting for backup copies");
       }
       give_back_hosts();
       throw;

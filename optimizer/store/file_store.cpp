@@ -60,7 +60,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "../allocator/log.hpp"
+#include "log.hpp"
 
 namespace deferalloc::optim::detail {
 

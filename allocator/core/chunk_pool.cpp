@@ -108,6 +108,7 @@ void chunk_pool::give_back(const chunk& c) noexcept {
     try {
       drv_->release(c.handle);
     } catch (...) {
+      detail::log_current("chunk_pool::give_back: releasing a chunk");
     }
     stats_.taken_bytes -= c.bytes;
     stats_.alive_bytes -= c.bytes;

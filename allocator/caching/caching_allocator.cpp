@@ -108,12 +108,14 @@ caching_allocator::~caching_allocator() {
   try {
     d.process_pending(true);
   } catch (...) {
+    detail::log_current("~caching_allocator: finishing pending frees");
   }
   for (auto& s : d.streams)
     if (s->event != nullptr) {
       try {
         d.drv.synchronize(s->event);
       } catch (...) {
+        detail::log_current("~caching_allocator: waiting for a stream's event");
       }
       d.drv.destroy_event(s->event);
     }

@@ -1,0 +1,38 @@
+// The C ABIs' boundary (include/deferalloc/deferalloc.h and optimizer.h): every entry
+// point runs its body through abi_guard(), which maps each exception to a dfa_status and
+// sets the library's thread-local message "<call>: <cause>".  Nothing throws past it.
+// Internal header, shared by allocator/c_api.cpp and optimizer/c_api_optimizer.cpp.
+#pragma once
+#include <deferalloc/deferalloc.h>
+#include <deferalloc/errors.hpp>
+
+#include <new>
+#include <string>
+
+namespace deferalloc::detail {
+
+/// Runs `body`; returns DFA_SUCCESS and clears `last_error`, or the status of the
+/// exception it threw with `last_error` = "<call>: <what>".  Never throws.
+template <typename F>
+dfa_status abi_guard(const char* call, std::string& last_error, F&& body) noexcept {
+  try {
+    body();
+    last_error.clear();
+    return DFA_SUCCESS;
+  } catch (...) {
+    const dfa_status st = status_of(std::current_exception());  // the one mapping (errors.hpp)
+    try {
+      last_error = std::string(call) + ": " + (st == DFA_ERROR_INTERNAL ? "internal error: " : "") +
+                   message_of(std::current_exception());
+    } catch (...) {  // no memory for the message: the status still says what happened
+    }
+    return st;
+  }
+}
+
+/// @throws invalid_argument "<what> is null" for a null pointer argument.
+inline void need(const void* p, const char* what) {
+  if (p == nullptr) throw invalid_argument(std::string(what) + " is null");
+}
+
+}  // namespace deferalloc::detail

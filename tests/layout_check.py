@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The source tree's two layout rules (docs/DESIGN.md "Layers"), checked on every ctest run.
+
+1. No source folder holds more than a third of the library's lines (files directly in
+   the folder; the library is allocator/, optimizer/, include/ and python/deferalloc/).
+2. No include climbs a layer: a library file includes only files of its own layer or
+   of a layer below it.
+
+Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
+"""
+import os
+import re
+import sys
+
+# The layers, lowest first (keep in step with docs/DESIGN.md).  A file belongs to the
+# layer of the longest folder prefix that matches its path.
+LAYERS = [
+    ("include/deferalloc", 0),   # public headers
+    ("allocator/core", 1),       # driver, chunk pool, pinned pool, reservations, settings, log
+    ("allocator/caching", 2),    # the caching allocator
+    ("optimizer/kernels", 3),    # the AdamW arithmetic, CPU twin and CUDA kernels
+    ("optimizer/store", 4),      # the file tier's I/O
+    ("optimizer", 5),            # the streamed optimizer: pipeline, tiers, checkpoints
+    ("optimizer/distributed", 6),  # the ZeRO-1 optimizer over NCCL
+    ("allocator/abi", 7),        # faces: C ABI, DLPack, LD_PRELOAD
+    ("allocator/torch", 7),      #        LibTorch
+    ("optimizer/abi", 7),        #        the optimizer's C ABI
+    ("python/deferalloc", 7),    #        Python
+]
+# Where a quoted include that is not beside its file is looked up (the CMake targets'
+# private include directories and the internal targets deferalloc_log / deferalloc_abi_guard).
+INCLUDE_ROOTS = ["include", "allocator", "allocator/core/log", "allocator/abi", "optimizer"]
+SOURCE_EXT = (".cpp", ".hpp", ".h", ".cu", ".cuh", ".py")
+LIBRARY = ["allocator", "optimizer", "include", "python/deferalloc"]
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+def layer_of(rel):
+    best = None
+    for prefix, rank in LAYERS:
+        if rel == prefix or rel.startswith(prefix + "/"):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, rank)
+    return best
+
+
+def library_files(root):
+    for top in LIBRARY:
+        for d, _, names in os.walk(os.path.join(root, top)):
+            for n in sorted(names):
+                if n.endswith(SOURCE_EXT):
+                    yield os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/")
+
+
+def resolve(root, rel, target):
+    here = os.path.dirname(rel)
+    for base in [here] + INCLUDE_ROOTS:
+        p = os.path.normpath(os.path.join(base, target)).replace(os.sep, "/")
+        if os.path.isfile(os.path.join(root, p)):
+            return p
+    return None  # a system or third-party header
+
+
+def check(root):
+    problems = []
+    files = list(library_files(root))
+    lines, per_folder = 0, {}
+    for rel in files:
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        n = text.count("\n")
+        lines += n
+        folder = os.path.dirname(rel)
+        per_folder[folder] = per_folder.get(folder, 0) + n
+        mine = layer_of(rel)
+        if rel.endswith(".py") or mine is None:
+            continue
+        for target in INCLUDE.findall(text):
+            dep = resolve(root, rel, target)
+            if dep is None or dep.startswith(("tests/", "benchmarks/")):
+                continue
+            theirs = layer_of(dep)
+            if theirs is None:
+                problems.append(f"{rel}: includes {target} ({dep}), which is outside every layer")
+            elif theirs[1] > mine[1]:
+                problems.append(f"{rel} (layer {mine[0]}) includes {target} of the higher layer {theirs[0]}")
+    for folder, n in sorted(per_folder.items()):
+        if 3 * n > lines:
+            problems.append(f"{folder}/ holds {n} of the library's {lines} lines (more than a third)")
+    return problems, lines, per_folder
+
+
+def self_test():
+    """The checker must be able to fail: a climbing include and a fat folder are found."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as t:
+        def put(rel, text):
+            os.makedirs(os.path.join(t, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(t, rel), "w") as f:
+                f.write(text)
+        put("allocator/caching/impl.hpp", "int x;\n")
+        put("allocator/core/reservations.cpp", '#include "caching/impl.hpp"\n' + "x\n" * 10)
+        put("optimizer/a.cpp", "x\n")
+        problems, _, _ = check(t)
+        assert any("climb" in p or "higher layer" in p for p in problems), problems
+        assert any("more than a third" in p for p in problems), problems
+
+
+def main(argv):
+    root = next((a for a in argv[1:] if not a.startswith("--")), os.path.join(os.path.dirname(__file__), ".."))
+    self_test()
+    problems, lines, per_folder = check(os.path.abspath(root))
+    biggest = max(per_folder.items(), key=lambda kv: kv[1])
+    print(f"layout_check: {len(per_folder)} folders, {lines} library lines; largest {biggest[0]}/ "
+          f"with {biggest[1]} ({100 * biggest[1] / lines:.0f}%)")
+    for p in problems:
+        print("layout_check: " + p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
