@@ -1,7 +1,7 @@
 // The C ABIs' boundary (include/deferalloc/deferalloc.h and optimizer.h): every entry
 // point runs its body through abi_guard(), which maps each exception to a dfa_status and
 // sets the library's thread-local message "<call>: <cause>".  Nothing throws past it.
-// Internal header, shared by allocator/c_api.cpp and optimizer/c_api_optimizer.cpp.
+// Internal header, shared by allocator/abi/c_api.cpp and optimizer/abi/c_api_optimizer.cpp.
 #pragma once
 #include <deferalloc/deferalloc.h>
 #include <deferalloc/errors.hpp>
