@@ -13,8 +13,8 @@ The document is the template (--template) with each `<!-- results: NAME -->` lin
 the tables of benchmark NAME: every result with its unit, the baseline it is compared with
 and the ratio (value / baseline; for times baseline / value, "x faster"), the file, device
 and command that produced it, the notes of the file, and a plot (matplotlib, written to
---img).  A benchmark with data and no placeholder goes to a last section; a placeholder with
-no data says so.  The output depends only on the JSON and the template.
+--img; plots no longer shown are removed from it).  A benchmark with data and no placeholder
+goes to a last section; a placeholder with no data says so.  The output depends only on the JSON and the template.
 """
 from __future__ import annotations
 
@@ -198,9 +198,15 @@ def main(argv: list[str]) -> int:
         f.write(text)
     print(f"plot: wrote {a.doc}")
     if not a.no_plots:
+        shown = set()
         for files in data.values():
             for p, d in files:
                 print(f"plot: wrote {plot(p, d, a.img)}")
+                shown.add(image_name(p))
+        for old in sorted(set(os.listdir(a.img)) - shown):  # plots of data a newer run replaced
+            if old.endswith(".png"):
+                os.remove(os.path.join(a.img, old))
+                print(f"plot: removed {os.path.join(a.img, old)} (no longer shown)")
     return 0
 
 
