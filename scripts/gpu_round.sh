@@ -7,7 +7,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
 #   pip download --only-binary=:all: --python-version 3.12 -d .whl scikit-build-core   # the offline pip test
-# Logs go to $OUT/logs.tar.gz, the table to $OUT/summary.txt.
+# Logs go to $OUT/logs.tar.gz, the table to $OUT/summary.txt, the benchmarks' figures to
+# $OUT/<benchmark>.json (schema of benchmarks/bench_json.py: copy them to docs/data/<date>/ and
+# run benchmarks/plot.py) and the raw Google Benchmark JSON to $OUT/gbench/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -65,12 +67,14 @@ if has ctest; then
 fi
 if has tms; then
   tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
-  run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build $B ${tms:+--tms-wheel $tms}
+  run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build $B ${tms:+--tms-wheel $tms} \
+    --json "$OUT/bench_tms.json"
   tail -14 "$L/bench_tms.log"
 fi
 if has optim; then
   mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run optim_gpu 420 python3 tests/torch/test_optim_gpu.py ${mc:+--megatron-wheel $mc}
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run optim_gpu 420 python3 tests/torch/test_optim_gpu.py ${mc:+--megatron-wheel $mc} \
+    --json "$OUT/test_optim_gpu.json"
   tail -16 "$L/optim_gpu.log"
 fi
 if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
@@ -101,10 +105,20 @@ if has stress; then
   row stress_caching "rc=$(cat "$L/stress_caching.rc") | $(grep -v '^\s*$' "$L/stress_caching.log" | tail -1 | cut -c1-90)"
 fi
 if has bench; then
-  $B/benchmarks/bench_reservations --benchmark_min_time=0.3 --benchmark_out="$L/bench_reservations.json" \
-    --benchmark_out_format=json > "$L/bench_reservations.log" 2>&1
-  $B/benchmarks/bench_optimizer --benchmark_filter='BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused' \
-    --benchmark_out="$L/bench_optimizer.json" --benchmark_out_format=json > "$L/bench_optimizer.log" 2>&1
+  res_cmd=($B/benchmarks/bench_reservations --benchmark_min_time=0.3)
+  opt_cmd=($B/benchmarks/bench_optimizer
+           "--benchmark_filter=${DFA_OPTBENCH_FILTER:-BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused}")
+  "${res_cmd[@]}" --benchmark_out="$L/bench_reservations.json" --benchmark_out_format=json \
+    > "$L/bench_reservations.log" 2>&1
+  "${opt_cmd[@]}" --benchmark_out="$L/bench_optimizer.json" --benchmark_out_format=json > "$L/bench_optimizer.log" 2>&1
   python3 benchmarks/report.py "$L"/bench_*.json > "$L/report.txt" 2>&1; cat "$L/report.txt"
-  cp "$L"/bench_*.json "$OUT"/ 2>/dev/null
+  # The raw JSON to $OUT/gbench/, the figures in the one schema to $OUT/<program>.json.
+  mkdir -p "$OUT/gbench"
+  gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
+  for g in bench_reservations bench_optimizer; do
+    if [ $g = bench_reservations ]; then cmd="${res_cmd[*]}"; else cmd="${opt_cmd[*]}"; fi
+    cp "$L/$g.json" "$OUT/gbench/" 2>/dev/null &&
+      python3 benchmarks/bench_json.py convert "$L/$g.json" --out "$OUT/$g.json" --device "${gpu:-GPU}" \
+        --command "$cmd (scripts/gpu_round.sh bench)"
+  done
 fi

@@ -44,9 +44,14 @@ fi
 if has bench; then
   $B/benchmarks/bench_pause_resume > "$OUT/bench_pause_resume.log" 2>&1
   summary+=("bench_pause_resume: exit $?")
-  $B/benchmarks/bench_allocation --benchmark_min_time=0.3 --benchmark_out="$OUT/bench_allocation.json" \
+  mkdir -p "$OUT/gbench"
+  $B/benchmarks/bench_allocation --benchmark_min_time=0.3 --benchmark_out="$OUT/gbench/bench_allocation.json" \
     --benchmark_out_format=json > "$OUT/bench_allocation.log" 2>&1
   summary+=("bench_allocation: exit $?")
+  # The figures in the schema of benchmarks/bench_json.py, for docs/data/<date>/ (benchmarks/plot.py).
+  "$PY" benchmarks/bench_json.py convert "$OUT/gbench/bench_allocation.json" --out "$OUT/bench_allocation.json" \
+    --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+    --command "$B/benchmarks/bench_allocation --benchmark_min_time=0.3 (scripts/gpu_torch_run.sh bench)"
 fi
 echo
 echo "==== deferalloc PyTorch integration on $(cut -d, -f1 "$OUT/gpu.txt") ===="
@@ -55,5 +60,5 @@ if [ -f "$OUT/ctest-torch.log" ]; then
   grep -hE "deferred tensor: 100 cycles|CUDA graph over a deferred" "$OUT/ctest-torch.log" | sed 's/^[0-9]*: //' | sort -u
 fi
 [ -f "$OUT/bench_pause_resume.log" ] && grep -vE "^RESULT" "$OUT/bench_pause_resume.log"
-[ -f "$OUT/bench_allocation.json" ] && "$PY" benchmarks/allocation/report_allocation.py "$OUT/bench_allocation.json" | tee "$OUT/report_allocation.txt"
+[ -f "$OUT/gbench/bench_allocation.json" ] && "$PY" benchmarks/allocation/report_allocation.py "$OUT/gbench/bench_allocation.json" | tee "$OUT/report_allocation.txt"
 printf '%s\n' "${summary[@]}"

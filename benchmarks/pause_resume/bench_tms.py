@@ -1,7 +1,7 @@
 """Issue 10's GPU acceptance: pause/resume of 16 GiB in 1,000 tensors, memory really given
 back, against torch_memory_saver in the same run.  One command, a short table last:
 
-    python3 benchmarks/pause_resume/bench_tms.py [--build build-gpu] [--tms-wheel W.whl] [--gib 16]
+    python3 benchmarks/pause_resume/bench_tms.py [--build build-gpu] [--tms-wheel W.whl] [--gib 16] [--json F]
 
 Each phase runs in a subprocess of its own (full replacement, MemPool regions, LD_PRELOAD
 and torch_memory_saver cannot share one process) and prints one "RESULT {json}" line:
@@ -16,7 +16,8 @@ and torch_memory_saver cannot share one process) and prints one "RESULT {json}" 
            and with CPU backup
   pinned   (inside replace) the pinned-copy bandwidth baseline, 1 GiB each way
 Times are the best of the cycles after the first (the first is listed too).  Exit status 1
-when an acceptance check fails.  About 1.5-2.5 minutes on an H200.
+when an acceptance check fails.  --json F writes the figures in the schema of
+benchmarks/bench_json.py (docs/BENCHMARKS.md is generated from it).  About 1.5-2.5 minutes on an H200.
 """
 from __future__ import annotations
 
@@ -237,6 +238,44 @@ def run_phase(name: str, args, env_extra: dict) -> dict | None:
     return res
 
 
+LABELS = {"replace": "deferalloc, full replacement", "pool": "deferalloc, per-tag MemPool regions",
+          "replace_pinned": "deferalloc, full replacement, pinned_cache_mb:20480", "tms": "torch_memory_saver"}
+
+
+def write_json(path: str, res: dict, checks: list, device: str) -> None:
+    """The figures of the table, each against its baseline of the same run (bench_json schema)."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from bench_json import result, write
+    out = []
+    rep, tms = res["replace"], res["tms"]
+    if rep is not None:
+        out += [result("pinned copy H2D", rep["pinned_h2d_GBps"], "GB/s"),
+                result("pinned copy D2H", rep["pinned_d2h_GBps"], "GB/s")]
+    for key in ("replace", "pool", "replace_pinned", "tms"):
+        r, label = res[key], LABELS[key]
+        if r is None:
+            continue
+        for keep, what in (("discard", "discard"), ("host", "host backup")):
+            out += [result(f"{label}: pause, {what}", r[f"{keep}_pause_s"] * 1e3, "ms"),
+                    result(f"{label}: resume, {what}", r[f"{keep}_resume_s"] * 1e3, "ms")]
+        for keep, what in (("discard", "discard"), ("host", "host backup")):
+            base = f"{LABELS['tms']}: pause + resume, {what}" if tms is not None and key != "tms" else None
+            out.append(result(f"{label}: pause + resume, {what}", (r[f"{keep}_pause_s"] + r[f"{keep}_resume_s"]) * 1e3,
+                              "ms", base))
+        out.append(result(f"{label}: memory given back at pause",
+                          100 * r.get("given_back_frac", r.get("discard_given_back_frac", float("nan"))), "%"))
+        if key != "tms" and rep is not None:
+            for way, pin in (("D2H", "pinned copy D2H"), ("H2D", "pinned copy H2D")):
+                out.append(result(f"{label}: host backup {way}", r[f"host_{way.lower()}_GBps"], "GB/s", pin))
+    if res["preload"] is not None:
+        out.append(result("LD_PRELOAD: torch.cuda.empty_cache() gives back", 100 * res["preload"]["returned_frac"], "%"))
+    write(path, "bench_tms", out, device, extra={
+        "tms_version": tms["version"] if tms else None,
+        "checks": [{"check": c, "value": v, "ok": bool(ok)} for c, v, ok in checks],
+        "notes": [f"{sum(ok for *_, ok in checks)} of {len(checks)} acceptance checks pass"
+                  + "".join(f"; failing: {c} ({v})" for c, v, ok in checks if not ok) + "."]})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=["replace", "pool", "preload", "tms"])
@@ -245,6 +284,7 @@ def main() -> int:
                     help="torch_memory_saver wheel to use when the package is not installed")
     ap.add_argument("--gib", type=int, default=16)
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--json", help="write the figures here (schema of benchmarks/bench_json.py)")
     args = ap.parse_args()
     if args.phase:
         if args.phase in ("replace", "pool"):
@@ -318,6 +358,8 @@ def main() -> int:
     print("\n| check | value | ok |\n|---|---|---|")
     for c, v, ok in checks:
         print(f"| {c} | {v} | {'PASS' if ok else 'FAIL'} |")
+    if args.json:
+        write_json(args.json, res, checks, torch.cuda.get_device_name())
     return 0 if all(ok for _, _, ok in checks) else 1
 
 

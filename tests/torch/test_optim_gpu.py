@@ -14,7 +14,8 @@
     CUBLAS_WORKSPACE_CONFIG=:4096:8 DEFERALLOC_LIB=build/allocator/libdeferalloc.so \\
       PYTHONPATH=python python tests/torch/test_optim_gpu.py [--megatron-wheel megatron_core-*.whl]
 
-Exit 0 when every check passes, 1 when one fails, 77 without a GPU.  About a minute on an H200.
+Exit 0 when every check passes, 1 when one fails, 77 without a GPU.  --json F writes the
+figures of (b) and (c) in the schema of benchmarks/bench_json.py (docs/BENCHMARKS.md).  About a minute on an H200.
 --device cpu --size tiny runs (a) and (d) on the host driver (ctest test_optim_gpu_script_on_cpu).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "python"))
 import train_llama as L  # noqa: E402
 
 ROWS: list[tuple[str, str, str, bool | None]] = []
+FIGURES: list[dict] = []  # for --json: {"name", "value", "unit", "baseline"}
 DEV = torch.device("cuda")
 SIZE = "small"  # --size tiny and --device cpu (host driver): a smoke test of (a) and (d) without a GPU
 
@@ -44,6 +46,10 @@ SIZE = "small"  # --size tiny and --device cpu (host driver): a smoke test of (a
 def row(what: str, value: str, target: str = "", ok: bool | None = None) -> None:
     ROWS.append((what, value, target, ok))
     print(f"  {what}: {value} {target} {'' if ok is None else ('PASS' if ok else 'FAIL')}", flush=True)
+
+
+def figure(name: str, value: float, unit: str, baseline: str | None = None) -> None:
+    FIGURES.append({"name": name, "value": float(value), "unit": unit, "baseline": baseline})
 
 
 # ---- (a) + (b) ---------------------------------------------------------------------------------
@@ -92,6 +98,10 @@ def losses_and_memory(steps: int, window_mb: int) -> None:
                     extra < 16 * 2**20)
                 row(f"(b) {tier} peak state HBM", f"{peak / 2**20:.0f} MiB", f"(<= window {window_mb} MiB)",
                     peak <= window_mb << 20)
+                if not any(f["name"] == "window" for f in FIGURES):
+                    figure("window", window_mb, "MiB")
+                figure(f"{tier} tier state HBM between steps", extra / 2**20, "MiB")
+                figure(f"{tier} tier peak state HBM", peak / 2**20, "MiB", "window")
             del opt
             gc.collect()  # the device tier's state goes before the next tier is measured
     agree = tier_losses["device"] == tier_losses["host"] == tier_losses["file"]
@@ -198,6 +208,11 @@ def time_steps(step, warm=1, reps=3) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+BOUND = "duplex pinned-copy bound over 12 B/param"
+HAND = "hand-written chunked offload (pinned FP32 state, 2 slots = the window, 3 streams, torch._fused_adamw_)"
+HDO_NAME = "megatron-core HybridDeviceOptimizer(offload_fraction=1.0)"
+
+
 def throughput(total: int, window_mb: int, wheel: str | None) -> None:
     from deferalloc.optim import StreamedAdamW
     n_tensors = 8
@@ -209,6 +224,8 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
         p.grad = (torch.randn(each, device="cuda", generator=g) * 1e-2).to(torch.bfloat16)
     bound = duplex_bound() / 12 / 1e9  # Gparam/s: 12 B/param each way
     row("(c) duplex pinned-copy bound", f"{bound:.2f} Gparam/s", "(12 B/param each way)")
+    figure(BOUND, bound, "Gparam/s")
+
     def engine(window: int) -> tuple[float, dict]:
         opt = StreamedAdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, tier="host", window_mb=window)
         dt = time_steps(opt.step, warm=2, reps=5)
@@ -228,15 +245,21 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
     eng, s = engine(window_mb)
     row(f"(c) StreamedAdamW host tier, {total / 1e9:.2f} G params", f"{eng:.2f} Gparam/s ({total / eng / 1e6:.0f} ms/step)",
         f"= {eng / bound:.2f}x bound (>= 0.9x)", eng >= 0.9 * bound)
+    figure(f"StreamedAdamW host tier step(), {total / 1e9:.2f} G params", eng, "Gparam/s", BOUND)
     row("(c)   engine time split (last step)", f"map {s['map_seconds'] * 1e3:.1f} ms, retire "
         f"{s['retire_seconds'] * 1e3:.1f} ms, peak state HBM {s['peak_backed_bytes'] >> 20} MiB")
     hb = hand(window_mb)
     row(f"(c) hand-written chunked offload (3 streams, {window_mb} MiB of slots)", f"{hb:.2f} Gparam/s",
         f"engine = {eng / hb:.2f}x (>= 1.0x)", eng >= hb)
+    figure(HAND, hb, "Gparam/s")
+    figure("StreamedAdamW host tier step(), against the hand-written offload", eng, "Gparam/s", HAND)
     # The same pair with twice the HBM (the hand-written offload's 1 GiB of slots of earlier rounds).
     eng2, _ = engine(2 * window_mb)
     hb2 = hand(2 * window_mb)
     row(f"(c)   at {2 * window_mb} MiB: engine / hand-written", f"{eng2:.2f} / {hb2:.2f} Gparam/s", f"= {eng2 / hb2:.2f}x")
+    figure(f"hand-written chunked offload, {2 * window_mb} MiB of slots", hb2, "Gparam/s")
+    figure(f"StreamedAdamW host tier step(), window {2 * window_mb} MiB", eng2, "Gparam/s",
+           f"hand-written chunked offload, {2 * window_mb} MiB of slots")
     HDO = load_megatron_hdo(wheel)
     if HDO is None:
         row("(c) megatron-core HybridDeviceOptimizer", "not run (no megatron-core; pass --megatron-wheel)")
@@ -248,6 +271,8 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
         mb = total / dt_m / 1e9
         row("(c) megatron-core HybridDeviceOptimizer(1.0, fp32)", f"{mb:.2f} Gparam/s",
             f"engine = {eng / mb:.1f}x (>= 5x)", eng >= 5 * mb)
+        figure(HDO_NAME, mb, "Gparam/s")
+        figure("StreamedAdamW host tier step(), against HybridDeviceOptimizer", eng, "Gparam/s", HDO_NAME)
         del hdo
     del params
     torch.cuda.empty_cache()
@@ -265,6 +290,7 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
     py_ms = sorted(py)[len(py) // 2] * 1e3
     row("(c) Python overhead per step, 1,000 params", f"{py_ms:.2f} ms (whole step() call "
         f"{sorted(wall)[len(wall) // 2] * 1e3:.2f} ms, device tier)", "(<= 2 ms)", py_ms <= 2.0)
+    figure("Python time per step(), 1,000 params (target 2 ms)", py_ms, "ms")
 
 
 # ---- (d) state_dict through torch.save and a new process ----------------------------------------
@@ -323,6 +349,7 @@ def main() -> int:
     ap.add_argument("--child", nargs=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--size", default="small", choices=sorted(L.SIZES))
+    ap.add_argument("--json", help="write the figures here (schema of benchmarks/bench_json.py)")
     a = ap.parse_args()
     global DEV, SIZE
     DEV, SIZE = torch.device(a.device), a.size
@@ -343,6 +370,15 @@ def main() -> int:
     for what, value, target, ok in ROWS:
         print(f"| {what} | {value} | {target} | {'' if ok is None else ('pass' if ok else 'FAIL')} |")
     print(f"({time.perf_counter() - t0:.0f} s)")
+    if a.json:
+        sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
+        from bench_json import write
+        failing = [f"{what}: {value}" for what, value, _, ok in ROWS if ok is False]
+        write(a.json, "test_optim_gpu", FIGURES, where, extra={
+            "torch": torch.__version__,
+            "checks": [{"check": what, "value": value, "target": target, "ok": ok} for what, value, target, ok in ROWS],
+            "notes": [f"{sum(ok is True for *_, ok in ROWS)} of {sum(ok is not None for *_, ok in ROWS)} checks pass"
+                      + "".join(f"; failing: {f}" for f in failing) + "."]})
     return 0 if all(ok is not False for *_, ok in ROWS) else 1
 
 
