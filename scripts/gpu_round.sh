@@ -82,8 +82,10 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
   cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 300 python3 tests/torch/test_megatron_gpu.py ${DFA_MEGATRON_ARGS:-}
-  tail -14 "$L/megatron.log"
+  # Six torchrun processes (about 3-4 minutes); the figures as JSON in $OUT/megatron.json.
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$OUT/megatron.json" \
+    ${DFA_MEGATRON_ARGS:-}
+  tail -24 "$L/megatron.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 300 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT" ${DFA_OVERLAP_ARGS:-}

@@ -10,15 +10,30 @@ builds the optimizer inside ``deferalloc.megatron.deferred_main_params()`` and c
 ``deferalloc.megatron.stream_optimizer_state`` after ``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
 (HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
 precision-aware optimizer is unavailable, so Megatron keeps FP32 main params on the GPU and
-HDO steps them on the CPU).  Megatron's own inner AdamW is told
-``fused=True`` (torch._fused_adamw_, the arithmetic the engine reproduces bit for bit;
-torch's default foreach AdamW rounds differently).
+HDO steps them on the CPU).  megatron-core's inner optimizer is torch.optim.AdamW in every
+mode (``use_torch_adamw``: megatron-core would take Transformer Engine's or Apex's FusedAdam
+when installed; neither is on the H200 image), and Megatron's own run tells it ``fused=True``
+(torch._fused_adamw_, the arithmetic the engine reproduces bit for bit; torch's default
+foreach AdamW rounds differently).  The summary's ``reference`` records what stepped.
 
 Prints one line per step (loss as a float hex, optimizer-phase seconds) and a JSON summary
 (``--summary FILE``): losses, peak HBM sampled through the steps with cuMemGetInfo (a thread
-polling torch.cuda.mem_get_info), HBM in use between steps, optimizer-phase times, the
-parameter count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after
-step N; ``--load DIR`` loads one and continues from the step after it.
+polling torch.cuda.mem_get_info), HBM in use between steps with torch's reserved and
+allocated bytes beside it, optimizer-phase times, the engine's per-step pass statistics
+(``engine``: seconds, host time mapping / retiring pieces, pieces, bytes), the parameter
+count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after step N;
+``--load DIR`` loads one and continues from the step after it.
+
+Note [HBM sampling]
+The sampler starts after ``--warmup-steps`` (1) steps, once torch.cuda.empty_cache() has
+given back what torch's allocator keeps cached but free, in every mode alike.  Why: in the
+H200 run at cbb5d71 (168 M params, sampling from step 1), HBM between steps beyond the
+optimizer state was about 240 MiB higher in the deferalloc run (5471 MiB - 6 B/param) and
+in the HDO run (6101 - 10 B/param) than in Megatron's own (7155 - 18 B/param).  HDO holds no
+moments on the GPU either, so the engine is not the cause; the likely one is that Megatron's
+own run made its Adam moments in its first step inside blocks that step had used and freed,
+while the other two runs keep such first-step blocks cached and idle.  The summary's ``hbm``
+(cuMemGetInfo next to torch's reserved and allocated bytes) lets the next run confirm it.
 
 ``--cpu-emulation`` runs the same flow on the CPU (CI without a GPU; see cpu_emulation.py;
 deferalloc's host driver).
@@ -45,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--deferalloc", choices=["off", "host", "file", "device"], default="off")
     ap.add_argument("--directory", help="file tier: the state directory")
     ap.add_argument("--window-mb", type=int, default=512)
+    ap.add_argument("--release-torch-cache", action="store_true",
+                    help="stream_optimizer_state(release_torch_cache=True): empty torch's cache before each step")
     ap.add_argument("--hdo", action="store_true", help="megatron-core's HybridDeviceOptimizer(offload_fraction=1.0)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=12)
@@ -58,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--save", help="dist-checkpointing directory to save into")
     ap.add_argument("--save-at", type=int, default=0, help="save after this step")
     ap.add_argument("--load", help="dist-checkpointing directory to load, then continue")
+    ap.add_argument("--warmup-steps", type=int, default=1,
+                    help="steps before HBM sampling starts; torch's cache is emptied after them (every mode)")
     ap.add_argument("--summary", help="write the JSON summary here")
     ap.add_argument("--cpu-emulation", action="store_true", help="CI: run on the CPU (deferalloc host driver)")
     return ap.parse_args(argv)
@@ -92,6 +111,7 @@ class HbmSampler:
             time.sleep(self.period_s)
 
     def start(self):
+        self.peak = 0
         if torch.cuda.is_available():
             self._device = torch.cuda.current_device()
             self._thread = threading.Thread(target=self._run, daemon=True)
@@ -156,6 +176,7 @@ def build(args):
     if args.hdo:
         ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                     overlap_cpu_optimizer_d2h_h2d=True)
+    use_torch_adamw()
     streamed = []
     if args.deferalloc != "off":
         import deferalloc.megatron
@@ -164,7 +185,8 @@ def build(args):
         with deferalloc.megatron.deferred_main_params():
             optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
         streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
-                                                              directory=args.directory, window_mb=args.window_mb)
+                                                              directory=args.directory, window_mb=args.window_mb,
+                                                              release_torch_cache=args.release_torch_cache)
     else:
         optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
     if args.deferalloc == "off" and not args.hdo:
@@ -172,6 +194,47 @@ def build(args):
             for g in dopt.optimizer.param_groups:
                 g["fused"], g["foreach"] = True, False
     return gpt, ddp, optimizer, streamed
+
+
+def use_torch_adamw() -> None:
+    """megatron-core takes Transformer Engine's FusedAdam (else Apex's) when installed, and
+    torch.optim.AdamW only without both (its module flag USING_PYTORCH_OPTIMIZER); it has
+    no option to choose.  The example uses torch's AdamW in every mode: the arithmetic the
+    engine reproduces (TE's and Apex's Adam round differently, and deferalloc.megatron
+    refuses them).  On the H200 image neither is installed, so this changes nothing there."""
+    import megatron.core.optimizer as mo
+    if not mo.USING_PYTORCH_OPTIMIZER:
+        mo.Adam, mo.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, True
+
+
+def describe_optimizer(optimizer) -> list[dict]:
+    """What steps each DistributedOptimizer's shards: the inner optimizer's class and the
+    settings that decide its arithmetic (for the summary; test_megatron_gpu checks them)."""
+    out = []
+    for dopt in optimizers_of(optimizer):
+        inner = dopt.optimizer
+        d = {"wrapper": type(dopt).__name__, "inner": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+        groups = inner.param_groups
+        d["param_dtypes"] = sorted({str(p.dtype) for g in groups for p in g["params"]})
+        d["lr_type"] = sorted({type(g["lr"]).__name__ for g in groups})
+        d["weight_decay"] = sorted({float(g["weight_decay"]) for g in groups})
+        d["betas"] = [float(b) for b in groups[0]["betas"]] if "betas" in groups[0] else None
+        d["eps"] = groups[0].get("eps")
+        for key in ("fused", "foreach", "decoupled_weight_decay"):
+            d[key] = sorted({str(g.get(key)) for g in groups})
+        subs = getattr(inner, "cpu_optimizers", None)
+        if subs is not None:  # HybridDeviceOptimizer
+            d["hdo"] = {"cpu_optimizers": len(subs), "gpu_optimizer": type(inner.gpu_optimizer).__name__,
+                        "cpu_classes": sorted({type(o).__name__ for o in subs}),
+                        "cpu_fused": sorted({str(g.get("fused")) for o in subs for g in o.param_groups}),
+                        "cpu_param_dtypes": sorted({str(p.dtype) for o in subs for g in o.param_groups
+                                                    for p in g["params"]}),
+                        "cpu_params_pinned": all(p.is_pinned() for o in subs for g in o.param_groups
+                                                 for p in g["params"]),
+                        "param_update_in_fp32": inner.param_update_in_fp32,
+                        "overlap_d2h_h2d": inner.overlap_cpu_optimizer_d2h_h2d}
+        out.append(d)
+    return out
 
 
 def batch(args, step: int, device):
@@ -266,6 +329,15 @@ def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, f
     return loss.item(), float(grad_norm), time.perf_counter() - t0
 
 
+def engine_stats(streamed) -> dict:
+    """The last engine pass of every streamed optimizer, summed: seconds, the host time spent
+    mapping and retiring pieces, pieces, bytes each way, Python time before the engine call."""
+    keys = ("seconds", "map_seconds", "retire_seconds", "io_wait_seconds", "python_seconds", "pieces", "params",
+            "bytes_to_device", "bytes_from_device")
+    stats = [s.stats() for s in streamed]
+    return {k: sum(st[k] for st in stats) for k in keys}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup(args)
@@ -279,16 +351,28 @@ def main(argv=None) -> int:
         summary["loaded_digest"] = state_digest(optimizer)
         if args.save and args.save_at == first - 1:  # re-save what was loaded (resharding checks)
             save(gpt, optimizer, args.save, first - 1)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    summary["reference"] = describe_optimizer(optimizer)
+    cuda = torch.cuda.is_available()
     sampler = HbmSampler()
-    sampler.start()
-    losses, opt_seconds, between = {}, [], []
-    for step in range(first, args.steps + 1):
+    losses, opt_seconds, between, engine = {}, [], [], []
+    steps = list(range(first, args.steps + 1))
+    warm = min(args.warmup_steps, max(0, len(steps) - 1))
+    for k, step in enumerate(steps):
+        if k == warm:
+            # Note [HBM sampling]: the first steps' one-time allocations, cached free by
+            # torch's allocator, are given back in every mode before sampling starts.
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            sampler.start()
         loss, grad_norm, seconds = train_step(args, ddp, optimizer, step, device)
         opt_seconds.append(seconds)
-        between.append(sampler.used())
+        if k >= warm:
+            between.append({"used": sampler.used(), "torch_reserved": torch.cuda.memory_reserved() if cuda else 0,
+                            "torch_allocated": torch.cuda.memory_allocated() if cuda else 0})
+        if streamed:
+            engine.append(engine_stats(streamed))
         losses[step] = loss
         print(f"step {step:3d} loss {losses[step]:.6f} {float(losses[step]).hex()} grad_norm {float(grad_norm):.4f} "
               f"optimizer {opt_seconds[-1] * 1e3:.1f} ms", flush=True)
@@ -296,13 +380,19 @@ def main(argv=None) -> int:
             save(gpt, optimizer, args.save, step)
             summary["saved_digest"] = state_digest(optimizer)
     sampler.stop()
+    top = max(between, key=lambda b: b["used"]) if between else {"used": 0, "torch_reserved": 0, "torch_allocated": 0}
     summary.update(losses={str(k): v.hex() for k, v in losses.items()}, peak_hbm=sampler.peak,
-                   between_hbm=max(between) if between else 0, optimizer_seconds=opt_seconds,
-                   window_mb=args.window_mb)
+                   between_hbm=top["used"], optimizer_seconds=opt_seconds, window_mb=args.window_mb,
+                   warmup_steps=warm,
+                   hbm={"between": top, "non_torch_between": top["used"] - top["torch_reserved"],
+                        "torch_max_reserved": torch.cuda.max_memory_reserved() if cuda else 0,
+                        "torch_max_allocated": torch.cuda.max_memory_allocated() if cuda else 0})
     if streamed:
         summary["engine_peak_backed"] = max(s.stats()["peak_backed_bytes"] for s in streamed)
+        summary["engine"] = engine
     print(f"params {n_params} peak HBM {sampler.peak / 2**20:.0f} MiB between steps "
-          f"{summary['between_hbm'] / 2**20:.0f} MiB", flush=True)
+          f"{summary['between_hbm'] / 2**20:.0f} MiB (torch reserved {top['torch_reserved'] / 2**20:.0f}, "
+          f"allocated {top['torch_allocated'] / 2**20:.0f})", flush=True)
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f)

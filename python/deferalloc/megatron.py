@@ -39,6 +39,16 @@ CPU offload (HybridDeviceOptimizer), SGD, Adam with L2 weight decay (torch.optim
 weight_decay > 0), amsgrad.  Code outside megatron-core that reads ``param.main_param``
 values (Megatron-LM's --log-params-norm) must not be used.
 
+Note [The window and torch's cache]
+Rationale: the step's window (``window_mb``) is mapped by the engine, outside torch's caching
+allocator, while torch keeps the blocks the finished forward and backward freed cached:
+the window then stacks on top of them, so peak HBM is Megatron's without its 12 B/param plus
+the whole window.  With ``release_torch_cache=True`` each streamed step first calls
+torch.cuda.empty_cache(): the window takes HBM the activations gave back, and the peak is
+max(forward/backward, model + grads + window).  Cost: torch's empty_cache (a device
+synchronisation and a cudaFree per free segment) in the step, and cudaMalloc again in the
+next forward; off by default.
+
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
 ``_get_main_param_and_optimizer_states`` and ``_set_main_param_and_optimizer_states``; every
@@ -87,10 +97,19 @@ class StreamedMegatronAdamW(StreamedAdamW):
     initialised optimizer and allocates no placeholder state on the GPU when it loads.
     """
 
-    def __init__(self, params: Iterable, targets: dict[torch.Tensor, torch.Tensor], **kwargs):
+    def __init__(self, params: Iterable, targets: dict[torch.Tensor, torch.Tensor], *,
+                 release_torch_cache: bool = False, **kwargs):
         self._targets = targets
+        self.release_torch_cache = release_torch_cache
         super().__init__(params, **kwargs)
         self._refresh_steps()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        # See Note [The window and torch's cache].
+        if self.release_torch_cache and self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        return super().step(closure)
 
     def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
         return self._targets.get(p, p)
@@ -256,7 +275,7 @@ def _copy_tensor_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
         setattr(dst, k, v)
 
 
-def _stream_one(dopt, tier, directory, window_mb, depth, settings):
+def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch_cache):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(dopt, DistributedOptimizer):
@@ -304,7 +323,8 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings):
         for g in new_groups:
             g["weight_decay"] = 0.0
     streamed = StreamedMegatronAdamW(new_groups, targets, **defaults, tier=tier, directory=directory,
-                                     window_mb=window_mb, depth=depth, settings=settings)
+                                     window_mb=window_mb, depth=depth, settings=settings,
+                                     release_torch_cache=release_torch_cache)
     # main = float(model shard), window by window; the moments start at zero.  An optimizer
     # that already stepped (or loaded) hands over its state.
     streamed._ensure_initialized()
@@ -399,7 +419,8 @@ def _bind(dopt) -> None:
 
 
 def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None = None, window_mb: int = 512,
-                           *, depth: int = 3, settings: str | None = None) -> list[StreamedMegatronAdamW]:
+                           *, depth: int = 3, settings: str | None = None,
+                           release_torch_cache: bool = False) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
     returns) into deferalloc's streamed engine.
@@ -415,6 +436,8 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
             DistributedOptimizer of a chain), or "device".
         window_mb: HBM budget of the streamed state.
         depth, settings: as ``deferalloc.optim.StreamedAdamW``.
+        release_torch_cache: torch.cuda.empty_cache() before each streamed step, so that the
+            window takes HBM torch keeps cached but free (Note [The window and torch's cache]).
 
     Returns the inner optimizers (one per DistributedOptimizer), for ``stats()``.
     Cost: one address reservation per DistributedOptimizer (none when it was built inside
@@ -433,7 +456,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         if directory and len(chain) > 1:
             d = os.path.join(directory, f"optimizer{i}")
             os.makedirs(d, exist_ok=True)
-        out.append(_stream_one(dopt, tier, d, window_mb, depth, settings))
+        out.append(_stream_one(dopt, tier, d, window_mb, depth, settings, release_torch_cache))
     gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -1,22 +1,30 @@
-"""GPU acceptance of deferalloc.megatron (issue 14), one H200, a few minutes.
+"""GPU acceptance of deferalloc.megatron (issue 14), one H200, about 3-4 minutes.
 
 Runs examples/megatron/train_gpt.py under torchrun (1 GPU, a megatron-core GPTModel of the
-local layer spec, BF16 params, DistributedOptimizer) five times and checks:
-  (a) 20 steps: losses bit-identical with deferalloc (host and file tiers) to Megatron's own
-      DistributedOptimizer with FP32 main params (its inner AdamW fused=True; deterministic);
-  (b) peak HBM (cuMemGetInfo sampled through the steps) lower by at least
-      12 B/param x params - window, and the same bound for HBM in use between steps;
+local layer spec, BF16 params, DistributedOptimizer) six times and checks:
+  (a) Megatron's own run steps with torch.optim.AdamW(fused=True) (torch._fused_adamw_, the
+      arithmetic the engine reproduces), and 20 steps give losses bit-identical with
+      deferalloc (host and file tiers) to it (deterministic settings);
+  (b) peak HBM (cuMemGetInfo sampled through the steps after the first, see train_gpt.py's
+      Note [HBM sampling]) lower by at least 12 B/param x params - window, and the same
+      bound for HBM in use between steps; the deferalloc runs of (a), (b), (d) use
+      release_torch_cache (deferalloc/megatron.py, Note [The window and torch's cache]);
   (c) optimizer-phase time (optimizer.step(), Megatron's whole step) >= 5x faster than
-      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) in the same run;
+      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0), both on a larger model
+      (--timing-model, 0.54 G params: the 168 M model's step is dominated by per-piece
+      costs), first step not timed; beside it the link's bound (12 B/param each way over the
+      duplex pinned-copy bandwidth measured here) and what that bound allows against HDO;
   (d) Megatron dist-checkpointing save at step 10 (host tier), load in a new process,
       steps 11-20 identical and the loaded optimizer state equal to the saved one.
 
     DEFERALLOC_LIB=build/allocator/libdeferalloc.so PYTHONPATH=python:/tmp/site \\
-      python tests/torch/test_megatron_gpu.py [--megatron-wheel megatron_core-0.16.1-*.whl]
+      python tests/torch/test_megatron_gpu.py [--json out.json] [--megatron-wheel megatron_core-0.16.1-*.whl]
 
 (--megatron-wheel installs the wheel with --no-deps into a temporary directory; without
-it megatron-core must be importable.)  Exit 0 when every check passes, 1 when one fails,
-77 without a GPU or megatron-core.  Prints a table last.
+it megatron-core must be importable.)  --json writes the figures as {"benchmark":
+"megatron", "schema": 1, "device", "command", "results": [{"name", "value", "unit",
+"baseline"}], "extra"}.  Exit 0 when every check passes, 1 when one fails, 77 without a
+GPU or megatron-core.  Prints a table last.
 """
 from __future__ import annotations
 
@@ -32,19 +40,44 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "megatron", "train_gpt.py"))
+MIB = 2**20
+
+
+def duplex_bandwidth(torch, mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s each way with a pinned H2D and a D2H copy running at once (two streams)."""
+    n = mib * MIB
+    host_in = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev_out = torch.empty(n, dtype=torch.uint8, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    best = 0.0
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(up):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(down):
+            host_out.copy_(dev_out, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, n / (time.perf_counter() - t0))
+    return best
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--megatron-wheel")
+    ap.add_argument("--json", help="write the figures here (schema 1)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-at", type=int, default=10)
-    ap.add_argument("--hdo-steps", type=int, default=5)
+    ap.add_argument("--timing-steps", type=int, default=4, help="steps of the timing runs (the first is not timed)")
     ap.add_argument("--window-mb", type=int, default=512)
     ap.add_argument("--model", default="--layers 8 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 4",
-                    help="train_gpt.py's model options, one string")
+                    help="train_gpt.py's model options for (a), (b), (d), one string")
+    ap.add_argument("--timing-model", default="--layers 8 --hidden 2048 --heads 16 --vocab 32768 --seq 512 --batch 2",
+                    help="train_gpt.py's model options for (c), one string")
     args = ap.parse_args()
-    args.model = shlex.split(args.model)
+    model, timing_model = shlex.split(args.model), shlex.split(args.timing_model)
 
     import torch
     if not torch.cuda.is_available():
@@ -65,13 +98,16 @@ def main() -> int:
         print(f"SKIP: megatron-core 0.16.1 not importable ({probe.stdout.strip() or probe.stderr.strip()[-300:]})")
         return 77
 
-    def run(name: str, extra: list[str]) -> dict | None:
+    wall = {}
+
+    def run(name: str, opts: list[str], extra: list[str]) -> dict | None:
         summary = os.path.join(work, f"{name}.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", EXAMPLE,
-               *args.model, "--window-mb", str(args.window_mb), "--summary", summary, *extra]
+               *opts, "--window-mb", str(args.window_mb), "--summary", summary, *extra]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        print(f"--- {name} ({time.perf_counter() - t0:.0f} s, rc {r.returncode})", flush=True)
+        wall[name] = time.perf_counter() - t0
+        print(f"--- {name} ({wall[name]:.0f} s, rc {r.returncode})", flush=True)
         print("\n".join(line for line in r.stdout.splitlines() if line.startswith(("step", "params"))), flush=True)
         if r.returncode != 0:
             print(r.stdout[-2000:], r.stderr[-4000:], flush=True)
@@ -79,18 +115,60 @@ def main() -> int:
         with open(summary) as f:
             return json.load(f)
 
+    # The 168 M runs: the window takes what torch keeps cached (Note [The window and torch's
+    # cache] in deferalloc/megatron.py); the timing runs: the plain step.
     steps = ["--steps", str(args.steps)]
-    own = run("megatron", steps)
-    host = run("deferalloc-host", steps + ["--deferalloc", "host", "--save", f"{work}/ckpt_host",
-                                           "--save-at", str(args.save_at)])
-    file_ = run("deferalloc-file", steps + ["--deferalloc", "file", "--directory", f"{work}/state"])
-    resumed = run("deferalloc-host-resumed", steps + ["--deferalloc", "host", "--load", f"{work}/ckpt_host"])
-    hdo = run("megatron-hdo", ["--steps", str(args.hdo_steps), "--hdo"])
+    dfa = ["--release-torch-cache"]
+    timing = ["--steps", str(args.timing_steps)]
+    runs = {"megatron": run("megatron", model, steps)}
+    runs["deferalloc-host"] = run("deferalloc-host", model, steps + dfa + [
+        "--deferalloc", "host", "--save", f"{work}/ckpt_host", "--save-at", str(args.save_at)])
+    runs["deferalloc-file"] = run("deferalloc-file", model, steps + dfa + ["--deferalloc", "file", "--directory",
+                                                                     f"{work}/state"])
+    runs["deferalloc-host-resumed"] = run("deferalloc-host-resumed", model, steps + dfa + [
+        "--deferalloc", "host", "--load", f"{work}/ckpt_host"])
+    runs["deferalloc-host-timing"] = run("deferalloc-host-timing", timing_model, timing + ["--deferalloc", "host"])
+    runs["megatron-hdo-timing"] = run("megatron-hdo-timing", timing_model, timing + ["--hdo"])
+    # This process touches the GPU only now: cuMemGetInfo is device-wide.
+    link = duplex_bandwidth(torch)
+    device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    rows, results = evaluate(args, runs, link)
+    n, n_t = (runs["megatron"] or {}).get("params"), (runs["deferalloc-host-timing"] or {}).get("params")
+    print(f"\nmegatron-core GPTModel, {(n or 0) / 1e6:.0f} M params ({(n_t or 0) / 1e9:.2f} G for timing), "
+          f"window {args.window_mb} MiB, {device}")
+    width = max(len(r[0]) for r in rows)
+    for what, value, ok in rows:
+        print(f"{'    ' if ok is None else 'PASS' if ok else 'FAIL'}  {what:<{width}}  {value}")
+    judged = [ok for _, _, ok in rows if ok is not None]
+    failed = judged.count(False)
+    print(f"{len(judged) - failed}/{len(judged)} checks passed")
+    if args.json:
+        out = {"benchmark": "megatron", "schema": 1, "device": device,
+               "command": shlex.join([sys.executable, *sys.argv]), "results": results,
+               "extra": {"model": args.model, "timing_model": args.timing_model, "params": n, "timing_params": n_t,
+                         "window_mb": args.window_mb, "steps": args.steps, "wall_seconds": wall,
+                         "checks": [{"what": w, "value": v, "ok": o} for w, v, o in rows],
+                         "runs": {k: ({kk: vv for kk, vv in v.items() if kk not in ("saved_digest", "loaded_digest")}
+                                      if v else None) for k, v in runs.items()}}}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 1 if failed else 0
 
-    rows: list[tuple[str, str, bool]] = []
 
-    def check(what: str, value: str, ok: bool) -> None:
+def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
+    """The checks (what, value, ok: True / False / None for a figure shown beside them) and
+    the JSON results of the six runs' summaries; ``link``: duplex bytes/s each way."""
+    own, host, file_ = runs["megatron"], runs["deferalloc-host"], runs["deferalloc-file"]
+    resumed, host_t, hdo_t = runs["deferalloc-host-resumed"], runs["deferalloc-host-timing"], runs["megatron-hdo-timing"]
+    rows: list[tuple[str, str, bool | None]] = []
+    results: list[dict] = []
+
+    def check(what: str, value: str, ok: bool | None) -> None:
         rows.append((what, value, ok))
+
+    def figure(name: str, value, unit: str, baseline: str | None = None) -> None:
+        if value is not None:
+            results.append({"name": name, "value": value, "unit": unit, "baseline": baseline})
 
     def same_losses(a, b, first=1):
         if a is None or b is None:
@@ -98,12 +176,34 @@ def main() -> int:
         return {k: v for k, v in a["losses"].items() if int(k) >= first} == \
                {k: v for k, v in b["losses"].items() if int(k) >= first}
 
+    def first_difference(a, b):
+        if a is None or b is None:
+            return None
+        return next((int(k) for k in sorted(a["losses"], key=int) if b["losses"].get(k) != a["losses"][k]), None)
+
+    # (a) what Megatron's own run stepped with, and the losses.
+    ref = (own or {}).get("reference", [{}])
+    torch_fused = bool(own) and all(d.get("inner") == "torch.optim.adamw.AdamW" and d.get("fused") == ["True"]
+                                    and d.get("param_dtypes") == ["torch.float32"] for d in ref)
+    check("Megatron's reference: torch.optim.AdamW(fused=True) on FP32 main params",
+          ", ".join(f"{d.get('inner')} fused={d.get('fused')} lr {d.get('lr_type')}" for d in ref) or "run failed",
+          torch_fused)
     for name, r in (("host", host), ("file", file_)):
+        ok = same_losses(r, own)
+        diff = first_difference(r, own)
         check(f"losses {name} == Megatron FP32 ({args.steps} steps)",
-              "bit-identical" if same_losses(r, own) else "differ / failed", same_losses(r, own))
+              "bit-identical" if ok else f"first differ at step {diff}" if diff else "failed", ok)
+        figure(f"losses_identical_{name}", int(ok), "bool", "megatron")
+        if diff:
+            figure(f"first_differing_step_{name}", diff, "step", "megatron")
+
+    # (b) HBM.
+    n = own["params"] if own else None
     if own and host:
-        n = own["params"]
-        bound = 12 * n - args.window_mb * 2**20
+        bound = 12 * n - args.window_mb * MIB
+        figure("hbm_saving_required", bound / MIB, "MiB")
+        figure("peak_hbm_megatron", own["peak_hbm"] / MIB, "MiB")
+        figure("between_hbm_megatron", own["between_hbm"] / MIB, "MiB")
         for name, r in (("host", host), ("file", file_)):
             if r is None:
                 continue
@@ -114,30 +214,66 @@ def main() -> int:
             saved_between = own["between_hbm"] - r["between_hbm"]
             check(f"HBM between steps saved, {name} (>= {bound / 2**30:.2f} GiB)",
                   f"{saved_between / 2**30:.2f} GiB", saved_between >= bound)
-        check("engine peak state HBM <= window", f"{host.get('engine_peak_backed', 0) / 2**20:.0f} MiB",
-              host.get("engine_peak_backed", 1 << 62) <= args.window_mb * 2**20)
-    if host and hdo:
-        t_host = statistics.median(host["optimizer_seconds"][2:])
-        t_hdo = statistics.median(hdo["optimizer_seconds"][1:])
-        t_own = statistics.median(own["optimizer_seconds"][2:]) if own else float("nan")
-        check("optimizer step: HDO / deferalloc host (>= 5)",
-              f"{t_hdo / t_host:.1f}x ({t_hdo * 1e3:.0f} / {t_host * 1e3:.0f} ms; Megatron resident {t_own * 1e3:.0f} ms)",
-              t_hdo / t_host >= 5)
-    else:
-        check("optimizer step: HDO / deferalloc host (>= 5)", "a run failed", False)
-    check(f"save at {args.save_at}, load in a new process, continue to {args.steps}",
-          "identical" if same_losses(resumed, host, args.save_at + 1) else "differ / failed",
-          same_losses(resumed, host, args.save_at + 1) and resumed is not None
-          and resumed.get("loaded_digest") == host.get("saved_digest"))
+            figure(f"peak_hbm_{name}", r["peak_hbm"] / MIB, "MiB", "peak_hbm_megatron")
+            figure(f"between_hbm_{name}", r["between_hbm"] / MIB, "MiB", "between_hbm_megatron")
+        for name, r in (("megatron", own), ("host", host), ("file", file_)):
+            if r and "hbm" in r:
+                b = r["hbm"]["between"]
+                check(f"  HBM between steps, {name}: used / torch reserved / allocated / other",
+                      f"{b['used'] / MIB:.0f} / {b['torch_reserved'] / MIB:.0f} / {b['torch_allocated'] / MIB:.0f} / "
+                      f"{r['hbm']['non_torch_between'] / MIB:.0f} MiB", None)
+                figure(f"non_torch_hbm_between_{name}", r["hbm"]["non_torch_between"] / MIB, "MiB",
+                       None if name == "megatron" else "non_torch_hbm_between_megatron")
+        check("engine peak state HBM <= window", f"{host.get('engine_peak_backed', 0) / MIB:.0f} MiB",
+              host.get("engine_peak_backed", 1 << 62) <= args.window_mb * MIB)
+        figure("engine_peak_state_hbm", host.get("engine_peak_backed", 0) / MIB, "MiB")
 
-    print(f"\nmegatron-core GPTModel, {own['params'] / 1e6:.0f} M params, window {args.window_mb} MiB"
-          if own else "\nmegatron-core GPTModel")
-    width = max(len(r[0]) for r in rows)
-    for what, value, ok in rows:
-        print(f"{'PASS' if ok else 'FAIL'}  {what:<{width}}  {value}")
-    failed = sum(not ok for _, _, ok in rows)
-    print(f"{len(rows) - failed}/{len(rows)} checks passed")
-    return 1 if failed else 0
+    # (c) step time on the timing model; the first step (first touch of pinned memory) untimed.
+    def timed(r):
+        return statistics.median(r["optimizer_seconds"][1:]) if r and len(r["optimizer_seconds"]) > 1 else None
+
+    t_host, t_hdo = timed(host_t), timed(hdo_t)
+    t_own_small, t_host_small = timed(own), timed(host)
+    n_t = (host_t or hdo_t or {}).get("params")
+    figure("link_duplex_each_way", link / 1e9, "GB/s")
+    figure("optimizer_step_megatron_small", t_own_small and t_own_small * 1e3, "ms")
+    figure("optimizer_step_host_small", t_host_small and t_host_small * 1e3, "ms", "optimizer_step_megatron_small")
+    if t_host and t_hdo:
+        bound_s = 12 * n_t / link
+        check(f"optimizer step, {n_t / 1e9:.2f} G params: HDO / deferalloc host (>= 5)",
+              f"{t_hdo / t_host:.2f}x ({t_hdo * 1e3:.0f} / {t_host * 1e3:.0f} ms)", t_hdo / t_host >= 5)
+        check("  link bound: 12 B/param each way at the duplex copy rate",
+              f"{bound_s * 1e3:.0f} ms ({link / 1e9:.1f} GB/s each way): at best {t_hdo / bound_s:.2f}x HDO", None)
+        e = host_t["engine"][-1]
+        check("  deferalloc host: engine pass / host time mapping + retiring / pieces / Python",
+              f"{e['seconds'] * 1e3:.0f} / {(e['map_seconds'] + e['retire_seconds']) * 1e3:.0f} ms / "
+              f"{e['pieces']} / {e['python_seconds'] * 1e3:.1f} ms", None)
+        hdo_ref = hdo_t["reference"][0].get("hdo", {})
+        check("  HDO: CPU optimizers / fused / param dtypes / pinned / param_update_in_fp32",
+              f"{hdo_ref.get('cpu_optimizers')} {hdo_ref.get('cpu_classes')} / {hdo_ref.get('cpu_fused')} / "
+              f"{hdo_ref.get('cpu_param_dtypes')} / {hdo_ref.get('cpu_params_pinned')} / "
+              f"{hdo_ref.get('param_update_in_fp32')}", None)
+        figure("optimizer_step_hdo", t_hdo * 1e3, "ms")
+        figure("optimizer_step_host", t_host * 1e3, "ms", "optimizer_step_hdo")
+        figure("optimizer_step_link_bound", bound_s * 1e3, "ms")
+        figure("throughput_hdo", n_t / t_hdo / 1e9, "Gparam/s")
+        figure("throughput_host", n_t / t_host / 1e9, "Gparam/s", "throughput_hdo")
+        figure("engine_pass_host", e["seconds"] * 1e3, "ms")
+        figure("engine_map_retire_host", (e["map_seconds"] + e["retire_seconds"]) * 1e3, "ms")
+    else:
+        check("optimizer step: HDO / deferalloc host (>= 5)", "a timing run failed", False)
+
+    # (d) checkpoint.
+    ok = same_losses(resumed, host, args.save_at + 1) and resumed is not None \
+        and resumed.get("loaded_digest") == host.get("saved_digest")
+    check(f"save at {args.save_at}, load in a new process, continue to {args.steps}",
+          "identical" if ok else "differ / failed", ok)
+    figure("checkpoint_resume_identical", int(ok), "bool")
+
+    judged = [ok for _, _, ok in rows if ok is not None]
+    figure("checks_passed", judged.count(True), "count")
+    figure("checks_total", len(judged), "count")
+    return rows, results
 
 
 if __name__ == "__main__":
