@@ -82,8 +82,8 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
   cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
-  # Six torchrun processes (about 3-4 minutes); the figures as JSON in $OUT/megatron.json.
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$OUT/megatron.json" \
+  # Six torchrun processes (about 3-4 minutes); the figures as JSON in $OUT/test_megatron_gpu.json.
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$OUT/test_megatron_gpu.json" \
     ${DFA_MEGATRON_ARGS:-}
   tail -24 "$L/megatron.log"
 fi

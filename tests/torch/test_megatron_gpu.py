@@ -22,7 +22,7 @@ local layer spec, BF16 params, DistributedOptimizer) six times and checks:
 
 (--megatron-wheel installs the wheel with --no-deps into a temporary directory; without
 it megatron-core must be importable.)  --json writes the figures as {"benchmark":
-"megatron", "schema": 1, "device", "command", "results": [{"name", "value", "unit",
+"test_megatron_gpu", "schema": 1, "device", "command", "results": [{"name", "value", "unit",
 "baseline"}], "extra"}.  Exit 0 when every check passes, 1 when one fails, 77 without a
 GPU or megatron-core.  Prints a table last.
 """
@@ -143,7 +143,7 @@ def main() -> int:
     failed = judged.count(False)
     print(f"{len(judged) - failed}/{len(judged)} checks passed")
     if args.json:
-        out = {"benchmark": "megatron", "schema": 1, "device": device,
+        out = {"benchmark": "test_megatron_gpu", "schema": 1, "device": device,
                "command": shlex.join([sys.executable, *sys.argv]), "results": results,
                "extra": {"model": args.model, "timing_model": args.timing_model, "params": n, "timing_params": n_t,
                          "window_mb": args.window_mb, "steps": args.steps, "wall_seconds": wall,
