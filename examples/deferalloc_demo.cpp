@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     context ctx(parse_settings(conf ? conf : ""));
     driver& d = *ctx.drv;
     reservation_manager& m = *ctx.reservations;
-    const bool gpu = d.name() == "cuda";
+    const bool gpu = d.kind() == deferalloc::driver_kind::cuda;
     const std::size_t GiB = std::size_t{1} << 30, MiB = std::size_t{1} << 20;
     const std::size_t reserve_bytes = (argc > 1 ? std::strtoull(argv[1], nullptr, 10) : (gpu ? 64 : 4)) * GiB;
     const std::size_t window = gpu ? 512 * MiB : 64 * MiB;

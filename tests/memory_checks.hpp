@@ -20,12 +20,12 @@ inline std::int64_t held_since(deferalloc::driver& d, const deferalloc::memory_i
 /// Slack allowed on top of "held <= backed + cache bound": none on the host driver (it
 /// counts exactly); on a GPU cuMemGetInfo also sees the runtime's own small allocations
 /// (events, streams, the copy engines' staging), so 8 MiB.
-inline std::int64_t held_slack(deferalloc::driver& d) { return d.name() == "host" ? 0 : std::int64_t{8} << 20; }
+inline std::int64_t held_slack(deferalloc::driver& d) { return d.kind() == deferalloc::driver_kind::host ? 0 : std::int64_t{8} << 20; }
 /// The same while `pinned_bytes` of pinned host memory (host backups) are alive: on a GPU
 /// the driver keeps page tables for pinned host memory in HBM, 2 MiB per GiB pinned
 /// (measured on H200); they are no chunk of ours and come back when the buffers are freed.
 inline std::int64_t held_slack(deferalloc::driver& d, std::size_t pinned_bytes) {
-  if (d.name() == "host") return 0;
+  if (d.kind() == deferalloc::driver_kind::host) return 0;
   const std::int64_t gib = static_cast<std::int64_t>((pinned_bytes + (std::size_t{1} << 30) - 1) >> 30);
   return held_slack(d) + gib * (std::int64_t{2} << 20);
 }

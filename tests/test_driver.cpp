@@ -131,3 +131,15 @@ TEST(fault_driver, fails_the_nth_call) {
   f->release(h);
   f->free_reservation(va, 64_KiB);
 }
+
+// driver::kind() tells what a driver is, also through a wrapper whose name differs.
+TEST(fault_driver, reports_the_inner_kind) {
+  auto h = make_host_driver({64_KiB, 64_MiB});
+  EXPECT_EQ(h->kind(), driver_kind::host);
+  fault_driver f(h);
+  EXPECT_EQ(f.name(), "fault(host)");
+  EXPECT_EQ(f.kind(), driver_kind::host);
+  fault_driver ff(std::make_shared<fault_driver>(h));
+  EXPECT_EQ(ff.kind(), driver_kind::host);
+  if (driver_name() == "cuda") EXPECT_EQ(fault_driver(make_driver()).kind(), driver_kind::cuda);
+}

@@ -103,7 +103,7 @@ void expect_handed_out(const reservation_manager& m, dfa_reservation r) {
 
 // Called with g_mu held exclusively once an instance exists.
 void on_new_instance(const context& c) {
-  const bool host = c.drv->name() == "host";
+  const bool host = c.drv->kind() == driver_kind::host;
   if (host) detail::install_fault_reporter();
   g_report_faults.store(host);
 }
@@ -150,7 +150,7 @@ using detail::need;
 // Returns with `lk` held shared.  The host driver has one device: every ordinal maps to it.
 caching_allocator& allocator_for(int device, std::shared_lock<std::shared_mutex>& lk) {
   context& ctx = instance(lk);
-  const int key = (device < 0 || ctx.drv->name() == "host") ? ctx.config.device : device;
+  const int key = (device < 0 || ctx.drv->kind() == driver_kind::host) ? ctx.config.device : device;
   auto it = g_allocs.find(key);
   if (it != g_allocs.end()) return *it->second->alloc;
   lk.unlock();
@@ -616,7 +616,7 @@ dfa_status dfa_export_dlpack(dfa_reservation r, const int64_t* shape, int ndim, 
     h->generation = g_generation.load();
     DLTensor& t = h->tensor.dl_tensor;
     t.data = reinterpret_cast<void*>(info.address);
-    const bool host = ctx.drv->name() == "host";
+    const bool host = ctx.drv->kind() == driver_kind::host;
     t.device = {host ? detail::k_dl_cpu : detail::k_dl_cuda, host ? 0 : ctx.drv->device()};
     t.ndim = ndim;
     t.dtype = {code, bits, lanes};

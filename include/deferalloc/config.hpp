@@ -3,6 +3,7 @@
 // read from DEFERALLOC_CONF by the C ABI and the preload library.  An unknown key or
 // a bad value is an error that lists the valid keys.
 #pragma once
+#include <deferalloc/driver.hpp>
 #include <deferalloc/export.hpp>
 
 #include <cstddef>
@@ -25,7 +26,6 @@ struct config_value {
 /// twice keeps the last value.  @throws invalid_argument on a syntax error.
 DFA_API std::map<std::string, config_value> parse_config_text(std::string_view text);
 
-enum class driver_kind { automatic, cuda, host };
 
 /// The default pinned_cache_mb: a quarter of the machine's physical memory.
 DFA_API std::size_t default_pinned_cache() noexcept;

@@ -27,6 +27,11 @@ using event_t = void*;
 /// A physical chunk (CUmemGenericAllocationHandle on CUDA, a memfd on the host).
 using chunk_handle = std::uint64_t;
 
+/// Which implementation a driver is (wrappers report their inner driver's kind).
+/// `automatic` is only a setting (cuda when a device is present, else host); no
+/// driver object has it.
+enum class driver_kind { automatic, cuda, host };
+
 /// The counted, fault-injectable primitives.
 enum class primitive : int {
   reserve = 0,
@@ -61,6 +66,9 @@ class DFA_API driver {
 
   /// Short name: "cuda" or "host" (wrappers prefix theirs).
   virtual std::string name() const = 0;
+  /// cuda or host: what the driver really is, also under a wrapper (fault(host) is
+  /// host).  Decide behaviour by this, never by name().
+  virtual driver_kind kind() const = 0;
   /// The mapping granularity in bytes (2 MiB on H200).  No driver call.
   virtual std::size_t granularity() const = 0;
   /// Free and total physical memory (cuMemGetInfo; the capacity on the host).
@@ -167,6 +175,7 @@ class DFA_API fault_driver : public driver {
   driver& inner() { return *inner_; }
 
   std::string name() const override;
+  driver_kind kind() const override;
   std::size_t granularity() const override;
   memory_info get_memory_info() override;
   int device() const override;

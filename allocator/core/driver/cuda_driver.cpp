@@ -175,6 +175,7 @@ class cuda_driver final : public driver {
   }
 
   std::string name() const override { return "cuda"; }
+  driver_kind kind() const override { return driver_kind::cuda; }
   std::size_t granularity() const override { return granularity_; }
   int device() const override { return ordinal_; }
   memory_info get_memory_info() override {

@@ -46,6 +46,7 @@ class host_driver final : public driver {
   }
 
   std::string name() const override { return "host"; }
+  driver_kind kind() const override { return driver_kind::host; }
   std::size_t granularity() const override { return granularity_; }
   memory_info get_memory_info() override {
     std::lock_guard lk(mu_);
