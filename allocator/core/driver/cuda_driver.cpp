@@ -23,42 +23,48 @@
 namespace deferalloc {
 namespace {
 
+// Note [CUDA entry points]
+// Every libcuda function the driver calls, listed once: the X-macro declares the
+// members of cu_api and resolves each through cuGetProcAddress.
+#define DFA_CU_ENTRY_POINTS(X) \
+  X(cuInit) \
+  X(cuGetErrorName) \
+  X(cuGetErrorString) \
+  X(cuDeviceGet) \
+  X(cuDeviceGetCount) \
+  X(cuDevicePrimaryCtxRetain) \
+  X(cuDevicePrimaryCtxRelease) \
+  X(cuCtxSetCurrent) \
+  X(cuCtxGetCurrent) \
+  X(cuMemAddressReserve) \
+  X(cuMemAddressFree) \
+  X(cuMemCreate) \
+  X(cuMemRelease) \
+  X(cuMemMap) \
+  X(cuMemUnmap) \
+  X(cuMemSetAccess) \
+  X(cuMemGetAllocationGranularity) \
+  X(cuMemGetInfo) \
+  X(cuMemHostAlloc) \
+  X(cuMemFreeHost) \
+  X(cuStreamCreate) \
+  X(cuStreamDestroy) \
+  X(cuStreamSynchronize) \
+  X(cuStreamWaitEvent) \
+  X(cuEventCreate) \
+  X(cuEventDestroy) \
+  X(cuEventRecord) \
+  X(cuEventSynchronize) \
+  X(cuEventQuery) \
+  X(cuMemcpyAsync) \
+  X(cuMemsetD8Async)
+
 struct cu_api {
   void* lib = nullptr;
   std::string load_error;
-#define DFA_CU_FN(name) decltype(&::name) name = nullptr;
-  DFA_CU_FN(cuInit)
-  DFA_CU_FN(cuGetErrorName)
-  DFA_CU_FN(cuGetErrorString)
-  DFA_CU_FN(cuDeviceGet)
-  DFA_CU_FN(cuDeviceGetCount)
-  DFA_CU_FN(cuDevicePrimaryCtxRetain)
-  DFA_CU_FN(cuDevicePrimaryCtxRelease)
-  DFA_CU_FN(cuCtxSetCurrent)
-  DFA_CU_FN(cuCtxGetCurrent)
-  DFA_CU_FN(cuMemAddressReserve)
-  DFA_CU_FN(cuMemAddressFree)
-  DFA_CU_FN(cuMemCreate)
-  DFA_CU_FN(cuMemRelease)
-  DFA_CU_FN(cuMemMap)
-  DFA_CU_FN(cuMemUnmap)
-  DFA_CU_FN(cuMemSetAccess)
-  DFA_CU_FN(cuMemGetAllocationGranularity)
-  DFA_CU_FN(cuMemGetInfo)
-  DFA_CU_FN(cuMemHostAlloc)
-  DFA_CU_FN(cuMemFreeHost)
-  DFA_CU_FN(cuStreamCreate)
-  DFA_CU_FN(cuStreamDestroy)
-  DFA_CU_FN(cuStreamSynchronize)
-  DFA_CU_FN(cuStreamWaitEvent)
-  DFA_CU_FN(cuEventCreate)
-  DFA_CU_FN(cuEventDestroy)
-  DFA_CU_FN(cuEventRecord)
-  DFA_CU_FN(cuEventSynchronize)
-  DFA_CU_FN(cuEventQuery)
-  DFA_CU_FN(cuMemcpyAsync)
-  DFA_CU_FN(cuMemsetD8Async)
-#undef DFA_CU_FN
+#define DFA_CU_DECLARE(name) decltype(&::name) name = nullptr;
+  DFA_CU_ENTRY_POINTS(DFA_CU_DECLARE)
+#undef DFA_CU_DECLARE
 };
 
 using get_proc_fn = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
@@ -86,37 +92,9 @@ const cu_api& api() {
       }
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
     };
-    get("cuInit", r.cuInit);
-    get("cuGetErrorName", r.cuGetErrorName);
-    get("cuGetErrorString", r.cuGetErrorString);
-    get("cuDeviceGet", r.cuDeviceGet);
-    get("cuDeviceGetCount", r.cuDeviceGetCount);
-    get("cuDevicePrimaryCtxRetain", r.cuDevicePrimaryCtxRetain);
-    get("cuDevicePrimaryCtxRelease", r.cuDevicePrimaryCtxRelease);
-    get("cuCtxSetCurrent", r.cuCtxSetCurrent);
-    get("cuCtxGetCurrent", r.cuCtxGetCurrent);
-    get("cuMemAddressReserve", r.cuMemAddressReserve);
-    get("cuMemAddressFree", r.cuMemAddressFree);
-    get("cuMemCreate", r.cuMemCreate);
-    get("cuMemRelease", r.cuMemRelease);
-    get("cuMemMap", r.cuMemMap);
-    get("cuMemUnmap", r.cuMemUnmap);
-    get("cuMemSetAccess", r.cuMemSetAccess);
-    get("cuMemGetAllocationGranularity", r.cuMemGetAllocationGranularity);
-    get("cuMemGetInfo", r.cuMemGetInfo);
-    get("cuMemHostAlloc", r.cuMemHostAlloc);
-    get("cuMemFreeHost", r.cuMemFreeHost);
-    get("cuStreamCreate", r.cuStreamCreate);
-    get("cuStreamDestroy", r.cuStreamDestroy);
-    get("cuStreamSynchronize", r.cuStreamSynchronize);
-    get("cuStreamWaitEvent", r.cuStreamWaitEvent);
-    get("cuEventCreate", r.cuEventCreate);
-    get("cuEventDestroy", r.cuEventDestroy);
-    get("cuEventRecord", r.cuEventRecord);
-    get("cuEventSynchronize", r.cuEventSynchronize);
-    get("cuEventQuery", r.cuEventQuery);
-    get("cuMemcpyAsync", r.cuMemcpyAsync);
-    get("cuMemsetD8Async", r.cuMemsetD8Async);
+#define DFA_CU_LOAD(name) get(#name, r.name);
+    DFA_CU_ENTRY_POINTS(DFA_CU_LOAD)
+#undef DFA_CU_LOAD
     if (r.load_error.empty()) {
       CUresult rc = r.cuInit(0);
       if (rc != CUDA_SUCCESS) {
