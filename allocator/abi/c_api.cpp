@@ -166,7 +166,7 @@ caching_allocator& allocator_for(int device, std::shared_lock<std::shared_mutex>
         d->own = std::make_unique<context>(s);
         m = d->own->reservations.get();
       }
-      d->alloc = std::make_unique<caching_allocator>(*m);
+      d->alloc = std::make_unique<caching_allocator>(*m, g_ctx->config.caching);
       g_allocs.emplace(key, std::move(d));
     }
   }

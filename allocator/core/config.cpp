@@ -10,6 +10,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <new>
 
 #include <unistd.h>
@@ -26,9 +27,6 @@ std::string_view trim(std::string_view s) {
 }
 
 std::atomic<int> g_level{static_cast<int>(log_level::warn)};
-
-const char* const k_keys[] = {"driver", "device", "chunk_classes_mb", "pool_budget_mb", "host_capacity_mb",
-                              "host_granularity_kb", "pinned_cache_mb", "pool_cache_mb", "log_level"};
 
 // Note [Settings ranges]
 // Every number is parsed as an unsigned 64-bit integer and checked against its key's
@@ -47,11 +45,6 @@ std::uint64_t to_uint(const std::string& key, const std::string& v, std::uint64_
   if (ec != std::errc() || p != v.data() + v.size())
     throw invalid_argument("DEFERALLOC_CONF: " + key + " expects an integer in " + range + ", got '" + v + "'");
   return out;
-}
-
-/// A size in MB, at most 16 TiB: `to_size(...) << 20` cannot wrap.
-std::size_t to_size(const std::string& key, const std::string& v) {
-  return static_cast<std::size_t>(to_uint(key, v, 0, k_max_mb));
 }
 
 const std::string& scalar(const std::string& key, const config_value& v) {
@@ -113,61 +106,161 @@ std::map<std::string, config_value> parse_config_text(std::string_view text) {
   return out;
 }
 
-std::string settings_keys() {
-  std::string s;
-  for (const char* k : k_keys) s += (s.empty() ? "" : ", ") + std::string(k);
-  return s;
-}
-
 std::size_t default_pinned_cache() noexcept {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4
                                : std::size_t{64} << 20;
 }
 
+namespace {
+
+// Note [Settings table]
+// Every key of DEFERALLOC_CONF is one row of k_table (mimalloc's src/options.c style):
+// its name, what a value looks like, its range, its default and meaning (for messages,
+// settings_table() and the README's table, which tests/test_config.cpp compares), and a
+// setter that checks the value and stores it.  Numeric rows carry their range as
+// numbers (lo, hi) and the setter reads it from the row, so the range is written once.
+// The keys are the library's (driver, pools, logging), the caching allocator's
+// (caching_allocator_config) and the streamed optimizer's (optimizer_settings, read by
+// the optimizer's C ABI and Python): one grammar, one list of valid keys.
+struct row {
+  const char* key;
+  const char* type;
+  std::uint64_t lo, hi;  ///< numeric rows: the accepted range (before scaling)
+  const char* values;    ///< other rows: the accepted values, as text
+  const char* def;
+  const char* doc;
+  void (*set)(settings& s, const row& r, const config_value& v);
+};
+
+constexpr std::uint64_t k_max_int = 2147483647;
+constexpr std::uint64_t k_any = ~std::uint64_t{0};
+
+std::uint64_t num(const row& r, const config_value& v) { return to_uint(r.key, scalar(r.key, v), r.lo, r.hi); }
+std::size_t mb(const row& r, const config_value& v) { return static_cast<std::size_t>(num(r, v)) << 20; }
+
+double to_fraction(const std::string& key, const std::string& v) {
+  double out = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || p != v.data() + v.size())
+    throw invalid_argument("DEFERALLOC_CONF: " + key + " expects a number in (0, 1], got '" + v + "'");
+  if (!(out > 0.0 && out <= 1.0)) throw invalid_argument("DEFERALLOC_CONF: " + key + " is " + v + ", outside its range (0, 1]");
+  return out;
+}
+
+const row k_table[] = {
+    {"driver", "name", 0, 0, "auto, cuda, host", "auto", "`auto` (cuda when a device is present), `cuda` or `host`",
+     [](settings& s, const row& r, const config_value& v) {
+       const auto& d = scalar(r.key, v);
+       if (d == "auto") s.driver = driver_kind::automatic;
+       else if (d == "cuda") s.driver = driver_kind::cuda;
+       else if (d == "host") s.driver = driver_kind::host;
+       else throw invalid_argument("DEFERALLOC_CONF: driver must be auto, cuda or host, got '" + d + "'");
+     }},
+    {"device", "integer", 0, 1023, nullptr, "0", "CUDA device ordinal",
+     [](settings& s, const row& r, const config_value& v) { s.device = static_cast<int>(num(r, v)); }},
+    {"chunk_classes_mb", "list of MB", 1, k_max_mb, nullptr, "powers of two, 2 MiB .. 1 GiB",
+     "chunk sizes, e.g. `[2,32,256,1024]`",
+     [](settings& s, const row& r, const config_value& v) {
+       s.chunk_classes.clear();
+       for (const auto& item : v.items) s.chunk_classes.push_back(static_cast<std::size_t>(to_uint(r.key, item, r.lo, r.hi)) << 20);
+     }},
+    {"pool_budget_mb", "MB", 0, k_max_mb, nullptr, "0", "bytes of chunks alive at once (0: no limit)",
+     [](settings& s, const row& r, const config_value& v) { s.pool_budget = mb(r, v); }},
+    {"pool_cache_mb", "MB", 0, k_max_mb, nullptr, "64",
+     "physical chunks kept cached for reuse; everything above goes back to the device",
+     [](settings& s, const row& r, const config_value& v) { s.pool_cache = mb(r, v); }},
+    {"pinned_cache_mb", "MB", 0, k_max_mb, nullptr, "RAM/4",
+     "pinned backup buffers kept after a restore, for the next pause (0: none); `empty_cache` and `trim` free them",
+     [](settings& s, const row& r, const config_value& v) { s.pinned_cache = mb(r, v); }},
+    {"host_capacity_mb", "MB", 0, k_max_mb, nullptr, "RAM/4", "host driver capacity (0: RAM/4)",
+     [](settings& s, const row& r, const config_value& v) { s.host_capacity = mb(r, v); }},
+    {"host_granularity_kb", "KiB, a power of two", 4, std::uint64_t{1} << 20, nullptr, "2048", "host driver granule",
+     [](settings& s, const row& r, const config_value& v) {
+       const std::uint64_t kb = num(r, v);
+       if ((kb & (kb - 1)) != 0)
+         throw invalid_argument("DEFERALLOC_CONF: host_granularity_kb is " + std::to_string(kb) +
+                                ", not a power of two in [4, 1048576] (4 KiB to 1 GiB)");
+       s.host_granularity = static_cast<std::size_t>(kb << 10);
+     }},
+    {"log_level", "name", 0, 0, "off, error, warn, info, debug", "warn", "what library messages are printed (stderr)",
+     [](settings& s, const row& r, const config_value& v) {
+       const auto& l = scalar(r.key, v);
+       if (l == "off") s.level = log_level::off;
+       else if (l == "error") s.level = log_level::error;
+       else if (l == "warn") s.level = log_level::warn;
+       else if (l == "info") s.level = log_level::info;
+       else if (l == "debug") s.level = log_level::debug;
+       else throw invalid_argument("DEFERALLOC_CONF: log_level must be off, error, warn, info or debug, got '" + l + "'");
+     }},
+    // ---- the caching allocator (caching_allocator_config) ----
+    {"small_size_kb", "KiB", 1, std::uint64_t{1} << 20, nullptr, "1024",
+     "caching allocator: requests up to this size use the small-block segment",
+     [](settings& s, const row& r, const config_value& v) { s.caching.small_size = static_cast<std::size_t>(num(r, v)) << 10; }},
+    {"segment_reserve_mb", "MB", 0, k_max_mb, nullptr, "0", "caching allocator: address space per segment (0: twice the device's memory)",
+     [](settings& s, const row& r, const config_value& v) { s.caching.segment_reserve = mb(r, v); }},
+    {"memory_fraction", "number", 0, 0, "(0, 1]", "1", "caching allocator: fraction of the device's memory it may keep backed",
+     [](settings& s, const row& r, const config_value& v) { s.caching.memory_fraction = to_fraction(r.key, scalar(r.key, v)); }},
+    {"grow_mb", "MB", 0, k_max_mb, nullptr, "64", "caching allocator: the largest growth step (0: back block by block)",
+     [](settings& s, const row& r, const config_value& v) { s.caching.grow_bytes = mb(r, v); }},
+    // ---- the streamed optimizer (optimizer_settings; checked further by the optimizer) ----
+    {"tier", "name", 0, 0, "device, host, file", "host", "optimizer: where the FP32 state lives between steps",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.tier = scalar(r.key, v); }},
+    {"directory", "path", 0, 0, "a directory", "(none)", "optimizer: the file tier's directory",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.directory = scalar(r.key, v); }},
+    {"window_mb", "MB", 0, k_max_mb, nullptr, "512", "optimizer: HBM budget of the streamed state",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.window_bytes = mb(r, v); }},
+    {"depth", "integer", 0, k_max_int, nullptr, "3", "optimizer: pieces in flight",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.depth = static_cast<int>(num(r, v)); }},
+    {"resume", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: file tier, continue from the state file's last step",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.resume = num(r, v) != 0; }},
+    {"rank", "integer", 0, k_max_int, nullptr, "0", "optimizer: this rank (names the state file)",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.rank = static_cast<int>(num(r, v)); }},
+    {"io_threads", "integer", 0, k_max_int, nullptr, "8", "optimizer: file tier I/O threads",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.io_threads = static_cast<int>(num(r, v)); }},
+    {"io_request_mb", "MB", 0, k_max_mb, nullptr, "8", "optimizer: file tier, the size of one request",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.io_request_bytes = mb(r, v); }},
+    {"keep_window", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: keep the window's chunks between passes",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.keep_window = num(r, v) != 0; }},
+    {"resident_mb", "MB", 0, k_max_mb, nullptr, "0", "optimizer: host tier, HBM for shards kept resident",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.resident_bytes = mb(r, v); }},
+    {"moments", "name", 0, 0, "fp32, bf16, int8", "fp32", "optimizer: storage of the Adam moments at home",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.moments = scalar(r.key, v); }},
+    {"progress_line", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: print a progress line during a long initialize()",
+     [](settings& s, const row& r, const config_value& v) { s.optimizer.progress_line = num(r, v) != 0; }},
+};
+
+}  // namespace
+
+std::string settings_keys() {
+  std::string s;
+  for (const row& r : k_table) s += (s.empty() ? "" : ", ") + std::string(r.key);
+  return s;
+}
+
+std::vector<setting_doc> settings_table() {
+  // The range text of numeric rows is made from their numbers once, and lives as long as the process.
+  static const std::vector<std::string> ranges = [] {
+    std::vector<std::string> out;
+    for (const row& r : k_table)
+      out.push_back(r.values ? r.values : "[" + std::to_string(r.lo) + ", " + std::to_string(r.hi) + "]");
+    return out;
+  }();
+  std::vector<setting_doc> out;
+  for (std::size_t i = 0; i < std::size(k_table); ++i)
+    out.push_back({k_table[i].key, k_table[i].type, ranges[i].c_str(), k_table[i].def, k_table[i].doc});
+  return out;
+}
+
 settings parse_settings(std::string_view text) {
   settings s;
   for (const auto& [key, v] : parse_config_text(text)) {
-    if (key == "driver") {
-      const auto& d = scalar(key, v);
-      if (d == "auto") s.driver = driver_kind::automatic;
-      else if (d == "cuda") s.driver = driver_kind::cuda;
-      else if (d == "host") s.driver = driver_kind::host;
-      else throw invalid_argument("DEFERALLOC_CONF: driver must be auto, cuda or host, got '" + d + "'");
-    } else if (key == "device") {
-      s.device = static_cast<int>(to_uint(key, scalar(key, v), 0, 1023));
-    } else if (key == "chunk_classes_mb") {
-      s.chunk_classes.clear();
-      for (const auto& item : v.items) {
-        const std::size_t mb = to_size(key, item);
-        if (mb == 0) throw invalid_argument("DEFERALLOC_CONF: chunk_classes_mb items must be in [1, 16777216]");
-        s.chunk_classes.push_back(mb << 20);
-      }
-    } else if (key == "pool_budget_mb") {
-      s.pool_budget = to_size(key, scalar(key, v)) << 20;
-    } else if (key == "host_capacity_mb") {
-      s.host_capacity = to_size(key, scalar(key, v)) << 20;
-    } else if (key == "host_granularity_kb") {
-      const std::uint64_t kb = to_uint(key, scalar(key, v), 4, std::uint64_t{1} << 20);
-      if ((kb & (kb - 1)) != 0)
-        throw invalid_argument("DEFERALLOC_CONF: host_granularity_kb is " + std::to_string(kb) +
-                               ", not a power of two in [4, 1048576] (4 KiB to 1 GiB)");
-      s.host_granularity = static_cast<std::size_t>(kb << 10);
-    } else if (key == "pinned_cache_mb") {
-      s.pinned_cache = to_size(key, scalar(key, v)) << 20;
-    } else if (key == "pool_cache_mb") {
-      s.pool_cache = to_size(key, scalar(key, v)) << 20;
-    } else if (key == "log_level") {
-      const auto& l = scalar(key, v);
-      if (l == "off") s.level = log_level::off;
-      else if (l == "error") s.level = log_level::error;
-      else if (l == "warn") s.level = log_level::warn;
-      else if (l == "info") s.level = log_level::info;
-      else if (l == "debug") s.level = log_level::debug;
-      else throw invalid_argument("DEFERALLOC_CONF: log_level must be off, error, warn, info or debug, got '" + l + "'");
-    } else {
+    const row* found = nullptr;
+    for (const row& r : k_table)
+      if (key == r.key) found = &r;
+    if (found == nullptr)
       throw invalid_argument("DEFERALLOC_CONF: unknown key '" + key + "'; valid keys: " + settings_keys());
-    }
+    found->set(s, *found, v);
   }
   return s;
 }

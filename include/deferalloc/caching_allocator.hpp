@@ -16,6 +16,7 @@
 //    resumed at the same addresses, chunks coming back from the pool;
 //  - statistics with PyTorch's key names.
 #pragma once
+#include <deferalloc/config.hpp>
 #include <deferalloc/reservations.hpp>
 
 #include <cstddef>
@@ -29,24 +30,7 @@
 
 namespace deferalloc {
 
-struct caching_allocator_config {
-  /// Requests up to this size go to the small-block segment (PyTorch's small pool).
-  std::size_t small_size = std::size_t{1} << 20;
-  /// Address space of each segment (reservation); 0 = twice the device's memory,
-  /// rounded up to the granularity.  A group that fills one gets another.
-  std::size_t segment_reserve = 0;
-  /// Fraction of the device's total memory that the allocator may keep backed
-  /// (PyTorch's set_per_process_memory_fraction), in (0, 1].
-  double memory_fraction = 1.0;
-  /// The largest growth step.  When a block needs physical memory, the unbacked free
-  /// space after it is backed too, up to the next multiple of the group's step: an
-  /// eighth of what the group (small pool, large pool or tag) holds, at least one
-  /// granule in the small pool and 16 MiB elsewhere, at most `grow_bytes` rounded down to
-  /// a power of two.  A growing heap then
-  /// pays one cuMemCreate + cuMemMap + cuMemSetAccess per step rather than per block, and
-  /// holds at most one step unused at its end.  0 = back block by block.
-  std::size_t grow_bytes = std::size_t{64} << 20;
-};
+// caching_allocator_config is in config.hpp: its knobs are settings (DEFERALLOC_CONF).
 
 /// Per-thread tagged region of one allocator: allocations made on this thread while
 /// the object lives belong to `tag`.  Regions nest (the innermost wins).

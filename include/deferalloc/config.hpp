@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,6 +31,44 @@ DFA_API std::map<std::string, config_value> parse_config_text(std::string_view t
 /// The default pinned_cache_mb: a quarter of the machine's physical memory.
 DFA_API std::size_t default_pinned_cache() noexcept;
 
+struct caching_allocator_config {
+  /// Requests up to this size go to the small-block segment (PyTorch's small pool).
+  std::size_t small_size = std::size_t{1} << 20;
+  /// Address space of each segment (reservation); 0 = twice the device's memory,
+  /// rounded up to the granularity.  A group that fills one gets another.
+  std::size_t segment_reserve = 0;
+  /// Fraction of the device's total memory that the allocator may keep backed
+  /// (PyTorch's set_per_process_memory_fraction), in (0, 1].
+  double memory_fraction = 1.0;
+  /// The largest growth step.  When a block needs physical memory, the unbacked free
+  /// space after it is backed too, up to the next multiple of the group's step: an
+  /// eighth of what the group (small pool, large pool or tag) holds, at least one
+  /// granule in the small pool and 16 MiB elsewhere, at most `grow_bytes` rounded down to
+  /// a power of two.  A growing heap then
+  /// pays one cuMemCreate + cuMemMap + cuMemSetAccess per step rather than per block, and
+  /// holds at most one step unused at its end.  0 = back block by block.
+  std::size_t grow_bytes = std::size_t{64} << 20;
+};
+
+/// The streamed optimizer's knobs as settings (the optimizer's C ABI and Python read
+/// them; deferalloc::optim::optimizer_config holds the typed values).  Unset = the
+/// optimizer_config default.  tier and moments are checked by the optimizer
+/// (parse_tier, parse_moment_format).
+struct optimizer_settings {
+  std::optional<std::string> tier;              ///< tier: device | host | file
+  std::optional<std::string> directory;         ///< directory: the file tier's directory
+  std::optional<std::size_t> window_bytes;      ///< window_mb
+  std::optional<int> depth;                     ///< depth
+  std::optional<bool> resume;                   ///< resume: 0 | 1 (any nonzero is 1)
+  std::optional<int> rank;                      ///< rank
+  std::optional<int> io_threads;                ///< io_threads
+  std::optional<std::size_t> io_request_bytes;  ///< io_request_mb
+  std::optional<bool> keep_window;              ///< keep_window
+  std::optional<std::size_t> resident_bytes;    ///< resident_mb
+  std::optional<std::string> moments;           ///< moments: fp32 | bf16 | int8
+  std::optional<bool> progress_line;            ///< progress_line
+};
+
 /// Every setting of the library, with its default.
 struct settings {
   driver_kind driver = driver_kind::automatic;  ///< driver: auto | cuda | host
@@ -47,7 +86,24 @@ struct settings {
   /// given back beyond it are released to the device at once (0 = none kept).
   std::size_t pool_cache = std::size_t{64} << 20;
   log_level level = log_level::warn;            ///< log_level: off | error | warn | info | debug
+  /// small_size_kb, segment_reserve_mb, memory_fraction, grow_mb: the caching
+  /// allocator of the C ABI / preload / LibTorch faces.
+  caching_allocator_config caching;
+  /// The optimizer's keys (tier, window_mb, ...).
+  optimizer_settings optimizer;
 };
+
+/// One row of the settings table (Note [Settings table] in allocator/core/config.cpp).
+struct setting_doc {
+  const char* key;
+  const char* type;     ///< what a value looks like, e.g. "MB", "list of MB", "auto|cuda|host"
+  const char* range;    ///< the accepted values, e.g. "[0, 16777216]"
+  const char* def;      ///< the default, as text
+  const char* doc;      ///< one line of meaning
+};
+
+/// Every key, in table order (the README's settings table lists exactly these).
+DFA_API std::vector<setting_doc> settings_table();
 
 /// The valid keys, comma-separated, for messages.
 DFA_API std::string settings_keys();

@@ -11,7 +11,6 @@
 #include <deferalloc/optimizer.h>
 #include <deferalloc/optimizer.hpp>
 
-#include <charconv>
 #include <memory>
 #include <new>
 #include <string>
@@ -45,55 +44,25 @@ streamed_adamw& opt_of(dfa_optimizer* o) {
   return *o->opt;
 }
 
-std::size_t to_size(const std::string& key, const std::string& v) {
-  std::size_t out = 0;
-  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
-  if (ec != std::errc() || p != v.data() + v.size())
-    throw invalid_argument("optimizer settings: " + key + " expects a non-negative integer, got '" + v + "'");
-  return out;
-}
-
-// Splits the settings into the optimizer's keys and the driver's (parse_settings).
+// The optimizer's keys are rows of the one settings table (Note [Settings table] in
+// allocator/core/config.cpp); unset ones keep optimizer_config's defaults.
 std::pair<optimizer_config, settings> parse(const char* text) {
+  settings s = parse_settings(text ? text : "");
+  const optimizer_settings& o = s.optimizer;
   optimizer_config oc;
-  std::string rest;
-  for (const auto& [key, v] : parse_config_text(text ? text : "")) {
-    const std::string one = v.is_list || v.items.size() != 1 ? std::string() : v.items[0];
-    auto scalar = [&]() -> const std::string& {
-      if (v.is_list || v.items.size() != 1) throw invalid_argument("optimizer settings: " + key + " expects a single value");
-      return one;
-    };
-    if (key == "tier") oc.home = parse_tier(scalar());
-    else if (key == "directory") oc.directory = scalar();
-    else if (key == "window_mb") oc.window_bytes = to_size(key, scalar()) << 20;
-    else if (key == "depth") oc.depth = static_cast<int>(to_size(key, scalar()));
-    else if (key == "resume") oc.resume = to_size(key, scalar()) != 0;
-    else if (key == "rank") oc.rank = static_cast<int>(to_size(key, scalar()));
-    else if (key == "io_threads") oc.io_threads = static_cast<int>(to_size(key, scalar()));
-    else if (key == "io_request_mb") oc.io_request_bytes = to_size(key, scalar()) << 20;
-    else if (key == "keep_window") oc.keep_window = to_size(key, scalar()) != 0;
-    else if (key == "resident_mb") oc.resident_bytes = to_size(key, scalar()) << 20;
-    else if (key == "moments") oc.moments = parse_moment_format(scalar());
-    else if (key == "progress_line") oc.progress_line = to_size(key, scalar()) != 0;
-    else {
-      rest += rest.empty() ? "" : ",";
-      rest += key + ":";
-      if (v.is_list) {
-        rest += "[";
-        for (std::size_t i = 0; i < v.items.size(); ++i) rest += (i ? "," : "") + v.items[i];
-        rest += "]";
-      } else {
-        rest += one;
-      }
-    }
-  }
-  try {
-    return {oc, parse_settings(rest)};
-  } catch (const invalid_argument& e) {
-    throw invalid_argument(std::string(e.what()) +
-                           " (optimizer keys: tier, directory, window_mb, depth, resume, rank, io_threads, "
-                           "io_request_mb, progress_line, moments, resident_mb, keep_window)");
-  }
+  if (o.tier) oc.home = parse_tier(*o.tier);
+  if (o.directory) oc.directory = *o.directory;
+  if (o.window_bytes) oc.window_bytes = *o.window_bytes;
+  if (o.depth) oc.depth = *o.depth;
+  if (o.resume) oc.resume = *o.resume;
+  if (o.rank) oc.rank = *o.rank;
+  if (o.io_threads) oc.io_threads = *o.io_threads;
+  if (o.io_request_bytes) oc.io_request_bytes = *o.io_request_bytes;
+  if (o.keep_window) oc.keep_window = *o.keep_window;
+  if (o.resident_bytes) oc.resident_bytes = *o.resident_bytes;
+  if (o.moments) oc.moments = parse_moment_format(*o.moments);
+  if (o.progress_line) oc.progress_line = *o.progress_line;
+  return {std::move(oc), std::move(s)};
 }
 
 value_type dtype_of(int t, const char* what) {
