@@ -159,6 +159,7 @@ TEST_F(caching, memory_fraction_gives_out_of_memory_after_one_retry) {
   EXPECT_THROW(a->set_memory_fraction(1.5), invalid_argument);
   a->set_memory_fraction(0.25);
   EXPECT_EQ(a->memory_fraction(), 0.25);
+  EXPECT_EQ(a->config().memory_fraction, 0.25) << "config() shows set_memory_fraction (one source of truth)";
   void* p = a->allocate(total / 8, s1);
   upload(d, p, random_bytes(4096, 3));
   EXPECT_THROW(a->allocate(total / 5, s1), out_of_memory);

@@ -81,7 +81,7 @@ namespace deferalloc {
 // ---- construction ---------------------------------------------------------------------
 
 caching_allocator::caching_allocator(reservation_manager& mgr, caching_allocator_config cfg)
-    : mgr_(mgr), cfg_(cfg), impl_(std::make_unique<impl>(mgr, cfg)) {
+    : mgr_(mgr), impl_(std::make_unique<impl>(mgr, cfg)) {
   DFA_EXPECTS(cfg.memory_fraction > 0.0 && cfg.memory_fraction <= 1.0,
               "caching_allocator: memory_fraction must be in (0, 1], got " + std::to_string(cfg.memory_fraction));
   DFA_EXPECTS(cfg.small_size >= k_block_unit && cfg.small_size <= (std::size_t{1} << 30),
@@ -139,7 +139,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
   const std::string* tag = g_open_regions.load(std::memory_order_relaxed) == 0 ? nullptr : innermost(this);
   std::lock_guard lk(d.mu);
   if (!d.pending.empty()) d.process_pending(false);
-  group* grp = size <= cfg_.small_size ? &d.small_grp : &d.large_grp;
+  group* grp = size <= d.cfg.small_size ? &d.small_grp : &d.large_grp;
   if (tag != nullptr) {
     tag_state* t = d.find_tag(*tag);
     if (t->paused) throw invalid_state("allocate: tag '" + t->name + "' is paused; resume it before allocating in it");
@@ -183,7 +183,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
   b->allocated = true;
   b->owner = s;
   b->requested = bytes;
-  b->small = size <= cfg_.small_size;
+  b->small = size <= d.cfg.small_size;
   d.allocated.insert(b->addr, b);
   stat_set::add(d.st.allocation, b->small, 1);
   stat_set::add(d.st.active, b->small, 1);
@@ -275,6 +275,11 @@ void caching_allocator::set_memory_fraction(double fraction) {
   std::lock_guard lk(d.mu);
   d.cfg.memory_fraction = fraction;
   d.limit = static_cast<std::size_t>(static_cast<double>(d.total) * fraction);
+}
+
+caching_allocator_config caching_allocator::config() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->cfg;
 }
 
 double caching_allocator::memory_fraction() const {

@@ -121,20 +121,48 @@ struct reservation_manager::reservation {
   }
 };
 
+// The manager's state (the header shows only a pointer to it).
+struct reservation_manager::impl {
+  std::shared_ptr<chunk_pool> pool_;
+  std::shared_ptr<driver> drv_;
+  std::size_t granularity_;
+  std::unique_ptr<pinned_pool> pinned_;
+  mutable std::mutex mu_;
+  std::unordered_map<reservation_id, std::unique_ptr<reservation>> reservations_;
+  std::map<std::uintptr_t, reservation_id> by_address_;
+  reservation_id next_id_ = 1;
+  stream_t copy_stream_ = nullptr;
+  std::vector<event_t> free_events_;
+  struct retired {
+    event_t done;
+    std::vector<std::pair<void*, std::size_t>> buffers;  // pinned buffers still read by restores
+  };
+  std::vector<retired> retired_;
+  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (largest class)
+  std::size_t scratch_bytes_ = 0;
+  std::size_t reserved_bytes_ = 0, backed_bytes_ = 0, peak_backed_ = 0, backup_bytes_ = 0;
+  std::uint64_t splits_ = 0;
+};
+
 reservation_manager::reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg)
-    : pool_(std::move(pool)) {
-  DFA_EXPECTS(pool_ != nullptr, "reservation_manager: pool is null");
-  drv_ = pool_->driver_ptr();
-  granularity_ = drv_->granularity();
-  pinned_ = std::make_unique<pinned_pool>(drv_, cfg.pinned_cache);
-  copy_stream_ = drv_->create_stream();
+    : impl_(std::make_unique<impl>()) {
+  impl_->pool_ = std::move(pool);
+  DFA_EXPECTS(impl_->pool_ != nullptr, "reservation_manager: pool is null");
+  impl_->drv_ = impl_->pool_->driver_ptr();
+  impl_->granularity_ = impl_->drv_->granularity();
+  impl_->pinned_ = std::make_unique<pinned_pool>(impl_->drv_, cfg.pinned_cache);
+  impl_->copy_stream_ = impl_->drv_->create_stream();
 }
+
+std::size_t reservation_manager::granularity() const { return impl_->granularity_; }
+chunk_pool& reservation_manager::pool() const { return *impl_->pool_; }
+driver& reservation_manager::drv() const { return *impl_->drv_; }
 
 reservation_manager::~reservation_manager() {
   std::vector<reservation_id> ids;
   {
-    std::lock_guard lk(mu_);
-    for (auto& [id, r] : reservations_) ids.push_back(id);
+    std::lock_guard lk(impl_->mu_);
+    for (auto& [id, r] : impl_->reservations_) ids.push_back(id);
   }
   for (auto id : ids) {
     try {
@@ -145,18 +173,18 @@ reservation_manager::~reservation_manager() {
   }
   reap_retired(true);
   try {
-    drv_->synchronize_stream(copy_stream_);
-    if (scratch_ != 0) drv_->free_reservation(scratch_, scratch_bytes_);
+    impl_->drv_->synchronize_stream(impl_->copy_stream_);
+    if (impl_->scratch_ != 0) impl_->drv_->free_reservation(impl_->scratch_, impl_->scratch_bytes_);
   } catch (const std::exception& e) {
     detail::log(log_level::error, std::string("reservation_manager: ") + e.what());
   }
-  for (event_t e : free_events_) drv_->destroy_event(e);
-  drv_->destroy_stream(copy_stream_);
+  for (event_t e : impl_->free_events_) impl_->drv_->destroy_event(e);
+  impl_->drv_->destroy_stream(impl_->copy_stream_);
 }
 
 reservation_manager::reservation& reservation_manager::get(reservation_id id) {
-  auto it = reservations_.find(id);
-  if (it == reservations_.end())
+  auto it = impl_->reservations_.find(id);
+  if (it == impl_->reservations_.end())
     throw invalid_argument("unknown reservation " + std::to_string(id) + " (never reserved, or already freed)");
   return *it->second;
 }
@@ -166,8 +194,8 @@ const reservation_manager::reservation& reservation_manager::get(reservation_id 
 
 std::pair<std::size_t, std::size_t> reservation_manager::clamp(const reservation& r, std::size_t offset,
                                                                std::size_t length) const {
-  DFA_EXPECTS(offset % granularity_ == 0, "offset " + std::to_string(offset) + " is not a multiple of the granularity (" +
-                                              std::to_string(granularity_) + ")");
+  DFA_EXPECTS(offset % impl_->granularity_ == 0, "offset " + std::to_string(offset) + " is not a multiple of the granularity (" +
+                                              std::to_string(impl_->granularity_) + ")");
   DFA_EXPECTS(offset < r.padded, "offset " + std::to_string(offset) + " is outside the reservation of " +
                                      std::to_string(r.size) + " bytes");
   std::size_t end = 0;
@@ -179,27 +207,27 @@ std::pair<std::size_t, std::size_t> reservation_manager::clamp(const reservation
                                                  ") is outside the reservation of " + std::to_string(r.size) + " bytes");
     end = offset + length;
     if (end == r.size) end = r.padded;
-    DFA_EXPECTS(end % granularity_ == 0, "length " + std::to_string(length) +
+    DFA_EXPECTS(end % impl_->granularity_ == 0, "length " + std::to_string(length) +
                                              " does not end on a granule or at the reservation's end");
   }
   return {offset, end};
 }
 
 event_t reservation_manager::take_event() {
-  if (!free_events_.empty()) {
-    event_t e = free_events_.back();
-    free_events_.pop_back();
+  if (!impl_->free_events_.empty()) {
+    event_t e = impl_->free_events_.back();
+    impl_->free_events_.pop_back();
     return e;
   }
-  return drv_->create_event();
+  return impl_->drv_->create_event();
 }
 
 void reservation_manager::give_events(std::vector<event_t>& es) noexcept {
   for (event_t e : es) {
     try {
-      free_events_.push_back(e);
+      impl_->free_events_.push_back(e);
     } catch (...) {
-      drv_->destroy_event(e);
+      impl_->drv_->destroy_event(e);
     }
   }
   es.clear();
@@ -207,7 +235,7 @@ void reservation_manager::give_events(std::vector<event_t>& es) noexcept {
 
 void reservation_manager::unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept {
   try {
-    drv_->unmap(va, bytes);
+    impl_->drv_->unmap(va, bytes);
   } catch (const std::exception& e) {
     detail::log(log_level::error, std::string("rollback: unmap failed, a chunk stays mapped: ") + e.what());
   }
@@ -222,7 +250,7 @@ std::vector<event_t> reservation_manager::record_users(const std::vector<reserva
   try {
     for (stream_t s : streams) {
       events.push_back(take_event());
-      drv_->record(events.back(), s);
+      impl_->drv_->record(events.back(), s);
     }
   } catch (...) {
     give_events(events);
@@ -236,43 +264,43 @@ std::vector<event_t> reservation_manager::record_users(const std::vector<reserva
 reservation_id reservation_manager::reserve(std::size_t bytes) {
   DFA_EXPECTS(bytes > 0, "reserve: size is zero");
   DFA_EXPECTS(bytes <= k_max_reservation, "reserve: size " + std::to_string(bytes) + " is absurd (limit 256 TiB)");
-  const std::size_t padded = (bytes + granularity_ - 1) / granularity_ * granularity_;
+  const std::size_t padded = (bytes + impl_->granularity_ - 1) / impl_->granularity_ * impl_->granularity_;
   // A power of two (the driver requires it), up to the largest chunk class.
-  const std::size_t align = std::max(granularity_, std::bit_floor(std::min(pool_->classes().back(), padded)));
-  std::lock_guard lk(mu_);
+  const std::size_t align = std::max(impl_->granularity_, std::bit_floor(std::min(impl_->pool_->classes().back(), padded)));
+  std::lock_guard lk(impl_->mu_);
   auto r = std::make_unique<reservation>();
-  r->base = drv_->reserve(padded, align);
-  r->id = next_id_++;
+  r->base = impl_->drv_->reserve(padded, align);
+  r->id = impl_->next_id_++;
   r->size = bytes;
   r->padded = padded;
   try {
-    by_address_[r->base] = r->id;
+    impl_->by_address_[r->base] = r->id;
     reservation_id id = r->id;
-    reservations_[id] = std::move(r);
-    reserved_bytes_ += padded;
+    impl_->reservations_[id] = std::move(r);
+    impl_->reserved_bytes_ += padded;
     return id;
   } catch (...) {
-    by_address_.erase(r->base);
-    drv_->free_reservation(r->base, padded);
+    impl_->by_address_.erase(r->base);
+    impl_->drv_->free_reservation(r->base, padded);
     throw;
   }
 }
 
 void* reservation_manager::address(reservation_id id) const {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   return reinterpret_cast<void*>(get(id).base);
 }
 
 void reservation_manager::free(reservation_id id, stream_t stream) {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   reservation& r = get(id);
   // Release everything (also drops backups) through the one release path.
   const range all{id, 0, whole};
   release_locked(std::span<const range>(&all, 1), keep_mode::discard, stream, nullptr);
-  drv_->free_reservation(r.base, r.padded);
-  reserved_bytes_ -= r.padded;
-  by_address_.erase(r.base);
-  reservations_.erase(id);
+  impl_->drv_->free_reservation(r.base, r.padded);
+  impl_->reserved_bytes_ -= r.padded;
+  impl_->by_address_.erase(r.base);
+  impl_->reservations_.erase(id);
 }
 
 // ---- chunk planning -----------------------------------------------------------------
@@ -281,10 +309,10 @@ void reservation_manager::free(reservation_id id, stream_t stream) {
 // (the granularity when none does).
 std::vector<std::size_t> reservation_manager::classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const {
   std::vector<std::size_t> fit;
-  const auto& classes = pool_->classes();
+  const auto& classes = impl_->pool_->classes();
   for (auto it = classes.rbegin(); it != classes.rend(); ++it)
     if (*it <= max_class && pos % *it == 0 && pos + *it <= end) fit.push_back(*it);
-  if (fit.empty()) fit.push_back(granularity_);
+  if (fit.empty()) fit.push_back(impl_->granularity_);
   return fit;
 }
 
@@ -294,9 +322,9 @@ std::vector<std::size_t> reservation_manager::classes_at(std::size_t pos, std::s
 bool reservation_manager::reuse_cached(std::size_t pos, std::size_t end, std::vector<std::pair<std::size_t, chunk>>& out) {
   const std::size_t mark = out.size();
   while (pos < end) {
-    auto ch = pool_->try_reuse(classes_at(pos, end, end - pos));
+    auto ch = impl_->pool_->try_reuse(classes_at(pos, end, end - pos));
     if (!ch) {
-      for (std::size_t i = mark; i < out.size(); ++i) pool_->give_back(out[i].second);
+      for (std::size_t i = mark; i < out.size(); ++i) impl_->pool_->give_back(out[i].second);
       out.resize(mark);
       return false;
     }
@@ -316,17 +344,17 @@ bool reservation_manager::reuse_cached(std::size_t pos, std::size_t end, std::ve
 // could not be had (what was appended stays there).
 bool reservation_manager::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
                                          std::vector<std::pair<std::size_t, chunk>>& out) {
-  const auto& classes = pool_->classes();
+  const auto& classes = impl_->pool_->classes();
   while (pos < end) {
     const std::size_t c = classes_at(pos, end, max_class).front();
     if (reuse_cached(pos, pos + c, out)) {
       pos += c;
       continue;
     }
-    if (auto ch = pool_->try_acquire(c)) {
+    if (auto ch = impl_->pool_->try_acquire(c)) {
       out.emplace_back(pos, *ch);
     } else {
-      if (c == granularity_) return false;
+      if (c == impl_->granularity_) return false;
       auto smaller = std::prev(std::lower_bound(classes.begin(), classes.end(), c));
       if (!acquire_pieces(pos, pos + c, *smaller, out)) return false;
     }
@@ -343,22 +371,22 @@ std::vector<std::pair<std::size_t, chunk>> reservation_manager::plan_chunks(
     bool ok = true;
     try {
       for (const auto& [b, e] : runs)
-        if (!(ok = acquire_pieces(b, e, pool_->classes().back(), out))) break;
+        if (!(ok = acquire_pieces(b, e, impl_->pool_->classes().back(), out))) break;
     } catch (...) {
-      for (auto& [pos, c] : out) pool_->give_back(c);
+      for (auto& [pos, c] : out) impl_->pool_->give_back(c);
       throw;
     }
     if (ok) return out;
-    for (auto& [pos, c] : out) pool_->give_back(c);
+    for (auto& [pos, c] : out) impl_->pool_->give_back(c);
     out.clear();
-    if (attempt == 0) pool_->trim();
+    if (attempt == 0) impl_->pool_->trim();
   }
   std::size_t want = 0;
   for (const auto& [b, e] : runs) want += e - b;
-  const pool_stats ps = pool_->stats();
+  const pool_stats ps = impl_->pool_->stats();
   std::string dev;
   try {
-    auto mi = drv_->get_memory_info();
+    auto mi = impl_->drv_->get_memory_info();
     dev = ", device free " + std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes);
   } catch (...) {
     detail::log_current("out-of-memory report: device memory info", log_level::warn);
@@ -400,9 +428,9 @@ std::vector<reservation_manager::work_item> reservation_manager::resolve(std::sp
 
 void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
   expect_valid(fill, "materialize");
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   reap_retired(false);
-  const std::size_t g = granularity_;
+  const std::size_t g = impl_->granularity_;
   std::vector<work_item> ws = resolve(ranges);
 
   // Unbacked runs, per reservation; `parts` are the pieces of the ranges asked for.
@@ -434,7 +462,7 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
   std::vector<std::vector<std::pair<std::size_t, chunk>>> pieces(runs.size());
   auto give_back_all = [&] {
     for (auto& ps : pieces)
-      for (auto& [pos, c] : ps) pool_->give_back(c);
+      for (auto& [pos, c] : ps) impl_->pool_->give_back(c);
   };
   try {
     for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks(runs[i].parts);
@@ -451,26 +479,26 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
   try {
     for (std::size_t i = 0; i < runs.size(); ++i)
       for (auto& [pos, c] : pieces[i]) {
-        drv_->map(runs[i].r->base + pos, c.bytes, c.handle);
+        impl_->drv_->map(runs[i].r->base + pos, c.bytes, c.handle);
         mapped.emplace_back(runs[i].r->base + pos, c.bytes);
       }
-    for (const auto& rn : runs) drv_->set_access(rn.r->base + rn.begin, rn.end - rn.begin);
+    for (const auto& rn : runs) impl_->drv_->set_access(rn.r->base + rn.begin, rn.end - rn.begin);
     if (fill == fill_mode::zero) {
-      for (const auto& rn : runs) drv_->zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
+      for (const auto& rn : runs) impl_->drv_->zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
     } else if (fill == fill_mode::restore) {
       for (const auto& rn : runs) {
         reservation& r = *rn.r;
         for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
           const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
           const backup_segment& seg = r.backups.at(it->second.segment);
-          drv_->copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset),
-                           e - b, copy_stream_);
+          impl_->drv_->copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset),
+                           e - b, impl_->copy_stream_);
         }
       }
       std::vector<event_t> done{take_event()};
       try {
-        drv_->record(done[0], copy_stream_);
-        drv_->stream_wait(stream, done[0]);
+        impl_->drv_->record(done[0], impl_->copy_stream_);
+        impl_->drv_->stream_wait(stream, done[0]);
       } catch (...) {
         give_events(done);
         throw;
@@ -479,8 +507,8 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
     }
   } catch (...) {
     try {  // copies may be in flight into the ranges we are about to unmap
-      drv_->synchronize_stream(copy_stream_);
-      drv_->synchronize_stream(stream);
+      impl_->drv_->synchronize_stream(impl_->copy_stream_);
+      impl_->drv_->synchronize_stream(stream);
     } catch (...) {
       detail::log_current("materialize rollback: waiting for copies");
     }
@@ -497,10 +525,10 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
     for (auto& [pos, c] : pieces[i]) r.chunks.emplace(pos, c);
     drop_backup_granules(r, runs[i].begin, runs[i].end, unused);
     r.backed_granules += (runs[i].end - runs[i].begin) / g;
-    backed_bytes_ += runs[i].end - runs[i].begin;
+    impl_->backed_bytes_ += runs[i].end - runs[i].begin;
     r.use(stream);
   }
-  peak_backed_ = std::max(peak_backed_, backed_bytes_);
+  impl_->peak_backed_ = std::max(impl_->peak_backed_, impl_->backed_bytes_);
   retire_buffers(unused);
 }
 
@@ -519,12 +547,12 @@ void reservation_manager::drop_backup_granules(reservation& r, std::size_t begin
   if (r.saved.empty()) return;
   r.cut_saved(begin);
   r.cut_saved(end);
-  const std::size_t g = granularity_;
+  const std::size_t g = impl_->granularity_;
   for (auto it = r.saved.lower_bound(begin); it != r.saved.end() && it->first < end;) {
     const std::size_t n = (it->second.end - it->first) / g;
     auto seg = r.backups.find(it->second.segment);
     r.saved_granules -= n;
-    backup_bytes_ -= n * g;
+    impl_->backup_bytes_ -= n * g;
     seg->second.live -= n;
     if (seg->second.live == 0) {
       unused.emplace_back(seg->second.host, seg->second.bytes);
@@ -542,27 +570,27 @@ void reservation_manager::retire_buffers(std::vector<std::pair<void*, std::size_
   event_t e = nullptr;
   try {
     e = take_event();
-    drv_->record(e, copy_stream_);
-    retired_.push_back({e, std::move(buffers)});
+    impl_->drv_->record(e, impl_->copy_stream_);
+    impl_->retired_.push_back({e, std::move(buffers)});
   } catch (const std::exception& ex) {
-    if (e != nullptr) free_events_.push_back(e);
+    if (e != nullptr) impl_->free_events_.push_back(e);
     try {
-      drv_->synchronize_stream(copy_stream_);
+      impl_->drv_->synchronize_stream(impl_->copy_stream_);
     } catch (const std::exception& ex2) {
       detail::log(log_level::error, std::string("reservation_manager: waiting for restores: ") + ex2.what());
     }
-    for (auto& [p, n] : buffers) pinned_->give_back(p, n);
+    for (auto& [p, n] : buffers) impl_->pinned_->give_back(p, n);
   }
   buffers.clear();
   reap_retired(false);
 }
 
 void reservation_manager::reap_retired(bool wait) noexcept {
-  for (std::size_t i = 0; i < retired_.size();) {
+  for (std::size_t i = 0; i < impl_->retired_.size();) {
     bool done = false;
     try {
-      if (wait) drv_->synchronize(retired_[i].done);
-      done = wait || drv_->query(retired_[i].done);
+      if (wait) impl_->drv_->synchronize(impl_->retired_[i].done);
+      done = wait || impl_->drv_->query(impl_->retired_[i].done);
     } catch (const std::exception& e) {
       detail::log(log_level::error, std::string("reservation_manager: backup buffers: ") + e.what());
       done = wait;
@@ -571,14 +599,14 @@ void reservation_manager::reap_retired(bool wait) noexcept {
       ++i;
       continue;
     }
-    for (auto& [p, n] : retired_[i].buffers) pinned_->give_back(p, n);
+    for (auto& [p, n] : impl_->retired_[i].buffers) impl_->pinned_->give_back(p, n);
     try {
-      free_events_.push_back(retired_[i].done);
+      impl_->free_events_.push_back(impl_->retired_[i].done);
     } catch (...) {
-      drv_->destroy_event(retired_[i].done);
+      impl_->drv_->destroy_event(impl_->retired_[i].done);
     }
-    retired_[i] = std::move(retired_.back());
-    retired_.pop_back();
+    impl_->retired_[i] = std::move(impl_->retired_.back());
+    impl_->retired_.pop_back();
   }
 }
 
@@ -613,69 +641,69 @@ void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t str
   bool old_unmapped = false;
   std::vector<event_t> users;
   try {
-    if (scratch_ == 0) {
-      scratch_bytes_ = pool_->classes().back();
-      scratch_ = drv_->reserve(scratch_bytes_, scratch_bytes_);
+    if (impl_->scratch_ == 0) {
+      impl_->scratch_bytes_ = impl_->pool_->classes().back();
+      impl_->scratch_ = impl_->drv_->reserve(impl_->scratch_bytes_, impl_->scratch_bytes_);
     }
     for (auto& [pos, c] : pieces) {
-      drv_->map(scratch_ + (pos - a), c.bytes, c.handle);
-      at_scratch.emplace_back(scratch_ + (pos - a), c.bytes);
+      impl_->drv_->map(impl_->scratch_ + (pos - a), c.bytes, c.handle);
+      at_scratch.emplace_back(impl_->scratch_ + (pos - a), c.bytes);
     }
-    drv_->set_access(scratch_, old.bytes);
+    impl_->drv_->set_access(impl_->scratch_, old.bytes);
     std::vector<reservation*> rs{&r};
     if (after == nullptr) users = record_users(rs, stream);
-    for (event_t e : users) drv_->stream_wait(copy_stream_, e);
-    if (after != nullptr) drv_->stream_wait(copy_stream_, after);
-    drv_->copy_async(reinterpret_cast<void*>(scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, copy_stream_);
-    drv_->synchronize_stream(copy_stream_);
+    for (event_t e : users) impl_->drv_->stream_wait(impl_->copy_stream_, e);
+    if (after != nullptr) impl_->drv_->stream_wait(impl_->copy_stream_, after);
+    impl_->drv_->copy_async(reinterpret_cast<void*>(impl_->scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, impl_->copy_stream_);
+    impl_->drv_->synchronize_stream(impl_->copy_stream_);
     give_events(users);
     while (!at_scratch.empty()) {
-      drv_->unmap(at_scratch.back().first, at_scratch.back().second);
+      impl_->drv_->unmap(at_scratch.back().first, at_scratch.back().second);
       at_scratch.pop_back();
     }
-    drv_->unmap(r.base + a, old.bytes);
+    impl_->drv_->unmap(r.base + a, old.bytes);
     old_unmapped = true;
     for (auto& [pos, c] : pieces) {
-      drv_->map(r.base + pos, c.bytes, c.handle);
+      impl_->drv_->map(r.base + pos, c.bytes, c.handle);
       at_home.emplace_back(r.base + pos, c.bytes);
     }
-    drv_->set_access(r.base + a, old.bytes);
+    impl_->drv_->set_access(r.base + a, old.bytes);
   } catch (...) {
     give_events(users);
     for (auto& [va, n] : at_scratch) unmap_quietly(va, n);
     for (auto& [va, n] : at_home) unmap_quietly(va, n);
     if (old_unmapped) {
       try {
-        drv_->map(r.base + a, old.bytes, old.handle);
-        drv_->set_access(r.base + a, old.bytes);
+        impl_->drv_->map(r.base + a, old.bytes, old.handle);
+        impl_->drv_->set_access(r.base + a, old.bytes);
       } catch (const std::exception& e) {
         detail::log(log_level::error, std::string("split rollback could not remap a chunk: ") + e.what());
       }
     }
-    for (auto& [pos, c] : pieces) pool_->give_back(c);
+    for (auto& [pos, c] : pieces) impl_->pool_->give_back(c);
     throw;
   }
   r.chunks.erase(it);
   for (auto& [pos, c] : pieces) r.chunks.emplace(pos, c);
-  pool_->give_back(old);
-  ++splits_;
+  impl_->pool_->give_back(old);
+  ++impl_->splits_;
 }
 
 void reservation_manager::release(std::span<const range> ranges, keep_mode keep, stream_t stream) {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   release_locked(ranges, keep, stream, nullptr);
 }
 
 void reservation_manager::release_after(std::span<const range> ranges, keep_mode keep, event_t last_use) {
   DFA_EXPECTS(last_use != nullptr, "release_after: last_use is null");
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   release_locked(ranges, keep, nullptr, last_use);
 }
 
 void reservation_manager::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after) {
   expect_valid(keep, "release");
   reap_retired(false);
-  const std::size_t g = granularity_;
+  const std::size_t g = impl_->granularity_;
   std::vector<work_item> ws = resolve(ranges);
 
   // Chunks cut by a range are split first; the contents stay as they were, so a
@@ -713,31 +741,31 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   std::vector<event_t> users;
   auto give_back_hosts = [&] {
     for (auto& rn : runs) {
-      pinned_->give_back(rn.host, rn.end - rn.begin);
+      impl_->pinned_->give_back(rn.host, rn.end - rn.begin);
       rn.host = nullptr;
     }
   };
   if (!victims.empty()) {
     try {
       if (keep == keep_mode::host)
-        for (auto& rn : runs) rn.host = pinned_->acquire(rn.end - rn.begin);
+        for (auto& rn : runs) rn.host = impl_->pinned_->acquire(rn.end - rn.begin);
       // The events to wait for: the caller's, or ones recorded now on every user stream.
       if (after == nullptr) users = record_users(touched, stream);
       std::vector<event_t> waits = users;
       if (after != nullptr) waits.push_back(after);
       if (keep == keep_mode::host) {
-        for (event_t e : waits) drv_->stream_wait(copy_stream_, e);
+        for (event_t e : waits) impl_->drv_->stream_wait(impl_->copy_stream_, e);
         for (auto& rn : runs)
-          drv_->copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, copy_stream_);
-        drv_->synchronize_stream(copy_stream_);
+          impl_->drv_->copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, impl_->copy_stream_);
+        impl_->drv_->synchronize_stream(impl_->copy_stream_);
       } else {
-        for (event_t e : waits) drv_->synchronize(e);
+        for (event_t e : waits) impl_->drv_->synchronize(e);
       }
       give_events(users);
     } catch (...) {
       give_events(users);
       try {
-        drv_->synchronize_stream(copy_stream_);
+        impl_->drv_->synchronize_stream(impl_->copy_stream_);
       } catch (...) {
         detail::log_current("release rollback: waiting for backup copies");
       }
@@ -748,12 +776,12 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
     // Unmap; on failure map back what was unmapped.
     std::size_t done = 0;
     try {
-      for (; done < victims.size(); ++done) drv_->unmap(victims[done].r->base + victims[done].pos, victims[done].c.bytes);
+      for (; done < victims.size(); ++done) impl_->drv_->unmap(victims[done].r->base + victims[done].pos, victims[done].c.bytes);
     } catch (...) {
       try {
         for (std::size_t i = 0; i < done; ++i) {
-          drv_->map(victims[i].r->base + victims[i].pos, victims[i].c.bytes, victims[i].c.handle);
-          drv_->set_access(victims[i].r->base + victims[i].pos, victims[i].c.bytes);
+          impl_->drv_->map(victims[i].r->base + victims[i].pos, victims[i].c.bytes, victims[i].c.handle);
+          impl_->drv_->set_access(victims[i].r->base + victims[i].pos, victims[i].c.bytes);
         }
       } catch (const std::exception& e) {
         detail::log(log_level::error, std::string("release rollback could not remap a chunk: ") + e.what());
@@ -771,7 +799,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   }
   for (const auto& v : victims) {
     v.r->chunks.erase(v.pos);
-    pool_->give_back(v.c);
+    impl_->pool_->give_back(v.c);
   }
   for (const auto& rn : runs) {
     reservation& r = *rn.r;
@@ -781,10 +809,10 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
       r.backups.emplace(sid, backup_segment{rn.begin, rn.end - rn.begin, rn.host, (rn.end - rn.begin) / g});
       r.saved.emplace(rn.begin, reservation::saved_run{rn.end, sid});
       r.saved_granules += (rn.end - rn.begin) / g;
-      backup_bytes_ += rn.end - rn.begin;
+      impl_->backup_bytes_ += rn.end - rn.begin;
     }
     r.backed_granules -= (rn.end - rn.begin) / g;
-    backed_bytes_ -= rn.end - rn.begin;
+    impl_->backed_bytes_ -= rn.end - rn.begin;
   }
   for (reservation* r : touched)
     if (r->backed_granules == 0) r->streams.clear();
@@ -794,7 +822,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
 std::vector<range> reservation_manager::release_whole_chunks(std::span<const range> ranges, keep_mode keep,
                                                              stream_t stream) {
   expect_valid(keep, "release_whole_chunks");
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   std::vector<range> inner;
   for (const auto& w : resolve(ranges)) {
     auto& r = *static_cast<reservation*>(w.r);
@@ -812,37 +840,37 @@ std::vector<range> reservation_manager::release_whole_chunks(std::span<const ran
 // ---- queries ------------------------------------------------------------------------
 
 void reservation_manager::record_stream(reservation_id id, stream_t stream) {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   get(id).use(stream);
 }
 
 bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::size_t length) const {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   const reservation& r = get(id);
   auto [b, e] = clamp(r, offset, length);
   return gaps(r.chunks, b, e).empty();
 }
 
 std::vector<bool> reservation_manager::backed_granules(reservation_id id) const {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   const reservation& r = get(id);
-  std::vector<bool> out(r.padded / granularity_, false);
+  std::vector<bool> out(r.padded / impl_->granularity_, false);
   for (const auto& [pos, c] : r.chunks)
-    for (std::size_t i = pos / granularity_; i < (pos + c.bytes) / granularity_; ++i) out[i] = true;
+    for (std::size_t i = pos / impl_->granularity_; i < (pos + c.bytes) / impl_->granularity_; ++i) out[i] = true;
   return out;
 }
 
 reservation_info reservation_manager::info(reservation_id id) const {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   const reservation& r = get(id);
-  return {r.id, r.base, r.size, r.padded, r.backed_granules * granularity_, r.saved_granules * granularity_};
+  return {r.id, r.base, r.size, r.padded, r.backed_granules * impl_->granularity_, r.saved_granules * impl_->granularity_};
 }
 
 std::optional<reservation_id> reservation_manager::find(const void* ptr) const {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = by_address_.upper_bound(p);
-  if (it == by_address_.begin()) return std::nullopt;
+  auto it = impl_->by_address_.upper_bound(p);
+  if (it == impl_->by_address_.begin()) return std::nullopt;
   --it;
   const reservation& r = get(it->second);
   if (p >= r.base + r.padded) return std::nullopt;
@@ -850,28 +878,28 @@ std::optional<reservation_id> reservation_manager::find(const void* ptr) const {
 }
 
 reservation_stats reservation_manager::stats() const {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   reservation_stats s;
-  s.reservations = reservations_.size();
-  s.reserved_bytes = reserved_bytes_;
-  s.backed_bytes = backed_bytes_;
-  s.peak_backed_bytes = peak_backed_;
-  s.backup_bytes = backup_bytes_;
-  s.splits = splits_;
-  s.pool = pool_->stats();
-  s.pinned = pinned_->stats();
+  s.reservations = impl_->reservations_.size();
+  s.reserved_bytes = impl_->reserved_bytes_;
+  s.backed_bytes = impl_->backed_bytes_;
+  s.peak_backed_bytes = impl_->peak_backed_;
+  s.backup_bytes = impl_->backup_bytes_;
+  s.splits = impl_->splits_;
+  s.pool = impl_->pool_->stats();
+  s.pinned = impl_->pinned_->stats();
   return s;
 }
 
 void reservation_manager::reset_peak() noexcept {
-  std::lock_guard lk(mu_);
-  peak_backed_ = backed_bytes_;
+  std::lock_guard lk(impl_->mu_);
+  impl_->peak_backed_ = impl_->backed_bytes_;
 }
 
 std::size_t reservation_manager::trim_backup_cache(std::size_t keep_bytes) {
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(impl_->mu_);
   reap_retired(true);
-  return pinned_->trim(keep_bytes);
+  return impl_->pinned_->trim(keep_bytes);
 }
 
 }  // namespace deferalloc

@@ -136,12 +136,12 @@ class DFA_API caching_allocator {
   void reset_accumulated_stats();
 
   reservation_manager& reservations() const { return mgr_; }
-  const caching_allocator_config& config() const { return cfg_; }
+  /// The configuration now (one copy, in the implementation: set_memory_fraction shows here).
+  caching_allocator_config config() const;
 
  private:
   struct impl;
   reservation_manager& mgr_;
-  caching_allocator_config cfg_;
   std::unique_ptr<impl> impl_;
 };
 

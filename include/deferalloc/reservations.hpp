@@ -150,9 +150,9 @@ class DFA_API reservation_manager {
   /// per buffer.
   std::size_t trim_backup_cache(std::size_t keep_bytes = 0);
 
-  std::size_t granularity() const { return granularity_; }
-  chunk_pool& pool() const { return *pool_; }
-  driver& drv() const { return *drv_; }
+  std::size_t granularity() const;
+  chunk_pool& pool() const;
+  driver& drv() const;
 
  private:
   struct backup_segment;
@@ -178,25 +178,9 @@ class DFA_API reservation_manager {
   void give_events(std::vector<event_t>& es) noexcept;
   void unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept;
 
-  std::shared_ptr<chunk_pool> pool_;
-  std::shared_ptr<driver> drv_;
-  std::size_t granularity_;
-  std::unique_ptr<pinned_pool> pinned_;
-  mutable std::mutex mu_;
-  std::unordered_map<reservation_id, std::unique_ptr<reservation>> reservations_;
-  std::map<std::uintptr_t, reservation_id> by_address_;
-  reservation_id next_id_ = 1;
-  stream_t copy_stream_ = nullptr;
-  std::vector<event_t> free_events_;
-  struct retired {
-    event_t done;
-    std::vector<std::pair<void*, std::size_t>> buffers;  // pinned buffers still read by restores
-  };
-  std::vector<retired> retired_;
-  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (largest class)
-  std::size_t scratch_bytes_ = 0;
-  std::size_t reserved_bytes_ = 0, backed_bytes_ = 0, peak_backed_ = 0, backup_bytes_ = 0;
-  std::uint64_t splits_ = 0;
+  // The state (pool, driver, the reservations, events, statistics), in reservations.cpp.
+  struct impl;
+  std::unique_ptr<impl> impl_;
 };
 
 }  // namespace deferalloc
