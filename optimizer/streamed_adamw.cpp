@@ -776,12 +776,12 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   if (ai > 0) I.moments_written = true;
 }
 
-void detail::inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth) {
+void detail::inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
   I.ensure_file();
   DFA_EXPECTS(I.file != nullptr, "inject_file_fault: the optimizer has no file tier", invalid_state);
-  I.file->inject(static_cast<file_store::fault_op>(op), static_cast<file_store::fault_kind>(kind), nth);
+  I.file->inject(op, kind, nth);
 }
 
 }  // namespace deferalloc::optim

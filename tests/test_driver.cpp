@@ -143,3 +143,24 @@ TEST(fault_driver, reports_the_inner_kind) {
   EXPECT_EQ(ff.kind(), driver_kind::host);
   if (driver_name() == "cuda") EXPECT_EQ(fault_driver(make_driver()).kind(), driver_kind::cuda);
 }
+
+// Streams and events are distinct types: swapped arguments, or a raw pointer where a
+// handle is expected, do not compile (checked here at compile time).
+template <class D>
+concept records_swapped = requires(D& d, stream_t s, event_t e) { d.record(s, e); };
+template <class D>
+concept waits_swapped = requires(D& d, stream_t s, event_t e) { d.stream_wait(e, s); };
+static_assert(!records_swapped<driver>);
+static_assert(!waits_swapped<driver>);
+static_assert(!std::is_convertible_v<stream_t, event_t> && !std::is_convertible_v<event_t, stream_t>);
+static_assert(!std::is_convertible_v<void*, stream_t> && std::is_convertible_v<std::nullptr_t, stream_t>);
+
+TEST(typed_handles, keep_the_native_pointer) {
+  int x = 0;
+  const stream_t s{&x};
+  EXPECT_EQ(s.get(), &x);
+  EXPECT_TRUE(static_cast<bool>(s));
+  EXPECT_EQ(stream_t{}, nullptr);
+  EXPECT_NE(s, stream_t{});
+  EXPECT_EQ(std::hash<stream_t>{}(s), std::hash<void*>{}(&x));
+}

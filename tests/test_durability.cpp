@@ -343,7 +343,7 @@ TEST(durability, failed_save_keeps_the_previous_checkpoint) {
   m.opt->save_checkpoint(ck);
   m.step(3);
   using fs_t = optim::detail::file_store;
-  optim::detail::inject_file_fault(*m.opt, static_cast<int>(fs_t::fault_op::read), static_cast<int>(fs_t::fault_kind::eio), 3);
+  optim::detail::inject_file_fault(*m.opt, fs_t::fault_op::read, fs_t::fault_kind::eio, 3);
   EXPECT_THROW(m.opt->save_checkpoint(ck), io_error);
   for (const auto& e : fs::directory_iterator(ck)) EXPECT_EQ(e.path().filename(), "gen-1") << "left behind: " << e.path();
   model r(host(), config(tier::host, {}, false));

@@ -261,7 +261,7 @@ TEST(optimizer, file_tier_faults_keep_the_previous_step) {
       r.opt->initialize();
       r.step(0);
       r.step(1);
-      optim::detail::inject_file_fault(*r.opt, static_cast<int>(f.op), static_cast<int>(f.kind), nth);
+      optim::detail::inject_file_fault(*r.opt, f.op, f.kind, nth);
       r.load_grads(2);
       bool threw = false;
       try {
@@ -414,8 +414,7 @@ TEST(optimizer, file_tier_resumes_after_a_crash) {
     r.opt->initialize();
     r.step(0);
     r.step(1);
-    optim::detail::inject_file_fault(*r.opt, static_cast<int>(optim::detail::file_store::fault_op::write),
-                                     static_cast<int>(optim::detail::file_store::fault_kind::crash), 5);
+    optim::detail::inject_file_fault(*r.opt, optim::detail::file_fault_op::write, optim::detail::file_fault_kind::crash, 5);
     r.step(2);
     ::_exit(0);  // not reached: the fault kills the process mid-step
   }

@@ -326,7 +326,7 @@ dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
-    m.materialize(r, offset, length, f, stream);
+    m.materialize(r, offset, length, f, stream_t{stream});
   });
 }
 
@@ -336,7 +336,7 @@ dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
-    m.release(r, offset, length, k, stream);
+    m.release(r, offset, length, k, stream_t{stream});
   });
 }
 
@@ -345,7 +345,7 @@ dfa_status dfa_record_stream(dfa_reservation r, void* stream) {
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
-    m.record_stream(r, stream);
+    m.record_stream(r, stream_t{stream});
   });
 }
 
@@ -354,7 +354,7 @@ dfa_status dfa_free_reservation(dfa_reservation r, void* stream) {
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
-    m.free(r, stream);
+    m.free(r, stream_t{stream});
     detail::faults().remove(r);
     std::lock_guard ids(g_ids_mu);
     g_ids.erase(r);
@@ -429,10 +429,10 @@ void* dfa_malloc(size_t size, int device, void* stream) {
     caching_allocator& a = allocator_for(device, lk);
     const std::vector<std::string>& tags = thread_tags();
     if (tags.empty()) {
-      out = a.allocate(size, stream);
+      out = a.allocate(size, stream_t{stream});
     } else {
       tag_scope region(a, tags.back());
-      out = a.allocate(size, stream);
+      out = a.allocate(size, stream_t{stream});
     }
     note_segment(a, out);
   });
@@ -443,7 +443,7 @@ void dfa_free(void* ptr, size_t size, int device, void* stream) {
   if (ptr == nullptr) return;
   if (guard("dfa_free", [&] {
         std::shared_lock<std::shared_mutex> lk;
-        allocator_for(device, lk).deallocate(ptr, size, stream);
+        allocator_for(device, lk).deallocate(ptr, size, stream_t{stream});
       }) != DFA_SUCCESS)
     log_hook_error("dfa_free");
 }
@@ -481,7 +481,7 @@ void* dfa_base_alloc_hook(void* ptr, size_t* size) {
 
 void dfa_record_stream_hook(void* ptr, void* stream) {
   if (guard("dfa_record_stream_hook", [&] {
-        for_owner(ptr, [&](caching_allocator& a) { a.record_stream(ptr, stream); });
+        for_owner(ptr, [&](caching_allocator& a) { a.record_stream(ptr, stream_t{stream}); });
       }) != DFA_SUCCESS)
     log_hook_error("dfa_record_stream_hook");
 }
@@ -534,12 +534,12 @@ dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream) {
     const std::vector<std::string>& tags = thread_tags();
     if (!tags.empty())
       throw invalid_state("called inside the tagged region '" + tags.back() + "' (dfa_tag_end first)");
-    for_tag("pause", tag, [&](caching_allocator& a) { a.pause(tag, k, stream); });
+    for_tag("pause", tag, [&](caching_allocator& a) { a.pause(tag, k, stream_t{stream}); });
   });
 }
 
 dfa_status dfa_tag_resume(const char* tag, void* stream) {
-  return guard("dfa_tag_resume", [&] { for_tag("resume", tag, [&](caching_allocator& a) { a.resume(tag, stream); }); });
+  return guard("dfa_tag_resume", [&] { for_tag("resume", tag, [&](caching_allocator& a) { a.resume(tag, stream_t{stream}); }); });
 }
 
 dfa_status dfa_tag_is_paused(const char* tag, int* out) {

@@ -405,7 +405,7 @@ void reservation_manager::materialize(reservation_id id, std::size_t offset, std
 }
 
 struct reservation_manager::work_item {
-  void* r;  // reservation*
+  reservation* r;
   std::size_t begin, end;
 };
 
@@ -419,7 +419,7 @@ std::vector<reservation_manager::work_item> reservation_manager::resolve(std::sp
     ws.push_back({&r, b, e});
   }
   std::sort(ws.begin(), ws.end(), [](const work_item& a, const work_item& b) {
-    return a.r != b.r ? std::less<void*>()(a.r, b.r) : a.begin < b.begin;
+    return a.r != b.r ? std::less<reservation*>()(a.r, b.r) : a.begin < b.begin;
   });
   for (std::size_t i = 1; i < ws.size(); ++i)
     DFA_EXPECTS(ws[i].r != ws[i - 1].r || ws[i].begin >= ws[i - 1].end, "ranges of one batch overlap");
@@ -709,7 +709,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   // Chunks cut by a range are split first; the contents stay as they were, so a
   // failure later leaves the reservation equivalent to before.
   for (const auto& w : ws) {
-    auto& r = *static_cast<reservation*>(w.r);
+    auto& r = *w.r;
     split_at(r, w.begin, stream, after);
     split_at(r, w.end, stream, after);
   }
@@ -729,7 +729,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   std::vector<run> runs;
   std::vector<reservation*> touched;
   for (const auto& w : ws) {
-    auto& r = *static_cast<reservation*>(w.r);
+    auto& r = *w.r;
     for (auto it = r.chunks.lower_bound(w.begin); it != r.chunks.end() && it->first < w.end; ++it) {
       victims.push_back({&r, it->first, it->second});
       if (!runs.empty() && runs.back().r == &r && runs.back().end == it->first) runs.back().end += it->second.bytes;
@@ -794,7 +794,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
   // Commit.
   std::vector<std::pair<void*, std::size_t>> unused;
   for (const auto& w : ws) {
-    auto& r = *static_cast<reservation*>(w.r);
+    auto& r = *w.r;
     if (keep == keep_mode::discard) drop_backup_granules(r, w.begin, w.end, unused);
   }
   for (const auto& v : victims) {
@@ -825,7 +825,7 @@ std::vector<range> reservation_manager::release_whole_chunks(std::span<const ran
   std::lock_guard lk(impl_->mu_);
   std::vector<range> inner;
   for (const auto& w : resolve(ranges)) {
-    auto& r = *static_cast<reservation*>(w.r);
+    auto& r = *w.r;
     for (auto it = r.chunks.lower_bound(w.begin); it != r.chunks.end() && it->first < w.end; ++it) {
       if (it->first + it->second.bytes > w.end) break;
       if (!inner.empty() && inner.back().id == r.id && inner.back().offset + inner.back().length == it->first)

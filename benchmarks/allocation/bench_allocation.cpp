@@ -48,8 +48,8 @@ struct resource {
 struct deferalloc_resource final : resource {
   deferalloc::context ctx{deferalloc::parse_settings("driver:cuda")};
   deferalloc::caching_allocator a{*ctx.reservations};
-  void* alloc(std::size_t n, cudaStream_t s) override { return a.allocate(n, s); }
-  void free(void* p, std::size_t n, cudaStream_t s) override { a.deallocate(p, n, s); }
+  void* alloc(std::size_t n, cudaStream_t s) override { return a.allocate(n, deferalloc::stream_t{s}); }
+  void free(void* p, std::size_t n, cudaStream_t s) override { a.deallocate(p, n, deferalloc::stream_t{s}); }
   void reset_peaks() override { a.reset_peak_stats(); }
   double peak_reserved() override { return static_cast<double>(a.stat("reserved_bytes.all.peak")); }
   double peak_allocated() override { return static_cast<double>(a.stat("allocated_bytes.all.peak")); }

@@ -51,12 +51,13 @@ int main(int argc, char** argv) {
     } guard;
     CUDA_CHECK(cudaStreamCreateWithFlags(&guard.s, cudaStreamNonBlocking));
     cudaStream_t s = guard.s;
+    const deferalloc::stream_t ds{s};  // the same stream, typed for deferalloc
     deferalloc::context ctx(deferalloc::parse_settings("driver:cuda"));
     deferalloc::caching_allocator a(*ctx.reservations);
     std::vector<void*> ps;
     {
       deferalloc::tag_scope region(a, "bench");
-      for (int i = 0; i < count; ++i) ps.push_back(a.allocate(size, s));
+      for (int i = 0; i < count; ++i) ps.push_back(a.allocate(size, ds));
     }
     auto fill = [&] {
       for (int i = 0; i < count; ++i) CUDA_CHECK(cudaMemsetAsync(ps[i], (i * 7 + 1) & 0xFF, size, s));
@@ -74,21 +75,21 @@ int main(int argc, char** argv) {
     fill();
     // Warm the pool and the pinned backup buffers (first cycles create chunks and pin).
     for (int i = 0; i < 2; ++i) {
-      a.pause("bench", deferalloc::keep_mode::discard, s);
-      a.resume("bench", s);
+      a.pause("bench", deferalloc::keep_mode::discard, ds);
+      a.resume("bench", ds);
     }
     fill();
-    a.pause("bench", deferalloc::keep_mode::host, s);
-    a.resume("bench", s);
+    a.pause("bench", deferalloc::keep_mode::host, ds);
+    a.resume("bench", ds);
     CUDA_CHECK(cudaStreamSynchronize(s));
 
     std::vector<double> p_ms, r_ms, ph_ms, rh_ms;
     // One timed pause + resume of the tag.
     auto cycle = [&](deferalloc::keep_mode keep, std::vector<double>& pause_ms, std::vector<double>& resume_ms) {
       auto t0 = clk::now();
-      a.pause("bench", keep, s);
+      a.pause("bench", keep, ds);
       auto t1 = clk::now();
-      a.resume("bench", s);
+      a.resume("bench", ds);
       CUDA_CHECK(cudaStreamSynchronize(s));
       auto t2 = clk::now();
       pause_ms.push_back(ms(t0, t1));
@@ -120,7 +121,7 @@ int main(int argc, char** argv) {
       h2d_ms.push_back(ms(t1, t2));
     }
     CUDA_CHECK(cudaFreeHost(host));
-    for (void* p : ps) a.deallocate(p, size, s);
+    for (void* p : ps) a.deallocate(p, size, ds);
 
     const double gb = bytes / 1e9;
     const double pause = median(p_ms), resume = median(r_ms);

@@ -214,6 +214,7 @@ int main(int argc, char** argv) try {
     check(dfa_set_resident(gflat.data_ptr(), 1), "dfa_set_resident(grads)");
   }
   void* stream = gpu ? static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()) : nullptr;
+  const deferalloc::stream_t typed_stream{stream};  // the same stream for the C++ API
 
   std::size_t hbm_peak = 0, hbm_now = 0;
   auto sample = [&] {
@@ -232,9 +233,9 @@ int main(int argc, char** argv) try {
   cfg.register_buffers = o.nccl_buffers != "none";
   dist::distributed_adamw opt(drv, comm, numel, static_cast<std::uint16_t*>(flat.data_ptr()), gflat.data_ptr(), cfg);
   if (!o.resume.empty()) {
-    opt.load_checkpoint(o.resume, stream);
+    opt.load_checkpoint(o.resume, typed_stream);
   } else {
-    opt.initialize(stream);
+    opt.initialize(typed_stream);
   }
   if (rank == 0)
     std::printf("trainer: world %d, %zu params (shard %zu, padded %zu), tier %s, window %.0f MiB, comm %s, nccl buffers %s\n",
@@ -260,7 +261,7 @@ int main(int argc, char** argv) try {
       loss_sum += loss.item<double>();
       sample();
     }
-    auto r = opt.step(stream);
+    auto r = opt.step(typed_stream);
     if (gpu) c10::cuda::getCurrentCUDAStream().synchronize();
     sample();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

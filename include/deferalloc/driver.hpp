@@ -15,15 +15,37 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 namespace deferalloc {
 
+/// A native handle with a type of its own: a stream and an event are distinct types,
+/// so arguments given in the wrong order do not compile.  Built from nullptr (no
+/// handle) or explicitly from the native pointer; get() gives that pointer back (for
+/// the driver, kernels and NCCL).  C++17 (the .cu files include this header).
+template <class Tag>
+class typed_handle {
+ public:
+  constexpr typed_handle() noexcept = default;
+  constexpr typed_handle(std::nullptr_t) noexcept {}
+  constexpr explicit typed_handle(void* native) noexcept : h_(native) {}
+  constexpr void* get() const noexcept { return h_; }
+  constexpr explicit operator bool() const noexcept { return h_ != nullptr; }
+  friend constexpr bool operator==(typed_handle a, typed_handle b) noexcept { return a.h_ == b.h_; }
+  friend constexpr bool operator!=(typed_handle a, typed_handle b) noexcept { return a.h_ != b.h_; }
+  friend constexpr bool operator<(typed_handle a, typed_handle b) noexcept { return std::less<void*>{}(a.h_, b.h_); }
+
+ private:
+  void* h_ = nullptr;
+};
+struct stream_tag;
+struct event_tag;
 /// A CUDA stream (cudaStream_t / CUstream); nullptr is the legacy default stream.
-using stream_t = void*;
+using stream_t = typed_handle<stream_tag>;
 /// An event of the driver (CUevent on CUDA, unused on the host driver).
-using event_t = void*;
+using event_t = typed_handle<event_tag>;
 /// A physical chunk (CUmemGenericAllocationHandle on CUDA, a memfd on the host).
 using chunk_handle = std::uint64_t;
 
@@ -210,3 +232,10 @@ class DFA_API fault_driver : public driver {
 };
 
 }  // namespace deferalloc
+
+namespace std {
+template <class Tag>
+struct hash<deferalloc::typed_handle<Tag>> {
+  std::size_t operator()(deferalloc::typed_handle<Tag> h) const noexcept { return std::hash<void*>{}(h.get()); }
+};
+}  // namespace std

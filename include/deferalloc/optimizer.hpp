@@ -136,7 +136,16 @@ struct shard_info {
 
 class streamed_adamw;
 namespace detail {
-void inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth);
+/// Test hook vocabulary (inject_file_fault): which file-tier request fails, and how.
+enum class file_fault_op { read, write, commit };
+enum class file_fault_kind {
+  none,
+  eio,         ///< the request fails with EIO
+  enospc,      ///< the request fails with ENOSPC
+  short_read,  ///< a read returns fewer bytes
+  crash,       ///< the process exits at once, as if killed
+};
+void inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth);
 void write_checkpoint_files(streamed_adamw& o, const std::string& dir);
 void read_checkpoint_files(streamed_adamw& o, const std::string& dir);
 }
@@ -244,7 +253,7 @@ class DFA_API streamed_adamw {
   reservation_manager& reservations();
 
  private:
-  friend void detail::inject_file_fault(streamed_adamw&, int, int, std::uint64_t);
+  friend void detail::inject_file_fault(streamed_adamw&, detail::file_fault_op, detail::file_fault_kind, std::uint64_t);
   friend void detail::write_checkpoint_files(streamed_adamw&, const std::string&);
   friend void detail::read_checkpoint_files(streamed_adamw&, const std::string&);
   struct impl;
@@ -252,10 +261,9 @@ class DFA_API streamed_adamw {
 };
 
 namespace detail {
-/// Test hook: the `nth` next file-tier I/O request of `op` (0 read, 1 write, 2 commit)
-/// fails with `kind` (1 EIO, 2 ENOSPC, 3 short read, 4 the process exits at once, as if
-/// killed).  @throws invalid_state when the optimizer has no file tier.
-DFA_API void inject_file_fault(streamed_adamw& o, int op, int kind, std::uint64_t nth);
+/// Test hook: the `nth` next file-tier I/O request of `op` fails with `kind`.
+/// @throws invalid_state when the optimizer has no file tier.
+DFA_API void inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth);
 /// One generation's files (shard-N.bin, manifest.txt) written into the existing `dir`
 /// and made durable, or read from it (for the distributed optimizer, which publishes
 /// all ranks' files in one generation).  See Note [Checkpoint generations].

@@ -113,7 +113,7 @@ dfa_status dfa_opt_set_group(dfa_optimizer* o, int group, const dfa_adamw_params
 }
 
 dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream) {
-  return guard("dfa_opt_initialize", [&] { opt_of(o).initialize(stream); });
+  return guard("dfa_opt_initialize", [&] { opt_of(o).initialize(stream_t{stream}); });
 }
 
 dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, const int* grad_dtypes, float scale,
@@ -127,12 +127,12 @@ dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, co
     std::vector<value_type> gts(n);
     for (std::size_t i = 0; i < n; ++i)
       gts[i] = grad_dtypes ? dtype_of(grad_dtypes[i], "dfa_opt_step") : shards[i].param_type;
-    opt.step(std::span<const void* const>(grads, n), gts, scale, stream);
+    opt.step(std::span<const void* const>(grads, n), gts, scale, stream_t{stream});
   });
 }
 
 dfa_status dfa_opt_sync_model_params(dfa_optimizer* o, void* stream) {
-  return guard("dfa_opt_sync_model_params", [&] { opt_of(o).sync_model_params(stream); });
+  return guard("dfa_opt_sync_model_params", [&] { opt_of(o).sync_model_params(stream_t{stream}); });
 }
 
 dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n, float* out) {

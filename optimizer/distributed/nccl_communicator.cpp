@@ -148,11 +148,11 @@ class nccl_communicator final : public communicator {
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   void reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
-    check(api().ncclReduceScatter(send, recv, count, to_nccl(t), ncclSum, comm_, static_cast<cudaStream_t>(s)),
+    check(api().ncclReduceScatter(send, recv, count, to_nccl(t), ncclSum, comm_, static_cast<cudaStream_t>(s.get())),
           "ncclReduceScatter", comm_);
   }
   void all_gather(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
-    check(api().ncclAllGather(send, recv, count, to_nccl(t), comm_, static_cast<cudaStream_t>(s)), "ncclAllGather",
+    check(api().ncclAllGather(send, recv, count, to_nccl(t), comm_, static_cast<cudaStream_t>(s.get())), "ncclAllGather",
           comm_);
   }
   void* register_buffer(void* ptr, std::size_t bytes) override {

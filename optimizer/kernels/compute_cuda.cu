@@ -222,7 +222,7 @@ class cuda_compute final : public compute {
   void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) override {
     if (p.n == 0) return;
     DFA_CUDA_TRY(cudaSetDevice(device_));
-    auto st = static_cast<cudaStream_t>(s);
+    auto st = static_cast<cudaStream_t>(s.get());
     const bool vec = aligned(p.param, 16) && aligned(p.exp_avg, 16) && aligned(p.exp_avg_sq, 16) &&
                      aligned(p.model, p.model_type == k_fp32 ? 16 : 8) && aligned(p.grad, p.grad_type == k_fp32 ? 16 : 8);
     const int blocks = grid(vec ? p.n / 4 + 1 : p.n);
@@ -237,7 +237,7 @@ class cuda_compute final : public compute {
   }
 
   void adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, stream_t s) override {
-    cuda_adamw_moments(p, k, s, device_, sms_);
+    cuda_adamw_moments(p, k, s.get(), device_, sms_);
   }
 
   void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) override {
@@ -248,7 +248,7 @@ class cuda_compute final : public compute {
     }
     if (n == 0) return;
     DFA_CUDA_TRY(cudaSetDevice(device_));
-    upcast_any<<<grid(n), k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, t, out, n);
+    upcast_any<<<grid(n), k_threads, 0, static_cast<cudaStream_t>(s.get())>>>(in, t, out, n);
     DFA_CUDA_CHECK_LAUNCH();
   }
 
@@ -260,14 +260,14 @@ class cuda_compute final : public compute {
     }
     if (n == 0) return;
     DFA_CUDA_TRY(cudaSetDevice(device_));
-    downcast_any<<<grid(n), k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, t, n);
+    downcast_any<<<grid(n), k_threads, 0, static_cast<cudaStream_t>(s.get())>>>(in, out, t, n);
     DFA_CUDA_CHECK_LAUNCH();
   }
 
   double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) override {
     DFA_CUDA_TRY(cudaSetDevice(device_));
     if (scratch_ == nullptr) DFA_CUDA_TRY(cudaMalloc(&scratch_, (k_norm_blocks + 1) * sizeof(double)));
-    auto st = static_cast<cudaStream_t>(s);
+    auto st = static_cast<cudaStream_t>(s.get());
     sq_norm_partial<<<k_norm_blocks, k_threads, 0, st>>>(grad, is_bf16, n, scratch_);
     DFA_CUDA_CHECK_LAUNCH();
     sq_norm_final<<<1, 1024, 0, st>>>(scratch_, scratch_ + k_norm_blocks);
@@ -304,7 +304,7 @@ class cuda_compute final : public compute {
     if (n == 0) return;
     DFA_CUDA_TRY(cudaSetDevice(device_));
     const int blocks = grid(vec ? n / per_thread + 1 : n);
-    (vec ? vec_kernel : scalar_kernel)<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s)>>>(in, out, n);
+    (vec ? vec_kernel : scalar_kernel)<<<blocks, k_threads, 0, static_cast<cudaStream_t>(s.get())>>>(in, out, n);
     DFA_CUDA_CHECK_LAUNCH();
   }
   // Enough blocks for `work` items, at most 16 per multiprocessor (grid-stride beyond).

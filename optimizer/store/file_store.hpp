@@ -2,6 +2,7 @@
 // See Note [File tier] in file_store.cpp.
 #pragma once
 #include <deferalloc/export.hpp>
+#include <deferalloc/optimizer.hpp>
 
 #include <atomic>
 #include <condition_variable>
@@ -36,8 +37,8 @@ class io_batch {
 class file_store {
  public:
   /// Test hooks: fail the nth read/write block or commit.
-  enum class fault_kind { none, eio, enospc, short_read, crash };
-  enum class fault_op { read, write, commit };
+  using fault_kind = file_fault_kind;  // optimizer.hpp: the public test hook's vocabulary
+  using fault_op = file_fault_op;
 
   static constexpr std::size_t align = 4096;
   /// The checksum unit: every request starts on a block boundary of its slot and covers

@@ -167,51 +167,51 @@ class cuda_driver final : public driver {
     bind();
     CUstream s = nullptr;
     DFA_CU_TRY(api().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-    return s;
+    return stream_t{s};
   }
   void destroy_stream(stream_t s) noexcept override {
-    if (s != nullptr) api().cuStreamDestroy(static_cast<CUstream>(s));
+    if (s != nullptr) api().cuStreamDestroy(static_cast<CUstream>(s.get()));
   }
   event_t create_event() override {
     bind();
     CUevent e = nullptr;
     DFA_CU_TRY(api().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
-    return e;
+    return event_t{e};
   }
   void destroy_event(event_t e) noexcept override {
-    if (e != nullptr) api().cuEventDestroy(static_cast<CUevent>(e));
+    if (e != nullptr) api().cuEventDestroy(static_cast<CUevent>(e.get()));
   }
   void record(event_t e, stream_t s) override {
     bind();
-    DFA_CU_TRY(api().cuEventRecord(static_cast<CUevent>(e), static_cast<CUstream>(s)));
+    DFA_CU_TRY(api().cuEventRecord(static_cast<CUevent>(e.get()), static_cast<CUstream>(s.get())));
   }
   void stream_wait(stream_t s, event_t e) override {
     bind();
-    DFA_CU_TRY(api().cuStreamWaitEvent(static_cast<CUstream>(s), static_cast<CUevent>(e), 0));
+    DFA_CU_TRY(api().cuStreamWaitEvent(static_cast<CUstream>(s.get()), static_cast<CUevent>(e.get()), 0));
   }
   void synchronize(event_t e) override {
     bind();
-    DFA_CU_TRY(api().cuEventSynchronize(static_cast<CUevent>(e)));
+    DFA_CU_TRY(api().cuEventSynchronize(static_cast<CUevent>(e.get())));
   }
   bool query(event_t e) override {
     bind();
-    CUresult rc = api().cuEventQuery(static_cast<CUevent>(e));
+    CUresult rc = api().cuEventQuery(static_cast<CUevent>(e.get()));
     if (rc == CUDA_ERROR_NOT_READY) return false;
     DFA_CU_TRY(rc);
     return true;
   }
   void synchronize_stream(stream_t s) override {
     bind();
-    DFA_CU_TRY(api().cuStreamSynchronize(static_cast<CUstream>(s)));
+    DFA_CU_TRY(api().cuStreamSynchronize(static_cast<CUstream>(s.get())));
   }
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override {
     bind();
     DFA_CU_TRY(api().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes,
-                                   static_cast<CUstream>(s)));
+                                   static_cast<CUstream>(s.get())));
   }
   void zero_async(void* dst, std::size_t bytes, stream_t s) override {
     bind();
-    DFA_CU_TRY(api().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), 0, bytes, static_cast<CUstream>(s)));
+    DFA_CU_TRY(api().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), 0, bytes, static_cast<CUstream>(s.get())));
   }
   bool asynchronous() const override { return true; }
 

@@ -53,9 +53,9 @@ class host_driver final : public driver {
     return {capacity_ - created_, capacity_};
   }
 
-  stream_t create_stream() override { return sentinel(); }
+  stream_t create_stream() override { return stream_t{sentinel()}; }
   void destroy_stream(stream_t) noexcept override {}
-  event_t create_event() override { return sentinel(); }
+  event_t create_event() override { return event_t{sentinel()}; }
   void destroy_event(event_t) noexcept override {}
   void record(event_t, stream_t) override {}
   void stream_wait(stream_t, event_t) override {}
