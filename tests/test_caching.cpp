@@ -214,6 +214,34 @@ TEST_F(caching, misuse_is_a_typed_error_that_changes_nothing) {
   EXPECT_THROW(a->deallocate(p, 4096, s1), invalid_argument) << "double free";
 }
 
+// The registry: one id per tag name; allocate(..., id) tags a block whatever region the
+// thread is in, and pause releases it with the tag's other blocks.
+TEST_F(caching, tag_registry_gives_ids_and_allocates_by_id) {
+  const tag_id kv = a->register_tag("kv");
+  EXPECT_NE(kv, tag_id::none);
+  EXPECT_EQ(a->register_tag("kv"), kv) << "one id per name";
+  const tag_id other = a->register_tag("other");
+  EXPECT_NE(other, kv);
+  EXPECT_THROW(a->register_tag(""), invalid_argument);
+  EXPECT_THROW(a->register_tag(std::string(257, 'x')), invalid_argument);
+  EXPECT_THROW(a->allocate(4096, s1, static_cast<tag_id>(99)), invalid_argument) << "an id it did not give";
+  EXPECT_EQ(a->tags(), (std::vector<std::string>{"kv", "other"}));
+  void* p = nullptr;
+  {
+    tag_scope region(*a, "other");
+    p = a->allocate(3_MiB, s1, kv);  // the id wins over the thread's region
+    EXPECT_EQ(a->current_tag(), "other");
+  }
+  void* q = a->allocate(3_MiB, s1, tag_id::none);
+  const auto backed = stat("deferalloc.backed_bytes");
+  a->pause("kv", keep_mode::discard, s1);
+  EXPECT_LT(stat("deferalloc.backed_bytes"), backed) << "the block allocated by id belongs to kv";
+  EXPECT_THROW(a->allocate(4096, s1, kv), invalid_state) << "kv is paused";
+  a->resume("kv", s1);
+  a->deallocate(p, 3_MiB, s1);
+  a->deallocate(q, 3_MiB, s1);
+}
+
 TEST_F(caching, tag_pause_and_resume_keep_addresses_and_contents) {
   std::vector<std::pair<void*, std::size_t>> blocks;
   {

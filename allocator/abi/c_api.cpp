@@ -428,12 +428,9 @@ void* dfa_malloc(size_t size, int device, void* stream) {
     std::shared_lock<std::shared_mutex> lk;
     caching_allocator& a = allocator_for(device, lk);
     const std::vector<std::string>& tags = thread_tags();
-    if (tags.empty()) {
-      out = a.allocate(size, stream_t{stream});
-    } else {
-      tag_scope region(a, tags.back());
-      out = a.allocate(size, stream_t{stream});
-    }
+    // The C ABI's current tag is this thread's (thread_tags); the allocator takes its id.
+    if (tags.empty()) out = a.allocate(size, stream_t{stream});
+    else out = a.allocate(size, stream_t{stream}, a.register_tag(tags.back()));
     note_segment(a, out);
   });
   return out;
@@ -513,8 +510,7 @@ dfa_status dfa_tag_begin(const char* tag) {
     if (*tag == '\0') throw invalid_argument("the tag is empty");
     std::shared_lock<std::shared_mutex> lk;
     caching_allocator& a = allocator_for(-1, lk);
-    a.begin_tag(tag);  // registers the tag (pause/resume know it from now on)
-    a.end_tag();
+    a.register_tag(tag);  // pause/resume know it from now on
     thread_tags().emplace_back(tag);
   });
 }

@@ -132,16 +132,19 @@ caching_allocator::~caching_allocator() {
 // ---- allocate / deallocate ------------------------------------------------------------
 
 void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
+  return allocate(bytes, stream, region_tag(this));
+}
+
+void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag) {
   DFA_EXPECTS(bytes > 0, "allocate: size is zero");
   DFA_EXPECTS(bytes <= k_max_request, "allocate: size " + std::to_string(bytes) + " is absurd (limit 64 TiB)");
   const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
   impl& d = *impl_;
-  const std::string* tag = g_open_regions.load(std::memory_order_relaxed) == 0 ? nullptr : innermost(this);
   std::lock_guard lk(d.mu);
   if (!d.pending.empty()) d.process_pending(false);
   group* grp = size <= d.cfg.small_size ? &d.small_grp : &d.large_grp;
-  if (tag != nullptr) {
-    tag_state* t = d.find_tag(*tag);
+  if (tag != tag_id::none) {
+    tag_state* t = d.tag_of(tag);
     if (t->paused) throw invalid_state("allocate: tag '" + t->name + "' is paused; resume it before allocating in it");
     grp = t->grp.get();
   }

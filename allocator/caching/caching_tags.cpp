@@ -17,7 +17,43 @@
 
 namespace deferalloc {
 
-// ---- tagged regions -----------------------------------------------------------------------
+// ---- the tag registry and the C++ face's tagged regions ----------------------------------
+
+namespace detail {
+namespace {
+/// The tagged regions of this thread: (allocator, tag), innermost last.
+thread_local std::vector<std::pair<const caching_allocator*, tag_id>> t_regions;
+/// Regions open in all threads: when 0, allocate skips the thread-local lookup.
+std::atomic<long> g_open_regions{0};
+}  // namespace
+
+tag_id region_tag(const caching_allocator* owner) noexcept {
+  if (g_open_regions.load(std::memory_order_relaxed) == 0) return tag_id::none;
+  for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
+    if (it->first == owner) return it->second;
+  return tag_id::none;
+}
+
+void erase_regions_of(const caching_allocator* owner) noexcept {
+  g_open_regions.fetch_sub(static_cast<long>(std::erase_if(t_regions, [&](const auto& r) { return r.first == owner; })));
+}
+}  // namespace detail
+
+tag_id caching_allocator::register_tag(std::string_view tag) {
+  DFA_EXPECTS(!tag.empty(), "register_tag: the tag is empty");
+  DFA_EXPECTS(tag.size() <= 256, "register_tag: the tag is longer than 256 characters");
+  impl& d = *impl_;
+  std::lock_guard lk(d.mu);
+  if (tag_state* t = d.find_tag(tag)) return d.id_of(t);
+  auto t = std::make_unique<tag_state>();
+  t->name = std::string(tag);
+  t->grp = std::make_unique<group>();
+  t->grp->name = t->name;
+  t->grp->index = static_cast<int>(d.tags.size()) + 2;
+  t->grp->tag = t.get();
+  d.tags.push_back(std::move(t));
+  return static_cast<tag_id>(d.tags.size());
+}
 
 tag_scope::tag_scope(caching_allocator& a, std::string_view tag) : a_(a) { a_.begin_tag(tag); }
 
@@ -32,44 +68,34 @@ tag_scope::~tag_scope() {
 void caching_allocator::begin_tag(std::string_view tag) {
   DFA_EXPECTS(!tag.empty(), "begin_tag: the tag is empty");
   DFA_EXPECTS(tag.size() <= 256, "begin_tag: the tag is longer than 256 characters");
-  impl& d = *impl_;
-  {
-    std::lock_guard lk(d.mu);
-    if (d.find_tag(tag) == nullptr) {
-      auto t = std::make_unique<tag_state>();
-      t->name = std::string(tag);
-      t->grp = std::make_unique<group>();
-      t->grp->name = t->name;
-      t->grp->index = static_cast<int>(d.tags.size()) + 2;
-      t->grp->tag = t.get();
-      d.tags.push_back(std::move(t));
-    }
-  }
-  t_regions.emplace_back(this, std::string(tag));
-  g_open_regions.fetch_add(1);
+  const tag_id id = register_tag(tag);
+  detail::t_regions.emplace_back(this, id);
+  detail::g_open_regions.fetch_add(1);
 }
 
 void caching_allocator::end_tag() {
-  for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
+  for (auto it = detail::t_regions.rbegin(); it != detail::t_regions.rend(); ++it)
     if (it->first == this) {
-      t_regions.erase(std::next(it).base());
-      g_open_regions.fetch_sub(1);
+      detail::t_regions.erase(std::next(it).base());
+      detail::g_open_regions.fetch_sub(1);
       return;
     }
   throw invalid_state("end_tag: this thread is not inside a tagged region of this allocator");
 }
 
 std::string caching_allocator::current_tag() const {
-  const std::string* t = innermost(this);
-  return t == nullptr ? std::string() : *t;
+  const tag_id id = region_tag(this);
+  if (id == tag_id::none) return std::string();
+  std::lock_guard lk(impl_->mu);
+  return impl_->tag_of(id)->name;
 }
 
 // ---- pause / resume -----------------------------------------------------------------------
 
 void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t stream) {
   DFA_EXPECTS(keep == keep_mode::discard || keep == keep_mode::host, "pause: keep must be discard or host");
-  if (const std::string* in = innermost(this))
-    throw invalid_state("pause('" + std::string(tag) + "'): called inside the tagged region '" + *in +
+  if (region_tag(this) != tag_id::none)
+    throw invalid_state("pause('" + std::string(tag) + "'): called inside the tagged region '" + current_tag() +
                         "' (leave the region first)");
   impl& d = *impl_;
   std::lock_guard lk(d.mu);

@@ -28,20 +28,12 @@ inline std::string hex(std::uintptr_t p) {
   return buf;
 }
 
-/// The tagged regions of this thread: (allocator, tag), innermost last.
-inline thread_local std::vector<std::pair<const void*, std::string>> t_regions;
-/// Regions open in all threads: when 0, allocate skips the thread-local lookup.
-inline std::atomic<long> g_open_regions{0};
-
-inline const std::string* innermost(const void* owner) {
-  for (auto it = t_regions.rbegin(); it != t_regions.rend(); ++it)
-    if (it->first == owner) return &it->second;
-  return nullptr;
-}
-
-inline void erase_regions_of(const void* owner) noexcept {
-  g_open_regions.fetch_sub(static_cast<long>(std::erase_if(t_regions, [&](const auto& r) { return r.first == owner; })));
-}
+// The tagged regions of a thread (tag_scope, begin_tag/end_tag: the C++ face's
+// current tag) live in caching_tags.cpp; the registry of tags is impl::tags.
+/// The innermost region's tag of `owner` on this thread (tag_id::none outside any).
+tag_id region_tag(const caching_allocator* owner) noexcept;
+/// Leaves every region of `owner` on this thread.
+void erase_regions_of(const caching_allocator* owner) noexcept;
 
 }  // namespace detail
 
@@ -122,6 +114,17 @@ struct caching_allocator::impl {
     for (auto& t : tags)
       if (t->name == name) return t.get();
     return nullptr;
+  }
+  // Tag ids are 1 + the index in `tags` (tags are never removed).
+  tag_id id_of(const tag_state* t) const {
+    for (std::size_t i = 0; i < tags.size(); ++i)
+      if (tags[i].get() == t) return static_cast<tag_id>(i + 1);
+    return tag_id::none;
+  }
+  tag_state* tag_of(tag_id id) const {
+    const auto i = static_cast<std::size_t>(id);
+    if (i == 0 || i > tags.size()) throw invalid_argument("caching_allocator: unknown tag id " + std::to_string(i));
+    return tags[i - 1].get();
   }
   std::size_t first_granule(const block* b) const { return (b->addr - b->seg->base) / g; }
   std::size_t end_granule(const block* b) const { return (b->addr + b->size - b->seg->base + g - 1) / g; }

@@ -35,6 +35,9 @@ namespace deferalloc {
 /// Per-thread tagged region of one allocator: allocations made on this thread while
 /// the object lives belong to `tag`.  Regions nest (the innermost wins).
 class caching_allocator;
+
+/// A tag's id in one caching allocator's registry (register_tag); `none`: untagged.
+enum class tag_id : std::uint32_t { none = 0 };
 class DFA_API tag_scope {
  public:
   tag_scope(caching_allocator& a, std::string_view tag);
@@ -67,6 +70,10 @@ class DFA_API caching_allocator {
   /// @throws invalid_argument (0 or absurd size), invalid_state (the current tag is
   ///         paused), out_of_memory (after the retry; counted in num_ooms)
   void* allocate(std::size_t bytes, stream_t stream = nullptr);
+  /// The same, in tag `tag` whatever tagged region this thread is in (tag_id::none:
+  /// the untagged pools).  The faces that keep their own current tag (the C ABI) use it.
+  /// @throws invalid_argument for an id this allocator did not give
+  void* allocate(std::size_t bytes, stream_t stream, tag_id tag);
   /// Returns a block.  `bytes` is the size given to allocate (0: not checked); `stream`
   /// is where its last use was ordered (it becomes the block's stream).  No driver call
   /// unless record_stream added streams (then one event per added stream).
@@ -96,6 +103,10 @@ class DFA_API caching_allocator {
   std::size_t allocation_size(const void* ptr) const;
 
   // ---- tags ----
+  /// The id of `tag` in this allocator's registry, registering it on first use
+  /// (pause/resume know it from then on).  One mutex; no driver call.
+  /// @throws invalid_argument for an empty tag or one longer than 256 characters
+  tag_id register_tag(std::string_view tag);
   /// Enters a tagged region on this thread (prefer tag_scope).  An empty tag is invalid.
   void begin_tag(std::string_view tag);
   /// Leaves the innermost region of this thread.  @throws invalid_state when none.
