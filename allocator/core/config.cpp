@@ -2,7 +2,8 @@
 //
 // Two steps: parse_config_text splits the text into keys and values without knowing
 // any key, so every face (C ABI, preload, Python) shares one grammar; parse_settings
-// interprets the keys and rejects unknown ones with the list of valid keys.
+// interprets the keys through one table (Note [Settings table]) and rejects unknown ones
+// with the list of valid keys.
 #include <deferalloc/config.hpp>
 #include <deferalloc/errors.hpp>
 
