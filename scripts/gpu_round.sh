@@ -92,10 +92,13 @@ if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
   tail -16 "$L/overlap.log"
 fi
 if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
-  run ckpt_host 200 $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp
-  tail -8 "$L/ckpt_host.log"
-  run ckpt_file 200 $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp
-  tail -8 "$L/ckpt_file.log"
+  # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
+  run ckpt_host 200 $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
+    --json "$OUT/bench_checkpoint_host.json"
+  tail -10 "$L/ckpt_host.log"
+  run ckpt_file 240 $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
+    --json "$OUT/bench_checkpoint_file.json"
+  tail -10 "$L/ckpt_file.log"
 fi
 if has stress; then
   secs=${DFA_STRESS_SECONDS:-60}
