@@ -268,13 +268,21 @@ def big_llama(B):
           f"(12 B/param each way, {PCIE_BPS / 1e9:.0f} GB/s)", flush=True)
     batch = a.batch or (2 if a.smoke else 16)
     while True:
-        x = bigram_batches(B, cfg["vocab_size"], batch, a.seq, 1)[0]
-        fb = fwd_bwd_seconds(B, model, x)
+        try:
+            x = bigram_batches(B, cfg["vocab_size"], batch, a.seq, 1)[0]
+            fb = fwd_bwd_seconds(B, model, x)
+        except torch.OutOfMemoryError:
+            if a.batch or batch <= 16:
+                raise
+            model.zero_grad(set_to_none=True)
+            batch //= 2  # the last size that fitted (the modes need room for their state too)
+            print(f"  out of memory: batch {batch}", flush=True)
+            break
         print(f"  batch {batch} x {a.seq}: forward+backward {fb * 1e3:.0f} ms", flush=True)
-        if a.batch or a.smoke or fb >= 1.1 * bound_s or batch >= 256:
+        if a.batch or a.smoke or fb >= 1.1 * bound_s or batch >= 64:
             break
         batch *= 2
-    del x
+    x = None
     B.free()
     init = [p.detach().clone() for p in model.parameters()]
     data = bigram_batches(B, cfg["vocab_size"], batch, a.seq, 4)
