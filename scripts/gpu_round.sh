@@ -88,8 +88,9 @@ if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
   tail -24 "$L/megatron.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 300 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT" ${DFA_OVERLAP_ARGS:-}
-  tail -16 "$L/overlap.log"
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 330 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT" \
+    --json "$OUT/bench_overlap.json" ${DFA_OVERLAP_ARGS:-}
+  tail -28 "$L/overlap.log"
 fi
 if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
   # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
