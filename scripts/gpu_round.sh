@@ -7,24 +7,24 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
 #   pip download --only-binary=:all: --python-version 3.12 -d .whl scikit-build-core   # the offline pip test
-# Logs go to $OUT/logs.tar.gz, the table to $OUT/summary.txt, the benchmarks' figures to
+# Logs go to $OUT/logs/, the table to $OUT/summary.txt, the benchmarks' figures to
 # $OUT/<benchmark>.json (schema of benchmarks/bench_json.py: copy them to docs/data/<date>/ and
 # run benchmarks/plot.py) and the raw Google Benchmark JSON to $OUT/gbench/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-L=$(mktemp -d)
 mkdir -p "$OUT"
+L="$OUT/logs"  # written as they go: a call cut at its time limit still brings them back
+mkdir -p "$L"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build ctest tms optim megatron overlap ckpt stress bench)
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 B=build-gpu
 summary=()
-row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); echo "== $1: $2"; }
+: > "$OUT/summary.txt"
+row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); printf '%-28s %s\n' "$1" "$2" >> "$OUT/summary.txt"; echo "== $1: $2"; }
 finish() {
-  { printf '%s\n' "${summary[@]}"; } > "$OUT/summary.txt"
-  tar -C "$L" -czf "$OUT/logs.tar.gz" . 2>/dev/null
   echo; echo "================ summary"; cat "$OUT/summary.txt"
 }
 trap finish EXIT
@@ -94,10 +94,10 @@ if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
 fi
 if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
   # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
-  run ckpt_host 200 $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
+  run ckpt_host "${DFA_CKPT_SECONDS:-200}" $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
     --json "$OUT/bench_checkpoint_host.json"
   tail -10 "$L/ckpt_host.log"
-  run ckpt_file 240 $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
+  run ckpt_file "${DFA_CKPT_SECONDS:-240}" $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
     --json "$OUT/bench_checkpoint_file.json"
   tail -10 "$L/ckpt_file.log"
 fi
