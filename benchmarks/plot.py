@@ -75,7 +75,10 @@ def value(r: dict) -> str:
 
 
 def ratio(r: dict, base: dict) -> str:
-    if not base["value"] or not r["value"]:
+    # A row that is itself a ratio ("x") names its baseline for the reader; a ratio of it
+    # to that baseline's value means nothing.
+    if not base["value"] or not r["value"] or r["unit"] == "x" or r["unit"] != base["unit"] and \
+            not (r["unit"] in TIME_UNITS and base["unit"] in TIME_UNITS):
         return ""
     if r["unit"] in TIME_UNITS and base["unit"] in TIME_UNITS:
         x = base["value"] * TIME_UNITS[base["unit"]] / (r["value"] * TIME_UNITS[r["unit"]])

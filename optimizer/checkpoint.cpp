@@ -17,9 +17,11 @@
 //    load_checkpoint(dir) takes the newest gen-<N>: a complete generation is never
 //    passed over for an older one, so a damaged newest checkpoint is an error, not a
 //    silent step back.
-//  - Streaming: every array is cut into 32 MiB chunks, processed by 4 lanes (threads),
-//    each with its own aligned buffer (128 MiB in all, whatever the shard size), so four
-//    writes or reads are in flight.  Each chunk's checksum64 is computed by its lane;
+//  - Streaming: every array is cut into 32 MiB chunks, processed by 6 lanes (threads),
+//    each with its own aligned buffer (192 MiB in all, whatever the shard size), so six
+//    writes or reads are in flight (a file-tier save or load reads and writes the same
+//    disk, so about half of them are reads, half writes).  A data file's space is
+//    reserved (fallocate) before its first write.  Each chunk's checksum64 is computed by its lane;
 //    an array's checksum is checksum64 of its chunks' checksums, so verification streams
 //    too.  Host tier: the lanes write straight from the pinned home (no copy); file tier:
 //    they read the active slot (verified by the file tier's block checksums) into their
@@ -27,7 +29,16 @@
 //  - Load reads each file once, verifying as it streams, into a place that changes
 //    nothing until all is verified: the file tier's inactive slot, committed at the end.
 //    The host and device tiers update in place, so when they already hold state they
-//    verify in a first pass and copy in a second (each file read twice then).
+//    verify in a first pass and copy in a second (each file read twice then).  A load
+//    ends with BF16(main) into the model's params (the file tier reads main, a third of
+//    the bytes, from the new slot again): done from the chunks as they stream, it would
+//    change the params before the whole checkpoint is verified.
+//  - Not used: reflinks (FICLONERANGE) and copy_file_range between the state file and a
+//    checkpoint.  A reflinked slot shares its blocks, so a later step's write needs new
+//    space and could fail with ENOSPC mid-run (the state file's space is reserved at
+//    creation for that reason), and either way the bytes must still pass through this
+//    process to be verified and checksummed; copy_file_range without reflink is a
+//    buffered copy, slower than direct I/O where measured.
 //  - The distributed optimizer publishes every rank's files in one generation (see
 //    distributed_adamw.cpp) with write_checkpoint_files / read_checkpoint_files.
 //
@@ -69,7 +80,7 @@ namespace {
 constexpr const char* k_header = "deferalloc-optimizer-checkpoint";
 constexpr int k_version = 2;
 constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a multiple of file_store::block
-constexpr int k_lanes = 4;                              // chunks in flight
+constexpr int k_lanes = 6;                              // chunks in flight (192 MiB of buffers)
 // A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (write_home).
 static_assert((k_chunk / 4) % detail::k_qblock == 0);
 const char* const k_arrays[3] = {"main", "exp_avg", "exp_avg_sq"};
@@ -285,7 +296,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         sums[c.a][c.index] = checksum64(src, io);
         pwrite_all(fd, src, io, c.a * array_bytes + c.e0 * 4, path);
       });
-    }, true);
+    }, true, 3 * array_bytes);
     char line[512];
     std::snprintf(line, sizeof line,
                   "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64 " exp_avg_sq %016" PRIx64

@@ -7,24 +7,31 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
 #   pip download --only-binary=:all: --python-version 3.12 -d .whl scikit-build-core   # the offline pip test
-# Logs go to $OUT/logs.tar.gz, the table to $OUT/summary.txt, the benchmarks' figures to
-# $OUT/<benchmark>.json (schema of benchmarks/bench_json.py: copy them to docs/data/<date>/ and
-# run benchmarks/plot.py) and the raw Google Benchmark JSON to $OUT/gbench/.
+# The device machine returns at most 8 files from $OUT, so $OUT holds three, refreshed after
+# every step (a call cut at its time limit still brings back what ran): summary.txt (the
+# table), logs.tar.gz, and results.tar.gz with the benchmarks' figures as <benchmark>.json
+# (schema of benchmarks/bench_json.py: unpack into docs/data/<date>/ and run
+# benchmarks/plot.py), their PNGs and the raw Google Benchmark JSON under gbench/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-L=$(mktemp -d)
 mkdir -p "$OUT"
+L=$(mktemp -d)  # logs
+R=$(mktemp -d)  # results: JSON and plots
+pack() {
+  tar -C "$L" -czf "$OUT/logs.tar.gz" . 2>/dev/null
+  tar -C "$R" -czf "$OUT/results.tar.gz" . 2>/dev/null
+}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build ctest tms optim megatron overlap ckpt stress bench)
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 B=build-gpu
 summary=()
-row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); echo "== $1: $2"; }
+: > "$OUT/summary.txt"
+row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); printf '%-28s %s\n' "$1" "$2" >> "$OUT/summary.txt"; echo "== $1: $2"; pack; }
 finish() {
-  { printf '%s\n' "${summary[@]}"; } > "$OUT/summary.txt"
-  tar -C "$L" -czf "$OUT/logs.tar.gz" . 2>/dev/null
+  pack
   echo; echo "================ summary"; cat "$OUT/summary.txt"
 }
 trap finish EXIT
@@ -68,13 +75,13 @@ fi
 if has tms; then
   tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
   run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build $B ${tms:+--tms-wheel $tms} \
-    --json "$OUT/bench_tms.json"
+    --json "$R/bench_tms.json"
   tail -14 "$L/bench_tms.log"
 fi
 if has optim; then
   mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run optim_gpu 420 python3 tests/torch/test_optim_gpu.py ${mc:+--megatron-wheel $mc} \
-    --json "$OUT/test_optim_gpu.json"
+    --json "$R/test_optim_gpu.json"
   tail -16 "$L/optim_gpu.log"
 fi
 if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
@@ -82,20 +89,24 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
   cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
-  # Six torchrun processes (about 3-4 minutes); the figures as JSON in $OUT/test_megatron_gpu.json.
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$OUT/test_megatron_gpu.json" \
+  # Six torchrun processes (about 3-4 minutes); the figures as JSON in $R/test_megatron_gpu.json.
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$R/test_megatron_gpu.json" \
     ${DFA_MEGATRON_ARGS:-}
   tail -24 "$L/megatron.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 300 python3 benchmarks/optimizer/bench_overlap.py --out "$OUT" ${DFA_OVERLAP_ARGS:-}
-  tail -16 "$L/overlap.log"
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 330 python3 benchmarks/optimizer/bench_overlap.py --out "$R" \
+    --json "$R/bench_overlap.json" ${DFA_OVERLAP_ARGS:-}
+  tail -28 "$L/overlap.log"
 fi
 if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
-  run ckpt_host 200 $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp
-  tail -8 "$L/ckpt_host.log"
-  run ckpt_file 200 $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp
-  tail -8 "$L/ckpt_file.log"
+  # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
+  run ckpt_host "${DFA_CKPT_SECONDS:-200}" $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
+    --json "$R/bench_checkpoint_host.json"
+  tail -10 "$L/ckpt_host.log"
+  run ckpt_file "${DFA_CKPT_SECONDS:-240}" $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
+    --json "$R/bench_checkpoint_file.json"
+  tail -10 "$L/ckpt_file.log"
 fi
 if has stress; then
   secs=${DFA_STRESS_SECONDS:-60}
@@ -114,13 +125,13 @@ if has bench; then
     > "$L/bench_reservations.log" 2>&1
   "${opt_cmd[@]}" --benchmark_out="$L/bench_optimizer.json" --benchmark_out_format=json > "$L/bench_optimizer.log" 2>&1
   python3 benchmarks/report.py "$L"/bench_*.json > "$L/report.txt" 2>&1; cat "$L/report.txt"
-  # The raw JSON to $OUT/gbench/, the figures in the one schema to $OUT/<program>.json.
-  mkdir -p "$OUT/gbench"
+  # The raw JSON to $R/gbench/, the figures in the one schema to $R/<program>.json.
+  mkdir -p "$R/gbench"
   gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
   for g in bench_reservations bench_optimizer; do
     if [ $g = bench_reservations ]; then cmd="${res_cmd[*]}"; else cmd="${opt_cmd[*]}"; fi
-    cp "$L/$g.json" "$OUT/gbench/" 2>/dev/null &&
-      python3 benchmarks/bench_json.py convert "$L/$g.json" --out "$OUT/$g.json" --device "${gpu:-GPU}" \
+    cp "$L/$g.json" "$R/gbench/" 2>/dev/null &&
+      python3 benchmarks/bench_json.py convert "$L/$g.json" --out "$R/$g.json" --device "${gpu:-GPU}" \
         --command "$cmd (scripts/gpu_round.sh bench)"
   done
 fi

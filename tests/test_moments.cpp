@@ -9,6 +9,7 @@
 
 #include <cfenv>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <unistd.h>
@@ -60,15 +61,18 @@ float ref_bf16(float x) {
 // An int8 moment array quantized the documented way; `sq` for exp_avg_sq (stored as sqrt).
 std::vector<float> ref_int8(const std::vector<float>& x, bool sq) {
   std::vector<float> out(x.size());
-  for (std::size_t b0 = 0; b0 < x.size(); b0 += 256) {
-    const std::size_t e = std::min(x.size(), b0 + 256);
+  constexpr std::size_t block = 64;  // Note [Moment formats]
+  for (std::size_t b0 = 0; b0 < x.size(); b0 += block) {
+    const std::size_t e = std::min(x.size(), b0 + block);
     float amax = 0;
     for (std::size_t i = b0; i < e; ++i) amax = std::max(amax, sq ? std::sqrt(x[i]) : std::fabs(x[i]));
     for (std::size_t i = b0; i < e; ++i) {
       if (amax == 0) { out[i] = 0; continue; }
       const float a = sq ? std::sqrt(x[i]) : std::fabs(x[i]);
       const int E = sq ? d::k_w_exp : d::k_m_exp, M = sq ? d::k_w_frac : d::k_m_frac;
-      const float q = float(small_value(nearest_code(a / amax, E, M), E, M)) * amax;
+      unsigned c = nearest_code(a / amax, E, M);
+      if (sq && c == 0 && a > 0) c = 1;  // a positive v never decodes to 0
+      const float q = float(small_value(c, E, M)) * amax;
       out[i] = sq ? q * q : std::copysign(q, x[i]);
     }
   }
@@ -129,32 +133,35 @@ class formats : public ::testing::TestWithParam<std::string> {};
 TEST_P(formats, written_state_reads_back_quantized_and_is_idempotent) {
   const std::string f = GetParam();
   handle h(f);
-  const std::size_t n = 1000;  // not a multiple of 256: a partial last block
+  const std::size_t n = 1000;  // not a multiple of 64: a partial last block
   std::vector<float> p(n, 1.0f);
   ASSERT_EQ(dfa_opt_add_shard(h.o, p.data(), n, DFA_DTYPE_FP32, 0, nullptr, nullptr), DFA_SUCCESS);
   ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
   auto m = randn(n, 2, 1e-3f), v = randn(n, 3, 1e-6f);
   for (auto& x : v) x = std::fabs(x);
   m[17] = 0.0f;
+  v[70] = 1e-30f, v[71] = 0.0f;  // far below their block's maximum, and zero
   ASSERT_EQ(dfa_opt_write_state(h.o, 0, DFA_STATE_EXP_AVG, 0, n, m.data()), DFA_SUCCESS) << dfa_opt_last_error();
   ASSERT_EQ(dfa_opt_write_state(h.o, 0, DFA_STATE_EXP_AVG_SQ, 0, n, v.data()), DFA_SUCCESS);
   const auto mq = read(h, 0, 1, n), vq = read(h, 0, 2, n);
   EXPECT_EQ(mq, ref_format(f, m, false));
   EXPECT_EQ(vq, ref_format(f, v, true));
+  EXPECT_GT(vq[70], 0.0f) << "a positive v decodes to a positive v";
+  EXPECT_EQ(vq[71], 0.0f);
   // Decoded values encode to themselves (a checkpoint or state_dict round trip is exact).
   ASSERT_EQ(dfa_opt_write_state(h.o, 0, DFA_STATE_EXP_AVG, 0, n, mq.data()), DFA_SUCCESS);
   ASSERT_EQ(dfa_opt_write_state(h.o, 0, DFA_STATE_EXP_AVG_SQ, 0, n, vq.data()), DFA_SUCCESS);
   EXPECT_EQ(read(h, 0, 1, n), mq);
   EXPECT_EQ(read(h, 0, 2, n), vq);
-  // A range inside one block: that block is re-encoded with the new values, the others
-  // keep their codes.
+  // A range over blocks 4..6 ([256, 448)), ending inside block 6: those blocks are
+  // re-encoded with the new values, the others keep their codes.
   std::vector<float> part(100, 5e-3f);
   ASSERT_EQ(dfa_opt_write_state(h.o, 0, DFA_STATE_EXP_AVG, 300, 100, part.data()), DFA_SUCCESS);
   auto expect = mq;
   std::copy(part.begin(), part.end(), expect.begin() + 300);
   const auto blockwise = ref_format(f, expect, false);
   const auto got = read(h, 0, 1, n);
-  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], i >= 256 && i < 512 ? blockwise[i] : mq[i]) << i;
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], i >= 256 && i < 448 ? blockwise[i] : mq[i]) << i;
 }
 
 // ---- the step ------------------------------------------------------------------------------
@@ -285,11 +292,11 @@ TEST(moments, other_tiers_refuse_compressed_moments_and_bad_names_are_refused) {
 
 // ---- convergence -----------------------------------------------------------------------------
 
-// 300 steps of noisy least squares with curvatures over four orders of magnitude (the
-// loss falls from 5.3 to a noise floor near 0.005): BF16 moments reach FP32 moments'
-// floor within 3%; int8 moments converge as fast but settle on a noise floor measured
-// 15-20% higher on this problem (their step noise; see Note [Moment formats]), checked
-// within 30%.
+// 300 steps of noisy least squares with curvatures over four orders of magnitude in every
+// 97 elements (the loss falls from 5.3 to a noise floor near 0.0055): BF16 moments reach
+// FP32 moments' floor within 3%; int8 moments converge as fast but settle on a noise
+// floor measured 14% higher on this problem (their step noise, and the range of sqrt(v)
+// within a 64-block; see Note [Moment formats]), checked within 25%.
 double train(const std::string& f) {
   handle h(f);
   const std::size_t n = 4096;
@@ -319,9 +326,10 @@ double train(const std::string& f) {
 
 TEST(moments, short_training_converges_like_fp32_moments) {
   const double l32 = train("fp32"), l16 = train("bf16"), l8 = train("int8");
+  std::printf("noise floor (mean loss of the last 50 steps): fp32 %.6f bf16 %.6f int8 %.6f\n", l32, l16, l8);
   EXPECT_LT(l32, 0.01) << "the reference run did not converge";
   EXPECT_LT(std::fabs(l16 - l32), 0.03 * l32) << "fp32 " << l32 << " bf16 " << l16;
-  EXPECT_LT(std::fabs(l8 - l32), 0.30 * l32) << "fp32 " << l32 << " int8 " << l8;
+  EXPECT_LT(std::fabs(l8 - l32), 0.25 * l32) << "fp32 " << l32 << " int8 " << l8;
 }
 
 }  // namespace

@@ -146,7 +146,10 @@ result cpu_twin(const problem& p, int steps) {
   }
   for (int t = 0; t < steps; ++t) {
     const auto& h = p.hyper;
-    const auto k = optim::detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, t + 1, p.scale(t));
+    // The bias corrections with the powf of the backend under test (the device's on CUDA).
+    static const std::shared_ptr<driver> pow_driver = make_driver();
+    const auto k = optim::detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, t + 1, p.scale(t),
+                                               [](float b, float e) { return optim::backend_pow(*pow_driver, b, e); });
     for (std::size_t s = 0; s < p.sizes.size(); ++s)
       for (std::size_t i = 0; i < p.sizes[s]; ++i)
         r.bf16[s][i] = optim::detail::adamw_element(r.main[s][i], r.m[s][i], r.v[s][i],

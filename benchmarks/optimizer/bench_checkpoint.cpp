@@ -1,14 +1,24 @@
 // Checkpoint save and load of a few GB of optimizer state against `dd` on the same
-// disk, in the same run (issue 11):
-//   save  vs dd if=/dev/zero of=FILE bs=32M conv=fsync [oflag=direct] (same bytes; the
-//         faster of the two)
-//   load  vs dd if=SHARD of=/dev/null bs=32M iflag=direct         (the saved files)
-// and the peak extra host memory of each (VmHWM after minus VmRSS before, the peak reset
+// disk, in the same run (issue 11).  The baseline `dd` does what a user would do to move
+// the same bytes without us (Note [Checkpoint baselines]):
+//   host, device tiers: the state is in memory, so
+//     save  vs dd if=/dev/zero of=FILE bs=32M conv=fsync [oflag=direct]     ("dd write")
+//     load  vs dd if=SHARD of=/dev/null bs=32M iflag=direct                 ("dd read")
+//   file tier: the state is a file on the disk, so a checkpoint is a copy on that disk:
+//     save  vs dd if=STATE of=FILE bs=32M skip=<active slot> count=<bytes> conv=fsync
+//     load  vs dd if=SHARD of=FILE bs=32M conv=fsync                        ("dd copy")
+//   (each the faster of buffered and direct I/O, the source dropped from the page cache
+//   first, so the baseline is the disk's, not the page cache's).  The file tier also
+//   prints the write/read ratios, for reference; the 0.8x target is against "dd copy".
+// Also the peak extra host memory of each (VmHWM after minus VmRSS before, the peak reset
 // through /proc/self/clear_refs).  Load is measured into a fresh optimizer (one pass,
 // each file read once) and into one that already holds state (host/device tiers:
 // verify, then copy).
 //   bench_checkpoint [--gb 1.5] [--dir /tmp] [--tier host|file|device] [--driver host|cuda]
-// Prints one table; ratios are dd time / our time (>= 0.8 is the target).
+//                    [--reps 1] [--json PATH]
+// Prints one table (each figure the best of --reps runs); ratios are dd time / our time
+// (>= 0.8 is the target).  With --json, also writes the figures (schema 1: benchmark,
+// schema, device, command, results[name, value, unit, baseline], extra).
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/optimizer.hpp>
 #include <deferalloc/reservations.hpp>
@@ -22,6 +32,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -65,12 +76,70 @@ double run_dd(const std::string& cmd) {
   return now() - t0;
 }
 
-void drop_cache(const std::string& dir) {
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file()) {
-      int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd >= 0) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), ::close(fd);
-    }
+// Drops a file, or every file under a directory, from the page cache.
+void drop_cache(const std::string& path) {
+  auto drop = [](const fs::path& f) {
+    int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), ::close(fd);
+  };
+  if (!fs::is_directory(path)) return drop(path);
+  for (const auto& e : fs::recursive_directory_iterator(path))
+    if (e.is_regular_file()) drop(e.path());
+}
+
+// The faster of `cmd` with buffered and with direct I/O, the source `src` dropped from
+// the page cache before each run.  `out` (removed after each run) empty: a read to
+// /dev/null (no fsync); `src` /dev/zero: a write (direct output only).
+double best_dd(const std::string& src, const std::string& cmd, const std::string& out) {
+  const bool zero = src == "/dev/zero";
+  const char* buffered = out.empty() ? "" : " conv=fsync";
+  const char* direct = out.empty() ? " iflag=direct" : zero ? " conv=fsync oflag=direct" : " conv=fsync iflag=direct oflag=direct";
+  double best = 1e30;
+  for (const char* flags : {buffered, direct}) {
+    if (!zero) drop_cache(src);
+    best = std::min(best, run_dd(cmd + flags));
+    if (!out.empty()) fs::remove(out);
+  }
+  return best;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\', o += c;
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", c);
+      o += b;
+    } else o += c;
+  }
+  return o;
+}
+
+// The GPU's name (nvidia-smi) on the CUDA driver, "host" on the host driver.
+std::string device_name(const std::string& driver) {
+  if (driver != "cuda") return "host";
+  std::string name;
+  if (FILE* p = ::popen("nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null", "r")) {
+    char b[256];
+    if (std::fgets(b, sizeof b, p)) name = b;
+    ::pclose(p);
+  }
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return name.empty() ? "cuda device 0" : name;
+}
+
+// The file system type of `dir` (from /proc/self/mounts: the longest mount point above it).
+std::string fs_type(const std::string& dir) {
+  std::ifstream f("/proc/self/mounts");
+  std::string dev, mnt, type, rest, best_type = "unknown";
+  std::size_t best = 0;
+  const std::string abs = fs::weakly_canonical(dir).string() + "/";
+  while (f >> dev >> mnt >> type && std::getline(f, rest)) {
+    const std::string m = mnt == "/" ? "/" : mnt + "/";
+    if (abs.rfind(m, 0) == 0 && m.size() >= best) best = m.size(), best_type = type;
+  }
+  return best_type;
 }
 
 // Model buffers (BF16 params and gradients) and an optimizer over shards of <= 256 M.
@@ -106,13 +175,19 @@ struct setup {
 
 int main(int argc, char** argv) {
   double gb = 1.5;
-  std::string dir = "/tmp", tier_name = "host", driver_name = "host";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
+  std::string dir = "/tmp", tier_name = "host", driver_name = "host", json_path;
+  int reps = 1;
+  std::string command = argv[0];
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  for (int i = 1; i < argc; i += 2) {
+    const std::string k = argv[i], v = i + 1 < argc ? argv[i + 1] : "";
+    if (i + 1 >= argc) return std::fprintf(stderr, "option %s needs a value\n", k.c_str()), 2;
     if (k == "--gb") gb = std::atof(v.c_str());
     else if (k == "--dir") dir = v;
     else if (k == "--tier") tier_name = v;
     else if (k == "--driver") driver_name = v;
+    else if (k == "--json") json_path = v;
+    else if (k == "--reps") reps = std::max(1, std::atoi(v.c_str()));
     else return std::fprintf(stderr, "unknown option %s\n", k.c_str()), 2;
   }
   const std::size_t numel = static_cast<std::size_t>(gb * 1e9 / 12) / 4096 * 4096;
@@ -127,81 +202,164 @@ int main(int argc, char** argv) {
   cfg.home = parse_tier(tier_name);
   cfg.directory = root + "/state";
   cfg.window_bytes = std::size_t{384} << 20;
+  const bool file_tier = cfg.home == tier::file;
 
   setup a(drv, numel, cfg);
-  std::printf("state: %.2f GB (%zu M params, tier %s, driver %s) in %s\n", bytes / 1e9, numel >> 20, tier_name.c_str(),
-              driver_name.c_str(), root.c_str());
+  std::printf("state: %.2f GB (%zu M params, tier %s, driver %s) in %s (%s)\n", bytes / 1e9, numel >> 20,
+              tier_name.c_str(), driver_name.c_str(), root.c_str(), fs_type(root).c_str());
   a.opt->initialize();
   a.opt->step(a.grads, grad_type::bf16);  // moments written: all three arrays are real data
   drv->synchronize_stream(nullptr);
 
+  // Note [Checkpoint baselines]: the file tier's state lives in its state file, so the
+  // user's alternative to our save is a copy of the active slot's bytes (slot 1 after
+  // initialize() wrote slot 0 and one step slot 1) into a new file on the same disk,
+  // and to our load a copy of each checkpoint file; the host and device tiers' state is
+  // in memory, so theirs is a write of the bytes (save) or a read (load).
+  const std::string state_file = cfg.directory + "/deferalloc-rank0.state";
+  std::uint64_t slot_bytes = 0, ckpt_bytes = 0;  // the file tier's slot; the checkpoint's data files
+  for (std::size_t done = 0; done < numel; done += std::size_t{256} << 20) {
+    const std::size_t n = std::min(std::size_t{256} << 20, numel - done), io = detail::file_store::io_bytes(n);
+    slot_bytes += 3 * ((io + detail::file_store::block - 1) / detail::file_store::block * detail::file_store::block);
+    ckpt_bytes += 3 * io;
+  }
+  const std::uint64_t slot1 = 2 * detail::file_store::align + slot_bytes;
+
   struct row {
-    const char* op;
-    double ours, dd;
-    std::size_t extra;
+    std::string op, key;
+    double ours = 0;
+    std::size_t extra = 0;
+    double dd_write_or_read = 0, dd_copy = 0;  // dd_copy: file tier only
   };
-  std::vector<row> rows;
-  // Save (twice: the second replaces a generation, as in training), against dd conv=fsync.
-  for (int rep = 0; rep < 2; ++rep) {
-    const std::size_t rss = reset_peak();
-    const double t0 = now();
-    a.opt->save_checkpoint(ck);
-    const double ours = now() - t0;
-    const std::size_t extra = peak_extra(rss);
-    // The faster of buffered and direct dd, so the baseline is the disk's, not the page cache's.
-    double dd = 1e30;
-    for (const char* flags : {" conv=fsync", " conv=fsync oflag=direct"}) {
-      dd = std::min(dd, run_dd("dd if=/dev/zero of=" + root + "/dd.bin bs=32M count=" + std::to_string(bytes >> 25) + flags));
-      fs::remove(root + "/dd.bin");
+  // Each figure is the best of --reps runs (ours and dd's alike, interleaved), the peak
+  // memory the largest.
+  std::vector<row> rows = {{"save (new)", "save_new"}, {"save (replace)", "save_replace"},
+                           {"load (fresh)", "load_fresh"}, {"load (holding state)", "load_holding"}};
+  for (auto& r : rows) r.ours = r.dd_write_or_read = r.dd_copy = 1e30, r.extra = 0;
+  auto keep = [](row& r, double ours, std::size_t extra, double dd_wr, double dd_c) {
+    r.ours = std::min(r.ours, ours);
+    r.extra = std::max(r.extra, extra);
+    r.dd_write_or_read = std::min(r.dd_write_or_read, dd_wr);
+    r.dd_copy = std::min(r.dd_copy, dd_c);
+  };
+  double t_sync = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    std::error_code ec;
+    fs::remove_all(ck, ec);
+    // Save twice: the second replaces a generation, as in training.
+    for (int k = 0; k < 2; ++k) {
+      if (file_tier) drop_cache(state_file);  // our save reads the state file O_DIRECT, as dd's copy reads it cold
+      const std::size_t rss = reset_peak();
+      const double t0 = now();
+      a.opt->save_checkpoint(ck);
+      const double ours = now() - t0;
+      const std::size_t extra = peak_extra(rss);
+      const std::string out = root + "/dd.bin";
+      const double dd_w = best_dd("/dev/zero", "dd if=/dev/zero of=" + out + " bs=32M count=" + std::to_string(bytes >> 25), out);
+      double dd_c = 0;
+      if (file_tier)
+        dd_c = best_dd(state_file,
+                       "dd if=" + state_file + " of=" + out + " bs=32M iflag=skip_bytes,count_bytes skip=" +
+                           std::to_string(slot1) + " count=" + std::to_string(ckpt_bytes),
+                       out);
+      keep(rows[k], ours, extra, dd_w, dd_c);
     }
-    rows.push_back({rep == 0 ? "save (new)" : "save (replace)", ours, dd, extra});
-  }
-  // Load into a fresh optimizer (one pass), then into one holding state.
-  std::string shards;
-  for (const auto& e : fs::directory_iterator(ck))
-    for (const auto& f : fs::directory_iterator(e.path()))
-      if (f.path().extension() == ".bin") shards += " " + f.path().string();
-  optimizer_config cfg_b = cfg;
-  cfg_b.directory = root + "/state-b";
-  setup b(drv, numel, cfg_b);
-  for (int holding = 0; holding < 2; ++holding) {
-    drop_cache(ck);
-    const std::size_t rss = reset_peak();
-    const double t0 = now();
-    b.opt->load_checkpoint(ck);
-    const double ours = now() - t0;
-    const std::size_t extra = peak_extra(rss);
-    double dd = 0;
-    for (std::size_t p = 0, q; p < shards.size(); p = q) {
-      q = shards.find(' ', p + 1);
-      if (q == std::string::npos) q = shards.size();
-      dd += run_dd("dd if=" + shards.substr(p + 1, q - p - 1) + " of=/dev/null bs=32M iflag=direct");
+    // Load into a fresh optimizer (one pass), then into one holding state.
+    std::vector<std::string> shards;
+    for (const auto& e : fs::directory_iterator(ck))
+      for (const auto& f : fs::directory_iterator(e.path()))
+        if (f.path().extension() == ".bin") shards.push_back(f.path().string());
+    optimizer_config cfg_b = cfg;
+    cfg_b.directory = root + "/state-b";
+    fs::remove_all(cfg_b.directory, ec);
+    setup b(drv, numel, cfg_b);
+    for (int holding = 0; holding < 2; ++holding) {
+      drop_cache(ck);
+      const std::size_t rss = reset_peak();
+      const double t0 = now();
+      b.opt->load_checkpoint(ck);
+      const double ours = now() - t0;
+      const std::size_t extra = peak_extra(rss);
+      double dd_r = 0, dd_c = 0;
+      for (const auto& f : shards) {
+        dd_r += best_dd(f, "dd if=" + f + " of=/dev/null bs=32M", "");
+        if (file_tier) dd_c += best_dd(f, "dd if=" + f + " of=" + root + "/dd.bin bs=32M", root + "/dd.bin");
+      }
+      keep(rows[2 + holding], ours, extra, dd_r, dd_c);
     }
-    rows.push_back({holding ? "load (holding state)" : "load (fresh)", ours, dd, extra});
+    // The part of a load that is not I/O: BF16(main) into the model params.
+    const double t_sync0 = now();
+    b.opt->sync_model_params();
+    drv->synchronize_stream(nullptr);
+    t_sync = std::min(t_sync, now() - t_sync0);
   }
-  // The part of a load that is not I/O: BF16(main) into the model params.
-  const double t_sync0 = now();
-  b.opt->sync_model_params();
-  drv->synchronize_stream(nullptr);
-  const double t_sync = now() - t_sync0;
-  std::printf("%-22s %9s %9s %9s %9s %7s %14s\n", "operation", "GB", "ours s", "ours GB/s", "dd GB/s", "ratio",
-              "peak extra MiB");
-  for (const auto& r : rows)
-    std::printf("%-22s %9.2f %9.2f %9.2f %9.2f %6.2fx %14.1f\n", r.op, bytes / 1e9, r.ours, bytes / 1e9 / r.ours,
-                bytes / 1e9 / r.dd, r.dd / r.ours, r.extra / 1048576.0);
+
+  const char* base_wr[2] = {"dd write", "dd read"};
+  std::printf("%-22s %7s %8s %9s %9s %7s %9s %7s %14s\n", "operation", "GB", "ours s", "ours GB/s", "dd w/r GB/s",
+              "ratio", file_tier ? "copy GB/s" : "", file_tier ? "ratio" : "", "peak extra MiB");
+  for (const auto& r : rows) {
+    std::printf("%-22s %7.2f %8.2f %9.2f %11.2f %6.2fx", r.op.c_str(), bytes / 1e9, r.ours, bytes / 1e9 / r.ours,
+                bytes / 1e9 / r.dd_write_or_read, r.dd_write_or_read / r.ours);
+    if (file_tier) std::printf(" %9.2f %6.2fx", bytes / 1e9 / r.dd_copy, r.dd_copy / r.ours);
+    else std::printf(" %9s %7s", "", "");
+    std::printf(" %14.1f\n", r.extra / 1048576.0);
+  }
+  std::printf("target: ratio >= 0.80 against %s (dd %s)\n",
+              file_tier ? "dd copy of the same bytes on the same disk (the file tier's state is a file)"
+                        : "dd write (save, conv=fsync) / dd read (load) of the same bytes",
+              "the faster of buffered and direct");
   // A load ends with sync_model_params (BF16 params from main): on the host driver that
   // is the CPU twin, not I/O; shown apart so the I/O ratio can be read too.
-  std::printf("each load includes sync_model_params: %.2f s; load (fresh) without it: %.2fx dd\n", t_sync,
-              rows[2].dd / std::max(1e-9, rows[2].ours - t_sync));
+  const double base_load = file_tier ? rows[2].dd_copy : rows[2].dd_write_or_read;
+  std::printf("each load includes sync_model_params: %.2f s; load (fresh) without it: %.2fx %s\n", t_sync,
+              base_load / std::max(1e-9, rows[2].ours - t_sync), file_tier ? "dd copy" : "dd read");
   // The cost of the checksums (file-tier blocks and checkpoint chunks), one core.
+  double checksum_gbps = 0;
   {
     std::vector<std::uint64_t> buf((std::size_t{256} << 20) / 8, 0x9E3779B97F4A7C15ull);
     std::uint64_t sink = 0;
     const double t0 = now();
     for (int i = 0; i < 4; ++i) sink += optim::detail::checksum64(buf.data(), buf.size() * 8, sink);
     const double s = now() - t0;
-    std::printf("checksum64: %.1f GB/s on one core (%016llx)\n", 4 * (buf.size() * 8) / 1e9 / s,
-                static_cast<unsigned long long>(sink));
+    checksum_gbps = 4 * (buf.size() * 8) / 1e9 / s;
+    std::printf("checksum64: %.1f GB/s on one core (%016llx)\n", checksum_gbps, static_cast<unsigned long long>(sink));
+  }
+  if (!json_path.empty()) {
+    std::ostringstream j;
+    j << "{\"benchmark\": \"bench_checkpoint\", \"schema\": 1, \"device\": \"" << json_escape(device_name(driver_name))
+      << "\", \"command\": \"" << json_escape(command) << "\", \"results\": [";
+    bool first = true;
+    auto result = [&](const std::string& name, double value, const char* unit, const std::string& baseline) {
+      j << (first ? "" : ",") << "\n  {\"name\": \"" << json_escape(name) << "\", \"value\": " << value << ", \"unit\": \""
+        << unit << "\", \"baseline\": " << (baseline.empty() ? "null" : "\"" + json_escape(baseline) + "\"") << "}";
+      first = false;
+    };
+    j.precision(6);
+    for (const auto& r : rows) {
+      const bool save = r.key.rfind("save", 0) == 0;
+      // The criterion's baseline first: dd copy for the file tier, else dd write / read.
+      const std::string wr = r.key + ": " + base_wr[save ? 0 : 1], cp = r.key + ": dd copy";
+      const std::string crit = file_tier ? cp : wr;
+      result(r.key, bytes / 1e9 / r.ours, "GB/s", crit);
+      result(r.key + " seconds", r.ours, "s", "");
+      result(r.key + " / " + (file_tier ? "dd copy" : base_wr[save ? 0 : 1]), (file_tier ? r.dd_copy : r.dd_write_or_read) / r.ours,
+             "x", crit);
+      if (file_tier) {
+        result(cp, bytes / 1e9 / r.dd_copy, "GB/s", "");
+        result(r.key + " / " + base_wr[save ? 0 : 1], r.dd_write_or_read / r.ours, "x", wr);
+      }
+      result(wr, bytes / 1e9 / r.dd_write_or_read, "GB/s", "");
+      result(r.key + " peak extra memory", r.extra / 1048576.0, "MiB", "");
+    }
+    result("sync_model_params", t_sync, "s", "");
+    result("checksum64", checksum_gbps, "GB/s", "");
+    j << "\n], \"extra\": {\"tier\": \"" << tier_name << "\", \"driver\": \"" << driver_name << "\", \"bytes\": " << bytes
+      << ", \"dir\": \"" << json_escape(dir) << "\", \"filesystem\": \"" << json_escape(fs_type(root))
+      << "\", \"criterion\": \"ratio >= 0.8 against "
+      << (file_tier ? "dd copy (conv=fsync) of the same bytes on the same disk" : "dd write (conv=fsync) / dd read")
+      << "\", \"reps\": " << reps << ", \"peak_extra_limit_mib\": 256}}\n";
+    std::ofstream(json_path) << j.str();
+    std::printf("wrote %s\n", json_path.c_str());
   }
   std::error_code ec;
   fs::remove_all(root, ec);

@@ -50,13 +50,19 @@ struct adamw_params {
 /// decay >= 0.  @throws invalid_argument naming the hyper-parameter and its value.
 DFA_API void validate(const adamw_params& p);
 
+/// powf(base, e) as the optimizer's kernels on driver `d` take it for the bias corrections
+/// 1 - beta^t: the device's powf on CUDA (as torch's fused AdamW; it is not glibc's:
+/// powf(0.95f, 6) differs in the last bit), the host's on the host driver.  For tests and
+/// references that must reproduce a step bit for bit.
+DFA_API float backend_pow(driver& d, float base, float e);
+
 /// How the Adam moments are stored at home and moved over PCIe (host tier).  The
 /// arithmetic stays FP32 inside the window; main params are always FP32.  See
 /// Note [Moment formats] in optimizer/kernels/moment_format.hpp.
 enum class moment_format : int {
   fp32 = 0,  ///< 4 B per moment (12 B/param with the main param), exact torch AdamW
   bf16 = 1,  ///< 2 B per moment (8 B/param), round to nearest even after each step
-  int8 = 2,  ///< 1 B per moment + an FP32 scale per 256 (about 6 B/param), block-scaled 8-bit floats
+  int8 = 2,  ///< 1 B per moment + an FP32 scale per 256 (6.125 B/param), block-scaled 8-bit floats
 };
 DFA_API const char* to_string(moment_format f) noexcept;
 /// "fp32" | "bf16" | "int8".  @throws invalid_argument

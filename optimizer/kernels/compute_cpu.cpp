@@ -3,6 +3,8 @@
 // GPU results can be checked against it bit for bit.
 #include <deferalloc/errors.hpp>
 
+#include <deferalloc/optimizer.hpp>
+
 #include "compute.hpp"
 
 namespace deferalloc::optim::detail {
@@ -43,3 +45,7 @@ std::unique_ptr<compute> make_compute(driver& d) {
 }
 
 }  // namespace deferalloc::optim::detail
+
+namespace deferalloc::optim {
+float backend_pow(driver& d, float base, float e) { return detail::make_compute(d)->pow(base, e); }
+}  // namespace deferalloc::optim

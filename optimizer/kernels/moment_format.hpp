@@ -10,28 +10,48 @@
 // AdamW arithmetic is adamw_update (FP32, torch's roundings), and the new moments are
 // encoded again before the write-back.  No FP32 moment ever touches HBM.
 //  - bf16: m and v each rounded to BF16, round to nearest even (to_bf16).  8 B/param.
-//  - int8: blocks of 256 elements (aligned to the shard's start), one FP32 scale per
-//    block and moment, one byte per element:
+//  - int8: blocks of k_qblock = 64 elements (aligned to the shard's start), one FP32
+//    scale per block and moment, one byte per element:
 //      m: scale = max |m| over the block; code = sign bit + an unsigned 7-bit float
-//         (4 exponent bits, 3 mantissa bits) of |m| / scale;
+//         (3 exponent bits, 4 mantissa bits) of |m| / scale;
 //      v: stored as w = sqrt(v) (halves its dynamic range in log, as a gradient's);
-//         scale = max w; code = an unsigned 8-bit float (4 exponent bits, 4 mantissa
-//         bits) of w / scale; decoded v = (r * scale)^2 in FP32.
-//    The small float of r in [0, 1]: exponent field e, fraction f of M bits;
-//    e > 0: r = 2^(e-15) * (1 + f/2^M); e = 0: r = 2^-14 * f/2^M (subnormal, so zero
-//    and values down to 2^-(14+M) are kept).  r = 1 (the block's absmax) is exact.
-//    Encoding rounds to nearest even (deterministic: no stochastic rounding, so a run
-//    is reproducible and the GPU equals the CPU twin bit for bit).  About 6.03 B/param.
+//         scale = max w; code = an unsigned 8-bit float (3 exponent bits, 5 mantissa
+//         bits, codes 0..224) of w / scale; decoded v = (r * scale)^2 in FP32.
+//    The small float of r in [0, 1]: exponent field e, fraction f of M bits, bias 7;
+//    e > 0: r = 2^(e-7) * (1 + f/2^M); e = 0: r = 2^-6 * f/2^M (subnormal, linear).  So
+//    r in [2^-6, 1] keeps M bits (relative error <= 2^-5 for m, 2^-6 for w) and below
+//    2^-6 the code is linear with step 2^-10 (m) / 2^-11 (w) of the block's maximum;
+//    r = 1 (the block's absmax) is exact.  A positive w never gets the code of zero
+//    (the smallest nonzero code instead, so v is overestimated there): a decoded v of 0
+//    beside a nonzero m would make that element's update m / eps.
+//    Rounding: to nearest, ties to even (deterministic: no stochastic rounding, whose
+//    noise v's long average (beta2 = 0.999) would accumulate; a run is reproducible and
+//    the GPU equals the CPU twin bit for bit: r = x / scale is one correctly rounded FP32
+//    division, the code comes from integer operations on its bits or one exactly
+//    rounded add, the scales are exact maxima).
+//    Bytes: 4 (FP32 main) + 2 x (1 + 4/64) = 6.125 B/param each way (a piece of n
+//    elements moves 4n + 2 (n + 4 ceil(n/64)) bytes); BF16 moments 8, FP32 12.
+//    Why this code (measured on CPU, emulated): on the optimizer state of a small Llama
+//    at step 120, the relative RMS error that quantizing m and v causes in the update
+//    m / (sqrt(v) + eps) is 2.9% with the previous code (E4M3 / E4M4 of sqrt(v),
+//    256-element blocks), 1.2% with bitsandbytes' dynamic-tree maps (v direct, 256),
+//    1.4% with this code (0.82% with E2M5 / E2M6, whose range of 2^-8 loses Adam's
+//    scale invariance: the noisy least-squares test of test_moments settles 43% above
+//    FP32 with it, 14% with this code, 15-20% with the previous one); BF16: 0.19%.
+//    Old checkpoints: the data files hold the moments decoded to FP32 (any format loads
+//    into any), so a checkpoint written with the previous int8 code reads and is
+//    re-encoded in this one.
 //    A non-finite moment makes its block's scale NaN (canonical 0x7FC00000), so the
 //    whole block decodes to NaN: the step had diverged anyway.
-// Limits: rounding to nearest loses updates smaller than half a code step (with
-// beta2 = 0.999, v's 0.1% decay is below BF16's and the 8-bit codes' resolution and
-// shows only when a gradient moves v by more), the known cost of 8/16-bit moments
-// without stochastic rounding; the 300-step loss curves of bench_overlap.py measure it.
-// Measured on CPU (host driver), 300 steps of a 2-layer transformer on bigram data
-// (mean loss of the last 20 steps): fp32 0.6318, bf16 0.6320 (+0.04%), int8 0.6176
-// (-2.2%: lower, but further from FP32 than BF16); a noisy least-squares toy puts int8's
-// noise floor 15-20% above FP32's (tests/test_moments.cpp).
+// Limits: rounding to nearest loses updates smaller than half a code step: a uniform
+// change of a block (v's 0.1% decay) is kept by its exact scale, but an element drifting
+// against its block's maximum by less than a code step per step stays on its code.  The
+// effect on training, 300 steps of a small Llama on the CPU
+// (benchmarks/optimizer/moment_convergence.py, mean loss of the last 20 steps, 2 seeds):
+// one distinct batch per step (pretraining): see docs/BENCHMARKS.md; 32 batches cycled (the
+// model memorizes them, a stress test): bf16 -0.27%, int8 +2.1% (the previous code +2.2%;
+// every 8-bit code tried, bitsandbytes' maps and 8- to 256-element blocks included, ends
+// 1-3% above FP32 there).
 // The device and file tiers keep FP32 moments.
 #pragma once
 #include <cstddef>
@@ -42,7 +62,7 @@
 namespace deferalloc::optim::detail {
 
 enum : int { k_mom_fp32 = 0, k_mom_bf16 = 1, k_mom_int8 = 2 };
-constexpr std::size_t k_qblock = 256;
+constexpr std::size_t k_qblock = 64;
 
 /// Byte offset of the scales in an int8 moment array of n elements (codes first).
 DFA_HD constexpr std::size_t q_scales_offset(std::size_t n) { return (n + 15) / 16 * 16; }
@@ -77,7 +97,7 @@ DFA_HD float decode_small(std::uint32_t c) {
   return f_from_bits(((e + 127u - bias) << 23) | (f << (23 - M)));
 }
 /// The codes: m (with a sign bit) and w = sqrt(v).
-constexpr int k_m_exp = 4, k_m_frac = 3, k_w_exp = 4, k_w_frac = 4;
+constexpr int k_m_exp = 3, k_m_frac = 4, k_w_exp = 3, k_w_frac = 5;
 
 /// max that keeps a NaN (from either side).
 DFA_HD float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
@@ -94,10 +114,11 @@ DFA_HD float decode_m(std::uint8_t c, float scale) {
   const float x = f_mul(decode_small<k_m_exp, k_m_frac>(c & 0x7Fu), scale);
   return (c & 0x80u) ? f_from_bits(f_bits(x) ^ 0x80000000u) : x;
 }
-/// w = sqrt(v) (>= 0).
+/// w = sqrt(v) (>= 0).  A positive w never gets the code of zero (see Note [Moment formats]).
 DFA_HD std::uint8_t encode_w(float w, float scale) {
   if (scale == 0.0f) return 0;
-  return static_cast<std::uint8_t>(encode_small<k_w_exp, k_w_frac>(f_div(w, scale)));
+  const std::uint32_t c = encode_small<k_w_exp, k_w_frac>(f_div(w, scale));
+  return static_cast<std::uint8_t>(c == 0 && w > 0.0f ? 1u : c);
 }
 DFA_HD float decode_v(std::uint8_t c, float scale) {
   const float w = f_mul(decode_small<k_w_exp, k_w_frac>(c), scale);

@@ -6,7 +6,7 @@
 //
 // The step is bound by PCIe, not HBM (6-8 B/param over the link against ~20 B/param
 // of HBM traffic here), so the kernels use plain coalesced scalar accesses: one thread
-// per element (BF16), one warp per 256-element block (int8: lane l takes elements
+// per element (BF16), one warp per k_qblock-element block (int8: lane l takes elements
 // l, l+32, ..., and the block's new scales are warp-shuffle maxima, exact and
 // independent of order).
 #include <cuda_runtime.h>

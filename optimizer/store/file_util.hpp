@@ -88,14 +88,21 @@ inline int open_direct(const std::string& path, int flags, mode_t mode = 0600) {
 }
 
 /// Creates `path` (0600, exclusive: never an existing file or a symlink; with `direct`,
-/// O_DIRECT where possible, so every write must then be aligned), lets `fill(fd, path)`
-/// write it, fsyncs it.  On failure the file is removed.  @throws io_error
+/// O_DIRECT where possible, so every write must then be aligned), reserves `reserve`
+/// bytes for it up front when asked (fallocate: a full disk fails before any write, and
+/// writes at any offset land in allocated space, so concurrent O_DIRECT writes are not
+/// serialised as file-extending writes are), lets `fill(fd, path)` write it, fsyncs it.
+/// On failure the file is removed.  @throws io_error
 template <typename F>
-void write_new_file(const std::string& path, F&& fill, bool direct = false) {
+void write_new_file(const std::string& path, F&& fill, bool direct = false, std::uint64_t reserve = 0) {
   const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
   int fd = direct ? open_direct(path, flags) : ::open(path.c_str(), flags, 0600);
   if (fd < 0) throw io_error("checkpoint: cannot create " + path + ": " + std::strerror(errno));
   try {
+    // A file system without fallocate (EOPNOTSUPP) is written as it comes.
+    if (reserve > 0 && ::fallocate(fd, 0, 0, static_cast<off_t>(reserve)) != 0 && errno != EOPNOTSUPP)
+      throw io_error("checkpoint: cannot reserve " + std::to_string(reserve) + " bytes for " + path + ": " +
+                     std::strerror(errno));
     fill(fd, path);
     if (::fsync(fd) != 0) throw io_error("checkpoint: fsync of " + path + " failed: " + std::strerror(errno));
   } catch (...) {

@@ -43,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 from typing import Iterable
 
 import torch
@@ -71,6 +72,11 @@ class BackwardOverlap:
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
                  max_grad_norm: float | None = None, wait_in_forward: bool = True):
         self.opt = opt
+        # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
+        # while ``trace`` is True (benchmark timelines; the engine's streamed step returns
+        # when its state is home, so the host clock brackets it).
+        self.trace = False
+        self.timeline: list[tuple[int, float, float]] = []
         self.max_grad_norm = max_grad_norm
         cuda = opt._device.type == "cuda"
         self._side = torch.cuda.Stream(opt._device) if cuda else None
@@ -153,7 +159,12 @@ class BackwardOverlap:
             b, grads, ev, groups = item
             try:
                 if self._error is None:
+                    t0 = time.perf_counter()
                     self._step_bucket(grads, ev, groups, speculative=self.max_grad_norm is not None)
+                    if self.trace:
+                        if self._side is not None:
+                            self._side.synchronize()
+                        self.timeline.append((b.index, t0, time.perf_counter()))
                     if self._side is not None:
                         done = torch.cuda.Event()
                         done.record(self._side)

@@ -193,9 +193,9 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         diff = first_difference(r, own)
         check(f"losses {name} == Megatron FP32 ({args.steps} steps)",
               "bit-identical" if ok else f"first differ at step {diff}" if diff else "failed", ok)
-        figure(f"losses_identical_{name}", int(ok), "bool", "megatron")
+        figure(f"losses_identical_{name}", int(ok), "bool")  # against Megatron's own optimizer
         if diff:
-            figure(f"first_differing_step_{name}", diff, "step", "megatron")
+            figure(f"first_differing_step_{name}", diff, "step")
 
     # (b) HBM.
     n = own["params"] if own else None

@@ -1,5 +1,5 @@
-# Configures and builds tests/tsan (ThreadSanitizer) in WORK_DIR, then runs the stress
-# test on the host driver for DFA_STRESS_SECONDS (default 3); any ThreadSanitizer
+# Configures and builds tests/tsan (ThreadSanitizer) in WORK_DIR, then runs both stress
+# tests on the host driver for DFA_STRESS_SECONDS (default 3); any ThreadSanitizer
 # report fails the run (halt_on_error).
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR} -G ${GENERATOR}
                 -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=${CXX_COMPILER} COMMAND_ERROR_IS_FATAL ANY)
@@ -10,3 +10,5 @@ endif()
 set(ENV{DFA_TEST_DRIVER} host)
 set(ENV{TSAN_OPTIONS} "halt_on_error=1 second_deadlock_stack=1")
 execute_process(COMMAND ${WORK_DIR}/stress_tsan COMMAND_ERROR_IS_FATAL ANY)
+set(ENV{DEFERALLOC_CONF} driver:host)
+execute_process(COMMAND ${WORK_DIR}/c_api_stress_tsan COMMAND_ERROR_IS_FATAL ANY)
