@@ -119,7 +119,7 @@ std::string settings_keys() {
   return s;
 }
 
-std::size_t default_pinned_cache() noexcept {
+std::size_t quarter_of_ram() noexcept {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4
                                : std::size_t{64} << 20;
