@@ -122,7 +122,7 @@ TEST(chunk_pool, try_reuse_takes_only_cached_chunks_in_the_order_asked) {
 TEST(chunk_pool, settings_bound_the_pool_and_pinned_caches) {
   const settings defaults = parse_settings("");
   EXPECT_EQ(defaults.pool_cache, 64_MiB);
-  EXPECT_EQ(defaults.pinned_cache, default_pinned_cache());
+  EXPECT_EQ(defaults.pinned_cache, quarter_of_ram());
   EXPECT_GT(defaults.pinned_cache, 64_MiB);
   context ctx(parse_settings("driver:host,host_granularity_kb:64,host_capacity_mb:64,pool_cache_mb:1,pinned_cache_mb:0"));
   EXPECT_EQ(ctx.pool->cache_limit(), 1_MiB);

@@ -107,7 +107,7 @@ std::map<std::string, config_value> parse_config_text(std::string_view text) {
   return out;
 }
 
-std::size_t default_pinned_cache() noexcept {
+std::size_t quarter_of_ram() noexcept {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4
                                : std::size_t{64} << 20;

@@ -28,8 +28,9 @@ struct config_value {
 DFA_API std::map<std::string, config_value> parse_config_text(std::string_view text);
 
 
-/// The default pinned_cache_mb: a quarter of the machine's physical memory.
-DFA_API std::size_t default_pinned_cache() noexcept;
+/// A quarter of the machine's physical memory (64 MiB when it cannot be read): the default
+/// of pinned_cache_mb and of the host driver's capacity.
+DFA_API std::size_t quarter_of_ram() noexcept;
 
 struct caching_allocator_config {
   /// Requests up to this size go to the small-block segment (PyTorch's small pool).
@@ -81,7 +82,7 @@ struct settings {
   /// pause; beyond it they are freed (0 = none kept; default 1/4 of physical RAM, as
   /// PyTorch's pinned host cache keeps everything).  empty_cache and trim free them.
   /// Note [Physical memory policy] in allocator/core/chunk_pool.cpp.
-  std::size_t pinned_cache = default_pinned_cache();
+  std::size_t pinned_cache = quarter_of_ram();
   /// pool_cache_mb: bytes of physical chunks the pool keeps cached for churn; chunks
   /// given back beyond it are released to the device at once (0 = none kept).
   std::size_t pool_cache = std::size_t{64} << 20;

@@ -14,6 +14,7 @@
 //
 // Limits: streams and events are trivial (every copy completes on return); the
 // capacity is a byte budget on created chunks, not the machine's real memory.
+#include <deferalloc/config.hpp>
 #include <deferalloc/driver.hpp>
 #include <deferalloc/errors.hpp>
 
@@ -38,7 +39,7 @@ class host_driver final : public driver {
     const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
     DFA_EXPECTS(granularity_ >= page && granularity_ % page == 0,
                 "host_driver: granularity must be a multiple of the page size (" + std::to_string(page) + ")");
-    if (capacity_ == 0) capacity_ = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) * page / 4;
+    if (capacity_ == 0) capacity_ = quarter_of_ram();
   }
   ~host_driver() override {
     for (auto& [va, bytes] : reservations_) ::munmap(reinterpret_cast<void*>(va), bytes);
