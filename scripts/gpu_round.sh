@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
-#   scripts/gpu_round.sh [build] [ctest] [tms] [optim] [diag] [megatron] [overlap] [ckpt] [stress] [bench]
+#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [overlap] [ckpt] [stress] [bench]
 #   (default: all).  DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -67,10 +67,37 @@ if has build; then
 fi
 if has ctest; then
   # DFA_CTEST_ARGS picks a subset (a call is limited to 10 minutes on the device machine).
+  # With two or more GPUs the selected tests are split into two shards balanced by their
+  # usual duration, one ctest per GPU (CUDA_VISIBLE_DEVICES), run side by side: each test
+  # still has a GPU to itself, so its memory figures mean what they mean on one GPU.
   read -r -a sel <<< "${DFA_CTEST_ARGS:--L gpu -LE multigpu}"
-  timeout "${DFA_CTEST_SECONDS:-540}" ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
-  row "ctest ${sel[*]}" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu.log" | tail -1)"
-  grep -E "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -40
+  ngpu=$(grep -c . "$L/gpu.txt")
+  if [ "$ngpu" -ge 2 ] && [ -z "${DFA_CTEST_NOSHARD:-}" ]; then
+    ctest --test-dir $B "${sel[@]}" -N > "$L/ctest-list.txt" 2>&1
+    mapfile -t shard < <(python3 scripts/ctest_shards.py "$L/ctest-list.txt" 2)
+    for k in 0 1; do
+      [ -n "${shard[$k]:-}" ] || continue
+      ( CUDA_VISIBLE_DEVICES=$k timeout "${DFA_CTEST_SECONDS:-540}" ctest --test-dir $B -R "${shard[$k]}" \
+          --timeout 600 -j1 -V > "$L/ctest-gpu$k.log" 2>&1 ) &
+    done
+    wait
+    cat "$L"/ctest-gpu[01].log > "$L/ctest-gpu.log" 2>/dev/null
+    for k in 0 1; do
+      [ -f "$L/ctest-gpu$k.log" ] && row "ctest ${sel[*]} (GPU $k)" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu$k.log" | tail -1)"
+    done
+  else
+    timeout "${DFA_CTEST_SECONDS:-540}" ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
+    row "ctest ${sel[*]}" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu.log" | tail -1)"
+  fi
+  grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -60
+fi
+if has multi; then
+  # Two GPUs (issue 17): ctest -L multigpu (test_distributed.nccl2, trainer_acceptance_ws2),
+  # with NCCL's INFO output to see whether ncclCommRegister registers the VMM buffers.
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG run ctest_multigpu 540 ctest --test-dir $B -L multigpu --timeout 600 -j1 -V
+  grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest_multigpu.log" | sed 's/^ *//'
+  grep -hiE "regist" "$L/ctest_multigpu.log" | sed 's/^[0-9]*: //' | sort | uniq -c | sort -rn | head -12 > "$L/nccl_registration.txt"
+  cat "$L/nccl_registration.txt"
 fi
 if has tms; then
   tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
