@@ -60,7 +60,7 @@ if has build; then
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
         -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON="$(command -v python3)" \
         > "$L/configure.log" 2>&1 || { tail -30 "$L/configure.log"; exit 1; }
-  if ! cmake --build $B -j16 > "$L/build.log" 2>&1; then
+  if ! cmake --build $B -j"$(nproc)" > "$L/build.log" 2>&1; then
     grep -E "error" "$L/build.log" | head -30; exit 1
   fi
   row build ok
@@ -71,13 +71,17 @@ if has ctest; then
   # usual duration, one ctest per GPU (CUDA_VISIBLE_DEVICES), run side by side: each test
   # still has a GPU to itself, so its memory figures mean what they mean on one GPU.
   read -r -a sel <<< "${DFA_CTEST_ARGS:--L gpu -LE multigpu}"
+  # DFA_DEADLINE: seconds from the script's start by which the ctest step must end (a
+  # call's limit is 600 s; later steps get what is left).
+  cap=${DFA_CTEST_SECONDS:-540}
+  [ -n "${DFA_DEADLINE:-}" ] && [ $((DFA_DEADLINE - SECONDS)) -lt "$cap" ] && cap=$((DFA_DEADLINE - SECONDS))
   ngpu=$(grep -c . "$L/gpu.txt")
   if [ "$ngpu" -ge 2 ] && [ -z "${DFA_CTEST_NOSHARD:-}" ]; then
     ctest --test-dir $B "${sel[@]}" -N > "$L/ctest-list.txt" 2>&1
     mapfile -t shard < <(python3 scripts/ctest_shards.py "$L/ctest-list.txt" 2)
     for k in 0 1; do
       [ -n "${shard[$k]:-}" ] || continue
-      ( CUDA_VISIBLE_DEVICES=$k timeout "${DFA_CTEST_SECONDS:-540}" ctest --test-dir $B -R "${shard[$k]}" \
+      ( CUDA_VISIBLE_DEVICES=$k timeout "$cap" ctest --test-dir $B -R "${shard[$k]}" \
           --timeout 600 -j1 -V > "$L/ctest-gpu$k.log" 2>&1 ) &
     done
     wait
@@ -86,7 +90,7 @@ if has ctest; then
       [ -f "$L/ctest-gpu$k.log" ] && row "ctest ${sel[*]} (GPU $k)" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu$k.log" | tail -1)"
     done
   else
-    timeout "${DFA_CTEST_SECONDS:-540}" ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
+    timeout "$cap" ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
     row "ctest ${sel[*]}" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu.log" | tail -1)"
   fi
   grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -60

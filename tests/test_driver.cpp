@@ -144,6 +144,39 @@ TEST(fault_driver, reports_the_inner_kind) {
   if (driver_name() == "cuda") EXPECT_EQ(fault_driver(make_driver()).kind(), driver_kind::cuda);
 }
 
+// Shareable chunks (Note [Shareable chunks]): the host driver's never are; on CUDA,
+// `none` never asks for a handle type, `posix_fd` either gets one or refuses, and a
+// chunk created and mapped under each holds data (the handle type changes nothing else).
+TEST(shareable_handles, as_the_setting_says) {
+  EXPECT_FALSE(make_host_driver({64_KiB, 64_MiB})->shareable());
+  EXPECT_FALSE(fault_driver(make_host_driver({64_KiB, 64_MiB})).shareable());
+  if (driver_name() != "cuda") GTEST_SKIP() << "the handle types need the CUDA driver (DFA_TEST_DRIVER=cuda)";
+  EXPECT_FALSE(make_cuda_driver(0, shareable_handle::none)->shareable());
+  std::shared_ptr<driver> fd;
+  try {
+    fd = make_cuda_driver(0, shareable_handle::posix_fd);
+  } catch (const invalid_argument& e) {
+    GTEST_SKIP() << "device 0 has no POSIX fd handles: " << e.what();
+  }
+  EXPECT_TRUE(fd->shareable());
+  EXPECT_TRUE(make_cuda_driver(0)->shareable()) << "auto asks for POSIX fd handles where the device supports them";
+  for (const auto& d : {fd, make_cuda_driver(0, shareable_handle::none)}) {
+    const std::size_t g = d->granularity();
+    const auto va = d->reserve(g, g);
+    const auto h = d->create(g);
+    d->map(va, g, h);
+    d->set_access(va, g);
+    std::vector<std::uint8_t> in = random_bytes(4096, 7), out(4096);
+    d->copy_async(reinterpret_cast<void*>(va), in.data(), in.size(), nullptr);
+    d->copy_async(out.data(), reinterpret_cast<void*>(va), out.size(), nullptr);
+    d->synchronize_stream(nullptr);
+    EXPECT_EQ(in, out);
+    d->unmap(va, g);
+    d->release(h);
+    d->free_reservation(va, g);
+  }
+}
+
 // Streams and events are distinct types: swapped arguments, or a raw pointer where a
 // handle is expected, do not compile (checked here at compile time).
 template <class D>

@@ -11,6 +11,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <iterator>
 #include <new>
 
@@ -149,17 +150,31 @@ double to_fraction(const std::string& key, const std::string& v) {
   return out;
 }
 
+// A name-valued row: the value must be one of `names` (in the row's order for the message).
+template <class E>
+E pick(const row& r, const config_value& v, std::initializer_list<std::pair<const char*, E>> names) {
+  const auto& got = scalar(r.key, v);
+  std::string list;
+  for (const auto& [n, e] : names) {
+    if (got == n) return e;
+    list += (list.empty() ? "" : ", ") + std::string(n);
+  }
+  throw invalid_argument("DEFERALLOC_CONF: " + std::string(r.key) + " must be one of " + list + ", got '" + got + "'");
+}
+
 const row k_table[] = {
     {"driver", "name", 0, 0, "auto, cuda, host", "auto", "`auto` (cuda when a device is present), `cuda` or `host`",
      [](settings& s, const row& r, const config_value& v) {
-       const auto& d = scalar(r.key, v);
-       if (d == "auto") s.driver = driver_kind::automatic;
-       else if (d == "cuda") s.driver = driver_kind::cuda;
-       else if (d == "host") s.driver = driver_kind::host;
-       else throw invalid_argument("DEFERALLOC_CONF: driver must be auto, cuda or host, got '" + d + "'");
+       s.driver = pick<driver_kind>(r, v, {{"auto", driver_kind::automatic}, {"cuda", driver_kind::cuda}, {"host", driver_kind::host}});
      }},
     {"device", "integer", 0, 1023, nullptr, "0", "CUDA device ordinal",
      [](settings& s, const row& r, const config_value& v) { s.device = static_cast<int>(num(r, v)); }},
+    {"shareable_handles", "name", 0, 0, "auto, none, posix_fd", "auto",
+     "CUDA chunks' handle type: `auto` POSIX fd where supported (NCCL can register the memory for other processes)",
+     [](settings& s, const row& r, const config_value& v) {
+       s.share = pick<shareable_handle>(r, v, {{"auto", shareable_handle::automatic}, {"none", shareable_handle::none},
+                             {"posix_fd", shareable_handle::posix_fd}});
+     }},
     {"chunk_classes_mb", "list of MB", 1, k_max_mb, nullptr, "powers of two, 2 MiB .. 1 GiB",
      "chunk sizes, e.g. `[2,32,256,1024]`",
      [](settings& s, const row& r, const config_value& v) {
@@ -186,13 +201,8 @@ const row k_table[] = {
      }},
     {"log_level", "name", 0, 0, "off, error, warn, info, debug", "warn", "what library messages are printed (stderr)",
      [](settings& s, const row& r, const config_value& v) {
-       const auto& l = scalar(r.key, v);
-       if (l == "off") s.level = log_level::off;
-       else if (l == "error") s.level = log_level::error;
-       else if (l == "warn") s.level = log_level::warn;
-       else if (l == "info") s.level = log_level::info;
-       else if (l == "debug") s.level = log_level::debug;
-       else throw invalid_argument("DEFERALLOC_CONF: log_level must be off, error, warn, info or debug, got '" + l + "'");
+       s.level = pick<log_level>(r, v, {{"off", log_level::off}, {"error", log_level::error}, {"warn", log_level::warn},
+                             {"info", log_level::info}, {"debug", log_level::debug}});
      }},
     // ---- the caching allocator (caching_allocator_config) ----
     {"small_size_kb", "KiB", 1, std::uint64_t{1} << 20, nullptr, "1024",

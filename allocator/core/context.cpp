@@ -8,11 +8,11 @@ namespace deferalloc {
 
 std::shared_ptr<driver> make_driver(const settings& s) {
   switch (s.driver) {
-    case driver_kind::cuda: return make_cuda_driver(s.device);
+    case driver_kind::cuda: return make_cuda_driver(s.device, s.share);
     case driver_kind::host: return make_host_driver({s.host_granularity, s.host_capacity});
     case driver_kind::automatic:
     default:
-      if (cuda_device_available()) return make_cuda_driver(s.device);
+      if (cuda_device_available()) return make_cuda_driver(s.device, s.share);
       detail::log(log_level::info, "no CUDA device: using the host driver (driver:auto)");
       return make_host_driver({s.host_granularity, s.host_capacity});
   }

@@ -74,6 +74,8 @@ struct optimizer_settings {
 struct settings {
   driver_kind driver = driver_kind::automatic;  ///< driver: auto | cuda | host
   int device = 0;                               ///< device: ordinal
+  /// shareable_handles: auto | none | posix_fd (Note [Shareable chunks] in cuda_driver.cpp)
+  shareable_handle share = shareable_handle::automatic;
   std::vector<std::size_t> chunk_classes;       ///< chunk_classes_mb: [2,32,...]; empty = powers of two
   std::size_t pool_budget = 0;                  ///< pool_budget_mb: bytes of chunks alive; 0 = no limit
   std::size_t host_capacity = 0;                ///< host_capacity_mb: host driver capacity; 0 = 1/4 of RAM

@@ -54,6 +54,12 @@ using chunk_handle = std::uint64_t;
 /// driver object has it.
 enum class driver_kind { automatic, cuda, host };
 
+/// What handle type a CUDA driver's chunks are created with (setting shareable_handles):
+/// `automatic` asks for POSIX file descriptors where the device supports them (NCCL
+/// exports them to register buffers for other processes), `none` for no shareable
+/// handle, `posix_fd` requires them (no_device-like refusal where unsupported).
+enum class shareable_handle { automatic, none, posix_fd };
+
 /// The counted, fault-injectable primitives.
 enum class primitive : int {
   reserve = 0,
@@ -91,6 +97,9 @@ class DFA_API driver {
   /// cuda or host: what the driver really is, also under a wrapper (fault(host) is
   /// host).  Decide behaviour by this, never by name().
   virtual driver_kind kind() const = 0;
+  /// True when chunks are created with a handle type other processes can import
+  /// (cuMemExportToShareableHandle), which NCCL needs to register them.  Host: false.
+  virtual bool shareable() const { return false; }
   /// The mapping granularity in bytes (2 MiB on H200).  No driver call.
   virtual std::size_t granularity() const = 0;
   /// Free and total physical memory (cuMemGetInfo; the capacity on the host).
@@ -178,7 +187,8 @@ DFA_API std::shared_ptr<driver> make_host_driver(const host_driver_config& cfg =
 
 /// The CUDA driver for `device`.  libcuda.so.1 is opened at run time.
 /// @throws no_device when no driver or device is present (the message says which).
-DFA_API std::shared_ptr<driver> make_cuda_driver(int device = 0);
+/// Chunks get a shareable handle type as `share` says (Note [Shareable chunks]).
+DFA_API std::shared_ptr<driver> make_cuda_driver(int device = 0, shareable_handle share = shareable_handle::automatic);
 
 /// True when libcuda loads and reports at least one device.  Never throws.
 DFA_API bool cuda_device_available() noexcept;
@@ -198,6 +208,7 @@ class DFA_API fault_driver : public driver {
 
   std::string name() const override;
   driver_kind kind() const override;
+  bool shareable() const override;
   std::size_t granularity() const override;
   memory_info get_memory_info() override;
   int device() const override;

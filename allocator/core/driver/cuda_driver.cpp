@@ -10,9 +10,15 @@
 // Chunks are pinned device memory (CU_MEM_ALLOCATION_TYPE_PINNED) on this device;
 // access is read/write for this device only.
 //
-// Limits: one device per driver object; no IPC handle types; peer access not set.
+// Chunks carry a POSIX fd handle type where the device supports it (Note [Shareable
+// chunks], setting shareable_handles), so NCCL can register them for other processes.
+//
+// Limits: one device per driver object; peer access not set (a chunk is mapped by
+// this device only; peers import it through NCCL).
 #include <deferalloc/driver.hpp>
 #include <deferalloc/errors.hpp>
+
+#include "log.hpp"
 
 #include <cuda.h>
 #include <dlfcn.h>
@@ -32,6 +38,7 @@ namespace {
   X(cuGetErrorString) \
   X(cuDeviceGet) \
   X(cuDeviceGetCount) \
+  X(cuDeviceGetAttribute) \
   X(cuDevicePrimaryCtxRetain) \
   X(cuDevicePrimaryCtxRelease) \
   X(cuCtxSetCurrent) \
@@ -132,7 +139,7 @@ std::string describe(CUresult rc) {
 
 class cuda_driver final : public driver {
  public:
-  explicit cuda_driver(int ordinal) : ordinal_(ordinal) {
+  cuda_driver(int ordinal, shareable_handle share) : ordinal_(ordinal) {
     const cu_api& a = api();
     if (!a.load_error.empty()) throw no_device("cuda_driver: " + a.load_error);
     int n = 0;
@@ -144,6 +151,21 @@ class cuda_driver final : public driver {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = ordinal;
+    // Note [Shareable chunks]: NCCL registers a cuMem buffer for peers of other processes
+    // by exporting its allocation handle (cuMemExportToShareableHandle, a POSIX file
+    // descriptor); a chunk created without that handle type cannot be exported and NCCL
+    // runs the collective unregistered (copies through its own buffers).  So chunks ask for
+    // POSIX fd handles where the device supports them (as PyTorch's expandable segments
+    // do); creation and mapping cost the same.  shareable_handles:none turns it off.
+    int fd_ok = 0;
+    if (share != shareable_handle::none &&
+        a.cuDeviceGetAttribute(&fd_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev_) != CUDA_SUCCESS)
+      fd_ok = 0;
+    if (share == shareable_handle::posix_fd && fd_ok == 0)
+      throw invalid_argument("cuda_driver: shareable_handles:posix_fd, but device " + std::to_string(ordinal) +
+                             " does not support POSIX file-descriptor handles");
+    if (share != shareable_handle::none && fd_ok != 0) prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    share_ = share;
     DFA_CU_TRY(a.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -154,6 +176,7 @@ class cuda_driver final : public driver {
 
   std::string name() const override { return "cuda"; }
   driver_kind kind() const override { return driver_kind::cuda; }
+  bool shareable() const override { return prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE; }
   std::size_t granularity() const override { return granularity_; }
   int device() const override { return ordinal_; }
   memory_info get_memory_info() override {
@@ -237,7 +260,16 @@ class cuda_driver final : public driver {
   chunk_handle do_create(std::size_t bytes) override {
     bind();
     CUmemGenericAllocationHandle h = 0;
-    DFA_CU_TRY_ALLOC(api().cuMemCreate(&h, bytes, &prop_, 0));
+    CUresult rc = api().cuMemCreate(&h, bytes, &prop_, 0);
+    if (share_ == shareable_handle::automatic && prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
+        (rc == CUDA_ERROR_NOT_SUPPORTED || rc == CUDA_ERROR_NOT_PERMITTED || rc == CUDA_ERROR_INVALID_VALUE)) {
+      // The attribute said yes but this environment refuses the handle type: plain chunks.
+      detail::log(log_level::warn, "cuda_driver: cuMemCreate with POSIX fd handles failed (" + describe(rc) +
+                                       "); chunks are created without a shareable handle (NCCL cannot register them)");
+      prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+      rc = api().cuMemCreate(&h, bytes, &prop_, 0);
+    }
+    DFA_CU_TRY_ALLOC(rc);
     return static_cast<chunk_handle>(h);
   }
   void do_release(chunk_handle h) override {
@@ -270,13 +302,16 @@ class cuda_driver final : public driver {
   CUdevice dev_{};
   CUcontext ctx_ = nullptr;
   CUmemAllocationProp prop_{};
+  shareable_handle share_ = shareable_handle::automatic;
   CUmemAccessDesc access_{};
   std::size_t granularity_ = 0;
 };
 
 }  // namespace
 
-std::shared_ptr<driver> make_cuda_driver(int device) { return std::make_shared<cuda_driver>(device); }
+std::shared_ptr<driver> make_cuda_driver(int device, shareable_handle share) {
+  return std::make_shared<cuda_driver>(device, share);
+}
 
 bool cuda_device_available() noexcept {
   try {

@@ -98,6 +98,7 @@ void fault_driver::check(primitive p) {
 
 std::string fault_driver::name() const { return "fault(" + inner_->name() + ")"; }
 driver_kind fault_driver::kind() const { return inner_->kind(); }
+bool fault_driver::shareable() const { return inner_->shareable(); }
 std::size_t fault_driver::granularity() const { return inner_->granularity(); }
 memory_info fault_driver::get_memory_info() { return inner_->get_memory_info(); }
 int fault_driver::device() const { return inner_->device(); }
