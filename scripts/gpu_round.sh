@@ -149,20 +149,26 @@ if has stress; then
   row stress_caching "rc=$(cat "$L/stress_caching.rc") | $(grep -v '^\s*$' "$L/stress_caching.log" | tail -1 | cut -c1-90)"
 fi
 if has bench; then
-  res_cmd=($B/benchmarks/bench_reservations --benchmark_min_time=0.3)
-  opt_cmd=($B/benchmarks/bench_optimizer
-           "--benchmark_filter=${DFA_OPTBENCH_FILTER:-BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused}")
-  "${res_cmd[@]}" --benchmark_out="$L/bench_reservations.json" --benchmark_out_format=json \
-    > "$L/bench_reservations.log" 2>&1
-  "${opt_cmd[@]}" --benchmark_out="$L/bench_optimizer.json" --benchmark_out_format=json > "$L/bench_optimizer.log" 2>&1
-  python3 benchmarks/report.py "$L"/bench_*.json > "$L/report.txt" 2>&1; cat "$L/report.txt"
-  # The raw JSON to $R/gbench/, the figures in the one schema to $R/<program>.json.
+  # Google Benchmark programs: reservations, the optimizer's tiers against the pinned-copy
+  # bound and torch's fused AdamW, random allocations against PyTorch's caching allocator.
+  declare -A bcmd=(
+    [bench_reservations]="$B/benchmarks/bench_reservations --benchmark_min_time=0.3"
+    [bench_optimizer]="$B/benchmarks/bench_optimizer --benchmark_filter=${DFA_OPTBENCH_FILTER:-BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused}"
+    [bench_allocation]="$B/benchmarks/bench_allocation --benchmark_min_time=0.3")
   mkdir -p "$R/gbench"
   gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
-  for g in bench_reservations bench_optimizer; do
-    if [ $g = bench_reservations ]; then cmd="${res_cmd[*]}"; else cmd="${opt_cmd[*]}"; fi
+  for g in bench_reservations bench_optimizer bench_allocation; do
+    [ -x "$B/benchmarks/$g" ] || continue
+    read -r -a cmd <<< "${bcmd[$g]}"
+    s0=$SECONDS
+    timeout 300 "${cmd[@]}" --benchmark_out="$L/$g.json" --benchmark_out_format=json > "$L/$g.log" 2>&1
+    row "$g" "rc=$? $((SECONDS - s0))s"
+    # The raw JSON to $R/gbench/, the figures in the one schema to $R/<program>.json.
     cp "$L/$g.json" "$R/gbench/" 2>/dev/null &&
       python3 benchmarks/bench_json.py convert "$L/$g.json" --out "$R/$g.json" --device "${gpu:-GPU}" \
-        --command "$cmd (scripts/gpu_round.sh bench)"
+        --command "${bcmd[$g]} (scripts/gpu_round.sh bench)"
   done
+  python3 benchmarks/report.py "$L"/bench_reservations.json "$L"/bench_optimizer.json > "$L/report.txt" 2>&1; cat "$L/report.txt"
+  [ -f "$L/bench_allocation.json" ] && python3 benchmarks/allocation/report_allocation.py "$L/bench_allocation.json" | tee "$L/report_allocation.txt"
+  pack
 fi
