@@ -5,6 +5,9 @@
    the folder; the library is allocator/, optimizer/, include/ and python/deferalloc/).
 2. No include climbs a layer: a library file includes only files of its own layer or
    of a layer below it.
+3. No run of six identical lines stands at two places of library code (lines compared
+   with their whitespace trimmed; blank lines, comments, includes and imports, and
+   lines of punctuation alone are passed over, so a run is six lines of code).
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -61,13 +64,45 @@ def resolve(root, rel, target):
     return None  # a system or third-party header
 
 
+RUN = 6
+COMMENT = re.compile(r"^(//|#(?!\s*(define|if|else|endif))|\*|/\*|\"\"\"|'''|import |from \S+ import )")
+PUNCT = re.compile(r"^[\s{}()\[\];,:]*$")
+
+
+def code_lines(text):
+    """(line number, trimmed line) of the lines that count for rule 3."""
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        t = " ".join(line.split())
+        if t and not PUNCT.match(t) and not COMMENT.match(t):
+            out.append((i, t))
+    return out
+
+
+def repeated_runs(texts):
+    """Rule 3: pairs of places sharing RUN identical code lines, one row per pair of files."""
+    seen, found = {}, {}
+    for rel, text in texts:
+        cl = code_lines(text)
+        for k in range(len(cl) - RUN + 1):
+            key = tuple(t for _, t in cl[k:k + RUN])
+            place = (rel, cl[k][0], cl[k + RUN - 1][0])
+            first = seen.setdefault(key, place)
+            if first is place or (first[0] == rel and first[2] >= place[1]):
+                continue  # the first place, or overlapping itself
+            found.setdefault((first[0], rel), (first, place))
+    return [f"{a[0]}:{a[1]}-{a[2]} and {b[0]}:{b[1]}-{b[2]} share {RUN} identical lines of code"
+            for a, b in found.values()]
+
+
 def check(root):
     problems = []
     files = list(library_files(root))
-    lines, per_folder = 0, {}
+    lines, per_folder, texts = 0, {}, []
     for rel in files:
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
             text = f.read()
+        texts.append((rel, text))
         n = text.count("\n")
         lines += n
         folder = os.path.dirname(rel)
@@ -87,11 +122,12 @@ def check(root):
     for folder, n in sorted(per_folder.items()):
         if 3 * n > lines:
             problems.append(f"{folder}/ holds {n} of the library's {lines} lines (more than a third)")
+    problems += repeated_runs(texts)
     return problems, lines, per_folder
 
 
 def self_test():
-    """The checker must be able to fail: a climbing include and a fat folder are found."""
+    """The checker must be able to fail: a climbing include, a fat folder and a repeated run are found."""
     import tempfile
     with tempfile.TemporaryDirectory() as t:
         def put(rel, text):
@@ -100,10 +136,13 @@ def self_test():
                 f.write(text)
         put("allocator/caching/impl.hpp", "int x;\n")
         put("allocator/core/reservations.cpp", '#include "caching/impl.hpp"\n' + "x\n" * 10)
-        put("optimizer/a.cpp", "x\n")
+        body = "".join(f"  int v{i} = f({i});\n" for i in range(RUN))
+        put("optimizer/a.cpp", "x\n" + body)
+        put("optimizer/kernels/b.cpp", "// other\n" + body.replace("\n", "  \n// note\n}\n"))
         problems, _, _ = check(t)
         assert any("climb" in p or "higher layer" in p for p in problems), problems
         assert any("more than a third" in p for p in problems), problems
+        assert any("optimizer/a.cpp:2-7 and optimizer/kernels/b.cpp" in p for p in problems), problems
 
 
 def main(argv):
