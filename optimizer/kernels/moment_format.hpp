@@ -89,6 +89,23 @@ DFA_HD std::uint32_t encode_small(float r) {
   const std::uint32_t odd = (u >> shift) & 1u;
   return (u - ((127u - bias) << 23) + ((1u << (shift - 1)) - 1u) + odd) >> shift;
 }
+/// The same code rounded stochastically: r's position between its two neighbouring codes,
+/// as a fraction q in [0, 1) truncated to 24 bits, rounds up iff q * 2^24 + (rnd >> 8) >= 2^24
+/// (so up with probability q for a uniform rnd).  Exact integer operations on r's bits (and
+/// one multiplication by a power of two below the normals), as encode_small.
+template <int E, int M>
+DFA_HD std::uint32_t encode_small_sr(float r, std::uint32_t rnd) {
+  constexpr std::uint32_t bias = (1u << E) - 1u;
+  static_assert(E + M <= 8, "8-bit codes: (code + 1) << 24 fits 32 bits");
+  if (!(r <= 1.0f)) return bias << M;
+  const std::uint32_t u = f_bits(r);
+  std::uint32_t pos;  // the code position r / step, fixed point with 24 fraction bits
+  if (u < ((128u - bias) << 23))  // subnormal codes: r * 2^(bias - 1 + M + 24) < 2^(M + 24), exact
+    pos = static_cast<std::uint32_t>(f_mul(r, f_from_bits((127u + bias - 1u + M + 24u) << 23)));
+  else
+    pos = (u - ((127u - bias) << 23)) << (M + 1);
+  return (pos + (rnd >> 8)) >> 24;
+}
 template <int E, int M>
 DFA_HD float decode_small(std::uint32_t c) {
   constexpr std::uint32_t bias = (1u << E) - 1u;
@@ -114,15 +131,45 @@ DFA_HD float decode_m(std::uint8_t c, float scale) {
   const float x = f_mul(decode_small<k_m_exp, k_m_frac>(c & 0x7Fu), scale);
   return (c & 0x80u) ? f_from_bits(f_bits(x) ^ 0x80000000u) : x;
 }
-/// w = sqrt(v) (>= 0).  A positive w never gets the code of zero (see Note [Moment formats]).
+/// w = sqrt(v) (>= 0), rounded to nearest (state writes: encode_moments).  A positive w
+/// never gets the code of zero (see Note [Moment formats]).
 DFA_HD std::uint8_t encode_w(float w, float scale) {
   if (scale == 0.0f) return 0;
   const std::uint32_t c = encode_small<k_w_exp, k_w_frac>(f_div(w, scale));
   return static_cast<std::uint8_t>(c == 0 && w > 0.0f ? 1u : c);
 }
+/// The same rounded stochastically with the random bits `rnd` (the step's encoding).
+DFA_HD std::uint8_t encode_w_sr(float w, float scale, std::uint32_t rnd) {
+  if (scale == 0.0f) return 0;
+  const std::uint32_t c = encode_small_sr<k_w_exp, k_w_frac>(f_div(w, scale), rnd);
+  return static_cast<std::uint8_t>(c == 0 && w > 0.0f ? 1u : c);
+}
+/// The random bits of element `i` of a shard in the step with seed `seed`
+/// (adamw_scalars::seed): a 32-bit integer hash, the same on the GPU and the CPU.
+DFA_HD std::uint32_t mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+/// The seed of shard `shard`'s step `t` (1-based).
+inline std::uint32_t step_seed(std::uint64_t t, std::size_t shard) {
+  return mix32(mix32(static_cast<std::uint32_t>(t) ^ static_cast<std::uint32_t>(t >> 32) * 0x85EBCA77u) ^
+               static_cast<std::uint32_t>(shard) * 0xC2B2AE3Du);
+}
+DFA_HD std::uint32_t dither(std::uint32_t seed, std::uint64_t i) {
+  return mix32(seed ^ mix32(static_cast<std::uint32_t>(i) * 0x9E3779B1u ^ static_cast<std::uint32_t>(i >> 32)));
+}
 DFA_HD float decode_v(std::uint8_t c, float scale) {
   const float w = f_mul(decode_small<k_w_exp, k_w_frac>(c), scale);
   return f_mul(w, w);
+}
+
+/// The step's encoding of w = sqrt(v) of shard element `i`: stochastic rounding dithered by
+/// the step's seed (Note [Moment formats]).
+DFA_HD std::uint8_t encode_w_step(float w, float scale, const adamw_scalars& k, std::uint64_t i) {
+  return encode_w_sr(w, scale, dither(k.seed, i));
 }
 
 /// One element of an int8 block: decodes m and v with the block's old scales, steps p,
@@ -148,6 +195,7 @@ struct adamw_qpiece {
   int grad_type;
   int format;  // k_mom_bf16 or k_mom_int8
   std::size_t n;
+  std::size_t e0;  // the piece's first element in its shard (int8: the dither's index)
 };
 
 /// The CPU twin of the compressed-moment step.
