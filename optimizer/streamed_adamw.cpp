@@ -326,8 +326,10 @@ std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::s
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
   auto it = groups.find(shards[s].info.group);
   const adamw_params& h = it == groups.end() ? cfg.adamw : it->second;
-  return detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale,
-                              [this](float base, float e) { return comp->pow(base, e); });
+  auto k = detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale,
+                                [this](float base, float e) { return comp->pow(base, e); });
+  k.seed = detail::step_seed(shards[s].step + 1, s);
+  return k;
 }
 
 std::size_t streamed_adamw::impl::move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s) {
@@ -490,7 +492,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
         const int gt = static_cast<int>(gts[p.shard]);
         comp->adamw_moments({dev[0], dev[1], dev[2], model,
                              static_cast<const char*>(grads[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2), mt, gt,
-                             static_cast<int>(cfg.moments), p.n},
+                             static_cast<int>(cfg.moments), p.n, p.e0},
                             ks[p.shard], exec);
       } else if (grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
         const int gt = static_cast<int>(gts[p.shard]);

@@ -51,6 +51,7 @@ struct adamw_scalars {
   float bc2_sqrt;   // sqrtf(1 - powf(beta2, t))
   float eps;
   float grad_scale;
+  std::uint32_t seed = 0;  // int8 moments: the dither's seed of this step and shard (step_seed)
 };
 
 /// powf on the host (the CPU twin's bias corrections).

@@ -24,11 +24,23 @@
 //    r = 1 (the block's absmax) is exact.  A positive w never gets the code of zero
 //    (the smallest nonzero code instead, so v is overestimated there): a decoded v of 0
 //    beside a nonzero m would make that element's update m / eps.
-//    Rounding: to nearest, ties to even (deterministic: no stochastic rounding, whose
-//    noise v's long average (beta2 = 0.999) would accumulate; a run is reproducible and
-//    the GPU equals the CPU twin bit for bit: r = x / scale is one correctly rounded FP32
-//    division, the code comes from integer operations on its bits or one exactly
-//    rounded add, the scales are exact maxima).
+//    Rounding: m to nearest, ties to even.  w: the step (encode_w_step) rounds
+//    stochastically: r between its neighbouring codes at the fraction q (truncated to 24
+//    bits) rounds up iff q * 2^24 + (rnd >> 8) >= 2^24, rnd = dither(seed, i) a 32-bit
+//    integer hash of the shard element i and adamw_scalars::seed = step_seed(step,
+//    shard); state writes (encode_moments: state_dict, checkpoints) round to nearest.
+//    Why w only: v moves by (1 - beta2) = 0.1% of itself a step, far below half a code
+//    step (0.8%), so to nearest an element whose gradient shrinks against its block's
+//    maximum never decays (its v ratchets up and its steps shrink), while an unbiased
+//    rounding decays it in expectation; m moves by 10% a step and is not stuck.  Measured
+//    (emulated in Python, the memorization stress test below, 4 seeds): int8 to nearest
+//    +2.0% of FP32 on average, with v stochastic +1.0%, lower on every seed; m
+//    stochastic as well does not help (its noise is not averaged away by beta1).
+//    Deterministic all the same: the same run gives the same bits, and the GPU equals
+//    the CPU twin bit for bit: r = x / scale is one correctly rounded FP32 division, the
+//    codes come from integer operations on its bits or one exactly rounded add (one
+//    exact multiplication by a power of two and a truncating conversion for w's
+//    subnormal codes), the scales are exact maxima, the hash is integer arithmetic.
 //    Bytes: 4 (FP32 main) + 2 x (1 + 4/64) = 6.125 B/param each way (a piece of n
 //    elements moves 4n + 2 (n + 4 ceil(n/64)) bytes); BF16 moments 8, FP32 12.
 //    Why this code (measured on CPU, emulated): on the optimizer state of a small Llama
@@ -37,21 +49,24 @@
 //    256-element blocks), 1.2% with bitsandbytes' dynamic-tree maps (v direct, 256),
 //    1.4% with this code (0.82% with E2M5 / E2M6, whose range of 2^-8 loses Adam's
 //    scale invariance: the noisy least-squares test of test_moments settles 43% above
-//    FP32 with it, 14% with this code, 15-20% with the previous one); BF16: 0.19%.
+//    FP32 with it, 14% with this code rounded to nearest, 0.6% with w stochastic, 15-20%
+//    with the previous code); BF16: 0.19%.
 //    Old checkpoints: the data files hold the moments decoded to FP32 (any format loads
 //    into any), so a checkpoint written with the previous int8 code reads and is
 //    re-encoded in this one.
 //    A non-finite moment makes its block's scale NaN (canonical 0x7FC00000), so the
 //    whole block decodes to NaN: the step had diverged anyway.
-// Limits: rounding to nearest loses updates smaller than half a code step: a uniform
-// change of a block (v's 0.1% decay) is kept by its exact scale, but an element drifting
-// against its block's maximum by less than a code step per step stays on its code.  The
-// effect on training, 300 steps of a small Llama on the CPU
-// (benchmarks/optimizer/moment_convergence.py, mean loss of the last 20 steps, 2 seeds):
-// one distinct batch per step (pretraining): see docs/BENCHMARKS.md; 32 batches cycled (the
-// model memorizes them, a stress test): bf16 -0.27%, int8 +2.1% (the previous code +2.2%;
-// every 8-bit code tried, bitsandbytes' maps and 8- to 256-element blocks included, ends
-// 1-3% above FP32 there).
+// Limits: w's stochastic rounding is noise that v's long average (beta2) accumulates:
+// simulated for a steady gradient, an element's w wanders around FP32's with a relative
+// standard deviation of about 7% (unbiased, mean within 0.3%); measured, it trains closer
+// to FP32 than rounding to nearest's bias.  The effect on training, 300
+// steps of a small Llama on the CPU (benchmarks/optimizer/moment_convergence.py, mean
+// loss of the last 20 steps, 2 seeds): one distinct batch per step (pretraining): see
+// docs/BENCHMARKS.md; 32 batches cycled (the model memorizes them, a stress test): bf16
+// -0.27%, int8 +0.66% (+2.06% with w rounded to nearest).  Where the rest comes from
+// (emulated): m and v each about half; 1% of independent noise on m alone costs 1.7% on
+// seed 1, so m's 4 bits are near their limit in this regime (6 bits: +0.7%), and v
+// needs its 8 bits (E3M3 of w: +5%); m as E2M5 (more bits, less range) is worse.
 // The device and file tiers keep FP32 moments.
 #pragma once
 #include <cstddef>
@@ -89,6 +104,23 @@ DFA_HD std::uint32_t encode_small(float r) {
   const std::uint32_t odd = (u >> shift) & 1u;
   return (u - ((127u - bias) << 23) + ((1u << (shift - 1)) - 1u) + odd) >> shift;
 }
+/// The same code rounded stochastically: r's position between its two neighbouring codes,
+/// as a fraction q in [0, 1) truncated to 24 bits, rounds up iff q * 2^24 + (rnd >> 8) >= 2^24
+/// (so up with probability q for a uniform rnd).  Exact integer operations on r's bits (and
+/// one multiplication by a power of two below the normals), as encode_small.
+template <int E, int M>
+DFA_HD std::uint32_t encode_small_sr(float r, std::uint32_t rnd) {
+  constexpr std::uint32_t bias = (1u << E) - 1u;
+  static_assert(E + M <= 8, "8-bit codes: (code + 1) << 24 fits 32 bits");
+  if (!(r <= 1.0f)) return bias << M;
+  const std::uint32_t u = f_bits(r);
+  std::uint32_t pos;  // the code position r / step, fixed point with 24 fraction bits
+  if (u < ((128u - bias) << 23))  // subnormal codes: r * 2^(bias - 1 + M + 24) < 2^(M + 24), exact
+    pos = static_cast<std::uint32_t>(f_mul(r, f_from_bits((127u + bias - 1u + M + 24u) << 23)));
+  else
+    pos = (u - ((127u - bias) << 23)) << (M + 1);
+  return (pos + (rnd >> 8)) >> 24;
+}
 template <int E, int M>
 DFA_HD float decode_small(std::uint32_t c) {
   constexpr std::uint32_t bias = (1u << E) - 1u;
@@ -114,15 +146,45 @@ DFA_HD float decode_m(std::uint8_t c, float scale) {
   const float x = f_mul(decode_small<k_m_exp, k_m_frac>(c & 0x7Fu), scale);
   return (c & 0x80u) ? f_from_bits(f_bits(x) ^ 0x80000000u) : x;
 }
-/// w = sqrt(v) (>= 0).  A positive w never gets the code of zero (see Note [Moment formats]).
+/// w = sqrt(v) (>= 0), rounded to nearest (state writes: encode_moments).  A positive w
+/// never gets the code of zero (see Note [Moment formats]).
 DFA_HD std::uint8_t encode_w(float w, float scale) {
   if (scale == 0.0f) return 0;
   const std::uint32_t c = encode_small<k_w_exp, k_w_frac>(f_div(w, scale));
   return static_cast<std::uint8_t>(c == 0 && w > 0.0f ? 1u : c);
 }
+/// The same rounded stochastically with the random bits `rnd` (the step's encoding).
+DFA_HD std::uint8_t encode_w_sr(float w, float scale, std::uint32_t rnd) {
+  if (scale == 0.0f) return 0;
+  const std::uint32_t c = encode_small_sr<k_w_exp, k_w_frac>(f_div(w, scale), rnd);
+  return static_cast<std::uint8_t>(c == 0 && w > 0.0f ? 1u : c);
+}
+/// The random bits of element `i` of a shard in the step with seed `seed`
+/// (adamw_scalars::seed): a 32-bit integer hash, the same on the GPU and the CPU.
+DFA_HD std::uint32_t mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+/// The seed of shard `shard`'s step `t` (1-based).
+inline std::uint32_t step_seed(std::uint64_t t, std::size_t shard) {
+  return mix32(mix32(static_cast<std::uint32_t>(t) ^ static_cast<std::uint32_t>(t >> 32) * 0x85EBCA77u) ^
+               static_cast<std::uint32_t>(shard) * 0xC2B2AE3Du);
+}
+DFA_HD std::uint32_t dither(std::uint32_t seed, std::uint64_t i) {
+  return mix32(seed ^ mix32(static_cast<std::uint32_t>(i) * 0x9E3779B1u ^ static_cast<std::uint32_t>(i >> 32)));
+}
 DFA_HD float decode_v(std::uint8_t c, float scale) {
   const float w = f_mul(decode_small<k_w_exp, k_w_frac>(c), scale);
   return f_mul(w, w);
+}
+
+/// The step's encoding of w = sqrt(v) of shard element `i`: stochastic rounding dithered by
+/// the step's seed (Note [Moment formats]).
+DFA_HD std::uint8_t encode_w_step(float w, float scale, const adamw_scalars& k, std::uint64_t i) {
+  return encode_w_sr(w, scale, dither(k.seed, i));
 }
 
 /// One element of an int8 block: decodes m and v with the block's old scales, steps p,
@@ -148,6 +210,7 @@ struct adamw_qpiece {
   int grad_type;
   int format;  // k_mom_bf16 or k_mom_int8
   std::size_t n;
+  std::size_t e0;  // the piece's first element in its shard (int8: the dither's index)
 };
 
 /// The CPU twin of the compressed-moment step.

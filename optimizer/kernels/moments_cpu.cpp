@@ -12,12 +12,15 @@ namespace {
 std::uint8_t* codes(void* a) { return static_cast<std::uint8_t*>(a); }
 float* scales(void* a, std::size_t n) { return reinterpret_cast<float*>(static_cast<char*>(a) + q_scales_offset(n)); }
 
-// Encodes one int8 block of `len` FP32 values (m, or w = sqrt(v)) at codes `c`, scale `s`.
-void encode_block(int which, const float* x, std::size_t len, std::uint8_t* c, float* s) {
+// Encodes one int8 block of `len` FP32 values (m, or w = sqrt(v)) at codes `c`, scale `s`;
+// with `k`, w as the step does (encode_w_step, the block's first element i0 of its shard).
+void encode_block(int which, const float* x, std::size_t len, std::uint8_t* c, float* s,
+                  const adamw_scalars* k = nullptr, std::size_t i0 = 0) {
   float amax = 0.0f;
   for (std::size_t i = 0; i < len; ++i) amax = nan_max(amax, which == 1 ? f_abs(x[i]) : x[i]);
   amax = canonical_scale(amax);
-  for (std::size_t i = 0; i < len; ++i) c[i] = which == 1 ? encode_m(x[i], amax) : encode_w(x[i], amax);
+  for (std::size_t i = 0; i < len; ++i)
+    c[i] = which == 1 ? encode_m(x[i], amax) : k ? encode_w_step(x[i], amax, *k, i0 + i) : encode_w(x[i], amax);
   *s = amax;
 }
 
@@ -47,7 +50,7 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k) {
       store_from_float(p.model, p.model_type, j, p.param[j]);
     }
     encode_block(1, m, len, MC + e0, MS + b);
-    encode_block(2, w, len, VC + e0, VS + b);
+    encode_block(2, w, len, VC + e0, VS + b, &k, p.e0 + e0);
   }
 }
 

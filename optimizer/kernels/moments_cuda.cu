@@ -74,7 +74,7 @@ __global__ void adamw_int8_moments(adamw_qpiece p, adamw_scalars k) {
       const std::size_t j = b * k_qblock + lane + 32 * t;
       if (j < p.n) {
         MC[j] = encode_m(m[t], am);
-        VC[j] = encode_w(w[t], aw);
+        VC[j] = encode_w_step(w[t], aw, k, p.e0 + j);
       }
     }
     if (lane == 0) MS[b] = am, VS[b] = aw;
