@@ -83,7 +83,9 @@ constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a mu
 constexpr int k_lanes = 6;                              // chunks in flight (192 MiB of buffers)
 // A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (write_home).
 static_assert((k_chunk / 4) % detail::k_qblock == 0);
-const char* const k_arrays[3] = {"main", "exp_avg", "exp_avg_sq"};
+const char* name_of(state_array a) {
+  return a == state_array::main ? "main" : a == state_array::exp_avg ? "exp_avg" : "exp_avg_sq";
+}
 
 void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t off, const std::string& path) {
   const char* c = static_cast<const char*>(data);
@@ -105,7 +107,7 @@ std::string hexfloat(double f) {
 
 // One chunk of one array of a shard file.
 struct chunk {
-  int a;
+  state_array a;
   std::size_t e0, n;  // elements
   std::size_t index;  // within the array
 };
@@ -113,7 +115,7 @@ struct chunk {
 std::vector<chunk> chunks_of(std::size_t numel) {
   std::vector<chunk> out;
   const std::size_t per = k_chunk / 4;
-  for (int a = 0; a < 3; ++a)
+  for (state_array a : k_state_arrays)
     for (std::size_t e0 = 0, i = 0; e0 < numel; e0 += per, ++i) out.push_back({a, e0, std::min(per, numel - e0), i});
   return out;
 }
@@ -158,21 +160,20 @@ std::uint64_t fold(const std::vector<std::uint64_t>& sums) { return checksum64(s
 
 // ---- home <-> host ------------------------------------------------------------------
 
-void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out) {
+void streamed_adamw::impl::read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) {
   const shard& sh = shards[s];
-  if (a > 0 && !moments_written && home_of(s) != tier::device) {
+  if (is_moment(a) && !moments_written && home_of(s) != tier::device) {
     std::memset(out, 0, n * 4);  // never written: zero by construction
     return;
   }
   switch (home_of(s)) {
     case tier::device: {
-      float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
-      drv->copy_async(out, dev + e0, n * 4, exec);
+      drv->copy_async(out, sh.device(a) + e0, n * 4, exec);
       drv->synchronize_stream(exec);
       return;
     }
     case tier::host:
-      if (a > 0 && cfg.moments != moment_format::fp32)
+      if (is_moment(a) && cfg.moments != moment_format::fp32)
         detail::decode_moments(static_cast<int>(cfg.moments), a, sh.home[a], sh.info.numel, e0, n, out);
       else
         std::memcpy(out, sh.home[a] + e0, n * 4);
@@ -186,7 +187,7 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
         const std::size_t want = std::min(k_chunk, n * 4 - done);
         char* to = direct ? reinterpret_cast<char*>(out) + done : reinterpret_cast<char*>(bounce->p);
         file->read(to, file_store::io_bytes(want / 4), file->offset(file->active_slot(), s, a, e0) + done,
-                   std::string(k_arrays[a]) + " of " + sh.info.name)
+                   std::string(name_of(a)) + " of " + sh.info.name)
             ->wait();
         if (!direct) std::memcpy(reinterpret_cast<char*>(out) + done, to, want);
       }
@@ -195,17 +196,16 @@ void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::
   }
 }
 
-void streamed_adamw::impl::write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot) {
+void streamed_adamw::impl::write_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int slot) {
   const shard& sh = shards[s];
   switch (home_of(s)) {
     case tier::device: {
-      float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
-      drv->copy_async(dev + e0, in, n * 4, exec);
+      drv->copy_async(sh.device(a) + e0, in, n * 4, exec);
       drv->synchronize_stream(exec);
       return;
     }
     case tier::host:
-      if (a > 0 && cfg.moments != moment_format::fp32) {
+      if (is_moment(a) && cfg.moments != moment_format::fp32) {
         // Note [Moment formats]: int8 is blockwise (k_qblock elements, one scale each);
         // the streamed checkpoint writes on chunk boundaries, which are whole blocks, so
         // no block is re-encoded from a partly written state.
@@ -222,7 +222,7 @@ void streamed_adamw::impl::write_home(std::size_t s, int a, std::size_t e0, std:
     case tier::file: {
       const std::size_t io = file_store::io_bytes(n);
       std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
-      file->write(in, io, file->offset(slot, s, a, e0), std::string(k_arrays[a]) + " of " + sh.info.name)->wait();
+      file->write(in, io, file->offset(slot, s, a, e0), std::string(name_of(a)) + " of " + sh.info.name)->wait();
       return;
     }
   }
@@ -233,8 +233,8 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(shard < I.shards.size(), "read_state: no shard " + std::to_string(shard));
   DFA_EXPECTS(I.initialized, "read_state: no state yet", invalid_state);
-  float* outs[3] = {main, exp_avg, exp_avg_sq};
-  for (int a = 0; a < 3; ++a)
+  const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
+  for (state_array a : k_state_arrays)
     if (outs[a]) I.read_home(shard, a, 0, I.shards[shard].info.numel, outs[a]);
 }
 
@@ -265,7 +265,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     const std::size_t numel = sh.info.numel;
     const std::string file = "shard-" + std::to_string(s) + ".bin";
     const auto cs = chunks_of(numel);
-    std::vector<std::uint64_t> sums[3];
+    per_array<std::vector<std::uint64_t>> sums;
     for (const auto& c : cs) sums[c.a].resize(c.index + 1);
     const std::uint64_t array_bytes = file_store::io_bytes(numel);  // arrays start 4 KiB-aligned (O_DIRECT)
     write_new_file(dir + "/" + file, [&](int fd, const std::string& path) {
@@ -273,9 +273,9 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         const std::size_t io = file_store::io_bytes(c.n);
         const unsigned char* src = buf;
         const tier t = I.home_of(s);  // a resident shard lives on the device tier
-        if (c.a > 0 && !I.moments_written && t != tier::device) {
+        if (is_moment(c.a) && !I.moments_written && t != tier::device) {
           std::memset(buf, 0, c.n * 4);  // never written: zero by construction
-        } else if (t == tier::host && !(c.a > 0 && I.cfg.moments != moment_format::fp32)) {
+        } else if (t == tier::host && !(is_moment(c.a) && I.cfg.moments != moment_format::fp32)) {
           const float* home = sh.home[c.a] + c.e0;
           if (io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0)
             src = reinterpret_cast<const unsigned char*>(home);  // straight from the pinned home, no copy
@@ -283,7 +283,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
             std::memcpy(buf, home, c.n * 4);
         } else if (t == tier::file) {
           I.file->read(buf, io, I.file->offset(I.file->active_slot(), s, c.a, c.e0),
-                       std::string(k_arrays[c.a]) + " of " + sh.info.name)
+                       std::string(name_of(c.a)) + " of " + sh.info.name)
               ->wait();
         } else {
           // The device tier, or compressed host moments (Note [Moment formats]): the home
@@ -294,14 +294,15 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         }
         if (src == buf) std::memset(buf + c.n * 4, 0, io - c.n * 4);
         sums[c.a][c.index] = checksum64(src, io);
-        pwrite_all(fd, src, io, c.a * array_bytes + c.e0 * 4, path);
+        pwrite_all(fd, src, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
       });
     }, true, 3 * array_bytes);
     char line[512];
     std::snprintf(line, sizeof line,
                   "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64 " exp_avg_sq %016" PRIx64
                   "\n",
-                  s, numel, file.c_str(), fold(sums[0]), fold(sums[1]), fold(sums[2]));
+                  s, numel, file.c_str(), fold(sums[state_array::main]), fold(sums[state_array::exp_avg]),
+                  fold(sums[state_array::exp_avg_sq]));
     m << line;
     I.report_progress("checkpoint save", done += numel, total, t0, last_line);
   }
@@ -363,7 +364,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   struct entry {
     std::size_t numel;
     std::string file;
-    std::uint64_t sum[3];
+    per_array<std::uint64_t> sum;
   };
   std::vector<entry> es(count);
   for (std::size_t s = 0; s < count; ++s) {
@@ -377,7 +378,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
                          std::to_string(es[s].numel) + " elements, this optimizer's shard " + std::to_string(s) + " ('" +
                          I.shards[s].info.name + "') has " + std::to_string(I.shards[s].info.numel));
     if (es[s].file.find('/') != std::string::npos) throw corrupt_data("load_checkpoint: bad file name in " + mpath);
-    for (int a = 0; a < 3; ++a) es[s].sum[a] = std::strtoull(sums[a].c_str(), nullptr, 16);
+    for (state_array a : k_state_arrays) es[s].sum[a] = std::strtoull(sums[array_index(a)].c_str(), nullptr, 16);
   }
   // One pass when nothing changes until the end (file tier: the inactive slot, committed
   // last; or no state yet); else verify first, then copy.  See Note [Checkpoint generations].
@@ -403,23 +404,23 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           throw corrupt_data("load_checkpoint: " + path + " has " + std::to_string(st.st_size) + " bytes, expected " +
                              std::to_string(3 * array_bytes));
         const auto cs = chunks_of(es[s].numel);
-        std::vector<std::uint64_t> sums[3];
+        per_array<std::vector<std::uint64_t>> sums;
         for (const auto& c : cs) sums[c.a].resize(c.index + 1);
         for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
           const std::size_t io = file_store::io_bytes(c.n);
           // The pinned home takes the file's bytes as they are only when it holds FP32
           // (compressed moments are encoded by write_home; a resident shard is on the device).
           const tier t = I.home_of(s);
-          const bool fp32_home = t == tier::host && !(c.a > 0 && I.cfg.moments != moment_format::fp32);
+          const bool fp32_home = t == tier::host && !(is_moment(c.a) && I.cfg.moments != moment_format::fp32);
           float* home = fp32_home ? I.shards[s].home[c.a] + c.e0 : nullptr;
           if (pass == 1 && !in_place && home && io == c.n * 4 &&
               reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
             // Nothing to keep: straight into the pinned home, no bounce and no copy.
-            detail::pread_all(fd, home, io, c.a * array_bytes + c.e0 * 4, path);
+            detail::pread_all(fd, home, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
             sums[c.a][c.index] = checksum64(home, io);
             return;
           }
-          detail::pread_all(fd, buf, io, c.a * array_bytes + c.e0 * 4, path);
+          detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
           sums[c.a][c.index] = checksum64(buf, io);
           if (pass == 0) return;
           std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
@@ -427,9 +428,9 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           I.write_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
         });
         if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-        for (int a = 0; a < 3; ++a)
+        for (state_array a : k_state_arrays)
           if (fold(sums[a]) != es[s].sum[a])
-            throw corrupt_data("load_checkpoint: " + std::string(k_arrays[a]) + " of shard " + std::to_string(s) + " in " +
+            throw corrupt_data("load_checkpoint: " + std::string(name_of(a)) + " of shard " + std::to_string(s) + " in " +
                                path + " fails its checksum (the file is corrupt)");
       } catch (...) {
         ::close(fd);

@@ -9,20 +9,41 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <span>
 
 #include "kernels/compute.hpp"
 #include "store/file_store.hpp"
 
 namespace deferalloc::optim {
 
+/// The three state arrays in storage order (main, exp_avg, exp_avg_sq): reservations,
+/// pinned homes, file slots and checkpoint files all keep them in this order.
+inline constexpr std::array<state_array, 3> k_state_arrays{state_array::main, state_array::exp_avg,
+                                                           state_array::exp_avg_sq};
+/// The first `n` of them: main alone (init and export passes) or all three (a step).
+inline std::span<const state_array> first_arrays(int n) { return std::span(k_state_arrays).first(n); }
+inline bool is_moment(state_array a) { return a != state_array::main; }
+/// Its position in that order (offsets in files and buffers).
+constexpr std::size_t array_index(state_array a) { return static_cast<std::size_t>(a); }
+/// One T per state array, indexed by it (and only by it).
+template <typename T>
+struct per_array : std::array<T, 3> {
+  T& operator[](state_array a) { return std::array<T, 3>::operator[](array_index(a)); }
+  const T& operator[](state_array a) const { return std::array<T, 3>::operator[](array_index(a)); }
+};
+
 struct streamed_adamw::impl {
   enum class pass { init, step, export_bf16 };
   struct shard {
     shard_info info;
-    std::array<reservation_id, 3> res{};  // main, exp_avg, exp_avg_sq
-    std::array<float*, 3> home{};         // host tier: pinned home of each array
+    per_array<reservation_id> res{};
+    per_array<float*> home{};  // host tier: pinned home of each array
     std::uint64_t step = 0;               // PyTorch's per-parameter step
     bool resident = false;                // Note [Resident shards]
+    /// The device address of array `a` (its reservation).
+    float* device(state_array a) const {
+      return a == state_array::main ? info.main_param : a == state_array::exp_avg ? info.exp_avg : info.exp_avg_sq;
+    }
   };
   struct piece_ref {
     std::size_t shard, e0, n;
@@ -66,16 +87,16 @@ struct streamed_adamw::impl {
   std::string where(const piece_ref& p) const;
   /// Host tier, compressed moments: copies moment `a` of piece `p` between its home and
   /// `dev` (the piece's window, in the format's layout) on `s`; returns the bytes moved.
-  std::size_t move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s);
+  std::size_t move_moment(const piece_ref& p, state_array a, float* dev, bool to_device, stream_t s);
   void report_progress(const char* phase, std::size_t done, std::size_t total,
                        std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
   void run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                 stream_t user, std::size_t skip);
   /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`.
-  void read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out);
+  void read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out);
   /// Writes `n` elements from host memory into shard `s`'s array `a` at `e0` (file tier:
   /// into `slot`; `in` aligned, with room for io_bytes(n), `e0` on a block boundary).
-  void write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot);
+  void write_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int slot);
   /// Note [Resident shards] (resident.cpp): picks and backs them at initialize(); the
   /// tier a shard's state lives in; the device-tier operations over resident shards
   /// (on exec; `all` also takes the shards of a device-tier optimizer).

@@ -29,10 +29,10 @@ void streamed_adamw::impl::place_resident() {
     auto& s = shards[i];
     const std::size_t bytes = 3 * ((s.info.numel + piece - 1) / piece * piece * 4);  // the padded reservations
     if (bytes > left) continue;
-    std::vector<range> rs{{s.res[1], 0, whole}, {s.res[2], 0, whole}};
+    std::vector<range> rs{{s.res[state_array::exp_avg], 0, whole}, {s.res[state_array::exp_avg_sq], 0, whole}};
     mgr->materialize(rs, fill_mode::zero, exec);
     try {
-      mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, exec);
+      mgr->materialize(s.res[state_array::main], 0, whole, fill_mode::undefined, exec);
     } catch (...) {
       mgr->release(rs, keep_mode::discard, exec);
       throw;
@@ -40,7 +40,7 @@ void streamed_adamw::impl::place_resident() {
     left -= bytes;
     s.resident = true;
     infos[i].resident = true;
-    for (int a = 0; a < 3; ++a) drv->host_free(s.home[a]), s.home[a] = nullptr;
+    for (float*& h : s.home) drv->host_free(h), h = nullptr;
   }
 }
 

@@ -198,29 +198,29 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
       I.cfg.home == tier::device ? numel * 4 : (numel + I.piece - 1) / I.piece * I.piece * 4;
   std::size_t made = 0;
   try {
-    for (; made < 3; ++made) s.res[made] = I.mgr->reserve(bytes);
+    for (; made < 3; ++made) s.res[k_state_arrays[made]] = I.mgr->reserve(bytes);
     if (I.cfg.home == tier::device) {
-      std::vector<range> rs{{s.res[0], 0, whole}, {s.res[1], 0, whole}, {s.res[2], 0, whole}};
-      I.mgr->materialize(std::span<const range>(rs).subspan(1), fill_mode::zero, I.exec);
-      I.mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, I.exec);
+      std::vector<range> rs{{s.res[state_array::exp_avg], 0, whole}, {s.res[state_array::exp_avg_sq], 0, whole}};
+      I.mgr->materialize(rs, fill_mode::zero, I.exec);
+      I.mgr->materialize(s.res[state_array::main], 0, whole, fill_mode::undefined, I.exec);
     } else if (I.cfg.home == tier::host) {
       const std::size_t mb = detail::moment_bytes(static_cast<int>(I.cfg.moments), numel);
-      for (int a = 0; a < 3; ++a) s.home[a] = static_cast<float*>(I.drv->host_alloc(a == 0 ? numel * 4 : mb));
+      for (state_array a : k_state_arrays) s.home[a] = static_cast<float*>(I.drv->host_alloc(is_moment(a) ? mb : numel * 4));
       // Zero moments at home: a shard skipped by the first steps, or state loaded into
       // some shards only, reads zeros (PyTorch's initial moments), never garbage.
       // (Compressed: zero codes and zero scales decode to zero.)
-      std::memset(s.home[1], 0, mb);
-      std::memset(s.home[2], 0, mb);
+      std::memset(s.home[state_array::exp_avg], 0, mb);
+      std::memset(s.home[state_array::exp_avg_sq], 0, mb);
     }
   } catch (...) {
     for (float*& h : s.home)
       if (h) I.drv->host_free(h), h = nullptr;
-    for (std::size_t a = 0; a < made; ++a) I.mgr->free(s.res[a]);
+    for (std::size_t a = 0; a < made; ++a) I.mgr->free(s.res[k_state_arrays[a]]);
     throw;
   }
-  s.info.main_param = static_cast<float*>(I.mgr->address(s.res[0]));
-  s.info.exp_avg = static_cast<float*>(I.mgr->address(s.res[1]));
-  s.info.exp_avg_sq = static_cast<float*>(I.mgr->address(s.res[2]));
+  s.info.main_param = static_cast<float*>(I.mgr->address(s.res[state_array::main]));
+  s.info.exp_avg = static_cast<float*>(I.mgr->address(s.res[state_array::exp_avg]));
+  s.info.exp_avg_sq = static_cast<float*>(I.mgr->address(s.res[state_array::exp_avg_sq]));
   I.shards.push_back(std::move(s));
   I.infos.push_back(I.shards.back().info);
   return I.shards.size() - 1;
@@ -330,7 +330,7 @@ adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) con
                               [this](float base, float e) { return comp->pow(base, e); });
 }
 
-std::size_t streamed_adamw::impl::move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s) {
+std::size_t streamed_adamw::impl::move_moment(const piece_ref& p, state_array a, float* dev, bool to_device, stream_t s) {
   const int f = static_cast<int>(cfg.moments);
   char* home = reinterpret_cast<char*>(shards[p.shard].home[a]);
   auto copy = [&](char* d, char* h, std::size_t bytes) {
@@ -402,21 +402,21 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
   const std::size_t pbytes = piece * 4;
   auto ranges_of = [&](const piece_ref& p) {
     std::vector<range> rs;
-    for (int a = 0; a < arrays; ++a) rs.push_back({shards[p.shard].res[a], p.e0 * 4, pbytes});
+    for (state_array a : first_arrays(arrays)) rs.push_back({shards[p.shard].res[a], p.e0 * 4, pbytes});
     return rs;
   };
   auto ev = [&](std::size_t i, int which) { return event(1 + (i % K) * 3 + which); };
-  auto host_ptr = [&](std::size_t i, int a, bool out) -> char* {
+  auto host_ptr = [&](std::size_t i, state_array a, bool out) -> char* {
     const auto& p = ps[i];
     if (!to_file) return reinterpret_cast<char*>(shards[p.shard].home[a] + p.e0);
     auto& ring = out ? stage_out : stage_in;
-    return static_cast<char*>(ring[i % (2 * K)]) + a * file_store::io_bytes(piece);
+    return static_cast<char*>(ring[i % (2 * K)]) + array_index(a) * file_store::io_bytes(piece);
   };
   auto issue_read = [&](std::size_t j) {
     if (!to_file || !fetch_main || j >= P || j < skip) return;
     const auto& p = ps[j];
     const int n_arr = kind == pass::step && moments_written ? 3 : 1;
-    for (int a = 0; a < n_arr; ++a)
+    for (state_array a : first_arrays(n_arr))
       reads[j] = file->read(host_ptr(j, a, false), file_store::io_bytes(p.n), file->offset(read_slot, p.shard, a, p.e0),
                             "state of " + where(p), reads[j]);
   };
@@ -435,7 +435,7 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
     report.retire_seconds += since(t);
     mapped[i] = false;
     if (to_file && write_back)
-      for (int a = 0; a < arrays; ++a)
+      for (state_array a : first_arrays(arrays))
         writes[i] = file->write(host_ptr(i, a, true), file_store::io_bytes(p.n), file->offset(write_slot, p.shard, a, p.e0),
                                 "state of " + where(p), writes[i]);
     done_params += p.n;
@@ -455,7 +455,8 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
         issue_read(i + K);
         materialize(i);
       }
-      float* dev[3] = {sh.info.main_param + p.e0, sh.info.exp_avg + p.e0, sh.info.exp_avg_sq + p.e0};
+      per_array<float*> dev;
+      for (state_array a : k_state_arrays) dev[a] = sh.device(a) + p.e0;
       // Fetch.
       if (fetch_main) {
         if (to_file) {
@@ -463,11 +464,11 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
           reads[i]->wait();
           report.io_wait_seconds += since(t);
         }
-        drv->copy_async(dev[0], host_ptr(i, 0, false), p.n * 4, h2d);
+        drv->copy_async(dev[state_array::main], host_ptr(i, state_array::main, false), p.n * 4, h2d);
         report.bytes_to_device += p.n * 4;
       }
       if (kind == pass::step)
-        for (int a = 1; a < 3; ++a) {
+        for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
           if (moments_written && compressed) {
             report.bytes_to_device += move_moment(p, a, dev[a], true, h2d);
           } else if (moments_written) {
@@ -483,18 +484,18 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
       const int mt = static_cast<int>(sh.info.param_type);
       char* model = static_cast<char*>(sh.info.param) + p.e0 * (mt == detail::k_fp32 ? 4 : 2);
       if (kind == pass::init) {
-        comp->upcast(model, mt, dev[0], p.n, exec);
+        comp->upcast(model, mt, dev[state_array::main], p.n, exec);
       } else if (kind == pass::export_bf16) {
-        comp->downcast(dev[0], model, mt, p.n, exec);
+        comp->downcast(dev[state_array::main], model, mt, p.n, exec);
       } else if (grads[p.shard] != nullptr && compressed) {
         const int gt = static_cast<int>(gts[p.shard]);
-        comp->adamw_moments({dev[0], dev[1], dev[2], model,
+        comp->adamw_moments({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model,
                              static_cast<const char*>(grads[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2), mt, gt,
                              static_cast<int>(cfg.moments), p.n},
                             ks[p.shard], exec);
       } else if (grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
         const int gt = static_cast<int>(gts[p.shard]);
-        comp->adamw({dev[0], dev[1], dev[2], model,
+        comp->adamw({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model,
                      static_cast<const char*>(grads[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2), mt, gt, p.n},
                     ks[p.shard], exec);
       }
@@ -507,8 +508,8 @@ void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grad
           writes[i - 2 * K]->wait();
           report.io_wait_seconds += since(t);
         }
-        for (int a = 0; a < arrays; ++a) {
-          if (a > 0 && compressed) {
+        for (state_array a : first_arrays(arrays)) {
+          if (is_moment(a) && compressed) {
             report.bytes_from_device += move_moment(p, a, dev[a], false, d2h);
             continue;
           }
@@ -717,7 +718,7 @@ void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::siz
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
   check_range("read_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.cfg.home == tier::file);
-  if (n > 0) I.read_home(shard, static_cast<int>(a), offset, n, out);
+  if (n > 0) I.read_home(shard, a, offset, n, out);
 }
 
 void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n,
@@ -730,20 +731,18 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   check_range("write_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.cfg.home == tier::file);
   if (n == 0) return;
-  const int ai = static_cast<int>(a);
   auto& sh = I.shards[shard];
   switch (I.home_of(shard)) {
     case tier::device: {
-      float* dev = ai == 0 ? sh.info.main_param : ai == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
-      I.drv->copy_async(dev + offset, in, n * 4, I.exec);
+      I.drv->copy_async(sh.device(a) + offset, in, n * 4, I.exec);
       I.drv->synchronize_stream(I.exec);
       break;
     }
     case tier::host:
-      if (ai > 0 && I.cfg.moments != moment_format::fp32)
-        detail::encode_moments(static_cast<int>(I.cfg.moments), ai, sh.home[ai], sh.info.numel, offset, n, in);
+      if (is_moment(a) && I.cfg.moments != moment_format::fp32)
+        detail::encode_moments(static_cast<int>(I.cfg.moments), a, sh.home[a], sh.info.numel, offset, n, in);
       else
-        std::memcpy(sh.home[ai] + offset, in, n * 4);
+        std::memcpy(sh.home[a] + offset, in, n * 4);
       break;
     case tier::file: {
       const int slot = I.file->active_slot();
@@ -751,7 +750,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
       // boundaries (write_home's file case pads each piece to whole blocks).
       constexpr std::size_t piece = std::size_t{8} << 20;  // elements: 32 MiB
       detail::aligned_buffer buf(file_store::io_bytes(piece), false, "write_state_range: no host memory for a bounce buffer");
-      auto write_array = [&](std::size_t s, int m, const float* src) {
+      auto write_array = [&](std::size_t s, state_array m, const float* src) {
         const std::size_t numel = I.shards[s].info.numel;
         for (std::size_t e0 = 0; e0 < numel; e0 += piece) {
           const std::size_t k = std::min(piece, numel - e0);
@@ -760,20 +759,20 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
           I.write_home(s, m, e0, k, reinterpret_cast<float*>(buf.p), slot);
         }
       };
-      if (ai > 0 && !I.moments_written) {
+      if (is_moment(a) && !I.moments_written) {
         // The file holds no moments yet: zeros everywhere first, so that the shards not
         // loaded read PyTorch's initial moments.
         for (std::size_t s = 0; s < I.shards.size(); ++s)
-          for (int m = 1; m < 3; ++m) write_array(s, m, nullptr);
+          for (state_array m : {state_array::exp_avg, state_array::exp_avg_sq}) write_array(s, m, nullptr);
         I.file->commit(I.step_count, slot, true);
       }
-      write_array(shard, ai, in);
+      write_array(shard, a, in);
       // The slot's checksum table now covers the new bytes: publish it (same step).
-      I.file->commit(I.step_count, slot, I.moments_written || ai > 0);
+      I.file->commit(I.step_count, slot, I.moments_written || is_moment(a));
       break;
     }
   }
-  if (ai > 0) I.moments_written = true;
+  if (is_moment(a)) I.moments_written = true;
 }
 
 void detail::inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth) {
