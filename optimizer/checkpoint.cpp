@@ -1,4 +1,4 @@
-// State transfer between the home tiers and host memory, and checkpoints.
+// Reading a shard's state from its home (Note [Homes]), and checkpoints.
 //
 // Note [Checkpoint generations]
 //
@@ -83,7 +83,6 @@ constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a mu
 constexpr int k_lanes = 6;                              // chunks in flight (192 MiB of buffers)
 // A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (write_home).
 static_assert((k_chunk / 4) % detail::k_qblock == 0);
-const char* const k_arrays[3] = {"main", "exp_avg", "exp_avg_sq"};
 
 void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t off, const std::string& path) {
   const char* c = static_cast<const char*>(data);
@@ -105,7 +104,7 @@ std::string hexfloat(double f) {
 
 // One chunk of one array of a shard file.
 struct chunk {
-  int a;
+  state_array a;
   std::size_t e0, n;  // elements
   std::size_t index;  // within the array
 };
@@ -113,7 +112,7 @@ struct chunk {
 std::vector<chunk> chunks_of(std::size_t numel) {
   std::vector<chunk> out;
   const std::size_t per = k_chunk / 4;
-  for (int a = 0; a < 3; ++a)
+  for (state_array a : k_state_arrays)
     for (std::size_t e0 = 0, i = 0; e0 < numel; e0 += per, ++i) out.push_back({a, e0, std::min(per, numel - e0), i});
   return out;
 }
@@ -158,74 +157,13 @@ std::uint64_t fold(const std::vector<std::uint64_t>& sums) { return checksum64(s
 
 // ---- home <-> host ------------------------------------------------------------------
 
-void streamed_adamw::impl::read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out) {
-  const shard& sh = shards[s];
-  if (a > 0 && !moments_written && home_of(s) != tier::device) {
-    std::memset(out, 0, n * 4);  // never written: zero by construction
-    return;
-  }
-  switch (home_of(s)) {
-    case tier::device: {
-      float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
-      drv->copy_async(out, dev + e0, n * 4, exec);
-      drv->synchronize_stream(exec);
-      return;
-    }
-    case tier::host:
-      if (a > 0 && cfg.moments != moment_format::fp32)
-        detail::decode_moments(static_cast<int>(cfg.moments), a, sh.home[a], sh.info.numel, e0, n, out);
-      else
-        std::memcpy(out, sh.home[a] + e0, n * 4);
-      return;
-    case tier::file: {
-      const bool direct = reinterpret_cast<std::uintptr_t>(out) % file_store::align == 0 && (n * 4) % file_store::align == 0;
-      const std::size_t block = std::min<std::size_t>(k_chunk, n * 4);
-      std::unique_ptr<aligned_buffer> bounce;
-      if (!direct) bounce = std::make_unique<aligned_buffer>(file_store::io_bytes(block / 4), false, "checkpoint: no host memory for a bounce buffer");
-      for (std::size_t done = 0; done < n * 4; done += k_chunk) {
-        const std::size_t want = std::min(k_chunk, n * 4 - done);
-        char* to = direct ? reinterpret_cast<char*>(out) + done : reinterpret_cast<char*>(bounce->p);
-        file->read(to, file_store::io_bytes(want / 4), file->offset(file->active_slot(), s, a, e0) + done,
-                   std::string(k_arrays[a]) + " of " + sh.info.name)
-            ->wait();
-        if (!direct) std::memcpy(reinterpret_cast<char*>(out) + done, to, want);
-      }
-      return;
-    }
-  }
+bool streamed_adamw::impl::never_written(std::size_t s, state_array a) const {
+  return is_moment(a) && !moments_written && home_of(s).streamed();
 }
 
-void streamed_adamw::impl::write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot) {
-  const shard& sh = shards[s];
-  switch (home_of(s)) {
-    case tier::device: {
-      float* dev = a == 0 ? sh.info.main_param : a == 1 ? sh.info.exp_avg : sh.info.exp_avg_sq;
-      drv->copy_async(dev + e0, in, n * 4, exec);
-      drv->synchronize_stream(exec);
-      return;
-    }
-    case tier::host:
-      if (a > 0 && cfg.moments != moment_format::fp32) {
-        // Note [Moment formats]: int8 is blockwise (k_qblock elements, one scale each);
-        // the streamed checkpoint writes on chunk boundaries, which are whole blocks, so
-        // no block is re-encoded from a partly written state.
-        DFA_EXPECTS(cfg.moments != moment_format::int8 ||
-                        (e0 % detail::k_qblock == 0 && (n % detail::k_qblock == 0 || e0 + n == sh.info.numel)),
-                    "write_home: an int8 moment range [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
-                        ") is not whole blocks",
-                    invalid_state);
-        detail::encode_moments(static_cast<int>(cfg.moments), a, sh.home[a], sh.info.numel, e0, n, in);
-      } else {
-        std::memcpy(sh.home[a] + e0, in, n * 4);
-      }
-      return;
-    case tier::file: {
-      const std::size_t io = file_store::io_bytes(n);
-      std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
-      file->write(in, io, file->offset(slot, s, a, e0), std::string(k_arrays[a]) + " of " + sh.info.name)->wait();
-      return;
-    }
-  }
+void streamed_adamw::impl::read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) {
+  if (never_written(s, a)) std::memset(out, 0, n * 4);  // zero by construction
+  else home_of(s).read(s, a, e0, n, out);
 }
 
 void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq) {
@@ -233,8 +171,8 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(shard < I.shards.size(), "read_state: no shard " + std::to_string(shard));
   DFA_EXPECTS(I.initialized, "read_state: no state yet", invalid_state);
-  float* outs[3] = {main, exp_avg, exp_avg_sq};
-  for (int a = 0; a < 3; ++a)
+  const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
+  for (state_array a : k_state_arrays)
     if (outs[a]) I.read_home(shard, a, 0, I.shards[shard].info.numel, outs[a]);
 }
 
@@ -255,7 +193,6 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     << hexfloat(h.eps) << " weight_decay " << hexfloat(h.weight_decay) << '\n';
   m << "chunk_bytes " << k_chunk << '\n';
   m << "shards " << I.shards.size() << '\n';
-  std::mutex device_mu;  // the device tier's copies share one stream
   const auto t0 = std::chrono::steady_clock::now();
   auto last_line = t0;
   std::size_t done = 0, total = 0;
@@ -265,43 +202,39 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     const std::size_t numel = sh.info.numel;
     const std::string file = "shard-" + std::to_string(s) + ".bin";
     const auto cs = chunks_of(numel);
-    std::vector<std::uint64_t> sums[3];
+    per_array<std::vector<std::uint64_t>> sums;
     for (const auto& c : cs) sums[c.a].resize(c.index + 1);
     const std::uint64_t array_bytes = file_store::io_bytes(numel);  // arrays start 4 KiB-aligned (O_DIRECT)
     write_new_file(dir + "/" + file, [&](int fd, const std::string& path) {
       for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
         const std::size_t io = file_store::io_bytes(c.n);
         const unsigned char* src = buf;
-        const tier t = I.home_of(s);  // a resident shard lives on the device tier
-        if (c.a > 0 && !I.moments_written && t != tier::device) {
+        auto& h = I.home_of(s);  // a resident shard lives on the device tier
+        const float* host = h.host_array(s, c.a);
+        if (I.never_written(s, c.a)) {
           std::memset(buf, 0, c.n * 4);  // never written: zero by construction
-        } else if (t == tier::host && !(c.a > 0 && I.cfg.moments != moment_format::fp32)) {
-          const float* home = sh.home[c.a] + c.e0;
-          if (io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0)
-            src = reinterpret_cast<const unsigned char*>(home);  // straight from the pinned home, no copy
+        } else if (host) {
+          host += c.e0;
+          if (io == c.n * 4 && reinterpret_cast<std::uintptr_t>(host) % file_store::align == 0)
+            src = reinterpret_cast<const unsigned char*>(host);  // straight from the pinned home, no copy
           else
-            std::memcpy(buf, home, c.n * 4);
-        } else if (t == tier::file) {
-          I.file->read(buf, io, I.file->offset(I.file->active_slot(), s, c.a, c.e0),
-                       std::string(k_arrays[c.a]) + " of " + sh.info.name)
-              ->wait();
+            std::memcpy(buf, host, c.n * 4);
         } else {
-          // The device tier, or compressed host moments (Note [Moment formats]): the home
-          // holds codes, read_home decodes them to FP32 into the buffer.
-          std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
-          if (t == tier::device) dl.lock();
-          I.read_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf));
+          // The file tier's active slot; HBM; compressed host moments (Note [Moment
+          // formats]), decoded to FP32 into the buffer.
+          h.read_io(s, c.a, c.e0, c.n, buf);
         }
         if (src == buf) std::memset(buf + c.n * 4, 0, io - c.n * 4);
         sums[c.a][c.index] = checksum64(src, io);
-        pwrite_all(fd, src, io, c.a * array_bytes + c.e0 * 4, path);
+        pwrite_all(fd, src, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
       });
     }, true, 3 * array_bytes);
     char line[512];
     std::snprintf(line, sizeof line,
                   "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64 " exp_avg_sq %016" PRIx64
                   "\n",
-                  s, numel, file.c_str(), fold(sums[0]), fold(sums[1]), fold(sums[2]));
+                  s, numel, file.c_str(), fold(sums[state_array::main]), fold(sums[state_array::exp_avg]),
+                  fold(sums[state_array::exp_avg_sq]));
     m << line;
     I.report_progress("checkpoint save", done += numel, total, t0, last_line);
   }
@@ -315,7 +248,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
 void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
-  I.ensure_file();
+  I.open_state();
   const std::string mpath = dir + "/manifest.txt";
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");
   const auto endpos = all.rfind("end ");
@@ -363,7 +296,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   struct entry {
     std::size_t numel;
     std::string file;
-    std::uint64_t sum[3];
+    per_array<std::uint64_t> sum;
   };
   std::vector<entry> es(count);
   for (std::size_t s = 0; s < count; ++s) {
@@ -377,13 +310,12 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
                          std::to_string(es[s].numel) + " elements, this optimizer's shard " + std::to_string(s) + " ('" +
                          I.shards[s].info.name + "') has " + std::to_string(I.shards[s].info.numel));
     if (es[s].file.find('/') != std::string::npos) throw corrupt_data("load_checkpoint: bad file name in " + mpath);
-    for (int a = 0; a < 3; ++a) es[s].sum[a] = std::strtoull(sums[a].c_str(), nullptr, 16);
+    for (state_array a : k_state_arrays) es[s].sum[a] = std::strtoull(sums[array_index(a)].c_str(), nullptr, 16);
   }
   // One pass when nothing changes until the end (file tier: the inactive slot, committed
   // last; or no state yet); else verify first, then copy.  See Note [Checkpoint generations].
-  const bool in_place = I.cfg.home != tier::file && I.initialized;
-  const int slot = I.file ? 1 - I.file->active_slot() : 0;
-  std::mutex device_mu;
+  const bool in_place = I.tier_home->in_place() && I.initialized;
+  const int slot = I.tier_home->load_slot();
   const auto t0 = std::chrono::steady_clock::now();
   auto last_line = t0;
   std::size_t done = 0, total = 0;
@@ -403,33 +335,31 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           throw corrupt_data("load_checkpoint: " + path + " has " + std::to_string(st.st_size) + " bytes, expected " +
                              std::to_string(3 * array_bytes));
         const auto cs = chunks_of(es[s].numel);
-        std::vector<std::uint64_t> sums[3];
+        per_array<std::vector<std::uint64_t>> sums;
         for (const auto& c : cs) sums[c.a].resize(c.index + 1);
         for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
           const std::size_t io = file_store::io_bytes(c.n);
           // The pinned home takes the file's bytes as they are only when it holds FP32
-          // (compressed moments are encoded by write_home; a resident shard is on the device).
-          const tier t = I.home_of(s);
-          const bool fp32_home = t == tier::host && !(c.a > 0 && I.cfg.moments != moment_format::fp32);
-          float* home = fp32_home ? I.shards[s].home[c.a] + c.e0 : nullptr;
+          // (compressed moments are encoded by write(); a resident shard is on the device).
+          auto& h = I.home_of(s);
+          float* home = h.host_array(s, c.a);
+          if (home) home += c.e0;
           if (pass == 1 && !in_place && home && io == c.n * 4 &&
               reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
             // Nothing to keep: straight into the pinned home, no bounce and no copy.
-            detail::pread_all(fd, home, io, c.a * array_bytes + c.e0 * 4, path);
+            detail::pread_all(fd, home, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
             sums[c.a][c.index] = checksum64(home, io);
             return;
           }
-          detail::pread_all(fd, buf, io, c.a * array_bytes + c.e0 * 4, path);
+          detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
           sums[c.a][c.index] = checksum64(buf, io);
           if (pass == 0) return;
-          std::unique_lock dl(device_mu, std::defer_lock);  // the device tier's copies share one stream
-          if (t == tier::device) dl.lock();
-          I.write_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
+          h.write(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
         });
         if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-        for (int a = 0; a < 3; ++a)
+        for (state_array a : k_state_arrays)
           if (fold(sums[a]) != es[s].sum[a])
-            throw corrupt_data("load_checkpoint: " + std::string(k_arrays[a]) + " of shard " + std::to_string(s) + " in " +
+            throw corrupt_data("load_checkpoint: " + std::string(array_name(a)) + " of shard " + std::to_string(s) + " in " +
                                path + " fails its checksum (the file is corrupt)");
       } catch (...) {
         ::close(fd);
@@ -438,7 +368,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
       ::close(fd);
       I.report_progress("checkpoint load", done += es[s].numel, total, t0, last_line);
     }
-  if (I.file) I.file->commit(step, slot, moments != 0);
+  I.tier_home->commit_load(step, slot, moments != 0);
   I.step_count = step;
   for (auto& sh : I.shards) sh.step = step;  // one count per checkpoint
   I.moments_written = moments != 0;

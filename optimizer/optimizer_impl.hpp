@@ -1,5 +1,5 @@
-// The optimizer's private state, shared by streamed_adamw.cpp (pipeline) and
-// checkpoint.cpp (state transfer and checkpoints).
+// The optimizer's private state, shared by streamed_adamw.cpp (the API), home.cpp (the
+// tiers), window_pipeline.cpp (a pass), resident.cpp and checkpoint.cpp.
 #pragma once
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/optimizer.hpp>
@@ -9,24 +9,61 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <span>
 
 #include "kernels/compute.hpp"
 #include "store/file_store.hpp"
 
 namespace deferalloc::optim {
 
+/// The three state arrays in storage order (main, exp_avg, exp_avg_sq): reservations,
+/// pinned homes, file slots and checkpoint files all keep them in this order.
+inline constexpr std::array<state_array, 3> k_state_arrays{state_array::main, state_array::exp_avg,
+                                                           state_array::exp_avg_sq};
+/// The first `n` of them: main alone (init and export passes) or all three (a step).
+inline std::span<const state_array> first_arrays(int n) { return std::span(k_state_arrays).first(n); }
+inline bool is_moment(state_array a) { return a != state_array::main; }
+/// Its position in that order (offsets in files and buffers).
+constexpr std::size_t array_index(state_array a) { return static_cast<std::size_t>(a); }
+inline const char* array_name(state_array a) {
+  return a == state_array::main ? "main" : a == state_array::exp_avg ? "exp_avg" : "exp_avg_sq";
+}
+/// One T per state array, indexed by it (and only by it).
+template <typename T>
+struct per_array : std::array<T, 3> {
+  T& operator[](state_array a) { return std::array<T, 3>::operator[](array_index(a)); }
+  const T& operator[](state_array a) const { return std::array<T, 3>::operator[](array_index(a)); }
+};
+
 struct streamed_adamw::impl {
   enum class pass { init, step, export_bf16 };
   struct shard {
     shard_info info;
-    std::array<reservation_id, 3> res{};  // main, exp_avg, exp_avg_sq
-    std::array<float*, 3> home{};         // host tier: pinned home of each array
-    std::uint64_t step = 0;               // PyTorch's per-parameter step
-    bool resident = false;                // Note [Resident shards]
+    per_array<reservation_id> res{};
+    std::uint64_t step = 0;  // PyTorch's per-parameter step
+    bool resident = false;   // Note [Resident shards]
+    /// The device address of array `a` (its reservation).
+    float* device(state_array a) const {
+      return a == state_array::main ? info.main_param : a == state_array::exp_avg ? info.exp_avg : info.exp_avg_sq;
+    }
   };
   struct piece_ref {
     std::size_t shard, e0, n;
   };
+  /// What one pass does (Note [Window pipeline]).
+  struct pass_plan {
+    pass kind;
+    std::vector<piece_ref> pieces;
+    std::size_t skip = 0;     // pieces a failed try of this step already wrote back
+    int arrays = 1;           // arrays mapped and written back: all three (step) or main
+    bool fetch_main = false;  // all but init
+    bool write_back = false;  // all but export
+  };
+  class home;  // Note [Homes] (below)
+  class device_home;  // its tiers (home.cpp)
+  class host_home;
+  class file_home;
+  class window_pipeline;  // Note [Window pipeline] (window_pipeline.cpp)
 
   std::mutex mu;
   std::shared_ptr<driver> drv;
@@ -34,15 +71,15 @@ struct streamed_adamw::impl {
   std::shared_ptr<chunk_pool> pool;
   std::unique_ptr<reservation_manager> mgr;
   std::unique_ptr<detail::compute> comp;
-  std::unique_ptr<detail::file_store> file;
+  std::unique_ptr<detail::file_store> file;  // the file tier's state file (opened by its home)
+  std::unique_ptr<home> tier_home;           // where cfg.home keeps the shards' state
+  std::unique_ptr<home> hbm_home;            // the resident shards' (Note [Resident shards])
   std::vector<shard> shards;
   std::vector<shard_info> infos;
   std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
   std::size_t piece = 0;  // elements per piece (streamed tiers)
   stream_t h2d = nullptr, d2h = nullptr, exec = nullptr;
   std::vector<event_t> events;
-  std::vector<void*> stage_in, stage_out;
-  std::size_t stage_bytes = 0;
   std::uint64_t step_count = 0;
   bool initialized = false;
   bool moments_written = false;
@@ -51,42 +88,128 @@ struct streamed_adamw::impl {
   step_report report;
   bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
 
-  void ensure_file();
-  void ensure_staging();
-  void free_staging() noexcept;
+  /// The homes of cfg.home (and of resident shards); checks that the configuration fits
+  /// the tier.  Defined in home.cpp, the one place that names the tiers.
+  void make_homes();
+  /// Opens the state the home keeps outside this process (file tier: the state file,
+  /// resumed when it holds a commit); nothing for the others.
+  void open_state();
   event_t event(std::size_t i);
   /// Work enqueued on `waiter` from now on runs after all that is enqueued on `producer` so
   /// far (one record of event 0 + one wait; no host synchronisation).
   void after(stream_t waiter, stream_t producer);
   /// Every piece; with `grads` (a step), only those of shards with a gradient, unless
-  /// the file tier must carry the others into the new slot.
+  /// the step writes a new copy of the state (file tier), which must carry the others.
   std::vector<piece_ref> pieces(std::span<const void* const> grads = {}) const;
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   std::string where(const piece_ref& p) const;
-  /// Host tier, compressed moments: copies moment `a` of piece `p` between its home and
-  /// `dev` (the piece's window, in the format's layout) on `s`; returns the bytes moved.
-  std::size_t move_moment(const piece_ref& p, int a, float* dev, bool to_device, stream_t s);
   void report_progress(const char* phase, std::size_t done, std::size_t total,
                        std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
+  /// One pass of the window pipeline over every piece (window_pipeline.cpp).
   void run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                 stream_t user, std::size_t skip);
+  /// Shard `s`'s home.
+  home& home_of(std::size_t s) const { return shards[s].resident ? *hbm_home : *tier_home; }
+  /// A moment of a streamed home before the first step: zeros by construction, never
+  /// stored (the pass zeroes it on the device; reads return zeros).
+  bool never_written(std::size_t s, state_array a) const;
   /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`.
-  void read_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* out);
-  /// Writes `n` elements from host memory into shard `s`'s array `a` at `e0` (file tier:
-  /// into `slot`; `in` aligned, with room for io_bytes(n), `e0` on a block boundary).
-  void write_home(std::size_t s, int a, std::size_t e0, std::size_t n, float* in, int slot);
+  void read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out);
   /// Note [Resident shards] (resident.cpp): picks and backs them at initialize(); the
-  /// tier a shard's state lives in; the device-tier operations over resident shards
-  /// (on exec; `all` also takes the shards of a device-tier optimizer).
+  /// device-tier operations over resident shards (on exec; `all` also takes the shards
+  /// of a device-tier optimizer).
   void place_resident();
-  tier home_of(std::size_t s) const { return shards[s].resident ? tier::device : cfg.home; }
   void init_device_shards(bool all);
   void step_device_shards(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                           std::size_t first, bool all);
   void sync_device_shards(bool all);
   /// BF16(main) into the model parameters; `stream` waits for it.
   void sync_model(stream_t stream);
+};
+
+// Note [Homes]
+//
+// Rationale: the three tiers differ in where a shard's state lives between passes, and in
+// nothing else: the pipeline, the kernels, state ranges and checkpoints are the same.
+// Approach: one home per tier (device_home, host_home, file_home in home.cpp, chosen by
+// make_homes() from cfg.home; resident shards of a host-tier optimizer have a device
+// home of their own).  A home backs a shard's state, moves a piece of it between its
+// storage and the piece's window on the pipeline's streams (with the tier's own waits:
+// the file tier's reads ahead and its ring of staging buffers), commits a pass, and
+// reads / writes ranges of it for state_dict and checkpoints.  The pipeline and the
+// checkpoint code call these and never ask which tier they hold; a new tier (or a
+// compressed format) is one new class.
+class streamed_adamw::impl::home {
+ public:
+  explicit home(impl& owner) : I(owner) {}
+  virtual ~home() = default;
+  home(const home&) = delete;
+  home& operator=(const home&) = delete;
+
+  // -- what the tier is
+  /// The state streams through the window (host, file); false: it stays in HBM (device).
+  virtual bool streamed() const { return true; }
+  /// A step updates the state in place (host, device): a step that failed part-way is
+  /// retried from where it stopped, a checkpoint load into live state verifies first.
+  /// false: a step writes a new copy, published by a commit (file).
+  virtual bool in_place() const { return true; }
+  /// Pieces start on multiples of these bytes (file: its checksum blocks).
+  virtual std::size_t piece_align() const { return 1; }
+  /// State ranges are whole arrays only (file).
+  virtual bool whole_arrays() const { return false; }
+
+  // -- shards
+  /// Opens the state kept outside the process (open_state()); idempotent.
+  virtual void open() {}
+  /// Backs the state of a new shard (its reservations are made; shards[] does not hold
+  /// it yet) or of a shard moving here (place_resident).  All or nothing.
+  virtual void add_shard(shard& s) = 0;
+  /// Frees what add_shard took for shard `s` (a resident shard leaving the host tier).
+  virtual void drop_shard(std::size_t) noexcept {}
+
+  // -- a pass (streamed homes; Note [Window pipeline]).  Piece i is plan.pieces[i];
+  // to/from_device enqueue its array `a` on `s` and return the bytes moved.
+  virtual void begin_pass(const pass_plan&) {}
+  /// Starts reading piece i ahead of its fetch (file).
+  virtual void prefetch(std::size_t, const piece_ref&) {}
+  /// Waits until piece i's host copy can be fetched (file: its reads).
+  virtual void await_fetch(std::size_t) {}
+  virtual std::size_t to_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s);
+  /// Waits until piece i's write-back may be enqueued (file: its staging buffer drained).
+  virtual void await_write_back(std::size_t) {}
+  virtual std::size_t from_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s);
+  /// Piece i's write-back is done: persist it (file: the writes).
+  virtual void retire(std::size_t, const piece_ref&) {}
+  /// Every piece retired: waits for what retire() started.
+  virtual void end_pass() {}
+  /// After a failed pass: waits for all it started (never throws; logs).
+  virtual void drain() noexcept {}
+  /// Publishes a finished init or step pass (file: the commit record).
+  virtual void commit(pass) {}
+  /// A checkpoint load writes into this slot, which changes nothing until commit_load
+  /// (file: the inactive slot); in-place homes ignore it.
+  virtual int load_slot() const { return 0; }
+  virtual void commit_load(std::uint64_t /*step*/, int /*slot*/, bool /*moments_written*/) {}
+
+  // -- state ranges and checkpoints (host memory on the other side; never-written
+  // moments are the caller's: never_written())
+  virtual void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) = 0;
+  /// read() into `buf`, which is aligned to file_store::align with room for io_bytes(n).
+  virtual void read_io(std::size_t s, state_array a, std::size_t e0, std::size_t n, unsigned char* buf) {
+    read(s, a, e0, n, reinterpret_cast<float*>(buf));
+  }
+  /// Writes a checkpoint chunk: `in` as read_io's buffer (the file tier pads it with
+  /// zeros), `e0` on a chunk boundary; file tier: into `slot`.
+  virtual void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int slot) = 0;
+  /// write_state_range: any range (file tier: whole arrays, committed).
+  virtual void write_range(std::size_t s, state_array a, std::size_t e0, std::size_t n, const float* in) = 0;
+  /// The array as plain FP32 in host memory (host tier, uncompressed), else null: the
+  /// checkpoint code reads and writes it there without a copy.
+  virtual float* host_array(std::size_t, state_array) const { return nullptr; }
+
+ protected:
+  impl& I;
 };
 
 }  // namespace deferalloc::optim

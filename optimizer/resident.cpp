@@ -23,24 +23,17 @@
 namespace deferalloc::optim {
 
 void streamed_adamw::impl::place_resident() {
-  if (cfg.resident_bytes == 0 || cfg.home != tier::host) return;
+  if (cfg.resident_bytes == 0) return;  // (host tier only: make_homes checks)
   std::size_t left = cfg.resident_bytes;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     auto& s = shards[i];
     const std::size_t bytes = 3 * ((s.info.numel + piece - 1) / piece * piece * 4);  // the padded reservations
     if (bytes > left) continue;
-    std::vector<range> rs{{s.res[1], 0, whole}, {s.res[2], 0, whole}};
-    mgr->materialize(rs, fill_mode::zero, exec);
-    try {
-      mgr->materialize(s.res[0], 0, whole, fill_mode::undefined, exec);
-    } catch (...) {
-      mgr->release(rs, keep_mode::discard, exec);
-      throw;
-    }
+    hbm_home->add_shard(s);  // backed whole, all or nothing
     left -= bytes;
     s.resident = true;
     infos[i].resident = true;
-    for (int a = 0; a < 3; ++a) drv->host_free(s.home[a]), s.home[a] = nullptr;
+    tier_home->drop_shard(i);  // its pinned home
   }
 }
 

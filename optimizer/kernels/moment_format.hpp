@@ -74,6 +74,10 @@
 
 #include "adamw_math.hpp"
 
+namespace deferalloc::optim {
+enum class state_array : int;  // <deferalloc/optimizer.hpp>
+}
+
 namespace deferalloc::optim::detail {
 
 enum : int { k_mom_fp32 = 0, k_mom_bf16 = 1, k_mom_int8 = 2 };
@@ -217,11 +221,11 @@ struct adamw_qpiece {
 void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k);
 /// The CUDA kernels of the same (moments_cuda.cu), on `stream` of `device`.
 void cuda_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, void* stream, int device, int sms);
-/// Elements [e0, e0+n) of a moment array (`which` 1: exp_avg, 2: exp_avg_sq) of `numel`
+/// Elements [e0, e0+n) of a moment array (`which`: exp_avg or exp_avg_sq) of `numel`
 /// elements in format `f` at `home`, decoded to FP32.
-void decode_moments(int f, int which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out);
+void decode_moments(int f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out);
 /// Encodes `in` into elements [e0, e0+n) of such an array; an int8 block only partly
 /// covered is decoded first and re-encoded with the new values (its scale may change).
-void encode_moments(int f, int which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in);
+void encode_moments(int f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in);
 
 }  // namespace deferalloc::optim::detail

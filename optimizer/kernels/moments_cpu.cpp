@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <vector>
 
+#include <deferalloc/optimizer.hpp>
+
 #include "moment_format.hpp"
 
 namespace deferalloc::optim::detail {
@@ -54,7 +56,7 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k) {
   }
 }
 
-void decode_moments(int f, int which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out) {
+void decode_moments(int f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out) {
   if (f == k_mom_bf16) {
     const auto* h = static_cast<const std::uint16_t*>(home);
     for (std::size_t i = 0; i < n; ++i) out[i] = from_bf16(h[e0 + i]);
@@ -65,11 +67,11 @@ void decode_moments(int f, int which, const void* home, std::size_t numel, std::
   const float* s = scales(a, numel);
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t j = e0 + i;
-    out[i] = which == 1 ? decode_m(c[j], s[j / k_qblock]) : decode_v(c[j], s[j / k_qblock]);
+    out[i] = which == state_array::exp_avg ? decode_m(c[j], s[j / k_qblock]) : decode_v(c[j], s[j / k_qblock]);
   }
 }
 
-void encode_moments(int f, int which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in) {
+void encode_moments(int f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in) {
   if (f == k_mom_bf16) {
     auto* h = static_cast<std::uint16_t*>(home);
     for (std::size_t i = 0; i < n; ++i) h[e0 + i] = to_bf16(in[i]);
@@ -80,9 +82,9 @@ void encode_moments(int f, int which, void* home, std::size_t numel, std::size_t
     const std::size_t b0 = b * k_qblock, len = std::min(k_qblock, numel - b0);
     decode_moments(f, which, home, numel, b0, len, x.data());  // the block's elements outside [e0, e0+n)
     for (std::size_t i = std::max(b0, e0); i < std::min(b0 + len, e0 + n); ++i) x[i - b0] = in[i - e0];
-    if (which == 2)
+    if (which == state_array::exp_avg_sq)
       for (std::size_t i = 0; i < len; ++i) x[i] = f_sqrt(x[i]);
-    encode_block(which, x.data(), len, codes(home) + b0, scales(home, numel) + b);
+    encode_block(which == state_array::exp_avg ? 1 : 2, x.data(), len, codes(home) + b0, scales(home, numel) + b);
   }
 }
 

@@ -287,8 +287,9 @@ file_store::header_state file_store::read_header(int copy, commit_record& out) {
 
 std::uint64_t file_store::table_offset(int slot) const { return 2 * align + 2 * slot_bytes_ + slot * table_bytes_; }
 
-std::uint64_t file_store::offset(int slot, std::size_t s, int a, std::size_t elem) const {
-  return 2 * align + static_cast<std::uint64_t>(slot) * slot_bytes_ + shard_base_[s] + a * array_bytes_[s] + elem * 4;
+std::uint64_t file_store::offset(int slot, std::size_t s, state_array a, std::size_t elem) const {
+  return 2 * align + static_cast<std::uint64_t>(slot) * slot_bytes_ + shard_base_[s] +
+         static_cast<std::uint64_t>(a) * array_bytes_[s] + elem * 4;
 }
 
 std::shared_ptr<io_batch> file_store::read(void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,

@@ -66,9 +66,9 @@ class file_store {
   bool moments_written() const { return moments_written_; }
   bool direct_io() const { return direct_; }
 
-  /// Byte offset of element `elem` of array `a` (0 main, 1 exp_avg, 2 exp_avg_sq) of
-  /// shard `s` in slot `slot`.
-  std::uint64_t offset(int slot, std::size_t s, int a, std::size_t elem) const;
+  /// Byte offset of element `elem` of array `a` of shard `s` in slot `slot` (a shard's
+  /// arrays are stored main, exp_avg, exp_avg_sq, one after the other).
+  std::uint64_t offset(int slot, std::size_t s, state_array a, std::size_t elem) const;
   /// Bytes of `n` FP32 values rounded up to the I/O alignment.
   static std::size_t io_bytes(std::size_t n) { return (n * 4 + align - 1) / align * align; }
 

@@ -1,0 +1,375 @@
+// The homes of the optimizer state, one class per tier: see Note [Homes] in
+// optimizer_impl.hpp.  This file is the one place that names the tiers.
+#include <deferalloc/errors.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "log.hpp"
+#include "kernels/moment_format.hpp"
+#include "store/file_util.hpp"
+#include "optimizer_impl.hpp"
+
+namespace deferalloc::optim {
+
+const char* to_string(tier t) noexcept {
+  switch (t) {
+    case tier::device: return "device";
+    case tier::host: return "host";
+    case tier::file: return "file";
+  }
+  return "unknown";
+}
+
+tier parse_tier(const std::string& s) {
+  if (s == "device") return tier::device;
+  if (s == "host") return tier::host;
+  if (s == "file") return tier::file;
+  throw invalid_argument("unknown state tier '" + s + "' (device, host or file)");
+}
+
+using detail::file_store;
+using clk = std::chrono::steady_clock;
+
+namespace {
+double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+}  // namespace
+
+// ---- device: the state stays in HBM -------------------------------------------------
+
+class streamed_adamw::impl::device_home final : public home {
+ public:
+  using home::home;
+  bool streamed() const override { return false; }
+
+  // Backed whole: the moments zeroed, main left for the initializer (an upcast).
+  void add_shard(shard& s) override {
+    std::vector<range> rs{{s.res[state_array::exp_avg], 0, whole}, {s.res[state_array::exp_avg_sq], 0, whole}};
+    I.mgr->materialize(rs, fill_mode::zero, I.exec);
+    try {
+      I.mgr->materialize(s.res[state_array::main], 0, whole, fill_mode::undefined, I.exec);
+    } catch (...) {
+      I.mgr->release(rs, keep_mode::discard, I.exec);
+      throw;
+    }
+  }
+
+  void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
+    std::lock_guard lk(mu_);
+    I.drv->copy_async(out, I.shards[s].device(a) + e0, n * 4, I.exec);
+    I.drv->synchronize_stream(I.exec);
+  }
+  void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int) override {
+    write_range(s, a, e0, n, in);
+  }
+  void write_range(std::size_t s, state_array a, std::size_t e0, std::size_t n, const float* in) override {
+    std::lock_guard lk(mu_);
+    I.drv->copy_async(I.shards[s].device(a) + e0, in, n * 4, I.exec);
+    I.drv->synchronize_stream(I.exec);
+  }
+
+ private:
+  std::mutex mu_;  // the copies share one stream (the checkpoint's lanes run at once)
+};
+
+// ---- host: pinned memory, moments possibly compressed (Note [Moment formats]) -------
+
+class streamed_adamw::impl::host_home final : public home {
+ public:
+  using home::home;
+  ~host_home() override {
+    for (auto& h : homes_)
+      for (float* p : h) I.drv->host_free(p);
+  }
+
+  void add_shard(shard& s) override {
+    const std::size_t numel = s.info.numel;
+    const std::size_t mb = detail::moment_bytes(format(), numel);
+    per_array<float*> h{};
+    try {
+      for (state_array a : k_state_arrays) h[a] = static_cast<float*>(I.drv->host_alloc(is_moment(a) ? mb : numel * 4));
+      // Zero moments at home: a shard skipped by the first steps, or state loaded into
+      // some shards only, reads zeros (PyTorch's initial moments), never garbage.
+      // (Compressed: zero codes and zero scales decode to zero.)
+      std::memset(h[state_array::exp_avg], 0, mb);
+      std::memset(h[state_array::exp_avg_sq], 0, mb);
+      homes_.push_back(h);
+    } catch (...) {
+      for (float* p : h)
+        if (p) I.drv->host_free(p);
+      throw;
+    }
+  }
+  void drop_shard(std::size_t s) noexcept override {
+    for (float*& p : homes_[s]) I.drv->host_free(p), p = nullptr;
+  }
+
+  std::size_t to_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {
+    if (is_moment(a) && compressed()) return move_moment(p, a, dev, true, s);
+    I.drv->copy_async(dev, homes_[p.shard][a] + p.e0, p.n * 4, s);
+    return p.n * 4;
+  }
+  std::size_t from_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {
+    if (is_moment(a) && compressed()) return move_moment(p, a, dev, false, s);
+    I.drv->copy_async(homes_[p.shard][a] + p.e0, dev, p.n * 4, s);
+    return p.n * 4;
+  }
+
+  void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
+    if (is_moment(a) && compressed())
+      detail::decode_moments(format(), a, homes_[s][a], I.shards[s].info.numel, e0, n, out);
+    else
+      std::memcpy(out, homes_[s][a] + e0, n * 4);
+  }
+  void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int) override {
+    // Note [Moment formats]: int8 is blockwise (k_qblock elements, one scale each); the
+    // streamed checkpoint writes on chunk boundaries, which are whole blocks, so no
+    // block is re-encoded from a partly written state.
+    DFA_EXPECTS(!is_moment(a) || I.cfg.moments != moment_format::int8 ||
+                    (e0 % detail::k_qblock == 0 && (n % detail::k_qblock == 0 || e0 + n == I.shards[s].info.numel)),
+                "write_home: an int8 moment range [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                    ") is not whole blocks",
+                invalid_state);
+    write_range(s, a, e0, n, in);
+  }
+  void write_range(std::size_t s, state_array a, std::size_t e0, std::size_t n, const float* in) override {
+    if (is_moment(a) && compressed())
+      detail::encode_moments(format(), a, homes_[s][a], I.shards[s].info.numel, e0, n, in);
+    else
+      std::memcpy(homes_[s][a] + e0, in, n * 4);
+  }
+  float* host_array(std::size_t s, state_array a) const override {
+    return is_moment(a) && compressed() ? nullptr : homes_[s][a];
+  }
+
+ private:
+  int format() const { return static_cast<int>(I.cfg.moments); }
+  bool compressed() const { return I.cfg.moments != moment_format::fp32; }
+  // Copies moment `a` of piece `p` between its home and `dev` (the piece's window, in
+  // the format's layout) on `s`; returns the bytes moved.
+  std::size_t move_moment(const piece_ref& p, state_array a, float* dev, bool to_device, stream_t s) {
+    char* home = reinterpret_cast<char*>(homes_[p.shard][a]);
+    auto copy = [&](char* d, char* h, std::size_t bytes) {
+      if (to_device) I.drv->copy_async(d, h, bytes, s);
+      else I.drv->copy_async(h, d, bytes, s);
+      return bytes;
+    };
+    char* d = reinterpret_cast<char*>(dev);
+    if (format() == detail::k_mom_bf16) return copy(d, home + 2 * p.e0, 2 * p.n);
+    // int8: the piece's codes, then its blocks' scales (pieces start on a block: the
+    // piece size is a multiple of the granule, itself of 256 elements).
+    const std::size_t numel = I.shards[p.shard].info.numel;
+    return copy(d, home + p.e0, p.n) +
+           copy(d + detail::q_scales_offset(p.n), home + detail::q_scales_offset(numel) + 4 * (p.e0 / detail::k_qblock),
+                4 * detail::q_blocks(p.n));
+  }
+
+  std::vector<per_array<float*>> homes_;  // per shard: the pinned home of each array
+};
+
+// ---- file: two slots in a state file (Note [File tier]) ------------------------------
+
+class streamed_adamw::impl::file_home final : public home {
+ public:
+  explicit file_home(impl& owner) : home(owner) {
+    DFA_EXPECTS(!I.cfg.directory.empty(), "streamed_adamw: the file tier needs a directory");
+  }
+  ~file_home() override { free_staging(); }
+
+  bool in_place() const override { return false; }
+  std::size_t piece_align() const override { return file_store::block; }  // Note [File tier integrity]
+  bool whole_arrays() const override { return true; }
+
+  void open() override {
+    if (I.file) return;
+    std::vector<std::size_t> numel;
+    for (auto& s : I.shards) numel.push_back(s.info.numel);
+    I.file = std::make_unique<file_store>(I.cfg.directory, I.cfg.rank, numel, I.cfg.resume, I.cfg.io_threads,
+                                          I.cfg.io_request_bytes);
+    if (I.file->resumed()) {
+      I.step_count = I.file->committed_step();
+      for (auto& s : I.shards) s.step = I.step_count;  // one count per file (see the header)
+      I.moments_written = I.file->moments_written();
+      I.initialized = true;
+    }
+  }
+  void add_shard(shard&) override {}  // the state file is made for all shards at open()
+
+  // A pass: reads run `depth` pieces ahead into a ring of 2 * depth pinned staging
+  // buffers; write-backs land in another ring and are written at retire.
+  void begin_pass(const pass_plan& plan) override {
+    plan_ = &plan;
+    read_slot_ = I.file->active_slot();
+    write_slot_ = plan.kind == pass::step ? 1 - read_slot_ : read_slot_;
+    ensure_staging();
+    reads_.assign(plan.pieces.size(), nullptr);
+    writes_.assign(plan.pieces.size(), nullptr);
+  }
+  void prefetch(std::size_t j, const piece_ref& p) override {
+    if (!plan_->fetch_main) return;
+    const int n_arr = plan_->kind == pass::step && I.moments_written ? 3 : 1;
+    for (state_array a : first_arrays(n_arr))
+      reads_[j] = I.file->read(staging(false, j, a), file_store::io_bytes(p.n), I.file->offset(read_slot_, p.shard, a, p.e0),
+                               "state of " + I.where(p), reads_[j]);
+  }
+  void await_fetch(std::size_t i) override {
+    const auto t = clk::now();
+    reads_[i]->wait();
+    I.report.io_wait_seconds += since(t);
+  }
+  std::size_t to_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
+    I.drv->copy_async(dev, staging(false, i, a), p.n * 4, s);
+    return p.n * 4;
+  }
+  void await_write_back(std::size_t i) override {
+    const std::size_t ring = 2 * static_cast<std::size_t>(I.cfg.depth);
+    if (i >= plan_->skip + ring && writes_[i - ring]) {
+      const auto t = clk::now();
+      writes_[i - ring]->wait();
+      I.report.io_wait_seconds += since(t);
+    }
+  }
+  std::size_t from_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
+    I.drv->copy_async(staging(true, i, a), dev, p.n * 4, s);
+    return p.n * 4;
+  }
+  void retire(std::size_t i, const piece_ref& p) override {
+    if (!plan_->write_back) return;
+    for (state_array a : first_arrays(plan_->arrays))
+      writes_[i] = I.file->write(staging(true, i, a), file_store::io_bytes(p.n), I.file->offset(write_slot_, p.shard, a, p.e0),
+                                 "state of " + I.where(p), writes_[i]);
+  }
+  void end_pass() override {
+    for (auto& w : writes_)
+      if (w) w->wait();
+    reads_.clear();
+    writes_.clear();
+  }
+  void drain() noexcept override {
+    for (auto* v : {&reads_, &writes_})
+      for (auto& b : *v)
+        if (b) try {
+            b->wait();
+          } catch (...) {
+            deferalloc::detail::log_current("streamed_adamw: waiting for I/O after a failed pass");
+          }
+    reads_.clear();
+    writes_.clear();
+  }
+  // A step's new slot becomes the state only here (Note [File tier]).
+  void commit(pass kind) override {
+    if (kind == pass::init) I.file->commit(0, I.file->active_slot(), false);
+    if (kind == pass::step) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
+  }
+  int load_slot() const override { return 1 - I.file->active_slot(); }
+  void commit_load(std::uint64_t step, int slot, bool moments) override { I.file->commit(step, slot, moments); }
+
+  void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
+    constexpr std::size_t chunk = std::size_t{32} << 20;  // bytes per read
+    const bool direct = reinterpret_cast<std::uintptr_t>(out) % file_store::align == 0 && (n * 4) % file_store::align == 0;
+    const std::size_t block = std::min<std::size_t>(chunk, n * 4);
+    std::unique_ptr<detail::aligned_buffer> bounce;
+    if (!direct)
+      bounce = std::make_unique<detail::aligned_buffer>(file_store::io_bytes(block / 4), false,
+                                                        "checkpoint: no host memory for a bounce buffer");
+    for (std::size_t done = 0; done < n * 4; done += chunk) {
+      const std::size_t want = std::min(chunk, n * 4 - done);
+      char* to = direct ? reinterpret_cast<char*>(out) + done : reinterpret_cast<char*>(bounce->p);
+      I.file->read(to, file_store::io_bytes(want / 4), I.file->offset(I.file->active_slot(), s, a, e0) + done, what(s, a))
+          ->wait();
+      if (!direct) std::memcpy(reinterpret_cast<char*>(out) + done, to, want);
+    }
+  }
+  void read_io(std::size_t s, state_array a, std::size_t e0, std::size_t n, unsigned char* buf) override {
+    I.file->read(buf, file_store::io_bytes(n), I.file->offset(I.file->active_slot(), s, a, e0), what(s, a))->wait();
+  }
+  void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int slot) override {
+    const std::size_t io = file_store::io_bytes(n);
+    std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
+    I.file->write(in, io, I.file->offset(slot, s, a, e0), what(s, a))->wait();
+  }
+  // Whole arrays (whole_arrays()) through an aligned bounce buffer, in pieces on
+  // checksum-block boundaries (write() pads each piece to whole blocks), committed.
+  void write_range(std::size_t shard, state_array a, std::size_t, std::size_t, const float* in) override {
+    const int slot = I.file->active_slot();
+    constexpr std::size_t piece = std::size_t{8} << 20;  // elements: 32 MiB
+    detail::aligned_buffer buf(file_store::io_bytes(piece), false, "write_state_range: no host memory for a bounce buffer");
+    auto write_array = [&](std::size_t s, state_array m, const float* src) {
+      const std::size_t numel = I.shards[s].info.numel;
+      for (std::size_t e0 = 0; e0 < numel; e0 += piece) {
+        const std::size_t k = std::min(piece, numel - e0);
+        if (src) std::memcpy(buf.p, src + e0, k * 4);
+        else std::memset(buf.p, 0, k * 4);
+        write(s, m, e0, k, reinterpret_cast<float*>(buf.p), slot);
+      }
+    };
+    if (is_moment(a) && !I.moments_written) {
+      // The file holds no moments yet: zeros everywhere first, so that the shards not
+      // loaded read PyTorch's initial moments.
+      for (std::size_t s = 0; s < I.shards.size(); ++s)
+        for (state_array m : {state_array::exp_avg, state_array::exp_avg_sq}) write_array(s, m, nullptr);
+      I.file->commit(I.step_count, slot, true);
+    }
+    write_array(shard, a, in);
+    // The slot's checksum table now covers the new bytes: publish it (same step).
+    I.file->commit(I.step_count, slot, I.moments_written || is_moment(a));
+  }
+
+ private:
+  std::string what(std::size_t s, state_array a) const {
+    return std::string(array_name(a)) + " of " + I.shards[s].info.name;
+  }
+  // Piece i's array `a` in the ring of staging buffers (in: reads, out: writes).
+  char* staging(bool out, std::size_t i, state_array a) const {
+    const auto& ring = out ? stage_out_ : stage_in_;
+    return static_cast<char*>(ring[i % ring.size()]) + array_index(a) * file_store::io_bytes(I.piece);
+  }
+  void ensure_staging() {
+    if (!stage_in_.empty()) return;
+    const std::size_t bytes = 3 * file_store::io_bytes(I.piece);
+    try {
+      for (int i = 0; i < 2 * I.cfg.depth; ++i) stage_in_.push_back(I.drv->host_alloc(bytes));
+      for (int i = 0; i < 2 * I.cfg.depth; ++i) stage_out_.push_back(I.drv->host_alloc(bytes));
+    } catch (...) {
+      free_staging();
+      throw;
+    }
+  }
+  void free_staging() noexcept {
+    for (void* p : stage_in_) I.drv->host_free(p);
+    for (void* p : stage_out_) I.drv->host_free(p);
+    stage_in_.clear();
+    stage_out_.clear();
+  }
+
+  const pass_plan* plan_ = nullptr;
+  int read_slot_ = 0, write_slot_ = 0;
+  std::vector<std::shared_ptr<detail::io_batch>> reads_, writes_;  // per piece of the pass
+  std::vector<void*> stage_in_, stage_out_;
+};
+
+std::size_t streamed_adamw::impl::home::to_device(std::size_t, const piece_ref&, state_array, float*, stream_t) {
+  throw invalid_state("streamed_adamw: this tier's state does not stream");
+}
+std::size_t streamed_adamw::impl::home::from_device(std::size_t, const piece_ref&, state_array, float*, stream_t) {
+  throw invalid_state("streamed_adamw: this tier's state does not stream");
+}
+
+void streamed_adamw::impl::make_homes() {
+  DFA_EXPECTS(cfg.moments == moment_format::fp32 || cfg.home == tier::host,
+              std::string("streamed_adamw: ") + to_string(cfg.moments) + " moments need the host tier (the " +
+                  to_string(cfg.home) + " tier keeps fp32 moments)");
+  DFA_EXPECTS(cfg.resident_bytes == 0 || cfg.home == tier::host,
+              std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(cfg.home) +
+                  " tier keeps all or none of its state in HBM)");
+  switch (cfg.home) {
+    case tier::device: tier_home = std::make_unique<device_home>(*this); break;
+    case tier::host: tier_home = std::make_unique<host_home>(*this); break;
+    case tier::file: tier_home = std::make_unique<file_home>(*this); break;
+    default: throw invalid_argument("streamed_adamw: unknown tier " + std::to_string(static_cast<int>(cfg.home)));
+  }
+  hbm_home = std::make_unique<device_home>(*this);
+}
+
+}  // namespace deferalloc::optim
