@@ -79,15 +79,22 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   if (I.tier_home->streamed()) {
     // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
     const std::size_t gran_elems = std::max(g, I.tier_home->piece_align()) / 4;
-    const std::size_t per_piece = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth));  // params
+    const std::size_t depth = static_cast<std::size_t>(I.cfg.depth);
+    // Note [Small pieces] (window_pipeline.cpp): room for depth pieces of one granule per
+    // array beside the depth full pieces, where it costs at most an eighth of the window.
+    const std::size_t small_room = 3 * depth * g;
+    if (small_room <= I.cfg.window_bytes / 8) I.small_piece_bytes = g;
+    const std::size_t per_piece = (I.cfg.window_bytes - (I.small_piece_bytes ? small_room : 0)) / (12 * depth);  // params
     I.piece = per_piece / gran_elems * gran_elems;
+    if (I.piece * 4 <= I.small_piece_bytes) I.small_piece_bytes = 0;  // every piece is small anyway
     DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                  std::to_string(I.cfg.depth) + " needs at least " +
                                  std::to_string(12 * I.cfg.depth * gran_elems * 4) + " bytes");
     // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
-    // copy engines briefly); every piece has that shape (reservations padded to pieces).
-    // Budget: the window and the resident shards (Note [Resident shards]); the cache
-    // holds the window's chunks only (resident chunks stay taken).
+    // copy engines briefly); a piece has that shape (reservations padded to pieces), or
+    // one granule per array when it is small (Note [Small pieces]).  Budget: the window
+    // and the resident shards (Note [Resident shards]); the cache holds the window's
+    // chunks only (resident chunks stay taken).
     I.pool = std::make_shared<chunk_pool>(
         I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes + I.cfg.resident_bytes, I.cfg.window_bytes});
   } else {

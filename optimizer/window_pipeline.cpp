@@ -7,10 +7,11 @@
 //
 // Approach
 //  - A piece is n elements of one shard, all three arrays; n is the largest multiple of
-//    the granule (in floats) with depth * 12 * n <= window_bytes.  The reservations are
-//    padded to a multiple of n, so every piece maps the same chunk shapes: after the
-//    first `depth` pieces the chunk pool (budget = window) serves every piece of the pass
-//    from its cache; at the end of a pass the cache is trimmed, so that between steps
+//    the granule (in floats) with depth * 12 * n <= window_bytes (less the room of the
+//    small pieces, Note [Small pieces]).  The reservations are padded to a multiple of n,
+//    so every piece maps the same chunk shapes (a small piece one granule per array):
+//    after the first `depth` pieces the chunk pool (budget = window) serves every piece
+//    of the pass from its cache; at the end of a pass the cache is trimmed, so that between steps
 //    the state holds no HBM at all (3 * depth cuMemCreate per pass).
 //  - Per piece, on three streams, one method of window_pipeline each: materialize ->
 //    fetch (H2D from the piece's home, Note [Homes]; never-written moments are zeroed on
@@ -29,8 +30,23 @@
 //    from it.  Host/device tiers update in place: the pieces whose write-back was issued
 //    are counted, and a step retried with the same gradients skips them.
 //
-// Limits: one pass at a time per optimizer (calls are serialized by a mutex); shards
-// much smaller than a piece still map a whole piece.
+// Limits: one pass at a time per optimizer (calls are serialized by a mutex); a shard
+// larger than a granule but much smaller than a piece still maps a whole piece.
+//
+// Note [Small pieces]
+// Rationale: models have many tiny shards (norm weights, biases: a GPTModel of 0.54 G
+// params had about 90 of its 125 pieces under a megabyte).  Mapping, giving access to
+// and unmapping three whole piece-sized chunks for a few kilobytes costs far more than
+// moving them, and it is paid per piece.
+// Approach: a piece of at most one granule of FP32 (small_piece_bytes, 2 MiB on H200)
+// maps one granule per array instead (the pool's smallest class).  The full pieces are
+// made smaller by 3 * depth granules of the window, so depth full pieces and depth small
+// ones fit the budget (= the window) at once: every chunk shape the pass uses stays
+// cached through the pass and none is ever trimmed to make room for another (the pool
+// holds at most, per class, what depth pieces of each shape take), and the peak stays
+// within the window.  A big range never takes small cached chunks unless they cover it
+// whole (reservation_manager::acquire_pieces).  Off where that room would cost more
+// than an eighth of the window (small windows: small_piece_bytes = 0).
 #include <deferalloc/errors.hpp>
 
 #include <algorithm>
@@ -111,7 +127,8 @@ class streamed_adamw::impl::window_pipeline {
   event_t ev(std::size_t i, int which) { return I.event(1 + (i % K) * 3 + which); }
   std::vector<range> ranges_of(const piece_ref& p) const {
     std::vector<range> rs;
-    for (state_array a : first_arrays(plan_.arrays)) rs.push_back({I.shards[p.shard].res[a], p.e0 * 4, I.piece * 4});
+    const std::size_t bytes = p.n * 4 <= I.small_piece_bytes ? I.small_piece_bytes : I.piece * 4;  // Note [Small pieces]
+    for (state_array a : first_arrays(plan_.arrays)) rs.push_back({I.shards[p.shard].res[a], p.e0 * 4, bytes});
     return rs;
   }
   // The piece's window: its elements in each array's reservation.
