@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
-#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [overlap] [ckpt] [stress] [bench]
-#   (default: all).  DFA_STRESS_SECONDS sets the stress runs' length (default 60).
+#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
+#     [stress] [bench]   (default: all but multi, diag and megatron_dp2, the two-GPU steps and the diagnostic).
+#   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
@@ -98,7 +99,9 @@ fi
 if has multi; then
   # Two GPUs (issue 17): ctest -L multigpu (test_distributed.nccl2, trainer_acceptance_ws2),
   # with NCCL's INFO output to see whether ncclCommRegister registers the VMM buffers.
-  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG run ctest_multigpu 540 ctest --test-dir $B -L multigpu --timeout 600 -j1 -V
+  # test_megatron_dp2 (also labelled multigpu) runs in its own step, megatron_dp2.
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG run ctest_multigpu 540 ctest --test-dir $B -L multigpu -E test_megatron_dp2 \
+    --timeout 600 -j1 -V
   grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest_multigpu.log" | sed 's/^ *//'
   grep -hiE "regist" "$L/ctest_multigpu.log" | sed 's/^[0-9]*: //' | sort | uniq -c | sort -rn | head -12 > "$L/nccl_registration.txt"
   cat "$L/nccl_registration.txt"
@@ -124,6 +127,13 @@ if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$R/test_megatron_gpu.json" \
     ${DFA_MEGATRON_ARGS:-}
   tail -24 "$L/megatron.log"
+fi
+if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
+  # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);
+  # the figures as JSON in $R/test_megatron_dp2.json.
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron_dp2 480 python3 tests/torch/test_megatron_dp2.py \
+    --json "$R/test_megatron_dp2.json" ${DFA_MEGATRON_DP2_ARGS:-}
+  tail -16 "$L/megatron_dp2.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 330 python3 benchmarks/optimizer/bench_overlap.py --out "$R" \

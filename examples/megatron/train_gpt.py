@@ -24,6 +24,17 @@ allocated bytes beside it, optimizer-phase times, the engine's per-step pass sta
 count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after step N;
 ``--load DIR`` loads one and continues from the step after it.
 
+Data parallelism (torchrun ``--nproc-per-node N``): ``--batch`` is the global batch, the same
+tokens at every data-parallel size; rank r trains on rows [r*B/N, (r+1)*B/N) of it (B must
+divide by N).  Megatron's DDP scales each rank's gradient by 1/N before its SUM
+reduce-scatter (megatron-core 0.16.1, DistributedDataParallel: average_in_collective=False,
+gradient_scaling_factor = 1/dp_size), so the reduced gradient is the mean of the ranks'
+mean-loss gradients: the gradient of the global batch's mean loss, as at N = 1, up to the
+order of the additions.  The printed loss is the global-batch mean (the ranks' means summed
+by an all-reduce, divided by N); rank 0 prints and writes the summary; ``saved_digest`` /
+``loaded_digest`` cover the whole optimizer state (every rank's shards, gathered), so they
+compare across data-parallel sizes.  At N = 1 none of this changes anything.
+
 Note [HBM sampling]
 The sampler starts after ``--warmup-steps`` (1) steps, once torch.cuda.empty_cache() has
 given back what torch's allocator keeps cached but free, in every mode alike.  Why: in the
@@ -69,7 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (split over the data-parallel ranks)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--save", help="dist-checkpointing directory to save into")
@@ -144,6 +155,10 @@ def setup(args):
     torch.use_deterministic_algorithms(True, warn_only=True)
     from megatron.core import parallel_state, tensor_parallel
     parallel_state.initialize_model_parallel(1, 1)
+    dp = dp_size()
+    if args.batch % dp:
+        raise SystemExit(f"train_gpt.py: --batch {args.batch} (the global batch) is not divisible by the "
+                         f"data-parallel size {dp}")
     if args.cpu_emulation:
         cpu_emulation.after_model_parallel_init()
     else:
@@ -237,10 +252,20 @@ def describe_optimizer(optimizer) -> list[dict]:
     return out
 
 
+def dp_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def batch(args, step: int, device):
+    """This rank's rows of the step's global batch (the same tokens at every data-parallel size)."""
     g = torch.Generator().manual_seed(args.seed * 1000 + step)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    pos = torch.arange(args.seq).unsqueeze(0).expand(args.batch, -1)
+    dp = dp_size()
+    if dp > 1:
+        rows = args.batch // dp
+        rank = torch.distributed.get_rank()
+        tokens = tokens[rank * rows:(rank + 1) * rows]
+    pos = torch.arange(args.seq).unsqueeze(0).expand(tokens.shape[0], -1)
     return tokens[:, :-1].to(device), pos.to(device), tokens[:, 1:].to(device)
 
 
@@ -256,7 +281,10 @@ def optimizers_of(optimizer):
 
 def state_digest(optimizer) -> str:
     """sha256 over every model param's FP32 main shard and moments, read through Megatron's
-    own accessor (the one its checkpoint formats use)."""
+    own accessor (the one its checkpoint formats use).  Data-parallel: over the whole state,
+    every rank's pieces gathered (the same digest as at N = 1 for the same state)."""
+    if dp_size() > 1:
+        return gathered_state_digest(optimizer)
     h = hashlib.sha256()
     for dopt in optimizers_of(optimizer):
         for gbuf in dopt.gbuf_ranges:
@@ -266,6 +294,35 @@ def state_digest(optimizer) -> str:
                         t = dopt._get_main_param_and_optimizer_states(model_param)
                         for k in ("param", "exp_avg", "exp_avg_sq"):
                             h.update(t[k].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def gathered_state_digest(optimizer) -> str:
+    """state_digest of a data-parallel optimizer: each rank's pieces of every param (main,
+    exp_avg, exp_avg_sq with its offset in the param) gathered to every rank, then hashed in
+    the order of the N = 1 digest (params in grad-buffer order, a param's pieces by offset).
+    Every piece travels as a Python object: for test-sized models."""
+    mine = []
+    for o, dopt in enumerate(optimizers_of(optimizer)):
+        for b, gbuf in enumerate(dopt.gbuf_ranges):
+            position = {p: i for i, p in enumerate(dopt.buffers[b].param_index_map)}
+            for per_bucket in gbuf.values():
+                for bucket in per_bucket:
+                    for model_param, ranges in bucket["param_map"].items():
+                        t = dopt._get_main_param_and_optimizer_states(model_param)
+                        mine.append(((o, b, position[model_param]), ranges["param"].start,
+                                     [t[k].detach().float().cpu().contiguous().numpy().tobytes()
+                                      for k in ("param", "exp_avg", "exp_avg_sq")]))
+    every = [None] * dp_size()
+    torch.distributed.all_gather_object(every, mine)
+    by_param: dict = {}
+    for key, start, data in sorted((p for rank in every for p in rank), key=lambda p: (p[0], p[1])):
+        by_param.setdefault(key, []).append(data)
+    h = hashlib.sha256()
+    for pieces in by_param.values():
+        for k in range(3):
+            for data in pieces:
+                h.update(data[k])
     return h.hexdigest()
 
 
@@ -318,6 +375,11 @@ def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, f
     loss = ddp(tokens, pos, None, labels=labels).float().mean()
     loss.backward()
     ddp.finish_grad_sync()
+    dp = dp_size()
+    if dp > 1:  # the global batch's mean loss (the ranks' halves are equal in size)
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss)
+        loss /= dp
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -344,6 +406,7 @@ def main(argv=None) -> int:
     gpt, ddp, optimizer, streamed = build(args)
     device = torch.device("cpu") if args.cpu_emulation else torch.device("cuda", torch.cuda.current_device())
     n_params = sum(p.numel() for p in gpt.parameters())
+    rank0 = torch.distributed.get_rank() == 0  # prints and writes the summary
     first = 1
     summary = {"params": n_params, "mode": "hdo" if args.hdo else args.deferalloc}
     if args.load:
@@ -374,8 +437,9 @@ def main(argv=None) -> int:
         if streamed:
             engine.append(engine_stats(streamed))
         losses[step] = loss
-        print(f"step {step:3d} loss {losses[step]:.6f} {float(losses[step]).hex()} grad_norm {float(grad_norm):.4f} "
-              f"optimizer {opt_seconds[-1] * 1e3:.1f} ms", flush=True)
+        if rank0:
+            print(f"step {step:3d} loss {losses[step]:.6f} {float(losses[step]).hex()} grad_norm {float(grad_norm):.4f} "
+                  f"optimizer {opt_seconds[-1] * 1e3:.1f} ms", flush=True)
         if args.save and step == args.save_at:
             save(gpt, optimizer, args.save, step)
             summary["saved_digest"] = state_digest(optimizer)
@@ -390,12 +454,18 @@ def main(argv=None) -> int:
     if streamed:
         summary["engine_peak_backed"] = max(s.stats()["peak_backed_bytes"] for s in streamed)
         summary["engine"] = engine
-    print(f"params {n_params} peak HBM {sampler.peak / 2**20:.0f} MiB between steps "
-          f"{summary['between_hbm'] / 2**20:.0f} MiB (torch reserved {top['torch_reserved'] / 2**20:.0f}, "
-          f"allocated {top['torch_allocated'] / 2**20:.0f})", flush=True)
-    if args.summary:
+    if rank0:
+        print(f"params {n_params} peak HBM {sampler.peak / 2**20:.0f} MiB between steps "
+              f"{summary['between_hbm'] / 2**20:.0f} MiB (torch reserved {top['torch_reserved'] / 2**20:.0f}, "
+              f"allocated {top['torch_allocated'] / 2**20:.0f})", flush=True)
+    if args.summary and rank0:
         with open(args.summary, "w") as f:
             json.dump(summary, f)
+    if dp_size() > 1:
+        # Every rank done before any tears its gloo / NCCL pairs down: a rank whose peer
+        # exited first can abort in gloo's shutdown ("terminate called without an active
+        # exception", seen once in about ten two-process CPU runs without this barrier).
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
 

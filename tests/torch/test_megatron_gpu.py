@@ -29,7 +29,6 @@ GPU or megatron-core.  Prints a table last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -38,8 +37,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLE = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "megatron", "train_gpt.py"))
+from megatron_runs import report, torchrun
+
 MIB = 2**20
 
 
@@ -101,19 +100,7 @@ def main() -> int:
     wall = {}
 
     def run(name: str, opts: list[str], extra: list[str]) -> dict | None:
-        summary = os.path.join(work, f"{name}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", EXAMPLE,
-               *opts, "--window-mb", str(args.window_mb), "--summary", summary, *extra]
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        wall[name] = time.perf_counter() - t0
-        print(f"--- {name} ({wall[name]:.0f} s, rc {r.returncode})", flush=True)
-        print("\n".join(line for line in r.stdout.splitlines() if line.startswith(("step", "params"))), flush=True)
-        if r.returncode != 0:
-            print(r.stdout[-2000:], r.stderr[-4000:], flush=True)
-            return None
-        with open(summary) as f:
-            return json.load(f)
+        return torchrun(name, 1, [*opts, "--window-mb", str(args.window_mb), *extra], env, work, wall)
 
     # The 168 M runs: the window takes what torch keeps cached (Note [The window and torch's
     # cache] in deferalloc/megatron.py); the timing runs: the plain step.
@@ -136,23 +123,11 @@ def main() -> int:
     n, n_t = (runs["megatron"] or {}).get("params"), (runs["deferalloc-host-timing"] or {}).get("params")
     print(f"\nmegatron-core GPTModel, {(n or 0) / 1e6:.0f} M params ({(n_t or 0) / 1e9:.2f} G for timing), "
           f"window {args.window_mb} MiB, {device}")
-    width = max(len(r[0]) for r in rows)
-    for what, value, ok in rows:
-        print(f"{'    ' if ok is None else 'PASS' if ok else 'FAIL'}  {what:<{width}}  {value}")
-    judged = [ok for _, _, ok in rows if ok is not None]
-    failed = judged.count(False)
-    print(f"{len(judged) - failed}/{len(judged)} checks passed")
-    if args.json:
-        out = {"benchmark": "test_megatron_gpu", "schema": 1, "device": device,
-               "command": shlex.join([sys.executable, *sys.argv]), "results": results,
-               "extra": {"model": args.model, "timing_model": args.timing_model, "params": n, "timing_params": n_t,
-                         "window_mb": args.window_mb, "steps": args.steps, "wall_seconds": wall,
-                         "checks": [{"what": w, "value": v, "ok": o} for w, v, o in rows],
-                         "runs": {k: ({kk: vv for kk, vv in v.items() if kk not in ("saved_digest", "loaded_digest")}
-                                      if v else None) for k, v in runs.items()}}}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 1 if failed else 0
+    extra = {"model": args.model, "timing_model": args.timing_model, "params": n, "timing_params": n_t,
+             "window_mb": args.window_mb, "steps": args.steps, "wall_seconds": wall,
+             "runs": {k: ({kk: vv for kk, vv in v.items() if kk not in ("saved_digest", "loaded_digest")}
+                          if v else None) for k, v in runs.items()}}
+    return 1 if report("test_megatron_gpu", device, rows, results, extra, args.json) else 0
 
 
 def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
@@ -269,10 +244,6 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     check(f"save at {args.save_at}, load in a new process, continue to {args.steps}",
           "identical" if ok else "differ / failed", ok)
     figure("checkpoint_resume_identical", int(ok), "bool")
-
-    judged = [ok for _, _, ok in rows if ok is not None]
-    figure("checks_passed", judged.count(True), "count")
-    figure("checks_total", len(judged), "count")
     return rows, results
 
 

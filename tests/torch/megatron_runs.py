@@ -1,0 +1,56 @@
+"""What the Megatron acceptance scripts share (test_megatron_gpu.py, test_megatron_dp2.py):
+examples/megatron/train_gpt.py under torchrun with its JSON summary, and the closing table
+plus the JSON of benchmarks/bench_json.py's schema."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "megatron", "train_gpt.py"))
+
+
+def torchrun(name: str, nproc: int, script_args: list[str], env: dict, work: str, wall: dict,
+             script: str = EXAMPLE) -> dict | None:
+    """``script`` (train_gpt.py or a wrapper taking its arguments) on ``nproc`` processes with
+    ``--summary`` into ``work``; prints its step lines, records its wall time in ``wall``;
+    the summary, or None when it failed (its output's tail printed)."""
+    summary = os.path.join(work, f"{name}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script,
+           *script_args, "--summary", summary]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    wall[name] = time.perf_counter() - t0
+    print(f"--- {name} ({nproc} process{'es' if nproc > 1 else ''}, {wall[name]:.0f} s, rc {r.returncode})",
+          flush=True)
+    print("\n".join(line for line in r.stdout.splitlines() if line.startswith(("step", "params"))), flush=True)
+    if r.returncode != 0:
+        print(r.stdout[-2000:], r.stderr[-4000:], flush=True)
+        return None
+    with open(summary) as f:
+        return json.load(f)
+
+
+def report(benchmark: str, device: str, rows: list, results: list, extra: dict, json_path: str | None) -> int:
+    """Prints the checks (what, value, ok: True / False / None for a figure beside them) as a
+    table and writes the JSON (schema 1, ``results`` with checks_passed and checks_total added)
+    when ``json_path``; returns how many checks failed."""
+    width = max(len(r[0]) for r in rows)
+    for what, value, ok in rows:
+        print(f"{'    ' if ok is None else 'PASS' if ok else 'FAIL'}  {what:<{width}}  {value}")
+    judged = [ok for _, _, ok in rows if ok is not None]
+    failed = judged.count(False)
+    print(f"{len(judged) - failed}/{len(judged)} checks passed")
+    if json_path:
+        counts = [{"name": "checks_passed", "value": len(judged) - failed, "unit": "count", "baseline": None},
+                  {"name": "checks_total", "value": len(judged), "unit": "count", "baseline": None}]
+        out = {"benchmark": benchmark, "schema": 1, "device": device,
+               "command": shlex.join([sys.executable, *sys.argv]), "results": results + counts,
+               "extra": dict(extra, checks=[{"what": w, "value": v, "ok": o} for w, v, o in rows])}
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return failed
