@@ -43,12 +43,15 @@ class streamed_adamw::impl::device_home final : public home {
   using home::home;
   bool streamed() const override { return false; }
 
-  // Backed whole: the moments zeroed, main left for the initializer (an upcast).
+  // Backed for its elements (rounded up to the granule; a resident shard's reservation
+  // is padded to whole pieces and the padding stays unbacked): the moments zeroed, main
+  // left for the initializer (an upcast).
   void add_shard(shard& s) override {
-    std::vector<range> rs{{s.res[state_array::exp_avg], 0, whole}, {s.res[state_array::exp_avg_sq], 0, whole}};
+    const std::size_t len = I.resident_bytes(s);
+    std::vector<range> rs{{s.res[state_array::exp_avg], 0, len}, {s.res[state_array::exp_avg_sq], 0, len}};
     I.mgr->materialize(rs, fill_mode::zero, I.exec);
     try {
-      I.mgr->materialize(s.res[state_array::main], 0, whole, fill_mode::undefined, I.exec);
+      I.mgr->materialize(s.res[state_array::main], 0, len, fill_mode::undefined, I.exec);
     } catch (...) {
       I.mgr->release(rs, keep_mode::discard, I.exec);
       throw;

@@ -127,6 +127,12 @@ struct streamed_adamw::impl {
   void sync_device_shards(bool all);
   /// BF16(main) into the model parameters; `stream` waits for it.
   void sync_model(stream_t stream);
+  /// Bytes of one array of a shard kept in HBM (device tier, resident shards): its
+  /// elements rounded up to the granule.
+  std::size_t resident_bytes(const shard& s) const {
+    const std::size_t g = drv->granularity();
+    return (s.info.numel * 4 + g - 1) / g * g;
+  }
 };
 
 // Note [Homes]

@@ -5,9 +5,10 @@
 // PCIe bytes, so a budget covering half the state halves the streamed bytes.
 // Approach: optimizer_config::resident_bytes (C ABI resident_mb; Python resident_mb or
 // "auto" from free HBM).  At initialize(), shards are taken in registration order while
-// their three padded FP32 arrays fit the budget (a shard that does not fit is skipped,
-// later smaller ones may still fit); their reservations are backed whole, their pinned
-// homes freed, and from then on they are device-tier shards inside a host-tier optimizer:
+// their three FP32 arrays, each rounded up to the granule, fit the budget (a shard that
+// does not fit is skipped, later smaller ones may still fit); that much of their
+// reservations is backed (not the padding to whole pieces a streamed shard has: a norm
+// of 2,048 elements costs 3 granules, not 3 pieces), their pinned homes freed, and from then on they are device-tier shards inside a host-tier optimizer:
 // initialize upcasts, step runs the device tier's kernel on the exec stream (enqueued
 // before the streamed pass, so the GPU steps them while the link streams the rest),
 // state ranges and checkpoints read HBM.  One optimizer, one checkpoint, one step count.
@@ -27,7 +28,7 @@ void streamed_adamw::impl::place_resident() {
   std::size_t left = cfg.resident_bytes;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     auto& s = shards[i];
-    const std::size_t bytes = 3 * ((s.info.numel + piece - 1) / piece * piece * 4);  // the padded reservations
+    const std::size_t bytes = 3 * resident_bytes(s);  // what device_home::add_shard backs
     if (bytes > left) continue;
     hbm_home->add_shard(s);  // backed whole, all or nothing
     left -= bytes;

@@ -267,6 +267,36 @@ TEST(optimizer, small_pieces_map_one_granule_and_change_nothing_else) {
   EXPECT_GT(r.opt->last_report().peak_backed_bytes, 0u);
 }
 
+// Note [Resident shards]: a resident shard costs its elements rounded up to the granule,
+// not its reservation's padding to whole pieces, so tiny shards leave the budget to big
+// ones; resident and streamed give the same bits.
+TEST(optimizer, resident_shards_cost_their_granules_not_their_padding) {
+  auto d = make_driver();
+  const std::size_t g = d->granularity(), base = g / 4;
+  problem p = make_problem(g, 3);
+  p.window = 8 * 3 * 12 * g;  // pieces of 31 granules of FP32 (Note [Small pieces])
+  p.sizes.clear();
+  for (std::size_t k = 0; k < 10; ++k) p.sizes.push_back(1000 + 37 * k);  // norms: one granule each
+  p.sizes.push_back(40 * base);                                        // 40 granules, padded to 62
+  p.sizes.push_back(40 * base);                                        // does not fit: streamed
+  p.params.clear();
+  p.grads.assign(p.steps, {});
+  for (std::size_t s = 0; s < p.sizes.size(); ++s) p.params.push_back(random_bf16(p.sizes[s], 10 + s, 1.0f));
+  for (int t = 0; t < p.steps; ++t)
+    for (std::size_t s = 0; s < p.sizes.size(); ++s) p.grads[t].push_back(random_bf16(p.sizes[s], 1000 * t + s, 0.1f));
+  optimizer_config cfg = config_for(tier::host);
+  cfg.resident_bytes = 3 * (10 * g + 40 * g);  // the ten norms and the first big shard, exactly
+  run r(d, p, cfg);
+  const auto free0 = d->get_memory_info().free_bytes;
+  r.opt->initialize();
+  const auto held = free0 - d->get_memory_info().free_bytes;
+  for (std::size_t s = 0; s < p.sizes.size(); ++s)
+    EXPECT_EQ(r.opt->shards()[s].resident, s + 1 < p.sizes.size()) << "shard " << s;
+  EXPECT_EQ(held, cfg.resident_bytes) << "the resident shards back their granules only";
+  for (int t = 0; t < p.steps; ++t) r.step(t);
+  expect_same(r.state(), cpu_twin(p, p.steps), "resident split vs CPU twin");
+}
+
 TEST(optimizer, never_written_moments_are_not_copied) {
   auto d = make_driver();
   const problem p = make_problem(d->granularity(), 2);
