@@ -97,7 +97,8 @@ struct optimizer_config {
   moment_format moments = moment_format::fp32;
   /// Host tier: HBM for shards kept resident (FP32 state in HBM, stepped in place like
   /// the device tier, never streamed), taken in registration order at initialize() while
-  /// their 12 B/param fit; the rest stream.  See Note [Resident shards].
+  /// their three FP32 arrays, each rounded up to the granule, fit; the rest stream.  See
+  /// Note [Resident shards].
   std::size_t resident_bytes = 0;
   /// Streamed tiers: keep the window's chunks between passes instead of returning them
   /// (the window's HBM stays taken between steps, and back-to-back passes, as the buckets
