@@ -57,7 +57,8 @@ enum class driver_kind { automatic, cuda, host };
 /// What handle type a CUDA driver's chunks are created with (setting shareable_handles):
 /// `automatic` asks for POSIX file descriptors where the device supports them (NCCL
 /// exports them to register buffers for other processes), `none` for no shareable
-/// handle, `posix_fd` requires them (no_device-like refusal where unsupported).
+/// handle, `posix_fd` requires them (make_cuda_driver throws invalid_argument where the
+/// device does not support them).
 enum class shareable_handle { automatic, none, posix_fd };
 
 /// The counted, fault-injectable primitives.

@@ -23,6 +23,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -164,9 +165,11 @@ class cuda_driver final : public driver {
     if (share == shareable_handle::posix_fd && fd_ok == 0)
       throw invalid_argument("cuda_driver: shareable_handles:posix_fd, but device " + std::to_string(ordinal) +
                              " does not support POSIX file-descriptor handles");
-    if (share != shareable_handle::none && fd_ok != 0) prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    if (share != shareable_handle::none && fd_ok != 0) handle_type_ = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     share_ = share;
-    DFA_CU_TRY(a.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    CUmemAllocationProp with_handle = prop_;
+    with_handle.requestedHandleTypes = handle_type_.load();
+    DFA_CU_TRY(a.cuMemGetAllocationGranularity(&granularity_, &with_handle, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
@@ -176,7 +179,7 @@ class cuda_driver final : public driver {
 
   std::string name() const override { return "cuda"; }
   driver_kind kind() const override { return driver_kind::cuda; }
-  bool shareable() const override { return prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE; }
+  bool shareable() const override { return handle_type_.load() != CU_MEM_HANDLE_TYPE_NONE; }
   std::size_t granularity() const override { return granularity_; }
   int device() const override { return ordinal_; }
   memory_info get_memory_info() override {
@@ -260,14 +263,20 @@ class cuda_driver final : public driver {
   chunk_handle do_create(std::size_t bytes) override {
     bind();
     CUmemGenericAllocationHandle h = 0;
-    CUresult rc = api().cuMemCreate(&h, bytes, &prop_, 0);
-    if (share_ == shareable_handle::automatic && prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
+    // Pools on several threads create chunks through one driver: the handle type is the
+    // one piece of the properties that can change (the fallback below), so it is atomic
+    // and each call works on its own copy.
+    CUmemAllocationProp prop = prop_;
+    prop.requestedHandleTypes = handle_type_.load();
+    CUresult rc = api().cuMemCreate(&h, bytes, &prop, 0);
+    if (share_ == shareable_handle::automatic && prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
         (rc == CUDA_ERROR_NOT_SUPPORTED || rc == CUDA_ERROR_NOT_PERMITTED || rc == CUDA_ERROR_INVALID_VALUE)) {
       // The attribute said yes but this environment refuses the handle type: plain chunks.
       detail::log(log_level::warn, "cuda_driver: cuMemCreate with POSIX fd handles failed (" + describe(rc) +
                                        "); chunks are created without a shareable handle (NCCL cannot register them)");
-      prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
-      rc = api().cuMemCreate(&h, bytes, &prop_, 0);
+      handle_type_.store(CU_MEM_HANDLE_TYPE_NONE);
+      prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+      rc = api().cuMemCreate(&h, bytes, &prop, 0);
     }
     DFA_CU_TRY_ALLOC(rc);
     return static_cast<chunk_handle>(h);
@@ -303,6 +312,7 @@ class cuda_driver final : public driver {
   CUcontext ctx_ = nullptr;
   CUmemAllocationProp prop_{};
   shareable_handle share_ = shareable_handle::automatic;
+  std::atomic<CUmemAllocationHandleType> handle_type_{CU_MEM_HANDLE_TYPE_NONE};  // Note [Shareable chunks]
   CUmemAccessDesc access_{};
   std::size_t granularity_ = 0;
 };
