@@ -43,9 +43,8 @@ class streamed_adamw::impl::device_home final : public home {
   using home::home;
   bool streamed() const override { return false; }
 
-  // Backed for its elements (rounded up to the granule; a resident shard's reservation
-  // is padded to whole pieces and the padding stays unbacked): the moments zeroed, main
-  // left for the initializer (an upcast).
+  // Backed for its elements (rounded up to the granule): the moments zeroed, main left
+  // for the initializer (an upcast).
   void add_shard(shard& s) override {
     const std::size_t len = I.resident_bytes(s);
     std::vector<range> rs{{s.res[state_array::exp_avg], 0, len}, {s.res[state_array::exp_avg_sq], 0, len}};

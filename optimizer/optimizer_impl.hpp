@@ -78,7 +78,13 @@ struct streamed_adamw::impl {
   std::vector<shard_info> infos;
   std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
   std::size_t piece = 0;  // elements per piece (streamed tiers)
-  std::size_t small_piece_bytes = 0;  // a piece of at most this many bytes maps one granule (0: off); Note [Small pieces]
+  /// The window: depth slots of one piece per array (streamed tiers), reserved once;
+  /// backed while a pass runs (and between passes with keep_window).  Note [Window slots].
+  struct slot {
+    per_array<reservation_id> res{};
+    per_array<std::size_t> backed{};  // bytes backed from the start (granules)
+  };
+  std::vector<slot> slots;
   stream_t h2d = nullptr, d2h = nullptr, exec = nullptr;
   std::vector<event_t> events;
   std::uint64_t step_count = 0;

@@ -7,8 +7,8 @@
 // "auto" from free HBM).  At initialize(), shards are taken in registration order while
 // their three FP32 arrays, each rounded up to the granule, fit the budget (a shard that
 // does not fit is skipped, later smaller ones may still fit); that much of their
-// reservations is backed (not the padding to whole pieces a streamed shard has: a norm
-// of 2,048 elements costs 3 granules, not 3 pieces), their pinned homes freed, and from then on they are device-tier shards inside a host-tier optimizer:
+// reservations is backed (a norm of 2,048 elements costs 3 granules), their pinned homes
+// freed, and from then on they are device-tier shards inside a host-tier optimizer:
 // initialize upcasts, step runs the device tier's kernel on the exec stream (enqueued
 // before the streamed pass, so the GPU steps them while the link streams the rest),
 // state ranges and checkpoints read HBM.  One optimizer, one checkpoint, one step count.

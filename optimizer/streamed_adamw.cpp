@@ -80,27 +80,24 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
     // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
     const std::size_t gran_elems = std::max(g, I.tier_home->piece_align()) / 4;
     const std::size_t depth = static_cast<std::size_t>(I.cfg.depth);
-    // Note [Small pieces] (window_pipeline.cpp): room for depth pieces of one granule per
-    // array beside the depth full pieces, where it costs at most an eighth of the window.
-    const std::size_t small_room = 3 * depth * g;
-    if (small_room <= I.cfg.window_bytes / 8) I.small_piece_bytes = g;
-    const std::size_t per_piece = (I.cfg.window_bytes - (I.small_piece_bytes ? small_room : 0)) / (12 * depth);  // params
-    I.piece = per_piece / gran_elems * gran_elems;
-    if (I.piece * 4 <= I.small_piece_bytes) I.small_piece_bytes = 0;  // every piece is small anyway
+    I.piece = I.cfg.window_bytes / (12 * depth) / gran_elems * gran_elems;  // params
     DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                  std::to_string(I.cfg.depth) + " needs at least " +
                                  std::to_string(12 * I.cfg.depth * gran_elems * 4) + " bytes");
-    // One chunk per array per piece: the fewest map/unmap calls (each may stall the GPU's
-    // copy engines briefly); a piece has that shape (reservations padded to pieces), or
-    // one granule per array when it is small (Note [Small pieces]).  Budget: the window
-    // and the resident shards (Note [Resident shards]); the cache holds the window's
-    // chunks only (resident chunks stay taken).
+    // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
+    // resident shards (Note [Resident shards]); the cache holds the window's chunks only
+    // (resident chunks stay taken).
     I.pool = std::make_shared<chunk_pool>(
         I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes + I.cfg.resident_bytes, I.cfg.window_bytes});
   } else {
     I.pool = std::make_shared<chunk_pool>(I.drv);
   }
   I.mgr = std::make_unique<reservation_manager>(I.pool);
+  if (I.tier_home->streamed()) {
+    I.slots.resize(static_cast<std::size_t>(I.cfg.depth));
+    for (auto& sl : I.slots)
+      for (state_array a : k_state_arrays) sl.res[a] = I.mgr->reserve(I.piece * 4);
+  }
   I.comp = detail::make_compute(*I.drv);
   I.h2d = I.drv->create_stream();
   I.d2h = I.drv->create_stream();
@@ -148,8 +145,9 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
   s.info.param_type = t;
   s.info.param_bf16 = t == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
   s.info.group = group;
-  // Streamed: padded to whole pieces (Note [Window pipeline]).
-  const std::size_t bytes = I.tier_home->streamed() ? (numel + I.piece - 1) / I.piece * I.piece * 4 : numel * 4;
+  // Streamed shards are stepped in the window's slots (Note [Window slots]); their
+  // reservations are backed only for a user, or as resident shards.
+  const std::size_t bytes = numel * 4;
   std::size_t made = 0;
   try {
     for (; made < 3; ++made) s.res[k_state_arrays[made]] = I.mgr->reserve(bytes);

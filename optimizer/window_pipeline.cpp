@@ -2,51 +2,53 @@
 //
 // Rationale: the FP32 main params and Adam moments (12 B/param) are touched once per
 // step, so they need HBM only while the step passes over them.  Each shard gets three
-// deferred reservations (main, exp_avg, exp_avg_sq): stable device addresses that are
-// backed piece by piece, while a fixed window budget bounds the physical memory.
+// deferred reservations (main, exp_avg, exp_avg_sq): stable device addresses, backed only
+// where the state must stay in HBM (device tier, resident shards) or where a user backs
+// them; a streamed shard is stepped piece by piece in the window, whose size bounds the
+// physical memory the state takes.
 //
 // Approach
 //  - A piece is n elements of one shard, all three arrays; n is the largest multiple of
-//    the granule (in floats) with depth * 12 * n <= window_bytes (less the room of the
-//    small pieces, Note [Small pieces]).  The reservations are padded to a multiple of n,
-//    so every piece maps the same chunk shapes (a small piece one granule per array):
-//    after the first `depth` pieces the chunk pool (budget = window) serves every piece
-//    of the pass from its cache; at the end of a pass the cache is trimmed, so that between steps
-//    the state holds no HBM at all (3 * depth cuMemCreate per pass).
-//  - Per piece, on three streams, one method of window_pipeline each: materialize ->
-//    fetch (H2D from the piece's home, Note [Homes]; never-written moments are zeroed on
-//    the device instead of copied) -> compute (the kernel) -> write_back (D2H) -> retire
-//    (host waits for that piece's write-back event, then release; the home persists the
-//    piece).  With depth 3, fetch(i+1), step(i) and write-back(i-1) overlap, and H2D and
-//    D2H run at once (the link is duplex).
+//    the granule (in floats) with depth * 12 * n <= window_bytes.  Piece i is moved and
+//    stepped in slot (i - skip) mod depth of the window (Note [Window slots]).
+//  - Per piece, on three streams, one method of window_pipeline each: fetch (H2D from
+//    the piece's home into its slot, Note [Homes], after the slot's previous piece was
+//    written back; never-written moments are zeroed on the device instead of copied) ->
+//    compute (the kernel) -> write_back (D2H) -> retire (the host waits for that piece's
+//    write-back event; the home persists the piece).  With depth 3, fetch(i+1), step(i)
+//    and write-back(i-1) overlap, and H2D and D2H run at once (the link is duplex).
 //  - File tier: its home reads `depth` pieces ahead into a ring of 2*depth pinned staging
 //    buffers, writes drain from another ring; see Note [File tier] for the two slots
 //    and the commit record that make a step atomic.
-//  - The first `depth` pieces are materialized before any write-back, so running out of
-//    memory at the start of a pass fails before any state changed.
-//  - Failure: the pass drains every stream and I/O, releases its pieces and throws with
+//  - The slots are backed before any piece moves, so running out of memory at the start
+//    of a pass fails before any state changed.
+//  - Failure: the pass drains every stream and I/O, releases the window and throws with
 //    the shard, element offset (and file offset for I/O).  File tier: the previous step
 //    is intact (the commit record still points to it) and the BF16 params are re-derived
 //    from it.  Host/device tiers update in place: the pieces whose write-back was issued
 //    are counted, and a step retried with the same gradients skips them.
 //
-// Limits: one pass at a time per optimizer (calls are serialized by a mutex); a shard
-// larger than a granule but much smaller than a piece still maps a whole piece.
+// Limits: one pass at a time per optimizer (calls are serialized by a mutex); a pass
+// over tiny shards moves one piece per shard, each a few copies and a kernel launch.
 //
-// Note [Small pieces]
-// Rationale: models have many tiny shards (norm weights, biases: a GPTModel of 0.54 G
-// params had about 90 of its 125 pieces under a megabyte).  Mapping, giving access to
-// and unmapping three whole piece-sized chunks for a few kilobytes costs far more than
-// moving them, and it is paid per piece.
-// Approach: a piece of at most one granule of FP32 (small_piece_bytes, 2 MiB on H200)
-// maps one granule per array instead (the pool's smallest class).  The full pieces are
-// made smaller by 3 * depth granules of the window, so depth full pieces and depth small
-// ones fit the budget (= the window) at once: every chunk shape the pass uses stays
-// cached through the pass and none is ever trimmed to make room for another (the pool
-// holds at most, per class, what depth pieces of each shape take), and the peak stays
-// within the window.  A big range never takes small cached chunks unless they cover it
-// whole (reservation_manager::acquire_pieces).  Off where that room would cost more
-// than an eighth of the window (small windows: small_piece_bytes = 0).
+// Note [Window slots]
+// Rationale: models have many small shards (a 1.1 G-param Llama has 201, most of them
+// under a piece: norms of a few kilobytes, k/v projections of 2 MiB).  Backing each
+// piece at its shard's own addresses costs a map, an access grant and an unmap per array
+// and piece (about 0.7 ms of host time per piece, measured on the H200 in a pass of 125
+// pieces), during which the copy engines starve: a pass of many small pieces runs at the
+// speed of the driver's VMM calls, not of the link.
+// Approach: the window is `depth` slots, each one piece per array, reserved once at
+// construction (impl::slots) and backed at the start of a pass: 3 * depth chunks of one
+// piece, from the chunk pool (whose cache keeps them between passes).  Every piece of the
+// pass moves through its slot, so a pass maps and unmaps 3 * depth chunks whatever the
+// number of pieces, and a piece costs its copies, its kernel and one event.  At the end of
+// the pass the slots are released and the cache is trimmed: between steps the state
+// holds no HBM.  keep_window keeps the slots backed between passes instead (back-to-back
+// passes, as the buckets of a step overlapped with backward, map nothing).  The shards'
+// own reservations stay unbacked through a streamed pass: nothing reads them then.  A
+// slot is backed for the pass's largest piece only (rounded to the granule): a model of
+// tiny shards backs a granule per array and slot, not a whole piece.
 #include <deferalloc/errors.hpp>
 
 #include <algorithm>
@@ -80,7 +82,6 @@ class streamed_adamw::impl::window_pipeline {
       for (std::size_t s = 0; s < I.shards.size(); ++s) ks_.push_back(I.scalars(s, grad_scale));
     home_.begin_pass(plan_);
     for (std::size_t j = skip; j < P; ++j) params_ += plan_.pieces[j].n;
-    mapped_.assign(P, false);
     wb_issued_.assign(P, false);
   }
 
@@ -94,13 +95,12 @@ class streamed_adamw::impl::window_pipeline {
     i_ = skip;
     try {
       for (std::size_t j = skip; j < std::min(P, skip + 2 * static_cast<std::size_t>(K)); ++j) prefetch(j);
-      // The first K pieces' memory before any write-back: OOM here changes nothing.
-      for (std::size_t j = skip; j < std::min(P, skip + static_cast<std::size_t>(K)); ++j) materialize(j);
+      // The window's memory before any piece moves: OOM here changes nothing.
+      back_slots();
       for (; i_ < P; ++i_) {
         if (i_ >= skip + K) {
           retire(i_ - K);
           prefetch(i_ + K);
-          materialize(i_);
         }
         fetch(i_);
         compute(i_);
@@ -117,24 +117,24 @@ class streamed_adamw::impl::window_pipeline {
     I.report.peak_backed_bytes = I.pool->stats().peak_alive_bytes;
     // Between passes the state holds no HBM: the window's chunks go back to the driver
     // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
-    // against a pass of milliseconds).  keep_window keeps them for back-to-back passes.
-    if (!I.cfg.keep_window) I.pool->trim();
+    // against a pass of milliseconds).  keep_window keeps the slots backed for
+    // back-to-back passes (Note [Window slots]).
+    if (!I.cfg.keep_window) {
+      release_slots(I.d2h);
+      I.pool->trim();
+    }
   }
 
  private:
   const piece_ref& piece(std::size_t i) const { return plan_.pieces[i]; }
   // Piece i's slot of the event ring: 0 fetched, 1 computed, 2 written back.
   event_t ev(std::size_t i, int which) { return I.event(1 + (i % K) * 3 + which); }
-  std::vector<range> ranges_of(const piece_ref& p) const {
-    std::vector<range> rs;
-    const std::size_t bytes = p.n * 4 <= I.small_piece_bytes ? I.small_piece_bytes : I.piece * 4;  // Note [Small pieces]
-    for (state_array a : first_arrays(plan_.arrays)) rs.push_back({I.shards[p.shard].res[a], p.e0 * 4, bytes});
-    return rs;
-  }
-  // The piece's window: its elements in each array's reservation.
-  per_array<float*> window(const piece_ref& p) const {
+  // Piece i's slot of the window (Note [Window slots]).
+  impl::slot& slot_of(std::size_t i) const { return I.slots[(i - plan_.skip) % static_cast<std::size_t>(K)]; }
+  // The piece's window: its slot's arrays.
+  per_array<float*> window(std::size_t i) const {
     per_array<float*> dev;
-    for (state_array a : k_state_arrays) dev[a] = I.shards[p.shard].device(a) + p.e0;
+    for (state_array a : k_state_arrays) dev[a] = static_cast<float*>(I.mgr->address(slot_of(i).res[a]));
     return dev;
   }
   const char* phase() const { return plan_.kind == pass::init ? "init" : plan_.kind == pass::step ? "step" : "sync"; }
@@ -143,18 +143,42 @@ class streamed_adamw::impl::window_pipeline {
     if (j < P && j >= plan_.skip) home_.prefetch(j, piece(j));
   }
 
-  void materialize(std::size_t i) {
-    auto rs = ranges_of(piece(i));
+  // Backs the slots the pass uses, for the arrays it moves and its largest piece (a pass
+  // over tiny shards backs a granule per array, not a piece), where not backed yet.
+  void back_slots() {
+    std::size_t longest = 0;
+    for (std::size_t j = plan_.skip; j < P; ++j) longest = std::max(longest, piece(j).n);
+    const std::size_t g = I.drv->granularity(), need = (longest * 4 + g - 1) / g * g;
+    std::vector<range> rs;
+    const std::size_t n = std::min(P - plan_.skip, static_cast<std::size_t>(K));
+    for (std::size_t k = 0; k < n; ++k)
+      for (state_array a : first_arrays(plan_.arrays))
+        if (I.slots[k].backed[a] < need) rs.push_back({I.slots[k].res[a], I.slots[k].backed[a], need - I.slots[k].backed[a]});
+    if (rs.empty()) return;
     const auto t = clk::now();
     I.mgr->materialize(rs, fill_mode::undefined, I.h2d);
     I.report.map_seconds += since(t);
-    mapped_[i] = true;
+    for (std::size_t k = 0; k < n; ++k)
+      for (state_array a : first_arrays(plan_.arrays)) I.slots[k].backed[a] = std::max(I.slots[k].backed[a], need);
+  }
+
+  // Gives the window's chunks back to the pool (after the work on `s`).
+  void release_slots(stream_t s) {
+    std::vector<range> rs;
+    for (auto& sl : I.slots)
+      for (state_array a : k_state_arrays)
+        if (sl.backed[a] > 0) rs.push_back({sl.res[a], 0, sl.backed[a]});
+    if (!rs.empty()) I.mgr->release(rs, keep_mode::discard, s);
+    for (auto& sl : I.slots) sl.backed = {};
   }
 
   // H2D: main (all but init), the moments (step; zeros before they were ever written).
   void fetch(std::size_t i) {
     const auto& p = piece(i);
-    const auto dev = window(p);
+    const auto dev = window(i);
+    // The slot's previous piece is written back (retire() waited for it on the host; the
+    // wait keeps the order on the device too).
+    if (i >= plan_.skip + K) I.drv->stream_wait(I.h2d, ev(i - K, 2));
     if (plan_.fetch_main) {
       home_.await_fetch(i);
       I.report.bytes_to_device += home_.to_device(i, p, state_array::main, dev[state_array::main], I.h2d);
@@ -170,7 +194,7 @@ class streamed_adamw::impl::window_pipeline {
   void compute(std::size_t i) {
     const auto& p = piece(i);
     const auto& sh = I.shards[p.shard];
-    const auto dev = window(p);
+    const auto dev = window(i);
     I.drv->stream_wait(I.exec, ev(i, 0));
     const int mt = static_cast<int>(sh.info.param_type);
     char* model = static_cast<char*>(sh.info.param) + p.e0 * (mt == detail::k_fp32 ? 4 : 2);
@@ -196,7 +220,7 @@ class streamed_adamw::impl::window_pipeline {
   // D2H of the arrays the pass changed (none for an export).
   void write_back(std::size_t i) {
     const auto& p = piece(i);
-    const auto dev = window(p);
+    const auto dev = window(i);
     I.drv->stream_wait(I.d2h, ev(i, 1));
     if (plan_.write_back) {
       home_.await_write_back(i);
@@ -207,14 +231,12 @@ class streamed_adamw::impl::window_pipeline {
     wb_issued_[i] = true;
   }
 
-  // The window's chunks go back once the piece's write-back is done; its home persists it.
+  // The piece's write-back is done (its slot is free again); its home persists it.
   void retire(std::size_t i) {
     const auto& p = piece(i);
-    auto rs = ranges_of(p);
     const auto t = clk::now();
-    I.mgr->release_after(rs, keep_mode::discard, ev(i, 2));  // this piece only, not later queued work
+    I.drv->synchronize(ev(i, 2));
     I.report.retire_seconds += since(t);
-    mapped_[i] = false;
     home_.retire(i, p);
     done_params_ += p.n;
     I.report_progress(phase(), done_params_, params_, t0_, last_line_);
@@ -230,13 +252,11 @@ class streamed_adamw::impl::window_pipeline {
       deferalloc::detail::log_current("streamed_adamw: draining the streams after a failed pass");
     }
     home_.drain();
-    for (std::size_t j = 0; j < P; ++j)
-      if (mapped_[j]) try {
-          auto rs = ranges_of(piece(j));
-          I.mgr->release(rs, keep_mode::discard, I.d2h);
-        } catch (...) {
-          deferalloc::detail::log_current("streamed_adamw: releasing the window after a failed pass");
-        }
+    try {
+      release_slots(I.d2h);
+    } catch (...) {
+      deferalloc::detail::log_current("streamed_adamw: releasing the window after a failed pass");
+    }
     I.pool->trim();
     std::size_t written = plan_.skip;
     while (written < P && wb_issued_[written]) ++written;
@@ -260,7 +280,7 @@ class streamed_adamw::impl::window_pipeline {
   clk::time_point t0_, last_line_;
   std::size_t params_ = 0, done_params_ = 0;
   std::size_t i_ = 0;  // the piece being enqueued (for a failure's message)
-  std::vector<bool> mapped_, wb_issued_;
+  std::vector<bool> wb_issued_;
 };
 
 void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts,

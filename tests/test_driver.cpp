@@ -130,6 +130,15 @@ TEST(fault_driver, fails_the_nth_call) {
   EXPECT_THROW(f->map(va, 64_KiB, h), cuda_error);
   f->release(h);
   f->free_reservation(va, 64_KiB);
+  // Copies: the second throws, the others copy.
+  char src[4] = {1, 2, 3, 4}, dst[4] = {};
+  f->fail_nth_copy(2);
+  f->copy_async(dst, src, 2, nullptr);
+  EXPECT_THROW(f->copy_async(dst + 2, src + 2, 2, nullptr), cuda_error);
+  f->copy_async(dst + 2, src + 2, 2, nullptr);
+  f->synchronize_stream(nullptr);
+  EXPECT_EQ(std::memcmp(dst, src, 4), 0);
+  EXPECT_EQ(f->fired(), 3u);
 }
 
 // driver::kind() tells what a driver is, also through a wrapper whose name differs.

@@ -222,15 +222,16 @@ TEST(optimizer, peak_physical_memory_stays_under_the_window_and_addresses_are_st
   EXPECT_LE(worst, p.window + d->granularity());
 }
 
-// Note [Small pieces]: with a window large enough, a piece of at most one granule maps
-// one granule per array; results stay bit-identical on every tier, the peak stays under
-// the window, and a model of tiny shards only never backs more than depth small pieces.
-TEST(optimizer, small_pieces_map_one_granule_and_change_nothing_else) {
+// Note [Window slots]: every piece of a pass moves through the depth slots of the window,
+// so a pass maps 3 * depth chunks whatever its number of pieces (a model of many tiny
+// shards costs no mapping per shard); results stay bit-identical on every tier, the peak
+// stays under the window, and with keep_window a second pass maps nothing.
+TEST(optimizer, a_pass_maps_the_window_once_whatever_its_pieces) {
   auto d = make_driver();
   const std::size_t g = d->granularity(), base = g / 4;
   problem p = make_problem(g, 4);
-  p.window = 8 * 3 * 12 * g;  // room for the small pieces: 3 * depth granules <= window / 8
-  p.sizes = {62 * base + base / 2};  // two full pieces (31 granules of FP32 each) and a tail of half a granule
+  p.window = 3 * 12 * 2 * g;  // pieces of 2 g elements: 8 granules of FP32
+  p.sizes = {16 * base + base / 2};  // two full pieces and a tail of half a granule
   for (std::size_t k = 0; k < 24; ++k) p.sizes.push_back(700 + 97 * k);  // norms and biases
   p.params.clear();
   p.grads.assign(p.steps, {});
@@ -243,41 +244,58 @@ TEST(optimizer, small_pieces_map_one_granule_and_change_nothing_else) {
     run r(d, p, config_for(t, dir.path));
     r.opt->initialize();
     for (int s = 0; s < p.steps; ++s) {
+      const auto maps0 = d->call_counts()[primitive::map];
       r.step(s);
       EXPECT_LE(r.opt->last_report().peak_backed_bytes, p.window);
+      if (t == tier::host) EXPECT_EQ(r.opt->last_report().pieces, 27u);
+      if (t != tier::device) {
+        EXPECT_EQ(d->call_counts()[primitive::map] - maps0, 3u * 3u) << "3 arrays x depth 3 slots, not 3 per piece";
+      }
     }
-    if (t != tier::device) {
-      EXPECT_EQ(r.opt->piece_elements(), 31 * base) << "the full pieces give 3 * depth granules to the small ones";
-    }
+    if (t == tier::host) EXPECT_EQ(r.opt->piece_elements(), 8 * base);
     results.push_back(r.state());
   }
   expect_same(results[0], results[1], "device vs host tier");
   expect_same(results[0], results[2], "device vs file tier");
   expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
 
-  // Tiny shards only: each piece backs one granule per array, never a full piece.
+  // keep_window: the slots stay backed between passes; the next step maps nothing, the
+  // state holds the window between steps, and the bits are the same.
+  optimizer_config cfg = config_for(tier::host);
+  cfg.keep_window = true;
+  run r(d, p, cfg);
+  r.opt->initialize();
+  for (int s = 0; s < p.steps; ++s) {
+    const auto maps0 = d->call_counts()[primitive::map];
+    r.step(s);
+    if (s > 0) EXPECT_EQ(d->call_counts()[primitive::map], maps0) << "step " << s;
+    EXPECT_EQ(r.opt->reservations().stats().backed_bytes, p.window) << "the window stays backed";
+  }
+  expect_same(r.state(), results[0], "keep_window vs device tier");
+
+  // Tiny shards only: the slots are backed for the largest piece, one granule per array.
   problem q = p;
   q.sizes.erase(q.sizes.begin());
   q.params.erase(q.params.begin());
   for (auto& gs : q.grads) gs.erase(gs.begin());
-  run r(d, q, config_for(tier::host));
-  r.opt->initialize();
-  r.step(0);
-  EXPECT_LE(r.opt->last_report().peak_backed_bytes, 3 * 3 * g) << "depth 3 small pieces of 3 granules at most";
-  EXPECT_GT(r.opt->last_report().peak_backed_bytes, 0u);
+  run rq(d, q, config_for(tier::host));
+  rq.opt->initialize();
+  rq.step(0);
+  EXPECT_EQ(rq.opt->last_report().peak_backed_bytes, 3 * 3 * g) << "depth 3 slots of one granule per array";
+  expect_same(rq.state(), cpu_twin(q, 1), "tiny shards vs CPU twin");
 }
 
 // Note [Resident shards]: a resident shard costs its elements rounded up to the granule,
-// not its reservation's padding to whole pieces, so tiny shards leave the budget to big
-// ones; resident and streamed give the same bits.
+// not whole pieces, so tiny shards leave the budget to big ones; resident and streamed
+// give the same bits.
 TEST(optimizer, resident_shards_cost_their_granules_not_their_padding) {
   auto d = make_driver();
   const std::size_t g = d->granularity(), base = g / 4;
   problem p = make_problem(g, 3);
-  p.window = 8 * 3 * 12 * g;  // pieces of 31 granules of FP32 (Note [Small pieces])
+  p.window = 8 * 3 * 12 * g;  // pieces of 32 granules of FP32
   p.sizes.clear();
   for (std::size_t k = 0; k < 10; ++k) p.sizes.push_back(1000 + 37 * k);  // norms: one granule each
-  p.sizes.push_back(40 * base);                                        // 40 granules, padded to 62
+  p.sizes.push_back(40 * base);                                        // 40 granules (2 pieces)
   p.sizes.push_back(40 * base);                                        // does not fit: streamed
   p.params.clear();
   p.grads.assign(p.steps, {});
@@ -413,9 +431,9 @@ TEST(optimizer, host_tier_step_retried_after_a_fault_completes_exactly) {
   run r(f, p, config_for(tier::host));
   r.opt->initialize();
   r.step(0);
-  // Three maps per piece (one chunk per array), the first three pieces mapped up front:
-  // the 13th map is piece 4's, after pieces 0 and 1 were written back in place.
-  f->fail_nth(primitive::map, 13);
+  // Six copies per piece (three arrays each way): the 13th copy is piece 2's first fetch,
+  // after pieces 0 and 1 were written back in place.
+  f->fail_nth_copy(13);
   r.load_grads(1);
   EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
   EXPECT_EQ(f->fired(), 1u);

@@ -231,7 +231,7 @@ const row k_table[] = {
      [](settings& s, const row& r, const config_value& v) { s.optimizer.io_threads = static_cast<int>(num(r, v)); }},
     {"io_request_mb", "MB", 0, k_max_mb, nullptr, "8", "optimizer: file tier, the size of one request",
      [](settings& s, const row& r, const config_value& v) { s.optimizer.io_request_bytes = mb(r, v); }},
-    {"keep_window", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: keep the window's chunks between passes",
+    {"keep_window", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: keep the window's slots backed between passes",
      [](settings& s, const row& r, const config_value& v) { s.optimizer.keep_window = num(r, v) != 0; }},
     {"resident_mb", "MB", 0, k_max_mb, nullptr, "0", "optimizer: host tier, HBM for shards kept resident",
      [](settings& s, const row& r, const config_value& v) { s.optimizer.resident_bytes = mb(r, v); }},

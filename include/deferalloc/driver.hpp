@@ -201,6 +201,9 @@ class DFA_API fault_driver : public driver {
   /// The `nth` (1-based, counted from now) call of `p` throws: out_of_memory for
   /// reserve/create/host_alloc, cuda_error for the others.  One armed fault per primitive.
   void fail_nth(primitive p, std::uint64_t nth);
+  /// The `nth` copy_async (1-based, counted from now) throws cuda_error (a copy that
+  /// fails part-way through a pass).
+  void fail_nth_copy(std::uint64_t nth);
   /// Disarms every fault.
   void clear();
   /// Number of faults fired so far.
@@ -240,6 +243,7 @@ class DFA_API fault_driver : public driver {
 
   std::shared_ptr<driver> inner_;
   std::array<std::atomic<std::uint64_t>, primitive_count> countdown_{};
+  std::atomic<std::uint64_t> copy_countdown_{0};
   std::atomic<std::uint64_t> fired_{0};
 };
 

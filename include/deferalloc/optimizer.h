@@ -53,7 +53,7 @@ typedef void (*dfa_progress_fn)(const char* phase, size_t done, size_t total, do
  * resume:0|1 (file tier), rank, io_threads, io_request_mb, progress_line:0|1,
  * moments:fp32|bf16|int8 (host tier: how the Adam moments are stored; optimizer.hpp),
  * resident_mb (host tier: HBM for shards kept resident, the rest stream; optimizer.hpp),
- * keep_window:0|1 (keep the window's HBM between passes: faster back-to-back passes).
+ * keep_window:0|1 (keep the window's slots backed between passes: back-to-back passes map nothing).
  * Unknown keys: INVALID_ARGUMENT.  Cost: a driver and three streams. */
 DFA_C_API dfa_status dfa_opt_create(const char* settings, dfa_optimizer** out);
 /* Waits for its streams and frees everything.  NULL is allowed. */

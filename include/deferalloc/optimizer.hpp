@@ -2,7 +2,7 @@
 // parameter shard live in deferred reservations (stable device addresses, zero HBM)
 // and are backed only while the initializer or the step touches them, window by
 // window, with their contents streamed from their home tier.  See
-// Note [Window pipeline] in optimizer/streamed_adamw.cpp.
+// Note [Window pipeline] in optimizer/window_pipeline.cpp.
 #pragma once
 #include <deferalloc/driver.hpp>
 #include <deferalloc/export.hpp>
@@ -100,9 +100,9 @@ struct optimizer_config {
   /// their three FP32 arrays, each rounded up to the granule, fit; the rest stream.  See
   /// Note [Resident shards].
   std::size_t resident_bytes = 0;
-  /// Streamed tiers: keep the window's chunks between passes instead of returning them
-  /// (the window's HBM stays taken between steps, and back-to-back passes, as the buckets
-  /// of a step overlapped with backward, skip 3 * depth cuMemCreate each).
+  /// Streamed tiers: keep the window's slots backed between passes instead of returning
+  /// their chunks (the window's HBM stays taken between steps, and back-to-back passes, as
+  /// the buckets of a step overlapped with backward, map nothing).  Note [Window slots].
   bool keep_window = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;

@@ -305,8 +305,9 @@ class Errors(unittest.TestCase):
             b.load_state_dict(a.state_dict())
 
     def test_out_of_memory_is_torch_out_of_memory(self):
-        # A parameter of 4 MiB FP32: its full pieces need more than the 1 MiB capacity
-        # (the small ones map one granule per array, Note [Small pieces], and would fit).
+        # A parameter of 4 MiB FP32: the window's slots, backed for the pass's largest piece,
+        # need more than the 1 MiB capacity (for the small ones alone, a granule per array
+        # and slot would fit: Note [Window slots]).
         params = make_params() + [torch.nn.Parameter(torch.zeros(1 << 20))]
         opt = optim.StreamedAdamW(params, window_mb=8, settings="host_capacity_mb:1")
         for p in params:

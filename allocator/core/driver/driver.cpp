@@ -75,25 +75,31 @@ void fault_driver::fail_nth(primitive p, std::uint64_t nth) {
   DFA_EXPECTS(nth >= 1, "fault_driver::fail_nth: nth is 1-based");
   countdown_[static_cast<int>(p)].store(nth);
 }
+void fault_driver::fail_nth_copy(std::uint64_t nth) {
+  DFA_EXPECTS(nth >= 1, "fault_driver::fail_nth_copy: nth is 1-based");
+  copy_countdown_.store(nth);
+}
 void fault_driver::clear() {
   for (auto& c : countdown_) c.store(0);
+  copy_countdown_.store(0);
 }
 
-void fault_driver::check(primitive p) {
-  auto& c = countdown_[static_cast<int>(p)];
+namespace {
+/// Counts a call down; true for the armed one (which disarms it).
+bool fires(std::atomic<std::uint64_t>& c) {
   std::uint64_t cur = c.load();
-  while (cur != 0) {
-    if (c.compare_exchange_weak(cur, cur - 1)) {
-      if (cur == 1) {
-        fired_.fetch_add(1);
-        const std::string what = std::string("injected fault in ") + to_string(p);
-        if (p == primitive::reserve || p == primitive::create || p == primitive::host_alloc)
-          throw out_of_memory(what);
-        throw cuda_error(what);
-      }
-      return;
-    }
-  }
+  while (cur != 0)
+    if (c.compare_exchange_weak(cur, cur - 1)) return cur == 1;
+  return false;
+}
+}  // namespace
+
+void fault_driver::check(primitive p) {
+  if (!fires(countdown_[static_cast<int>(p)])) return;
+  fired_.fetch_add(1);
+  const std::string what = std::string("injected fault in ") + to_string(p);
+  if (p == primitive::reserve || p == primitive::create || p == primitive::host_alloc) throw out_of_memory(what);
+  throw cuda_error(what);
 }
 
 std::string fault_driver::name() const { return "fault(" + inner_->name() + ")"; }
@@ -111,7 +117,13 @@ void fault_driver::stream_wait(stream_t s, event_t e) { inner_->stream_wait(s, e
 void fault_driver::synchronize(event_t e) { inner_->synchronize(e); }
 bool fault_driver::query(event_t e) { return inner_->query(e); }
 void fault_driver::synchronize_stream(stream_t s) { inner_->synchronize_stream(s); }
-void fault_driver::copy_async(void* d, const void* s, std::size_t n, stream_t st) { inner_->copy_async(d, s, n, st); }
+void fault_driver::copy_async(void* d, const void* s, std::size_t n, stream_t st) {
+  if (fires(copy_countdown_)) {
+    fired_.fetch_add(1);
+    throw cuda_error("injected fault in copy_async");
+  }
+  inner_->copy_async(d, s, n, st);
+}
 void fault_driver::zero_async(void* d, std::size_t n, stream_t st) { inner_->zero_async(d, n, st); }
 bool fault_driver::asynchronous() const { return inner_->asynchronous(); }
 
