@@ -101,7 +101,9 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   I.comp = detail::make_compute(*I.drv);
   I.h2d = I.drv->create_stream();
   I.d2h = I.drv->create_stream();
-  I.exec = I.drv->create_stream();
+  // The kernels' stream ahead of the model's (a step overlapped with backward: Note
+  // [Overlap with backward] in python/deferalloc/overlap.py).
+  I.exec = I.drv->create_priority_stream();
 }
 
 streamed_adamw::~streamed_adamw() {

@@ -70,19 +70,21 @@ TEST_F(driver_conformance, stream_ordered_copy_and_zero) {
   auto h = d->create(g);
   d->map(va, g, h);
   d->set_access(va, g);
-  stream_t s = d->create_stream();
-  event_t e = d->create_event();
-  auto data = random_bytes(g, 2);
-  d->copy_async(reinterpret_cast<void*>(va), data.data(), g, s);
-  d->zero_async(reinterpret_cast<void*>(va), g / 2, s);
-  d->record(e, s);
-  d->synchronize(e);
-  EXPECT_TRUE(d->query(e));
-  auto out = download(*d, reinterpret_cast<void*>(va), g);
-  EXPECT_EQ(std::count(out.begin(), out.begin() + g / 2, 0), static_cast<long>(g / 2));
-  EXPECT_TRUE(std::equal(out.begin() + g / 2, out.end(), data.begin() + g / 2));
-  d->destroy_event(e);
-  d->destroy_stream(s);
+  // An ordinary stream and a priority one (the optimizer's kernels) behave alike.
+  for (stream_t s : {d->create_stream(), d->create_priority_stream()}) {
+    event_t e = d->create_event();
+    auto data = random_bytes(g, 2);
+    d->copy_async(reinterpret_cast<void*>(va), data.data(), g, s);
+    d->zero_async(reinterpret_cast<void*>(va), g / 2, s);
+    d->record(e, s);
+    d->synchronize(e);
+    EXPECT_TRUE(d->query(e));
+    auto out = download(*d, reinterpret_cast<void*>(va), g);
+    EXPECT_EQ(std::count(out.begin(), out.begin() + g / 2, 0), static_cast<long>(g / 2));
+    EXPECT_TRUE(std::equal(out.begin() + g / 2, out.end(), data.begin() + g / 2));
+    d->destroy_event(e);
+    d->destroy_stream(s);
+  }
   d->unmap(va, g);
   d->release(h);
   d->free_reservation(va, g);

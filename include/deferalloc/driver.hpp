@@ -133,6 +133,10 @@ class DFA_API driver {
 
   // ---- streams, events, copies (not counted) ----
   virtual stream_t create_stream() = 0;
+  /// A stream whose kernels the GPU schedules ahead of other streams' waiting blocks (the
+  /// greatest CUDA stream priority): short kernels that run beside long ones, as the
+  /// optimizer's during backward, are not starved.  create_stream() where there are none.
+  virtual stream_t create_priority_stream() { return create_stream(); }
   virtual void destroy_stream(stream_t s) noexcept = 0;
   virtual event_t create_event() = 0;
   virtual void destroy_event(event_t e) noexcept = 0;
@@ -217,6 +221,7 @@ class DFA_API fault_driver : public driver {
   memory_info get_memory_info() override;
   int device() const override;
   stream_t create_stream() override;
+  stream_t create_priority_stream() override;
   void destroy_stream(stream_t s) noexcept override;
   event_t create_event() override;
   void destroy_event(event_t e) noexcept override;

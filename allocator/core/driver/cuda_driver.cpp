@@ -56,6 +56,8 @@ namespace {
   X(cuMemHostAlloc) \
   X(cuMemFreeHost) \
   X(cuStreamCreate) \
+  X(cuStreamCreateWithPriority) \
+  X(cuCtxGetStreamPriorityRange) \
   X(cuStreamDestroy) \
   X(cuStreamSynchronize) \
   X(cuStreamWaitEvent) \
@@ -193,6 +195,14 @@ class cuda_driver final : public driver {
     bind();
     CUstream s = nullptr;
     DFA_CU_TRY(api().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    return stream_t{s};
+  }
+  stream_t create_priority_stream() override {
+    bind();
+    int least = 0, greatest = 0;
+    DFA_CU_TRY(api().cuCtxGetStreamPriorityRange(&least, &greatest));
+    CUstream s = nullptr;
+    DFA_CU_TRY(api().cuStreamCreateWithPriority(&s, CU_STREAM_NON_BLOCKING, greatest));
     return stream_t{s};
   }
   void destroy_stream(stream_t s) noexcept override {

@@ -109,6 +109,7 @@ std::size_t fault_driver::granularity() const { return inner_->granularity(); }
 memory_info fault_driver::get_memory_info() { return inner_->get_memory_info(); }
 int fault_driver::device() const { return inner_->device(); }
 stream_t fault_driver::create_stream() { return inner_->create_stream(); }
+stream_t fault_driver::create_priority_stream() { return inner_->create_priority_stream(); }
 void fault_driver::destroy_stream(stream_t s) noexcept { inner_->destroy_stream(s); }
 event_t fault_driver::create_event() { return inner_->create_event(); }
 void fault_driver::destroy_event(event_t e) noexcept { inner_->destroy_event(e); }
