@@ -13,7 +13,8 @@
           clip_grad_norm_ + step, losses bit-identical, redos counted (the threshold is the
           first iteration's gradient norm, so at least that iteration redoes);
   curves: --curve-steps steps of a smaller Llama (60 M params) on the same non-repeating data
-          with fp32 / bf16 / int8 moments (loss curves PNG; the CPU memorization stress test is
+          with fp32 / bf16 / int8 moments, and fp32 from one parameter moved by one ulp (fp32':
+          the noise floor of one seed) (loss curves PNG; the CPU memorization stress test is
           benchmarks/optimizer/moment_convergence.py).
 
 Prints a table last; exit status 1 when a check fails.  --json PATH writes
@@ -371,11 +372,14 @@ def curves(B):
     init = [p.detach().clone() for p in model.parameters()]
     data = bigram_batches(B, cfg["vocab_size"], batch, seq, steps, seed=4)
     out = {}
-    for fmt in ("fp32", "bf16", "int8"):
+    for fmt in ("fp32", "fp32'", "bf16", "int8"):  # fp32': the noise floor, one parameter one ulp away
         restore(model, init)
+        if fmt == "fp32'":
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[:1].view(torch.int16).add_(1)  # BF16: the next value
         kw = B.opt_kw()
         kw["window_mb"] = 4 if a.smoke else 512
-        opt = optim.StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, moment_dtype=fmt, **kw)
+        opt = optim.StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, moment_dtype=fmt.rstrip("'"), **kw)
         ls = []
         t0 = time.perf_counter()
         for t in range(steps):
@@ -392,6 +396,8 @@ def curves(B):
     k = min(20, steps)
     tail = {f: sum(v[-k:]) / k for f, v in out.items()}
     B.result("curves: loss fp32 (mean of the last steps)", tail["fp32"], "nats")
+    B.result("curves: loss fp32' (1 ulp) vs fp32 (noise floor)", (tail["fp32'"] - tail["fp32"]) / tail["fp32"] * 100, "%",
+             "curves: loss fp32 (mean of the last steps)")
     for f in ("bf16", "int8"):
         d = (tail[f] - tail["fp32"]) / tail["fp32"] * 100
         tol = TARGETS[f + "_loss"]

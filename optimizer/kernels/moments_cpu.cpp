@@ -33,10 +33,7 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k) {
     auto* M = static_cast<std::uint16_t*>(p.exp_avg);
     auto* V = static_cast<std::uint16_t*>(p.exp_avg_sq);
     for (std::size_t i = 0; i < p.n; ++i) {
-      float m = from_bf16(M[i]), v = from_bf16(V[i]);
-      adamw_update(p.param[i], m, v, load_as_float(p.grad, p.grad_type, i), k);
-      M[i] = to_bf16(m);
-      V[i] = to_bf16(v);
+      bf16_update(p.param[i], M[i], V[i], load_as_float(p.grad, p.grad_type, i), k, p.e0 + i);
       store_from_float(p.model, p.model_type, i, p.param[i]);
     }
     return;

@@ -28,11 +28,12 @@ __global__ void adamw_bf16_moments(adamw_qpiece p, adamw_scalars k) {
   auto* M = static_cast<std::uint16_t*>(p.exp_avg);
   auto* V = static_cast<std::uint16_t*>(p.exp_avg_sq);
   for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < p.n; j += std::size_t(gridDim.x) * blockDim.x) {
-    float m = from_bf16(M[j]), v = from_bf16(V[j]), x = p.param[j];
-    adamw_update(x, m, v, load_as_float(p.grad, p.grad_type, j), k);
+    float x = p.param[j];
+    std::uint16_t mb = M[j], vb = V[j];
+    bf16_update(x, mb, vb, load_as_float(p.grad, p.grad_type, j), k, p.e0 + j);
     p.param[j] = x;
-    M[j] = to_bf16(m);
-    V[j] = to_bf16(v);
+    M[j] = mb;
+    V[j] = vb;
     store_from_float(p.model, p.model_type, j, x);
   }
 }
