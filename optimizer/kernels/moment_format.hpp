@@ -19,7 +19,10 @@
 //    `moment_convergence.py --setting bf16-params --noise-floor`, seeds 3 / 5): v to
 //    nearest +0.68% / +0.67% of FP32 moments (outside 0.5%), v stochastic -0.01% / +0.01%,
 //    noise floor (FP32 moments, one parameter one ulp away) +0.06% / +0.01%; m stochastic as
-//    well +0.07% / -0.03% (no better: m moves 10% a step and is not stuck).
+//    well +0.07% / -0.03% (no better: m moves 10% a step and is not stuck).  On the H200's
+//    curves (bench_overlap, 63 M params, a loss plateau for ~120 steps) it went the other
+//    way: -0.78% to nearest, -5.75% stochastic (int8 -5.30%, noise floor -0.22%); see
+//    docs/BENCHMARKS.md.
 //  - int8: blocks of k_qblock = 64 elements (aligned to the shard's start), one FP32
 //    scale per block and moment, one byte per element:
 //      m: scale = max |m| over the block; code = sign bit + an unsigned 7-bit float
