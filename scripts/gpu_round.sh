@@ -40,7 +40,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 cat "$L/gpu.txt"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$L/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    > "$L/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} && site=/tmp/site
 fi
 # The pip_install test offline: scikit-build-core's wheels carried in .whl (scripts/pip_check.sh).
 if ls .whl/scikit_build_core-*.whl >/dev/null 2>&1; then export DFA_PIP_FIND_LINKS=$PWD/.whl; fi
@@ -60,6 +60,7 @@ if has build; then
   prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
         -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON="$(command -v python3)" \
+        ${site:+-DDEFERALLOC_MEGATRON_PATH=$site} \
         > "$L/configure.log" 2>&1 || { tail -30 "$L/configure.log"; exit 1; }
   if ! cmake --build $B -j"$(nproc)" > "$L/build.log" 2>&1; then
     grep -E "error" "$L/build.log" | head -30; exit 1

@@ -67,6 +67,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--megatron-wheel")
     ap.add_argument("--json", help="write the figures here (schema 1)")
+    ap.add_argument("--perf-targets", default="fail", choices=["fail", "report"],
+                    help="report: performance targets are printed but do not fail (ctest: targets live in benchmarks)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-at", type=int, default=10)
     ap.add_argument("--timing-steps", type=int, default=4, help="steps of the timing runs (the first is not timed)")
@@ -138,7 +140,9 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     rows: list[tuple[str, str, bool | None]] = []
     results: list[dict] = []
 
-    def check(what: str, value: str, ok: bool | None) -> None:
+    def check(what: str, value: str, ok: bool | None, perf: bool = False) -> None:
+        if perf and args.perf_targets == "report" and ok is not None:  # targets live in benchmarks
+            value, ok = f"{value} ({'met' if ok else 'MISSED'}: performance target, reported only)", None
         rows.append((what, value, ok))
 
     def figure(name: str, value, unit: str, baseline: str | None = None) -> None:
@@ -216,7 +220,7 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     if t_host and t_hdo:
         bound_s = 12 * n_t / link
         check(f"optimizer step, {n_t / 1e9:.2f} G params: HDO / deferalloc host (>= 5)",
-              f"{t_hdo / t_host:.2f}x ({t_hdo * 1e3:.0f} / {t_host * 1e3:.0f} ms)", t_hdo / t_host >= 5)
+              f"{t_hdo / t_host:.2f}x ({t_hdo * 1e3:.0f} / {t_host * 1e3:.0f} ms)", t_hdo / t_host >= 5, perf=True)
         check("  link bound: 12 B/param each way at the duplex copy rate",
               f"{bound_s * 1e3:.0f} ms ({link / 1e9:.1f} GB/s each way): at best {t_hdo / bound_s:.2f}x HDO", None)
         e = host_t["engine"][-1]
@@ -236,7 +240,7 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         figure("engine_pass_host", e["seconds"] * 1e3, "ms")
         figure("engine_map_retire_host", (e["map_seconds"] + e["retire_seconds"]) * 1e3, "ms")
     else:
-        check("optimizer step: HDO / deferalloc host (>= 5)", "a timing run failed", False)
+        check("optimizer step: HDO / deferalloc host (>= 5)", "a timing run failed", False)  # not a target: it failed
 
     # (d) checkpoint.
     ok = same_losses(resumed, host, args.save_at + 1) and resumed is not None \

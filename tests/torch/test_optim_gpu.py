@@ -41,9 +41,12 @@ ROWS: list[tuple[str, str, str, bool | None]] = []
 FIGURES: list[dict] = []  # for --json: {"name", "value", "unit", "baseline"}
 DEV = torch.device("cuda")
 SIZE = "small"  # --size tiny and --device cpu (host driver): a smoke test of (a) and (d) without a GPU
+PERF_FAIL = True  # --perf-targets report (ctest): a performance target is printed, never failed
 
 
-def row(what: str, value: str, target: str = "", ok: bool | None = None) -> None:
+def row(what: str, value: str, target: str = "", ok: bool | None = None, perf: bool = False) -> None:
+    if perf and not PERF_FAIL and ok is not None:
+        target, ok = f"{target} {'met' if ok else 'MISSED'} (performance target, reported only)", None
     ROWS.append((what, value, target, ok))
     print(f"  {what}: {value} {target} {'' if ok is None else ('PASS' if ok else 'FAIL')}", flush=True)
 
@@ -244,13 +247,13 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
 
     eng, s = engine(window_mb)
     row(f"(c) StreamedAdamW host tier, {total / 1e9:.2f} G params", f"{eng:.2f} Gparam/s ({total / eng / 1e6:.0f} ms/step)",
-        f"= {eng / bound:.2f}x bound (>= 0.9x)", eng >= 0.9 * bound)
+        f"= {eng / bound:.2f}x bound (>= 0.9x)", eng >= 0.9 * bound, perf=True)
     figure(f"StreamedAdamW host tier step(), {total / 1e9:.2f} G params", eng, "Gparam/s", BOUND)
     row("(c)   engine time split (last step)", f"map {s['map_seconds'] * 1e3:.1f} ms, retire "
         f"{s['retire_seconds'] * 1e3:.1f} ms, peak state HBM {s['peak_backed_bytes'] >> 20} MiB")
     hb = hand(window_mb)
     row(f"(c) hand-written chunked offload (3 streams, {window_mb} MiB of slots)", f"{hb:.2f} Gparam/s",
-        f"engine = {eng / hb:.2f}x (>= 1.0x)", eng >= hb)
+        f"engine = {eng / hb:.2f}x (>= 1.0x)", eng >= hb, perf=True)
     figure(HAND, hb, "Gparam/s")
     figure("StreamedAdamW host tier step(), against the hand-written offload", eng, "Gparam/s", HAND)
     # The same pair with twice the HBM (the hand-written offload's 1 GiB of slots of earlier rounds).
@@ -270,7 +273,7 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
         dt_m = time_steps(hdo.step, warm=1, reps=2)
         mb = total / dt_m / 1e9
         row("(c) megatron-core HybridDeviceOptimizer(1.0, fp32)", f"{mb:.2f} Gparam/s",
-            f"engine = {eng / mb:.1f}x (>= 5x)", eng >= 5 * mb)
+            f"engine = {eng / mb:.1f}x (>= 5x)", eng >= 5 * mb, perf=True)
         figure(HDO_NAME, mb, "Gparam/s")
         figure("StreamedAdamW host tier step(), against HybridDeviceOptimizer", eng, "Gparam/s", HDO_NAME)
         del hdo
@@ -289,7 +292,7 @@ def throughput(total: int, window_mb: int, wheel: str | None) -> None:
         py.append(opt.stats()["python_seconds"])
     py_ms = sorted(py)[len(py) // 2] * 1e3
     row("(c) Python overhead per step, 1,000 params", f"{py_ms:.2f} ms (whole step() call "
-        f"{sorted(wall)[len(wall) // 2] * 1e3:.2f} ms, device tier)", "(<= 2 ms)", py_ms <= 2.0)
+        f"{sorted(wall)[len(wall) // 2] * 1e3:.2f} ms, device tier)", "(<= 2 ms)", py_ms <= 2.0, perf=True)
     figure("Python time per step(), 1,000 params (target 2 ms)", py_ms, "ms")
 
 
@@ -350,9 +353,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--size", default="small", choices=sorted(L.SIZES))
     ap.add_argument("--json", help="write the figures here (schema of benchmarks/bench_json.py)")
+    ap.add_argument("--perf-targets", default="fail", choices=["fail", "report"],
+                    help="report: performance targets are printed but do not fail (ctest: targets live in benchmarks)")
     a = ap.parse_args()
-    global DEV, SIZE
-    DEV, SIZE = torch.device(a.device), a.size
+    global DEV, SIZE, PERF_FAIL
+    DEV, SIZE, PERF_FAIL = torch.device(a.device), a.size, a.perf_targets == "fail"
+
     if a.child:
         resume_child(a.child[0], a.child[1], int(a.child[2]))
         return 0
