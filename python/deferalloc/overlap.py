@@ -28,7 +28,7 @@ Approach
    forward's first bucket regardless would block the worker on gradients that the GPU
    computes last, and leave the link idle through backward (measured: 3 of 17 buckets
    stepped during backward).  Give the optimizer ``settings="keep_window:1"``
-   so that back-to-back bucket passes keep the window's chunks.
+   so that back-to-back bucket passes keep the window's slots backed and map nothing.
  - Clipping (``max_grad_norm``): each bucket is stepped speculatively with its gradients
    as they are, after its previous state (main, moments, step count) was kept.  At
    ``step()`` the total norm is computed as ``torch.nn.utils.clip_grad_norm_`` does;
