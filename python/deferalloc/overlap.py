@@ -13,7 +13,8 @@ Approach
    the groups' hyper-parameters.  One worker thread steps the queued buckets through the
    engine (the ctypes call drops the GIL) on a side stream that waits for that event
    only (the engine's kernels run on a stream of the greatest priority, so the GPU
-   schedules their blocks ahead of backward's waiting ones instead of starving them), passing null gradients for every other shard (a skipped shard keeps its state
+   schedules their blocks ahead of backward's waiting ones instead of starving them),
+   passing null gradients for every other shard (a skipped shard keeps its state
    and step count): the arithmetic and each parameter's step count are the plain step's,
    so the result is bit-identical to ``opt.step()`` after backward.
  - ``step()`` (in place of ``opt.step()``) queues what is left (parameters whose gradient
