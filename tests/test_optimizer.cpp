@@ -542,10 +542,14 @@ TEST(optimizer, speculative_step_failed_part_way_leaves_the_state) {
   run r(f, p, config_for(tier::host));
   r.opt->initialize();
   r.step(0);
-  f->fail_nth_copy(13);  // piece 2's first fetch (see host_tier_step_retried_after_a_fault_completes_exactly)
   r.load_grads(1);
+  // No pinned memory for the second copy of the last shard: nothing ran.
+  f->fail_nth(primitive::host_alloc, 9);
+  EXPECT_THROW(speculate(r, r.grads, p.scale(1)), out_of_memory);
+  EXPECT_EQ(r.opt->speculation_pending(), 0u);
+  f->fail_nth_copy(13);  // piece 2's first fetch (see host_tier_step_retried_after_a_fault_completes_exactly)
   EXPECT_THROW(speculate(r, r.grads, p.scale(1)), cuda_error);
-  EXPECT_EQ(f->fired(), 1u);
+  EXPECT_EQ(f->fired(), 2u);
   EXPECT_EQ(r.opt->speculation_pending(), 0u);
   const result one = cpu_twin(p, 1), two = cpu_twin(p, 2);
   const result now = r.state();
