@@ -248,6 +248,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
 void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
+  I.refuse_if_speculating("load_checkpoint");
   I.open_state();
   const std::string mpath = dir + "/manifest.txt";
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");
@@ -401,6 +402,10 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
 
 void streamed_adamw::load_checkpoint(const std::string& dir) {
   DFA_EXPECTS(!dir.empty(), "load_checkpoint: directory is empty");
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->refuse_if_speculating("load_checkpoint");  // before looking for a generation
+  }
   detail::read_checkpoint_files(*this, detail::newest_generation(dir, "load_checkpoint"));
 }
 

@@ -81,42 +81,55 @@ class streamed_adamw::impl::host_home final : public home {
  public:
   using home::home;
   ~host_home() override {
-    for (auto& h : homes_)
-      for (float* p : h) I.drv->host_free(p);
+    for (auto* v : {&homes_, &spare_})
+      for (auto& h : *v)
+        for (float* p : h) I.drv->host_free(p);
   }
 
   void add_shard(shard& s) override {
-    const std::size_t numel = s.info.numel;
-    const std::size_t mb = detail::moment_bytes(format(), numel);
-    per_array<float*> h{};
+    const std::size_t mb = detail::moment_bytes(format(), s.info.numel);
+    per_array<float*> h = alloc_copy(s.info.numel);
+    // Zero moments at home: a shard skipped by the first steps, or state loaded into
+    // some shards only, reads zeros (PyTorch's initial moments), never garbage.
+    // (Compressed: zero codes and zero scales decode to zero.)
+    std::memset(h[state_array::exp_avg], 0, mb);
+    std::memset(h[state_array::exp_avg_sq], 0, mb);
     try {
-      for (state_array a : k_state_arrays) h[a] = static_cast<float*>(I.drv->host_alloc(is_moment(a) ? mb : numel * 4));
-      // Zero moments at home: a shard skipped by the first steps, or state loaded into
-      // some shards only, reads zeros (PyTorch's initial moments), never garbage.
-      // (Compressed: zero codes and zero scales decode to zero.)
-      std::memset(h[state_array::exp_avg], 0, mb);
-      std::memset(h[state_array::exp_avg_sq], 0, mb);
       homes_.push_back(h);
+      spare_.emplace_back();  // (null until its first speculative step)
     } catch (...) {
-      for (float* p : h)
-        if (p) I.drv->host_free(p);
+      if (homes_.size() > spare_.size()) homes_.pop_back();
+      for (float* p : h) I.drv->host_free(p);
       throw;
     }
   }
   void drop_shard(std::size_t s) noexcept override {
-    for (float*& p : homes_[s]) I.drv->host_free(p), p = nullptr;
+    for (auto* v : {&homes_, &spare_})
+      for (float*& p : (*v)[s])
+        if (p) I.drv->host_free(p), p = nullptr;
   }
 
+  // A speculative step reads the current copy and writes the second one.
+  void begin_pass(const pass_plan& plan) override { speculative_ = plan.kind == pass::step && plan.speculative; }
   std::size_t to_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {
-    if (is_moment(a) && compressed()) return move_moment(p, a, dev, true, s);
+    if (is_moment(a) && compressed()) return move_moment(homes_[p.shard][a], p, dev, true, s);
     I.drv->copy_async(dev, homes_[p.shard][a] + p.e0, p.n * 4, s);
     return p.n * 4;
   }
   std::size_t from_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {
-    if (is_moment(a) && compressed()) return move_moment(p, a, dev, false, s);
-    I.drv->copy_async(homes_[p.shard][a] + p.e0, dev, p.n * 4, s);
+    float* to = (speculative_ ? spare_ : homes_)[p.shard][a];
+    if (is_moment(a) && compressed()) return move_moment(to, p, dev, false, s);
+    I.drv->copy_async(to + p.e0, dev, p.n * 4, s);
     return p.n * 4;
   }
+
+  bool speculates() const override { return true; }
+  // The second copy has the layout of the first; a speculative pass writes every byte of
+  // it for the shards it steps (all three arrays, whole shards), so it needs no zeroing.
+  void prepare_speculation(std::size_t s) override {
+    if (!spare_[s][state_array::main]) spare_[s] = alloc_copy(I.shards[s].info.numel);
+  }
+  void commit_speculation(std::size_t s) override { std::swap(homes_[s], spare_[s]); }
 
   void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
     if (is_moment(a) && compressed())
@@ -148,10 +161,24 @@ class streamed_adamw::impl::host_home final : public home {
  private:
   int format() const { return static_cast<int>(I.cfg.moments); }
   bool compressed() const { return I.cfg.moments != moment_format::fp32; }
-  // Copies moment `a` of piece `p` between its home and `dev` (the piece's window, in
-  // the format's layout) on `s`; returns the bytes moved.
-  std::size_t move_moment(const piece_ref& p, state_array a, float* dev, bool to_device, stream_t s) {
-    char* home = reinterpret_cast<char*>(homes_[p.shard][a]);
+  // Pinned memory for one copy of a shard's three arrays in the format's layout (all or
+  // nothing; contents undefined).
+  per_array<float*> alloc_copy(std::size_t numel) {
+    const std::size_t mb = detail::moment_bytes(format(), numel);
+    per_array<float*> h{};
+    try {
+      for (state_array a : k_state_arrays) h[a] = static_cast<float*>(I.drv->host_alloc(is_moment(a) ? mb : numel * 4));
+    } catch (...) {
+      for (float* p : h)
+        if (p) I.drv->host_free(p);
+      throw;
+    }
+    return h;
+  }
+  // Copies a moment of piece `p` between `array` (one copy of its home) and `dev` (the
+  // piece's window, in the format's layout) on `s`; returns the bytes moved.
+  std::size_t move_moment(float* array, const piece_ref& p, float* dev, bool to_device, stream_t s) {
+    char* home = reinterpret_cast<char*>(array);
     auto copy = [&](char* d, char* h, std::size_t bytes) {
       if (to_device) I.drv->copy_async(d, h, bytes, s);
       else I.drv->copy_async(h, d, bytes, s);
@@ -168,6 +195,8 @@ class streamed_adamw::impl::host_home final : public home {
   }
 
   std::vector<per_array<float*>> homes_;  // per shard: the pinned home of each array
+  std::vector<per_array<float*>> spare_;  // per shard: its second copy (Note [Speculative steps])
+  bool speculative_ = false;              // the pass under way writes spare_
 };
 
 // ---- file: two slots in a state file (Note [File tier]) ------------------------------

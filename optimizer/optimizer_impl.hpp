@@ -42,6 +42,7 @@ struct streamed_adamw::impl {
     per_array<reservation_id> res{};
     std::uint64_t step = 0;  // PyTorch's per-parameter step
     bool resident = false;   // Note [Resident shards]
+    bool speculative = false;  // stepped speculatively, not committed (Note [Speculative steps])
     /// The device address of array `a` (its reservation).
     float* device(state_array a) const {
       return a == state_array::main ? info.main_param : a == state_array::exp_avg ? info.exp_avg : info.exp_avg_sq;
@@ -58,6 +59,7 @@ struct streamed_adamw::impl {
     int arrays = 1;           // arrays mapped and written back: all three (step) or main
     bool fetch_main = false;  // all but init
     bool write_back = false;  // all but export
+    bool speculative = false; // a step writing into the shards' second copy (Note [Speculative steps])
   };
   class home;  // Note [Homes] (below)
   class device_home;  // its tiers (home.cpp)
@@ -94,6 +96,13 @@ struct streamed_adamw::impl {
   std::size_t failed_pieces_done = 0;  // its pieces (device tier: shards) already written back
   step_report report;
   bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
+  std::size_t speculating = 0;    // shards with shard::speculative set
+
+  /// The checks step() and step_speculative() share.
+  void check_step(const char* fn, std::span<const void* const> grads, std::span<const value_type> gts,
+                  float grad_scale) const;
+  /// Refuses (invalid_state) a write of the state while a speculative step is pending.
+  void refuse_if_speculating(const char* fn) const;
 
   /// The homes of cfg.home (and of resident shards); checks that the configuration fits
   /// the tier.  Defined in home.cpp, the one place that names the tiers.
@@ -115,7 +124,7 @@ struct streamed_adamw::impl {
                        std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point& last_line);
   /// One pass of the window pipeline over every piece (window_pipeline.cpp).
   void run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
-                stream_t user, std::size_t skip);
+                stream_t user, std::size_t skip, bool speculative = false);
   /// Shard `s`'s home.
   home& home_of(std::size_t s) const { return shards[s].resident ? *hbm_home : *tier_home; }
   /// A moment of a streamed home before the first step: zeros by construction, never
@@ -220,6 +229,15 @@ class streamed_adamw::impl::home {
   /// The array as plain FP32 in host memory (host tier, uncompressed), else null: the
   /// checkpoint code reads and writes it there without a copy.
   virtual float* host_array(std::size_t, state_array) const { return nullptr; }
+
+  // -- speculative steps (Note [Speculative steps] in streamed_adamw.cpp).  Every other
+  // method reads and writes the current copy.
+  /// The tier can step a shard into a second copy of its state (host).
+  virtual bool speculates() const { return false; }
+  /// Gives shard `s` its second copy if it has none yet (all or nothing).
+  virtual void prepare_speculation(std::size_t) {}
+  /// Shard `s`'s second copy, written by a speculative pass, becomes its state.
+  virtual void commit_speculation(std::size_t) {}
 
  protected:
   impl& I;

@@ -203,6 +203,7 @@ std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   std::lock_guard lk(impl_->mu);
   DFA_EXPECTS(s < impl_->shards.size(), "set_shard_step: no shard " + std::to_string(s));
+  impl_->refuse_if_speculating("set_shard_step");
   impl_->shards[s].step = step;
 }
 std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
@@ -307,15 +308,12 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
                           stream_t stream) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  DFA_EXPECTS(I.initialized, "step: call initialize() first", invalid_state);
-  DFA_EXPECTS(grads.size() == I.shards.size(), "step: " + std::to_string(grads.size()) + " gradients for " +
-                                                   std::to_string(I.shards.size()) + " shards");
-  DFA_EXPECTS(gts.size() == I.shards.size(), "step: " + std::to_string(gts.size()) + " gradient types for " +
-                                                 std::to_string(I.shards.size()) + " shards");
-  for (value_type t : gts)
-    DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
-                "step: unknown gradient type " + std::to_string(static_cast<int>(t)));
-  DFA_EXPECTS(std::isfinite(grad_scale), "step: grad_scale is not finite");
+  I.check_step("step", grads, gts, grad_scale);
+  for (std::size_t s = 0; s < I.shards.size(); ++s)
+    DFA_EXPECTS(grads[s] == nullptr || !I.shards[s].speculative,
+                "step: shard " + std::to_string(s) + " ('" + I.shards[s].info.name +
+                    "') has a pending speculative step (commit_speculation or discard_speculation first)",
+                invalid_state);
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::size_t skip = I.failed_step == I.step_count + 1 ? I.failed_pieces_done : 0;
@@ -362,6 +360,123 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   ++I.step_count;
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     if (grads[s] != nullptr) ++I.shards[s].step;
+}
+
+void streamed_adamw::impl::check_step(const char* fn, std::span<const void* const> grads,
+                                      std::span<const value_type> gts, float grad_scale) const {
+  const std::string f(fn);
+  DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
+  DFA_EXPECTS(grads.size() == shards.size(),
+              f + ": " + std::to_string(grads.size()) + " gradients for " + std::to_string(shards.size()) + " shards");
+  DFA_EXPECTS(gts.size() == shards.size(), f + ": " + std::to_string(gts.size()) + " gradient types for " +
+                                               std::to_string(shards.size()) + " shards");
+  for (value_type t : gts)
+    DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
+                f + ": unknown gradient type " + std::to_string(static_cast<int>(t)));
+  DFA_EXPECTS(std::isfinite(grad_scale), f + ": grad_scale is not finite");
+}
+
+void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
+  DFA_EXPECTS(speculating == 0,
+              std::string(fn) + ": " + std::to_string(speculating) +
+                  " shard(s) have a pending speculative step (commit_speculation or discard_speculation first)",
+              invalid_state);
+}
+
+// Note [Speculative steps]
+//
+// Rationale: a step overlapped with backward under gradient clipping (Note [Overlap with
+// backward] in python/deferalloc/overlap.py) must step each bucket before the global
+// gradient norm is known, and step it again from the previous state when the norm says
+// the gradients are clipped.  Keeping that state by copying it out costs 12 B/param of
+// host memory bandwidth per iteration (4 s per step for 1.1 G params on the H200), even
+// when no redo happens.
+// Approach: the host home keeps a second pinned copy of a shard's three arrays (same
+// layout, compressed moments included), allocated at the shard's first speculative step.
+// step_speculative() runs the ordinary step pass (same pieces, kernels, scalars from the
+// committed step count, BF16 parameters written), except that the write-back lands in
+// the second copy (pass_plan::speculative; the window's slot logic is unchanged): the
+// current copy is the kept state, for free.  commit_speculation() swaps the two copies of
+// each pending shard (pointer swaps) and advances their step counts; discard_speculation()
+// forgets the second copy.  A redo is discard, clip, step again; it rewrites the BF16
+// parameters from the kept state, so the result is bit-identical to the clipped plain
+// step.  Everything else (state ranges, state_dict, save_checkpoint, sync_model_params)
+// reads the current copy; writes of the state (write_state_range, set_shard_step,
+// load_checkpoint) are refused while a speculation is pending, and so is a step() of a
+// pending shard.
+// Limits: host tier and streamed shards only (can_speculate): resident shards are stepped
+// in place in HBM, where a second copy would take the HBM the budget gave them, and the
+// device and file tiers keep one copy (the file tier's two slots are the atomicity of
+// its commit); those are refused with invalid_state and the caller keeps their state
+// itself (overlap.py copies it out).  Memory: the second copy doubles the pinned host
+// memory of the shards stepped speculatively (12 B/param more with fp32 moments), held
+// until the optimizer is destroyed.
+
+void streamed_adamw::step_speculative(std::span<const void* const> grads, std::span<const value_type> gts,
+                                      float grad_scale, stream_t stream) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.check_step("step_speculative", grads, gts, grad_scale);
+  DFA_EXPECTS(I.tier_home->speculates(),
+              std::string("step_speculative: the ") + to_string(I.cfg.home) +
+                  " tier keeps one copy of the state (speculative steps need the host tier)",
+              invalid_state);
+  DFA_EXPECTS(I.failed_step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
+              invalid_state);
+  for (std::size_t s = 0; s < I.shards.size(); ++s) {
+    if (grads[s] == nullptr) continue;
+    const std::string which = "step_speculative: shard " + std::to_string(s) + " ('" + I.shards[s].info.name + "') ";
+    DFA_EXPECTS(!I.shards[s].resident, which + "is resident in HBM and stepped in place (step it with step())",
+                invalid_state);
+    DFA_EXPECTS(!I.shards[s].speculative,
+                which + "already has a pending speculative step (commit_speculation or discard_speculation first)",
+                invalid_state);
+  }
+  // The second copies before anything runs: running out of pinned memory changes nothing.
+  for (std::size_t s = 0; s < I.shards.size(); ++s)
+    if (grads[s] != nullptr) I.tier_home->prepare_speculation(s);
+  try {
+    I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, 0, true);
+    I.after(stream, I.exec);
+  } catch (...) {
+    I.failed_pieces_done = 0;  // the current copy is intact: nothing to resume
+    throw;
+  }
+  for (std::size_t s = 0; s < I.shards.size(); ++s)
+    if (grads[s] != nullptr) I.shards[s].speculative = true, ++I.speculating;
+}
+
+void streamed_adamw::commit_speculation() {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  if (I.speculating == 0) return;
+  for (std::size_t s = 0; s < I.shards.size(); ++s)
+    if (I.shards[s].speculative) {
+      I.tier_home->commit_speculation(s);
+      I.shards[s].speculative = false;
+      ++I.shards[s].step;
+    }
+  I.speculating = 0;
+  I.moments_written = true;
+  ++I.step_count;
+}
+
+void streamed_adamw::discard_speculation() {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  for (auto& s : I.shards) s.speculative = false;
+  I.speculating = 0;
+}
+
+std::size_t streamed_adamw::speculation_pending() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->speculating;
+}
+
+bool streamed_adamw::can_speculate(std::size_t s) const {
+  std::lock_guard lk(impl_->mu);
+  DFA_EXPECTS(s < impl_->shards.size(), "can_speculate: no shard " + std::to_string(s));
+  return impl_->tier_home->speculates() && !impl_->shards[s].resident;
 }
 
 void streamed_adamw::sync_model_params(stream_t stream) {
@@ -426,6 +541,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   I.open_state();
   DFA_EXPECTS(I.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
+  I.refuse_if_speculating("write_state_range");
   check_range("write_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
   if (n == 0) return;

@@ -69,7 +69,7 @@ double since(clk::time_point t) { return std::chrono::duration<double>(clk::now(
 class streamed_adamw::impl::window_pipeline {
  public:
   window_pipeline(impl& owner, pass kind, std::span<const void* const> grads, std::span<const value_type> gts,
-                  float grad_scale, std::size_t skip)
+                  float grad_scale, std::size_t skip, bool speculative)
       : I(owner), home_(*owner.tier_home), grads_(grads), gts_(gts), K(owner.cfg.depth) {
     plan_.kind = kind;
     plan_.pieces = I.pieces(grads);
@@ -77,6 +77,7 @@ class streamed_adamw::impl::window_pipeline {
     plan_.arrays = kind == pass::step ? 3 : 1;
     plan_.fetch_main = kind != pass::init;
     plan_.write_back = kind != pass::export_bf16;
+    plan_.speculative = speculative;  // the home writes back into the second copy
     P = plan_.pieces.size();
     if (kind == pass::step)
       for (std::size_t s = 0; s < I.shards.size(); ++s) ks_.push_back(I.scalars(s, grad_scale));
@@ -284,8 +285,8 @@ class streamed_adamw::impl::window_pipeline {
 };
 
 void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts,
-                                    float grad_scale, stream_t user, std::size_t skip) {
-  window_pipeline(*this, kind, grads, gts, grad_scale, skip).run(user);
+                                    float grad_scale, stream_t user, std::size_t skip, bool speculative) {
+  window_pipeline(*this, kind, grads, gts, grad_scale, skip, speculative).run(user);
 }
 
 }  // namespace deferalloc::optim

@@ -449,6 +449,167 @@ TEST(optimizer, host_tier_step_retried_after_a_fault_completes_exactly) {
   expect_same(r.state(), two, "retried step");
 }
 
+// Note [Speculative steps]: a speculative step then commit is the plain step, bit for
+// bit; a discard leaves state and step counts as they were, and the redo that follows
+// (speculative or plain) rewrites the BF16 params; several pending steps over disjoint
+// shards commit as one; skipped shards and compressed moments included.
+namespace {
+std::vector<const void*> only(const std::vector<const void*>& grads, std::vector<bool> take) {
+  std::vector<const void*> g(grads.size(), nullptr);
+  for (std::size_t s = 0; s < g.size(); ++s)
+    if (take[s]) g[s] = grads[s];
+  return g;
+}
+void speculate(run& r, const std::vector<const void*>& g, float scale) {
+  const std::vector<value_type> gts(g.size(), value_type::bf16);
+  r.opt->step_speculative(g, gts, scale);
+  r.drv->synchronize_stream(nullptr);
+}
+}  // namespace
+
+TEST(optimizer, speculative_step_commit_is_the_step_and_discard_keeps_the_state) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 5);
+  // Step 3 skips shard 1 (a parameter without a gradient).
+  const std::vector<bool> all{true, true, true}, skip1{true, false, true};
+  for (moment_format fmt : {moment_format::fp32, moment_format::bf16, moment_format::int8}) {
+    SCOPED_TRACE(to_string(fmt));
+    optimizer_config cfg = config_for(tier::host);
+    cfg.moments = fmt;
+    run plain(d, p, cfg), spec(d, p, cfg);
+    plain.opt->initialize();
+    spec.opt->initialize();
+    for (int t = 0; t < p.steps; ++t) {
+      SCOPED_TRACE("step " + std::to_string(t));
+      const auto& mask = t == 3 ? skip1 : all;
+      plain.load_grads(t);
+      plain.opt->step(only(plain.grads, mask), grad_type::bf16, p.scale(t));
+      plain.drv->synchronize_stream(nullptr);
+      spec.load_grads(t);
+      const auto g = only(spec.grads, mask);
+      if (t == 0 || t == 2 || t == 4) {
+        // A wrong speculation (here: twice the scale), discarded: nothing changed.
+        const result before = spec.state();
+        std::vector<std::uint64_t> steps0;
+        for (std::size_t s = 0; s < p.sizes.size(); ++s) steps0.push_back(spec.opt->shard_step(s));
+        speculate(spec, g, 2 * p.scale(t));
+        EXPECT_EQ(spec.opt->speculation_pending(), 3u);
+        const result pending = spec.state();
+        EXPECT_EQ(spec.opt->steps(), static_cast<std::uint64_t>(t)) << "steps() moves at commit";
+        for (std::size_t s = 0; s < p.sizes.size(); ++s) {
+          EXPECT_EQ(spec.opt->shard_step(s), steps0[s]) << "shard " << s << ": step count moves at commit";
+          EXPECT_EQ(pending.main[s], before.main[s]) << "shard " << s << ": reads see the committed state";
+          EXPECT_EQ(pending.v[s], before.v[s]) << "shard " << s;
+          EXPECT_NE(pending.bf16[s], before.bf16[s]) << "shard " << s << ": the speculation wrote the params";
+        }
+        spec.opt->discard_speculation();
+        EXPECT_EQ(spec.opt->speculation_pending(), 0u);
+        const result after = spec.state();
+        for (std::size_t s = 0; s < p.sizes.size(); ++s) {
+          EXPECT_EQ(after.main[s], before.main[s]) << "shard " << s;
+          EXPECT_EQ(after.m[s], before.m[s]) << "shard " << s;
+          EXPECT_EQ(after.v[s], before.v[s]) << "shard " << s;
+          EXPECT_EQ(spec.opt->shard_step(s), steps0[s]) << "shard " << s;
+        }
+      }
+      if (t == 2) {
+        spec.opt->step(g, grad_type::bf16, p.scale(t));  // the redo as a plain step
+        spec.drv->synchronize_stream(nullptr);
+      } else if (t == 1) {
+        // Two pending speculative steps over disjoint shards, committed as one.
+        speculate(spec, only(g, {true, false, false}), p.scale(t));
+        speculate(spec, only(g, {false, true, true}), p.scale(t));
+        EXPECT_EQ(spec.opt->speculation_pending(), 3u);
+        spec.opt->commit_speculation();
+      } else {
+        speculate(spec, g, p.scale(t));
+        EXPECT_EQ(spec.opt->speculation_pending(), t == 3 ? 2u : 3u);
+        spec.opt->commit_speculation();
+      }
+      EXPECT_EQ(spec.opt->speculation_pending(), 0u);
+      for (std::size_t s = 0; s < p.sizes.size(); ++s)
+        EXPECT_EQ(spec.opt->shard_step(s), plain.opt->shard_step(s)) << "shard " << s;
+      expect_same(spec.state(), plain.state(), "speculative vs plain");
+    }
+    EXPECT_EQ(spec.opt->steps(), plain.opt->steps());
+    EXPECT_EQ(plain.opt->shard_step(1), static_cast<std::uint64_t>(p.steps - 1)) << "the skipped step";
+  }
+}
+
+TEST(optimizer, speculative_step_failed_part_way_leaves_the_state) {
+  auto f = std::make_shared<fault_driver>(make_driver());
+  const problem p = make_problem(f->granularity(), 2);
+  run r(f, p, config_for(tier::host));
+  r.opt->initialize();
+  r.step(0);
+  r.load_grads(1);
+  // No pinned memory for the second copy of the last shard: nothing ran.
+  f->fail_nth(primitive::host_alloc, 9);
+  EXPECT_THROW(speculate(r, r.grads, p.scale(1)), out_of_memory);
+  EXPECT_EQ(r.opt->speculation_pending(), 0u);
+  f->fail_nth_copy(13);  // piece 2's first fetch (see host_tier_step_retried_after_a_fault_completes_exactly)
+  EXPECT_THROW(speculate(r, r.grads, p.scale(1)), cuda_error);
+  EXPECT_EQ(f->fired(), 2u);
+  EXPECT_EQ(r.opt->speculation_pending(), 0u);
+  const result one = cpu_twin(p, 1), two = cpu_twin(p, 2);
+  const result now = r.state();
+  for (std::size_t s = 0; s < p.sizes.size(); ++s) {
+    EXPECT_EQ(now.main[s], one.main[s]) << "shard " << s << ": the current copy is intact";
+    EXPECT_EQ(now.v[s], one.v[s]) << "shard " << s;
+    EXPECT_EQ(r.opt->shard_step(s), 1u);
+  }
+  speculate(r, r.grads, p.scale(1));
+  r.opt->commit_speculation();
+  expect_same(r.state(), two, "speculative step after a failed one");
+}
+
+TEST(optimizer, speculative_step_errors) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 2);
+  temp_dir dir, ck;
+  const std::vector<value_type> gts(p.sizes.size(), value_type::bf16);
+  for (tier t : {tier::device, tier::file}) {
+    run r(d, p, config_for(t, dir.path));
+    r.opt->initialize();
+    EXPECT_FALSE(r.opt->can_speculate(0));
+    r.load_grads(0);
+    EXPECT_THROW(r.opt->step_speculative(r.grads, gts), invalid_state) << to_string(t) << " tier";
+    EXPECT_EQ(r.opt->speculation_pending(), 0u);
+  }
+  // A resident shard (the first) cannot speculate; the streamed ones can.
+  optimizer_config cfg = config_for(tier::host);
+  cfg.resident_bytes = 3 * (p.sizes[0] * 4 + d->granularity());
+  run r(d, p, cfg);
+  EXPECT_THROW(r.opt->step_speculative(r.grads, gts), invalid_state) << "before initialize";
+  r.opt->initialize();
+  ASSERT_TRUE(r.opt->shards()[0].resident);
+  EXPECT_FALSE(r.opt->can_speculate(0));
+  EXPECT_TRUE(r.opt->can_speculate(1));
+  EXPECT_THROW(r.opt->can_speculate(3), invalid_argument);
+  r.load_grads(0);
+  EXPECT_THROW(r.opt->step_speculative(r.grads, gts), invalid_state) << "a resident shard";
+  EXPECT_EQ(r.opt->speculation_pending(), 0u);
+  const auto streamed = only(r.grads, {false, true, true});
+  r.opt->step(only(r.grads, {true, false, false}), grad_type::bf16);  // resident: plain, while ...
+  r.opt->step_speculative(streamed, gts);                             // ... the others speculate
+  EXPECT_THROW(r.opt->step_speculative(only(r.grads, {false, true, false}), gts), invalid_state) << "pending twice";
+  EXPECT_THROW(r.opt->step(streamed, grad_type::bf16), invalid_state) << "a plain step of a pending shard";
+  std::vector<float> buf(p.sizes[1]);
+  EXPECT_THROW(r.opt->write_state_range(1, state_array::main, 0, 4, buf.data()), invalid_state);
+  EXPECT_THROW(r.opt->write_state_range(0, state_array::main, 0, 4, buf.data()), invalid_state) << "any shard";
+  EXPECT_THROW(r.opt->set_shard_step(1, 7), invalid_state);
+  r.opt->save_checkpoint(ck.path);  // saves the committed state
+  EXPECT_THROW(r.opt->load_checkpoint(ck.path), invalid_state);
+  r.opt->read_state_range(1, state_array::exp_avg, 0, buf.size(), buf.data());
+  EXPECT_EQ(buf, std::vector<float>(buf.size(), 0.0f)) << "reads see the committed (never stepped) moments";
+  r.opt->discard_speculation();
+  r.opt->load_checkpoint(ck.path);
+  r.opt->set_shard_step(1, 0);
+  EXPECT_THROW(r.opt->step_speculative(std::vector<const void*>(2, nullptr), gts), invalid_argument) << "2 gradients";
+  r.opt->commit_speculation();  // nothing pending: nothing happens
+  EXPECT_EQ(r.opt->steps(), 1u) << "the resident shard's plain step";
+}
+
 TEST(optimizer, checkpoint_continues_bit_identically_and_refuses_corruption) {
   auto d = make_driver();
   const problem p = make_problem(d->granularity(), 6);

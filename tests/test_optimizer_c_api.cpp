@@ -121,6 +121,63 @@ TEST(optimizer_c_api, write_state_then_continue_like_a_fresh_copy) {
   EXPECT_EQ(pa, pb) << "the third step continues bit-identically";
 }
 
+TEST(optimizer_c_api, speculative_step_commit_and_discard) {
+  const std::size_t n = 70000;
+  auto pa = random_bf16(n, 7, 1.0f), pb = pa;
+  handle a, b;
+  ASSERT_EQ(dfa_opt_add_shard(a.o, pa.data(), n, DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_add_shard(b.o, pb.data(), n, DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_initialize(a.o, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_initialize(b.o, nullptr), DFA_SUCCESS);
+  int can = -1;
+  ASSERT_EQ(dfa_opt_can_speculate(b.o, 0, &can), DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_EQ(can, 1);
+  EXPECT_EQ(dfa_opt_can_speculate(b.o, 1, &can), DFA_ERROR_INVALID_ARGUMENT);
+  std::size_t pending = 9;
+  for (int t = 0; t < 3; ++t) {
+    auto g = random_bf16(n, 20 + t, 1.0f);
+    const void* grads[1] = {g.data()};
+    ASSERT_EQ(dfa_opt_step(a.o, grads, 1, nullptr, 0.5f, nullptr), DFA_SUCCESS);
+    // b: a speculation with the wrong scale, discarded; then the right one, committed.
+    std::vector<float> before(n), now(n);
+    ASSERT_EQ(dfa_opt_read_state(b.o, 0, DFA_STATE_EXP_AVG, 0, n, before.data()), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_step_speculative(b.o, grads, 1, nullptr, 1.0f, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+    ASSERT_EQ(dfa_opt_speculation_pending(b.o, &pending), DFA_SUCCESS);
+    EXPECT_EQ(pending, 1u);
+    EXPECT_EQ(dfa_opt_step(b.o, grads, 1, nullptr, 0.5f, nullptr), DFA_ERROR_INVALID_STATE);
+    EXPECT_NE(std::string(dfa_opt_last_error()).find("pending speculative step"), std::string::npos)
+        << dfa_opt_last_error();
+    EXPECT_EQ(dfa_opt_write_state(b.o, 0, DFA_STATE_MAIN, 0, 1, before.data()), DFA_ERROR_INVALID_STATE);
+    EXPECT_EQ(dfa_opt_set_shard_step(b.o, 0, 5), DFA_ERROR_INVALID_STATE);
+    ASSERT_EQ(dfa_opt_discard_speculation(b.o), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_read_state(b.o, 0, DFA_STATE_EXP_AVG, 0, n, now.data()), DFA_SUCCESS);
+    EXPECT_EQ(now, before) << "discard keeps the state";
+    ASSERT_EQ(dfa_opt_step_speculative(b.o, grads, 1, nullptr, 0.5f, nullptr), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_commit_speculation(b.o), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_speculation_pending(b.o, &pending), DFA_SUCCESS);
+    EXPECT_EQ(pending, 0u);
+    EXPECT_EQ(pa, pb) << "step " << t;
+  }
+  std::uint64_t sa = 0, sb = 0;
+  ASSERT_EQ(dfa_opt_get_shard_step(a.o, 0, &sa), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_get_shard_step(b.o, 0, &sb), DFA_SUCCESS);
+  EXPECT_EQ(sb, sa);
+  for (int arr = 0; arr < 3; ++arr) {
+    std::vector<float> x(n), y(n);
+    ASSERT_EQ(dfa_opt_read_state(a.o, 0, dfa_state_array(arr), 0, n, x.data()), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_read_state(b.o, 0, dfa_state_array(arr), 0, n, y.data()), DFA_SUCCESS);
+    EXPECT_EQ(x, y) << "array " << arr;
+  }
+  handle dev("driver:host,tier:device");
+  ASSERT_EQ(dfa_opt_add_shard(dev.o, pa.data(), n, DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_initialize(dev.o, nullptr), DFA_SUCCESS);
+  auto g = random_bf16(n, 40, 1.0f);
+  const void* grads[1] = {g.data()};
+  EXPECT_EQ(dfa_opt_step_speculative(dev.o, grads, 1, nullptr, 1.0f, nullptr), DFA_ERROR_INVALID_STATE);
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("host tier"), std::string::npos) << dfa_opt_last_error();
+  EXPECT_EQ(dfa_opt_speculation_pending(dev.o, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+}
+
 TEST(optimizer_c_api, checkpoint_and_progress) {
   const std::size_t n = 3000;
   auto p = random_bf16(n, 3, 1.0f);

@@ -206,6 +206,33 @@ class DFA_API streamed_adamw {
   void step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale = 1.0f,
             stream_t stream = nullptr);
 
+  /// A speculative step (host tier; Note [Speculative steps] in
+  /// optimizer/streamed_adamw.cpp): steps the shards with a gradient as step() does
+  /// (same arithmetic, same BF16 parameters written), but writes their new state into a
+  /// second pinned copy and leaves their state and step counts as they were until
+  /// commit_speculation() makes the new copy current, or discard_speculation() drops it.
+  /// Keeping the previous state costs no copy; the second copy (2x the shard's pinned
+  /// host memory) is allocated at a shard's first speculative step and kept.  Several
+  /// speculative steps over disjoint shards may be pending at once.  Discard does not
+  /// restore the model parameters: step the shards again (the redo of a clipped step) or
+  /// call sync_model_params().  A failed speculative step leaves the state unchanged
+  /// (its shards are not pending; their parameters may be partly written: step again).
+  /// @throws invalid_state: not the host tier, a shard with a gradient that is resident
+  /// (can_speculate) or already pending, a failed step() awaiting its retry.
+  void step_speculative(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale = 1.0f,
+                        stream_t stream = nullptr);
+  /// Makes the pending speculative state current and advances those shards' step counts
+  /// (and steps() by one).  Nothing pending: does nothing.  Host memcpy-free (swaps copies).
+  void commit_speculation();
+  /// Drops the pending speculative state: state and step counts stay the last committed.
+  void discard_speculation();
+  /// Shards stepped speculatively and neither committed nor discarded.
+  std::size_t speculation_pending() const;
+  /// Shard `s` can be stepped speculatively: a streamed shard of the host tier (after
+  /// initialize(), which picks the resident shards; resident, device- and file-tier
+  /// shards cannot: step them with step() and keep their state yourself).
+  bool can_speculate(std::size_t s) const;
+
   /// Writes BF16(main) into every shard's model parameters (after a resume or a
   /// checkpoint load: the model then matches the optimizer's state).  `stream` waits.
   void sync_model_params(stream_t stream = nullptr);
@@ -236,10 +263,12 @@ class DFA_API streamed_adamw {
   /// Writes host memory into elements [offset, offset + n) of one state array.  The file
   /// tier takes whole arrays only (offset 0, n = numel) and writes its committed slot in
   /// place (not atomic: the engine's checkpoint is).  Does not touch model parameters
-  /// (sync_model_params does).  @throws invalid_argument for a bad range.
+  /// (sync_model_params does).  @throws invalid_argument for a bad range, invalid_state
+  /// while a speculative step is pending (commit or discard it first).
   void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
-  /// Steps taken by shard `s` (PyTorch's per-parameter `step`), and setting it (state
-  /// loading).
+  /// Steps taken by shard `s` (PyTorch's per-parameter `step`; the committed count while
+  /// a speculative step is pending), and setting it (state loading; invalid_state while
+  /// a speculative step is pending).
   std::uint64_t shard_step(std::size_t s) const;
   void set_shard_step(std::size_t s, std::uint64_t step);
   /// Saves the whole state as a new generation `dir`/gen-<N>: one data file per shard and
@@ -247,6 +276,7 @@ class DFA_API streamed_adamw {
   /// fsynced, published by one rename; older generations are pruned after.  A killed or
   /// failed save leaves the previous generation loadable.  Streamed in bounded chunks
   /// (<= 128 MiB of buffers), several writes in flight.  See Note [Checkpoint generations].
+  /// While a speculative step is pending it saves the committed state (the current copy).
   /// @throws io_error (the directory is a symlink or another user's, a write fails)
   void save_checkpoint(const std::string& dir);
   /// Loads the newest complete generation in `dir` into the registered shards and writes
@@ -254,7 +284,7 @@ class DFA_API streamed_adamw {
   /// (twice on the host and device tiers when they already hold state: verify, then copy).
   /// @throws io_error (no checkpoint), corrupt_data on a checksum failure or a mismatched
   /// layout (the message says which file, array and why); the optimizer's state is
-  /// unchanged then.
+  /// unchanged then; invalid_state while a speculative step is pending.
   void load_checkpoint(const std::string& dir);
 
   reservation_manager& reservations();

@@ -70,6 +70,19 @@ value_type dtype_of(int t, const char* what) {
   return static_cast<value_type>(t);
 }
 
+// The gradients' types of a step call (grad_dtypes null: each shard's parameter type),
+// after checking its arguments.
+std::vector<value_type> grad_types(const streamed_adamw& opt, const void* const* grads, std::size_t n,
+                                   const int* grad_dtypes, const char* call) {
+  need(grads, "grads");
+  const auto& shards = opt.shards();
+  if (n != shards.size())
+    throw invalid_argument(std::to_string(n) + " gradients for " + std::to_string(shards.size()) + " shards");
+  std::vector<value_type> gts(n);
+  for (std::size_t i = 0; i < n; ++i) gts[i] = grad_dtypes ? dtype_of(grad_dtypes[i], call) : shards[i].param_type;
+  return gts;
+}
+
 }  // namespace
 
 extern "C" {
@@ -120,14 +133,39 @@ dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, co
                         void* stream) {
   return guard("dfa_opt_step", [&] {
     auto& opt = opt_of(o);
-    need(grads, "grads");
-    const auto& shards = opt.shards();
-    if (n != shards.size())
-      throw invalid_argument(std::to_string(n) + " gradients for " + std::to_string(shards.size()) + " shards");
-    std::vector<value_type> gts(n);
-    for (std::size_t i = 0; i < n; ++i)
-      gts[i] = grad_dtypes ? dtype_of(grad_dtypes[i], "dfa_opt_step") : shards[i].param_type;
-    opt.step(std::span<const void* const>(grads, n), gts, scale, stream_t{stream});
+    opt.step(std::span<const void* const>(grads, n), grad_types(opt, grads, n, grad_dtypes, "dfa_opt_step"), scale,
+             stream_t{stream});
+  });
+}
+
+dfa_status dfa_opt_step_speculative(dfa_optimizer* o, const void* const* grads, size_t n, const int* grad_dtypes,
+                                    float scale, void* stream) {
+  return guard("dfa_opt_step_speculative", [&] {
+    auto& opt = opt_of(o);
+    opt.step_speculative(std::span<const void* const>(grads, n),
+                         grad_types(opt, grads, n, grad_dtypes, "dfa_opt_step_speculative"), scale, stream_t{stream});
+  });
+}
+
+dfa_status dfa_opt_commit_speculation(dfa_optimizer* o) {
+  return guard("dfa_opt_commit_speculation", [&] { opt_of(o).commit_speculation(); });
+}
+
+dfa_status dfa_opt_discard_speculation(dfa_optimizer* o) {
+  return guard("dfa_opt_discard_speculation", [&] { opt_of(o).discard_speculation(); });
+}
+
+dfa_status dfa_opt_speculation_pending(dfa_optimizer* o, size_t* out) {
+  return guard("dfa_opt_speculation_pending", [&] {
+    need(out, "out");
+    *out = opt_of(o).speculation_pending();
+  });
+}
+
+dfa_status dfa_opt_can_speculate(dfa_optimizer* o, size_t shard, int* out) {
+  return guard("dfa_opt_can_speculate", [&] {
+    need(out, "out");
+    *out = opt_of(o).can_speculate(shard) ? 1 : 0;
   });
 }
 

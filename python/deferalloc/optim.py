@@ -108,6 +108,11 @@ def _load():
         "dfa_opt_set_group": (c.c_int, [P, c.c_int, c.POINTER(_AdamwParams)]),
         "dfa_opt_initialize": (c.c_int, [P, P]),
         "dfa_opt_step": (c.c_int, [P, c.POINTER(P), c.c_size_t, c.POINTER(c.c_int), c.c_float, P]),
+        "dfa_opt_step_speculative": (c.c_int, [P, c.POINTER(P), c.c_size_t, c.POINTER(c.c_int), c.c_float, P]),
+        "dfa_opt_commit_speculation": (c.c_int, [P]),
+        "dfa_opt_discard_speculation": (c.c_int, [P]),
+        "dfa_opt_speculation_pending": (c.c_int, [P, c.POINTER(c.c_size_t)]),
+        "dfa_opt_can_speculate": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_int)]),
         "dfa_opt_sync_model_params": (c.c_int, [P, P]),
         "dfa_opt_read_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
         "dfa_opt_write_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
@@ -377,6 +382,45 @@ class StreamedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._engine_step(_load().dfa_opt_step, "dfa_opt_step")
+        return loss
+
+    @torch.no_grad()
+    def step_speculative(self) -> None:
+        """``step()``, but the new state of the stepped parameters is kept aside (host tier):
+        ``commit_speculation()`` makes it the state (and advances their ``step``),
+        ``discard_speculation()`` drops it, leaving state and steps as they were; the
+        parameters keep the speculative values until they are stepped again.  The first speculative step of a parameter
+        allocates a second pinned copy of its state (2x its host memory).  Refused
+        (InvalidStateError) for other tiers, resident parameters (``can_speculate``) and
+        parameters already pending.  See Note [Speculative steps] in optimizer/streamed_adamw.cpp."""
+        self._engine_step(_load().dfa_opt_step_speculative, "dfa_opt_step_speculative")
+
+    def commit_speculation(self) -> None:
+        _check(_load().dfa_opt_commit_speculation(self._handle), "dfa_opt_commit_speculation")
+
+    def discard_speculation(self) -> None:
+        _check(_load().dfa_opt_discard_speculation(self._handle), "dfa_opt_discard_speculation")
+
+    def speculation_pending(self) -> int:
+        """Parameters stepped speculatively and neither committed nor discarded."""
+        v = ctypes.c_size_t()
+        _check(_load().dfa_opt_speculation_pending(self._handle, ctypes.byref(v)), "dfa_opt_speculation_pending")
+        return v.value
+
+    def can_speculate(self, p: torch.Tensor) -> bool:
+        """Whether ``step_speculative`` can step ``p`` (host tier, not resident; initializes
+        the state, which picks the resident parameters)."""
+        self._ensure_initialized()
+        return self._can_speculate(self._shard_of[p])
+
+    def _can_speculate(self, shard: int) -> bool:
+        v = ctypes.c_int()
+        _check(_load().dfa_opt_can_speculate(self._handle, shard, ctypes.byref(v)), "dfa_opt_can_speculate")
+        return bool(v.value)
+
+    def _engine_step(self, fn, call: str) -> None:
+        """One engine step call over every parameter's ``.grad`` (None: skipped)."""
         t0 = time.perf_counter()
         self._ensure_initialized()
         self._push_groups()
@@ -401,10 +445,9 @@ class StreamedAdamW(torch.optim.Optimizer):
             types[i] = t
         stream = _stream_ptr(self._stream, self._device)
         t1 = time.perf_counter()
-        _check(_load().dfa_opt_step(self._handle, ptrs, len(self._params), types, 1.0, stream), "dfa_opt_step")
+        _check(fn(self._handle, ptrs, len(self._params), types, 1.0, stream), call)
         self._python_seconds = t1 - t0
         del keep
-        return loss
 
     # ---- the engine's own paths ----------------------------------------------------------------
 

@@ -31,16 +31,23 @@ Approach
    stepped during backward).  Give the optimizer ``settings="keep_window:1"``
    so that back-to-back bucket passes keep the window's slots backed and map nothing.
  - Clipping (``max_grad_norm``): each bucket is stepped speculatively with its gradients
-   as they are, after its previous state (main, moments, step count) was kept.  At
-   ``step()`` the total norm is computed as ``torch.nn.utils.clip_grad_norm_`` does;
-   when its coefficient is below 1 (the gradients would change), every stepped bucket is
-   restored from the kept state and the gradients are clipped with torch's
-   ``clip_grads_with_norm_`` and stepped again (``redos`` counts it): results equal
+   as they are, its previous state (main, moments, step count) kept.  Host tier: the
+   engine's speculative step (Note [Speculative steps] in optimizer/streamed_adamw.cpp)
+   writes the new state into a second pinned copy and keeps the current one, so keeping
+   costs no copy; shards it cannot keep (resident shards, the device and file tiers, or
+   ``engine_speculation=False``) are copied out through the state ranges first
+   (``kept_copies`` counts them) and stepped plainly.  At ``step()`` the total norm is
+   computed as ``torch.nn.utils.clip_grad_norm_`` does; when its coefficient is below 1
+   (the gradients would change), the speculation is discarded and the copied-out shards
+   written back, so every stepped shard is at its previous state; the gradients are
+   clipped with torch's ``clip_grads_with_norm_`` and stepped again (``redos`` counts it;
+   the redo rewrites the BF16 parameters the speculative step wrote): results equal
    ``clip_grad_norm_(...); opt.step()`` bit for bit.  When the coefficient is 1, torch's
-   multiply by 1.0 is exact and the speculative step stands.
-Limits: the kept state is copied through the engine's state ranges (a host memcpy of
-12 B/param per step for the host tier), so clipping costs host memory bandwidth even
-without redos; an engine-side double-buffered home would make it free.  A parameter used
+   multiply by 1.0 is exact and the speculation is committed (pointer swaps).
+Limits: the engine's second copy doubles the pinned host memory of the state (12 B/param
+more with fp32 moments), allocated at the first clipped iteration; shards the engine
+cannot keep still cost a host memcpy of 12 B/param per step (resident shards: a D2H
+copy), and a redo costs a second step of the whole model.  A parameter used
 outside its own module's forward is not waited for by that forward.  One backward per
 step (a hook fires at each accumulation, so gradient accumulation over micro-batches
 needs the plain step); the gradients must not be modified after backward until ``step()``.
@@ -73,11 +80,15 @@ class BackwardOverlap:
     """Steps ``opt``'s parameters during backward.  See Note [Overlap with backward].
 
     Call ``step()`` where ``opt.step()`` was; ``synchronize()`` waits for every step.
-    ``stats()``: buckets stepped, speculative steps and redos."""
+    ``stats()``: buckets stepped, speculative steps, redos, and ``kept_copies``: shards
+    whose state was copied out to be kept (clipping, where the engine cannot speculate,
+    or with ``engine_speculation=False``)."""
 
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
-                 max_grad_norm: float | None = None, wait_in_forward: bool = True):
+                 max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True):
         self.opt = opt
+        self.engine_speculation = engine_speculation
+        self._speculable: list[bool] | None = None  # per shard: the engine keeps its state (after init)
         # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
         # while ``trace`` is True (benchmark timelines; the engine's streamed step returns
         # when its state is home, so the host clock brackets it).
@@ -106,7 +117,7 @@ class BackwardOverlap:
         self._seq = 0
         self._error: BaseException | None = None
         self._kept: dict[int, tuple] = {}  # shard -> (step, main, exp_avg, exp_avg_sq) before this iteration
-        self._counts = {"buckets": 0, "speculative_steps": 0, "redos": 0}
+        self._counts = {"buckets": 0, "speculative_steps": 0, "redos": 0, "kept_copies": 0}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._params]
         if model is not None and wait_in_forward:
             for m in model.modules():
@@ -135,6 +146,9 @@ class BackwardOverlap:
             ready = [p for p in b.params if id(p) in b.ready and p.grad is not None]
             b.ready = set()
         self.opt._ensure_initialized()  # the state starts from the parameters' values at the first step
+        if self._speculable is None:  # (initialize picks the resident shards)
+            self._speculable = [self.engine_speculation and self.opt._can_speculate(i)
+                                for i in range(len(self.opt._params))]
         b.idle.wait()  # the previous iteration's step of this bucket
         b.idle.clear()
         ev = None
@@ -206,26 +220,38 @@ class BackwardOverlap:
                 opt._pushed[gi] = key
 
     def _step_bucket(self, grads, ev, groups, speculative: bool) -> None:
-        opt = self.opt
+        """One bucket.  Speculative: the engine's speculative step for the shards it can
+        keep (host tier, streamed), a plain step after copying the state out for the others."""
+        opt, lib = self.opt, _load()
         n = len(opt._params)
-        ptrs = (ctypes.c_void_p * n)()
+        plain = (ctypes.c_void_p * n)()
+        spec = (ctypes.c_void_p * n)()
         types = (ctypes.c_int * n)()
-        keep = []
+        keep, calls = [], set()
         for p, g in grads:
             i = opt._shard_of[p]
-            if speculative and i not in self._kept:
-                self._kept[i] = (opt._shard_step(i), *(opt._read(i, a, p) for a in range(3)))
             if not g.is_contiguous():
                 g = g.contiguous()
                 keep.append(g)
-            ptrs[i] = g.data_ptr()
             types[i] = _DTYPE[g.dtype]
+            if speculative and self._speculable[i]:
+                spec[i] = g.data_ptr()
+                calls.add("spec")
+                continue
+            if speculative and i not in self._kept:
+                self._kept[i] = (opt._shard_step(i), *(opt._read(i, a, p) for a in range(3)))
+                self._counts["kept_copies"] += 1
+            plain[i] = g.data_ptr()
+            calls.add("plain")
         self._set_groups(groups)
         stream = None
         if self._side is not None:
             self._side.wait_event(ev)
             stream = _stream_ptr(self._side, opt._device)
-        _check(_load().dfa_opt_step(opt._handle, ptrs, n, types, 1.0, stream), "dfa_opt_step")
+        if "spec" in calls:
+            _check(lib.dfa_opt_step_speculative(opt._handle, spec, n, types, 1.0, stream), "dfa_opt_step_speculative")
+        if "plain" in calls:
+            _check(lib.dfa_opt_step(opt._handle, plain, n, types, 1.0, stream), "dfa_opt_step")
         if speculative:
             self._counts["speculative_steps"] += 1
         del keep
@@ -259,22 +285,34 @@ class BackwardOverlap:
             self.synchronize()
         self._raise()
 
+    def _restore(self) -> None:
+        """Every shard stepped this iteration back to its state before it: the engine's
+        speculation discarded, the kept copies written back."""
+        opt, lib = self.opt, _load()
+        _check(lib.dfa_opt_discard_speculation(opt._handle), "dfa_opt_discard_speculation")
+        for i, (step, *arrays) in self._kept.items():
+            for a, t in enumerate(arrays):
+                opt._write(i, a, t)
+            _check(lib.dfa_opt_set_shard_step(opt._handle, i, step), "dfa_opt_set_shard_step")
+        self._kept.clear()
+
     def _settle_clipping(self) -> None:
-        self.synchronize()
+        try:
+            self.synchronize()
+        except BaseException:
+            self._restore()  # a failed bucket: the iteration's steps are undone (parameters excepted)
+            raise
         params = [p for p in self.opt._params if p.grad is not None]
         grads = [p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads)
         coef = self.max_grad_norm / (total + 1e-6)
         if bool(coef >= 1.0):  # torch multiplies by exactly 1.0: the speculative step stands
             self._kept.clear()
+            _check(_load().dfa_opt_commit_speculation(self.opt._handle), "dfa_opt_commit_speculation")
             return
         # Redo: restore every stepped shard, clip as torch does, step again.
         opt = self.opt
-        for i, (step, *arrays) in self._kept.items():
-            for a, t in enumerate(arrays):
-                opt._write(i, a, t)
-            _check(_load().dfa_opt_set_shard_step(opt._handle, i, step), "dfa_opt_set_shard_step")
-        self._kept.clear()
+        self._restore()
         torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
         groups = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
                    float(g["weight_decay"])) for g in opt.param_groups]

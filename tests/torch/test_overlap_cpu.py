@@ -1,6 +1,7 @@
 """deferalloc.overlap on the host driver (CPU tensors): stepping during backward equals
 the plain step bit for bit, without clipping and with the speculative step + redo of
-clipping (Note [Overlap with backward]); also moment_dtype and resident_mb from Python.
+clipping (Note [Overlap with backward]), the engine keeping the previous state (Note
+[Speculative steps]) or the state copied out; also moment_dtype and resident_mb from Python.
 
 Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and DEFERALLOC_LIB set.
 """
@@ -37,11 +38,12 @@ def make_opt(m, **kw):
     return optim.StreamedAdamW(groups, lr=1e-2, window_mb=1, **kw)
 
 
-def train(steps, mode, max_norm=None, bucket_mb=256, **kw):
+def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, **kw):
     m = model()
     opt = make_opt(m, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    ov = overlap_with_backward(m, opt, bucket_mb=bucket_mb, max_grad_norm=max_norm) if mode == "overlap" else None
+    ov = (overlap_with_backward(m, opt, bucket_mb=bucket_mb, max_grad_norm=max_norm, **(ov_kw or {}))
+          if mode == "overlap" else None)
     losses = []
     for t in range(steps):
         x, y = batch(t)
@@ -87,10 +89,73 @@ class Overlap(unittest.TestCase):
     def test_clipping_speculative_steps_and_redos_are_bit_identical(self):
         # The inputs grow with t: the first steps' norms are below max_norm, later ones above.
         plain = train(6, "plain", max_norm=1.0)
-        got = train(6, "overlap", max_norm=1.0, bucket_mb=0)
-        self.same(plain, got)
-        self.assertGreater(got[3]["redos"], 0, "no step needed clipping: the test does not test the redo")
-        self.assertLess(got[3]["redos"], 6, "every step needed clipping: the test does not test a kept step")
+        reads = []
+        real_read = optim.StreamedAdamW._read
+        optim.StreamedAdamW._read = lambda self, *a: reads.append(a[0]) or real_read(self, *a)
+        try:
+            got = train(6, "overlap", max_norm=1.0, bucket_mb=0)  # the engine keeps the state
+            engine_reads, reads[:] = len(reads), []
+            old = train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(engine_speculation=False))
+            copy_reads = len(reads)
+        finally:
+            optim.StreamedAdamW._read = real_read
+        for ov in (got, old):
+            self.same(plain, ov)
+            self.assertGreater(ov[3]["redos"], 0, "no step needed clipping: the test does not test the redo")
+            self.assertLess(ov[3]["redos"], 6, "every step needed clipping: the test does not test a kept step")
+            self.assertEqual(ov[3]["speculative_steps"], got[3]["speculative_steps"])
+        n = len(list(got[0].parameters()))
+        self.assertEqual(got[3]["kept_copies"], 0)
+        self.assertEqual(engine_reads, 0, "the engine's speculation copies no state out")
+        self.assertEqual(old[3]["kept_copies"], 6 * n)
+        self.assertEqual(copy_reads, 3 * 6 * n, "the fallback copies 3 arrays per parameter and step")
+
+    def test_clipping_with_compressed_moments_and_resident_shards(self):
+        for kw in (dict(moment_dtype="int8"), dict(resident_mb=1)):
+            plain = train(5, "plain", max_norm=1.0, **kw)
+            got = train(5, "overlap", max_norm=1.0, bucket_mb=0, **kw)
+            self.same(plain, got)
+            self.assertGreater(got[3]["redos"], 0, kw)
+            n = len(list(got[0].parameters()))
+            resident = sum(not got[1]._can_speculate(i) for i in range(n))
+            self.assertEqual(got[3]["kept_copies"], 5 * resident, kw)  # resident shards: copied out
+            if "resident_mb" in kw:
+                self.assertTrue(0 < resident < n, "resident_mb=1 should make some parameters resident")
+
+    def test_speculative_step_from_python(self):
+        x, y = batch(0)
+
+        def backward(mm):
+            for p in mm.parameters():
+                p.grad = None
+            torch.nn.functional.mse_loss(forward(mm, x), y).backward()
+
+        m, m2 = model(), model()
+        opt, ref = make_opt(m), make_opt(m2)
+        for mm, o in ((m, opt), (m2, ref)):
+            backward(mm)
+            o.step()  # one committed step each
+        before = opt.state_dict()["state"]
+        backward(m), backward(m2)
+        self.assertTrue(all(opt.can_speculate(p) for p in m.parameters()))
+        opt.step_speculative()
+        self.assertEqual(opt.speculation_pending(), len(list(m.parameters())))
+        with self.assertRaises(optim.InvalidStateError):
+            opt.load_state_dict(opt.state_dict())
+        with self.assertRaises(optim.InvalidStateError):
+            opt.step()  # every parameter is pending
+        opt.discard_speculation()
+        after = opt.state_dict()["state"]
+        for i in before:
+            for k in before[i]:
+                self.assertTrue(torch.equal(before[i][k], after[i][k]), f"{k} of {i}")
+        opt.step_speculative()
+        opt.commit_speculation()
+        ref.step()
+        self.assertEqual(opt.speculation_pending(), 0)
+        self.same((m, opt, [], None), (m2, ref, [], None))
+        with self.assertRaises(optim.InvalidStateError):
+            optim.StreamedAdamW(model().parameters(), tier="device").step_speculative()
 
     def test_moment_dtype_and_resident_from_python(self):
         for dt in ("bf16", "int8"):
