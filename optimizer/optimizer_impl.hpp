@@ -84,6 +84,7 @@ struct streamed_adamw::impl {
   /// backed while a pass runs (and between passes with keep_window).  Note [Window slots].
   struct slot {
     per_array<reservation_id> res{};
+    per_array<float*> dev{};          // their addresses
     per_array<std::size_t> backed{};  // bytes backed from the start (granules)
   };
   std::vector<slot> slots;
@@ -144,9 +145,11 @@ struct streamed_adamw::impl {
   void sync_model(stream_t stream);
   /// Bytes of one array of a shard kept in HBM (device tier, resident shards): its
   /// elements rounded up to the granule.
-  std::size_t resident_bytes(const shard& s) const {
+  std::size_t resident_bytes(const shard& s) const { return granules(s.info.numel * 4); }
+  /// `bytes` rounded up to the granule.
+  std::size_t granules(std::size_t bytes) const {
     const std::size_t g = drv->granularity();
-    return (s.info.numel * 4 + g - 1) / g * g;
+    return (bytes + g - 1) / g * g;
   }
 };
 

@@ -96,7 +96,10 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   if (I.tier_home->streamed()) {
     I.slots.resize(static_cast<std::size_t>(I.cfg.depth));
     for (auto& sl : I.slots)
-      for (state_array a : k_state_arrays) sl.res[a] = I.mgr->reserve(I.piece * 4);
+      for (state_array a : k_state_arrays) {
+        sl.res[a] = I.mgr->reserve(I.piece * 4);
+        sl.dev[a] = static_cast<float*>(I.mgr->address(sl.res[a]));
+      }
   }
   I.comp = detail::make_compute(*I.drv);
   I.h2d = I.drv->create_stream();

@@ -133,11 +133,7 @@ class streamed_adamw::impl::window_pipeline {
   // Piece i's slot of the window (Note [Window slots]).
   impl::slot& slot_of(std::size_t i) const { return I.slots[(i - plan_.skip) % static_cast<std::size_t>(K)]; }
   // The piece's window: its slot's arrays.
-  per_array<float*> window(std::size_t i) const {
-    per_array<float*> dev;
-    for (state_array a : k_state_arrays) dev[a] = static_cast<float*>(I.mgr->address(slot_of(i).res[a]));
-    return dev;
-  }
+  const per_array<float*>& window(std::size_t i) const { return slot_of(i).dev; }
   const char* phase() const { return plan_.kind == pass::init ? "init" : plan_.kind == pass::step ? "step" : "sync"; }
 
   void prefetch(std::size_t j) {
@@ -149,7 +145,7 @@ class streamed_adamw::impl::window_pipeline {
   void back_slots() {
     std::size_t longest = 0;
     for (std::size_t j = plan_.skip; j < P; ++j) longest = std::max(longest, piece(j).n);
-    const std::size_t g = I.drv->granularity(), need = (longest * 4 + g - 1) / g * g;
+    const std::size_t need = I.granules(longest * 4);
     std::vector<range> rs;
     const std::size_t n = std::min(P - plan_.skip, static_cast<std::size_t>(K));
     for (std::size_t k = 0; k < n; ++k)
@@ -176,7 +172,7 @@ class streamed_adamw::impl::window_pipeline {
   // H2D: main (all but init), the moments (step; zeros before they were ever written).
   void fetch(std::size_t i) {
     const auto& p = piece(i);
-    const auto dev = window(i);
+    const auto& dev = window(i);
     // The slot's previous piece is written back (retire() waited for it on the host; the
     // wait keeps the order on the device too).
     if (i >= plan_.skip + K) I.drv->stream_wait(I.h2d, ev(i - K, 2));
@@ -195,7 +191,7 @@ class streamed_adamw::impl::window_pipeline {
   void compute(std::size_t i) {
     const auto& p = piece(i);
     const auto& sh = I.shards[p.shard];
-    const auto dev = window(i);
+    const auto& dev = window(i);
     I.drv->stream_wait(I.exec, ev(i, 0));
     const int mt = static_cast<int>(sh.info.param_type);
     char* model = static_cast<char*>(sh.info.param) + p.e0 * (mt == detail::k_fp32 ? 4 : 2);
@@ -221,7 +217,7 @@ class streamed_adamw::impl::window_pipeline {
   // D2H of the arrays the pass changed (none for an export).
   void write_back(std::size_t i) {
     const auto& p = piece(i);
-    const auto dev = window(i);
+    const auto& dev = window(i);
     I.drv->stream_wait(I.d2h, ev(i, 1));
     if (plan_.write_back) {
       home_.await_write_back(i);
