@@ -228,12 +228,37 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
   drv->stream_wait(waiter, e);
 }
 
+// Note [Pass pieces]
+// Rationale: a pass fills its pipeline (the first piece's fetch runs alone) and drains it
+// (the last write-back runs alone), about two pieces' transfers.  A pass over the whole
+// state has dozens of window-sized pieces and does not notice; a pass over one bucket
+// of a BackwardOverlap (256 MiB of parameters, 2-3 pieces of a 1 GiB window) spent as
+// long filling and draining as streaming: such passes ran at ~0.6x the link on the H200.
+// Approach: a pass's pieces are at most 1/k_pass_pieces of its elements (rounded up to
+// the granule), never below k_min_piece elements nor above the window's piece.  The
+// arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
+// start, so the results do not depend on the cut (tests check it bit for bit); a retry
+// of a failed step selects the same shards, so it cuts the same pieces.
+namespace {
+constexpr std::size_t k_pass_pieces = 12;
+constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)
+}  // namespace
+
 std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads) const {
+  auto selected = [&](std::size_t s) {
+    return !shards[s].resident && (grads.empty() || grads[s] != nullptr || !tier_home->in_place());
+  };
+  std::size_t total = 0;
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (selected(s)) total += shards[s].info.numel;
+  const std::size_t align = std::max(drv->granularity(), tier_home->piece_align()) / 4;
+  const std::size_t want = std::max((total + k_pass_pieces - 1) / k_pass_pieces, k_min_piece);
+  const std::size_t n = std::min(piece, (want + align - 1) / align * align);
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
-    if (!shards[s].resident && (grads.empty() || grads[s] != nullptr || !tier_home->in_place()))
-      for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += piece)
-      out.push_back({s, e0, std::min(piece, shards[s].info.numel - e0)});
+    if (selected(s))
+      for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += n)
+        out.push_back({s, e0, std::min(n, shards[s].info.numel - e0)});
   return out;
 }
 

@@ -285,6 +285,36 @@ TEST(optimizer, a_pass_maps_the_window_once_whatever_its_pieces) {
   expect_same(rq.state(), cpu_twin(q, 1), "tiny shards vs CPU twin");
 }
 
+// Note [Pass pieces]: a pass is cut into about 12 pieces (never below 1 Mi elements) even
+// when the window would take it whole, and the bits do not depend on the cut.
+TEST(optimizer, a_pass_is_cut_into_pieces_of_a_twelfth_whatever_the_window) {
+  auto d = make_driver();
+  const std::size_t g = d->granularity(), mi = std::size_t{1} << 20;
+  problem p = make_problem(g, 3);
+  p.sizes = {4 * mi + 5, 3001};
+  p.params.clear();
+  p.grads.assign(p.steps, {});
+  for (std::size_t s = 0; s < p.sizes.size(); ++s) p.params.push_back(random_bf16(p.sizes[s], 20 + s, 1.0f));
+  for (int t = 0; t < p.steps; ++t)
+    for (std::size_t s = 0; s < p.sizes.size(); ++s) p.grads[t].push_back(random_bf16(p.sizes[s], 2000 * t + s, 0.1f));
+  std::vector<result> results;
+  for (std::size_t window_pieces : {std::size_t{8}, std::size_t{1}}) {  // a window of 8 Mi-element pieces, of 1
+    problem q = p;
+    q.window = 3 * 12 * window_pieces * mi;
+    run r(d, q, config_for(tier::host));
+    r.opt->initialize();
+    for (int s = 0; s < q.steps; ++s) {
+      r.step(s);
+      // 4 Mi + 5 elements in 1 Mi-element pieces: 5 pieces; the small shard: 1.
+      EXPECT_EQ(r.opt->last_report().pieces, 6u) << "window of " << window_pieces << " Mi-element pieces";
+    }
+    EXPECT_EQ(r.opt->piece_elements(), window_pieces * mi);
+    results.push_back(r.state());
+  }
+  expect_same(results[0], results[1], "a window of 8 Mi-element pieces vs 1");
+  expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
+}
+
 // Note [Resident shards]: a resident shard costs its elements rounded up to the granule,
 // not whole pieces, so tiny shards leave the budget to big ones; resident and streamed
 // give the same bits.
