@@ -2,7 +2,7 @@
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
-#     [stress] [bench]   (default: all but multi, diag and megatron_dp2, the two-GPU steps and the diagnostic).
+#     [stress] [stress_bg] [stress_wait] [bench]   (default: all but multi, diag and megatron_dp2, the two-GPU steps and the diagnostic).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -27,7 +27,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build ctest tms optim megatron overlap ckpt stress bench)
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
-B=build-gpu
+B=${DFA_BUILD_DIR:-build-gpu}
 summary=()
 : > "$OUT/summary.txt"
 row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); printf '%-28s %s\n' "$1" "$2" >> "$OUT/summary.txt"; echo "== $1: $2"; pack; }
@@ -66,6 +66,18 @@ if has build; then
     grep -E "error" "$L/build.log" | head -30; exit 1
   fi
   row build ok
+fi
+# The 10-minute C ABI stress across two calls (a call is limited to 10 minutes): stress_bg
+# starts it in its own process session, which outlives the call while the machine is held
+# (the next call must come within the idle release); stress_wait, in a later call without
+# `build`, waits for it and reports.  Log and exit status under /tmp/dfa_stress.
+if has stress_bg; then
+  secs=${DFA_STRESS_SECONDS:-600}
+  rm -rf /tmp/dfa_stress && mkdir -p /tmp/dfa_stress
+  date +%s > /tmp/dfa_stress/start
+  setsid bash -c "DEFERALLOC_CONF=driver:${DFA_STRESS_DRIVER:-cuda} DFA_STRESS_SECONDS=$secs timeout $((secs + 120)) $PWD/$B/tests/test_c_api_stress \
+      > /tmp/dfa_stress/c_api.log 2>&1; echo \$? > /tmp/dfa_stress/c_api.rc" < /dev/null > /dev/null 2>&1 &
+  row stress_bg "started, $secs s"
 fi
 if has ctest; then
   # DFA_CTEST_ARGS picks a subset (a call is limited to 10 minutes on the device machine).
@@ -158,6 +170,13 @@ if has stress; then
   DEFERALLOC_CONF=driver:cuda DFA_STRESS_SECONDS=$secs run stress_c_api $((secs + 120)) $B/tests/test_c_api_stress
   wait
   row stress_caching "rc=$(cat "$L/stress_caching.rc") | $(grep -v '^\s*$' "$L/stress_caching.log" | tail -1 | cut -c1-90)"
+fi
+if has stress_wait; then
+  s0=$SECONDS
+  while [ -d /tmp/dfa_stress ] && [ ! -f /tmp/dfa_stress/c_api.rc ] && [ $((SECONDS - s0)) -lt 560 ]; do sleep 5; done
+  cp /tmp/dfa_stress/c_api.log "$L/stress_c_api_bg.log" 2>/dev/null
+  el=$(( $(date +%s) - $(cat /tmp/dfa_stress/start 2>/dev/null || date +%s) ))
+  row stress_c_api_bg "rc=$(cat /tmp/dfa_stress/c_api.rc 2>/dev/null || echo none) ${el}s since start | $(grep -h '\[stress\]' "$L/stress_c_api_bg.log" 2>/dev/null | tail -1 | cut -c1-150)"
 fi
 if has bench; then
   # Google Benchmark programs: reservations, the optimizer's tiers against the pinned-copy
