@@ -265,11 +265,18 @@ TEST(optimizer, a_pass_maps_the_window_once_whatever_its_pieces) {
   cfg.keep_window = true;
   run r(d, p, cfg);
   r.opt->initialize();
+  std::size_t kept = 0;
   for (int s = 0; s < p.steps; ++s) {
     const auto maps0 = d->call_counts()[primitive::map];
     r.step(s);
     if (s > 0) EXPECT_EQ(d->call_counts()[primitive::map], maps0) << "step " << s;
-    EXPECT_EQ(r.opt->reservations().stats().backed_bytes, p.window) << "the window stays backed";
+    // The slots stay backed: three arrays of the pass's largest piece each (at most the
+    // window; Note [Pass pieces]), the same after every step.
+    const std::size_t backed = r.opt->reservations().stats().backed_bytes;
+    if (s == 0) kept = backed;
+    EXPECT_EQ(backed, kept) << "the window stays backed, step " << s;
+    EXPECT_GT(backed, 0u);
+    EXPECT_LE(backed, p.window);
   }
   expect_same(r.state(), results[0], "keep_window vs device tier");
 
@@ -461,19 +468,24 @@ TEST(optimizer, host_tier_step_retried_after_a_fault_completes_exactly) {
   run r(f, p, config_for(tier::host));
   r.opt->initialize();
   r.step(0);
-  // Six copies per piece (three arrays each way): the 13th copy is piece 2's first fetch,
-  // after pieces 0 and 1 were written back in place.
+  // The 13th copy from here (the gradients' uploads, then six per piece: three arrays
+  // each way) fails part-way through the pass, after its first piece was written back.
   f->fail_nth_copy(13);
   r.load_grads(1);
   EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
   EXPECT_EQ(f->fired(), 1u);
   EXPECT_EQ(r.opt->steps(), 1u);
-  // In place: the pieces written back before the fault already hold step 2's values.
+  // In place: the pieces written back before the fault already hold step 2's values, the
+  // others still step 1's (wherever the pass cut its pieces, Note [Pass pieces]).
   std::vector<float> main0(p.sizes[0]);
   r.opt->read_state(0, main0.data(), nullptr, nullptr);
   const result one = cpu_twin(p, 1), two = cpu_twin(p, 2);
-  EXPECT_EQ(std::memcmp(main0.data(), two.main[0].data(), 4 * r.opt->piece_elements()), 0);
-  EXPECT_NE(std::memcmp(main0.data(), one.main[0].data(), 4 * r.opt->piece_elements()), 0);
+  std::size_t d = 0;
+  while (d < main0.size() && std::memcmp(&main0[d], &two.main[0][d], 4) == 0) ++d;
+  EXPECT_GT(d, 0u) << "no piece was written back before the fault";
+  EXPECT_LT(d, main0.size()) << "the fault hit after the whole shard was written back";
+  EXPECT_EQ(std::memcmp(main0.data() + d, one.main[0].data() + d, 4 * (main0.size() - d)), 0)
+      << "elements from " << d << " on are neither step 1's nor step 2's";
   r.opt->step(r.grads, grad_type::bf16, p.scale(1));
   f->synchronize_stream(nullptr);
   expect_same(r.state(), two, "retried step");
