@@ -87,8 +87,12 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
     // (resident chunks stay taken).
+    // Chunk classes: the piece and its halvings down to the granule (a pass's pieces,
+    // Note [Pass pieces]).
+    std::vector<std::size_t> classes{I.piece * 4};
+    while (classes.back() / 2 >= g && (classes.back() / 2) % g == 0) classes.push_back(classes.back() / 2);
     I.pool = std::make_shared<chunk_pool>(
-        I.drv, chunk_pool_config{{I.piece * 4}, I.cfg.window_bytes + I.cfg.resident_bytes, I.cfg.window_bytes});
+        I.drv, chunk_pool_config{classes, I.cfg.window_bytes + I.cfg.resident_bytes, I.cfg.window_bytes});
   } else {
     I.pool = std::make_shared<chunk_pool>(I.drv);
   }
@@ -234,13 +238,15 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
 // state has dozens of window-sized pieces and does not notice; a pass over one bucket
 // of a BackwardOverlap (256 MiB of parameters, 2-3 pieces of a 1 GiB window) spent as
 // long filling and draining as streaming: such passes ran at ~0.6x the link on the H200.
-// Approach: a pass's pieces are at most 1/k_pass_pieces of its elements (rounded up to
-// the granule), never below k_min_piece elements nor above the window's piece.  The
+// Approach: a pass's pieces are the window's piece halved while they stay at least
+// 1/k_pass_pieces of the pass's elements (so 12 to 24 pieces) and k_min_piece elements,
+// and whole granules; the chunk pool's classes are those halvings, so a slot is still
+// one chunk (one map) per array.  The
 // arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
 // start, so the results do not depend on the cut (tests check it bit for bit); a retry
 // of a failed step selects the same shards, so it cuts the same pieces.
 namespace {
-constexpr std::size_t k_pass_pieces = 12;
+constexpr std::size_t k_pass_pieces = 24;
 constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)
 }  // namespace
 
@@ -251,9 +257,12 @@ std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::s
   std::size_t total = 0;
   for (std::size_t s = 0; s < shards.size(); ++s)
     if (selected(s)) total += shards[s].info.numel;
+  // The window's piece halved while it stays at least `want` and whole granules: a slot
+  // is then one chunk of the pool's classes (the piece's halvings), one map per array.
   const std::size_t align = std::max(drv->granularity(), tier_home->piece_align()) / 4;
   const std::size_t want = std::max((total + k_pass_pieces - 1) / k_pass_pieces, k_min_piece);
-  const std::size_t n = std::min(piece, (want + align - 1) / align * align);
+  std::size_t n = piece;
+  while (n / 2 >= want && (n / 2) % align == 0) n /= 2;
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
     if (selected(s))

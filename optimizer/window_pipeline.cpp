@@ -10,7 +10,7 @@
 // Approach
 //  - A piece is n elements of one shard, all three arrays; n is at most the largest
 //    multiple of the granule (in floats) with depth * 12 * n <= window_bytes, and about a
-//    twelfth of the pass (Note [Pass pieces] in streamed_adamw.cpp).  Piece i is moved and
+//    12th to 24th of the pass (Note [Pass pieces] in streamed_adamw.cpp).  Piece i is moved and
 //    stepped in slot (i - skip) mod depth of the window (Note [Window slots]).
 //  - Per piece, on three streams, one method of window_pipeline each: fetch (H2D from
 //    the piece's home into its slot, Note [Homes], after the slot's previous piece was

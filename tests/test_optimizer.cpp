@@ -247,7 +247,8 @@ TEST(optimizer, a_pass_maps_the_window_once_whatever_its_pieces) {
       const auto maps0 = d->call_counts()[primitive::map];
       r.step(s);
       EXPECT_LE(r.opt->last_report().peak_backed_bytes, p.window);
-      if (t == tier::host) EXPECT_EQ(r.opt->last_report().pieces, 27u);
+      // 27 in the window's pieces (the host driver's); a pass cut finer has more (Note [Pass pieces]).
+      if (t == tier::host) EXPECT_GE(r.opt->last_report().pieces, 27u);
       if (t != tier::device) {
         EXPECT_EQ(d->call_counts()[primitive::map] - maps0, 3u * 3u) << "3 arrays x depth 3 slots, not 3 per piece";
       }
@@ -292,9 +293,9 @@ TEST(optimizer, a_pass_maps_the_window_once_whatever_its_pieces) {
   expect_same(rq.state(), cpu_twin(q, 1), "tiny shards vs CPU twin");
 }
 
-// Note [Pass pieces]: a pass is cut into about 12 pieces (never below 1 Mi elements) even
+// Note [Pass pieces]: a pass is cut into 12 to 24 pieces (never below 1 Mi elements) even
 // when the window would take it whole, and the bits do not depend on the cut.
-TEST(optimizer, a_pass_is_cut_into_pieces_of_a_twelfth_whatever_the_window) {
+TEST(optimizer, a_pass_is_cut_finer_than_the_window_and_the_bits_do_not_change) {
   auto d = make_driver();
   const std::size_t g = d->granularity(), mi = std::size_t{1} << 20;
   problem p = make_problem(g, 3);

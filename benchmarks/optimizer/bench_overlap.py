@@ -13,7 +13,7 @@
           clip_grad_norm_ + step, losses bit-identical, redos counted (the threshold is the
           first iteration's gradient norm, so at least that iteration redoes);
   curves: --curve-steps steps of a smaller Llama (60 M params) on the same non-repeating data
-          with fp32 / bf16 / int8 moments, and fp32 from one parameter moved by one ulp (fp32':
+          (warmup to 2e-3, cosine decay: lr_factor) with fp32 / bf16 / int8 moments, and fp32 from one parameter moved by one ulp (fp32':
           the noise floor of one seed) (loss curves PNG; the CPU memorization stress test is
           benchmarks/optimizer/moment_convergence.py).
 
@@ -29,6 +29,7 @@ CPU (host driver) that runs every part but twin, asserting only the exactness ch
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -361,6 +362,21 @@ def big_llama(B):
 
 # ---- curves ---------------------------------------------------------------------------------------
 
+# The curves' schedule, a pretraining run's: linear warmup over the first 10% of the steps
+# to CURVE_LR, cosine decay to 10% of it at the end.  (At a constant 1e-3 the 63 M model
+# sat on a plateau near log(vocab) for ~150 steps and left it at a time that one rounding
+# moves by tens of steps: the last steps' loss then measured when it left, not how far
+# it got - the noise floor was 5% at step 200.  See Note [Moment formats].)
+CURVE_LR = 2e-3
+
+
+def lr_factor(t, steps):
+    warm = max(1, steps // 10)
+    if t < warm:
+        return (t + 1) / warm
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) / max(1, steps - warm)))
+
+
 def curves(B):
     a = B.a
     steps = a.curve_steps
@@ -385,13 +401,15 @@ def curves(B):
                 next(model.parameters()).view(-1)[:1].view(torch.int16).add_(1)  # BF16: the next value
         kw = B.opt_kw()
         kw["window_mb"] = 4 if a.smoke else 512
-        opt = optim.StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, moment_dtype=fmt.rstrip("'"), **kw)
+        opt = optim.StreamedAdamW(model.parameters(), lr=CURVE_LR, weight_decay=0.01, moment_dtype=fmt.rstrip("'"), **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps))
         ls = []
         t0 = time.perf_counter()
         for t in range(steps):
             loss = model(input_ids=data[t], labels=data[t]).loss
             loss.backward()
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
             ls.append(loss.detach())
         out[fmt] = [float(v) for v in ls]
