@@ -8,7 +8,9 @@
 //     save  vs dd if=STATE of=FILE bs=32M skip=<active slot> count=<bytes> conv=fsync
 //     load  vs dd if=SHARD of=FILE bs=32M conv=fsync                        ("dd copy")
 //   (each the faster of buffered and direct I/O, the source dropped from the page cache
-//   first, so the baseline is the disk's, not the page cache's).  The file tier also
+//   first, so the baseline is the disk's, not the page cache's).  Before each run, ours
+//   or dd's, the file system is committed (syncfs), so that none pays for what the one
+//   before left (dirty pages, the discard of a removed file's blocks).  The file tier also
 //   prints the write/read ratios, for reference; the 0.8x target is against "dd copy".
 // save (replace) is the call's time: the previous generation is removed after it returns,
 // on a thread of its own (Note [Checkpoint generations]); that removal's time is printed
@@ -89,6 +91,14 @@ void drop_cache(const std::string& path) {
     if (e.is_regular_file()) drop(e.path());
 }
 
+// Commits the file system of `path` (syncfs), so that what an earlier run left to do
+// (dirty pages; with `discard`, the freed blocks of a removed file) is not charged to
+// the next measured one.
+void settle(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) ::syncfs(fd), ::close(fd);
+}
+
 // The faster of `cmd` with buffered and with direct I/O, the source `src` dropped from
 // the page cache before each run.  `out` (removed after each run) empty: a read to
 // /dev/null (no fsync); `src` /dev/zero: a write (direct output only).
@@ -99,6 +109,7 @@ double best_dd(const std::string& src, const std::string& cmd, const std::string
   double best = 1e30;
   for (const char* flags : {buffered, direct}) {
     if (!zero) drop_cache(src);
+    settle(fs::path(out.empty() ? src : out).parent_path());
     best = std::min(best, run_dd(cmd + flags));
     if (!out.empty()) fs::remove(out);
   }
@@ -252,6 +263,7 @@ int main(int argc, char** argv) {
     // Save twice: the second replaces a generation, as in training.
     for (int k = 0; k < 2; ++k) {
       if (file_tier) drop_cache(state_file);  // our save reads the state file O_DIRECT, as dd's copy reads it cold
+      settle(root);
       const std::size_t rss = reset_peak();
       const double t0 = now();
       a.opt->save_checkpoint(ck);
@@ -284,6 +296,7 @@ int main(int argc, char** argv) {
     setup b(drv, numel, cfg_b);
     for (int holding = 0; holding < 2; ++holding) {
       drop_cache(ck);
+      settle(root);
       const std::size_t rss = reset_peak();
       const double t0 = now();
       b.opt->load_checkpoint(ck);
