@@ -13,6 +13,7 @@
 
 #include "kernels/compute.hpp"
 #include "store/file_store.hpp"
+#include "store/file_util.hpp"
 
 namespace deferalloc::optim {
 
@@ -78,6 +79,7 @@ struct streamed_adamw::impl {
   std::unique_ptr<home> hbm_home;            // the resident shards' (Note [Resident shards])
   std::vector<shard> shards;
   std::vector<shard_info> infos;
+  detail::background_prune pruner;  // older checkpoint generations (Note [Checkpoint generations])
   std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
   std::size_t piece = 0;  // elements per piece (streamed tiers)
   /// The window: depth slots of one piece per array (streamed tiers), reserved once;

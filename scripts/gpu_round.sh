@@ -157,10 +157,10 @@ if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
   # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
   run ckpt_host "${DFA_CKPT_SECONDS:-200}" $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
     --json "$R/bench_checkpoint_host.json"
-  tail -10 "$L/ckpt_host.log"
+  tail -11 "$L/ckpt_host.log"
   run ckpt_file "${DFA_CKPT_SECONDS:-240}" $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
     --json "$R/bench_checkpoint_file.json"
-  tail -10 "$L/ckpt_file.log"
+  tail -11 "$L/ckpt_file.log"
 fi
 if has stress; then
   secs=${DFA_STRESS_SECONDS:-60}

@@ -8,9 +8,13 @@
 //     save  vs dd if=STATE of=FILE bs=32M skip=<active slot> count=<bytes> conv=fsync
 //     load  vs dd if=SHARD of=FILE bs=32M conv=fsync                        ("dd copy")
 //   (each the faster of buffered and direct I/O, the source dropped from the page cache
-//   first, so the baseline is the disk's, not the page cache's).  The file tier also
+//   first, so the baseline is the disk's, not the page cache's).  Before each run, ours
+//   or dd's, the file system is committed (syncfs), so that none pays for what the one
+//   before left (dirty pages, the discard of a removed file's blocks).  The file tier also
 //   prints the write/read ratios, for reference; the 0.8x target is against "dd copy".
-// Also the peak extra host memory of each (VmHWM after minus VmRSS before, the peak reset
+// save (replace) is the call's time: the previous generation is removed after it returns,
+// on a thread of its own (Note [Checkpoint generations]); that removal's time is printed
+// apart.  Also the peak extra host memory of each (VmHWM after minus VmRSS before, the peak reset
 // through /proc/self/clear_refs).  Load is measured into a fresh optimizer (one pass,
 // each file read once) and into one that already holds state (host/device tiers:
 // verify, then copy).
@@ -87,6 +91,14 @@ void drop_cache(const std::string& path) {
     if (e.is_regular_file()) drop(e.path());
 }
 
+// Commits the file system of `path` (syncfs), so that what an earlier run left to do
+// (dirty pages; with `discard`, the freed blocks of a removed file) is not charged to
+// the next measured one.
+void settle(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) ::syncfs(fd), ::close(fd);
+}
+
 // The faster of `cmd` with buffered and with direct I/O, the source `src` dropped from
 // the page cache before each run.  `out` (removed after each run) empty: a read to
 // /dev/null (no fsync); `src` /dev/zero: a write (direct output only).
@@ -97,6 +109,7 @@ double best_dd(const std::string& src, const std::string& cmd, const std::string
   double best = 1e30;
   for (const char* flags : {buffered, direct}) {
     if (!zero) drop_cache(src);
+    settle(fs::path(out.empty() ? src : out).parent_path());
     best = std::min(best, run_dd(cmd + flags));
     if (!out.empty()) fs::remove(out);
   }
@@ -129,17 +142,18 @@ std::string device_name(const std::string& driver) {
   return name.empty() ? "cuda device 0" : name;
 }
 
-// The file system type of `dir` (from /proc/self/mounts: the longest mount point above it).
-std::string fs_type(const std::string& dir) {
+// The file system type of `dir` and its mount options (from /proc/self/mounts: the
+// longest mount point above it; `discard` makes unlinking large files dear).
+std::string fs_type(const std::string& dir, bool options = false) {
   std::ifstream f("/proc/self/mounts");
-  std::string dev, mnt, type, rest, best_type = "unknown";
+  std::string dev, mnt, type, opts, rest, best_type = "unknown", best_opts;
   std::size_t best = 0;
   const std::string abs = fs::weakly_canonical(dir).string() + "/";
-  while (f >> dev >> mnt >> type && std::getline(f, rest)) {
+  while (f >> dev >> mnt >> type >> opts && std::getline(f, rest)) {
     const std::string m = mnt == "/" ? "/" : mnt + "/";
-    if (abs.rfind(m, 0) == 0 && m.size() >= best) best = m.size(), best_type = type;
+    if (abs.rfind(m, 0) == 0 && m.size() >= best) best = m.size(), best_type = type, best_opts = opts;
   }
-  return best_type;
+  return options ? best_opts : best_type;
 }
 
 // Model buffers (BF16 params and gradients) and an optimizer over shards of <= 256 M.
@@ -205,8 +219,8 @@ int main(int argc, char** argv) {
   const bool file_tier = cfg.home == tier::file;
 
   setup a(drv, numel, cfg);
-  std::printf("state: %.2f GB (%zu M params, tier %s, driver %s) in %s (%s)\n", bytes / 1e9, numel >> 20,
-              tier_name.c_str(), driver_name.c_str(), root.c_str(), fs_type(root).c_str());
+  std::printf("state: %.2f GB (%zu M params, tier %s, driver %s) in %s (%s %s)\n", bytes / 1e9, numel >> 20,
+              tier_name.c_str(), driver_name.c_str(), root.c_str(), fs_type(root).c_str(), fs_type(root, true).c_str());
   a.opt->initialize();
   a.opt->step(a.grads, grad_type::bf16);  // moments written: all three arrays are real data
   drv->synchronize_stream(nullptr);
@@ -242,18 +256,25 @@ int main(int argc, char** argv) {
     r.dd_write_or_read = std::min(r.dd_write_or_read, dd_wr);
     r.dd_copy = std::min(r.dd_copy, dd_c);
   };
-  double t_sync = 1e30;
+  double t_sync = 1e30, t_prune = 1e30;
   for (int rep = 0; rep < reps; ++rep) {
     std::error_code ec;
     fs::remove_all(ck, ec);
     // Save twice: the second replaces a generation, as in training.
     for (int k = 0; k < 2; ++k) {
       if (file_tier) drop_cache(state_file);  // our save reads the state file O_DIRECT, as dd's copy reads it cold
+      settle(root);
       const std::size_t rss = reset_peak();
       const double t0 = now();
       a.opt->save_checkpoint(ck);
       const double ours = now() - t0;
       const std::size_t extra = peak_extra(rss);
+      // The previous generation is removed on a thread after the publish: waited for
+      // here, outside our time and before the baselines, so that they do not share the
+      // disk with it; its time is shown apart.
+      const double t_prune0 = now();
+      optim::detail::wait_checkpoint_prune(*a.opt);
+      if (k == 1) t_prune = std::min(t_prune, now() - t_prune0);
       const std::string out = root + "/dd.bin";
       const double dd_w = best_dd("/dev/zero", "dd if=/dev/zero of=" + out + " bs=32M count=" + std::to_string(bytes >> 25), out);
       double dd_c = 0;
@@ -275,6 +296,7 @@ int main(int argc, char** argv) {
     setup b(drv, numel, cfg_b);
     for (int holding = 0; holding < 2; ++holding) {
       drop_cache(ck);
+      settle(root);
       const std::size_t rss = reset_peak();
       const double t0 = now();
       b.opt->load_checkpoint(ck);
@@ -313,6 +335,7 @@ int main(int argc, char** argv) {
   const double base_load = file_tier ? rows[2].dd_copy : rows[2].dd_write_or_read;
   std::printf("each load includes sync_model_params: %.2f s; load (fresh) without it: %.2fx %s\n", t_sync,
               base_load / std::max(1e-9, rows[2].ours - t_sync), file_tier ? "dd copy" : "dd read");
+  std::printf("save (replace) then removes the previous generation in the background: %.2f s more\n", t_prune);
   // The cost of the checksums (file-tier blocks and checkpoint chunks), one core.
   double checksum_gbps = 0;
   {
@@ -352,9 +375,11 @@ int main(int argc, char** argv) {
       result(r.key + " peak extra memory", r.extra / 1048576.0, "MiB", "");
     }
     result("sync_model_params", t_sync, "s", "");
+    result("save_replace background prune", t_prune, "s", "");
     result("checksum64", checksum_gbps, "GB/s", "");
     j << "\n], \"extra\": {\"tier\": \"" << tier_name << "\", \"driver\": \"" << driver_name << "\", \"bytes\": " << bytes
       << ", \"dir\": \"" << json_escape(dir) << "\", \"filesystem\": \"" << json_escape(fs_type(root))
+      << "\", \"mount_options\": \"" << json_escape(fs_type(root, true))
       << "\", \"criterion\": \"ratio >= 0.8 against "
       << (file_tier ? "dd copy (conv=fsync) of the same bytes on the same disk" : "dd write (conv=fsync) / dd read")
       << "\", \"reps\": " << reps << ", \"peak_extra_limit_mib\": 256}}\n";

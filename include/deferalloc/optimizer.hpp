@@ -155,6 +155,7 @@ enum class file_fault_kind {
 void inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth);
 void write_checkpoint_files(streamed_adamw& o, const std::string& dir);
 void read_checkpoint_files(streamed_adamw& o, const std::string& dir);
+void wait_checkpoint_prune(streamed_adamw& o);
 }
 
 class DFA_API streamed_adamw {
@@ -273,9 +274,10 @@ class DFA_API streamed_adamw {
   void set_shard_step(std::size_t s, std::uint64_t step);
   /// Saves the whole state as a new generation `dir`/gen-<N>: one data file per shard and
   /// manifest.txt (version, dtypes, shapes, step, hyper-parameters, checksums), all
-  /// fsynced, published by one rename; older generations are pruned after.  A killed or
-  /// failed save leaves the previous generation loadable.  Streamed in bounded chunks
-  /// (<= 128 MiB of buffers), several writes in flight.  See Note [Checkpoint generations].
+  /// fsynced, published by one rename; older generations are then removed on a thread
+  /// of their own (the next save, or the destructor, waits for that).  A killed or failed
+  /// save leaves the previous generation loadable.  Streamed in bounded chunks (192 MiB
+  /// of buffers), several writes in flight.  See Note [Checkpoint generations].
   /// While a speculative step is pending it saves the committed state (the current copy).
   /// @throws io_error (the directory is a symlink or another user's, a write fails)
   void save_checkpoint(const std::string& dir);
@@ -293,6 +295,7 @@ class DFA_API streamed_adamw {
   friend void detail::inject_file_fault(streamed_adamw&, detail::file_fault_op, detail::file_fault_kind, std::uint64_t);
   friend void detail::write_checkpoint_files(streamed_adamw&, const std::string&);
   friend void detail::read_checkpoint_files(streamed_adamw&, const std::string&);
+  friend void detail::wait_checkpoint_prune(streamed_adamw&);
   struct impl;
   std::unique_ptr<impl> impl_;
 };
@@ -306,6 +309,9 @@ DFA_API void inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_k
 /// all ranks' files in one generation).  See Note [Checkpoint generations].
 DFA_API void write_checkpoint_files(streamed_adamw& o, const std::string& dir);
 DFA_API void read_checkpoint_files(streamed_adamw& o, const std::string& dir);
+/// Test hook: returns once the older generations a save_checkpoint left to remove in the
+/// background are removed.
+DFA_API void wait_checkpoint_prune(streamed_adamw& o);
 }  // namespace detail
 
 }  // namespace deferalloc::optim

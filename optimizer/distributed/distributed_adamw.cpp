@@ -116,6 +116,7 @@ struct distributed_adamw::impl {
   std::uint16_t* params = nullptr;
   void* grads = nullptr;
   std::unique_ptr<optim::streamed_adamw> opt;
+  optim::detail::background_prune pruner;  // rank 0's older generations (Note [Distributed checkpoint])
   // One granule for the norms' all-gather (world doubles), from its own manager.
   std::shared_ptr<chunk_pool> pool;
   std::unique_ptr<reservation_manager> mgr;
@@ -288,7 +289,8 @@ std::string layout_text(const shard_layout& l) {
 // The ranks agree on N (each proposes one above the generations it sees, the largest
 // wins), each writes and fsyncs its part inside gen-<N>.tmp, all learn whether all
 // succeeded, then rank 0 writes distributed.txt and publishes the generation with one
-// rename (Note [Checkpoint generations]); a last exchange keeps every rank from
+// rename (Note [Checkpoint generations]) and prunes the older ones on a thread of its own
+// (its next save waits for that); a last exchange keeps every rank from
 // returning (or loading) before the publish.  A save killed or failed on any rank
 // leaves the previous generation the newest complete one.  Load: the ranks agree on the
 // newest complete generation before any of them changes state.  Assumes, as before, one
@@ -311,6 +313,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   std::exception_ptr failed;
   double proposal = 0;
   try {
+    I.pruner.wait();  // the previous save's (one prune at a time)
     optim::detail::check_dir(dir, "save_checkpoint");
     proposal = static_cast<double>(optim::detail::scan_generations(dir).highest + 1);
   } catch (...) {
@@ -335,7 +338,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
         optim::detail::write_all(fd, text.data(), text.size(), path);
       });
       optim::detail::publish_generation(dir, gen, "save_checkpoint");
-      optim::detail::prune_generations(dir, gen);
+      I.pruner.start(dir, gen);
     }
   } catch (...) {
     failed = std::current_exception();

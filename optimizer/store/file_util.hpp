@@ -206,16 +206,53 @@ inline void publish_generation(const std::string& dir, std::uint64_t n, const st
 }
 
 /// Removes every generation (complete or not) older than `keep`.  Best effort: a
-/// failure leaves a stale directory that the next save removes.
-inline void prune_generations(const std::string& dir, std::uint64_t keep) {
-  std::error_code ec;
-  std::vector<std::filesystem::path> old;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    std::uint64_t n = 0;
-    bool tmp = false;
-    if (parse_generation(e.path().filename().string(), n, tmp) && n < keep) old.push_back(e.path());
+/// failure leaves a stale directory that the next save removes.  Never throws.
+inline void prune_generations(const std::string& dir, std::uint64_t keep) noexcept {
+  try {
+    std::error_code ec;
+    std::vector<std::filesystem::path> old;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      std::uint64_t n = 0;
+      bool tmp = false;
+      if (parse_generation(e.path().filename().string(), n, tmp) && n < keep) old.push_back(e.path());
+    }
+    for (const auto& p : old) std::filesystem::remove_all(p, ec);
+  } catch (...) {
+    // A directory changing under the iterator, no memory: the next save prunes again.
   }
-  for (const auto& p : old) std::filesystem::remove_all(p, ec);
 }
+
+/// Prunes generations after a publish on a thread of its own, so that a save returns
+/// once its generation is published and durable, not once the previous one's blocks are
+/// freed (unlinking a written file took 0.14 s per GB on an ext4 mounted with
+/// `discard`).  At most one prune is in flight: start() and wait() join the previous
+/// one first, and so does the destructor.  A kill during a prune leaves older
+/// generations half-removed; they are never loaded (a newer complete one exists) and the
+/// next save removes them.  Not thread-safe: its owner serialises the calls.
+class background_prune {
+ public:
+  background_prune() = default;
+  background_prune(const background_prune&) = delete;
+  background_prune& operator=(const background_prune&) = delete;
+  ~background_prune() { wait(); }
+
+  /// Removes the generations of `dir` older than `keep`, on a new thread (or here, when
+  /// no thread can be started).
+  void start(const std::string& dir, std::uint64_t keep) {
+    wait();
+    try {
+      thread_ = std::thread([dir, keep] { prune_generations(dir, keep); });
+    } catch (...) {
+      prune_generations(dir, keep);
+    }
+  }
+  /// Returns once the last prune started has finished.
+  void wait() noexcept {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
 
 }  // namespace deferalloc::optim::detail
