@@ -62,7 +62,8 @@ if has build; then
         -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON="$(command -v python3)" \
         ${site:+-DDEFERALLOC_MEGATRON_PATH=$site} \
         > "$L/configure.log" 2>&1 || { tail -30 "$L/configure.log"; exit 1; }
-  if ! cmake --build $B -j"$(nproc)" > "$L/build.log" 2>&1; then
+  # DFA_BUILD_TARGETS: build only these (a short call), e.g. "bench_checkpoint".
+  if ! cmake --build $B -j"$(nproc)" ${DFA_BUILD_TARGETS:+--target $DFA_BUILD_TARGETS} > "$L/build.log" 2>&1; then
     grep -E "error" "$L/build.log" | head -30; exit 1
   fi
   row build ok
