@@ -168,7 +168,7 @@ def restore(model, init):
 
 # ---- one mode -----------------------------------------------------------------------------------
 
-def run_mode(B, model, init, data, name, overlap=False, max_grad_norm=None, tier="host", merge=2, **kw):
+def run_mode(B, model, init, data, name, overlap=False, max_grad_norm=None, tier="host", **kw):
     """warm + iters iterations back to back (an overlapped step may end under the next
     forward), then one traced iteration.  Returns losses (every iteration), the split
     (seconds: iteration by wall clock over the timed iterations; forward and backward by
@@ -177,7 +177,7 @@ def run_mode(B, model, init, data, name, overlap=False, max_grad_norm=None, tier
     a = B.a
     restore(model, init)
     opt = optim.StreamedAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **B.opt_kw(tier), **kw)
-    ov = (overlap_with_backward(model, opt, bucket_mb=a.bucket_mb, max_grad_norm=max_grad_norm, merge=merge)
+    ov = (overlap_with_backward(model, opt, bucket_mb=a.bucket_mb, max_grad_norm=max_grad_norm)
           if overlap else None)
     losses, marks = [], []
 
@@ -292,7 +292,6 @@ def big_llama(B):
     modes = [("resident", dict(tier="device")),
              ("host", dict()),
              ("host+overlap", dict(overlap=True)),
-             ("host+overlap, no merge", dict(overlap=True, merge=1)),  # one bucket per pass in backward too
              ("host bf16", dict(moment_dtype="bf16")),
              ("host int8", dict(moment_dtype="int8")),
              ("host int8+overlap", dict(moment_dtype="int8", overlap=True)),
@@ -315,8 +314,6 @@ def big_llama(B):
             q <= TARGETS["overlap_vs_resident"], perf=True)
     B.result("host+overlap / resident iteration", q, "x", "resident: iteration")
     B.check("gain of overlap: host iteration / host+overlap iteration", f"{h['iteration'] / o['iteration']:.2f}x")
-    B.check("host+overlap, one bucket per pass / resident iteration",
-            f"{out['host+overlap, no merge']['iteration'] / r['iteration']:.2f}x")
     B.result("host / host+overlap iteration", h["iteration"] / o["iteration"], "x", "host: iteration")
     for f in ("bf16", "int8"):
         s = h["visible_optimizer"] / out[f"host {f}"]["visible_optimizer"]
@@ -331,8 +328,7 @@ def big_llama(B):
     B.result("half resident / fully streamed step", q, "x", "host: visible optimizer")
     first = {losses[k][0] for k in losses}
     B.check("first loss equal in every mode (deterministic forward)", f"{len(first)} distinct", "1", len(first) == 1)
-    for plain, ovl in (("host", "host+overlap"), ("host", "host+overlap, no merge"), ("host int8", "host int8+overlap"),
-                      ("resident", "host")):
+    for plain, ovl in (("host", "host+overlap"), ("host int8", "host int8+overlap"), ("resident", "host")):
         same = losses[plain] == losses[ovl]
         B.check(f"losses {ovl} == {plain} ({len(losses[plain])} iterations, no clipping)",
                 "bit-identical" if same else f"DIFFER {losses[plain]} vs {losses[ovl]}", "bit-identical", same)

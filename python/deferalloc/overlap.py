@@ -28,13 +28,8 @@ Approach
    finishes it first).  The host queues backward far ahead of the GPU: taking the
    forward's first bucket regardless would block the worker on gradients that the GPU
    computes last, and leave the link idle through backward (measured: 3 of 17 buckets
-   stepped during backward).  While backward runs (until ``step()``), the worker steps
-   up to ``merge`` finished buckets in one engine pass: a pass fills and drains the
-   engine's pipeline once (Note [Pass pieces]), so fewer passes move the same bytes
-   sooner; after ``step()`` it takes one bucket per pass, so that the forward's first
-   bucket is not held back by the ones after it.  Give the optimizer
-   ``settings="keep_window:1"`` so that back-to-back passes keep the window's slots
-   backed and map nothing.
+   stepped during backward).  Give the optimizer ``settings="keep_window:1"``
+   so that back-to-back bucket passes keep the window's slots backed and map nothing.
  - Clipping (``max_grad_norm``): each bucket is stepped speculatively with its gradients
    as they are, its previous state (main, moments, step count) kept.  Host tier: the
    engine's speculative step (Note [Speculative steps] in optimizer/streamed_adamw.cpp)
@@ -85,18 +80,13 @@ class BackwardOverlap:
     """Steps ``opt``'s parameters during backward.  See Note [Overlap with backward].
 
     Call ``step()`` where ``opt.step()`` was; ``synchronize()`` waits for every step.
-    ``stats()``: buckets stepped, engine passes, speculative steps, redos, and ``kept_copies``: shards
+    ``stats()``: buckets stepped, speculative steps, redos, and ``kept_copies``: shards
     whose state was copied out to be kept (clipping, where the engine cannot speculate,
     or with ``engine_speculation=False``)."""
 
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
-                 max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True,
-                 merge: int = 2):
+                 max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True):
         self.opt = opt
-        if merge < 1:
-            raise ValueError(f"BackwardOverlap: merge must be at least 1, got {merge}")
-        self.merge = merge
-        self._backward_over = False  # step() was called; the next gradient starts a backward
         self.engine_speculation = engine_speculation
         self._speculable: list[bool] | None = None  # per shard: the engine keeps its state (after init)
         # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
@@ -127,7 +117,7 @@ class BackwardOverlap:
         self._seq = 0
         self._error: BaseException | None = None
         self._kept: dict[int, tuple] = {}  # shard -> (step, main, exp_avg, exp_avg_sq) before this iteration
-        self._counts = {"buckets": 0, "passes": 0, "speculative_steps": 0, "redos": 0, "kept_copies": 0}
+        self._counts = {"buckets": 0, "speculative_steps": 0, "redos": 0, "kept_copies": 0}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._params]
         if model is not None and wait_in_forward:
             for m in model.modules():
@@ -142,7 +132,6 @@ class BackwardOverlap:
     # ---- hooks ---------------------------------------------------------------------------------
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self._backward_over = False
         b = self._bucket_of[p]
         with self._lock:
             b.ready.add(id(p))
@@ -186,56 +175,42 @@ class BackwardOverlap:
     # ---- the worker ----------------------------------------------------------------------------
 
     def _take(self):
-        """The next pass, (buckets, grads, events, groups): of the buckets whose gradients are
-        done on the GPU, the one the forward needs first (highest index); if none is done,
-        the one queued first.  While backward runs, up to ``merge`` done buckets (with the
-        same hyper-parameters) go in one pass.  None: stop."""
+        """The next bucket: of those whose gradients are done on the GPU, the one the forward
+        needs first (highest index); if none is done, the one queued first.  None: stop."""
         with self._cv:
             while not self._pending and not self._stop:
                 self._cv.wait()
             if not self._pending:
                 return None
             done = [x for x in self._pending if x[2][2] is None or x[2][2].query()]
-            if not done:
-                done = [min(self._pending, key=lambda x: x[0])]
-            done.sort(key=lambda x: -x[1])
-            take = [done[0]]
-            if not self._backward_over:
-                take += [x for x in done[1:] if x[2][3] == done[0][2][3]][:self.merge - 1]
-            for x in take:
-                self._pending.remove(x)
-            return ([x[2][0] for x in take], [g for x in take for g in x[2][1]], [x[2][2] for x in take],
-                    done[0][2][3])
+            pick = max(done, key=lambda x: x[1]) if done else min(self._pending, key=lambda x: x[0])
+            self._pending.remove(pick)
+            return pick[2]
 
     def _run(self) -> None:
         while True:
             item = self._take()
             if item is None:
                 return
-            bs, grads, evs, groups = item
+            b, grads, ev, groups = item
             try:
                 if self._error is None:
                     t0 = time.perf_counter()
-                    self._step_bucket(grads, evs, groups, speculative=self.max_grad_norm is not None)
+                    self._step_bucket(grads, ev, groups, speculative=self.max_grad_norm is not None)
                     if self.trace:
                         if self._side is not None:
                             self._side.synchronize()
-                        self.timeline += [(b.index, t0, time.perf_counter()) for b in bs]
+                        self.timeline.append((b.index, t0, time.perf_counter()))
                     if self._side is not None:
                         done = torch.cuda.Event()
                         done.record(self._side)
-                        for b in bs:
-                            b.event = done
-                    self._counts["buckets"] += len(bs)
-                    self._counts["passes"] += 1
-                    if self.max_grad_norm is not None:
-                        self._counts["speculative_steps"] += len(bs)  # (per bucket)
+                        b.event = done
+                    self._counts["buckets"] += 1
             except BaseException as e:  # reported by the next step() or forward
                 self._error = e
             finally:
                 del grads
-                for b in bs:
-                    b.idle.set()
+                b.idle.set()
 
     def _set_groups(self, groups) -> None:
         lib, opt = _load(), self.opt
@@ -244,8 +219,8 @@ class BackwardOverlap:
                 _check(lib.dfa_opt_set_group(opt._handle, gi, ctypes.byref(_AdamwParams(*key))), "dfa_opt_set_group")
                 opt._pushed[gi] = key
 
-    def _step_bucket(self, grads, evs, groups, speculative: bool) -> None:
-        """One pass (a bucket or several; evs: their gradients' events).  Speculative: the engine's speculative step for the shards it can
+    def _step_bucket(self, grads, ev, groups, speculative: bool) -> None:
+        """One bucket.  Speculative: the engine's speculative step for the shards it can
         keep (host tier, streamed), a plain step after copying the state out for the others."""
         opt, lib = self.opt, _load()
         n = len(opt._params)
@@ -271,13 +246,14 @@ class BackwardOverlap:
         self._set_groups(groups)
         stream = None
         if self._side is not None:
-            for ev in evs:
-                self._side.wait_event(ev)
+            self._side.wait_event(ev)
             stream = _stream_ptr(self._side, opt._device)
         if "spec" in calls:
             _check(lib.dfa_opt_step_speculative(opt._handle, spec, n, types, 1.0, stream), "dfa_opt_step_speculative")
         if "plain" in calls:
             _check(lib.dfa_opt_step(opt._handle, plain, n, types, 1.0, stream), "dfa_opt_step")
+        if speculative:
+            self._counts["speculative_steps"] += 1
         del keep
 
     # ---- the user's side -----------------------------------------------------------------------
@@ -301,7 +277,6 @@ class BackwardOverlap:
         gradient are skipped, as by ``opt.step()``), settles clipping, and returns; with a
         model and ``wait_in_forward`` the next forward waits per module, else this waits."""
         self.opt._ensure_initialized()
-        self._backward_over = True  # from here the forward waits: one bucket per pass, its first first
         for b in self._buckets:
             self._enqueue(b)
         if self.max_grad_norm is not None:
@@ -345,7 +320,7 @@ class BackwardOverlap:
         if self._side is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(opt._device))
-        self._step_bucket([(p, p.grad) for p in params], [ev], groups, speculative=False)
+        self._step_bucket([(p, p.grad) for p in params], ev, groups, speculative=False)
         if self._side is not None:
             torch.cuda.current_stream(opt._device).wait_stream(self._side)
         self._counts["redos"] += 1

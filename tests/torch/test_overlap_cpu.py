@@ -85,15 +85,6 @@ class Overlap(unittest.TestCase):
             self.same(plain, got)
             self.assertGreater(got[3]["buckets"], 0)
             self.assertEqual(got[3]["redos"], 0)
-        # Finished buckets merged into one pass while backward runs (merge), or not (1).
-        for merge in (1, 8):
-            got = train(6, "overlap", bucket_mb=0, ov_kw=dict(merge=merge))
-            self.same(plain, got)
-            st = got[3]
-            print(f"merge {merge}: {st['buckets']} buckets in {st['passes']} passes")
-            (self.assertEqual if merge == 1 else self.assertLessEqual)(st["passes"], st["buckets"])
-        with self.assertRaises(ValueError):
-            train(1, "overlap", ov_kw=dict(merge=0))
 
     def test_clipping_speculative_steps_and_redos_are_bit_identical(self):
         # The inputs grow with t: the first steps' norms are below max_norm, later ones above.
