@@ -21,7 +21,8 @@
 //    noise floor (FP32 moments, one parameter one ulp away) +0.06% / +0.01%; m stochastic as
 //    well +0.07% / -0.03% (no better: m moves 10% a step and is not stuck).  On the H200's
 //    curves (bench_overlap, 63 M params, a loss plateau for ~120 steps) it went the other
-//    way: -0.78% to nearest, -5.75% stochastic (int8 -5.30%, noise floor -0.22%); see
+//    way: -0.78% to nearest, -5.75% stochastic (int8 -5.30%, noise floor -0.22%); under a
+//    warmup + cosine schedule (9a9211f) -0.69% (int8 -0.35%, noise floor -0.16%); see
 //    docs/BENCHMARKS.md.
 //  - int8: blocks of k_qblock = 64 elements (aligned to the shard's start), one FP32
 //    scale per block and moment, one byte per element:
