@@ -270,11 +270,17 @@ class StreamedAdamW(torch.optim.Optimizer):
             if p.numel() == 0:
                 raise InvalidArgumentError("StreamedAdamW: an empty parameter")
 
-    def _push_groups(self) -> None:
+    def _group_keys(self) -> list[tuple]:
+        """Each group's hyper-parameters as the engine takes them (lr, beta1, beta2, eps,
+        weight_decay), a snapshot."""
+        return [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                 float(g["weight_decay"])) for g in self.param_groups]
+
+    def _push_groups(self, keys: list[tuple] | None = None) -> None:
+        """Gives the engine the groups' hyper-parameters (``keys``: a snapshot of
+        ``_group_keys()``; default: the current ones) where they changed."""
         lib = _load()
-        for gi, g in enumerate(self.param_groups):
-            lr = g["lr"]
-            key = (float(lr), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
+        for gi, key in enumerate(self._group_keys() if keys is None else keys):
             if key != self._pushed[gi]:
                 _check(lib.dfa_opt_set_group(self._handle, gi, ctypes.byref(_AdamwParams(*key))), "dfa_opt_set_group")
                 self._pushed[gi] = key
@@ -390,8 +396,9 @@ class StreamedAdamW(torch.optim.Optimizer):
         """``step()``, but the new state of the stepped parameters is kept aside (host tier):
         ``commit_speculation()`` makes it the state (and advances their ``step``),
         ``discard_speculation()`` drops it, leaving state and steps as they were; the
-        parameters keep the speculative values until they are stepped again.  The first speculative step of a parameter
-        allocates a second pinned copy of its state (2x its host memory).  Refused
+        parameters keep the speculative values until they are stepped again.  The first
+        speculative step of a parameter allocates a second pinned copy of its state (2x its
+        host memory).  Refused
         (InvalidStateError) for other tiers, resident parameters (``can_speculate``) and
         parameters already pending.  See Note [Speculative steps] in optimizer/streamed_adamw.cpp."""
         self._engine_step(_load().dfa_opt_step_speculative, "dfa_opt_step_speculative")

@@ -61,7 +61,7 @@ from typing import Iterable
 
 import torch
 
-from .optim import StreamedAdamW, _AdamwParams, _check, _DTYPE, _load, _stream_ptr
+from .optim import StreamedAdamW, _check, _DTYPE, _load, _stream_ptr
 
 __all__ = ["BackwardOverlap", "overlap_with_backward"]
 
@@ -155,8 +155,7 @@ class BackwardOverlap:
         if self._side is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.opt._device))
-        groups = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                   float(g["weight_decay"])) for g in self.opt.param_groups]
+        groups = self.opt._group_keys()
         grads = [(p, p.grad) for p in ready]
         with self._lock:
             self._seq += 1
@@ -212,13 +211,6 @@ class BackwardOverlap:
                 del grads
                 b.idle.set()
 
-    def _set_groups(self, groups) -> None:
-        lib, opt = _load(), self.opt
-        for gi, key in enumerate(groups):
-            if key != opt._pushed[gi]:
-                _check(lib.dfa_opt_set_group(opt._handle, gi, ctypes.byref(_AdamwParams(*key))), "dfa_opt_set_group")
-                opt._pushed[gi] = key
-
     def _step_bucket(self, grads, ev, groups, speculative: bool) -> None:
         """One bucket.  Speculative: the engine's speculative step for the shards it can
         keep (host tier, streamed), a plain step after copying the state out for the others."""
@@ -243,7 +235,7 @@ class BackwardOverlap:
                 self._counts["kept_copies"] += 1
             plain[i] = g.data_ptr()
             calls.add("plain")
-        self._set_groups(groups)
+        opt._push_groups(groups)
         stream = None
         if self._side is not None:
             self._side.wait_event(ev)
@@ -314,8 +306,7 @@ class BackwardOverlap:
         opt = self.opt
         self._restore()
         torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
-        groups = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                   float(g["weight_decay"])) for g in opt.param_groups]
+        groups = opt._group_keys()
         ev = None
         if self._side is not None:
             ev = torch.cuda.Event()
