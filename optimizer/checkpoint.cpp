@@ -35,7 +35,10 @@
 //  - Load reads each file once, verifying as it streams, into a place that changes
 //    nothing until all is verified: the file tier's inactive slot, committed at the end.
 //    The host and device tiers update in place, so when they already hold state they
-//    verify in a first pass and copy in a second (each file read twice then).  A load
+//    verify in a first pass and copy in a second (each file read twice then, through
+//    the page cache, so the second pass is served from memory where the checkpoint fits;
+//    it reads straight into a pinned FP32 home, as a fresh load does, and checks the
+//    bytes again).  A load
 //    ends with BF16(main) into the model's params (the file tier reads main, a third of
 //    the bytes, from the new slot again): done from the chunks as they stream, it would
 //    change the params before the whole checkpoint is verified.
@@ -352,9 +355,11 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           auto& h = I.home_of(s);
           float* home = h.host_array(s, c.a);
           if (home) home += c.e0;
-          if (pass == 1 && !in_place && home && io == c.n * 4 &&
-              reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
-            // Nothing to keep: straight into the pinned home, no bounce and no copy.
+          if (pass == 1 && home && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
+            // Nothing to keep (a fresh home, or all verified by the first pass): straight
+            // into the pinned home, no bounce and no copy.  A second pass reads from the
+            // page cache and checks the bytes again (a page dropped in between is read
+            // from the disk again, which must not return other bytes unnoticed).
             detail::pread_all(fd, home, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
             sums[c.a][c.index] = checksum64(home, io);
             return;

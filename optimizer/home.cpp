@@ -228,12 +228,16 @@ class streamed_adamw::impl::file_home final : public home {
   void add_shard(shard&) override {}  // the state file is made for all shards at open()
 
   // A pass: reads run `depth` pieces ahead into a ring of 2 * depth pinned staging
-  // buffers; write-backs land in another ring and are written at retire.
+  // buffers; write-backs land in another ring and are written at retire.  Each ring
+  // slot's arrays are pinned when a pass first moves them (pinning is not free: the driver
+  // locks and zeroes every page), so a pass that moves main only (a load's export of the
+  // BF16 params into a fresh optimizer) pins a sixth of what a step does.
   void begin_pass(const pass_plan& plan) override {
     plan_ = &plan;
     read_slot_ = I.file->active_slot();
     write_slot_ = plan.kind == pass::step ? 1 - read_slot_ : read_slot_;
-    ensure_staging();
+    ensure_staging(stage_in_, plan.fetch_main ? (plan.kind == pass::step && I.moments_written ? 3 : 1) : 0);
+    ensure_staging(stage_out_, plan.write_back ? plan.arrays : 0);
     reads_.assign(plan.pieces.size(), nullptr);
     writes_.assign(plan.pieces.size(), nullptr);
   }
@@ -354,30 +358,29 @@ class streamed_adamw::impl::file_home final : public home {
   // Piece i's array `a` in the ring of staging buffers (in: reads, out: writes).
   char* staging(bool out, std::size_t i, state_array a) const {
     const auto& ring = out ? stage_out_ : stage_in_;
-    return static_cast<char*>(ring[i % ring.size()]) + array_index(a) * file_store::io_bytes(I.piece);
+    return static_cast<char*>(ring[i % ring.size()][a]);
   }
-  void ensure_staging() {
-    if (!stage_in_.empty()) return;
-    const std::size_t bytes = 3 * file_store::io_bytes(I.piece);
-    try {
-      for (int i = 0; i < 2 * I.cfg.depth; ++i) stage_in_.push_back(I.drv->host_alloc(bytes));
-      for (int i = 0; i < 2 * I.cfg.depth; ++i) stage_out_.push_back(I.drv->host_alloc(bytes));
-    } catch (...) {
-      free_staging();
-      throw;
-    }
+  // Pins the first `arrays` arrays of every slot of `ring` that are not yet (a failure
+  // keeps those pinned so far, freed with the rest).
+  void ensure_staging(std::vector<per_array<void*>>& ring, int arrays) {
+    ring.resize(2 * static_cast<std::size_t>(I.cfg.depth));
+    for (auto& slot : ring)
+      for (state_array a : first_arrays(arrays))
+        if (!slot[a]) slot[a] = I.drv->host_alloc(file_store::io_bytes(I.piece));
   }
   void free_staging() noexcept {
-    for (void* p : stage_in_) I.drv->host_free(p);
-    for (void* p : stage_out_) I.drv->host_free(p);
-    stage_in_.clear();
-    stage_out_.clear();
+    for (auto* ring : {&stage_in_, &stage_out_}) {
+      for (auto& slot : *ring)
+        for (void* p : slot)
+          if (p) I.drv->host_free(p);
+      ring->clear();
+    }
   }
 
   const pass_plan* plan_ = nullptr;
   int read_slot_ = 0, write_slot_ = 0;
   std::vector<std::shared_ptr<detail::io_batch>> reads_, writes_;  // per piece of the pass
-  std::vector<void*> stage_in_, stage_out_;
+  std::vector<per_array<void*>> stage_in_, stage_out_;  // per ring slot: each array's buffer (null until used)
 };
 
 std::size_t streamed_adamw::impl::home::to_device(std::size_t, const piece_ref&, state_array, float*, stream_t) {
