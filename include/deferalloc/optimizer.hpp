@@ -124,6 +124,9 @@ struct step_report {
   double map_seconds = 0;    ///< host time in materialize (map + access) of the pieces
   double retire_seconds = 0; ///< host time retiring pieces (waiting for write-backs, unmap)
   double io_wait_seconds = 0;  ///< file tier: host time waiting for reads and writes
+  /// Pieces whose write-back was still running when the step returned (host tier with
+  /// keep_window: the next step or any other call waits for them; Note [Window pipeline]).
+  std::size_t deferred_pieces = 0;
   double gparams_per_second() const { return seconds > 0 ? params / seconds / 1e9 : 0; }
 };
 
