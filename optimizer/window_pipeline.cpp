@@ -16,7 +16,8 @@
 //    the piece's home into its slot, Note [Homes], after the slot's previous piece was
 //    written back; never-written moments are zeroed on the device instead of copied) ->
 //    compute (the kernel) -> write_back (D2H) -> retire (the host waits for that piece's
-//    write-back event; the home persists the piece).  With depth 3, fetch(i+1), step(i)
+//    write-back event; the home persists the piece; the host tier with keep_window
+//    leaves the last pieces in flight for the next pass: Deferred write-backs below).  With depth 3, fetch(i+1), step(i)
 //    and write-back(i-1) overlap, and H2D and D2H run at once (the link is duplex).
 //  - File tier: its home reads `depth` pieces ahead into a ring of 2*depth pinned staging
 //    buffers, writes drain from another ring; see Note [File tier] for the two slots
@@ -31,6 +32,35 @@
 //
 // Limits: one pass at a time per optimizer (calls are serialized by a mutex); a pass
 // over tiny shards moves one piece per shard, each a few copies and a kernel launch.
+//
+// Deferred write-backs (host tier, keep_window)
+// Rationale: BackwardOverlap steps each bucket as its own pass, back to back.  A pass
+// that host-waits for its last `depth` write-backs before it returns, and a next one that
+// starts its fetches only then, fill and drain the link around every pass: a pass over
+// one 256 MiB bucket ran at ~0.8x the link on the H200, a whole-state pass at ~0.99x.
+// Approach: where retire() does nothing (home::retire_is_noop(): the host tier; never
+// the file tier, whose retire writes the files) and cfg.keep_window holds, a step pass
+// returns with its last pieces' write-backs in flight (step_report::deferred_pieces).
+// impl::ring keeps the ring position across passes: piece i of a pass is at position
+// ring + (i - skip), its slot and its three events are position mod depth, so the next
+// pass continues the rotation; impl::in_flight counts the positions before `ring` whose
+// write-back may still run (at most depth; the write-backs share the D2H stream, so older
+// ones are done when these are).  The next pass's fetch into a slot whose previous piece
+// is in flight waits for it on the device (the same stream_wait as for its own pieces),
+// and before any fetch it waits, on the device too, for the in-flight pieces of the
+// shards it fetches (a step of the same shard reads the home they write).  Every wait on
+// an event is enqueued before the pass records it again (cuStreamWaitEvent takes the
+// event's state at the call).  impl::settle() host-waits for the pieces in flight; every
+// public call that is not a step pass calls it first (state ranges and read_state,
+// checkpoints, sync_model_params, commit / discard of a speculation, set_shard_step,
+// initialize, the destructor), and so does any other pass (init, export, a step without
+// keep_window) before it starts from slot 0.  A failed pass drains the streams, so
+// nothing is in flight and the next pass starts from slot 0; its skip counts its own
+// pieces only.
+// Limits: the step returns when its kernels are enqueued and its state is on the way
+// home, not home: the host tier's state is home once any other call returns, and an error
+// of a deferred write-back surfaces at that call (or at the next step).  The BF16
+// parameters are the user's stream's as before.
 //
 // Note [Window slots]
 // Rationale: models have many small shards (a 1.1 G-param Llama has 201, most of them

@@ -103,6 +103,8 @@ struct optimizer_config {
   /// Streamed tiers: keep the window's slots backed between passes instead of returning
   /// their chunks (the window's HBM stays taken between steps, and back-to-back passes, as
   /// the buckets of a step overlapped with backward, map nothing).  Note [Window slots].
+  /// Host tier: a step also returns before its last write-backs end, which the next step
+  /// overlaps with its first fetches (Note [Window pipeline], deferred write-backs).
   bool keep_window = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
@@ -198,7 +200,9 @@ class DFA_API streamed_adamw {
   /// `numel` elements of `gt`), read after the work already on `stream`; each gradient
   /// is multiplied by `grad_scale` (loss-scale inverse times clip coefficient).  Writes
   /// the updated BF16 parameters; `stream` waits for them.  Streamed tiers: returns when
-  /// the state is back home (file tier: committed).  A failure throws naming the shard,
+  /// the state is back home (file tier: committed; host tier with keep_window: its last
+  /// pieces may still be on the way, and every other call waits for them first, so any
+  /// read sees the step: Note [Window pipeline]).  A failure throws naming the shard,
   /// file and offset; the file tier keeps the previous step intact; the host and device
   /// tiers update in place, and a step retried with the same gradients completes the
   /// pieces the failed one did not (bit-identical to an uninterrupted step).
