@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <deque>
+#include <map>
+#include <mutex>
 #include <filesystem>
 #include <fstream>
 
@@ -651,6 +654,262 @@ TEST(optimizer, speculative_step_errors) {
   EXPECT_THROW(r.opt->step_speculative(std::vector<const void*>(2, nullptr), gts), invalid_argument) << "2 gradients";
   r.opt->commit_speculation();  // nothing pending: nothing happens
   EXPECT_EQ(r.opt->steps(), 1u) << "the resident shard's plain step";
+}
+
+// Note [Window pipeline], deferred write-backs: back-to-back keep_window step passes of
+// the host tier leave their last write-backs in flight; the next pass continues the
+// slots' rotation and every other call waits for them first.  On the host driver every
+// copy completes on return, which would hide a missing wait: late_d2h_driver runs the
+// copies into pinned memory late, when a wait on their stream or on an event recorded
+// after them asks for them (as a GPU may run them), so a read of a home before its
+// write-back sees stale values.
+namespace {
+class late_d2h_driver final : public driver {
+ public:
+  explicit late_d2h_driver(std::shared_ptr<driver> inner) : in_(std::move(inner)) {}
+  /// Copies enqueued and not run yet.
+  std::size_t pending() const {
+    std::lock_guard lk(mu_);
+    std::size_t n = 0;
+    for (const auto& [s, q] : queues_) n += q.ops.size();
+    return n;
+  }
+  /// Pinned memory freed, or device memory unmapped, under a copy not run yet.
+  std::size_t violations() const { return violations_; }
+
+  std::string name() const override { return "late_d2h(" + in_->name() + ")"; }
+  driver_kind kind() const override { return in_->kind(); }
+  std::size_t granularity() const override { return in_->granularity(); }
+  memory_info get_memory_info() override { return in_->get_memory_info(); }
+  stream_t create_stream() override {
+    std::lock_guard lk(mu_);
+    return stream_t{reinterpret_cast<void*>(++handles_)};
+  }
+  void destroy_stream(stream_t s) noexcept override {
+    std::lock_guard lk(mu_);
+    flush(s, ~std::uint64_t{0});
+  }
+  event_t create_event() override {
+    std::lock_guard lk(mu_);
+    return event_t{reinterpret_cast<void*>(++handles_)};
+  }
+  void destroy_event(event_t) noexcept override {}
+  void record(event_t e, stream_t s) override {
+    std::lock_guard lk(mu_);
+    events_[e.get()] = {s, queues_[s.get()].enqueued};  // the state at call time, as cudaEventRecord
+  }
+  void stream_wait(stream_t, event_t e) override { wait(e); }
+  void synchronize(event_t e) override { wait(e); }
+  bool query(event_t e) override {
+    wait(e);
+    return true;
+  }
+  void synchronize_stream(stream_t s) override {
+    std::lock_guard lk(mu_);
+    flush(s, ~std::uint64_t{0});
+  }
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override {
+    std::lock_guard lk(mu_);
+    auto& q = queues_[s.get()];
+    if (pinned(dst)) {
+      q.ops.push_back({dst, src, bytes, ++q.enqueued});
+      return;
+    }
+    flush(s, ~std::uint64_t{0});  // the stream's order
+    in_->copy_async(dst, src, bytes, s);
+  }
+  void zero_async(void* dst, std::size_t bytes, stream_t s) override {
+    std::lock_guard lk(mu_);
+    flush(s, ~std::uint64_t{0});
+    in_->zero_async(dst, bytes, s);
+  }
+  bool asynchronous() const override { return false; }  // the CPU kernels (they run at once)
+
+ private:
+  struct op {
+    void* dst;
+    const void* src;
+    std::size_t bytes;
+    std::uint64_t seq;
+  };
+  struct queue {
+    std::deque<op> ops;
+    std::uint64_t enqueued = 0;
+  };
+  void wait(event_t e) {
+    std::lock_guard lk(mu_);
+    auto it = events_.find(e.get());
+    if (it != events_.end()) flush(it->second.first, it->second.second);
+  }
+  // Runs the copies of `s` up to sequence number `upto`.
+  void flush(stream_t s, std::uint64_t upto) {
+    auto& q = queues_[s.get()];
+    while (!q.ops.empty() && q.ops.front().seq <= upto) {
+      const op o = q.ops.front();
+      q.ops.pop_front();
+      in_->copy_async(o.dst, o.src, o.bytes, s);
+    }
+  }
+  void flush_all_touching(std::uintptr_t lo, std::uintptr_t hi, bool by_dst) {
+    for (auto& [s, q] : queues_) {
+      bool hit = false;
+      for (const auto& o : q.ops) {
+        const auto a = reinterpret_cast<std::uintptr_t>(by_dst ? o.dst : o.src);
+        hit = hit || (a < hi && a + o.bytes > lo);
+      }
+      if (hit) {
+        ++violations_;
+        flush(stream_t{const_cast<void*>(s)}, ~std::uint64_t{0});
+      }
+    }
+  }
+  bool pinned(const void* p) const {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    auto it = pinned_.upper_bound(a);
+    return it != pinned_.begin() && a < std::prev(it)->first + std::prev(it)->second;
+  }
+
+  std::uintptr_t do_reserve(std::size_t b, std::size_t a) override { return in_->reserve(b, a); }
+  void do_free_reservation(std::uintptr_t va, std::size_t b) override { in_->free_reservation(va, b); }
+  chunk_handle do_create(std::size_t b) override { return in_->create(b); }
+  void do_release(chunk_handle h) override { in_->release(h); }
+  void do_map(std::uintptr_t va, std::size_t b, chunk_handle h) override { in_->map(va, b, h); }
+  void do_unmap(std::uintptr_t va, std::size_t b) override {
+    std::lock_guard lk(mu_);
+    flush_all_touching(va, va + b, false);
+    in_->unmap(va, b);
+  }
+  void do_set_access(std::uintptr_t va, std::size_t b) override { in_->set_access(va, b); }
+  void* do_host_alloc(std::size_t b) override {
+    void* p = in_->host_alloc(b);
+    std::lock_guard lk(mu_);
+    pinned_[reinterpret_cast<std::uintptr_t>(p)] = b;
+    return p;
+  }
+  void do_host_free(void* p) noexcept override {
+    {
+      std::lock_guard lk(mu_);
+      const auto a = reinterpret_cast<std::uintptr_t>(p);
+      flush_all_touching(a, a + pinned_[a], true);
+      pinned_.erase(a);
+    }
+    in_->host_free(p);
+  }
+
+  std::shared_ptr<driver> in_;
+  mutable std::mutex mu_;
+  std::uintptr_t handles_ = 0;
+  std::map<const void*, queue> queues_;  // by stream
+  std::map<const void*, std::pair<stream_t, std::uint64_t>> events_;
+  std::map<std::uintptr_t, std::size_t> pinned_;  // host_alloc'd blocks
+  std::size_t violations_ = 0;
+};
+
+// The host driver under late_d2h_driver; the real one on CUDA (asynchronous already).
+std::shared_ptr<driver> late_driver() {
+  if (driver_name() == "cuda") return make_driver();
+  return std::make_shared<late_d2h_driver>(make_driver());
+}
+std::size_t pending_copies(driver& d) {
+  auto* l = dynamic_cast<late_d2h_driver*>(&d);
+  return l ? l->pending() : 0;
+}
+
+// One iteration as BackwardOverlap runs it: a pass per shard (bucket), last shard first;
+// `spec`: speculative passes.
+void bucket_passes(run& r, int t, bool spec) {
+  r.load_grads(t);
+  for (std::size_t s = r.grads.size(); s-- > 0;) {
+    std::vector<bool> take(r.grads.size(), false);
+    take[s] = true;
+    if (spec) speculate(r, only(r.grads, take), r.prob.scale(t));
+    else r.opt->step(only(r.grads, take), grad_type::bf16, r.prob.scale(t));
+  }
+  r.drv->synchronize_stream(nullptr);
+}
+}  // namespace
+
+TEST(optimizer, back_to_back_passes_defer_their_write_backs_and_agree_with_settled_ones) {
+  auto d = late_driver();
+  const problem p = make_problem(d->granularity(), 7);
+  temp_dir ck;
+  optimizer_config kept = config_for(tier::host);
+  kept.keep_window = true;
+  // `a` defers (keep_window), `b` waits for every write-back (plain host driver).
+  run a(d, p, kept), b(make_driver(), p, config_for(tier::host));
+  auto both = [&](auto&& f) {
+    f(a);
+    f(b);
+  };
+  both([](run& r) { r.opt->initialize(); });
+  both([](run& r) { bucket_passes(r, 0, false); });
+  EXPECT_EQ(a.opt->last_report().deferred_pieces, 3u) << "the last bucket's last depth pieces were left in flight";
+  EXPECT_EQ(b.opt->last_report().deferred_pieces, 0u) << "without keep_window";
+  if (driver_name() != "cuda") EXPECT_GT(pending_copies(*d), 0u) << "a write-back still to run";
+  expect_same(a.state(), b.state(), "bucket passes");
+  EXPECT_EQ(pending_copies(*d), 0u) << "read_state waited for them";
+
+  // Back to back over the same one-piece shard: the second pass reads the home the
+  // first is writing (another slot).  Then full-state passes, and bucket passes again.
+  both([&](run& r) {
+    r.load_grads(1);
+    r.opt->step(only(r.grads, {false, false, true}), grad_type::bf16, p.scale(1));
+    r.load_grads(2);
+    r.opt->step(only(r.grads, {false, false, true}), grad_type::bf16, p.scale(2));
+    r.step(3);
+    r.step(4);
+  });
+  EXPECT_EQ(a.opt->last_report().deferred_pieces, 3u);
+  both([](run& r) { bucket_passes(r, 5, false); });
+  // A state range read between passes sees the final values.
+  std::vector<float> ra(p.sizes[1]), rb(p.sizes[1]);
+  a.opt->read_state_range(1, state_array::exp_avg, 0, p.sizes[1], ra.data());
+  b.opt->read_state_range(1, state_array::exp_avg, 0, p.sizes[1], rb.data());
+  EXPECT_EQ(ra, rb) << "a state range read after a deferred pass";
+  expect_same(a.state(), b.state(), "back to back passes");
+
+  // Speculative bucket passes, committed; then discarded and redone plainly.
+  both([](run& r) {
+    bucket_passes(r, 6, true);
+    r.opt->commit_speculation();
+  });
+  both([](run& r) {
+    bucket_passes(r, 0, true);
+    r.opt->discard_speculation();
+    bucket_passes(r, 1, false);
+  });
+  EXPECT_GT(a.opt->last_report().deferred_pieces, 0u);
+  // A checkpoint saved right after a deferred pass holds the final values.
+  a.opt->save_checkpoint(ck.path);
+  const result want = b.state();
+  expect_same(a.state(), want, "speculative bucket passes");
+  run c(make_driver(), p, config_for(tier::host));
+  c.opt->initialize();
+  c.opt->load_checkpoint(ck.path);
+  expect_same(c.state(), want, "a checkpoint saved after a deferred pass");
+  EXPECT_EQ(a.opt->steps(), b.opt->steps());
+  if (auto* l = dynamic_cast<late_d2h_driver*>(d.get())) EXPECT_EQ(l->violations(), 0u);
+}
+
+// A pass that fails after a deferred one is retried as any failed step: the previous
+// pass's pieces are not this one's, and the ring starts again.
+TEST(optimizer, a_failed_pass_after_a_deferred_one_is_retried_exactly) {
+  auto f = std::make_shared<fault_driver>(late_driver());
+  const problem p = make_problem(f->granularity(), 3);
+  optimizer_config kept = config_for(tier::host);
+  kept.keep_window = true;
+  run r(f, p, kept);
+  r.opt->initialize();
+  r.step(0);
+  EXPECT_EQ(r.opt->last_report().deferred_pieces, 3u);
+  f->fail_nth_copy(13);  // part-way through the pass (see host_tier_step_retried_after_a_fault_completes_exactly)
+  r.load_grads(1);
+  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+  EXPECT_EQ(f->fired(), 1u);
+  r.opt->step(r.grads, grad_type::bf16, p.scale(1));
+  EXPECT_GT(r.opt->last_report().deferred_pieces, 0u);
+  r.step(2);
+  expect_same(r.state(), cpu_twin(p, 3), "a step retried after a deferred one");
 }
 
 TEST(optimizer, checkpoint_continues_bit_identically_and_refuses_corruption) {
