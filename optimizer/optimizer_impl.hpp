@@ -82,6 +82,7 @@ struct streamed_adamw::impl {
   detail::background_prune pruner;  // older checkpoint generations (Note [Checkpoint generations])
   std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
   std::size_t piece = 0;  // elements per piece (streamed tiers)
+  std::size_t piece_align = 1;  // a piece's alignment in elements: the granule or the home's (streamed tiers)
   /// The window: depth slots of one piece per array (streamed tiers), reserved once;
   /// backed while a pass runs (and between passes with keep_window).  Note [Window slots].
   struct slot {

@@ -63,6 +63,8 @@ using detail::file_store;
 
 namespace {
 double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+// What a call that would change a speculated shard's state is refused for.
+const std::string k_pending = "a pending speculative step (commit_speculation or discard_speculation first)";
 }  // namespace
 
 // ---- construction -------------------------------------------------------------------
@@ -78,7 +80,8 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   const std::size_t g = I.drv->granularity();
   if (I.tier_home->streamed()) {
     // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
-    const std::size_t gran_elems = std::max(g, I.tier_home->piece_align()) / 4;
+    I.piece_align = std::max(g, I.tier_home->piece_align()) / 4;
+    const std::size_t gran_elems = I.piece_align;
     const std::size_t depth = static_cast<std::size_t>(I.cfg.depth);
     I.piece = I.cfg.window_bytes / (12 * depth) / gran_elems * gran_elems;  // params
     DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
@@ -273,7 +276,7 @@ std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::s
     if (selected(s)) total += shards[s].info.numel;
   // The window's piece halved while it stays at least `want` and whole granules: a slot
   // is then one chunk of the pool's classes (the piece's halvings), one map per array.
-  const std::size_t align = std::max(drv->granularity(), tier_home->piece_align()) / 4;
+  const std::size_t align = piece_align;
   const std::size_t want = std::max((total + k_pass_pieces - 1) / k_pass_pieces, k_min_piece);
   std::size_t n = piece;
   while (n / 2 >= want && (n / 2) % align == 0) n /= 2;
@@ -364,7 +367,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     DFA_EXPECTS(grads[s] == nullptr || !I.shards[s].speculative,
                 "step: shard " + std::to_string(s) + " ('" + I.shards[s].info.name +
-                    "') has a pending speculative step (commit_speculation or discard_speculation first)",
+                    "') has " + k_pending,
                 invalid_state);
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
@@ -431,7 +434,7 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
 void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
   DFA_EXPECTS(speculating == 0,
               std::string(fn) + ": " + std::to_string(speculating) +
-                  " shard(s) have a pending speculative step (commit_speculation or discard_speculation first)",
+                  " shard(s) have " + k_pending,
               invalid_state);
 }
 
@@ -481,7 +484,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
     DFA_EXPECTS(!I.shards[s].resident, which + "is resident in HBM and stepped in place (step it with step())",
                 invalid_state);
     DFA_EXPECTS(!I.shards[s].speculative,
-                which + "already has a pending speculative step (commit_speculation or discard_speculation first)",
+                which + "already has " + k_pending,
                 invalid_state);
   }
   // The second copies before anything runs: running out of pinned memory changes nothing.
