@@ -179,7 +179,6 @@ void streamed_adamw::impl::read_home(std::size_t s, state_array a, std::size_t e
 void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   DFA_EXPECTS(shard < I.shards.size(), "read_state: no shard " + std::to_string(shard));
   DFA_EXPECTS(I.initialized, "read_state: no state yet", invalid_state);
   const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
@@ -192,7 +191,6 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
 void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
@@ -260,7 +258,6 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
 void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   I.refuse_if_speculating("load_checkpoint");
   I.open_state();
   const std::string mpath = dir + "/manifest.txt";

@@ -109,7 +109,6 @@ class streamed_adamw::impl::host_home final : public home {
         if (p) I.drv->host_free(p), p = nullptr;
   }
 
-  bool retire_is_noop() const override { return true; }
   // A speculative step reads the current copy and writes the second one.
   void begin_pass(const pass_plan& plan) override { speculative_ = plan.kind == pass::step && plan.speculative; }
   std::size_t to_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {

@@ -93,12 +93,6 @@ struct streamed_adamw::impl {
   std::vector<slot> slots;
   stream_t h2d = nullptr, d2h = nullptr, exec = nullptr;
   std::vector<event_t> events;
-  /// Deferred write-backs (Note [Window pipeline]): the ring position of the next pass's
-  /// first piece (slot and events: position mod depth), and how many pieces before it may
-  /// still be writing back (at most depth), with the shard of each slot's last piece.
-  std::size_t ring = 0;
-  std::size_t in_flight = 0;
-  std::vector<std::size_t> slot_shard;
   std::uint64_t step_count = 0;
   bool initialized = false;
   bool moments_written = false;
@@ -121,11 +115,6 @@ struct streamed_adamw::impl {
   /// resumed when it holds a commit); nothing for the others.
   void open_state();
   event_t event(std::size_t i);
-  /// Ring position `pos`'s event: 0 fetched, 1 computed, 2 written back.
-  event_t piece_event(std::size_t pos, int which) { return event(1 + (pos % slots.size()) * 3 + which); }
-  /// Host-waits for the write-backs a deferred pass left in flight: the homes hold every
-  /// step then.  Every public method but the step passes calls it first.
-  void settle();
   /// Work enqueued on `waiter` from now on runs after all that is enqueued on `producer` so
   /// far (one record of event 0 + one wait; no host synchronisation).
   void after(stream_t waiter, stream_t producer);
@@ -220,9 +209,6 @@ class streamed_adamw::impl::home {
   virtual std::size_t from_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s);
   /// Piece i's write-back is done: persist it (file: the writes).
   virtual void retire(std::size_t, const piece_ref&) {}
-  /// retire() does nothing: a piece is home once its write-back ran, so a keep_window
-  /// step pass may return with write-backs in flight (host; Note [Window pipeline]).
-  virtual bool retire_is_noop() const { return false; }
   /// Every piece retired: waits for what retire() started.
   virtual void end_pass() {}
   /// After a failed pass: waits for all it started (never throws; logs).

@@ -107,7 +107,6 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
         sl.res[a] = I.mgr->reserve(I.piece * 4);
         sl.dev[a] = static_cast<float*>(I.mgr->address(sl.res[a]));
       }
-    I.slot_shard.assign(I.slots.size(), 0);
   }
   I.comp = detail::make_compute(*I.drv);
   I.h2d = I.drv->create_stream();
@@ -121,7 +120,6 @@ streamed_adamw::~streamed_adamw() {
   if (!impl_) return;
   auto& I = *impl_;
   try {
-    I.settle();  // the write-backs a deferred pass left in flight (the streams' syncs cover them too)
     I.drv->synchronize_stream(I.h2d);
     I.drv->synchronize_stream(I.exec);
     I.drv->synchronize_stream(I.d2h);
@@ -214,7 +212,6 @@ std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
 }
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   std::lock_guard lk(impl_->mu);
-  impl_->settle();
   DFA_EXPECTS(s < impl_->shards.size(), "set_shard_step: no shard " + std::to_string(s));
   impl_->refuse_if_speculating("set_shard_step");
   impl_->shards[s].step = step;
@@ -230,13 +227,6 @@ void streamed_adamw::impl::open_state() { tier_home->open(); }
 event_t streamed_adamw::impl::event(std::size_t i) {
   while (events.size() <= i) events.push_back(drv->create_event());
   return events[i];
-}
-
-void streamed_adamw::impl::settle() {
-  // (The write-backs share the D2H stream: the pieces that left the in-flight window
-  // before these are done when these are.)  A failed wait leaves them counted.
-  for (std::size_t q = ring - in_flight; q < ring; ++q) drv->synchronize(piece_event(q, 2));
-  in_flight = 0;
 }
 
 void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
@@ -324,7 +314,6 @@ void streamed_adamw::impl::report_progress(const char* phase, std::size_t done, 
 void streamed_adamw::initialize(stream_t stream) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   DFA_EXPECTS(!I.shards.empty(), "initialize: no shard registered", invalid_state);
   I.open_state();
   DFA_EXPECTS(!I.initialized, I.file && I.file->resumed()
@@ -504,7 +493,6 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
 void streamed_adamw::commit_speculation() {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   if (I.speculating == 0) return;
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     if (I.shards[s].speculative) {
@@ -520,7 +508,6 @@ void streamed_adamw::commit_speculation() {
 void streamed_adamw::discard_speculation() {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   for (auto& s : I.shards) s.speculative = false;
   I.speculating = 0;
 }
@@ -539,7 +526,6 @@ bool streamed_adamw::can_speculate(std::size_t s) const {
 void streamed_adamw::sync_model_params(stream_t stream) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   I.open_state();
   DFA_EXPECTS(I.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
   I.sync_model(stream);
@@ -584,7 +570,6 @@ void check_range(const char* fn, std::size_t shards, std::size_t s, state_array 
 void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   I.open_state();
   DFA_EXPECTS(I.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
@@ -597,7 +582,6 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
                                        const float* in) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  I.settle();
   I.open_state();
   DFA_EXPECTS(I.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");

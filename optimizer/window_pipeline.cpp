@@ -16,8 +16,7 @@
 //    the piece's home into its slot, Note [Homes], after the slot's previous piece was
 //    written back; never-written moments are zeroed on the device instead of copied) ->
 //    compute (the kernel) -> write_back (D2H) -> retire (the host waits for that piece's
-//    write-back event; the home persists the piece; the host tier with keep_window
-//    leaves the last pieces in flight for the next pass: Deferred write-backs below).  With depth 3, fetch(i+1), step(i)
+//    write-back event; the home persists the piece).  With depth 3, fetch(i+1), step(i)
 //    and write-back(i-1) overlap, and H2D and D2H run at once (the link is duplex).
 //  - File tier: its home reads `depth` pieces ahead into a ring of 2*depth pinned staging
 //    buffers, writes drain from another ring; see Note [File tier] for the two slots
@@ -32,35 +31,6 @@
 //
 // Limits: one pass at a time per optimizer (calls are serialized by a mutex); a pass
 // over tiny shards moves one piece per shard, each a few copies and a kernel launch.
-//
-// Deferred write-backs (host tier, keep_window)
-// Rationale: BackwardOverlap steps each bucket as its own pass, back to back.  A pass
-// that host-waits for its last `depth` write-backs before it returns, and a next one that
-// starts its fetches only then, fill and drain the link around every pass: a pass over
-// one 256 MiB bucket ran at ~0.8x the link on the H200, a whole-state pass at ~0.99x.
-// Approach: where retire() does nothing (home::retire_is_noop(): the host tier; never
-// the file tier, whose retire writes the files) and cfg.keep_window holds, a step pass
-// returns with its last pieces' write-backs in flight (step_report::deferred_pieces).
-// impl::ring keeps the ring position across passes: piece i of a pass is at position
-// ring + (i - skip), its slot and its three events are position mod depth, so the next
-// pass continues the rotation; impl::in_flight counts the positions before `ring` whose
-// write-back may still run (at most depth; the write-backs share the D2H stream, so older
-// ones are done when these are).  The next pass's fetch into a slot whose previous piece
-// is in flight waits for it on the device (the same stream_wait as for its own pieces),
-// and before any fetch it waits, on the device too, for the in-flight pieces of the
-// shards it fetches (a step of the same shard reads the home they write).  Every wait on
-// an event is enqueued before the pass records it again (cuStreamWaitEvent takes the
-// event's state at the call).  impl::settle() host-waits for the pieces in flight; every
-// public call that is not a step pass calls it first (state ranges and read_state,
-// checkpoints, sync_model_params, commit / discard of a speculation, set_shard_step,
-// initialize, the destructor), and so does any other pass (init, export, a step without
-// keep_window) before it starts from slot 0.  A failed pass drains the streams, so
-// nothing is in flight and the next pass starts from slot 0; its skip counts its own
-// pieces only.
-// Limits: the step returns when its kernels are enqueued and its state is on the way
-// home, not home: the host tier's state is home once any other call returns, and an error
-// of a deferred write-back surfaces at that call (or at the next step).  The BF16
-// parameters are the user's stream's as before.
 //
 // Note [Window slots]
 // Rationale: models have many small shards (a 1.1 G-param Llama has 201, most of them
@@ -102,15 +72,6 @@ class streamed_adamw::impl::window_pipeline {
   window_pipeline(impl& owner, pass kind, std::span<const void* const> grads, std::span<const value_type> gts,
                   float grad_scale, std::size_t skip, bool speculative)
       : I(owner), home_(*owner.tier_home), grads_(grads), gts_(gts), K(owner.cfg.depth) {
-    // A step pass with the slots kept and nothing to persist at retire continues the
-    // previous pass's ring; any other pass starts from settled homes and slot 0.
-    defer_ = kind == pass::step && I.cfg.keep_window && home_.retire_is_noop();
-    if (!defer_) {
-      I.settle();
-      I.ring = 0;
-    }
-    base_ = I.ring;
-    flying_ = I.in_flight;
     plan_.kind = kind;
     plan_.pieces = I.pieces(grads);
     plan_.skip = skip;
@@ -138,7 +99,6 @@ class streamed_adamw::impl::window_pipeline {
       for (std::size_t j = skip; j < std::min(P, skip + 2 * static_cast<std::size_t>(K)); ++j) prefetch(j);
       // The window's memory before any piece moves: OOM here changes nothing.
       back_slots();
-      wait_for_flying();
       for (; i_ < P; ++i_) {
         if (i_ >= skip + K) {
           retire(i_ - K);
@@ -148,17 +108,8 @@ class streamed_adamw::impl::window_pipeline {
         compute(i_);
         write_back(i_);
       }
-      // The last pieces: waited for, or left in flight (deferred: the next pass or
-      // settle() waits for them).
-      for (std::size_t j = P > static_cast<std::size_t>(K) ? std::max(skip, P - K) : skip; j < P; ++j) {
-        if (defer_) progress(j);
-        else retire(j);
-      }
+      for (std::size_t j = P > static_cast<std::size_t>(K) ? std::max(skip, P - K) : skip; j < P; ++j) retire(j);
       home_.end_pass();
-      const std::size_t n = P - skip;
-      I.ring = base_ + n;
-      I.in_flight = defer_ ? std::min(static_cast<std::size_t>(K), flying_ + n) : 0;
-      I.report.deferred_pieces = defer_ ? std::min(static_cast<std::size_t>(K), n) : 0;
     } catch (...) {
       fail();
     }
@@ -178,13 +129,10 @@ class streamed_adamw::impl::window_pipeline {
 
  private:
   const piece_ref& piece(std::size_t i) const { return plan_.pieces[i]; }
-  // Piece i's position in the ring (slots and events), which continues the previous
-  // pass's when it deferred its last write-backs.
-  std::size_t pos(std::size_t i) const { return base_ + (i - plan_.skip); }
-  // Piece i's events: 0 fetched, 1 computed, 2 written back (its slot's: position mod depth).
-  event_t ev(std::size_t i, int which) { return I.piece_event(pos(i), which); }
+  // Piece i's slot of the event ring: 0 fetched, 1 computed, 2 written back.
+  event_t ev(std::size_t i, int which) { return I.event(1 + (i % K) * 3 + which); }
   // Piece i's slot of the window (Note [Window slots]).
-  impl::slot& slot_of(std::size_t i) const { return I.slots[pos(i) % static_cast<std::size_t>(K)]; }
+  impl::slot& slot_of(std::size_t i) const { return I.slots[(i - plan_.skip) % static_cast<std::size_t>(K)]; }
   // The piece's window: its slot's arrays.
   const per_array<float*>& window(std::size_t i) const { return slot_of(i).dev; }
   const char* phase() const { return plan_.kind == pass::init ? "init" : plan_.kind == pass::step ? "step" : "sync"; }
@@ -200,32 +148,16 @@ class streamed_adamw::impl::window_pipeline {
     for (std::size_t j = plan_.skip; j < P; ++j) longest = std::max(longest, piece(j).n);
     const std::size_t need = I.granules(longest * 4);
     std::vector<range> rs;
-    // (A slot grown here may still be read by a previous pass's write-back: only the
-    // granules beyond its backed bytes are mapped, the others are left alone.)
     const std::size_t n = std::min(P - plan_.skip, static_cast<std::size_t>(K));
-    for (std::size_t j = plan_.skip; j < plan_.skip + n; ++j)
-      for (state_array a : first_arrays(plan_.arrays)) {
-        const auto& sl = slot_of(j);
-        if (sl.backed[a] < need) rs.push_back({sl.res[a], sl.backed[a], need - sl.backed[a]});
-      }
+    for (std::size_t k = 0; k < n; ++k)
+      for (state_array a : first_arrays(plan_.arrays))
+        if (I.slots[k].backed[a] < need) rs.push_back({I.slots[k].res[a], I.slots[k].backed[a], need - I.slots[k].backed[a]});
     if (rs.empty()) return;
     const auto t = clk::now();
     I.mgr->materialize(rs, fill_mode::undefined, I.h2d);
     I.report.map_seconds += since(t);
-    for (std::size_t j = plan_.skip; j < plan_.skip + n; ++j)
-      for (state_array a : first_arrays(plan_.arrays)) slot_of(j).backed[a] = std::max(slot_of(j).backed[a], need);
-  }
-
-  // The previous pass's write-backs still in flight: a slot's is waited for by the fetch
-  // that reuses the slot; those into a shard this pass fetches, before any fetch (the
-  // fetch reads the home they write).  Device waits only, enqueued before this pass
-  // records any event again.
-  void wait_for_flying() {
-    if (flying_ == 0) return;
-    std::vector<bool> fetched(I.shards.size(), false);
-    for (std::size_t j = plan_.skip; j < P; ++j) fetched[piece(j).shard] = true;
-    for (std::size_t q = base_ - flying_; q < base_; ++q)
-      if (fetched[I.slot_shard[q % static_cast<std::size_t>(K)]]) I.drv->stream_wait(I.h2d, I.piece_event(q, 2));
+    for (std::size_t k = 0; k < n; ++k)
+      for (state_array a : first_arrays(plan_.arrays)) I.slots[k].backed[a] = std::max(I.slots[k].backed[a], need);
   }
 
   // Gives the window's chunks back to the pool (after the work on `s`).
@@ -242,10 +174,9 @@ class streamed_adamw::impl::window_pipeline {
   void fetch(std::size_t i) {
     const auto& p = piece(i);
     const auto& dev = window(i);
-    // The slot's previous piece is written back (retire() waited for it on the host, or
-    // it is one the previous pass left in flight; the wait keeps the order on the device).
-    // It had the slot's events, so this waits on the event before recording it again.
-    if (i - plan_.skip + flying_ >= static_cast<std::size_t>(K)) I.drv->stream_wait(I.h2d, ev(i, 2));
+    // The slot's previous piece is written back (retire() waited for it on the host; the
+    // wait keeps the order on the device too).
+    if (i >= plan_.skip + K) I.drv->stream_wait(I.h2d, ev(i - K, 2));
     if (plan_.fetch_main) {
       home_.await_fetch(i);
       I.report.bytes_to_device += home_.to_device(i, p, state_array::main, dev[state_array::main], I.h2d);
@@ -295,7 +226,6 @@ class streamed_adamw::impl::window_pipeline {
         I.report.bytes_from_device += home_.from_device(i, p, a, dev[a], I.d2h);
     }
     I.drv->record(ev(i, 2), I.d2h);
-    I.slot_shard[pos(i) % static_cast<std::size_t>(K)] = p.shard;
     wb_issued_[i] = true;
   }
 
@@ -306,10 +236,7 @@ class streamed_adamw::impl::window_pipeline {
     I.drv->synchronize(ev(i, 2));
     I.report.retire_seconds += since(t);
     home_.retire(i, p);
-    progress(i);
-  }
-  void progress(std::size_t i) {
-    done_params_ += piece(i).n;
+    done_params_ += p.n;
     I.report_progress(phase(), done_params_, params_, t0_, last_line_);
   }
 
@@ -323,9 +250,6 @@ class streamed_adamw::impl::window_pipeline {
       deferalloc::detail::log_current("streamed_adamw: draining the streams after a failed pass");
     }
     home_.drain();
-    // The streams are drained: nothing is in flight, the next pass starts at slot 0.
-    I.in_flight = 0;
-    I.ring = 0;
     try {
       release_slots(I.d2h);
     } catch (...) {
@@ -348,9 +272,6 @@ class streamed_adamw::impl::window_pipeline {
   std::span<const void* const> grads_;
   std::span<const value_type> gts_;
   const int K;  // depth: pieces in flight
-  bool defer_ = false;  // leaves its last write-backs in flight (Note [Window pipeline])
-  std::size_t base_ = 0;    // ring position of piece `skip`
-  std::size_t flying_ = 0;  // the previous pass's pieces in flight at the start
   pass_plan plan_;
   std::size_t P = 0;  // pieces
   std::vector<detail::adamw_scalars> ks_;  // per shard (a step)

@@ -103,8 +103,6 @@ struct optimizer_config {
   /// Streamed tiers: keep the window's slots backed between passes instead of returning
   /// their chunks (the window's HBM stays taken between steps, and back-to-back passes, as
   /// the buckets of a step overlapped with backward, map nothing).  Note [Window slots].
-  /// Host tier: a step also returns before its last write-backs end, which the next step
-  /// overlaps with its first fetches (Note [Window pipeline], deferred write-backs).
   bool keep_window = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
@@ -126,9 +124,6 @@ struct step_report {
   double map_seconds = 0;    ///< host time in materialize (map + access) of the pieces
   double retire_seconds = 0; ///< host time retiring pieces (waiting for write-backs, unmap)
   double io_wait_seconds = 0;  ///< file tier: host time waiting for reads and writes
-  /// Pieces whose write-back was still running when the step returned (host tier with
-  /// keep_window: the next step or any other call waits for them; Note [Window pipeline]).
-  std::size_t deferred_pieces = 0;
   double gparams_per_second() const { return seconds > 0 ? params / seconds / 1e9 : 0; }
 };
 
@@ -200,9 +195,7 @@ class DFA_API streamed_adamw {
   /// `numel` elements of `gt`), read after the work already on `stream`; each gradient
   /// is multiplied by `grad_scale` (loss-scale inverse times clip coefficient).  Writes
   /// the updated BF16 parameters; `stream` waits for them.  Streamed tiers: returns when
-  /// the state is back home (file tier: committed; host tier with keep_window: its last
-  /// pieces may still be on the way, and every other call waits for them first, so any
-  /// read sees the step: Note [Window pipeline]).  A failure throws naming the shard,
+  /// the state is back home (file tier: committed).  A failure throws naming the shard,
   /// file and offset; the file tier keeps the previous step intact; the host and device
   /// tiers update in place, and a step retried with the same gradients completes the
   /// pieces the failed one did not (bit-identical to an uninterrupted step).

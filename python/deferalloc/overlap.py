@@ -29,9 +29,7 @@ Approach
    forward's first bucket regardless would block the worker on gradients that the GPU
    computes last, and leave the link idle through backward (measured: 3 of 17 buckets
    stepped during backward).  Give the optimizer ``settings="keep_window:1"``
-   so that back-to-back bucket passes keep the window's slots backed and map nothing,
-   and (host tier) each pass returns with its last write-backs in flight, which the next
-   bucket's fetches overlap (Note [Window pipeline]; state reads wait for them).
+   so that back-to-back bucket passes keep the window's slots backed and map nothing.
  - Clipping (``max_grad_norm``): each bucket is stepped speculatively with its gradients
    as they are, its previous state (main, moments, step count) kept.  Host tier: the
    engine's speculative step (Note [Speculative steps] in optimizer/streamed_adamw.cpp)
@@ -93,10 +91,7 @@ class BackwardOverlap:
         self._speculable: list[bool] | None = None  # per shard: the engine keeps its state (after init)
         # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
         # while ``trace`` is True (benchmark timelines; the engine's streamed step returns
-        # when its pieces are stepped and all but the last ``depth`` written back: with
-        # ``keep_window`` the host tier leaves those in flight, the next bucket's step
-        # overlaps them and any other engine call waits for them, so the host clock
-        # brackets a bucket's transfers up to that tail).
+        # when its state is home, so the host clock brackets it).
         self.trace = False
         self.timeline: list[tuple[int, float, float]] = []
         self.max_grad_norm = max_grad_norm
