@@ -93,6 +93,8 @@ class Bench:
     def opt_kw(self, tier="host"):
         """Engine settings: the window, and the host driver's small pages in --smoke."""
         s = ["keep_window:1"] if tier == "host" else []
+        if self.a.engine_settings:  # e.g. "depth:6" (README's settings table)
+            s.append(self.a.engine_settings)
         if self.a.smoke:
             s.append("host_granularity_kb:64")
         return dict(tier=tier, window_mb=4 if self.a.smoke else 1024, settings=",".join(s) or None)
@@ -516,6 +518,8 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--curve-steps", type=int, default=None, help="default 300 (--smoke 20)")
     ap.add_argument("--parts", default="twin,llama,curves")
+    ap.add_argument("--engine-settings", default="",
+                    help="more engine settings for every StreamedAdamW of the run (e.g. depth:6)")
     a = ap.parse_args()
     a.seq = a.seq or (32 if a.smoke else 512)
     a.curve_steps = a.curve_steps or (20 if a.smoke else 300)
