@@ -184,6 +184,8 @@ class streamed_adamw::impl::home {
   virtual bool in_place() const { return true; }
   /// Pieces start on multiples of these bytes (file: its checksum blocks).
   virtual std::size_t piece_align() const { return 1; }
+  /// Pieces in flight when the configuration leaves depth at 0 (Note [Window slots]).
+  virtual int default_depth() const { return 8; }
   /// State ranges are whole arrays only (file).
   virtual bool whole_arrays() const { return false; }
 

@@ -5,6 +5,7 @@
 #include <deferalloc/reservations.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -72,7 +73,7 @@ const std::string k_pending = "a pending speculative step (commit_speculation or
 streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg) : impl_(std::make_unique<impl>()) {
   auto& I = *impl_;
   DFA_EXPECTS(drv != nullptr, "streamed_adamw: driver is null");
-  DFA_EXPECTS(cfg.depth >= 1, "streamed_adamw: depth must be at least 1");
+  DFA_EXPECTS(cfg.depth >= 0, "streamed_adamw: depth must be at least 1 (0: the tier's default)");
   validate(cfg.adamw);
   I.drv = std::move(drv);
   I.cfg = std::move(cfg);
@@ -81,12 +82,19 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   if (I.tier_home->streamed()) {
     // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
     I.piece_align = std::max(g, I.tier_home->piece_align()) / 4;
-    const std::size_t gran_elems = I.piece_align;
-    const std::size_t depth = static_cast<std::size_t>(I.cfg.depth);
-    I.piece = I.cfg.window_bytes / (12 * depth) / gran_elems * gran_elems;  // params
-    DFA_EXPECTS(I.piece > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
-                                 std::to_string(I.cfg.depth) + " needs at least " +
-                                 std::to_string(12 * I.cfg.depth * gran_elems * 4) + " bytes");
+    // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
+    // if fewer (Note [Window slots]).
+    if (I.cfg.depth == 0)
+      I.cfg.depth = static_cast<int>(std::clamp<std::size_t>(I.cfg.window_bytes / (12 * I.piece_align), 1,
+                                                              static_cast<std::size_t>(I.tier_home->default_depth())));
+    // The window's piece: a power-of-two number of aligned units, the most that depth
+    // slots of three arrays fit in the window, so that it halves down to one unit (Note
+    // [Pass pieces]).
+    const std::size_t units = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth)) / I.piece_align;
+    DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
+                               std::to_string(I.cfg.depth) + " needs at least " +
+                               std::to_string(12 * I.cfg.depth * I.piece_align * 4) + " bytes");
+    I.piece = std::bit_floor(units) * I.piece_align;  // params
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
     // (resident chunks stay taken).
@@ -266,10 +274,9 @@ std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::s
     if (selected(s)) total += shards[s].info.numel;
   // The window's piece halved while it stays at least `want` and whole granules: a slot
   // is then one chunk of the pool's classes (the piece's halvings), one map per array.
-  const std::size_t align = piece_align;
   const std::size_t want = std::max((total + k_pass_pieces - 1) / k_pass_pieces, k_min_piece);
   std::size_t n = piece;
-  while (n / 2 >= want && (n / 2) % align == 0) n /= 2;
+  while (n / 2 >= want && (n / 2) % piece_align == 0) n /= 2;
   std::vector<piece_ref> out;
   for (std::size_t s = 0; s < shards.size(); ++s)
     if (selected(s))

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -122,6 +123,7 @@ optimizer_config config_for(tier t, const std::string& dir = {}) {
   c.directory = dir;
   c.io_threads = 3;
   c.io_request_bytes = 64 << 10;
+  c.depth = 3;  // the problems' windows are sized for it; depth 0 (the default) has its own test
   return c;
 }
 
@@ -291,6 +293,49 @@ TEST(optimizer, a_pass_maps_the_window_once_whatever_its_pieces) {
   rq.step(0);
   EXPECT_EQ(rq.opt->last_report().peak_backed_bytes, 3 * 3 * g) << "depth 3 slots of one granule per array";
   expect_same(rq.state(), cpu_twin(q, 1), "tiny shards vs CPU twin");
+}
+
+// Note [Window slots]: depth 0 is the tier's depth (host 8, file 3), or as many slots of
+// one unit (granule; file tier: checksum block) as the window holds if fewer; the window's
+// piece is a power of two of units (it halves down to one), and the bits do not change.
+TEST(optimizer, depth_0_is_the_tiers_depth_or_what_the_window_holds) {
+  auto d = make_driver();
+  const std::size_t g = d->granularity();
+  problem p = make_problem(g, 3);
+  p.window = 20 * 12 * g;  // 80 units of FP32 per array
+  temp_dir dir;
+  std::vector<result> results;
+  struct want {
+    tier t;
+    std::size_t window;
+    int depth;
+    std::size_t piece;  // elements
+  };
+  const std::size_t unit = g / 4, falign = std::max(g, optim::detail::file_store::block) / 4;
+  for (const want& w : {want{tier::host, 20 * 12 * g, 8, 8 * unit},  // 80 / 8 = 10 units: 8
+                        want{tier::host, 5 * 12 * g, 8, 2 * unit},   // 20 / 8 = 2.5: 2
+                        want{tier::host, 12 * g, 4, unit},           // 4 units: 4 slots of one
+                        want{tier::file, 20 * 12 * g, 3, std::bit_floor(20 * 12 * g / 36 / falign) * falign}}) {
+    problem q = p;
+    q.window = w.window;
+    optimizer_config c = config_for(w.t, dir.path);
+    c.depth = 0;
+    run r(d, q, c);
+    EXPECT_EQ(r.opt->config().depth, w.depth) << "window " << w.window;
+    EXPECT_EQ(r.opt->piece_elements(), w.piece) << "window " << w.window;
+    r.opt->initialize();
+    for (int s = 0; s < q.steps; ++s) {
+      r.step(s);
+      EXPECT_LE(r.opt->last_report().peak_backed_bytes, q.window);
+    }
+    results.push_back(r.state());
+  }
+  for (const auto& r : results) expect_same(r, cpu_twin(p, p.steps), "depth 0 vs CPU twin");
+  // Too small for one slot: the same error as before.
+  optimizer_config c = config_for(tier::host);
+  c.depth = 0;
+  c.window_bytes = g;
+  EXPECT_THROW(streamed_adamw(d, c), invalid_argument);
 }
 
 // Note [Pass pieces]: a pass is cut into 12 to 24 pieces (never below 1 Mi elements) even

@@ -221,7 +221,7 @@ const row k_table[] = {
      [](settings& s, const row& r, const config_value& v) { s.optimizer.directory = scalar(r.key, v); }},
     {"window_mb", "MB", 0, k_max_mb, nullptr, "512", "optimizer: HBM budget of the streamed state",
      [](settings& s, const row& r, const config_value& v) { s.optimizer.window_bytes = mb(r, v); }},
-    {"depth", "integer", 0, k_max_int, nullptr, "3", "optimizer: pieces in flight",
+    {"depth", "integer", 0, k_max_int, nullptr, "0", "optimizer: pieces in flight (0: 8 host, 3 file tier)",
      [](settings& s, const row& r, const config_value& v) { s.optimizer.depth = static_cast<int>(num(r, v)); }},
     {"resume", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: file tier, continue from the state file's last step",
      [](settings& s, const row& r, const config_value& v) { s.optimizer.resume = num(r, v) != 0; }},

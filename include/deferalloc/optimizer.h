@@ -49,7 +49,8 @@ typedef void (*dfa_progress_fn)(const char* phase, size_t done, size_t total, do
 /* Creates an optimizer from settings in DEFERALLOC_CONF's grammar ("key:value,..."):
  * the driver keys of deferalloc.h (driver, device, host_capacity_mb, host_granularity_kb,
  * log_level, ...) and tier:device|host|file, directory:PATH (file tier), window_mb (HBM
- * budget of streamed state, default 512), depth (pieces in flight, default 3),
+ * budget of streamed state, default 512), depth (pieces in flight, default 0:
+ * 8 on the host tier, 3 on the file tier, fewer if the window holds fewer),
  * resume:0|1 (file tier), rank, io_threads, io_request_mb, progress_line:0|1,
  * moments:fp32|bf16|int8 (host tier: how the Adam moments are stored; optimizer.hpp),
  * resident_mb (host tier: HBM for shards kept resident, the rest stream; optimizer.hpp),

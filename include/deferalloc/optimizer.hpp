@@ -90,8 +90,10 @@ struct optimizer_config {
   /// HBM budget for streamed state (host and file tiers): the physical memory mapped
   /// behind the reservations never exceeds it.
   std::size_t window_bytes = std::size_t{512} << 20;
-  /// Pieces in flight (fetch i+1, step i and write-back i-1 overlap from 3 on).
-  int depth = 3;
+  /// Pieces in flight (fetch i+1, step i and write-back i-1 overlap from 3 on; deeper
+  /// lets the fetches run ahead over shards of mixed sizes).  0: 8 on the host tier, 3 on
+  /// the file tier, or as many as the window holds if fewer (Note [Window slots]).
+  int depth = 0;
   adamw_params adamw;
   /// Storage of the moments at home (host tier; the device and file tiers take fp32 only).
   moment_format moments = moment_format::fp32;

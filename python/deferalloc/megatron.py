@@ -419,7 +419,7 @@ def _bind(dopt) -> None:
 
 
 def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None = None, window_mb: int = 512,
-                           *, depth: int = 3, settings: str | None = None,
+                           *, depth: int | None = None, settings: str | None = None,
                            release_torch_cache: bool = False) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``

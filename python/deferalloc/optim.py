@@ -164,7 +164,9 @@ class StreamedAdamW(torch.optim.Optimizer):
             (taken in order while they fit; the rest stream), or "auto": the free HBM at
             construction less the window and a tenth of the device (for activations).
         window_mb: HBM budget of the streamed state (host and file tiers).
-        depth: pieces in flight (3 overlaps fetch, step and write-back).
+        depth: pieces in flight (3 overlaps fetch, step and write-back; more lets fetches run
+            ahead over parameters of mixed sizes).  None: 8 on the host tier, 3 on the file
+            tier, fewer if the window holds fewer.
         resume: file tier: continue from the state file's last committed step.
         stream: a ``torch.cuda.Stream`` (or cudaStream_t as int) the step is ordered
             after; default: the current stream at each step.
@@ -181,7 +183,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, tier: str = "host", directory: str | None = None,
-                 window_mb: int = 512, depth: int = 3, resume: bool = False, stream=None,
+                 window_mb: int = 512, depth: int | None = None, resume: bool = False, stream=None,
                  settings: str | None = None, moment_dtype: str = "fp32",
                  resident_mb: int | str | None = None, progress: Callable[[str, int, int, float], None] | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
@@ -207,7 +209,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                 resident_mb = max(0, (free - total // 10) // (1 << 20) - int(window_mb))
         driver = (f"driver:cuda,device:{self._device.index or 0}" if self._device.type == "cuda" else "driver:host")
         text = ",".join(t for t in (os.environ.get("DEFERALLOC_CONF", ""), driver, f"tier:{tier}",
-                                    f"window_mb:{int(window_mb)}", f"depth:{int(depth)}",
+                                    f"window_mb:{int(window_mb)}", f"depth:{int(depth)}" if depth is not None else "",
                                     f"resume:{int(bool(resume))}", f"directory:{directory}" if directory else "",
                                     f"moments:{moment_dtype}" if moment_dtype != "fp32" else "",
                                     f"resident_mb:{int(resident_mb)}" if resident_mb else "",
