@@ -250,8 +250,9 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
 // of a BackwardOverlap (256 MiB of parameters, 2-3 pieces of a 1 GiB window) spent as
 // long filling and draining as streaming: such passes ran at ~0.6x the link on the H200.
 // Approach: a pass's pieces are the window's piece halved while they stay at least
-// 1/k_pass_pieces of the pass's elements (so 12 to 24 pieces) and k_min_piece elements,
-// and whole granules; the chunk pool's classes are those halvings, so a slot is still
+// 1/k_pass_pieces of the pass's elements (so 12 to 24 pieces) and k_min_piece elements;
+// the window's piece is a power of two of granules (file tier: of checksum blocks), so it
+// halves down to one; the chunk pool's classes are those halvings, so a slot is still
 // one chunk (one map) per array.  The
 // arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
 // start, so the results do not depend on the cut (tests check it bit for bit); a retry
@@ -259,7 +260,9 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
 // Measured (H200, bench_overlap's 1.1 G Llama with BackwardOverlap, 256 MiB buckets,
 // 1 GiB window): iteration 1.21x the resident one with window-sized pieces (20bf850),
 // 1.16x with a twelfth of each pass (ee1f055), 1.151x with 12-24 halvings (9a9211f); the
-// full-state step is unchanged (0.99x the duplex bound in bench_optimizer).
+// full-state step is unchanged (0.99x the duplex bound in bench_optimizer).  Cutting
+// finer did not help further: 48 pieces per pass at depth 8 gave the same bucket passes
+// (0.96x against 0.95x the bound) and iteration (1.10x resident) as 24.
 namespace {
 constexpr std::size_t k_pass_pieces = 24;
 constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)

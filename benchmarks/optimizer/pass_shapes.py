@@ -10,7 +10,7 @@ no kernel, no slots): what plain copies of these sizes reach.
 
     DEFERALLOC_LIB=build-gpu/allocator/libdeferalloc.so \\
     DEFERALLOC_OPTIMIZER_LIB=build-gpu/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
-      python3 benchmarks/optimizer/pass_shapes.py --settings depth:3 depth:6
+      python3 benchmarks/optimizer/pass_shapes.py --settings depth:3 default depth:12
 """
 import argparse
 import gc
@@ -86,7 +86,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--shapes", nargs="+", default=["llama", "uniform"])
-    ap.add_argument("--settings", nargs="+", default=["depth:3"], help="engine settings per run ('' = defaults)")
+    ap.add_argument("--settings", nargs="+", default=["depth:3", "default"],
+                    help="engine settings per run ('default': none)")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--window-mb", type=int, default=1024)
     a = ap.parse_args()
@@ -113,7 +114,7 @@ def main() -> int:
             for p, gr in zip(params, grads):
                 p.grad = gr
             opt = StreamedAdamW(params, lr=1e-4, tier="host", window_mb=a.window_mb,
-                                settings=",".join(x for x in ("keep_window:1", st) if x))
+                                settings=",".join(x for x in ("keep_window:1", st) if x != "default"))
             whole = timed(opt.step)
             s = opt.stats()
             per = []
