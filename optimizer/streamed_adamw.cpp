@@ -93,7 +93,7 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
     const std::size_t units = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth)) / I.piece_align;
     DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                std::to_string(I.cfg.depth) + " needs at least " +
-                               std::to_string(12 * I.cfg.depth * I.piece_align * 4) + " bytes");
+                               std::to_string(12 * I.cfg.depth * I.piece_align) + " bytes");
     I.piece = std::bit_floor(units) * I.piece_align;  // params
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only

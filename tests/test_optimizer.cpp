@@ -336,6 +336,16 @@ TEST(optimizer, depth_0_is_the_tiers_depth_or_what_the_window_holds) {
   c.depth = 0;
   c.window_bytes = g;
   EXPECT_THROW(streamed_adamw(d, c), invalid_argument);
+  // An explicit depth the window cannot hold: the error says how much it needs.
+  c.depth = 8;
+  c.window_bytes = 12 * g;
+  try {
+    streamed_adamw o(d, c);
+    ADD_FAILURE() << "depth 8 in a window of 4 slots";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("needs at least " + std::to_string(24 * g) + " bytes"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Note [Pass pieces]: a pass is cut into 12 to 24 pieces (never below 1 Mi elements) even
