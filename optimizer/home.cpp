@@ -210,7 +210,8 @@ class streamed_adamw::impl::file_home final : public home {
 
   bool in_place() const override { return false; }
   std::size_t piece_align() const override { return file_store::block; }  // Note [File tier integrity]
-  // Its reads ahead and staging ring are `depth` pieces deep; measured at 3 (bench_checkpoint).
+  // Its reads ahead and staging ring are `depth` pieces deep; its figures (bench_checkpoint,
+  // the file-tier tests) were measured at 3, deeper was not.
   int default_depth() const override { return 3; }
   bool whole_arrays() const override { return true; }
 

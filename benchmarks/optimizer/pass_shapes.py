@@ -46,29 +46,6 @@ def buckets_of(shapes, bucket_mb):
     return out[::-1]  # backward completes the last layers first
 
 
-def raw_link(shapes, reps=2):
-    """Seconds for each shard's 12 B/param H2D and D2H at once (one pinned buffer each way)."""
-    big = max(shapes) * 12
-    hs = torch.empty(big, dtype=torch.uint8, pin_memory=True)
-    hd = torch.empty(big, dtype=torch.uint8, pin_memory=True)
-    da = torch.empty(big, dtype=torch.uint8, device="cuda")
-    db = torch.empty(big, dtype=torch.uint8, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        for n in shapes:
-            b = n * 12
-            with torch.cuda.stream(s1):
-                da[:b].copy_(hs[:b], non_blocking=True)
-            with torch.cuda.stream(s2):
-                hd[:b].copy_(db[:b], non_blocking=True)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / reps
-    del hs, hd, da, db
-    return dt
-
-
 def timed(fn, warm=1, reps=3):
     for _ in range(warm):
         fn()
@@ -95,7 +72,7 @@ def main() -> int:
         print("SKIP: no CUDA device")
         return 77
     from deferalloc.optim import StreamedAdamW
-    from test_optim_gpu import duplex_bound
+    from test_optim_gpu import duplex_bound, duplex_seconds
     bps = duplex_bound()
     print(f"duplex pinned-copy bound: {bps / 1e9:.1f} GB/s each way", flush=True)
     rows = []
@@ -104,7 +81,7 @@ def main() -> int:
         shapes = ll if shape == "llama" else [sum(ll) // 24 // 256 * 256] * 24
         total = sum(shapes)
         bound = total * 12 / bps
-        link = raw_link(shapes)
+        link = duplex_seconds([n * 12 for n in shapes], reps=2)  # each shard's 12 B/param each way
         rows.append((shape, "raw copies (no kernel)", link * 1e3, bound / link, "", ""))
         g = torch.Generator(device="cuda").manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)) for n in shapes]

@@ -114,22 +114,30 @@ def losses_and_memory(steps: int, window_mb: int) -> None:
 
 # ---- (c) throughput ----------------------------------------------------------------------------
 
-def duplex_bound(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes/s per direction with H2D and D2H of pinned memory running at once."""
-    h_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    h_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    d_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def duplex_seconds(sizes: list[int], reps: int) -> float:
+    """Seconds per round of copying, for each of `sizes` bytes in turn, that many bytes
+    H2D and D2H of pinned memory at once (two streams; one buffer of the largest size each way)."""
+    big = max(sizes)
+    h_src = torch.empty(big, dtype=torch.uint8, pin_memory=True)
+    h_dst = torch.empty(big, dtype=torch.uint8, pin_memory=True)
+    d_a = torch.empty(big, dtype=torch.uint8, device="cuda")
+    d_b = torch.empty(big, dtype=torch.uint8, device="cuda")
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
-        with torch.cuda.stream(s1):
-            d_a.copy_(h_src, non_blocking=True)
-        with torch.cuda.stream(s2):
-            h_dst.copy_(d_b, non_blocking=True)
+        for b in sizes:
+            with torch.cuda.stream(s1):
+                d_a[:b].copy_(h_src[:b], non_blocking=True)
+            with torch.cuda.stream(s2):
+                h_dst[:b].copy_(d_b[:b], non_blocking=True)
     torch.cuda.synchronize()
-    return reps * nbytes / (time.perf_counter() - t0)
+    return (time.perf_counter() - t0) / reps
+
+
+def duplex_bound(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes/s per direction with H2D and D2H of pinned memory running at once."""
+    return nbytes / duplex_seconds([nbytes], reps)
 
 
 class HandOffload:
