@@ -30,25 +30,39 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv
   fi
   [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv"
+  # pip into .venv without its wheel cache (torch's CUDA wheels are about 3 GB downloaded,
+  # and the cache would hold them a second time) and with its temporary files inside .venv,
+  # so that the install needs space on one filesystem only; a failure says how much there was.
+  venv_pip() {
+    local tmp="$root/.venv/pip-tmp"
+    mkdir -p "$tmp"
+    if ! TMPDIR="$tmp" "$root/.venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "$@"; then
+      rm -rf "$tmp"
+      echo "setup: 'pip install $*' failed (above); free space for .venv: $(df -Ph "$root/.venv" | awk 'NR==2{print $4}')" \
+           "(torch with its CUDA libraries needs about 8 GB while it installs)" >&2
+      exit 1
+    fi
+    rm -rf "$tmp"
+  }
   if ! "$root/.venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$DFA_TORCH_VERSION')" >/dev/null 2>&1; then
     echo "setup: installing torch==$DFA_TORCH_VERSION into .venv (about 4.6 GB installed with its CUDA libraries)"
-    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check "torch==$DFA_TORCH_VERSION"
+    venv_pip "torch==$DFA_TORCH_VERSION"
   fi
   # benchmarks/plot.py draws docs/BENCHMARKS.md's plots with matplotlib.
   if ! "$root/.venv/bin/python" -c 'import matplotlib' >/dev/null 2>&1; then
     echo "setup: installing matplotlib into .venv"
-    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check matplotlib
+    venv_pip matplotlib
   fi
   # transformers' LlamaForCausalLM for StreamedAdamW's example and GPU acceptance (issue 13);
   # without it they use a built-in Llama.
   if ! "$root/.venv/bin/python" -c 'import transformers' >/dev/null 2>&1; then
     echo "setup: installing transformers into .venv"
-    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check transformers
+    venv_pip transformers
   fi
   # deferalloc.megatron's tests (issue 14): megatron-core pinned, with the dependencies its
   # wheel declares (numpy, packaging) and psutil, which its dist-checkpointing save uses.
   if ! "$root/.venv/bin/python" -c "import sys, megatron.core as m, psutil; sys.exit(m.__version__ != '0.16.1')" >/dev/null 2>&1; then
     echo "setup: installing megatron-core==0.16.1 and psutil into .venv"
-    "$root/.venv/bin/pip" install --quiet --disable-pip-version-check "megatron-core==0.16.1" psutil
+    venv_pip "megatron-core==0.16.1" psutil
   fi
 fi

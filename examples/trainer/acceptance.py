@@ -9,7 +9,8 @@ Every run dumps rank 0's whole BF16 model after its last step; the checks compar
 byte for byte (tiers, pause/resume, checkpoint, world 2 vs world 1 with two micro-batches)
 or within a stated tolerance (world 2 vs world 1 on one batch), and compare per-rank peak
 HBM of the device and host tiers.  Exit 77 (Skipped) without the GPUs, 1 on any failure.
-Logs go to $OUT/trainer-ws<N>/ (or a temporary directory); a summary table is printed last.
+Logs go to $OUT/trainer-ws<N>/, or to a temporary directory kept only when a check fails;
+a summary table is printed last.
 """
 import argparse, os, re, shutil, subprocess, sys, tempfile
 
@@ -27,7 +28,7 @@ if not a.smoke and gpus < a.world:
     print(f"SKIPPED: world size {a.world} needs {a.world} GPU(s), {gpus} visible")
     sys.exit(77)
 
-base = os.environ.get("OUT") or tempfile.mkdtemp(prefix="dfa-accept-")
+base = os.environ.get("OUT") or tempfile.mkdtemp(prefix="dfa-accept-")  # a temporary one: removed if all pass
 out = os.path.join(base, ("trainer-smoke" if a.smoke else f"trainer-ws{a.world}"))
 shutil.rmtree(out, ignore_errors=True)
 os.makedirs(out)
@@ -156,4 +157,7 @@ with open(os.path.join(out, "summary.txt"), "w") as f:
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)
+if not os.environ.get("OUT"):
+    shutil.rmtree(base, ignore_errors=True)
+    print("(logs removed: all passed; set OUT to keep them)")
 print("all checks passed")

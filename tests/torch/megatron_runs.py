@@ -3,15 +3,27 @@ examples/megatron/train_gpt.py under torchrun with its JSON summary, and the clo
 plus the JSON of benchmarks/bench_json.py's schema."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "megatron", "train_gpt.py"))
+
+
+def work_dir(prefix: str) -> str:
+    """A new directory under the system's temporary one for the runs' summaries, checkpoints
+    and state files (hundreds of MB), removed when this process exits: what a run shows is
+    printed, and the table and JSON carry the figures."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, work, True)
+    return work
 
 
 def torchrun(name: str, nproc: int, script_args: list[str], env: dict, work: str, wall: dict,

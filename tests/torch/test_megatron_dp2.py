@@ -51,9 +51,8 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 
-from megatron_runs import EXAMPLE, HERE, report, torchrun
+from megatron_runs import EXAMPLE, HERE, report, torchrun, work_dir
 
 CUDA_ROUNDING = os.path.join(HERE, "megatron_cuda_rounding.py")
 GPU_MODEL = "--layers 4 --hidden 512 --heads 8 --vocab 8192 --seq 256 --batch 8"
@@ -89,7 +88,7 @@ def main() -> int:
     if probe.returncode != 0 or probe.stdout.strip() != "0.16.1":
         print(f"SKIP: megatron-core 0.16.1 not importable ({probe.stdout.strip() or probe.stderr.strip()[-300:]})")
         return 77
-    work = tempfile.mkdtemp(prefix="dfa_megatron_dp2_")
+    work = work_dir("dfa_megatron_dp2_")
     wall: dict[str, float] = {}
 
     def run(name: str, nproc: int, extra: list[str], script: str = EXAMPLE) -> dict | None:

@@ -34,10 +34,9 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from megatron_runs import report, torchrun
+from megatron_runs import report, torchrun, work_dir
 
 MIB = 2**20
 
@@ -84,7 +83,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device")
         return 77
-    work = tempfile.mkdtemp(prefix="dfa_megatron_")
+    work = work_dir("dfa_megatron_")
     env = dict(os.environ)
     env.pop("DEFERALLOC_CONF", None)
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
