@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "../optimizer/kernels/moment_format.hpp"
+#include "common.hpp"
 
 #include <cfenv>
 #include <cmath>
@@ -340,8 +341,8 @@ TEST_P(formats, checkpoint_records_the_format_and_continues_bit_identically) {
   // chunks, so its moments are decoded and encoded in sub-ranges starting on a chunk
   // boundary (whole int8 blocks), on several lanes at once.
   const std::string f = GetParam();
-  const auto dir = std::filesystem::temp_directory_path() / ("dfa_moments_ckpt_" + f + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
+  const dfa_test::temp_dir tmp;  // removed also when an assertion returns early
+  const auto dir = std::filesystem::path(tmp.path) / "ckpt";
   const std::size_t n[2] = {3000, (std::size_t{8} << 20) + 1000};
   std::vector<std::uint16_t> pa[2], pb[2];
   for (int s = 0; s < 2; ++s) pa[s] = bf16_of(randn(n[s], 9 + s, 0.1f)), pb[s] = pa[s];
@@ -391,7 +392,6 @@ TEST_P(formats, checkpoint_records_the_format_and_continues_bit_identically) {
   step(a, 3), step(b, 3);
   same(a, b);
   EXPECT_EQ(pa[1], pb[1]);
-  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(host, formats, ::testing::Values("bf16", "int8"));
@@ -495,8 +495,8 @@ TEST(resident, a_resident_split_is_bit_identical_to_all_streamed) {
   EXPECT_EQ(a.p1, b.p1);
   EXPECT_EQ(a.p2, b.p2);
   // One checkpoint: the split's loads into an all-streamed optimizer and both continue alike.
-  const auto dir = std::filesystem::temp_directory_path() / ("dfa_resident_ckpt_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
+  const dfa_test::temp_dir tmp;  // removed also when an assertion returns early
+  const auto dir = std::filesystem::path(tmp.path) / "ckpt";
   ASSERT_EQ(dfa_opt_save_checkpoint(split.o, dir.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
   handle again("fp32");
   model3 c;
@@ -513,7 +513,6 @@ TEST(resident, a_resident_split_is_bit_identical_to_all_streamed) {
   EXPECT_EQ(b.p0, c.p0);
   EXPECT_EQ(b.p1, c.p1);
   EXPECT_EQ(b.p2, c.p2);
-  std::filesystem::remove_all(dir);
 }
 
 TEST(resident, other_tiers_refuse_a_resident_budget) {

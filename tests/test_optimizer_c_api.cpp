@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "../optimizer/kernels/adamw_math.hpp"
+#include "common.hpp"
 
 #include <cmath>
 #include <cstdlib>
@@ -192,14 +193,14 @@ TEST(optimizer_c_api, checkpoint_and_progress) {
   auto g = random_bf16(n, 4, 1.0f);
   const void* grads[1] = {g.data()};
   ASSERT_EQ(dfa_opt_step(h.o, grads, 1, nullptr, 1.0f, nullptr), DFA_SUCCESS);
-  const auto dir = std::filesystem::temp_directory_path() / ("dfa_opt_c_api_" + std::to_string(::getpid()));
+  const dfa_test::temp_dir tmp;  // removed also when an assertion returns early
+  const auto dir = std::filesystem::path(tmp.path) / "ckpt";
   ASSERT_EQ(dfa_opt_save_checkpoint(h.o, dir.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
   const auto saved = p;
   ASSERT_EQ(dfa_opt_step(h.o, grads, 1, nullptr, 1.0f, nullptr), DFA_SUCCESS);
   EXPECT_NE(p, saved);
   ASSERT_EQ(dfa_opt_load_checkpoint(h.o, dir.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
   EXPECT_EQ(p, saved);
-  std::filesystem::remove_all(dir);
 }
 
 TEST(optimizer_c_api, errors_are_statuses_with_messages) {
