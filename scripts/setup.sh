@@ -30,7 +30,7 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv
   fi
   [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv"
-  # pip into .venv without its wheel cache (torch's CUDA wheels are about 3 GB downloaded,
+  # pip into .venv without its wheel cache (torch's CUDA wheels are 2.6 GB downloaded,
   # and the cache would hold them a second time) and with its temporary files inside .venv,
   # so that the install needs space on one filesystem only; a failure says how much there was.
   venv_pip() {
@@ -39,7 +39,7 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     if ! TMPDIR="$tmp" "$root/.venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "$@"; then
       rm -rf "$tmp"
       echo "setup: 'pip install $*' failed (above); free space for .venv: $(df -Ph "$root/.venv" | awk 'NR==2{print $4}')" \
-           "(torch with its CUDA libraries needs about 8 GB while it installs)" >&2
+           "(torch==$DFA_TORCH_VERSION needs about 7.5 GB while it installs: 4.7 GB installed, 2.6 GB of downloads)" >&2
       exit 1
     fi
     rm -rf "$tmp"
