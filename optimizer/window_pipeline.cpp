@@ -64,9 +64,9 @@
 // whole-state step 0.74x / 0.81x the duplex bound at depth 3, 0.87x at 6, 1.02x at 8,
 // 0.99-1.01x at 10-16 (plain copies of the same shapes: 0.99-1.03x); BackwardOverlap's 15
 // bucket passes 0.81x / 0.85x at 3, 0.86x at 6, 0.95x at 8, 0.94x at 12 and 16 (with
-// 48 and 64 pieces a pass); 24 shards
-// of one size: 0.96x at depth 3, 0.99x at 10.  bench_overlap's host+overlap iteration:
-// 1.19x resident at depth 3 (5061b2f), 1.12x at 6, 1.10x at 8, 1.13x at b64ed16's default.
+// 48 and 64 pieces a pass); 24 shards of one size: 0.96x at depth 3, 0.99x at 10.
+// bench_overlap's host+overlap iteration: 1.19x resident at depth 3 (5061b2f), 1.12x at
+// 6, 1.10x at 8, 1.13x at b64ed16's default.
 #include <deferalloc/errors.hpp>
 
 #include <algorithm>
