@@ -3,7 +3,8 @@
 #   python_logging   library messages reach logging.getLogger("deferalloc") (label torch).
 #   pip_install      scripts/pip_check.sh: `pip install .` into a fresh venv, then a deferred
 #                    tensor with no environment variable set (labels pip, torch).
-#   readme_examples  the README's marked examples (scripts/readme_examples.py): Python ones
+#   readme_examples  the marked examples of README.md and the docs pages that hold examples
+#                    (scripts/readme_examples.py): Python ones
 #                    in that venv, C++ ones built against an install of this build tree, on
 #                    the host driver; readme_examples_gpu runs them on the GPU (label gpu).
 # The consumer project (tests/consumer, one program per exported target) is the
@@ -24,7 +25,8 @@ add_test(NAME pip_install COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/pip_check.s
 set_tests_properties(pip_install PROPERTIES LABELS "pip;torch" TIMEOUT 1200 FIXTURES_SETUP pip_venv)
 
 set(dfa_readme_cmd ${DEFERALLOC_PYTHON} ${PROJECT_SOURCE_DIR}/scripts/readme_examples.py
-    --readme ${PROJECT_SOURCE_DIR}/README.md --python ${dfa_pip_work}/v/bin/python
+    --readme ${PROJECT_SOURCE_DIR}/README.md ${PROJECT_SOURCE_DIR}/docs/ALLOCATOR.md
+             ${PROJECT_SOURCE_DIR}/docs/PYTORCH.md ${PROJECT_SOURCE_DIR}/docs/ENGINE.md --python ${dfa_pip_work}/v/bin/python
     --build ${PROJECT_BINARY_DIR} --generator ${CMAKE_GENERATOR})
 add_test(NAME readme_examples COMMAND ${dfa_readme_cmd} --work ${PROJECT_BINARY_DIR}/readme-host --driver host)
 add_test(NAME readme_examples_gpu COMMAND ${dfa_readme_cmd} --work ${PROJECT_BINARY_DIR}/readme-gpu --driver cuda)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Runs the README's examples as a user would (ctest readme_examples / readme_examples_gpu).
+"""Runs the documentation's examples as a user would (ctest readme_examples / readme_examples_gpu).
 
-Every fenced code block of README.md must follow a marker comment, which says how it runs:
+Every fenced code block of each page given (--readme README.md docs/ALLOCATOR.md ...) must
+follow a marker comment, which says how it runs:
     <!-- example: NAME.py [gpu] -->                  run with --python (the pip-installed venv)
     <!-- example: NAME.cpp [links TARGET] [gpu] -->  built against an install of --build
                                                      (find_package(deferalloc), TARGET), then run
@@ -18,7 +19,8 @@ body of main() after #include <deferalloc/deferalloc.hpp>, with `stream` the def
 `gpu` marks an example that needs a GPU: it runs with --driver cuda only.  Every example runs
 with the driver given by --driver: `host` (DEFERALLOC_CONF=driver:host, which the host driver
 serves everywhere) or `cuda` (exit 77, ctest's Skipped, without a GPU).  A fenced block with
-no marker, or a README with no Python or no C++ example, fails the test.
+no marker, or pages with no Python or no C++ example among them, fails the test; example
+names are file names, unique across the pages.
 An example whose Python module is missing (megatron-core) is skipped with the reason printed.
 """
 import argparse
@@ -42,7 +44,7 @@ NEEDS = {"examples/megatron/": "megatron.core"}
 
 class Example:
     def __init__(self, spec, code, line):
-        words = spec.split()
+        words = spec.split()  # line: "PAGE line N", where the block starts
         self.line, self.code, self.gpu, self.target, self.args = line, code + "\n", False, None, {}
         if words[0] == "excerpt":
             self.kind, self.name, self.path = "excerpt", os.path.basename(words[1]), words[1]
@@ -52,7 +54,7 @@ class Example:
                     driver = w[:-1]
                     self.args[driver] = []
                 elif driver is None:
-                    raise ValueError(f"README line {line}: excerpt arguments must follow host: or cuda:")
+                    raise ValueError(f"{line}: excerpt arguments must follow host: or cuda:")
                 else:
                     self.args[driver].append(w)
             return
@@ -64,7 +66,7 @@ class Example:
         if rest[:1] == ["links"] and len(rest) == 2:
             self.target, rest = rest[1], []
         if rest or self.kind not in ("py", "cpp", "sh"):
-            raise ValueError(f"README line {line}: cannot read the marker 'example: {spec}'")
+            raise ValueError(f"{line}: cannot read the marker 'example: {spec}'")
 
     def runs_on(self, driver):
         """None when it runs on `driver`, else why not."""
@@ -74,14 +76,15 @@ class Example:
 
 
 def examples(readme):
-    """Every fenced block of `readme` with its marker; raises ValueError on an unmarked one."""
+    """Every fenced block of the page `readme` with its marker; raises ValueError on an unmarked one."""
     text = open(readme).read()
+    page = os.path.relpath(os.path.abspath(readme), ROOT)
     out = []
     for m in FENCE.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
+        line = f"{page} line {text.count(chr(10), 0, m.start()) + 1}"
         marker = MARKER.search(text, 0, m.start())
         if marker is None:
-            raise ValueError(f"README line {line}: a code block without an example marker "
+            raise ValueError(f"{line}: a code block without an example marker "
                              "(<!-- example: ... --> or <!-- not an example: why -->)")
         if marker.group(1) == "example":
             out.append(Example(marker.group(2), m.group(1), line))
@@ -97,7 +100,7 @@ def check_excerpt(ex):
         if all(lines[i + j] == (indent + b if b else "") or (not b and not lines[i + j].strip())
                for j, b in enumerate(block)):
             return i + 1
-    raise SystemExit(f"readme_examples: the block at README line {ex.line} is not a verbatim excerpt of {ex.path}: "
+    raise SystemExit(f"readme_examples: the block at {ex.line} is not a verbatim excerpt of {ex.path}: "
                      "update one of them")
 
 
@@ -145,7 +148,7 @@ def build_cpp(cpp, a, env):
 
 def main(argv):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--readme", required=True)
+    ap.add_argument("--readme", required=True, nargs="+", help="the pages whose code blocks run")
     ap.add_argument("--work", required=True)
     ap.add_argument("--python", required=True, help="interpreter with deferalloc installed (pip)")
     ap.add_argument("--build", required=True, help="build tree to install for the C++ examples")
@@ -154,17 +157,23 @@ def main(argv):
     a = ap.parse_args(argv)
     a.python, a.build, a.work = (os.path.abspath(p) for p in (a.python, a.build, a.work))
     try:
-        every = examples(a.readme)
+        every = [ex for page in a.readme for ex in examples(page)]
     except ValueError as e:
         print(f"readme_examples: {e}")
         return 1
     kinds = {ex.kind for ex in every}
     if not {"py", "cpp"} <= kinds:
-        print(f"readme_examples: {a.readme} must mark at least one .py and one .cpp example; found {kinds or 'none'}")
+        print(f"readme_examples: {' '.join(a.readme)} must mark at least one .py and one .cpp example; "
+              f"found {kinds or 'none'}")
+        return 1
+    names = [ex.name for ex in every if ex.kind != "excerpt"]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        print(f"readme_examples: example names must be unique across the pages: {', '.join(twice)}")
         return 1
     for ex in every:  # a drifted excerpt fails on every driver
         if ex.kind == "excerpt":
-            print(f"readme_examples: README line {ex.line} = {ex.path} line {check_excerpt(ex)} onwards")
+            print(f"readme_examples: {ex.line} = {ex.path} line {check_excerpt(ex)} onwards")
     if a.driver == "cuda" and not has_gpu():
         print("readme_examples: no GPU (nvidia-smi -L fails): skipped")
         return 77
@@ -172,7 +181,7 @@ def main(argv):
     for ex in every:
         why = ex.runs_on(a.driver)
         if why:
-            print(f"readme_examples: {ex.name} (README line {ex.line}) {why}")
+            print(f"readme_examples: {ex.name} ({ex.line}) {why}")
         else:
             found.append(ex)
     # The installed package, not the source tree: no DEFERALLOC_LIB, and no PYTHONPATH entry

@@ -135,12 +135,12 @@ TEST(config, caching_and_optimizer_keys) {
   }
 }
 
-// The README's settings table lists exactly the table, row by row, in its order.
-TEST(config, readme_lists_the_settings_table) {
-  std::ifstream in(DFA_README);
-  ASSERT_TRUE(in) << "cannot read " << DFA_README;
+// docs/SETTINGS.md's settings table lists exactly the table, row by row, in its order.
+TEST(config, docs_list_the_settings_table) {
+  std::ifstream in(DFA_SETTINGS_DOC);
+  ASSERT_TRUE(in) << "cannot read " << DFA_SETTINGS_DOC;
   const std::string header = "| key | type | range | default | meaning |";
-  std::vector<std::string> readme;
+  std::vector<std::string> doc;
   bool inside = false;
   for (std::string line; std::getline(in, line);) {
     if (line == header) {
@@ -149,7 +149,7 @@ TEST(config, readme_lists_the_settings_table) {
     }
     if (inside && line.rfind("| ---", 0) == 0) continue;
     if (inside && line.rfind("|", 0) != 0) break;
-    if (inside) readme.push_back(line);
+    if (inside) doc.push_back(line);
   }
   std::vector<std::string> table;
   std::string expected;
@@ -157,7 +157,7 @@ TEST(config, readme_lists_the_settings_table) {
     table.push_back(std::string("| `") + d.key + "` | " + d.type + " | " + d.range + " | " + d.def + " | " + d.doc + " |");
     expected += table.back() + "\n";
   }
-  EXPECT_EQ(readme, table) << "README.md's settings table (under '" << header << "') should be:\n" << expected;
+  EXPECT_EQ(doc, table) << DFA_SETTINGS_DOC << "'s settings table (under '" << header << "') should be:\n" << expected;
   const std::string keys = settings_keys();
   EXPECT_EQ(settings_table().size(), static_cast<std::size_t>(std::count(keys.begin(), keys.end(), ',') + 1));
 }

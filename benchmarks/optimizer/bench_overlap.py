@@ -93,7 +93,7 @@ class Bench:
     def opt_kw(self, tier="host"):
         """Engine settings: the window, and the host driver's small pages in --smoke."""
         s = ["keep_window:1"] if tier == "host" else []
-        if self.a.engine_settings:  # e.g. "depth:6" (README's settings table)
+        if self.a.engine_settings:  # e.g. "depth:6" (docs/SETTINGS.md's table)
             s.append(self.a.engine_settings)
         if self.a.smoke:
             s.append("host_granularity_kb:64")

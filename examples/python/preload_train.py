@@ -2,9 +2,9 @@
 
     LD_PRELOAD=<deferalloc lib>/libdeferalloc_preload.so python examples/python/preload_train.py
 
-The README's "no code change" example: under LD_PRELOAD, PyTorch's native caching allocator
+The "no code change" example of docs/PYTORCH.md (LD_PRELOAD): under LD_PRELOAD, PyTorch's native caching allocator
 takes its segments (cudaMalloc) from deferalloc.  The script checks that the preload library
-is mapped into the process (exit 1 otherwise, so the README example cannot pass without it),
+is mapped into the process (exit 1 otherwise, so the example cannot pass without it),
 trains, frees everything and calls torch.cuda.empty_cache(), which gives the segments back.
 """
 import os
