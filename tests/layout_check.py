@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The source tree's two layout rules (docs/DESIGN.md "Layers"), checked on every ctest run.
+"""The source tree's layout rules (docs/DESIGN.md "Layers"), checked on every ctest run.
 
 1. No source folder holds more than a third of the library's lines (files directly in
    the folder; the library is allocator/, optimizer/, include/ and python/deferalloc/).
@@ -8,12 +8,19 @@
 3. No run of six identical lines stands at two places of library code (lines compared
    with their whitespace trimmed; blank lines, comments, includes and imports, and
    lines of punctuation alone are passed over, so a run is six lines of code).
+4. Library source comments (C/C++ `//` and `/* */`, Python `#` and triple-quoted strings)
+   hold no commit id (a word of 7 to 40 hex digits mixing digits and letters a-f) and no
+   date (YYYY-MM-DD, as in a dated run folder): run diaries belong in docs/BENCHMARKS.md and
+   CHANGELOG.md, and a Note points at docs/BENCHMARKS.md for numbers.
+5. README.md, the user's document, is at most 250 lines (details go to docs/*.md).
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
+import io
 import os
 import re
 import sys
+import tokenize
 
 # The layers, lowest first (keep in step with docs/DESIGN.md).  A file belongs to the
 # layer of the longest folder prefix that matches its path.
@@ -95,6 +102,80 @@ def repeated_runs(texts):
             for a, b in found.values()]
 
 
+README_LINES = 250
+COMMIT_ID = re.compile(r"(?<![0-9A-Za-z_.])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+DATE = re.compile(r"(?<![0-9])(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9](?![0-9])")
+
+
+def c_comments(text):
+    """(line number, text) of each comment line of C/C++/CUDA source; string and character
+    literals are skipped, so a "//" inside one is not a comment."""
+    out, i, n, line = [], 0, len(text), 1
+    while i < n:
+        c = text[i]
+        if c == "\n":
+            line += 1
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            i = j
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append((line, text[i:j]))
+            i = j
+            continue
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            for k, part in enumerate(text[i:j].split("\n")):
+                out.append((line + k, part))
+            line += text.count("\n", i, j)
+            i = j
+            continue
+        i += 1
+    return out
+
+
+def py_comments(text):
+    """(line number, text) of each `#` comment and each line of a triple-quoted string."""
+    out = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                out.append((tok.start[0], tok.string))
+            elif tok.type == tokenize.STRING and tok.string.lstrip("rRbBuUfF")[:3] in ('"""', "'''"):
+                out += [(tok.start[0] + k, part) for k, part in enumerate(tok.string.split("\n"))]
+    except (tokenize.TokenError, SyntaxError):
+        out = list(enumerate(text.splitlines(), 1))  # unreadable: every line counts
+    return out
+
+
+def diary_marks(rel, text):
+    """Rule 4: commit ids and dates in the comments of one library file."""
+    found = []
+    for line, comment in (py_comments(text) if rel.endswith(".py") else c_comments(text)):
+        for m in COMMIT_ID.finditer(comment):
+            found.append(f"{rel}:{line}: a commit id ({m.group(0)}) in a comment: numbers and their runs "
+                         "belong in docs/BENCHMARKS.md or CHANGELOG.md")
+        for m in DATE.finditer(comment):
+            found.append(f"{rel}:{line}: a date ({m.group(0)}) in a comment: run diaries belong in "
+                         "docs/BENCHMARKS.md or CHANGELOG.md")
+    return found
+
+
+def readme_length(root):
+    """Rule 5."""
+    path = os.path.join(root, "README.md")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        n = sum(1 for _ in f)
+    return [f"README.md has {n} lines, more than {README_LINES}: move details to a page under docs/"] \
+        if n > README_LINES else []
+
+
 def check(root):
     problems = []
     files = list(library_files(root))
@@ -107,6 +188,7 @@ def check(root):
         lines += n
         folder = os.path.dirname(rel)
         per_folder[folder] = per_folder.get(folder, 0) + n
+        problems += diary_marks(rel, text)
         mine = layer_of(rel)
         if rel.endswith(".py") or mine is None:
             continue
@@ -123,6 +205,7 @@ def check(root):
         if 3 * n > lines:
             problems.append(f"{folder}/ holds {n} of the library's {lines} lines (more than a third)")
     problems += repeated_runs(texts)
+    problems += readme_length(root)
     return problems, lines, per_folder
 
 
@@ -139,10 +222,19 @@ def self_test():
         body = "".join(f"  int v{i} = f({i});\n" for i in range(RUN))
         put("optimizer/a.cpp", "x\n" + body)
         put("optimizer/kernels/b.cpp", "// other\n" + body.replace("\n", "  \n// note\n}\n"))
+        put("optimizer/c.cpp", '// Note [X]: 1.19x at depth 3 (5061b2f)\nconst char* s = "// 1234abcd";\n'
+                               '/* measured\n   2026-12-01 */ int y = 0x5061b2f0;  // 5.9604644775390625e-08\n')
+        put("python/deferalloc/d.py", '"""Docstring.\n\nAt b64ed16 it ran."""\nx = "2026-12-01"  # code\n# on 2026-11-30\n')
+        put("README.md", "line\n" * (README_LINES + 1))
         problems, _, _ = check(t)
         assert any("climb" in p or "higher layer" in p for p in problems), problems
         assert any("more than a third" in p for p in problems), problems
         assert any("optimizer/a.cpp:2-7 and optimizer/kernels/b.cpp" in p for p in problems), problems
+        marks = sorted(" ".join(m.groups()) for m in (re.match(r"(\S+): a (commit id|date) \(([^)]+)\)", p)
+                                                       for p in problems) if m)
+        assert marks == ["optimizer/c.cpp:1 commit id 5061b2f", "optimizer/c.cpp:4 date 2026-12-01",
+                         "python/deferalloc/d.py:3 commit id b64ed16", "python/deferalloc/d.py:5 date 2026-11-30"], marks
+        assert any(p.startswith(f"README.md has {README_LINES + 1} lines") for p in problems), problems
 
 
 def main(argv):
