@@ -257,12 +257,9 @@ void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
 // arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
 // start, so the results do not depend on the cut (tests check it bit for bit); a retry
 // of a failed step selects the same shards, so it cuts the same pieces.
-// Measured (H200, bench_overlap's 1.1 G Llama with BackwardOverlap, 256 MiB buckets,
-// 1 GiB window): iteration 1.21x the resident one with window-sized pieces (20bf850),
-// 1.16x with a twelfth of each pass (ee1f055), 1.151x with 12-24 halvings (9a9211f); the
-// full-state step is unchanged (0.99x the duplex bound in bench_optimizer).  Cutting
-// finer did not help further: 48 pieces per pass at depth 8 gave the same bucket passes
-// (0.96x against 0.95x the bound) and iteration (1.10x resident) as 24.
+// Limits: more than 24 pieces a pass gave no further gain, and the full-state step is
+// unchanged by the cut; the figures of each way of cutting are in docs/BENCHMARKS.md
+// ("Pass pieces").
 namespace {
 constexpr std::size_t k_pass_pieces = 24;
 constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)

@@ -53,20 +53,16 @@
 // Depth: piece i's fetch waits for the write-back of piece i - depth (its slot), so a
 // fetch runs at most depth pieces ahead of the write-backs.  With pieces of one size
 // depth 3 keeps both directions of the link busy (fetch i+1 beside write-back i-1); with
-// a model's shards of mixed sizes it does not: after a 11.5 M-element MLP piece and two
-// norms of 2 K, the next fetch waits for the MLP piece's whole write-back while the H2D
+// a model's shards of mixed sizes it does not: after a large MLP piece and two small
+// norms, the next fetch waits for the MLP piece's whole write-back while the H2D
 // direction idles.  So depth 0 (the default) is 8 on the host tier (the window's piece
 // shrinks with it: window / (12 * depth), a power of two of granules); the file tier,
-// whose reads ahead and staging ring are depth pieces deep, keeps 3 (not measured
-// deeper); both take fewer slots when the window holds fewer.  Measured on the H200
-// (benchmarks/optimizer/pass_shapes.py, BF16 parameters of bench_overlap's 1.1 G Llama,
-// 1 GiB window; one call at b342ec7, one with the power-of-two pieces of b64ed16):
-// whole-state step 0.74x / 0.81x the duplex bound at depth 3, 0.87x at 6, 1.02x at 8,
-// 0.99-1.01x at 10-16 (plain copies of the same shapes: 0.99-1.03x); BackwardOverlap's 15
-// bucket passes 0.81x / 0.85x at 3, 0.86x at 6, 0.95x at 8, 0.94x at 12 and 16 (with
-// 48 and 64 pieces a pass); 24 shards of one size: 0.96x at depth 3, 0.99x at 10.
-// bench_overlap's host+overlap iteration: 1.19x resident at depth 3 (5061b2f), 1.12x at
-// 6, 1.10x at 8, 1.13x at b64ed16's default.
+// whose reads ahead and staging ring are depth pieces deep, keeps 3; both take fewer
+// slots when the window holds fewer.
+// Limits: a deeper window than 8 gave no further gain on the host tier, and the file
+// tier was not measured deeper than 3.  benchmarks/optimizer/pass_shapes.py measures a
+// model's shapes against the duplex copy bound at each depth; its figures and those of
+// bench_overlap per depth are in docs/BENCHMARKS.md ("Why depth").
 #include <deferalloc/errors.hpp>
 
 #include <algorithm>

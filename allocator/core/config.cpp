@@ -119,7 +119,7 @@ namespace {
 // Note [Settings table]
 // Every key of DEFERALLOC_CONF is one row of k_table (mimalloc's src/options.c style):
 // its name, what a value looks like, its range, its default and meaning (for messages,
-// settings_table() and the README's table, which tests/test_config.cpp compares), and a
+// settings_table() and docs/SETTINGS.md's table, which tests/test_config.cpp compares), and a
 // setter that checks the value and stores it.  Numeric rows carry their range as
 // numbers (lo, hi) and the setter reads it from the row, so the range is written once.
 // The keys are the library's (driver, pools, logging), the caching allocator's

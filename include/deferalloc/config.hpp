@@ -105,7 +105,7 @@ struct setting_doc {
   const char* doc;      ///< one line of meaning
 };
 
-/// Every key, in table order (the README's settings table lists exactly these).
+/// Every key, in table order (docs/SETTINGS.md's settings table lists exactly these).
 DFA_API std::vector<setting_doc> settings_table();
 
 /// The valid keys, comma-separated, for messages.

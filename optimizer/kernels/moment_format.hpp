@@ -15,14 +15,10 @@
 //    (encode_moments) to nearest.  Why v: v moves by 1 - beta2 = 0.1% of itself a step
 //    (and by about 1/t early, bias-correction regime), below half a BF16 ulp (0.2-0.4%),
 //    so to nearest a decaying v never decays (and a growing one stalls) - a bias in every
-//    step's denominator.  Measured (CPU, BF16 parameters, 300 steps, mean of the last 20,
-//    `moment_convergence.py --setting bf16-params --noise-floor`, seeds 3 / 5): v to
-//    nearest +0.68% / +0.67% of FP32 moments (outside 0.5%), v stochastic -0.01% / +0.01%,
-//    noise floor (FP32 moments, one parameter one ulp away) +0.06% / +0.01%; m stochastic as
-//    well +0.07% / -0.03% (no better: m moves 10% a step and is not stuck).  On the H200's
-//    curves (bench_overlap, 63 M params, a loss plateau for ~120 steps) it went the other
-//    way: -0.78% to nearest, -5.75% stochastic (int8 -5.30%, noise floor -0.22%); under a
-//    warmup + cosine schedule (9a9211f) -0.69% (int8 -0.35%, noise floor -0.16%); see
+//    step's denominator.  On the CPU (`moment_convergence.py --setting bf16-params
+//    --noise-floor`) v to nearest ends outside 0.5% of FP32 moments' loss and v
+//    stochastic within the noise floor; m stochastic as well is no better (m moves 10% a
+//    step and is not stuck).  The figures, and the H200's loss curves, are in
 //    docs/BENCHMARKS.md.
 //  - int8: blocks of k_qblock = 64 elements (aligned to the shard's start), one FP32
 //    scale per block and moment, one byte per element:
