@@ -490,7 +490,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
   I.check_step("step_speculative", grads, gts, grad_scale);
   DFA_EXPECTS(I.tier_home->speculates(),
               std::string("step_speculative: the ") + to_string(I.cfg.home) +
-                  " tier keeps one copy of the state (speculative steps need the host tier)",
+                  " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
               invalid_state);
   DFA_EXPECTS(I.failed_step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
               invalid_state);
@@ -526,7 +526,8 @@ void streamed_adamw::commit_speculation() {
     // record publishes it.  A failure leaves the speculation pending (retry or discard).
     const std::vector<const void*> none(I.shards.size(), nullptr);
     const std::vector<value_type> gts(I.shards.size(), value_type::fp32);
-    if (!I.pieces(none, false).empty()) I.run_pass(impl::pass::step, none, gts, 1.0f, nullptr, 0);
+    // (The carry touches no parameter or gradient: it is ordered after no user stream.)
+    if (!I.pieces(none, false).empty()) I.run_pass(impl::pass::step, none, gts, 1.0f, I.exec, 0);
     I.drv->synchronize_stream(I.exec);
     I.tier_home->commit(impl::pass::step);
   }

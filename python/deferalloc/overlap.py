@@ -482,8 +482,8 @@ class BackwardOverlap:
                     for x in drop:
                         self._pending.remove(x)
                         x.bucket.idle.set()
-                try:
-                    self._wait_buckets()  # (raises a failed step's error)
+                try:  # (the previous iteration's commit too: a discard drops all that is pending)
+                    self.synchronize()  # (raises a failed step's error)
                 finally:
                     self._restore()
                 todo = self._stepped + self._held
@@ -495,13 +495,6 @@ class BackwardOverlap:
             for b, ps in sorted(todo, key=lambda t: -t[0].index):  # the forward's order
                 self._queue(b, ps, speculative=False)
         self._choose(fired)
-
-    def _wait_buckets(self) -> None:
-        """Waits for this iteration's bucket steps queued or in flight (not its commit)."""
-        with self._cv:
-            while any(x.gen == self._gen and x.bucket is not None for x in self._pending) or self._busy:
-                self._cv.wait()
-        self._wait(self._buckets)
 
     def _choose(self, fired: bool) -> None:
         """The next iteration's mode (clip_policy "auto"): speculate while clipping fired
