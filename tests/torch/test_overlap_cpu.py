@@ -5,7 +5,8 @@ clipping (Note [Overlap with backward]), the engine keeping the previous state (
 iteration fires under each clip_policy; gradient accumulation over micro-batches
 (accumulating()); the file tier (one commit per step); also moment_dtype and resident_mb.
 
-Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and DEFERALLOC_LIB set.
+Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and DEFERALLOC_LIB set;
+test_overlap_gpu.py runs the same tests on the GPU (DFA_OVERLAP_DEVICE=cuda).
 """
 import os
 import tempfile
@@ -16,13 +17,18 @@ import torch
 from deferalloc import optim
 from deferalloc.overlap import overlap_with_backward
 
+DEVICE = torch.device(os.environ.get("DFA_OVERLAP_DEVICE", "cpu"))
+CUDA = DEVICE.type == "cuda"
+WINDOW_MB = 64 if CUDA else 1  # (the CUDA driver's granule is 2 MiB)
+RESIDENT_MB = 8 if CUDA else 1  # some parameters resident, not all
+
 
 def model(seed=0):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
                             torch.nn.Linear(128, 16))
     m[2].to(torch.bfloat16)  # mixed parameter types
-    return m
+    return m.to(DEVICE)
 
 
 def forward(m, x):
@@ -33,13 +39,14 @@ def forward(m, x):
 
 def batch(t, scale=None):
     g = torch.Generator().manual_seed(100 + t)
-    return torch.randn(32, 64, generator=g) * (1 + t if scale is None else scale(t)), torch.randn(32, 16, generator=g)
+    x = torch.randn(32, 64, generator=g) * (1 + t if scale is None else scale(t))
+    return x.to(DEVICE), torch.randn(32, 16, generator=g).to(DEVICE)
 
 
 def make_opt(m, **kw):
     groups = [dict(params=list(m[0].parameters()) + list(m[2].parameters()), weight_decay=0.1),
               dict(params=list(m[4].parameters()), weight_decay=0.0)]
-    return optim.StreamedAdamW(groups, lr=1e-2, window_mb=1, **kw)
+    return optim.StreamedAdamW(groups, lr=1e-2, window_mb=WINDOW_MB, **kw)
 
 
 def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, micro=1, scale=None, **kw):
@@ -124,7 +131,7 @@ class Overlap(unittest.TestCase):
         self.assertEqual(copy_reads, 3 * old[3]["kept_copies"], "the fallback copies 3 arrays per parameter")
 
     def test_clipping_with_compressed_moments_and_resident_shards(self):
-        for kw in (dict(moment_dtype="int8"), dict(resident_mb=1)):
+        for kw in (dict(moment_dtype="int8"), dict(resident_mb=RESIDENT_MB)):
             plain = train(5, "plain", max_norm=1.0, **kw)
             got = train(5, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(clip_policy="speculate"), **kw)
             self.same(plain, got)
@@ -136,7 +143,7 @@ class Overlap(unittest.TestCase):
             self.assertLessEqual(got[3]["kept_copies"], 5 * resident, kw)
             self.assertEqual(got[3]["kept_copies"] > 0, resident > 0, kw)
             if "resident_mb" in kw:
-                self.assertTrue(0 < resident < n, "resident_mb=1 should make some parameters resident")
+                self.assertTrue(0 < resident < n, f"resident_mb={RESIDENT_MB} should make some parameters resident")
 
     def test_clipping_never_always_every_other_iteration(self):
         # The inputs' scale sets the gradient norm: 1 stays under max_norm 1e3 and 1e3
@@ -248,7 +255,7 @@ class Overlap(unittest.TestCase):
             self.same(a, b)
             st = a[1].stats()
             self.assertLess(st["bytes_to_device"], 12 * sum(p.numel() for p in a[0].parameters()))
-        self.same(train(4, "plain"), train(4, "plain", resident_mb=1))
+        self.same(train(4, "plain"), train(4, "plain", resident_mb=RESIDENT_MB))
         self.same(train(4, "plain"), train(4, "overlap", bucket_mb=0, settings="keep_window:1"))
         with self.assertRaises(optim.InvalidArgumentError):
             train(1, "plain", moment_dtype="int4")
