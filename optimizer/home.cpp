@@ -300,6 +300,10 @@ class streamed_adamw::impl::file_home final : public home {
     if (kind == pass::init) I.file->commit(0, I.file->active_slot(), false);
     if (kind == pass::step) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
   }
+  // A speculative step writes the inactive slot like any step; committing it is commit()
+  // after the shards not stepped were carried (Note [Speculative steps]).  Discarding it
+  // leaves the active slot, and the next step writes the inactive one afresh.
+  bool speculates() const override { return true; }
   int load_slot() const override { return 1 - I.file->active_slot(); }
   void commit_load(std::uint64_t step, int slot, bool moments) override { I.file->commit(step, slot, moments); }
 

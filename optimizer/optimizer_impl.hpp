@@ -119,8 +119,9 @@ struct streamed_adamw::impl {
   /// far (one record of event 0 + one wait; no host synchronisation).
   void after(stream_t waiter, stream_t producer);
   /// Every piece; with `grads` (a step), only those of shards with a gradient, unless
-  /// the step writes a new copy of the state (file tier), which must carry the others.
-  std::vector<piece_ref> pieces(std::span<const void* const> grads = {}) const;
+  /// the step writes a new copy of the state (file tier), which must carry the others
+  /// (a speculative step does not: commit_speculation carries them).
+  std::vector<piece_ref> pieces(std::span<const void* const> grads = {}, bool speculative = false) const;
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   std::string where(const piece_ref& p) const;

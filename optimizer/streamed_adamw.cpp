@@ -265,9 +265,15 @@ constexpr std::size_t k_pass_pieces = 24;
 constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)
 }  // namespace
 
-std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads) const {
+std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads,
+                                                                          bool speculative) const {
+  // A step that writes a new copy of the state (file tier) carries the shards it does not
+  // step into it; a speculative one leaves that to commit_speculation, which carries those
+  // not stepped speculatively (Note [Speculative steps]).
   auto selected = [&](std::size_t s) {
-    return !shards[s].resident && (grads.empty() || grads[s] != nullptr || !tier_home->in_place());
+    if (shards[s].resident) return false;
+    if (grads.empty() || grads[s] != nullptr) return true;
+    return !tier_home->in_place() && !speculative && !shards[s].speculative;
   };
   std::size_t total = 0;
   for (std::size_t s = 0; s < shards.size(); ++s)
@@ -365,6 +371,9 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
                 "step: shard " + std::to_string(s) + " ('" + I.shards[s].info.name +
                     "') has " + k_pending,
                 invalid_state);
+  // File tier: a plain step would write the pending shards' committed state over their
+  // speculative one in the new slot.
+  if (!I.tier_home->in_place()) I.refuse_if_speculating("step");
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::size_t skip = I.failed_step == I.step_count + 1 ? I.failed_pieces_done : 0;
@@ -455,11 +464,19 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 // reads the current copy; writes of the state (write_state_range, set_shard_step,
 // load_checkpoint) are refused while a speculation is pending, and so is a step() of a
 // pending shard.
-// Limits: host tier and streamed shards only (can_speculate): resident shards are stepped
-// in place in HBM, where a second copy would take the HBM the budget gave them, and the
-// device and file tiers keep one copy (the file tier's two slots are the atomicity of
-// its commit); those are refused with invalid_state and the caller keeps their state
-// itself (overlap.py copies it out).  Memory: the second copy doubles the pinned host
+// File tier: its step already writes a second copy, the inactive slot of the state file,
+// published by the commit record.  A speculative step writes its shards there and commits
+// nothing; commit_speculation() carries the shards that were not stepped into that slot
+// (a pass that reads and writes them unchanged) and writes one commit record, so several
+// bucket passes of a step overlapped with backward cost one commit and move each shard
+// once (a plain step per bucket would carry, and fsync, the whole state each time);
+// discard_speculation() leaves the active slot as it was.  A plain step() is refused
+// while a speculation is pending (it would carry the pending shards' committed state
+// over their new one).
+// Limits: host and file tiers, streamed shards only (can_speculate): resident shards are
+// stepped in place in HBM, where a second copy would take the HBM the budget gave them,
+// and the device tier keeps one copy; those are refused with invalid_state and the
+// caller keeps their state itself (overlap.py copies it out).  Host tier memory: the second copy doubles the pinned host
 // memory of the shards stepped speculatively (12 B/param more with fp32 moments), held
 // until the optimizer is destroyed.
 
@@ -470,7 +487,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
   I.check_step("step_speculative", grads, gts, grad_scale);
   DFA_EXPECTS(I.tier_home->speculates(),
               std::string("step_speculative: the ") + to_string(I.cfg.home) +
-                  " tier keeps one copy of the state (speculative steps need the host tier)",
+                  " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
               invalid_state);
   DFA_EXPECTS(I.failed_step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
               invalid_state);
@@ -501,6 +518,16 @@ void streamed_adamw::commit_speculation() {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   if (I.speculating == 0) return;
+  if (!I.tier_home->in_place()) {
+    // File tier: the shards not stepped are carried into the new slot, then one commit
+    // record publishes it.  A failure leaves the speculation pending (retry or discard).
+    const std::vector<const void*> none(I.shards.size(), nullptr);
+    const std::vector<value_type> gts(I.shards.size(), value_type::fp32);
+    // (The carry touches no parameter or gradient: it is ordered after no user stream.)
+    if (!I.pieces(none, false).empty()) I.run_pass(impl::pass::step, none, gts, 1.0f, I.exec, 0);
+    I.drv->synchronize_stream(I.exec);
+    I.tier_home->commit(impl::pass::step);
+  }
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     if (I.shards[s].speculative) {
       I.tier_home->commit_speculation(s);

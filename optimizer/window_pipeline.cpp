@@ -86,7 +86,7 @@ class streamed_adamw::impl::window_pipeline {
                   float grad_scale, std::size_t skip, bool speculative)
       : I(owner), home_(*owner.tier_home), grads_(grads), gts_(gts), K(owner.cfg.depth) {
     plan_.kind = kind;
-    plan_.pieces = I.pieces(grads);
+    plan_.pieces = I.pieces(grads, speculative);
     plan_.skip = skip;
     plan_.arrays = kind == pass::step ? 3 : 1;
     plan_.fetch_main = kind != pass::init;

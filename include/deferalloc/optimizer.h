@@ -79,12 +79,13 @@ DFA_C_API dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream);
  * updated in place; `stream` waits for them.  Streamed tiers return when the state is home. */
 DFA_C_API dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, const int* grad_dtypes,
                                   float scale, void* stream);
-/* A speculative step (host tier; optimizer.hpp step_speculative): as dfa_opt_step, but the
- * stepped shards' new state goes into a second pinned copy (allocated at a shard's first
- * speculative step: 2x its pinned host memory) and becomes their state only at
+/* A speculative step (host and file tiers; optimizer.hpp step_speculative): as dfa_opt_step,
+ * but the stepped shards' new state goes into a second pinned copy (allocated at a shard's
+ * first speculative step: 2x its pinned host memory; file tier: the inactive slot, and the
+ * commit carries the shards not stepped and writes one commit record) and becomes their state only at
  * dfa_opt_commit_speculation (which advances their step counts); dfa_opt_discard_speculation
  * drops it, state and step counts unchanged (the model parameters keep the speculative
- * values: step again or dfa_opt_sync_model_params).  INVALID_STATE: not the host tier, a
+ * values: step again or dfa_opt_sync_model_params).  INVALID_STATE: the device tier, a
  * shard with a gradient that is resident or already pending.  While one is pending,
  * dfa_opt_write_state, dfa_opt_set_shard_step, dfa_opt_load_checkpoint and a dfa_opt_step
  * of a pending shard are refused (INVALID_STATE); reads and saves see the committed state. */
@@ -94,7 +95,7 @@ DFA_C_API dfa_status dfa_opt_commit_speculation(dfa_optimizer* o);
 DFA_C_API dfa_status dfa_opt_discard_speculation(dfa_optimizer* o);
 /* *out: the shards stepped speculatively and not committed or discarded. */
 DFA_C_API dfa_status dfa_opt_speculation_pending(dfa_optimizer* o, size_t* out);
-/* *out: 1 when shard `shard` can be stepped speculatively (a streamed host-tier shard;
+/* *out: 1 when shard `shard` can be stepped speculatively (a streamed host- or file-tier shard;
  * after dfa_opt_initialize, which picks the resident ones), else 0. */
 DFA_C_API dfa_status dfa_opt_can_speculate(dfa_optimizer* o, size_t shard, int* out);
 /* Writes float(main) into the model parameters of every shard; `stream` waits. */

@@ -209,10 +209,12 @@ class DFA_API streamed_adamw {
   void step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale = 1.0f,
             stream_t stream = nullptr);
 
-  /// A speculative step (host tier; Note [Speculative steps] in
+  /// A speculative step (host and file tiers; Note [Speculative steps] in
   /// optimizer/streamed_adamw.cpp): steps the shards with a gradient as step() does
   /// (same arithmetic, same BF16 parameters written), but writes their new state into a
-  /// second pinned copy and leaves their state and step counts as they were until
+  /// second pinned copy (file tier: the state file's inactive slot; commit carries the
+  /// shards not stepped into it and writes one commit record; a plain step() is refused
+  /// while one is pending) and leaves their state and step counts as they were until
   /// commit_speculation() makes the new copy current, or discard_speculation() drops it.
   /// Keeping the previous state costs no copy; the second copy (2x the shard's pinned
   /// host memory) is allocated at a shard's first speculative step and kept.  Several
@@ -220,7 +222,7 @@ class DFA_API streamed_adamw {
   /// restore the model parameters: step the shards again (the redo of a clipped step) or
   /// call sync_model_params().  A failed speculative step leaves the state unchanged
   /// (its shards are not pending; their parameters may be partly written: step again).
-  /// @throws invalid_state: not the host tier, a shard with a gradient that is resident
+  /// @throws invalid_state: the device tier, a shard with a gradient that is resident
   /// (can_speculate) or already pending, a failed step() awaiting its retry.
   void step_speculative(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale = 1.0f,
                         stream_t stream = nullptr);
@@ -231,8 +233,8 @@ class DFA_API streamed_adamw {
   void discard_speculation();
   /// Shards stepped speculatively and neither committed nor discarded.
   std::size_t speculation_pending() const;
-  /// Shard `s` can be stepped speculatively: a streamed shard of the host tier (after
-  /// initialize(), which picks the resident shards; resident, device- and file-tier
+  /// Shard `s` can be stepped speculatively: a streamed shard of the host or file tier
+  /// (after initialize(), which picks the resident shards; resident and device-tier
   /// shards cannot: step them with step() and keep their state yourself).
   bool can_speculate(std::size_t s) const;
 

@@ -202,6 +202,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         if tier == "file" and not directory:
             raise InvalidArgumentError("StreamedAdamW: tier 'file' needs directory=")
         self._stream = stream
+        self.tier = tier
         if resident_mb == "auto":
             resident_mb = 0
             if self._device.type == "cuda":

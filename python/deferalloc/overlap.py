@@ -30,36 +30,73 @@ Approach
    computes last, and leave the link idle through backward (measured: 3 of 17 buckets
    stepped during backward).  Give the optimizer ``settings="keep_window:1"``
    so that back-to-back bucket passes keep the window's slots backed and map nothing.
- - Clipping (``max_grad_norm``): each bucket is stepped speculatively with its gradients
-   as they are, its previous state (main, moments, step count) kept.  Host tier: the
-   engine's speculative step (Note [Speculative steps] in optimizer/streamed_adamw.cpp)
-   writes the new state into a second pinned copy and keeps the current one, so keeping
-   costs no copy; shards it cannot keep (resident shards, the device and file tiers, or
-   ``engine_speculation=False``) are copied out through the state ranges first
-   (``kept_copies`` counts them) and stepped plainly.  At ``step()`` the total norm is
-   computed as ``torch.nn.utils.clip_grad_norm_`` does; when its coefficient is below 1
-   (the gradients would change), the speculation is discarded and the copied-out shards
-   written back, so every stepped shard is at its previous state; the gradients are
-   clipped with torch's ``clip_grads_with_norm_`` and stepped again (``redos`` counts it;
-   the redo rewrites the BF16 parameters the speculative step wrote): results equal
-   ``clip_grad_norm_(...); opt.step()`` bit for bit.  When the coefficient is 1, torch's
-   multiply by 1.0 is exact and the speculation is committed (pointer swaps).
+ - One commit per step: after the iteration's last bucket the worker commits the
+   engine's pending speculative state (a queued "commit" that it takes only when no
+   bucket of that iteration is left, and before any bucket of the next).  Host tier:
+   pointer swaps; file tier: every bucket pass is a speculative step into the state
+   file's inactive slot, and the commit carries the shards not stepped and writes one
+   commit record (Note [Speculative steps] in optimizer/streamed_adamw.cpp): a plain step
+   per bucket would carry, and fsync, the whole state once per bucket (with 17 buckets,
+   17 times the plain step's I/O).  On the file tier the worker also takes every queued
+   bucket whose gradients are done into one pass (``coalesce``), so reads run ahead
+   across buckets instead of each pass filling and draining the pipeline; the next
+   forward then waits for that pass as a whole.
+ - Clipping (``max_grad_norm``, the L2 norm of ``clip_grad_norm_``).  Each bucket's
+   per-gradient norms are computed as its gradients become final (on the current stream,
+   as ``get_total_norm`` computes them: ``torch._foreach_norm`` per device and dtype), so
+   the total norm is known when backward ends; ``step()`` stacks them in the order
+   ``get_total_norm`` does and takes the same vector norm of them, so the total, the
+   coefficient and the clipped gradients (``clip_grads_with_norm_``) are torch's bit for
+   bit.  Each iteration either speculates or not:
+     * speculating: each bucket is stepped during backward with its gradients as they
+       are, its previous state kept (host tier: the engine's speculative step writes the
+       new state into a second pinned copy; file tier: the inactive slot; shards the
+       engine cannot keep, resident ones, or all with ``engine_speculation=False``, are
+       copied out first, counted by ``kept_copies``).  When the coefficient is 1 (torch's
+       multiply by 1.0 is exact) the steps stand and the worker commits them.  When it is
+       below 1 the buckets still queued are dropped, the one being stepped is waited for,
+       the speculation is discarded (kept copies written back), the gradients clipped,
+       and every bucket queued again (``redos``) as in the other mode;
+     * not speculating: the buckets wait; at ``step()`` the gradients are clipped and
+       every bucket is queued, in the forward's order, to be stepped plainly while the
+       next forward runs (it waits per module).
+   The choice (``clip_policy="auto"``) comes from the last ``clip_history`` iterations:
+   speculate while clipping fired in fewer than a quarter of them (none at the start:
+   the first iteration does not speculate).  A speculation that does not fire saves the
+   step's time after backward; one that fires costs what not speculating costs (the
+   redo is queued like the other mode's steps) plus the wait for the bucket in flight
+   and the link and SM time the discarded passes took from backward.  A quarter, not a
+   half: clipping that fires every other iteration would otherwise be mispredicted on
+   every speculation (with a half, a window of odd length speculates after each
+   iteration that did not fire), and it settles on not speculating.  ``stats()``
+   counts ``speculations`` (iterations), ``redos`` and ``switches`` (changes of mode).
+ - Gradient accumulation: inside ``with overlap.accumulating():`` the hooks do nothing,
+   so the micro-batches whose backward only adds to ``.grad`` step nothing; the last
+   micro-batch's backward, outside the block, completes the gradients and steps them
+   (bit-identical to accumulate-then-step).
 Limits: the engine's second copy doubles the pinned host memory of the state (12 B/param
-more with fp32 moments), allocated at the first clipped iteration; shards the engine
-cannot keep still cost a host memcpy of 12 B/param per step (resident shards: a D2H
-copy), and a redo costs a second step of the whole model.  A parameter used
-outside its own module's forward is not waited for by that forward.  One backward per
-step (a hook fires at each accumulation, so gradient accumulation over micro-batches
-needs the plain step); the gradients must not be modified after backward until ``step()``.
+more with fp32 moments), allocated at the first speculative iteration; shards the engine
+cannot keep still cost a host memcpy of 12 B/param per speculative step (resident
+shards: a D2H copy).  A parameter used outside its own module's forward is not waited
+for by that forward.  The gradients must not be modified after their bucket is
+complete until ``step()``; a backward outside ``accumulating()`` is taken as the last
+of its step.  Clipping's norm is the L2 norm over the optimizer's parameters in its
+order (``clip_grad_norm_(params)`` over the same list).  On the file tier the BF16
+parameters of a pass are written before its commit: a failed commit is reported at the
+next ``step()`` or forward, and the parameters then hold the uncommitted step
+(``opt.sync_main_from_params`` is not the fix: reload or resume).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import threading
 import time
-from typing import Iterable
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from .optim import StreamedAdamW, _check, _DTYPE, _load, _stream_ptr
 
@@ -76,25 +113,61 @@ class _Bucket:
         self.event = None  # CUDA event: the bucket's step is done on the side stream
 
 
+@dataclass
+class _Item:
+    """A queued bucket step (``bucket`` set) or an iteration's commit."""
+    gen: int  # the iteration
+    seq: int  # queue order
+    bucket: _Bucket | None = None
+    grads: list = field(default_factory=list)  # (param, grad)
+    event: object = None  # CUDA: the gradients are done on the current stream
+    groups: list = field(default_factory=list)
+    speculative: bool = False  # a clipping speculation: keep the previous state
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's L2 norm as ``torch.nn.utils.get_total_norm`` computes it."""
+    out: list = [None] * len(grads)
+    if not grads:
+        return out
+    for (device, _), ([ts], idx) in _group_tensors_by_device_and_dtype([grads], with_indices=True).items():
+        ns = torch._foreach_norm(ts, 2.0) if _has_foreach_support(ts, device) else [
+            torch.linalg.vector_norm(g, 2.0) for g in ts]
+        for i, n in zip(idx, ns):
+            out[i] = n
+    return out
+
+
 class BackwardOverlap:
     """Steps ``opt``'s parameters during backward.  See Note [Overlap with backward].
 
-    Call ``step()`` where ``opt.step()`` was; ``synchronize()`` waits for every step.
-    ``stats()``: buckets stepped, speculative steps, redos, and ``kept_copies``: shards
-    whose state was copied out to be kept (clipping, where the engine cannot speculate,
-    or with ``engine_speculation=False``)."""
+    Call ``step()`` where ``opt.step()`` was; ``synchronize()`` waits for every step and
+    commit; wrap the backward of every micro-batch but the last in ``accumulating()``.
+    ``clip_policy``: "auto" (choose per iteration), "speculate" (always) or "after"
+    (never speculate).  ``stats()``: buckets stepped, engine passes, speculative bucket
+    steps, speculations (iterations), redos, switches, commits, and ``kept_copies``:
+    shards whose state was copied out to be kept."""
 
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
-                 max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True):
+                 max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True,
+                 clip_policy: str = "auto", clip_history: int = 8, coalesce: bool | None = None):
+        if clip_policy not in ("auto", "speculate", "after"):
+            raise ValueError(f"BackwardOverlap: clip_policy {clip_policy!r} (auto, speculate or after)")
         self.opt = opt
         self.engine_speculation = engine_speculation
+        # File tier: bucket passes are speculative steps, committed once per iteration.
+        self._commit_tier = engine_speculation and getattr(opt, "tier", "host") == "file"
+        self.coalesce = self._commit_tier if coalesce is None else coalesce
         self._speculable: list[bool] | None = None  # per shard: the engine keeps its state (after init)
         # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
-        # while ``trace`` is True (benchmark timelines; the engine's streamed step returns
-        # when its state is home, so the host clock brackets it).
+        # (-1: a commit) while ``trace`` is True (benchmark timelines; the engine's streamed
+        # step returns when its state is home, so the host clock brackets it).
         self.trace = False
         self.timeline: list[tuple[int, float, float]] = []
         self.max_grad_norm = max_grad_norm
+        self.clip_policy = clip_policy
+        self._fired = collections.deque(maxlen=max(1, clip_history))  # recent iterations: clipping fired
+        self._speculate = clip_policy == "speculate"  # this iteration's mode (clipping)
         cuda = opt._device.type == "cuda"
         self._side = torch.cuda.Stream(opt._device) if cuda else None
         # Buckets in reverse registration order.
@@ -110,14 +183,22 @@ class BackwardOverlap:
             self._buckets.append(_Bucket(len(self._buckets), cur))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._lock = threading.Lock()
-        # Queued buckets (seq, index, item); _take() picks the next one.
+        # Queued items; _take() picks the next ones.  _busy: items taken, not finished.
         self._cv = threading.Condition()
-        self._pending: list[tuple[int, int, tuple]] = []
+        self._pending: list[_Item] = []
+        self._busy = 0
         self._stop = False
         self._seq = 0
+        self._gen = 0
+        self._accumulating = False
         self._error: BaseException | None = None
+        self._failed: set[int] = set()  # iterations with a failed bucket step (their commit discards)
         self._kept: dict[int, tuple] = {}  # shard -> (step, main, exp_avg, exp_avg_sq) before this iteration
-        self._counts = {"buckets": 0, "speculative_steps": 0, "redos": 0, "kept_copies": 0}
+        self._norm: dict[torch.Tensor, torch.Tensor] = {}  # this iteration's gradient norms (clipping)
+        self._held: list[tuple[_Bucket, list]] = []  # complete buckets waiting for the clip coefficient
+        self._stepped: list[tuple[_Bucket, list]] = []  # buckets queued this iteration (a redo queues them again)
+        self._counts = {"buckets": 0, "passes": 0, "speculative_steps": 0, "speculations": 0, "redos": 0,
+                        "switches": 0, "commits": 0, "kept_copies": 0}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._params]
         if model is not None and wait_in_forward:
             for m in model.modules():
@@ -131,38 +212,65 @@ class BackwardOverlap:
 
     # ---- hooks ---------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward inside this block only accumulates into ``.grad``: nothing is stepped.
+        The micro-batch whose backward completes the gradients runs outside it."""
+        self._accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = False
+
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self._accumulating:
+            return
         b = self._bucket_of[p]
         with self._lock:
             b.ready.add(id(p))
             full = len(b.ready) == len(b.params)
         if full:
-            self._enqueue(b)
+            self._complete(b)
 
-    def _enqueue(self, b: _Bucket) -> None:
+    def _complete(self, b: _Bucket) -> None:
+        """Bucket ``b``'s gradients are final: its norms (clipping), then queued, or held
+        for the clip coefficient."""
         with self._lock:
             if not b.ready:
                 return
             ready = [p for p in b.params if id(p) in b.ready and p.grad is not None]
             b.ready = set()
+        if not ready:
+            return
         self.opt._ensure_initialized()  # the state starts from the parameters' values at the first step
         if self._speculable is None:  # (initialize picks the resident shards)
             self._speculable = [self.engine_speculation and self.opt._can_speculate(i)
                                 for i in range(len(self.opt._params))]
+        if self.max_grad_norm is not None:
+            with torch.no_grad():
+                for p, n in zip(ready, _norms([p.grad for p in ready])):
+                    self._norm[p] = n
+            if not self._speculate:
+                self._held.append((b, ready))
+                return
+        self._queue(b, ready, speculative=self.max_grad_norm is not None)
+
+    def _queue(self, b: _Bucket, params: list, speculative: bool) -> None:
         b.idle.wait()  # the previous iteration's step of this bucket
         b.idle.clear()
         ev = None
         if self._side is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.opt._device))
-        groups = self.opt._group_keys()
-        grads = [(p, p.grad) for p in ready]
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
+        self._stepped.append((b, params))
+        self._put(_Item(self._gen, 0, b, [(p, p.grad) for p in params], ev, self.opt._group_keys(), speculative))
+
+    def _put(self, item: _Item) -> None:
         with self._cv:
-            self._pending.append((seq, b.index, (b, grads, ev, groups)))
-            self._cv.notify()
+            self._seq += 1
+            item.seq = self._seq
+            self._pending.append(item)
+            self._cv.notify_all()
 
     def _wait(self, buckets: list[_Bucket]) -> None:
         for b in buckets:
@@ -173,79 +281,125 @@ class BackwardOverlap:
 
     # ---- the worker ----------------------------------------------------------------------------
 
-    def _take(self):
-        """The next bucket: of those whose gradients are done on the GPU, the one the forward
-        needs first (highest index); if none is done, the one queued first.  None: stop."""
+    def _take(self) -> list[_Item] | None:
+        """The next items, all of the oldest iteration queued: its commit once no bucket
+        of it is left; else, of its buckets whose gradients are done on the GPU, the one
+        the forward needs first (highest index; ``coalesce``: all of them), and if none is
+        done, the one queued first.  None: stop."""
         with self._cv:
             while not self._pending and not self._stop:
                 self._cv.wait()
             if not self._pending:
                 return None
-            done = [x for x in self._pending if x[2][2] is None or x[2][2].query()]
-            pick = max(done, key=lambda x: x[1]) if done else min(self._pending, key=lambda x: x[0])
-            self._pending.remove(pick)
-            return pick[2]
+            gen = min(x.gen for x in self._pending)
+            cur = [x for x in self._pending if x.gen == gen]
+            buckets = [x for x in cur if x.bucket is not None]
+            if not buckets:
+                picks = cur[:1]
+            else:
+                done = [x for x in buckets if x.event is None or x.event.query()]
+                if not done:
+                    picks = [min(buckets, key=lambda x: x.seq)]
+                elif self.coalesce:
+                    picks = [x for x in done if x.speculative == done[0].speculative]
+                else:
+                    picks = [max(done, key=lambda x: x.bucket.index)]
+            for x in picks:
+                self._pending.remove(x)
+            self._busy += 1
+            return picks
 
     def _run(self) -> None:
         while True:
-            item = self._take()
-            if item is None:
+            items = self._take()
+            if items is None:
                 return
-            b, grads, ev, groups = item
             try:
                 if self._error is None:
                     t0 = time.perf_counter()
-                    self._step_bucket(grads, ev, groups, speculative=self.max_grad_norm is not None)
+                    if items[0].bucket is None:
+                        self._commit(items[0].gen)
+                    else:
+                        self._step_bucket(items)
                     if self.trace:
                         if self._side is not None:
                             self._side.synchronize()
-                        self.timeline.append((b.index, t0, time.perf_counter()))
-                    if self._side is not None:
+                        t1 = time.perf_counter()
+                        self.timeline += [(x.bucket.index if x.bucket else -1, t0, t1) for x in items]
+                    if self._side is not None and items[0].bucket is not None:
                         done = torch.cuda.Event()
                         done.record(self._side)
-                        b.event = done
-                    self._counts["buckets"] += 1
+                        for x in items:
+                            x.bucket.event = done
             except BaseException as e:  # reported by the next step() or forward
                 self._error = e
+                self._failed.add(items[0].gen)
             finally:
-                del grads
-                b.idle.set()
+                for x in items:
+                    x.grads = None
+                    if x.bucket is not None:
+                        x.bucket.idle.set()
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
 
-    def _step_bucket(self, grads, ev, groups, speculative: bool) -> None:
-        """One bucket.  Speculative: the engine's speculative step for the shards it can
-        keep (host tier, streamed), a plain step after copying the state out for the others."""
+    def _commit(self, gen: int) -> None:
+        """Iteration ``gen``'s commit; one whose bucket step failed is discarded instead (its
+        kept copies written back): the state stays the previous step's."""
+        lib = _load()
+        if gen in self._failed:
+            self._failed.discard(gen)
+            self._restore()
+            return
+        n = ctypes.c_size_t()
+        _check(lib.dfa_opt_speculation_pending(self.opt._handle, ctypes.byref(n)), "dfa_opt_speculation_pending")
+        if n.value:
+            _check(lib.dfa_opt_commit_speculation(self.opt._handle), "dfa_opt_commit_speculation")
+            self._counts["commits"] += 1
+        self._kept.clear()
+
+    def _step_bucket(self, items: list[_Item]) -> None:
+        """One engine pass over the items' gradients.  The engine's speculative step for the
+        shards it can keep when the items speculate (clipping) or on the file tier; the
+        others plainly, their state copied out first when the items speculate."""
         opt, lib = self.opt, _load()
+        speculative = items[0].speculative
+        use_engine = speculative or self._commit_tier
         n = len(opt._params)
         plain = (ctypes.c_void_p * n)()
         spec = (ctypes.c_void_p * n)()
         types = (ctypes.c_int * n)()
         keep, calls = [], set()
-        for p, g in grads:
-            i = opt._shard_of[p]
-            if not g.is_contiguous():
-                g = g.contiguous()
-                keep.append(g)
-            types[i] = _DTYPE[g.dtype]
-            if speculative and self._speculable[i]:
-                spec[i] = g.data_ptr()
-                calls.add("spec")
-                continue
-            if speculative and i not in self._kept:
-                self._kept[i] = (opt._shard_step(i), *(opt._read(i, a, p) for a in range(3)))
-                self._counts["kept_copies"] += 1
-            plain[i] = g.data_ptr()
-            calls.add("plain")
-        opt._push_groups(groups)
+        for x in items:
+            for p, g in x.grads:
+                i = opt._shard_of[p]
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                    keep.append(g)
+                types[i] = _DTYPE[g.dtype]
+                if use_engine and self._speculable[i]:
+                    spec[i] = g.data_ptr()
+                    calls.add("spec")
+                    continue
+                if speculative and i not in self._kept:
+                    self._kept[i] = (opt._shard_step(i), *(opt._read(i, a, p) for a in range(3)))
+                    self._counts["kept_copies"] += 1
+                plain[i] = g.data_ptr()
+                calls.add("plain")
+        opt._push_groups(items[-1].groups)
         stream = None
         if self._side is not None:
-            self._side.wait_event(ev)
+            for x in items:
+                self._side.wait_event(x.event)
             stream = _stream_ptr(self._side, opt._device)
         if "spec" in calls:
             _check(lib.dfa_opt_step_speculative(opt._handle, spec, n, types, 1.0, stream), "dfa_opt_step_speculative")
         if "plain" in calls:
             _check(lib.dfa_opt_step(opt._handle, plain, n, types, 1.0, stream), "dfa_opt_step")
+        self._counts["passes"] += 1
+        self._counts["buckets"] += len(items)
         if speculative:
-            self._counts["speculative_steps"] += 1
+            self._counts["speculative_steps"] += len(items)
         del keep
 
     # ---- the user's side -----------------------------------------------------------------------
@@ -256,24 +410,34 @@ class BackwardOverlap:
             raise e
 
     def synchronize(self) -> None:
-        """Waits until every queued bucket is stepped (the current stream waits for them)."""
-        for b in self._buckets:
-            b.idle.wait()
-            if b.event is not None:
-                torch.cuda.current_stream(self.opt._device).wait_event(b.event)
-        self._raise()
+        """Waits until every queued bucket is stepped and committed (the current stream
+        waits for them)."""
+        with self._cv:
+            while self._pending or self._busy:
+                self._cv.wait()
+        self._wait(self._buckets)
 
     @torch.no_grad()
     def step(self) -> None:
-        """Ends the iteration: queues the buckets still incomplete (parameters without a
-        gradient are skipped, as by ``opt.step()``), settles clipping, and returns; with a
-        model and ``wait_in_forward`` the next forward waits per module, else this waits."""
+        """Ends the iteration: completes the buckets still incomplete (parameters without a
+        gradient are skipped, as by ``opt.step()``), settles clipping, queues the commit
+        and returns; with a model and ``wait_in_forward`` the next forward waits per
+        module, else this waits."""
+        if self._accumulating:
+            raise RuntimeError("BackwardOverlap.step() inside accumulating()")
+        self._raise()
         self.opt._ensure_initialized()
         for b in self._buckets:
-            self._enqueue(b)
-        if self.max_grad_norm is not None:
-            self._settle_clipping()
-        elif not self._wait_in_forward:
+            self._complete(b)
+        try:
+            if self.max_grad_norm is not None:
+                self._settle_clipping()
+        finally:
+            self._held, self._stepped = [], []
+            self._norm.clear()
+            self._put(_Item(self._gen, 0))  # the commit
+            self._gen += 1
+        if not self._wait_in_forward:
             self.synchronize()
         self._raise()
 
@@ -288,46 +452,75 @@ class BackwardOverlap:
             _check(lib.dfa_opt_set_shard_step(opt._handle, i, step), "dfa_opt_set_shard_step")
         self._kept.clear()
 
-    def _settle_clipping(self) -> None:
-        try:
-            self.synchronize()
-        except BaseException:
-            self._restore()  # a failed bucket: the iteration's steps are undone (parameters excepted)
-            raise
-        params = [p for p in self.opt._params if p.grad is not None]
+    def _total_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """``get_total_norm`` of the parameters' gradients from the norms computed as they
+        became final: the same per-gradient norms, stacked in its order."""
         grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads)
-        coef = self.max_grad_norm / (total + 1e-6)
-        if bool(coef >= 1.0):  # torch multiplies by exactly 1.0: the speculative step stands
-            self._kept.clear()
-            _check(_load().dfa_opt_commit_speculation(self.opt._handle), "dfa_opt_commit_speculation")
+        missing = [p for p in params if p not in self._norm]
+        for p, n in zip(missing, _norms([p.grad for p in missing])):
+            self._norm[p] = n
+        first = grads[0].device
+        order = [i for _, (_, idx) in _group_tensors_by_device_and_dtype([grads], with_indices=True).items()
+                 for i in idx]
+        return torch.linalg.vector_norm(torch.stack([self._norm[params[i]].to(first) for i in order]), 2.0)
+
+    def _settle_clipping(self) -> None:
+        params = [p for p in self.opt._params if p.grad is not None]
+        if not params:
             return
-        # Redo: restore every stepped shard, clip as torch does, step again.
-        opt = self.opt
-        self._restore()
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
-        groups = opt._group_keys()
-        ev = None
-        if self._side is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(opt._device))
-        self._step_bucket([(p, p.grad) for p in params], ev, groups, speculative=False)
-        if self._side is not None:
-            torch.cuda.current_stream(opt._device).wait_stream(self._side)
-        self._counts["redos"] += 1
+        total = self._total_norm(params)
+        coef = self.max_grad_norm / (total + 1e-6)
+        fired = not bool(coef >= 1.0)  # else torch multiplies by exactly 1.0: no change (NaN: fired)
+        todo = self._held
+        if self._speculate:
+            self._counts["speculations"] += 1
+            if fired:
+                # Drop this iteration's buckets still queued, wait for the one in flight,
+                # put every stepped shard back, and queue them all again below.
+                with self._cv:
+                    drop = [x for x in self._pending if x.gen == self._gen and x.bucket is not None]
+                    for x in drop:
+                        self._pending.remove(x)
+                        x.bucket.idle.set()
+                try:  # (the previous iteration's commit too: a discard drops all that is pending)
+                    self.synchronize()  # (raises a failed step's error)
+                finally:
+                    self._restore()
+                todo = self._stepped + self._held
+                self._counts["redos"] += 1
+        if fired:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
+        if todo:
+            self._stepped = []
+            for b, ps in sorted(todo, key=lambda t: -t[0].index):  # the forward's order
+                self._queue(b, ps, speculative=False)
+        self._choose(fired)
+
+    def _choose(self, fired: bool) -> None:
+        """The next iteration's mode (clip_policy "auto"): speculate while clipping fired
+        in fewer than a quarter of the recent iterations."""
+        self._fired.append(fired)
+        if self.clip_policy != "auto":
+            return
+        nxt = 4 * sum(self._fired) < len(self._fired)
+        if nxt != self._speculate:
+            self._counts["switches"] += 1
+        self._speculate = nxt
 
     def stats(self) -> dict[str, int]:
         return dict(self._counts)
 
     def remove(self) -> None:
         """Waits for the steps in flight, removes the hooks and stops the worker."""
-        self.synchronize()
-        for h in self._hooks:
-            h.remove()
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._worker.join()
+        try:
+            self.synchronize()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            self._worker.join()
 
 
 def overlap_with_backward(model: torch.nn.Module, opt: StreamedAdamW, **kw) -> BackwardOverlap:

@@ -1,10 +1,15 @@
 """deferalloc.overlap on the host driver (CPU tensors): stepping during backward equals
 the plain step bit for bit, without clipping and with the speculative step + redo of
 clipping (Note [Overlap with backward]), the engine keeping the previous state (Note
-[Speculative steps]) or the state copied out; also moment_dtype and resident_mb from Python.
+[Speculative steps]) or the state copied out; clipping that never / always / every other
+iteration fires under each clip_policy; gradient accumulation over micro-batches
+(accumulating()); the file tier (one commit per step); also moment_dtype and resident_mb.
 
-Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and DEFERALLOC_LIB set.
+Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and DEFERALLOC_LIB set;
+test_overlap_gpu.py runs the same tests on the GPU (DFA_OVERLAP_DEVICE=cuda).
 """
+import os
+import tempfile
 import unittest
 
 import torch
@@ -12,13 +17,18 @@ import torch
 from deferalloc import optim
 from deferalloc.overlap import overlap_with_backward
 
+DEVICE = torch.device(os.environ.get("DFA_OVERLAP_DEVICE", "cpu"))
+CUDA = DEVICE.type == "cuda"
+WINDOW_MB = 64 if CUDA else 1  # (the CUDA driver's granule is 2 MiB)
+RESIDENT_MB = 8 if CUDA else 1  # some parameters resident, not all
+
 
 def model(seed=0):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
                             torch.nn.Linear(128, 16))
     m[2].to(torch.bfloat16)  # mixed parameter types
-    return m
+    return m.to(DEVICE)
 
 
 def forward(m, x):
@@ -27,18 +37,21 @@ def forward(m, x):
     return m[4](h)
 
 
-def batch(t):
+def batch(t, scale=None):
     g = torch.Generator().manual_seed(100 + t)
-    return torch.randn(32, 64, generator=g) * (1 + t), torch.randn(32, 16, generator=g)
+    x = torch.randn(32, 64, generator=g) * (1 + t if scale is None else scale(t))
+    return x.to(DEVICE), torch.randn(32, 16, generator=g).to(DEVICE)
 
 
 def make_opt(m, **kw):
     groups = [dict(params=list(m[0].parameters()) + list(m[2].parameters()), weight_decay=0.1),
               dict(params=list(m[4].parameters()), weight_decay=0.0)]
-    return optim.StreamedAdamW(groups, lr=1e-2, window_mb=1, **kw)
+    return optim.StreamedAdamW(groups, lr=1e-2, window_mb=WINDOW_MB, **kw)
 
 
-def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, **kw):
+def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, micro=1, scale=None, **kw):
+    """``micro`` micro-batches per step (accumulated into .grad; overlap: all but the last
+    inside accumulating()); ``scale(t)``: the inputs' scale at step t (default 1 + t)."""
     m = model()
     opt = make_opt(m, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -46,9 +59,15 @@ def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, **kw):
           if mode == "overlap" else None)
     losses = []
     for t in range(steps):
-        x, y = batch(t)
-        loss = torch.nn.functional.mse_loss(forward(m, x), y)
-        loss.backward()
+        for k in range(micro):
+            x, y = batch(t * micro + k, scale)
+            loss = torch.nn.functional.mse_loss(forward(m, x), y) / micro
+            if ov is not None and k < micro - 1:
+                with ov.accumulating():
+                    loss.backward()
+            else:
+                loss.backward()
+            losses.append(loss.item())
         if ov is not None:
             ov.step()
         else:
@@ -57,7 +76,6 @@ def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, **kw):
             opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        losses.append(loss.item())
     stats = None
     if ov is not None:
         ov.synchronize()
@@ -93,9 +111,10 @@ class Overlap(unittest.TestCase):
         real_read = optim.StreamedAdamW._read
         optim.StreamedAdamW._read = lambda self, *a: reads.append(a[0]) or real_read(self, *a)
         try:
-            got = train(6, "overlap", max_norm=1.0, bucket_mb=0)  # the engine keeps the state
+            spec = dict(clip_policy="speculate")
+            got = train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=spec)  # the engine keeps the state
             engine_reads, reads[:] = len(reads), []
-            old = train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(engine_speculation=False))
+            old = train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(engine_speculation=False, **spec))
             copy_reads = len(reads)
         finally:
             optim.StreamedAdamW._read = real_read
@@ -103,24 +122,96 @@ class Overlap(unittest.TestCase):
             self.same(plain, ov)
             self.assertGreater(ov[3]["redos"], 0, "no step needed clipping: the test does not test the redo")
             self.assertLess(ov[3]["redos"], 6, "every step needed clipping: the test does not test a kept step")
-            self.assertEqual(ov[3]["speculative_steps"], got[3]["speculative_steps"])
-        n = len(list(got[0].parameters()))
+            self.assertEqual(ov[3]["speculations"], 6)
         self.assertEqual(got[3]["kept_copies"], 0)
         self.assertEqual(engine_reads, 0, "the engine's speculation copies no state out")
-        self.assertEqual(old[3]["kept_copies"], 6 * n)
-        self.assertEqual(copy_reads, 3 * 6 * n, "the fallback copies 3 arrays per parameter and step")
+        # One parameter per bucket: each speculative bucket step copied one shard out (a
+        # redo drops the buckets still queued, so their number varies with timing).
+        self.assertEqual(old[3]["kept_copies"], old[3]["speculative_steps"])
+        self.assertEqual(copy_reads, 3 * old[3]["kept_copies"], "the fallback copies 3 arrays per parameter")
 
     def test_clipping_with_compressed_moments_and_resident_shards(self):
-        for kw in (dict(moment_dtype="int8"), dict(resident_mb=1)):
+        for kw in (dict(moment_dtype="int8"), dict(resident_mb=RESIDENT_MB)):
             plain = train(5, "plain", max_norm=1.0, **kw)
-            got = train(5, "overlap", max_norm=1.0, bucket_mb=0, **kw)
+            got = train(5, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(clip_policy="speculate"), **kw)
             self.same(plain, got)
             self.assertGreater(got[3]["redos"], 0, kw)
             n = len(list(got[0].parameters()))
             resident = sum(not got[1]._can_speculate(i) for i in range(n))
-            self.assertEqual(got[3]["kept_copies"], 5 * resident, kw)  # resident shards: copied out
+            # Resident shards are copied out at each speculative step of theirs (a redo
+            # drops the buckets still queued): at most once per step.
+            self.assertLessEqual(got[3]["kept_copies"], 5 * resident, kw)
+            self.assertEqual(got[3]["kept_copies"] > 0, resident > 0, kw)
             if "resident_mb" in kw:
-                self.assertTrue(0 < resident < n, "resident_mb=1 should make some parameters resident")
+                self.assertTrue(0 < resident < n, f"resident_mb={RESIDENT_MB} should make some parameters resident")
+
+    def test_clipping_never_always_every_other_iteration(self):
+        # The inputs' scale sets the gradient norm: 1 stays under max_norm 1e3 and 1e3
+        # above it.  Every policy is bit-identical to clip_grad_norm_ + step().
+        patterns = dict(never=lambda t: 1.0, always=lambda t: 1e3, every_other=lambda t: 1e3 if t % 2 else 1.0)
+        for name, scale in patterns.items():
+            plain = train(9, "plain", max_norm=1e3, scale=scale)
+            runs = {pol: train(9, "overlap", max_norm=1e3, scale=scale, bucket_mb=0, ov_kw=dict(clip_policy=pol))
+                    for pol in ("auto", "speculate", "after")}
+            for pol, got in runs.items():
+                with self.subTest(pattern=name, policy=pol):
+                    self.same(plain, got)
+            auto, spec, after = (runs[p][3] for p in ("auto", "speculate", "after"))
+            fired = sum(scale(t) > 1 for t in range(9))
+            with self.subTest(pattern=name):
+                self.assertEqual(spec["speculations"], 9)
+                self.assertEqual(spec["redos"], fired, "always speculating redoes every iteration that clips")
+                self.assertEqual(after["speculations"] + after["redos"] + after["switches"], 0)
+                self.assertEqual(after["commits"], 0, "plain host-tier steps commit nothing")
+                if name == "never":  # the first iteration does not speculate, then every one does
+                    self.assertEqual((auto["speculations"], auto["redos"], auto["switches"]), (8, 0, 1))
+                    self.assertEqual(auto["commits"], 8)
+                elif name == "always":  # nothing to learn: never speculates
+                    self.assertEqual((auto["speculations"], auto["redos"], auto["switches"]), (0, 0, 0))
+                else:  # speculates once (after iteration 0), redoes it, then stops
+                    self.assertEqual((auto["speculations"], auto["redos"], auto["switches"]), (1, 1, 2))
+
+    def test_gradient_accumulation(self):
+        # 4 micro-batches per step, with and without clipping: the overlap steps once per
+        # step, at the last micro-batch, bit-identical to accumulate-then-step.
+        for max_norm, pol in ((None, "auto"), (1.0, "auto"), (1.0, "speculate")):
+            with self.subTest(max_norm=max_norm, policy=pol):
+                plain = train(4, "plain", max_norm=max_norm, micro=4)
+                got = train(4, "overlap", max_norm=max_norm, micro=4, bucket_mb=0, ov_kw=dict(clip_policy=pol))
+                self.same(plain, got)
+                n, st = len(list(got[0].parameters())), got[3]
+                # Buckets stepped plainly: every parameter (one per bucket) in the steps that
+                # did not speculate and in the redos; the others were speculative.
+                self.assertEqual(st["buckets"] - st["speculative_steps"], n * (4 - st["speculations"] + st["redos"]),
+                                 "one step per parameter and step, none at the earlier micro-batches")
+        m = model()
+        ov = overlap_with_backward(m, make_opt(m))
+        with ov.accumulating():
+            with self.assertRaises(RuntimeError):
+                ov.step()
+        ov.remove()
+
+    def test_file_tier_commits_once_per_step(self):
+        # One commit per step (the engine's step count, also the state file's on resume),
+        # however many buckets; bit-identical to the file tier's plain step, with clipping too.
+        for max_norm, pol in ((None, "auto"), (1.0, "speculate"), (1.0, "auto")):
+            with self.subTest(max_norm=max_norm, policy=pol), tempfile.TemporaryDirectory() as d1, \
+                    tempfile.TemporaryDirectory() as d2:
+                plain = train(5, "plain", max_norm=max_norm, tier="file", directory=d1)
+                got = train(5, "overlap", max_norm=max_norm, bucket_mb=0, tier="file", directory=d2,
+                            ov_kw=dict(clip_policy=pol))
+                self.same(plain, got)
+                st = got[3]
+                self.assertEqual(got[1].stats()["steps"], 5, "one committed step per step()")
+                self.assertEqual(st["commits"], 5)
+                self.assertEqual(st["kept_copies"], 0, "the file tier keeps the state in its inactive slot")
+                self.assertLess(st["passes"], st["buckets"] + 1)
+                if pol == "speculate":
+                    self.assertGreater(st["redos"], 0)
+                m = model()
+                again = make_opt(m, tier="file", directory=d2, resume=True)
+                self.assertEqual(again.stats()["steps"], 5, "the state file holds one step per step()")
+                del again
 
     def test_speculative_step_from_python(self):
         x, y = batch(0)
@@ -164,7 +255,7 @@ class Overlap(unittest.TestCase):
             self.same(a, b)
             st = a[1].stats()
             self.assertLess(st["bytes_to_device"], 12 * sum(p.numel() for p in a[0].parameters()))
-        self.same(train(4, "plain"), train(4, "plain", resident_mb=1))
+        self.same(train(4, "plain"), train(4, "plain", resident_mb=RESIDENT_MB))
         self.same(train(4, "plain"), train(4, "overlap", bucket_mb=0, settings="keep_window:1"))
         with self.assertRaises(optim.InvalidArgumentError):
             train(1, "plain", moment_dtype="int4")
