@@ -150,7 +150,7 @@ if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   tail -16 "$L/megatron_dp2.log"
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap 330 python3 benchmarks/optimizer/bench_overlap.py --out "$R" \
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap "${DFA_OVERLAP_SECONDS:-420}" python3 benchmarks/optimizer/bench_overlap.py --out "$R" \
     --json "$R/bench_overlap.json" ${DFA_OVERLAP_ARGS:-}
   tail -28 "$L/overlap.log"
 fi
