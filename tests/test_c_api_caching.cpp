@@ -434,3 +434,26 @@ TEST_F(c_api_caching, memory_snapshot_lists_state_and_recorded_events) {
   ASSERT_EQ(dfa_tag_resume("t", nullptr), DFA_SUCCESS);
   dfa_free(b, 0, 0, nullptr);
 }
+
+// The history is a ring of the newest max_entries events, oldest first.
+TEST_F(c_api_caching, memory_history_keeps_the_newest_events_in_order) {
+  ASSERT_EQ(dfa_record_memory_history(5), DFA_SUCCESS) << dfa_last_error();
+  std::vector<void*> ps;
+  for (int i = 0; i < 9; ++i) ps.push_back(dfa_malloc(4096 * (i + 1), 0, nullptr));
+  for (void* p : ps) dfa_free(p, 0, 0, nullptr);  // 9 x (free_requested, free_completed) after the allocs
+  size_t needed = 0;
+  ASSERT_EQ(dfa_memory_snapshot(nullptr, 0, &needed), DFA_SUCCESS);
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_memory_snapshot(text.data(), text.size(), &needed), DFA_SUCCESS);
+  std::vector<std::string> events;
+  for (std::size_t at = text.find("\nE "); at != std::string::npos; at = text.find("\nE ", at + 1))
+    events.push_back(text.substr(at + 3, text.find('\n', at + 1) - at - 3));
+  ASSERT_EQ(events.size(), 5u) << text;
+  char last[64];
+  std::snprintf(last, sizeof last, "free_completed %llu 36864 ",
+                static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(ps[8])));
+  EXPECT_EQ(events[4].rfind(last, 0), 0u) << events[4];
+  EXPECT_EQ(events[0].rfind("free_completed ", 0), 0u) << events[0];
+  EXPECT_EQ(events[1].rfind("free_requested ", 0), 0u) << events[1];
+  ASSERT_EQ(dfa_record_memory_history(0), DFA_SUCCESS);
+}
