@@ -107,6 +107,8 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     snap = dfa.memory_snapshot()
+    if device.type == "cuda":  # under install(), PyTorch's own entry point gives the same
+        assert "deferalloc" in torch.cuda.memory._snapshot(), "torch.cuda.memory._snapshot is not deferalloc's"
     os.makedirs(args.out, exist_ok=True)
     from torch.cuda import _memory_viz
     with open(os.path.join(args.out, "snapshot.pickle"), "wb") as f:

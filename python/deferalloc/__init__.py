@@ -795,11 +795,26 @@ def mem_pool():
 def install():
     """Replaces PyTorch's CUDA allocator by deferalloc's (before any CUDA allocation).
 
-    PyTorch's own memory_stats/snapshots do not work in this mode: use
-    ``deferalloc.memory_stats()``.  Raises RuntimeError if PyTorch's allocator is in use.
+    PyTorch's own memory_stats do not work in this mode: use ``deferalloc.memory_stats()``.
+    ``torch.cuda.memory._snapshot`` / ``_dump_snapshot`` / ``_record_memory_history`` are
+    pointed at ``memory_snapshot`` / ``record_memory_history`` (PyTorch's would be empty),
+    so existing tooling keeps working.  Raises RuntimeError if PyTorch's allocator is in use.
     """
     global _installed
     alloc = pluggable_allocator()
     torch.cuda.memory.change_current_allocator(alloc)
     _installed = True
+    torch.cuda.memory._snapshot = _snapshot_for_torch
+    torch.cuda.memory._record_memory_history = _record_history_for_torch
     return alloc
+
+
+def _snapshot_for_torch(device=None, augment_with_fx_traces=False) -> dict:
+    """torch.cuda.memory._snapshot under install(): deferalloc's (PyTorch's is empty)."""
+    return memory_snapshot()
+
+
+def _record_history_for_torch(enabled="all", *args, max_entries: int = 1_000_000, **kwargs) -> None:
+    """torch.cuda.memory._record_memory_history under install(): deferalloc's events
+    (no stack frames; the ring holds at most 10**7)."""
+    record_memory_history(enabled is not None, max_entries=max(1, min(int(max_entries), 10_000_000)))
