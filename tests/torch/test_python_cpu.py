@@ -263,6 +263,32 @@ class MemoryYouCanSee(unittest.TestCase):
         lib.dfa_free(q, 0, 0, None)
         lib.dfa_free(p, 0, 0, None)
 
+    def test_empty_cache_drops_the_regions_mempools_first(self):
+        """The wiring of Note [Regions give freed memory back], with PyTorch's CUDA calls
+        stood in for (the host has no MemPool; test_memory_gpu measures the real thing)."""
+        from unittest import mock
+        calls = []
+        saved_pools, saved_hook = dict(dfa._pools), dfa._torch_empty_cache
+        saved_torch = (torch.cuda.empty_cache, torch.cuda.memory.empty_cache)
+        try:
+            with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+                 mock.patch.object(torch.cuda, "is_initialized", return_value=True), \
+                 mock.patch.object(torch.cuda.memory, "empty_cache", lambda: calls.append(len(dfa._pools))):
+                dfa._torch_empty_cache = None
+                dfa._pools[("some-region", 0)] = object()  # a region's live MemPool
+                dfa.empty_cache()
+                self.assertEqual(calls, [0], "PyTorch's empty_cache ran once, after the pools were dropped")
+                dfa._hook_torch_empty_cache()  # what region() does on CUDA
+                dfa._pools[("some-region", 0)] = object()
+                torch.cuda.empty_cache()
+                self.assertEqual(calls, [0, 0], "torch.cuda.empty_cache() drops them too")
+                self.assertEqual(dfa._pools, {})
+        finally:
+            torch.cuda.empty_cache, torch.cuda.memory.empty_cache = saved_torch
+            dfa._pools.clear()
+            dfa._pools.update(saved_pools)
+            dfa._torch_empty_cache = saved_hook
+
     def test_snapshot_renders_with_memory_viz(self):
         import os
         import pickle
