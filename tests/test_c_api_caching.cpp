@@ -258,3 +258,202 @@ TEST_F(c_api_caching, pausing_one_tag_never_unmaps_another_after_cross_tag_reuse
   for (block& x : b) dfa_free(x.p, x.n, 0, nullptr);
   EXPECT_STREQ(dfa_last_error(), "");
 }
+
+// Issue 31 item 7: a tag with a control character is refused where it enters.  Before,
+// "a\nb" was accepted and split dfa_tag_names' list, so pausing every tag failed.
+TEST_F(c_api_caching, tag_names_with_control_characters_are_refused) {
+  EXPECT_EQ(dfa_tag_begin("a\nb"), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(dfa_last_error()),
+            "dfa_tag_begin: register_tag: the tag 'a\\nb' contains the control character 0x0a at offset 1; a tag name "
+            "is printable text (a newline would split the list of tags, a NUL cut the name)");
+  EXPECT_EQ(dfa_tag_begin("tab\there"), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_tag_begin("del\x7f"), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_tag_end(), DFA_ERROR_INVALID_STATE) << "no region was opened";
+  EXPECT_EQ(dfa_tag_pause("a\nb", DFA_KEEP_DISCARD, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dfa_last_error()).find("control character 0x0a"), std::string::npos) << dfa_last_error();
+  int paused = 0;
+  EXPECT_EQ(dfa_tag_is_paused("x\ry", &paused), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_tag_begin("fine tag-1.ü"), DFA_SUCCESS) << "spaces, punctuation and UTF-8 are text";
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  size_t needed = 0;
+  ASSERT_EQ(dfa_tag_names(nullptr, 0, &needed), DFA_SUCCESS);
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_tag_names(text.data(), text.size(), &needed), DFA_SUCCESS);
+  EXPECT_EQ(std::string(text.c_str()), "fine tag-1.ü\n");
+}
+
+namespace {
+// Collects the library's log lines at warn (level 2) and above.
+struct log_lines {
+  std::vector<std::string> warn;
+  static void fn(int level, const char* msg, void* user) {
+    if (level <= 2) static_cast<log_lines*>(user)->warn.emplace_back(msg);
+  }
+};
+std::string refusal() { return dfa_last_refusal(); }
+}  // namespace
+
+// Issue 29 item 2: a refused allocation leaves one warn line and dfa_last_refusal with
+// the reason and the fix; the paused tag stays paused (allocation in a paused tag is
+// refused, Note [Refusals]).
+TEST_F(c_api_caching, a_refused_allocation_says_why_once) {
+  log_lines logs;
+  ASSERT_EQ(dfa_set_log_callback(&log_lines::fn, &logs, 2), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  void* p = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_pause("p", DFA_KEEP_HOST, nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_clear_last_refusal();  // thread-local: an earlier test's refusal may be there
+  EXPECT_EQ(refusal(), "");
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  EXPECT_EQ(dfa_malloc(100, 0, nullptr), nullptr);
+  const std::string paused =
+      "deferalloc refused 100 bytes (100 B) in tag 'p': the tag 'p' is paused (pause gave its memory back). Fix: "
+      "resume('p') before allocating in it, or allocate outside its region.";
+  EXPECT_EQ(std::string(dfa_last_error()), "dfa_malloc: " + paused);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  EXPECT_EQ(refusal(), paused);
+  ASSERT_EQ(logs.warn.size(), 1u);
+  EXPECT_EQ(logs.warn[0], paused);
+  void* q = dfa_malloc(4096, 0, nullptr);  // untagged: served; the refusal stays readable
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(refusal(), paused);
+  int is_paused = 0;
+  ASSERT_EQ(dfa_tag_is_paused("p", &is_paused), DFA_SUCCESS);
+  EXPECT_EQ(is_paused, 1) << "the refused allocation leaves the tag paused";
+  ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_clear_last_refusal();
+  EXPECT_EQ(refusal(), "");
+  dfa_free(p, 0, 0, nullptr);
+  dfa_free(q, 0, 0, nullptr);
+  ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+}
+
+TEST_F(c_api_caching, refusals_name_the_fraction_the_budget_and_the_device) {
+  log_lines logs;
+  ASSERT_EQ(dfa_set_log_callback(&log_lines::fn, &logs, 2), DFA_SUCCESS);
+  // The memory fraction: 16 MiB of host capacity, half of it allowed.
+  ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_init("driver:host,host_granularity_kb:64,host_capacity_mb:16"), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_set_memory_fraction(0.5, 0), DFA_SUCCESS);
+  EXPECT_EQ(dfa_malloc(12 << 20, 0, nullptr), nullptr);
+  EXPECT_EQ(refusal(),
+            "deferalloc refused 12582912 bytes (12.00 MiB): the memory fraction 0.500000 allows 8388608 bytes (8.00 "
+            "MiB) and 0 (0 B) are backed. Fix: free tensors, pause a tag, or raise the fraction "
+            "(torch.cuda.set_per_process_memory_fraction, or memory_fraction in DEFERALLOC_CONF).");
+  // The device: a deferred reservation (outside the caching allocator's fraction) holds
+  // 12 of the 16 MiB, so 8 MiB fit the fraction but not the device.
+  ASSERT_EQ(dfa_set_memory_fraction(1.0, 0), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  ASSERT_EQ(dfa_reserve(12 << 20, &r, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_materialize(r, 0, 12 << 20, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(dfa_malloc(8 << 20, 0, nullptr), nullptr);
+  const std::string dev = refusal();
+  // (The free bytes depend on what the failed attempt left cached in the pool.)
+  EXPECT_EQ(dev.rfind("deferalloc refused 8388608 bytes (8.00 MiB): the device is out of memory: ", 0), 0u) << dev;
+  EXPECT_NE(dev.find(" of 16777216 bytes ("), std::string::npos) << dev;
+  EXPECT_NE(dev.find(" of 16.00 MiB) are free; deferalloc holds 0 bytes backed, 0 of them allocated (out of memory "),
+            std::string::npos)
+      << dev;
+  EXPECT_TRUE(dev.ends_with(". Fix: free tensors, pause a tag (deferalloc.pause), or make the other users of the "
+                            "device give memory back."))
+      << dev;
+  // The pool's budget.
+  ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_init("driver:host,host_granularity_kb:64,pool_budget_mb:4"), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(dfa_malloc(6 << 20, 0, nullptr), nullptr);
+  const std::string budget = refusal();
+  EXPECT_EQ(budget.rfind("deferalloc refused 6291456 bytes (6.00 MiB): the chunk pool's budget of 4194304 bytes (4.00 "
+                         "MiB) is reached (",
+                         0),
+            0u)
+      << budget;
+  EXPECT_NE(budget.find(" bytes alive) (out of memory backing "), std::string::npos) << budget;
+  EXPECT_TRUE(budget.ends_with(". Fix: free tensors, pause a tag, or raise pool_budget_mb in DEFERALLOC_CONF.")) << budget;
+  ASSERT_EQ(logs.warn.size(), 3u) << "one warn line per refused allocation";
+  EXPECT_EQ(logs.warn[2], budget);
+  ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+}
+
+// Issue 29 item 1 at the C ABI: a tag's freed blocks go back to the device with
+// empty_cache while another tag's live blocks keep their memory and contents.
+TEST_F(c_api_caching, a_tags_freed_memory_goes_back_and_the_other_tag_stays) {
+  std::vector<void*> live, gone;
+  ASSERT_EQ(dfa_tag_begin("live"), DFA_SUCCESS);
+  for (int i = 0; i < 8; ++i) {
+    live.push_back(dfa_malloc(1 << 20, 0, nullptr));
+    ASSERT_NE(live.back(), nullptr) << dfa_last_error();
+    std::memset(live.back(), 0x40 + i, 1 << 20);
+  }
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  const int64_t live_backed = stat("deferalloc.backed_bytes");
+  ASSERT_EQ(dfa_tag_begin("freed"), DFA_SUCCESS);
+  for (int i = 0; i < 64; ++i) {
+    gone.push_back(dfa_malloc((1 << 20) + 4096 * i, 0, nullptr));
+    ASSERT_NE(gone.back(), nullptr) << dfa_last_error();
+  }
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  EXPECT_GT(stat("deferalloc.backed_bytes"), live_backed + (64 << 20));
+  for (void* p : gone) dfa_free(p, 0, 0, nullptr);
+  size_t released = 0;
+  ASSERT_EQ(dfa_empty_cache(0, &released), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_GE(released, size_t{64} << 20);
+  EXPECT_EQ(stat("deferalloc.backed_bytes"), live_backed) << "every chunk of the freed tag went back";
+  EXPECT_LE(stat("deferalloc.pool.alive_bytes"), live_backed) << "and on to the device (physical-memory policy)";
+  for (int i = 0; i < 8; ++i) {
+    const auto* c = static_cast<const unsigned char*>(live[i]);
+    EXPECT_TRUE(c[0] == 0x40 + i && c[(1 << 20) - 1] == 0x40 + i) << "live block " << i << " changed";
+    dfa_free(live[i], 0, 0, nullptr);
+  }
+}
+
+// Issue 29 item 3 at the C ABI: the snapshot lists segments, backed runs, blocks, tags,
+// paused ranges and the recorded events (Note [Memory snapshots]).
+TEST_F(c_api_caching, memory_snapshot_lists_state_and_recorded_events) {
+  ASSERT_EQ(dfa_record_memory_history(100), DFA_SUCCESS) << dfa_last_error();
+  void* a = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_begin("t"), DFA_SUCCESS);
+  void* b = dfa_malloc(2 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_TRUE(a && b) << dfa_last_error();
+  dfa_free(a, 0, 0, nullptr);
+  ASSERT_EQ(dfa_tag_pause("t", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  size_t needed = 0;
+  ASSERT_EQ(dfa_memory_snapshot(nullptr, 0, &needed), DFA_SUCCESS) << dfa_last_error();
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_memory_snapshot(text.data(), text.size(), &needed), DFA_SUCCESS) << dfa_last_error();
+  text.resize(needed - 1);
+  const char* want[] = {"D 0\n",          "\nG 2 0 1 0 t\n",       "\nS 2 ",          "\nB ",
+                        "\nP 2 ",         "\nE segment_map ",      "\nE alloc ",      "\nE free_requested ",
+                        "\nE free_completed ", "\nE segment_unmap "};
+  for (const char* w : want) EXPECT_NE(text.find(w), std::string::npos) << "missing '" << w << "' in\n" << text;
+  ASSERT_EQ(dfa_record_memory_history(0), DFA_SUCCESS);
+  ASSERT_EQ(dfa_memory_snapshot(text.data(), text.size(), &needed), DFA_SUCCESS);
+  EXPECT_EQ(std::string(text.c_str()).find("\nE "), std::string::npos) << "stopping drops the events";
+  ASSERT_EQ(dfa_tag_resume("t", nullptr), DFA_SUCCESS);
+  dfa_free(b, 0, 0, nullptr);
+}
+
+// The history is a ring of the newest max_entries events, oldest first.
+TEST_F(c_api_caching, memory_history_keeps_the_newest_events_in_order) {
+  ASSERT_EQ(dfa_record_memory_history(5), DFA_SUCCESS) << dfa_last_error();
+  std::vector<void*> ps;
+  for (int i = 0; i < 9; ++i) ps.push_back(dfa_malloc(4096 * (i + 1), 0, nullptr));
+  for (void* p : ps) dfa_free(p, 0, 0, nullptr);  // 9 x (free_requested, free_completed) after the allocs
+  size_t needed = 0;
+  ASSERT_EQ(dfa_memory_snapshot(nullptr, 0, &needed), DFA_SUCCESS);
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_memory_snapshot(text.data(), text.size(), &needed), DFA_SUCCESS);
+  std::vector<std::string> events;
+  for (std::size_t at = text.find("\nE "); at != std::string::npos; at = text.find("\nE ", at + 1))
+    events.push_back(text.substr(at + 3, text.find('\n', at + 1) - at - 3));
+  ASSERT_EQ(events.size(), 5u) << text;
+  char last[64];
+  std::snprintf(last, sizeof last, "free_completed %llu 36864 ",
+                static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(ps[8])));
+  EXPECT_EQ(events[4].rfind(last, 0), 0u) << events[4];
+  EXPECT_EQ(events[0].rfind("free_completed ", 0), 0u) << events[0];
+  EXPECT_EQ(events[1].rfind("free_requested ", 0), 0u) << events[1];
+  ASSERT_EQ(dfa_record_memory_history(0), DFA_SUCCESS);
+}

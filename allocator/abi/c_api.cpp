@@ -38,6 +38,10 @@ namespace {
 using namespace deferalloc;
 
 thread_local std::string t_last_error;
+// The last allocation dfa_malloc refused on this thread (Note [Refusals] in
+// caching/impl.hpp): kept across later successful calls, unlike t_last_error, because
+// PyTorch calls the allocator again (frees, a retry) before its error reaches the user.
+thread_local std::string t_last_refusal;
 
 // Note [Process lifetime]: the instance is torn down by dfa_shutdown, never by the exit
 // of the process.  At exit, the CUDA runtime destroys the primary context from its own
@@ -59,6 +63,7 @@ std::map<int, std::unique_ptr<device_allocator>>& g_allocs =
     *new std::map<int, std::unique_ptr<device_allocator>>;  // guarded by g_mu
 std::atomic<std::uint64_t> g_generation{1};                 // bumped by dfa_shutdown
 std::atomic<bool> g_report_faults{false};                   // the instance runs on the host driver
+std::atomic<std::size_t> g_history{0};                      // dfa_record_memory_history's max_entries
 
 // The tagged regions of the calling thread (dfa_tag_begin/end).  They belong to one
 // instance: a thread that left a region open across dfa_shutdown finds it closed (the
@@ -167,6 +172,7 @@ caching_allocator& allocator_for(int device, std::shared_lock<std::shared_mutex>
         m = d->own->reservations.get();
       }
       d->alloc = std::make_unique<caching_allocator>(*m, g_ctx->config.caching);
+      if (const std::size_t h = g_history.load()) d->alloc->record_history(h);
       g_allocs.emplace(key, std::move(d));
     }
   }
@@ -215,6 +221,7 @@ void log_hook_error(const char* call) {
 template <typename F>
 void for_tag(const char* call, const char* tag, F&& f) {
   need(tag, "tag");
+  caching_allocator::check_tag_name(call, tag);
   std::shared_lock<std::shared_mutex> lk;
   allocator_for(-1, lk);
   bool known = false;
@@ -267,11 +274,16 @@ dfa_status dfa_shutdown(void) {
     }
     detail::faults().clear();
     g_report_faults.store(false);
+    g_history.store(0);
     g_generation.fetch_add(1);  // drops every thread's tagged regions (thread_tags)
   });
 }
 
 const char* dfa_last_error(void) { return t_last_error.c_str(); }
+
+const char* dfa_last_refusal(void) { return t_last_refusal.c_str(); }
+
+void dfa_clear_last_refusal(void) { t_last_refusal.clear(); }
 
 dfa_status dfa_set_log_callback(dfa_log_fn fn, void* user, int level) {
   return guard("dfa_set_log_callback", [&] {
@@ -424,7 +436,7 @@ void* dfa_malloc(size_t size, int device, void* stream) {
     t_last_error.clear();
     return nullptr;
   }
-  guard("dfa_malloc", [&] {
+  if (guard("dfa_malloc", [&] {
     std::shared_lock<std::shared_mutex> lk;
     caching_allocator& a = allocator_for(device, lk);
     const std::vector<std::string>& tags = thread_tags();
@@ -432,7 +444,11 @@ void* dfa_malloc(size_t size, int device, void* stream) {
     if (tags.empty()) out = a.allocate(size, stream_t{stream});
     else out = a.allocate(size, stream_t{stream}, a.register_tag(tags.back()));
     note_segment(a, out);
-  });
+  }) != DFA_SUCCESS) {
+    // The refusal's own text (the warn line), without guard's "dfa_malloc: ".
+    constexpr std::string_view prefix = "dfa_malloc: ";
+    t_last_refusal = t_last_error.starts_with(prefix) ? t_last_error.substr(prefix.size()) : t_last_error;
+  }
   return out;
 }
 
@@ -567,6 +583,55 @@ dfa_status dfa_memory_stats(int device, char* buf, size_t cap, size_t* needed) {
     std::string text;
     for (auto& [k, v] : allocator_for(device, lk).stats()) text += k + " " + std::to_string(v) + "\n";
     copy_text(text, buf, cap, needed);
+  });
+}
+
+dfa_status dfa_memory_snapshot(char* buf, size_t cap, size_t* needed) {
+  return guard("dfa_memory_snapshot", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    allocator_for(-1, lk);
+    std::string text;
+    for (auto& [dev, d] : g_allocs) text += "D " + std::to_string(dev) + "\n" + d->alloc->snapshot_text();
+    // The reservations of dfa_reserve (deferred tensors): "Q <id> <address> <reserved>
+    // <backed> <backup>", then their backed runs as "R <offset> <length>".
+    reservation_manager& m = *g_ctx->reservations;
+    std::vector<dfa_reservation> ids;
+    {
+      std::lock_guard idl(g_ids_mu);
+      ids.assign(g_ids.begin(), g_ids.end());
+    }
+    std::sort(ids.begin(), ids.end());
+    const std::size_t g = m.granularity();
+    for (dfa_reservation r : ids) {
+      reservation_info info;
+      try {
+        info = m.info(r);
+      } catch (const invalid_argument&) {
+        continue;  // freed since the list was taken
+      }
+      text += "Q " + std::to_string(r) + " " + std::to_string(info.address) + " " + std::to_string(info.reserved_bytes) +
+              " " + std::to_string(info.backed_bytes) + " " + std::to_string(info.backup_bytes) + "\n";
+      if (info.backed_bytes == 0) continue;
+      try {
+        for (std::size_t i = 0; i * g < info.reserved_bytes;) {
+          std::size_t j = i;
+          while (j * g < info.reserved_bytes && m.is_backed(r, j * g, g)) ++j;
+          if (j > i) text += "R " + std::to_string(i * g) + " " + std::to_string((j - i) * g) + "\n";
+          i = j + 1;
+        }
+      } catch (const invalid_argument&) {  // freed meanwhile: its runs are left out
+      }
+    }
+    copy_text(text, buf, cap, needed);
+  });
+}
+
+dfa_status dfa_record_memory_history(size_t max_entries) {
+  return guard("dfa_record_memory_history", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    allocator_for(-1, lk);
+    g_history.store(max_entries);
+    for (caching_allocator* a : all_allocators()) a->record_history(max_entries);
   });
 }
 

@@ -136,16 +136,21 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
 }
 
 void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag) {
-  DFA_EXPECTS(bytes > 0, "allocate: size is zero");
-  DFA_EXPECTS(bytes <= k_max_request, "allocate: size " + std::to_string(bytes) + " is absurd (limit 64 TiB)");
-  const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
   impl& d = *impl_;
+  if (bytes == 0 || bytes > k_max_request) {
+    std::lock_guard lk(d.mu);
+    throw d.refuse<invalid_argument>(bytes, nullptr, bytes == 0 ? "the size is zero" : "the size is above 64 TiB, the most one request may ask",
+                                     "check how the size is computed (a negative size cast to unsigned?)");
+  }
+  const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
   std::lock_guard lk(d.mu);
   if (!d.pending.empty()) d.process_pending(false);
   group* grp = size <= d.cfg.small_size ? &d.small_grp : &d.large_grp;
   if (tag != tag_id::none) {
     tag_state* t = d.tag_of(tag);
-    if (t->paused) throw invalid_state("allocate: tag '" + t->name + "' is paused; resume it before allocating in it");
+    if (t->paused)
+      throw d.refuse<invalid_state>(bytes, t, "the tag '" + t->name + "' is paused (pause gave its memory back)",
+                                    "resume('" + t->name + "') before allocating in it, or allocate outside its region");
     grp = t->grp.get();
   }
   stream_state* s = d.state_of(stream);
@@ -161,6 +166,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag
     if (d.added != nullptr) d.drop_segment_if_unused(d.added);
     d.added = nullptr;
   };
+  d.fraction_refused = false;
   for (int attempt = 0;; ++attempt) {
     d.added = nullptr;
     try {
@@ -173,10 +179,10 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag
       undo();
       if (attempt == 1) {
         ++d.st.num_ooms;
-        throw out_of_memory(std::string("allocate ") + std::to_string(bytes) + " bytes: " + e.what() + " (" +
-                            std::to_string(d.st.allocated_bytes[pool_all].current) + " bytes allocated)");
+        throw d.refuse_oom(bytes, size, grp->tag, e.what(), stream);
       }
       ++d.st.num_alloc_retries;
+      d.fraction_refused = false;
       d.free_cached();
     } catch (...) {
       undo();
@@ -193,6 +199,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag
   stat_set::add(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
   stat_set::add(d.st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
   stat_set::add(d.st.requested_bytes, b->small, static_cast<std::int64_t>(bytes));
+  if (d.history_max != 0) d.record(trace_action::alloc, b->addr, b->size, stream, grp);
   return reinterpret_cast<void*>(b->addr);
 }
 
@@ -208,6 +215,7 @@ void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream
                            " bytes, not " + std::to_string(bytes));
   stream_state* s = d.state_of(stream);
   if (b->users == nullptr && b->owner == s) {  // the common case: no other stream to wait for
+    if (d.history_max != 0) d.record(trace_action::free_requested, b->addr, b->size, stream, b->seg->grp);
     d.allocated.erase(p);
     stat_set::sub(d.st.allocation, b->small, 1);
     stat_set::sub(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
@@ -235,6 +243,7 @@ void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream
     for (event_t e : events) d.give_event(e);
     throw;
   }
+  if (d.history_max != 0) d.record(trace_action::free_requested, b->addr, b->size, stream, b->seg->grp);
   d.allocated.erase(p);
   stat_set::sub(d.st.allocation, b->small, 1);
   stat_set::sub(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));

@@ -11,6 +11,7 @@
 // freed while paused are simply free at resume.  Chunks given back beyond the pool's
 // cache bound go to the driver at once (Note [Physical memory policy]).
 // Limits: a tag's memory is paused as a whole; allocating in a paused tag is an error.
+#include <cstdio>
 #include <limits>
 
 #include "caching/impl.hpp"
@@ -39,9 +40,34 @@ void erase_regions_of(const caching_allocator* owner) noexcept {
 }
 }  // namespace detail
 
+void caching_allocator::check_tag_name(std::string_view call, std::string_view tag) {
+  const std::string where(call);
+  DFA_EXPECTS(!tag.empty(), where + ": the tag is empty");
+  DFA_EXPECTS(tag.size() <= 256, where + ": the tag is longer than 256 characters");
+  for (std::size_t i = 0; i < tag.size(); ++i) {
+    const auto c = static_cast<unsigned char>(tag[i]);
+    if (c >= 0x20 && c != 0x7f) continue;
+    std::string shown;  // the name with its control characters escaped
+    for (char x : tag) {
+      const auto u = static_cast<unsigned char>(x);
+      char buf[8];
+      if (u == '\n') shown += "\\n";
+      else if (u == '\t') shown += "\\t";
+      else if (u < 0x20 || u == 0x7f) {
+        std::snprintf(buf, sizeof buf, "\\x%02x", u);
+        shown += buf;
+      } else shown += x;
+    }
+    char code[8];
+    std::snprintf(code, sizeof code, "0x%02x", c);
+    throw invalid_argument(where + ": the tag '" + shown + "' contains the control character " + code +
+                           " at offset " + std::to_string(i) +
+                           "; a tag name is printable text (a newline would split the list of tags, a NUL cut the name)");
+  }
+}
+
 tag_id caching_allocator::register_tag(std::string_view tag) {
-  DFA_EXPECTS(!tag.empty(), "register_tag: the tag is empty");
-  DFA_EXPECTS(tag.size() <= 256, "register_tag: the tag is longer than 256 characters");
+  check_tag_name("register_tag", tag);
   impl& d = *impl_;
   std::lock_guard lk(d.mu);
   if (tag_state* t = d.find_tag(tag)) return d.id_of(t);
@@ -66,8 +92,7 @@ tag_scope::~tag_scope() {
 }
 
 void caching_allocator::begin_tag(std::string_view tag) {
-  DFA_EXPECTS(!tag.empty(), "begin_tag: the tag is empty");
-  DFA_EXPECTS(tag.size() <= 256, "begin_tag: the tag is longer than 256 characters");
+  check_tag_name("begin_tag", tag);
   const tag_id id = register_tag(tag);
   detail::t_regions.emplace_back(this, id);
   detail::g_open_regions.fetch_add(1);
@@ -161,6 +186,7 @@ void caching_allocator::resume(std::string_view tag, stream_t stream) {
         added += static_cast<std::int64_t>(d.g);
       }
     }
+    if (d.history_max != 0) d.record_runs(trace_action::segment_map, *s, t->saved);
     if (added != 0) d.note_backed(*t->grp, added);
     d.seg_use(s.get(), stream);
   }

@@ -35,6 +35,21 @@ tag_id region_tag(const caching_allocator* owner) noexcept;
 /// Leaves every region of `owner` on this thread.
 void erase_regions_of(const caching_allocator* owner) noexcept;
 
+/// `bytes` for a person: "68.99 GiB", "512 B".
+inline std::string human_bytes(std::size_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[48];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  else std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
 }  // namespace detail
 
 using namespace detail;
@@ -67,6 +82,14 @@ struct caching_allocator::impl {
   stat_set st;
   std::size_t reserved = 0;  // backed bytes of our segments
   segment* added = nullptr;  // the segment the current allocate added (dropped if it fails)
+  bool fraction_refused = false;  // the last ensure_backed failed on the memory fraction
+  std::int64_t refusals = 0;      // allocations refused (paused tag, fraction, budget, device)
+  // Note [Memory snapshots]: recorded events (record_history), a ring of at most history_max.
+  std::vector<trace_event> history;
+  std::size_t history_max = 0, history_next = 0;
+  void record(trace_action a, std::uintptr_t addr, std::size_t size, stream_t s, const group* grp,
+              std::size_t aux = 0) noexcept;
+  void record_runs(trace_action a, const segment& seg, const std::vector<range>& rs) noexcept;
 
   // ---- small helpers ----
   block* new_block() {
@@ -266,9 +289,11 @@ struct caching_allocator::impl {
       b->backed = true;
       return;
     }
-    if (reserved + missing * g > limit)
+    if (reserved + missing * g > limit) {
+      fraction_refused = true;
       throw out_of_memory("memory fraction " + std::to_string(cfg.memory_fraction) + " allows " +
                           std::to_string(limit) + " bytes, " + std::to_string(reserved) + " are backed");
+    }
     // Grow in steps (see Note [Growth steps] in caching_allocator.cpp): also back the
     // unbacked granules after the block (free space: allocated blocks are always backed)
     // up to the next multiple of the group's step, within the limit.
@@ -301,6 +326,7 @@ struct caching_allocator::impl {
       mgr.materialize(runs, fill_mode::undefined, stream);
     }
     for (std::size_t i = first; i < grow_end; ++i) s.backed[i] = 1;
+    if (history_max != 0) record_runs(trace_action::segment_map, s, runs);
     b->backed = true;
     missing += grow_end - end;
     note_backed(*s.grp, static_cast<std::int64_t>(missing * g));
@@ -363,6 +389,7 @@ struct caching_allocator::impl {
   }
 
   void finish_free(block* b) {
+    if (history_max != 0) record(trace_action::free_completed, b->addr, b->size, b->owner->stream, b->seg->grp);
     stat_set::sub(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
     stat_set::sub(st.active, b->small, 1);
     free_block(b);
@@ -442,6 +469,7 @@ struct caching_allocator::impl {
         bytes += static_cast<std::int64_t>(g);
       }
     if (bytes != 0) {
+      if (history_max != 0) record_runs(trace_action::segment_unmap, s, rs);
       for (block* b = s.first; b != nullptr; b = b->next)
         if (b->backed)
           for (std::size_t i = first_granule(b); i < end_granule(b); ++i)
@@ -498,6 +526,56 @@ struct caching_allocator::impl {
     }
     const std::size_t now = mgr.pool().stats().alive_bytes;
     return alive > now ? alive - now : 0;
+  }
+
+  // Note [Refusals]: every allocation refused leaves one warn line and an exception with
+  // the same text: "deferalloc refused <N> bytes (<human>)[ in tag 'T']: <reason>. Fix:
+  // <what to do>."  The C ABI keeps it for dfa_last_refusal (PyTorch's allocator
+  // interface drops our message: the Python face shows it as an exception note).
+  std::string refusal_text(std::size_t bytes, const tag_state* t, const std::string& reason, const std::string& fix) const {
+    return "deferalloc refused " + std::to_string(bytes) + " bytes (" + human_bytes(bytes) + ")" +
+           (t != nullptr ? " in tag '" + t->name + "'" : std::string()) + ": " + reason + ". Fix: " + fix + ".";
+  }
+  template <typename E>
+  E refuse(std::size_t bytes, const tag_state* t, const std::string& reason, const std::string& fix) {
+    ++refusals;
+    std::string msg = refusal_text(bytes, t, reason, fix);
+    detail::log(log_level::warn, msg);
+    return E(std::move(msg));
+  }
+  // The out-of-memory refusal after the retry: the memory fraction, the pool's budget or
+  // the device, with the numbers.
+  out_of_memory refuse_oom(std::size_t bytes, std::size_t size, const tag_state* t, const std::string& cause, stream_t stream) {
+    const pool_stats ps = mgr.pool().stats();
+    const std::size_t budget = mgr.pool().budget();
+    std::size_t dev_free = 0;
+    std::string reason, fix;
+    if (fraction_refused) {
+      reason = "the memory fraction " + std::to_string(cfg.memory_fraction) + " allows " + std::to_string(limit) +
+               " bytes (" + human_bytes(limit) + ") and " + std::to_string(reserved) + " (" + human_bytes(reserved) +
+               ") are backed";
+      fix = "free tensors, pause a tag, or raise the fraction (torch.cuda.set_per_process_memory_fraction, or "
+            "memory_fraction in DEFERALLOC_CONF)";
+    } else if (budget != 0 && ps.alive_bytes + size > budget) {
+      reason = "the chunk pool's budget of " + std::to_string(budget) + " bytes (" + human_bytes(budget) + ") is reached (" +
+               std::to_string(ps.alive_bytes) + " bytes alive)";
+      fix = "free tensors, pause a tag, or raise pool_budget_mb in DEFERALLOC_CONF";
+    } else {
+      std::string dev = "the device's free memory is unknown";
+      try {
+        const auto mi = drv.get_memory_info();
+        dev_free = mi.free_bytes;
+        dev = std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes) + " bytes (" +
+              human_bytes(mi.free_bytes) + " of " + human_bytes(mi.total_bytes) + ") are free";
+      } catch (...) {
+        detail::log_current("out-of-memory report: device memory info", log_level::warn);
+      }
+      reason = "the device is out of memory: " + dev + "; deferalloc holds " + std::to_string(reserved) + " bytes backed, " +
+               std::to_string(st.allocated_bytes[pool_all].current) + " of them allocated";
+      fix = "free tensors, pause a tag (deferalloc.pause), or make the other users of the device give memory back";
+    }
+    if (history_max != 0) record(trace_action::oom, 0, bytes, stream, nullptr, dev_free);
+    return refuse<out_of_memory>(bytes, t, fraction_refused ? reason : reason + " (" + cause + ")", fix);
   }
 
   // Removes `seg` when no block in it is allocated or pending and nothing is backed

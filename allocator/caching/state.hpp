@@ -74,6 +74,19 @@ struct tag_state {
   std::vector<range> saved;  // released at pause, backed again at resume
 };
 
+/// An allocator event kept by record_history (Note [Memory snapshots]); the actions are
+/// PyTorch's trace actions.
+enum class trace_action : std::uint8_t { alloc, free_requested, free_completed, segment_map, segment_unmap, oom };
+struct trace_event {
+  trace_action action = trace_action::alloc;
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  stream_t stream = nullptr;
+  std::int64_t time_us = 0;
+  int group = -1;          // group index (0 small, 1 large, 2.. tags); -1 none
+  std::size_t aux = 0;     // oom: the device's free bytes
+};
+
 /// One statistic in PyTorch's four flavours.
 struct stat {
   std::int64_t current = 0, peak = 0, allocated = 0, freed = 0;

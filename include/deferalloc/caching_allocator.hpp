@@ -103,9 +103,13 @@ class DFA_API caching_allocator {
   std::size_t allocation_size(const void* ptr) const;
 
   // ---- tags ----
+  /// Checks a tag name: 1 to 256 bytes, no control character (bytes 0x00-0x1f, 0x7f: a
+  /// newline would split the list of tag names, a NUL would cut the name short in C).
+  /// @throws invalid_argument naming `call`, the character and its offset
+  static void check_tag_name(std::string_view call, std::string_view tag);
   /// The id of `tag` in this allocator's registry, registering it on first use
   /// (pause/resume know it from then on).  One mutex; no driver call.
-  /// @throws invalid_argument for an empty tag or one longer than 256 characters
+  /// @throws invalid_argument for a name check_tag_name refuses
   tag_id register_tag(std::string_view tag);
   /// Enters a tagged region on this thread (prefer tag_scope).  An empty tag is invalid.
   void begin_tag(std::string_view tag);
@@ -133,6 +137,14 @@ class DFA_API caching_allocator {
   void set_resident(void* ptr, bool resident = true);
   /// Known tags, in creation order.
   std::vector<std::string> tags() const;
+
+  // ---- snapshots (Note [Memory snapshots] in caching_snapshot.cpp) ----
+  /// Starts (max_entries > 0) or stops (0) recording allocator events; stopping drops
+  /// the events recorded.  A ring: the newest max_entries events are kept.
+  void record_history(std::size_t max_entries);
+  /// The allocator's state as text, one record a line (see Note [Memory snapshots]):
+  /// segments (their backed runs), blocks, tags, and the recorded events.  One mutex.
+  std::string snapshot_text() const;
 
   // ---- statistics ----
   /// PyTorch's keys ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",

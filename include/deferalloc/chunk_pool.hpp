@@ -88,6 +88,8 @@ class DFA_API chunk_pool {
   pool_stats stats() const;
   /// The bound on cached bytes.
   std::size_t cache_limit() const { return cache_limit_; }
+  /// The bound on alive bytes (pool_budget_mb; 0: none).
+  std::size_t budget() const { return budget_; }
   /// Forgets peak values.
   void reset_peak() noexcept;
 

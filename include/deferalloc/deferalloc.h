@@ -116,6 +116,12 @@ DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
  * to the tag.  size 0 gives NULL without an error (PyTorch's empty tensors).
  * Cost: cached: one mutex, no driver call; see caching_allocator.hpp. */
 DFA_C_API void* dfa_malloc(size_t size, int device, void* stream);
+/* The message of the last allocation dfa_malloc refused on this thread ("" if none):
+ * "deferalloc refused <N> bytes (<size>)[ in tag 'T']: <reason>. Fix: <what to do>."
+ * (also logged at warn).  Unlike dfa_last_error(), later successful calls keep it, until
+ * the next refusal or dfa_clear_last_refusal(). */
+DFA_C_API const char* dfa_last_refusal(void);
+DFA_C_API void dfa_clear_last_refusal(void);
 /* CUDAPluggableAllocator's free (no status: a pointer we do not own sets
  * dfa_last_error() and is logged; nothing changes). */
 DFA_C_API void dfa_free(void* ptr, size_t size, int device, void* stream);
@@ -136,7 +142,9 @@ DFA_C_API dfa_status dfa_set_memory_fraction(double fraction, int device);
 /* Marks the allocation containing `ptr` to stay backed when its tag pauses. */
 DFA_C_API dfa_status dfa_set_resident(void* ptr, int resident);
 
-/* Tagged regions of the calling thread (they nest; the innermost wins). */
+/* Tagged regions of the calling thread (they nest; the innermost wins).  A tag is 1 to
+ * 256 bytes of printable text: a control character (a newline, a tab, ...) is refused
+ * with INVALID_ARGUMENT, here and in the calls below. */
 DFA_C_API dfa_status dfa_tag_begin(const char* tag);
 DFA_C_API dfa_status dfa_tag_end(void);
 /* Releases the physical memory of every allocation of `tag` on every device, addresses
@@ -147,6 +155,15 @@ DFA_C_API dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream)
 DFA_C_API dfa_status dfa_tag_resume(const char* tag, void* stream);
 /* *out = 1 when the tag is paused. */
 DFA_C_API dfa_status dfa_tag_is_paused(const char* tag, int* out);
+/* The caching allocators' state and recorded events as text, one record a line (a
+ * "D <device>" line before each device's; the format: Note [Memory snapshots] in
+ * allocator/caching/caching_snapshot.cpp); `needed` and a too small buf as in
+ * dfa_memory_stats.  deferalloc.memory_snapshot() turns it into PyTorch's format. */
+DFA_C_API dfa_status dfa_memory_snapshot(char* buf, size_t cap, size_t* needed);
+/* Records allocator events (alloc, free, segment map/unmap, oom) in a ring of the newest
+ * `max_entries` on every device's caching allocator (and those created later); 0 stops
+ * and drops them.  dfa_shutdown stops it. */
+DFA_C_API dfa_status dfa_record_memory_history(size_t max_entries);
 /* The known tags (of every device), one per line, into buf (NUL-terminated); `needed` and
  * a too small buf as in dfa_memory_stats.  Lets a caller pause or resume every tag. */
 DFA_C_API dfa_status dfa_tag_names(char* buf, size_t cap, size_t* needed);

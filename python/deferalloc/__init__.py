@@ -45,8 +45,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import operator
 import os
+import pickle
+import sys
 from typing import Iterator, Sequence
 
 import torch
@@ -59,7 +62,8 @@ __all__ = [
     "DeferallocError", "InvalidArgument", "InvalidState", "OutOfMemory", "CudaError", "NoDevice", "IoError",
     "CorruptData", "InternalError", "library_path", "deferred_empty", "materialize", "release", "is_backed",
     "region", "tag", "tags", "pause", "resume", "is_paused", "set_resident", "memory_stats", "reset_peak_stats",
-    "empty_cache", "trim", "pluggable_allocator", "mem_pool", "install", "driver_name",
+    "empty_cache", "trim", "pluggable_allocator", "mem_pool", "install", "driver_name", "last_error",
+    "memory_snapshot", "record_memory_history", "dump_snapshot",
 ]
 
 _SIZE_MAX = (1 << 64) - 1
@@ -124,6 +128,10 @@ def _load():
         "dfa_reset_peak_stats": (c.c_int, [c.c_int]),
         "dfa_empty_cache": (c.c_int, [c.c_int, c.POINTER(c.c_size_t)]),
         "dfa_trim": (c.c_int, [c.c_size_t, c.POINTER(c.c_size_t)]),
+        "dfa_last_refusal": (c.c_char_p, []),
+        "dfa_clear_last_refusal": (None, []),
+        "dfa_memory_snapshot": (c.c_int, [c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)]),
+        "dfa_record_memory_history": (c.c_int, [c.c_size_t]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -167,10 +175,18 @@ def _choice(value, what: str, table: dict) -> int:
 
 
 def _tag_name(name) -> bytes:
+    """The tag as bytes for C.  A control character is refused here: a NUL would cut the
+    name short in C (aliasing the tag before it) and a newline would split dfa_tag_names'
+    list (C refuses them too)."""
     if not isinstance(name, str):
         raise TypeError(f"a tag is a string, not {type(name).__name__}")
     if not name:
         raise InvalidArgument("a tag must not be empty")
+    for i, ch in enumerate(name):
+        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+            raise InvalidArgument(f"the tag {name!r} contains the control character 0x{ord(ch):02x} at offset {i}; "
+                                  "a tag name is printable text (a newline would split the list of tags, a NUL "
+                                  "cut the name)")
     return name.encode()
 
 
@@ -327,10 +343,12 @@ def region(name: str, keep: str = "discard", device=None) -> Iterator[None]:
     raw = _tag_name(name)
     _choice(keep, "region: keep", _KEEP)
     _region_keep[name] = keep
+    _load().dfa_clear_last_refusal()
     if _installed or not torch.cuda.is_available():
-        with tag(name):
+        with tag(name), _refusal_note():
             yield
         return
+    _hook_torch_empty_cache()
     d = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     dev = torch.cuda.current_device() if d is None or d.index is None else d.index
     key = (name, dev)
@@ -341,11 +359,34 @@ def region(name: str, keep: str = "discard", device=None) -> Iterator[None]:
         _pools[key] = pool
     _check(_load().dfa_tag_begin(raw), "dfa_tag_begin")
     try:
-        with torch.cuda.use_mem_pool(pool, device=dev):
+        with torch.cuda.use_mem_pool(pool, device=dev), _refusal_note():
             yield
     finally:
         del pool  # the frame must not keep the pool alive past a pause
         _check(_load().dfa_tag_end(), "dfa_tag_end")
+
+
+@contextlib.contextmanager
+def _refusal_note() -> Iterator[None]:
+    """Adds deferalloc's reason (Note [Refusals]) to an out-of-memory error raised by
+    PyTorch for an allocation deferalloc refused: PyTorch's message has only its own
+    numbers."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        why = last_error()
+        if why and why not in getattr(e, "__notes__", ()):
+            e.add_note(why)
+        raise
+
+
+def last_error() -> str:
+    """The last allocation deferalloc refused on this thread, "" if none: "deferalloc
+    refused <N> bytes (<size>)[ in tag 'T']: <reason>. Fix: <what to do>." (the same
+    line is logged at warn).  PyTorch's allocator interface reports a refusal as its own
+    out-of-memory error (or, under ``install()``, not at all): this says why.  Entering a
+    ``region`` clears it."""
+    return _load().dfa_last_refusal().decode(errors="replace")
 
 
 def tags() -> list:
@@ -365,7 +406,7 @@ def _give_back_cached_segments(name: str) -> None:
     for k in keys:
         del _pools[k]
     if keys and not _installed and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        (_torch_empty_cache or torch.cuda.memory.empty_cache)()  # PyTorch's own: this tag's pools only
 
 
 def pause(name: str | None = None, keep: str | None = None, stream=None) -> None:
@@ -447,10 +488,275 @@ def trim(keep_bytes: int = 0) -> int:
 
 
 def empty_cache(device: int = -1) -> int:
-    """Releases cached granules and trims the pool; returns the bytes given back."""
+    """Gives back every byte freed: the regions' cached segments (PyTorch's MemPools,
+    Note [Regions give freed memory back]), then deferalloc's free granules, the pool's
+    cached chunks and pinned buffers.  Live tensors of every region stay.  Returns the
+    device bytes deferalloc gave back to the driver."""
+    device = _device_index(device)
+    _release_region_pools()
     out = ctypes.c_size_t()
-    _check(_load().dfa_empty_cache(_device_index(device), ctypes.byref(out)), "dfa_empty_cache")
+    _check(_load().dfa_empty_cache(device, ctypes.byref(out)), "dfa_empty_cache")
     return out.value
+
+
+# Note [Regions give freed memory back]
+# Rationale: a region's tensors live in its tag's torch.cuda.MemPool (Note [One MemPool
+# per tag]).  PyTorch's empty_cache releases the cached segments of the default pool and
+# of pools no longer in use, never of a live MemPool: a region's freed memory stayed
+# cached in PyTorch and backed in deferalloc until a pause.
+# Approach: empty_cache drops the regions' MemPools (the next region() of a tag makes a
+# fresh one; a region open on a thread keeps its pool until it exits), so that PyTorch's
+# empty_cache releases their free segments, with deferalloc's dfa_free under them; then
+# deferalloc's own empty_cache gives the chunks back to the device.  Live tensors stay
+# where they are: a dropped pool with live blocks lives on until they are freed, and its
+# segments are released by the next empty_cache.  torch.cuda.empty_cache() does the same
+# once a region has made a MemPool: region() wraps it (_hook_torch_empty_cache).
+# Limits: torch._C._cuda_emptyCache called directly skips the regions; a pool with live
+# blocks keeps their segments' free parts cached until those blocks are freed.
+_torch_empty_cache = None
+
+
+def _release_region_pools() -> None:
+    if _installed or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    _pools.clear()
+    (_torch_empty_cache or torch.cuda.memory.empty_cache)()
+
+
+def _hook_torch_empty_cache() -> None:
+    global _torch_empty_cache
+    if _torch_empty_cache is not None:
+        return
+    original = torch.cuda.memory.empty_cache
+
+    @functools.wraps(original)
+    def empty_cache_with_regions() -> None:
+        _release_region_pools()
+        _check(_load().dfa_empty_cache(-1, None), "dfa_empty_cache")
+
+    _torch_empty_cache = original
+    torch.cuda.memory.empty_cache = empty_cache_with_regions
+    torch.cuda.empty_cache = empty_cache_with_regions
+
+
+# ---- snapshots (PyTorch's format, for torch.cuda._memory_viz) ---------------------------------
+
+_STATES = {"a": "active_allocated", "p": "active_pending_free", "f": "inactive"}
+
+
+def record_memory_history(enabled: bool = True, max_entries: int = 100_000, stacks: str = "python") -> None:
+    """Records allocator events (alloc, free, segment map/unmap, oom) for the trace of
+    ``memory_snapshot()`` (``torch.cuda._memory_viz.trace_plot``), the newest
+    ``max_entries``; ``enabled=False`` stops and drops them.  Outside ``install()`` on CUDA
+    it also turns on PyTorch's own history (with stack frames: ``stacks``), which the
+    regions' MemPool segments show."""
+    n = _int(max_entries, "record_memory_history: max_entries", lo=1) if enabled else 0
+    _check(_load().dfa_record_memory_history(n), "dfa_record_memory_history")
+    if not _installed and torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max(n, 1), stacks=stacks)
+
+
+def _snapshot_text() -> str:
+    lib = _load()
+    needed = ctypes.c_size_t()
+    for _ in range(8):  # the state may grow between sizing and copying
+        _check(lib.dfa_memory_snapshot(None, 0, ctypes.byref(needed)), "dfa_memory_snapshot")
+        buf = ctypes.create_string_buffer(needed.value + needed.value // 8 + 65536)
+        st = lib.dfa_memory_snapshot(buf, len(buf), ctypes.byref(needed))
+        if st == 0:
+            return buf.value.decode()
+        if needed.value < len(buf):
+            raise _error(st, "dfa_memory_snapshot")
+    raise _error(st, "dfa_memory_snapshot")
+
+
+def _parse_snapshot(text: str) -> dict:
+    """dfa_memory_snapshot's lines (Note [Memory snapshots]) as dicts."""
+    devices, reservations = {}, []
+    dev = seg = res = None
+    for line in text.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "D":
+            dev = devices.setdefault(int(rest), {"groups": {}, "segments": [], "paused": [], "events": []})
+        elif kind == "A":
+            g, limit, backed, refusals = map(int, rest.split())
+            dev.update(granularity=g, limit=limit, backed=backed, refusals=refusals)
+        elif kind == "G":
+            idx, small, paused, keep, name = rest.split(" ", 4)
+            dev["groups"][int(idx)] = {"name": name, "small": small == "1", "paused": paused == "1",
+                                       "keep": "host" if keep == "1" else "discard", "tag": int(idx) >= 2}
+        elif kind == "S":
+            gi, rid, base, size = map(int, rest.split())
+            seg = {"group": gi, "id": rid, "base": base, "size": size, "runs": [], "blocks": []}
+            res = None
+            dev["segments"].append(seg)
+        elif kind == "R":
+            off, length = map(int, rest.split())
+            (res if res is not None else seg)["runs"].append((off, length))
+        elif kind == "B":
+            a, size, req, state, stream, resident = rest.split()
+            seg["blocks"].append((int(a), int(size), int(req), state, int(stream), resident == "1"))
+        elif kind == "P":
+            gi, a, length = map(int, rest.split())
+            dev["paused"].append((gi, a, length))
+        elif kind == "E":
+            action, a, size, stream, t_us, gi, aux = rest.split()
+            dev["events"].append((action, int(a), int(size), int(stream), int(t_us), int(gi), int(aux)))
+        elif kind == "Q":
+            rid, a, reserved, backed, backup = map(int, rest.split())
+            res = {"id": rid, "address": a, "reserved_bytes": reserved, "backed_bytes": backed,
+                   "backup_bytes": backup, "runs": []}
+            reservations.append(res)
+    return {"devices": devices, "reservations": reservations}
+
+
+def _torch_segment(device: int, address: int, blocks: list, segment_type: str, pool_id, tag) -> dict:
+    total = sum(b["size"] for b in blocks)
+    active = [b for b in blocks if b["state"] != "inactive"]
+    return {"device": device, "address": address, "total_size": total, "stream": 0,
+            "segment_type": segment_type, "segment_pool_id": pool_id, "is_expandable": True, "frames": [],
+            "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+            "active_size": sum(b["size"] for b in active),
+            "requested_size": sum(b["requested_size"] for b in active),
+            "deferalloc_tag": tag, "blocks": blocks}
+
+
+def _segments_of(device: int, dev: dict, skip_active: bool) -> list:
+    """One PyTorch segment per backed run of deferalloc's segments (as PyTorch shows an
+    expandable segment by its mapped ranges), its blocks clipped to the run.  With
+    skip_active, only the free parts, one segment each (PyTorch's MemPools show the rest)."""
+    out = []
+    for seg in dev["segments"]:
+        grp = dev["groups"][seg["group"]]
+        tag = grp["name"] if grp["tag"] else None
+        pool_id = (1, seg["group"]) if tag else (0, 0)
+        kind = "small" if grp["small"] else "large"
+        for off, length in seg["runs"]:
+            lo, hi = seg["base"] + off, seg["base"] + off + length
+            blocks = []
+            for a, size, req, state, _stream, _resident in seg["blocks"]:
+                s, e = max(a, lo), min(a + size, hi)
+                if s >= e:
+                    continue
+                st = _STATES[state]
+                clipped = (s, e) != (a, a + size)
+                blocks.append({"address": s, "size": e - s, "state": st, "frames": [],
+                               "requested_size": e - s if st == "inactive" or clipped else min(req, e - s)})
+            if skip_active:
+                for b in blocks:
+                    if b["state"] == "inactive":
+                        out.append(_torch_segment(device, b["address"], [b], "deferalloc_cache", pool_id, tag))
+            elif blocks:
+                out.append(_torch_segment(device, lo, blocks, kind, pool_id, tag))
+    return out
+
+
+def _trace_of(dev: dict) -> list:
+    out = []
+    for action, a, size, stream, t_us, gi, aux in dev["events"]:
+        e = {"action": action, "addr": a, "size": size, "stream": stream, "time_us": t_us, "frames": []}
+        if gi >= 0 and gi in dev["groups"] and dev["groups"][gi]["tag"]:
+            e["deferalloc_tag"] = dev["groups"][gi]["name"]
+        if action == "oom":
+            e["device_free"] = aux
+        out.append(e)
+    return out
+
+
+def _annotations(parsed: dict) -> dict:
+    tags, devices = {}, {}
+    for d, dev in parsed["devices"].items():
+        devices[d] = {k: dev[k] for k in ("granularity", "limit", "backed", "refusals")}
+        for gi, grp in dev["groups"].items():
+            if not grp["tag"]:
+                continue
+            t = tags.setdefault(grp["name"], {"paused": False, "keep": grp["keep"], "paused_ranges": [],
+                                               "allocated_blocks": 0, "allocated_bytes": 0, "backed_bytes": 0})
+            t["paused"] |= grp["paused"]
+            t["paused_ranges"] += [(d, a, n) for g2, a, n in dev["paused"] if g2 == gi]
+            for seg in dev["segments"]:
+                if seg["group"] != gi:
+                    continue
+                t["backed_bytes"] += sum(n for _, n in seg["runs"])
+                for _a, size, _r, state, _s, _res in seg["blocks"]:
+                    if state == "a":
+                        t["allocated_blocks"] += 1
+                        t["allocated_bytes"] += size
+    deferred = []
+    for r in parsed["reservations"]:
+        backed = [(r["address"] + o, n) for o, n in r["runs"]]
+        deferred.append({**{k: r[k] for k in ("id", "address", "reserved_bytes", "backed_bytes", "backup_bytes")},
+                         "backed_ranges": backed})
+    optimizers = []
+    optim = sys.modules.get(__name__ + ".optim")
+    for o in list(getattr(optim, "_LIVE", ())):
+        try:
+            optimizers.append({"stats": o.stats(), "repr": repr(o)[:200]})
+        except Exception as e:  # a closed optimizer: say so rather than fail the snapshot
+            optimizers.append({"error": str(e)})
+    return {"tags": tags, "deferred": deferred, "devices": devices, "optimizers": optimizers,
+            "installed": _installed, "driver": driver_name()}
+
+
+def memory_snapshot() -> dict:
+    """The memory in PyTorch's snapshot format (what ``torch.cuda.memory._snapshot()``
+    returns), for ``torch.cuda._memory_viz.segment_plot`` / ``trace_plot`` and the online
+    viewer (``dump_snapshot``).  See docs/MEMORY.md.
+
+    * Under ``install()``, on the host driver and for the C ABI: deferalloc's caching
+      allocator as PyTorch would show expandable segments: one segment per backed run,
+      its blocks (active_allocated, active_pending_free, inactive) clipped to it;
+      ``segment_pool_id`` (1, n) and ``deferalloc_tag`` name a tag's segments;
+      ``device_traces`` holds the events recorded since ``record_memory_history()``.
+    * Regions over PyTorch's allocator (CUDA, no ``install()``): PyTorch's own snapshot
+      (its MemPool segments, with stack frames when recorded), each segment annotated
+      with its ``deferalloc_tag``, plus one ``deferalloc_cache`` segment per free backed
+      range that deferalloc holds below PyTorch.
+    * Deferred tensors' backed ranges are segments of type "deferred".
+    * ``snapshot["deferalloc"]``: per tag paused / keep / paused ranges / allocated and
+      backed bytes, the deferred reservations with their backed ranges (the rest of each
+      is deferred: address space only), the live StreamedAdamW optimizers' stats (window
+      and state bytes), per device the memory limit, backed bytes and refusals.
+    """
+    parsed = _parse_snapshot(_snapshot_text())
+    torch_view = not _installed and torch.cuda.is_available() and torch.cuda.is_initialized()
+    if torch_view:
+        snap = torch.cuda.memory._snapshot()
+        owner = {}
+        for d, dev in parsed["devices"].items():
+            for seg in dev["segments"]:
+                grp = dev["groups"][seg["group"]]
+                for a, size, _r, state, _s, _res in seg["blocks"]:
+                    if state != "f" and grp["tag"]:
+                        owner[a] = grp["name"]
+        for s in snap["segments"]:
+            s["deferalloc_tag"] = owner.get(s["address"])
+        for d, dev in parsed["devices"].items():
+            snap["segments"] += _segments_of(d, dev, skip_active=True)
+    else:
+        snap = {"segments": [], "device_traces": [], "allocator_settings": {}}
+        for d, dev in sorted(parsed["devices"].items()):
+            snap["segments"] += _segments_of(d, dev, skip_active=False)
+            while len(snap["device_traces"]) <= d:
+                snap["device_traces"].append([])
+            snap["device_traces"][d] = _trace_of(dev)
+    first = min(parsed["devices"], default=0)
+    for r in parsed["reservations"]:
+        for o, n in r["runs"]:
+            b = {"address": r["address"] + o, "size": n, "requested_size": n, "state": "active_allocated",
+                 "frames": []}
+            snap["segments"].append(_torch_segment(first, b["address"], [b], "deferred", (2, r["id"]), None))
+    if not snap["device_traces"]:
+        snap["device_traces"] = [[]]
+    snap["deferalloc"] = _annotations(parsed)
+    return snap
+
+
+def dump_snapshot(path: str) -> None:
+    """Writes ``memory_snapshot()`` as a pickle for https://pytorch.org/memory_viz (and
+    ``python -m torch.cuda._memory_viz``)."""
+    with open(path, "wb") as f:
+        pickle.dump(memory_snapshot(), f)
 
 
 # ---- the allocator for a whole process -------------------------------------------------------
@@ -489,11 +795,26 @@ def mem_pool():
 def install():
     """Replaces PyTorch's CUDA allocator by deferalloc's (before any CUDA allocation).
 
-    PyTorch's own memory_stats/snapshots do not work in this mode: use
-    ``deferalloc.memory_stats()``.  Raises RuntimeError if PyTorch's allocator is in use.
+    PyTorch's own memory_stats do not work in this mode: use ``deferalloc.memory_stats()``.
+    ``torch.cuda.memory._snapshot`` / ``_dump_snapshot`` / ``_record_memory_history`` are
+    pointed at ``memory_snapshot`` / ``record_memory_history`` (PyTorch's would be empty),
+    so existing tooling keeps working.  Raises RuntimeError if PyTorch's allocator is in use.
     """
     global _installed
     alloc = pluggable_allocator()
     torch.cuda.memory.change_current_allocator(alloc)
     _installed = True
+    torch.cuda.memory._snapshot = _snapshot_for_torch
+    torch.cuda.memory._record_memory_history = _record_history_for_torch
     return alloc
+
+
+def _snapshot_for_torch(device=None, augment_with_fx_traces=False) -> dict:
+    """torch.cuda.memory._snapshot under install(): deferalloc's (PyTorch's is empty)."""
+    return memory_snapshot()
+
+
+def _record_history_for_torch(enabled="all", *args, max_entries: int = 1_000_000, **kwargs) -> None:
+    """torch.cuda.memory._record_memory_history under install(): deferalloc's events
+    (no stack frames; the ring holds at most 10**7)."""
+    record_memory_history(enabled is not None, max_entries=max(1, min(int(max_entries), 10_000_000)))

@@ -67,6 +67,9 @@ class _Stats(ctypes.Structure):
                 ("retire_seconds", ctypes.c_double), ("io_wait_seconds", ctypes.c_double)]
 
 
+# Every live StreamedAdamW, for deferalloc.memory_snapshot()'s "optimizers" annotation.
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
 _PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p)
 _lib = None
 
@@ -220,6 +223,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         _check(lib.dfa_opt_create(text.encode(), ctypes.byref(h)), "dfa_opt_create")
         self._handle = h
         self._finalizer = weakref.finalize(self, lib.dfa_opt_destroy, h)
+        _LIVE.add(self)
         self._progress_cb = None
         if progress is not None:
             self._progress_cb = _PROGRESS(lambda ph, d, t, s, _u: progress(ph.decode(), d, t, s))

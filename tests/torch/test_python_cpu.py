@@ -172,6 +172,186 @@ class Errors(unittest.TestCase):
                                    rf"\d+ bytes\), offset \d+, touched while released")
 
 
+def _replay_like_memory_viz(snap, device=0):
+    """Replays the trace backwards from the snapshot as MemoryViz.js's segment view does
+    (simulate_memory) and returns the first event index at which an active block lies in
+    no mapped segment (where the viewer's find_segment fails), or None."""
+    segs = sorted([s["address"], s["total_size"]] for s in snap["segments"] if s["device"] == device)
+    blocks = {}
+    for s in snap["segments"]:
+        if s["device"] == device:
+            for b in s["blocks"]:
+                if b["state"] in ("active_allocated", "active_pending_free"):
+                    blocks[b["address"]] = b["size"]
+
+    def inside(a, n):
+        return any(sa <= a and a + n <= sa + sn for sa, sn in segs)
+
+    events = snap["device_traces"][device]
+    for i in range(len(events) - 1, -1, -1):
+        if any(not inside(a, n) for a, n in blocks.items()):
+            return i + 1
+        e = events[i]
+        act = e["action"]
+        if act in ("free_completed", "free"):
+            blocks[e["addr"]] = e["size"]
+        elif act == "alloc":
+            blocks.pop(e["addr"], None)
+        elif act == "segment_unmap":  # backwards: mapped again
+            segs.append([e["addr"], e["size"]])
+            segs.sort()
+        elif act == "segment_map":  # backwards: cut out of the segment holding it
+            for k, (sa, sn) in enumerate(segs):
+                if sa <= e["addr"] and e["addr"] + e["size"] <= sa + sn:
+                    del segs[k]
+                    if e["addr"] > sa:
+                        segs.append([sa, e["addr"] - sa])
+                    if e["addr"] + e["size"] < sa + sn:
+                        segs.append([e["addr"] + e["size"], sa + sn - e["addr"] - e["size"]])
+                    segs.sort()
+                    break
+            else:
+                return i
+    return None
+
+
+class MemoryYouCanSee(unittest.TestCase):
+    """Issue 29 (refusals, snapshots) and issue 31 item 7 (tag names) on the host driver."""
+
+    def test_tag_names_with_control_characters_are_refused(self):
+        for bad, code in (("a\nb", "0x0a"), ("x\0y", "0x00"), ("t\tab", "0x09")):
+            for enter in (lambda: dfa.region(bad).__enter__(), lambda: dfa.tag(bad).__enter__(),
+                          lambda: dfa.pause(bad), lambda: dfa.resume(bad), lambda: dfa.is_paused(bad)):
+                with self.assertRaises(dfa.InvalidArgument) as e:
+                    enter()
+                self.assertEqual(str(e.exception),
+                                 f"the tag {bad!r} contains the control character {code} at offset 1; a tag name is "
+                                 "printable text (a newline would split the list of tags, a NUL cut the name)")
+        self.assertNotIn("x", dfa.tags(), "a NUL must not alias the tag before it")
+        for t in dfa.tags():
+            self.assertTrue(t.isprintable(), t)
+        with dfa.region("ok tag"):
+            pass
+        dfa.pause()  # every tag: no name in the list is broken
+        dfa.resume()
+
+    def test_an_allocation_in_a_paused_region_is_refused_with_the_reason(self):
+        lib = _malloc_api()
+        with dfa.region("paused-r", keep="host"):
+            p = lib.dfa_malloc(1 << 20, 0, None)
+            self.assertTrue(p)
+        ctypes.memset(p, 0x7E, 1 << 20)
+        dfa.pause("paused-r")
+        want = ("deferalloc refused 4096 bytes (4.00 KiB) in tag 'paused-r': the tag 'paused-r' is paused (pause gave "
+                "its memory back). Fix: resume('paused-r') before allocating in it, or allocate outside its region.")
+        with self.assertLogs("deferalloc", level="WARNING") as logs:
+            with self.assertRaises(torch.cuda.OutOfMemoryError) as e:
+                with dfa.region("paused-r"):
+                    self.assertEqual(dfa.last_error(), "", "entering a region clears the last refusal")
+                    self.assertFalse(lib.dfa_malloc(4096, 0, None))
+                    # what PyTorch's caching allocator raises for the NULL it got
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB.")
+        self.assertEqual(logs.output, [f"WARNING:deferalloc:{want}"], "one warn line, the reason and the fix")
+        self.assertEqual(dfa.last_error(), want)
+        self.assertEqual(e.exception.__notes__, [want], "the exception carries deferalloc's reason")
+        self.assertTrue(dfa.is_paused("paused-r"), "the refusal leaves the tag paused")
+        dfa.resume("paused-r")
+        self.assertEqual(ctypes.string_at(p, 1 << 20), b"\x7e" * (1 << 20))
+        with dfa.region("paused-r"):
+            q = lib.dfa_malloc(4096, 0, None)
+            self.assertTrue(q, "resumed: allocations are served again")
+        lib.dfa_free(q, 0, 0, None)
+        lib.dfa_free(p, 0, 0, None)
+
+    def test_empty_cache_drops_the_regions_mempools_first(self):
+        """The wiring of Note [Regions give freed memory back], with PyTorch's CUDA calls
+        stood in for (the host has no MemPool; test_memory_gpu measures the real thing)."""
+        from unittest import mock
+        calls = []
+        saved_pools, saved_hook = dict(dfa._pools), dfa._torch_empty_cache
+        saved_torch = (torch.cuda.empty_cache, torch.cuda.memory.empty_cache)
+        try:
+            with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+                 mock.patch.object(torch.cuda, "is_initialized", return_value=True), \
+                 mock.patch.object(torch.cuda.memory, "empty_cache", lambda: calls.append(len(dfa._pools))):
+                dfa._torch_empty_cache = None
+                dfa._pools[("some-region", 0)] = object()  # a region's live MemPool
+                dfa.empty_cache()
+                self.assertEqual(calls, [0], "PyTorch's empty_cache ran once, after the pools were dropped")
+                dfa._hook_torch_empty_cache()  # what region() does on CUDA
+                dfa._pools[("some-region", 0)] = object()
+                torch.cuda.empty_cache()
+                self.assertEqual(calls, [0, 0], "torch.cuda.empty_cache() drops them too")
+                self.assertEqual(dfa._pools, {})
+        finally:
+            torch.cuda.empty_cache, torch.cuda.memory.empty_cache = saved_torch
+            dfa._pools.clear()
+            dfa._pools.update(saved_pools)
+            dfa._torch_empty_cache = saved_hook
+
+    def test_snapshot_renders_with_memory_viz(self):
+        import os
+        import pickle
+        import tempfile
+        from torch.cuda import _memory_viz
+        lib = _malloc_api()
+        dfa.record_memory_history(max_entries=10_000)
+        try:
+            untagged = [lib.dfa_malloc((1 << 20) + 512 * i, 0, None) for i in range(6)]
+            with dfa.region("snap-a"):
+                a = [lib.dfa_malloc(3 << 20, 0, None) for _ in range(3)]
+            with dfa.region("snap-b", keep="host"):
+                b = [lib.dfa_malloc(2 << 20, 0, None) for _ in range(2)]
+            lib.dfa_free(untagged[2], 0, 0, None)
+            lib.dfa_free(a[1], 0, 0, None)
+            dfa.empty_cache()
+            dfa.pause("snap-b")
+            deferred = dfa.deferred_empty((1 << 20,), torch.float32, "cpu")
+            dfa.materialize(deferred)
+            snap = dfa.memory_snapshot()
+        finally:
+            dfa.record_memory_history(enabled=False)
+        self.assertIn("segments", snap)
+        tags = {s["deferalloc_tag"] for s in snap["segments"]}
+        self.assertIn("snap-a", tags)
+        self.assertNotIn("snap-b", tags, "a paused tag holds no memory to draw")
+        ann = snap["deferalloc"]
+        self.assertTrue(ann["tags"]["snap-b"]["paused"])
+        self.assertEqual(ann["tags"]["snap-b"]["keep"], "host")
+        self.assertGreaterEqual(sum(n for _, _, n in ann["tags"]["snap-b"]["paused_ranges"]), 4 << 20)
+        self.assertEqual(ann["tags"]["snap-a"]["allocated_blocks"], 2)
+        rid = dfa._reservation(deferred)
+        (d,) = [r for r in ann["deferred"] if r["id"] == rid]
+        self.assertEqual(d["backed_bytes"], 4 << 20)
+        self.assertTrue(any(s["segment_type"] == "deferred" and s["address"] == deferred.data_ptr()
+                            for s in snap["segments"]))
+        for s in snap["segments"]:
+            self.assertEqual(sum(b["size"] for b in s["blocks"]), s["total_size"])
+        states = {b["state"] for s in snap["segments"] for b in s["blocks"]}
+        self.assertEqual(states, {"active_allocated", "inactive"})
+        actions = {e["action"] for e in snap["device_traces"][0]}
+        self.assertTrue({"alloc", "free_requested", "free_completed", "segment_map", "segment_unmap"} <= actions, actions)
+        self.assertIsNone(_replay_like_memory_viz(snap), "every block lies in a mapped segment at every event")
+        # PyTorch's renderers: the text summary checks each segment's sums; the plots are HTML
+        summary = _memory_viz.segsum(snap)
+        self.assertIn("segments:", summary)
+        with tempfile.TemporaryDirectory() as out:
+            for name, html in (("segments.html", _memory_viz.segment_plot(snap)),
+                               ("trace.html", _memory_viz.trace_plot(snap))):
+                with open(os.path.join(out, name), "w") as f:
+                    f.write(html)
+                self.assertIn("MemoryViz.js", html)
+                self.assertGreater(os.path.getsize(os.path.join(out, name)), 1000)
+            dfa.dump_snapshot(os.path.join(out, "snapshot.pickle"))
+            with open(os.path.join(out, "snapshot.pickle"), "rb") as f:
+                self.assertEqual(len(pickle.load(f)["segments"]), len(snap["segments"]))
+        for p in untagged[:2] + untagged[3:] + a[:1] + a[2:]:
+            lib.dfa_free(p, 0, 0, None)
+        dfa.resume("snap-b")
+        for p in b:
+            lib.dfa_free(p, 0, 0, None)
+
+
 class Regions(unittest.TestCase):
     def test_pause_and_resume_every_tag_with_the_regions_keep(self):
         lib = _malloc_api()
