@@ -637,8 +637,11 @@ class StreamedAdamW(torch.optim.Optimizer):
             return torch.tensor(float(self._shard_step(i)), dtype=torch.float32)
         t = self._read(i, _ARRAYS[key], p)
         if _DTensor is not None and isinstance(p, _DTensor):
-            return _DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                       stride=p.stride())
+            # A DTensor over the CPU tensor, on the parameter's mesh, made as FSDP2 makes its
+            # CPU-offloaded parameters (DTensor.from_local would copy it to the mesh's device).
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+            spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
+            return _DTensor(t, spec, requires_grad=False)
         return t
 
     def _local_values(self, p: torch.Tensor, value, key: str, where: str) -> torch.Tensor:
