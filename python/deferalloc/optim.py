@@ -240,17 +240,17 @@ class _EngineState(MutableMapping):
         self._opt = opt
 
     def __getitem__(self, p):
-        if p in self._opt._shard_of:
+        if self._opt._has_state_slot(p):
             return _ParamState(self._opt, p)
         return {}
 
     def __contains__(self, p) -> bool:
-        return p in self._opt._shard_of and self._opt._stepped(p)
+        return self._opt._has_state_slot(p) and self._opt._stepped(p)
 
     def __setitem__(self, p, value) -> None:
-        if p not in self._opt._shard_of:
-            raise InvalidArgumentError("StreamedAdamW: opt.state[p] = ... for a parameter the engine does not hold "
-                                       "(not in the optimizer, frozen at construction, or an empty shard)")
+        if not self._opt._has_state_slot(p):
+            raise InvalidArgumentError("StreamedAdamW: opt.state[p] = ... for a parameter without state "
+                                       "(not in the optimizer, or frozen at construction)")
         if not isinstance(value, Mapping):
             raise InvalidArgumentError("StreamedAdamW: opt.state[p] takes a mapping of step / exp_avg / exp_avg_sq "
                                        "/ main_param")
@@ -261,13 +261,13 @@ class _EngineState(MutableMapping):
                                 "(load_state_dict replaces it)")
 
     def __iter__(self):
-        return iter([p for p in self._opt._params if self._opt._stepped(p)])
+        return iter([p for p in self._opt._trainable if self._opt._stepped(p)])
 
     def __len__(self) -> int:
-        return sum(1 for p in self._opt._params if self._opt._stepped(p))
+        return sum(1 for p in self._opt._trainable if self._opt._stepped(p))
 
     def __repr__(self) -> str:
-        return f"<StreamedAdamW state: {len(self)} of {len(self._opt._params)} held parameters stepped>"
+        return f"<StreamedAdamW state: {len(self)} of {len(self._opt._trainable)} trainable parameters stepped>"
 
 
 # ---- checks of values from outside (state dicts, opt.state assignments) ------------------------
@@ -417,7 +417,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                         decoupled_weight_decay=True)
         self._handle = None
         super().__init__(params, defaults)
-        held = [p for g in self.param_groups for p in g["params"] if self._holds(p)]
+        held = [p for g in self.param_groups for p in g["params"] if self._holds(p) and _local(p).numel() > 0]
         if not held:
             raise InvalidArgumentError("StreamedAdamW: no parameters to train (none given, or every one has "
                                        "requires_grad=False)")
@@ -460,7 +460,9 @@ class StreamedAdamW(torch.optim.Optimizer):
             _check(lib.dfa_opt_set_progress(h, self._progress_cb, None), "dfa_opt_set_progress")
         self._shard_of: dict[torch.Tensor, int] = {}
         self._params: list[torch.Tensor] = []  # held parameters, in shard order
-        self._unheld: list[torch.Tensor] = []  # frozen at construction, or an empty local shard
+        self._trainable: list[torch.Tensor] = []  # held ones and empty local shards, in group order
+        self._empty: dict[torch.Tensor, int] = {}  # an empty local shard (FSDP2) -> its step count
+        self._unheld: list[torch.Tensor] = []  # frozen at construction
         self._pushed: list[tuple | None] = []
         self._initialized = False
         self._python_seconds = 0.0
@@ -474,10 +476,14 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _holds(p: torch.Tensor) -> bool:
-        """Whether the engine holds ``p``: not a frozen ``nn.Parameter`` (requires_grad=False
-        at construction; a plain tensor, whose ``.grad`` is set by hand, is held), with
-        local elements."""
-        return (p.requires_grad or not isinstance(p, torch.nn.Parameter)) and _local(p).numel() > 0
+        """Whether ``p`` trains: not a frozen ``nn.Parameter`` (requires_grad=False at
+        construction; a plain tensor, whose ``.grad`` is set by hand, trains).  The engine
+        holds those with local elements; an empty local shard (FSDP2 with fewer rows than
+        ranks) keeps only a step count here, so that every rank has the same state keys."""
+        return p.requires_grad or not isinstance(p, torch.nn.Parameter)
+
+    def _has_state_slot(self, p) -> bool:
+        return p in self._shard_of or p in self._empty
 
     @staticmethod
     def _with_rank(text: str) -> str:
@@ -507,6 +513,10 @@ class StreamedAdamW(torch.optim.Optimizer):
         for p in params:
             if not self._holds(p):
                 self._unheld.append(p)
+                continue
+            self._trainable.append(p)
+            if _local(p).numel() == 0:
+                self._empty[p] = 0
                 continue
             name = f"group{gi}.param{len(self._params)}"
             t = self._engine_tensor(p)
@@ -628,14 +638,19 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _stepped(self, p: torch.Tensor) -> bool:
         """Whether held parameter ``p`` has state (torch's sense: stepped, or loaded)."""
+        if p in self._empty:
+            return self._empty[p] > 0
         return self._initialized and self._shard_step(self._shard_of[p]) > 0
 
     def _state_value(self, p: torch.Tensor, key: str) -> torch.Tensor:
         """One state item of held parameter ``p``, read from the engine now."""
-        i = self._shard_of[p]
         if key == "step":
-            return torch.tensor(float(self._shard_step(i)), dtype=torch.float32)
-        t = self._read(i, _ARRAYS[key], p)
+            step = self._empty[p] if p in self._empty else self._shard_step(self._shard_of[p])
+            return torch.tensor(float(step), dtype=torch.float32)
+        if p in self._empty:
+            t = torch.empty(_local(p).shape, dtype=torch.float32)
+        else:
+            t = self._read(self._shard_of[p], _ARRAYS[key], p)
         if _DTensor is not None and isinstance(p, _DTensor):
             # A DTensor over the CPU tensor, on the parameter's mesh, made as FSDP2 makes its
             # CPU-offloaded parameters (DTensor.from_local would copy it to the mesh's device).
@@ -689,6 +704,9 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _apply_state(self, p: torch.Tensor, st: dict) -> None:
         """Writes a checked state (_checked_state) into the engine."""
+        if p in self._empty:
+            self._empty[p] = st.get("step", self._empty[p])
+            return
         i = self._shard_of[p]
         for a, t in st.items():
             if a != "step":
@@ -713,7 +731,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         CPU tensors of the parameter's shape (DTensors for DTensor parameters), read from the
         tier now.  Parameters not stepped yet (and frozen ones) have no entry."""
         keys = [k for k in _STATE_KEYS if k != "main_param" or self.main_param_in_state_dict]
-        snapshot = {p: {k: self._state_value(p, k) for k in keys} for p in self._params if self._stepped(p)}
+        snapshot = {p: {k: self._state_value(p, k) for k in keys} for p in self._trainable if self._stepped(p)}
         view, self.state = self.state, snapshot
         try:
             return super().state_dict()
@@ -747,7 +765,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         for g, o in zip(groups, self.param_groups):
             for pid, p in zip(g["params"], o["params"]):
                 st = saved.get(pid)
-                if p not in self._shard_of:
+                if not self._has_state_slot(p):
                     if st:
                         raise InvalidArgumentError(f"{where}: parameter {pid!r} has state, but this optimizer holds "
                                                    f"none for it (requires_grad=False at construction)")
@@ -795,6 +813,9 @@ class StreamedAdamW(torch.optim.Optimizer):
         scale = self._amp_scale()
         if scale is not None:
             self._engine_step(_load().dfa_opt_step, "dfa_opt_step", scale)
+            for p in self._empty:
+                if p.grad is not None:
+                    self._empty[p] += 1
         return loss
 
     def _amp_scale(self) -> float | None:

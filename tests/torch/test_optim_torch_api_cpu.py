@@ -313,6 +313,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def fsdp_net(seed=0):
+    """Net with a one-row last layer: at world size 2 one rank's shard of it is empty."""
+    m = Net(seed, dtype=torch.float32)
+    m.b = torch.nn.Linear(12, 1)
+    return m
+
+
 def _fsdp2_worker(rank, world, port, tmp):
     """FSDP2 (fully_shard) over gloo: StreamedAdamW on the local shards against the
     reference AdamW on FP32 copies of the same shards, with clip_grad_norm_; then a DCP save."""
@@ -321,7 +328,7 @@ def _fsdp2_worker(rank, world, port, tmp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        m = Net(dtype=torch.float32)
+        m = fsdp_net()
         fully_shard(m.a)
         fully_shard(m.b)
         fully_shard(m)
@@ -330,7 +337,7 @@ def _fsdp2_worker(rank, world, port, tmp):
         ref = ReferenceAdamW([p.to_local() for p in params])
         for t in range(3):
             x, y = batch(t, torch.float32)
-            ((m(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+            ((m(x[rank::world]) - y[rank::world, :1]) ** 2).mean().backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             for i, p in enumerate(params):
                 ref.step(i, p.grad.to_local(), 1e-2, 0.9, 0.999, 1e-8, 0.1)
@@ -367,7 +374,7 @@ class Fsdp2(unittest.TestCase):
             bad = got["bad"] + (torch.load(os.path.join(tmp, "rank1.pt"))["bad"]
                                 if os.path.exists(os.path.join(tmp, "rank1.pt")) else [])
             self.assertEqual(bad, [])
-            m = Net(seed=3, dtype=torch.float32)
+            m = fsdp_net(seed=3)
             opt = optim.StreamedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, window_mb=2)
             dcp_load(m, opt, os.path.join(tmp, "ck"))
             for n, p in m.named_parameters():
