@@ -189,8 +189,46 @@ def _stream_ptr(stream, device: torch.device):
 # tensor as torch.optim.AdamW's, the arrays FP32 CPU tensors of the parameter's shape, a
 # DTensor with the parameter's mesh and placements for a DTensor parameter) and whose
 # assignments (``opt.state[p]["exp_avg"] = t``) are checked and written into the engine.
-# Limits: a tensor read from the view is a snapshot: changing it in place does not change
-# the engine (assign it back).  Items cannot be deleted (load_state_dict replaces state).
+# A tensor the view returns (for a plain parameter) is a _StateTensor: a fresh CPU copy
+# whose in-place changes (``mul_``, ``copy_``, ``+=``, item assignment) write the whole
+# array back through the engine when they are made.
+# Limits: the returned DTensors of DTensor parameters are copies only (assign them back);
+# changes through another view of a _StateTensor (``t[0].zero_()``) are not seen; items
+# cannot be deleted (load_state_dict replaces state).
+
+
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
+
+
+class _StateTensor(torch.Tensor):
+    """A state item read from the engine; in-place changes write it back (Note [opt.state
+    reads through the engine]).  Results of other operations are plain tensors."""
+
+    _dfa_back: tuple | None = None  # (weakref to the optimizer, parameter, key)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        target = args[0] if args else None
+        name = getattr(func, "__name__", "")
+        if (isinstance(target, _StateTensor) and target._dfa_back is not None and
+                (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_")))):
+            ref, p, key = target._dfa_back
+            opt = ref()
+            if opt is not None:
+                opt._write_state_values(p, {key: target._plain()}, "opt.state[p] (changed in place)")
+        return out
+
+    def _plain(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.clone(self)
+
+    def __reduce_ex__(self, protocol):  # pickled (torch.save) as the plain tensor it holds
+        return self._plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):  # a copy writes nothing back
+        return self._plain()
 
 
 class _ParamState(MutableMapping):
@@ -209,7 +247,12 @@ class _ParamState(MutableMapping):
     def __getitem__(self, key):
         if key not in _STATE_KEYS or not self._has_state():
             raise KeyError(key)
-        return self._opt._state_value(self._p, key)
+        t = self._opt._state_value(self._p, key)
+        if _DTensor is not None and isinstance(t, _DTensor):
+            return t
+        view = t.as_subclass(_StateTensor)
+        view._dfa_back = (weakref.ref(self._opt), self._p, key)
+        return view
 
     def __setitem__(self, key, value) -> None:
         if key not in _STATE_KEYS:

@@ -125,6 +125,24 @@ class StateView(unittest.TestCase):
         opt.state[p]["step"] = 7
         self.assertTrue(torch.equal(opt.state[p]["exp_avg"], new))
         self.assertEqual(float(opt.state_dict()["state"][0]["step"]), 7.0)
+        # in place, through the tensors the view returns
+        opt.state[p]["exp_avg"].mul_(2)
+        st = opt.state[p]
+        st["exp_avg_sq"][1, 2] = 9.0
+        st["exp_avg_sq"] += 1.0
+        st["step"] += 1
+        self.assertTrue(torch.equal(opt.state[p]["exp_avg"], new * 2))
+        self.assertEqual(float(opt.state[p]["exp_avg_sq"][1, 2]), 10.0)
+        self.assertEqual(float(opt.state[p]["step"]), 8.0)
+        with tempfile.TemporaryDirectory() as tmp:  # saved and copied as plain tensors
+            torch.save(dict(opt.state[p]), os.path.join(tmp, "st.pt"))
+            self.assertIs(type(torch.load(os.path.join(tmp, "st.pt"))["exp_avg"]), torch.Tensor)
+        copied = copy.deepcopy(dict(opt.state[p]))
+        copied["exp_avg"].zero_()
+        self.assertIs(type(copied["exp_avg"]), torch.Tensor)
+        doubled = opt.state[p]["exp_avg"] * 2  # other operations: plain tensors, nothing written
+        self.assertIs(type(doubled), torch.Tensor)
+        self.assertTrue(torch.equal(opt.state[p]["exp_avg"], new * 2))
         with self.assertRaises(optim.InvalidArgumentError):
             opt.state[p]["exp_avg"] = torch.zeros(p.numel())  # same numel, wrong shape
         with self.assertRaises(optim.InvalidArgumentError):
