@@ -370,14 +370,15 @@ class _ProgressToLogger:
     the last."""
 
     def __init__(self):
-        self._last = None
+        self._pass = None  # (phase, seconds of its last line, or -1 before one)
 
     def __call__(self, phase: str, done: int, total: int, seconds: float) -> None:
-        if done <= 1 or self._last is None or self._last > seconds:
-            self._last = -1.0  # a new pass
-        due = self._last < 0 or seconds - self._last > 10.0 or done == total
+        if self._pass is None or self._pass[0] != phase or self._pass[1] > seconds:
+            self._pass = (phase, -1.0)  # a new pass
+        last = self._pass[1]
+        due = last < 0 or seconds - last > 10.0 or done == total
         if seconds > _PROGRESS_AFTER_S and due:
-            self._last = seconds
+            self._pass = (phase, seconds)
             _logger.info("%s %5.1f%%  %.2f Gparam/s", phase, 100.0 * done / max(total, 1),
                          done / seconds / 1e9 if seconds > 0 else 0.0)
 

@@ -118,22 +118,18 @@ def master_reference(params):
     return masters, torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=fused)
 
 
-def compare_to_masters(what: str, opt, params, masters) -> None:
+def compare_to_masters(what: str, opt, params, masters, ref) -> None:
     main = all(torch.equal(local(opt.state[p]["main_param"]).cpu(), m.detach().cpu()) for p, m in zip(params, masters))
     moments = all(torch.equal(local(opt.state[p][k]).cpu(), ref_state.cpu())
                   for p, m in zip(params, masters) for k, ref_state in
-                  (("exp_avg", MASTER_OPT.state[m]["exp_avg"]), ("exp_avg_sq", MASTER_OPT.state[m]["exp_avg_sq"])))
+                  (("exp_avg", ref.state[m]["exp_avg"]), ("exp_avg_sq", ref.state[m]["exp_avg_sq"])))
     weights = all(torch.equal(local(p).detach(), m.detach().to(p.dtype)) for p, m in zip(params, masters))
     check(f"{what}: main params = the fused reference's FP32 masters", main, reference=True)
     check(f"{what}: moments = the reference's", moments, reference=True)
     check(f"{what}: weights = dtype(master)", weights, reference=True)
 
 
-MASTER_OPT = None
-
-
 def fsdp2_world_size_1(tmp: str) -> None:
-    global MASTER_OPT
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     with socket.socket() as s:
@@ -151,30 +147,29 @@ def fsdp2_world_size_1(tmp: str) -> None:
 
         model, opt = build(0)
         params = list(model.parameters())
-        masters, MASTER_OPT = master_reference(params)
+        masters, ref = master_reference(params)
         for t in range(4):
             loss_of(model, t).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             for p, m in zip(params, masters):
                 m.grad = local(p.grad).float()
-            MASTER_OPT.step()
+            ref.step()
             opt.step()
             opt.zero_grad()
         check("FSDP2 ws1: state is DTensor with the params' placements",
               all(type(opt.state[p]["exp_avg"]).__name__ == "DTensor" and
                   opt.state[p]["exp_avg"].placements == p.placements for p in params))
-        compare_to_masters("FSDP2 ws1", opt, params, masters)
+        compare_to_masters("FSDP2 ws1", opt, params, masters, ref)
         dcp_resume(build, "host", tmp, "FSDP2 ws1")
     finally:
         dist.destroy_process_group()
 
 
 def grad_scaler_fp16() -> None:
-    global MASTER_OPT
     model = llama(torch.float16, 0)
     opt = streamed(model)
     params = list(model.parameters())
-    masters, MASTER_OPT = master_reference(params)
+    masters, ref = master_reference(params)
     dev = DEV.type
     sa, sb = torch.amp.GradScaler(dev, init_scale=2.0 ** 12), torch.amp.GradScaler(dev, init_scale=2.0 ** 12)
     sb.scale(torch.ones((), device=DEV))  # creates sb's scale tensor, as scale(loss) would
@@ -184,7 +179,7 @@ def grad_scaler_fp16() -> None:
             params[0].grad.view(-1)[0] = float("inf")  # this step is skipped by both
         for p, m in zip(params, masters):
             m.grad = p.grad.float()  # the same scaled gradients
-        sb.step(MASTER_OPT)
+        sb.step(ref)
         sb.update()
         sa.step(opt)
         sa.update()
@@ -192,7 +187,7 @@ def grad_scaler_fp16() -> None:
     check("GradScaler FP16: the scales agree", sa.get_scale() == sb.get_scale())
     check("GradScaler FP16: the skipped step left step counts at 4",
           all(float(opt.state[p]["step"]) == 4.0 for p in params))
-    compare_to_masters("GradScaler FP16", opt, params, masters)
+    compare_to_masters("GradScaler FP16", opt, params, masters, ref)
 
 
 def frozen_stats() -> None:
