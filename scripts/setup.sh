@@ -59,6 +59,11 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     echo "setup: installing transformers into .venv"
     venv_pip transformers
   fi
+  # The Hugging Face Trainer example (issue 27): the Trainer needs accelerate.
+  if ! "$root/.venv/bin/python" -c 'import accelerate' >/dev/null 2>&1; then
+    echo "setup: installing accelerate into .venv"
+    venv_pip accelerate
+  fi
   # deferalloc.megatron's tests (issue 14): megatron-core pinned, with the dependencies its
   # wheel declares (numpy, packaging) and psutil, which its dist-checkpointing save uses.
   if ! "$root/.venv/bin/python" -c "import sys, megatron.core as m, psutil; sys.exit(m.__version__ != '0.16.1')" >/dev/null 2>&1; then

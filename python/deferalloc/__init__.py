@@ -63,8 +63,11 @@ __all__ = [
     "CorruptData", "InternalError", "library_path", "deferred_empty", "materialize", "release", "is_backed",
     "region", "tag", "tags", "pause", "resume", "is_paused", "set_resident", "memory_stats", "reset_peak_stats",
     "empty_cache", "trim", "pluggable_allocator", "mem_pool", "install", "driver_name", "last_error",
-    "memory_snapshot", "record_memory_history", "dump_snapshot",
+    "memory_snapshot", "record_memory_history", "dump_snapshot", "__version__",
 ]
+
+# The package's version: pyproject.toml's [project] version (a test keeps the two equal).
+__version__ = "0.1.0"
 
 _SIZE_MAX = (1 << 64) - 1
 _FILL = {"undefined": 0, "zero": 1, "restore": 2}

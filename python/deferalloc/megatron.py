@@ -97,6 +97,8 @@ class StreamedMegatronAdamW(StreamedAdamW):
     initialised optimizer and allocates no placeholder state on the GPU when it loads.
     """
 
+    _state_view = False  # self.state holds each handle's step, for Megatron (see state_dict)
+
     def __init__(self, params: Iterable, targets: dict[torch.Tensor, torch.Tensor], *,
                  release_torch_cache: bool = False, **kwargs):
         self._targets = targets

@@ -16,13 +16,27 @@ measured per step by ``stats()["python_seconds"]``.
 Limits: gradients and parameters must be dense and contiguous; the state lives beside
 the parameters, so a model whose weights are replaced after the first step (outside
 ``load_state_dict``) needs ``sync_main_from_params()``.
+
+Example::
+
+    from deferalloc.optim import StreamedAdamW
+    opt = StreamedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, tier="host", window_mb=512)
+    for batch in data:
+        model(batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+See docs/OPTIM.md for checkpoints (torch.save, DCP), FSDP2, AMP and torch.compile.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
+import math
 import os
 import time
 import weakref
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -52,6 +66,20 @@ CorruptDataError = CorruptData
 
 _DTYPE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 _ARRAYS = {"main_param": 0, "exp_avg": 1, "exp_avg_sq": 2}
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "main_param")
+_MAX_STEP = 1 << 53  # steps are whole numbers a double (and so torch's float step tensors) holds exactly
+_STATE_BYTES = {"fp32": 12.0, "bf16": 8.0, "int8": 6.125}  # per element held, by moment_dtype (optimizer.hpp)
+_logger = logging.getLogger("deferalloc")
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2's parameters and gradients); any other tensor itself."""
+    return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
 class _AdamwParams(ctypes.Structure):
@@ -150,6 +178,217 @@ def _stream_ptr(stream, device: torch.device):
     return ctypes.c_void_p(int(stream))
 
 
+# ---- opt.state, the torch way ----------------------------------------------------------------
+
+# Note [opt.state reads through the engine]
+# Rationale: whatever reads optimizer state the torch way (DCP's get_state_dict /
+# set_state_dict, whose _init_optim_state runs a zero-gradient step when ``opt.state`` is
+# empty; Lightning, Accelerate, wrappers' state_dict) must see the engine's state, and a
+# copy kept in ``opt.state`` would double the host memory the tiers exist to save (and go
+# stale at the next step).
+# Approach: ``opt.state`` is a mapping over the parameters the engine holds with a step
+# count > 0 (torch's: a parameter has state once stepped); ``opt.state[p]`` is a small
+# view whose items are read from the engine on each access (``step`` a float32 scalar
+# tensor as torch.optim.AdamW's, the arrays FP32 CPU tensors of the parameter's shape, a
+# DTensor with the parameter's mesh and placements for a DTensor parameter) and whose
+# assignments (``opt.state[p]["exp_avg"] = t``) are checked and written into the engine.
+# A tensor the view returns (for a plain parameter) is a _StateTensor: a fresh CPU copy
+# whose in-place changes (``mul_``, ``copy_``, ``+=``, item assignment) write the whole
+# array back through the engine when they are made.
+# Limits: the returned DTensors of DTensor parameters are copies only (assign them back);
+# changes through another view of a _StateTensor (``t[0].zero_()``) are not seen; items
+# cannot be deleted (load_state_dict replaces state).
+
+
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
+
+
+class _StateTensor(torch.Tensor):
+    """A state item read from the engine; in-place changes write it back (Note [opt.state
+    reads through the engine]).  Results of other operations are plain tensors."""
+
+    _dfa_back: tuple | None = None  # (weakref to the optimizer, parameter, key)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        target = args[0] if args else None
+        name = getattr(func, "__name__", "")
+        if (isinstance(target, _StateTensor) and target._dfa_back is not None and
+                (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_")))):
+            ref, p, key = target._dfa_back
+            opt = ref()
+            if opt is not None:
+                opt._write_state_values(p, {key: target._plain()}, "opt.state[p] (changed in place)")
+        return out
+
+    def _plain(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.clone(self)
+
+    def __reduce_ex__(self, protocol):  # pickled (torch.save) as the plain tensor it holds
+        return self._plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):  # a copy writes nothing back
+        return self._plain()
+
+
+class _ParamState(MutableMapping):
+    """``opt.state[p]``: step, exp_avg, exp_avg_sq, main_param of one held parameter, read
+    from the engine on access and written through on assignment (Note [opt.state reads
+    through the engine])."""
+
+    __slots__ = ("_opt", "_p")
+
+    def __init__(self, opt: "StreamedAdamW", p: torch.Tensor):
+        self._opt, self._p = opt, p
+
+    def _has_state(self) -> bool:
+        return self._opt._stepped(self._p)
+
+    def __getitem__(self, key):
+        if key not in _STATE_KEYS or not self._has_state():
+            raise KeyError(key)
+        t = self._opt._state_value(self._p, key)
+        if _DTensor is not None and isinstance(t, _DTensor):
+            return t
+        view = t.as_subclass(_StateTensor)
+        view._dfa_back = (weakref.ref(self._opt), self._p, key)
+        return view
+
+    def __setitem__(self, key, value) -> None:
+        if key not in _STATE_KEYS:
+            raise KeyError(f"StreamedAdamW state holds {', '.join(_STATE_KEYS)} only, not {key!r}")
+        self._opt._write_state_values(self._p, {key: value}, "opt.state[p]")
+
+    def __delitem__(self, key) -> None:
+        raise InvalidStateError("StreamedAdamW: the state of a held parameter cannot be deleted "
+                                "(load_state_dict replaces it)")
+
+    def __iter__(self):
+        return iter(_STATE_KEYS if self._has_state() else ())
+
+    def __len__(self) -> int:
+        return len(_STATE_KEYS) if self._has_state() else 0
+
+    def __repr__(self) -> str:
+        return f"<StreamedAdamW state of a {tuple(self._p.shape)} parameter: {list(self)}>"
+
+
+class _EngineState(MutableMapping):
+    """``opt.state``: parameter -> _ParamState for every held parameter that has state.
+    Looking up any other parameter gives an empty dict, as torch's defaultdict does."""
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt: "StreamedAdamW"):
+        self._opt = opt
+
+    def __getitem__(self, p):
+        if self._opt._has_state_slot(p):
+            return _ParamState(self._opt, p)
+        return {}
+
+    def __contains__(self, p) -> bool:
+        return self._opt._has_state_slot(p) and self._opt._stepped(p)
+
+    def __setitem__(self, p, value) -> None:
+        if not self._opt._has_state_slot(p):
+            raise InvalidArgumentError("StreamedAdamW: opt.state[p] = ... for a parameter without state "
+                                       "(not in the optimizer, or frozen at construction)")
+        if not isinstance(value, Mapping):
+            raise InvalidArgumentError("StreamedAdamW: opt.state[p] takes a mapping of step / exp_avg / exp_avg_sq "
+                                       "/ main_param")
+        self._opt._write_state_values(p, value, "opt.state[p]")
+
+    def __delitem__(self, p) -> None:
+        raise InvalidStateError("StreamedAdamW: the state of a held parameter cannot be deleted "
+                                "(load_state_dict replaces it)")
+
+    def __iter__(self):
+        return iter([p for p in self._opt._trainable if self._opt._stepped(p)])
+
+    def __len__(self) -> int:
+        return sum(1 for p in self._opt._trainable if self._opt._stepped(p))
+
+    def __repr__(self) -> str:
+        return f"<StreamedAdamW state: {len(self)} of {len(self._opt._trainable)} trainable parameters stepped>"
+
+
+# ---- checks of values from outside (state dicts, opt.state assignments) ------------------------
+
+def _checked_step(v, where: str) -> int:
+    """A step count: a whole number in [0, 2**53) (a number or a one-element tensor)."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise InvalidArgumentError(f"{where}: step is a tensor of {v.numel()} elements (one expected)")
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidArgumentError(f"{where}: step {v!r} is not a number")
+    if not (math.isfinite(v) and v == int(v) and 0 <= v < _MAX_STEP):
+        raise InvalidArgumentError(f"{where}: step {v!r} is not a whole number in [0, 2**53)")
+    return int(v)
+
+
+def _group_key(g: Mapping, where: str) -> tuple:
+    """(lr, beta1, beta2, eps, weight_decay) of a param group, checked as the engine and
+    torch.optim.AdamW check them; refuses groups of another optimizer kind."""
+    missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
+    if missing:
+        raise InvalidArgumentError(f"{where}: not an AdamW param group (no {', '.join(map(repr, missing))}; "
+                                   f"saved by another kind of optimizer?)")
+    for key in ("amsgrad", "maximize"):
+        if g.get(key):
+            raise InvalidArgumentError(f"{where}: {key}=True is not supported (torch._fused_adamw_'s plain AdamW only)")
+    if g.get("decoupled_weight_decay") is False and float(g["weight_decay"]) != 0.0:
+        raise InvalidArgumentError(f"{where}: Adam with L2 weight decay (decoupled_weight_decay=False), not AdamW")
+    betas = g["betas"]
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise InvalidArgumentError(f"{where}: betas must be two numbers, got {betas!r}")
+    try:
+        key = (float(g["lr"]), float(betas[0]), float(betas[1]), float(g["eps"]), float(g["weight_decay"]))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InvalidArgumentError(f"{where}: a hyper-parameter is not a number ({e})") from None
+    lr, b1, b2, eps, wd = key
+    for ok, what in ((math.isfinite(lr) and lr >= 0, f"learning rate {lr}"), (0 <= b1 < 1, f"beta1 {b1}"),
+                     (0 <= b2 < 1, f"beta2 {b2}"), (eps >= 0, f"eps {eps}"), (wd >= 0, f"weight_decay {wd}")):
+        if not ok:
+            raise InvalidArgumentError(f"{where}: invalid {what}")
+    return key
+
+
+def _whole_mb(name: str, v) -> int | None:
+    """A size in MiB: a whole number >= 0 (None stays None)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
+        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB >= 0 expected)")
+    return int(v)
+
+
+class _ProgressToLogger:
+    """progress=True: the engine's progress_line lines through the ``deferalloc`` logger
+    (INFO): the first after _PROGRESS_AFTER_S seconds of a pass, then one every 10 s, and
+    the last."""
+
+    def __init__(self):
+        self._pass = None  # (phase, seconds of its last line, or -1 before one)
+
+    def __call__(self, phase: str, done: int, total: int, seconds: float) -> None:
+        if self._pass is None or self._pass[0] != phase or self._pass[1] > seconds:
+            self._pass = (phase, -1.0)  # a new pass
+        last = self._pass[1]
+        due = last < 0 or seconds - last > 10.0 or done == total
+        if seconds > _PROGRESS_AFTER_S and due:
+            self._pass = (phase, seconds)
+            _logger.info("%s %5.1f%%  %.2f Gparam/s", phase, 100.0 * done / max(total, 1),
+                         done / seconds / 1e9 if seconds > 0 else 0.0)
+
+
+_PROGRESS_AFTER_S = 1.0
+
+
 # ---- the optimizer -------------------------------------------------------------------------
 
 class StreamedAdamW(torch.optim.Optimizer):
@@ -166,37 +405,70 @@ class StreamedAdamW(torch.optim.Optimizer):
         resident_mb: host tier: HBM (MiB) for parameters whose FP32 state stays resident
             (taken in order while they fit; the rest stream), or "auto": the free HBM at
             construction less the window and a tenth of the device (for activations).
-        window_mb: HBM budget of the streamed state (host and file tiers).
+        window_mb: HBM budget of the streamed state (host and file tiers), whole MiB.
         depth: pieces in flight (3 overlaps fetch, step and write-back; more lets fetches run
             ahead over parameters of mixed sizes).  None: 8 on the host tier, 3 on the file
             tier, fewer if the window holds fewer.
         resume: file tier: continue from the state file's last committed step.
+        overwrite: file tier: replace an existing state file (without ``resume`` or
+            ``overwrite`` an existing one is refused: its state would be lost).
         stream: a ``torch.cuda.Stream`` (or cudaStream_t as int) the step is ordered
             after; default: the current stream at each step.
         settings: extra "key:value" settings of the engine (optimizer.h).
-        progress: ``progress(phase, done, total, seconds)`` after each piece.
+        progress: ``progress(phase, done, total, seconds)`` after each piece, or True: the
+            engine's progress lines (initialize, long steps) through the ``deferalloc`` logger.
+        main_param_in_state_dict: ``state_dict()`` carries each parameter's FP32
+            ``main_param`` (exact resumption of BF16/FP16 params).  False: torch.optim.AdamW's
+            keys only, as needed to load a torch.optim.AdamW checkpoint through DCP (main
+            params then come from the loaded parameters).
 
     BF16, FP16 and FP32 parameters; a parameter whose ``.grad`` is None is skipped (its
     ``step`` stays).  ``amsgrad``, ``maximize``, ``capturable`` and ``differentiable``
     are refused.  The state is created at the first ``step()`` (or ``load_state_dict``)
-    from the parameters' values then.
+    from the parameters' values then.  Parameters with ``requires_grad=False`` at
+    construction (frozen ``nn.Parameter``\ s) get no state and no memory; one that is unfrozen later is
+    refused at the step (build the optimizer again).  DTensor parameters (FSDP2's
+    ``fully_shard``) are held as their local shards, and their state is DTensors of the
+    same placements.  ``opt.state`` reads through the engine (Note [opt.state reads
+    through the engine]).  ``torch.amp.GradScaler`` drives the step as it drives torch's
+    fused AdamW (``grad_scale`` / ``found_inf``), for FP16 and BF16 parameters.
+
+    Example::
+
+        opt = StreamedAdamW(model.parameters(), lr=1e-4, tier="host", window_mb=256)
+        loss.backward(); opt.step(); opt.zero_grad()
+        torch.save(opt.state_dict(), "opt.pt")              # FP32 CPU tensors, torch's layout
+        opt.load_state_dict(torch.load("opt.pt"))           # all or nothing
     """
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler: sets grad_scale / found_inf (see step)
+    _state_view = True  # opt.state reads through the engine (a subclass may keep torch's dict)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, tier: str = "host", directory: str | None = None,
-                 window_mb: int = 512, depth: int | None = None, resume: bool = False, stream=None,
-                 settings: str | None = None, moment_dtype: str = "fp32",
-                 resident_mb: int | str | None = None, progress: Callable[[str, int, int, float], None] | None = None):
+                 window_mb: int = 512, depth: int | None = None, resume: bool = False, overwrite: bool = False,
+                 stream=None, settings: str | None = None, moment_dtype: str = "fp32",
+                 resident_mb: int | str | None = None,
+                 progress: Callable[[str, int, int, float], None] | bool | None = None,
+                 main_param_in_state_dict: bool = True):
+        window_mb = _whole_mb("window_mb", window_mb)
+        if resident_mb != "auto":
+            resident_mb = _whole_mb("resident_mb", resident_mb)
+        if resume and overwrite:
+            raise InvalidArgumentError("StreamedAdamW: resume=True and overwrite=True contradict each other")
+        # torch.optim.AdamW's keys, so that DCP finds every key of one in a checkpoint of the other.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=True)
         self._handle = None
         super().__init__(params, defaults)
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        if not self._params:
-            raise InvalidArgumentError("StreamedAdamW: no parameters")
-        devices = {p.device for p in self._params}
+        held = [p for g in self.param_groups for p in g["params"] if self._holds(p) and _local(p).numel() > 0]
+        if not held:
+            raise InvalidArgumentError("StreamedAdamW: no parameters to train (none given, or every one has "
+                                       "requires_grad=False)")
+        devices = {p.device for p in held}
         if len(devices) != 1:
             raise InvalidArgumentError(f"StreamedAdamW: parameters on several devices {sorted(map(str, devices))}")
         self._device = devices.pop()
@@ -206,18 +478,23 @@ class StreamedAdamW(torch.optim.Optimizer):
             raise InvalidArgumentError("StreamedAdamW: tier 'file' needs directory=")
         self._stream = stream
         self.tier = tier
+        self._moment_dtype = moment_dtype
+        self.main_param_in_state_dict = bool(main_param_in_state_dict)
         if resident_mb == "auto":
             resident_mb = 0
             if self._device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self._device)
-                resident_mb = max(0, (free - total // 10) // (1 << 20) - int(window_mb))
+                resident_mb = max(0, (free - total // 10) // (1 << 20) - window_mb)
         driver = (f"driver:cuda,device:{self._device.index or 0}" if self._device.type == "cuda" else "driver:host")
         text = ",".join(t for t in (os.environ.get("DEFERALLOC_CONF", ""), driver, f"tier:{tier}",
-                                    f"window_mb:{int(window_mb)}", f"depth:{int(depth)}" if depth is not None else "",
+                                    f"window_mb:{window_mb}", f"depth:{int(depth)}" if depth is not None else "",
                                     f"resume:{int(bool(resume))}", f"directory:{directory}" if directory else "",
                                     f"moments:{moment_dtype}" if moment_dtype != "fp32" else "",
                                     f"resident_mb:{int(resident_mb)}" if resident_mb else "",
                                     settings or "") if t)
+        text = self._with_rank(text)
+        if tier == "file" and not resume and not overwrite:
+            self._refuse_existing_state_file(directory, text)
         lib = _load()
         h = ctypes.c_void_p()
         _check(lib.dfa_opt_create(text.encode(), ctypes.byref(h)), "dfa_opt_create")
@@ -225,57 +502,131 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, lib.dfa_opt_destroy, h)
         _LIVE.add(self)
         self._progress_cb = None
-        if progress is not None:
+        if progress is True:
+            progress = _ProgressToLogger()
+        if progress:
             self._progress_cb = _PROGRESS(lambda ph, d, t, s, _u: progress(ph.decode(), d, t, s))
             _check(lib.dfa_opt_set_progress(h, self._progress_cb, None), "dfa_opt_set_progress")
         self._shard_of: dict[torch.Tensor, int] = {}
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                name = f"group{gi}.param{len(self._shard_of)}"
-                self._shard_of[p] = len(self._shard_of)
-                t = self._engine_tensor(p)
-                if t.numel() != p.numel() or t.dtype not in _DTYPE or not t.is_contiguous():
-                    raise InvalidArgumentError(f"StreamedAdamW: the engine tensor of {name} has {t.numel()} "
-                                                  f"{t.dtype} elements (contiguous, {p.numel()} expected)")
-                _check(lib.dfa_opt_add_shard(h, ctypes.c_void_p(t.data_ptr()), t.numel(), _DTYPE[t.dtype], gi,
-                                             name.encode(), None), "dfa_opt_add_shard")
-        n = len(self._params)
-        self._numels = [(p, p.numel()) for p in self._params]
-        self._grad_ptrs = (ctypes.c_void_p * n)()
-        self._grad_types = (ctypes.c_int * n)()
-        self._pushed: list[tuple | None] = [None] * len(self.param_groups)
+        self._params: list[torch.Tensor] = []  # held parameters, in shard order
+        self._trainable: list[torch.Tensor] = []  # held ones and empty local shards, in group order
+        self._empty: dict[torch.Tensor, int] = {}  # an empty local shard (FSDP2) -> its step count
+        self._unheld: list[torch.Tensor] = []  # frozen at construction
+        self._pushed: list[tuple | None] = []
         self._initialized = False
         self._python_seconds = 0.0
+        for gi, g in enumerate(self.param_groups):
+            self._register(gi, g["params"])
         self._push_groups()
+        if self._state_view:
+            self.state = _EngineState(self)
         if resume:
             self._resume()
 
+    @staticmethod
+    def _holds(p: torch.Tensor) -> bool:
+        """Whether ``p`` trains: not a frozen ``nn.Parameter`` (requires_grad=False at
+        construction; a plain tensor, whose ``.grad`` is set by hand, trains).  The engine
+        holds those with local elements; an empty local shard (FSDP2 with fewer rows than
+        ranks) keeps only a step count here, so that every rank has the same state keys."""
+        return p.requires_grad or not isinstance(p, torch.nn.Parameter)
+
+    def _has_state_slot(self, p) -> bool:
+        return p in self._shard_of or p in self._empty
+
+    @staticmethod
+    def _with_rank(text: str) -> str:
+        """The settings with this process's rank in the default process group (the file
+        tier's file name, log lines), unless they name one."""
+        if any(kv.strip().startswith("rank:") for kv in text.split(",")):
+            return text
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return f"{text},rank:{dist.get_rank()}"
+        return text
+
+    @staticmethod
+    def _refuse_existing_state_file(directory: str, text: str) -> None:
+        rank = 0
+        for kv in text.split(","):
+            if kv.strip().startswith("rank:"):
+                rank = int(kv.split(":", 1)[1])
+        path = os.path.join(directory, f"deferalloc-rank{rank}.state")
+        if os.path.exists(path):
+            raise InvalidStateError(f"StreamedAdamW: {path} holds optimizer state already: pass resume=True to "
+                                    f"continue from it, or overwrite=True to replace it")
+
+    def _register(self, gi: int, params: list[torch.Tensor]) -> None:
+        """Gives the engine group ``gi``'s held parameters (before its state exists)."""
+        lib = _load()
+        for p in params:
+            if not self._holds(p):
+                self._unheld.append(p)
+                continue
+            self._trainable.append(p)
+            if _local(p).numel() == 0:
+                self._empty[p] = 0
+                continue
+            name = f"group{gi}.param{len(self._params)}"
+            t = self._engine_tensor(p)
+            if t.numel() != _local(p).numel() or t.dtype not in _DTYPE or not t.is_contiguous():
+                raise InvalidArgumentError(f"StreamedAdamW: the engine tensor of {name} has {t.numel()} "
+                                           f"{t.dtype} elements (contiguous, {_local(p).numel()} expected)")
+            _check(lib.dfa_opt_add_shard(self._handle, ctypes.c_void_p(t.data_ptr()), t.numel(), _DTYPE[t.dtype], gi,
+                                         name.encode(), None), "dfa_opt_add_shard")
+            self._shard_of[p] = len(self._params)
+            self._params.append(p)
+        self._pushed.append(None)
+        n = len(self._params)
+        self._numels = [(p, _local(p).numel()) for p in self._params]
+        self._grad_ptrs = (ctypes.c_void_p * n)()
+        self._grad_types = (ctypes.c_int * n)()
+
     def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        """The tensor the engine updates in place for parameter ``p``: ``p`` itself here; a
-        subclass may name another of the same size (deferalloc.megatron: a BF16 model shard
-        for an FP32 main-param handle that holds no memory)."""
-        return p
+        """The tensor the engine updates in place for parameter ``p``: ``p`` itself (its
+        local shard for a DTensor); a subclass may name another of the same size
+        (deferalloc.megatron: a BF16 model shard for an FP32 main-param handle that holds
+        no memory)."""
+        return _local(p)
+
+    def __getstate__(self):
+        raise TypeError("StreamedAdamW cannot be pickled or copied (copy.deepcopy, torch.save(opt)): its state "
+                        "lives in the engine, outside Python.  Save opt.state_dict() and load it into a new "
+                        "StreamedAdamW with load_state_dict.")
 
     # ---- groups and hyper-parameters ---------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_handle", None) is not None:
-            raise InvalidStateError("StreamedAdamW: parameter groups are fixed once the optimizer exists "
-                                       "(the engine registers its shards at construction)")
+        """As ``torch.optim.Optimizer.add_param_group``, before the first ``step()`` (or
+        load / resume).  Refused after it (InvalidStateError): the engine lays out its state
+        once, for the parameters it holds then; a parameter that becomes trainable later
+        needs a new optimizer (``state_dict`` / ``load_state_dict`` carry the rest over)."""
+        if getattr(self, "_handle", None) is not None and self._initialized:
+            raise InvalidStateError("StreamedAdamW.add_param_group: the state exists already (created at the first "
+                                    "step, load_state_dict or resume) and its parameters are fixed; build a new "
+                                    "optimizer with every parameter that will train and load_state_dict into it")
         for key, why in (("amsgrad", "amsgrad"), ("maximize", "maximize"), ("capturable", "capturable"),
                          ("differentiable", "differentiable")):
             if param_group.get(key, self.defaults.get(key)):
                 raise InvalidArgumentError(f"StreamedAdamW: {why}=True is not supported (torch._fused_adamw_'s "
-                                              f"plain AdamW only)")
+                                           f"plain AdamW only)")
         super().add_param_group(param_group)
-        for p in param_group["params"]:
-            if p.dtype not in _DTYPE:
-                raise InvalidArgumentError(f"StreamedAdamW: parameter dtype {p.dtype} (bfloat16, float16 or "
-                                              f"float32 expected)")
-            if not p.is_contiguous():
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if not p.requires_grad and isinstance(p, torch.nn.Parameter):
+                continue  # frozen: never held, so any dtype or layout
+            t = _local(p)
+            if t.dtype not in _DTYPE:
+                raise InvalidArgumentError(f"StreamedAdamW: parameter dtype {t.dtype} (bfloat16, float16 or "
+                                           f"float32 expected)")
+            if not t.is_contiguous():
                 raise InvalidArgumentError("StreamedAdamW: parameters must be contiguous")
             if p.numel() == 0:
                 raise InvalidArgumentError("StreamedAdamW: an empty parameter")
+        if getattr(self, "_handle", None) is not None:
+            if any(self._holds(p) and p.device != self._device for p in group["params"]):
+                raise InvalidArgumentError(f"StreamedAdamW.add_param_group: parameters not on {self._device}")
+            self._register(len(self.param_groups) - 1, group["params"])
 
     def _group_keys(self) -> list[tuple]:
         """Each group's hyper-parameters as the engine takes them (lr, beta1, beta2, eps,
@@ -319,8 +670,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             self._write(i, 0, self._engine_tensor(p).detach().cpu().float())
 
     def _read(self, shard: int, array: int, p: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(p.shape, dtype=torch.float32)
-        _check(_load().dfa_opt_read_state(self._handle, shard, array, 0, p.numel(), ctypes.c_void_p(out.data_ptr())),
+        out = torch.empty(_local(p).shape, dtype=torch.float32)
+        _check(_load().dfa_opt_read_state(self._handle, shard, array, 0, out.numel(), ctypes.c_void_p(out.data_ptr())),
                "dfa_opt_read_state")
         return out
 
@@ -334,69 +685,200 @@ class StreamedAdamW(torch.optim.Optimizer):
         _check(_load().dfa_opt_get_shard_step(self._handle, shard, ctypes.byref(v)), "dfa_opt_get_shard_step")
         return v.value
 
+    def _stepped(self, p: torch.Tensor) -> bool:
+        """Whether held parameter ``p`` has state (torch's sense: stepped, or loaded)."""
+        if p in self._empty:
+            return self._empty[p] > 0
+        return self._initialized and self._shard_step(self._shard_of[p]) > 0
+
+    def _state_value(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """One state item of held parameter ``p``, read from the engine now."""
+        if key == "step":
+            step = self._empty[p] if p in self._empty else self._shard_step(self._shard_of[p])
+            return torch.tensor(float(step), dtype=torch.float32)
+        if p in self._empty:
+            t = torch.empty(_local(p).shape, dtype=torch.float32)
+        else:
+            t = self._read(self._shard_of[p], _ARRAYS[key], p)
+        if _DTensor is not None and isinstance(p, _DTensor):
+            # A DTensor over the CPU tensor, on the parameter's mesh, made as FSDP2 makes its
+            # CPU-offloaded parameters (DTensor.from_local would copy it to the mesh's device).
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+            spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
+            return _DTensor(t, spec, requires_grad=False)
+        return t
+
+    def _local_values(self, p: torch.Tensor, value, key: str, where: str) -> torch.Tensor:
+        """``value`` for state array ``key`` of held parameter ``p``, checked (a floating
+        tensor of the parameter's shape; for a DTensor parameter a DTensor of its local shape
+        or a full tensor, of which the local shard is taken) as an FP32 CPU tensor."""
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"{where}: {key} is a {type(value).__name__}, not a tensor")
+        if not value.is_floating_point():
+            raise InvalidArgumentError(f"{where}: {key} has dtype {value.dtype} (a floating dtype expected)")
+        local = _local(p)
+        if _DTensor is not None and isinstance(value, _DTensor):
+            value = value.to_local()
+        elif _DTensor is not None and isinstance(p, _DTensor) and tuple(value.shape) == tuple(p.shape):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            value = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        if tuple(value.shape) != tuple(local.shape):
+            raise InvalidArgumentError(f"{where}: {key} has shape {tuple(value.shape)}, the parameter "
+                                       f"{tuple(local.shape)}")
+        return value.detach().to("cpu", torch.float32).contiguous()
+
+    def _checked_state(self, p: torch.Tensor, st: Mapping, where: str, partial: bool = False) -> dict:
+        """A parameter's state from outside, checked: {"step": int, array index: FP32 CPU
+        tensor}; a missing main_param comes from the parameter.  ``partial``: only the items
+        given (an opt.state assignment)."""
+        if not isinstance(st, Mapping):
+            raise InvalidArgumentError(f"{where}: the state is a {type(st).__name__}, not a mapping")
+        unknown = sorted(map(str, set(st) - set(_STATE_KEYS)))
+        if unknown:
+            raise InvalidArgumentError(f"{where}: state keys {unknown} are not AdamW's (step, exp_avg, exp_avg_sq, "
+                                       f"main_param): saved by another kind of optimizer?")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in st]
+        if missing and not partial:
+            raise InvalidArgumentError(f"{where}: no {', '.join(missing)}")
+        out: dict = {}
+        if "step" in st:
+            out["step"] = _checked_step(st["step"], where)
+        for key, a in _ARRAYS.items():
+            if key in st:
+                out[a] = self._local_values(p, st[key], key, where)
+            elif key == "main_param" and not partial:
+                out[a] = self._engine_tensor(p).detach().cpu().float()
+        return out
+
+    def _apply_state(self, p: torch.Tensor, st: dict) -> None:
+        """Writes a checked state (_checked_state) into the engine."""
+        if p in self._empty:
+            self._empty[p] = st.get("step", self._empty[p])
+            return
+        i = self._shard_of[p]
+        for a, t in st.items():
+            if a != "step":
+                self._write(i, a, t)
+        if "step" in st:
+            _check(_load().dfa_opt_set_shard_step(self._handle, i, st["step"]), "dfa_opt_set_shard_step")
+
+    def _write_state_values(self, p: torch.Tensor, values: Mapping, where: str) -> None:
+        """opt.state assignments: checked, then written through."""
+        st = self._checked_state(p, values, where, partial=True)
+        self._refuse_while_speculating(where)
+        self._ensure_initialized()
+        self._apply_state(p, st)
+
+    def _refuse_while_speculating(self, where: str) -> None:
+        if self._initialized and self.speculation_pending():
+            raise InvalidStateError(f"{where}: a speculative step is pending (commit or discard it first)")
+
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: per parameter ``step`` (float32 scalar), ``exp_avg``, ``exp_avg_sq``
-        and ``main_param`` (the FP32 main copy), as FP32 CPU tensors of the parameter's
-        shape, read from the tier now.  Parameters not stepped yet have no entry."""
-        self.state.clear()
+        and ``main_param`` (the FP32 main copy; see ``main_param_in_state_dict``), as FP32
+        CPU tensors of the parameter's shape (DTensors for DTensor parameters), read from the
+        tier now.  Parameters not stepped yet (and frozen ones) have no entry."""
+        keys = [k for k in _STATE_KEYS if k != "main_param" or self.main_param_in_state_dict]
+        snapshot = {p: {k: self._state_value(p, k) for k in keys} for p in self._trainable if self._stepped(p)}
+        view, self.state = self.state, snapshot
         try:
-            if self._initialized:
-                for p, i in self._shard_of.items():
-                    step = self._shard_step(i)
-                    if step == 0:
-                        continue
-                    self.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                     **{k: self._read(i, a, p) for k, a in _ARRAYS.items()}}
             return super().state_dict()
         finally:
-            self.state.clear()
+            self.state = view
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads hyper-parameters and state saved by ``state_dict()`` (or by
-        ``torch.optim.AdamW``: then the main params come from the parameters' values).
-        Does not change the parameters themselves (load the model's state_dict for that)."""
-        groups = state_dict["param_groups"]
+        ``torch.optim.AdamW``: then the main params come from the parameters' values), all
+        or nothing: groups (count, sizes, AdamW hyper-parameters), state keys, shapes,
+        dtypes and step counts are checked before anything changes, and a refused dict
+        leaves the optimizer as it was.  Does not change the parameters themselves (load the
+        model's state_dict for that, first)."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        where = "StreamedAdamW.load_state_dict"
+        if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
+            raise InvalidArgumentError(f"{where}: not an optimizer state dict (no 'param_groups')")
+        groups, saved = state_dict["param_groups"], state_dict.get("state", {})
+        if not isinstance(saved, Mapping):
+            raise InvalidArgumentError(f"{where}: 'state' is a {type(saved).__name__}, not a mapping")
         if len(groups) != len(self.param_groups) or any(
-                len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
-            raise InvalidArgumentError("StreamedAdamW.load_state_dict: the parameter groups do not match "
-                                          "(number of groups or of parameters per group)")
-        super().load_state_dict({"state": {}, "param_groups": groups})
-        self._ensure_initialized()
-        saved = state_dict["state"]
+                len(g.get("params", ())) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
+            raise InvalidArgumentError(f"{where}: the parameter groups do not match (number of groups or of "
+                                       f"parameters per group: {[len(g.get('params', ())) for g in groups]} saved, "
+                                       f"{[len(o['params']) for o in self.param_groups]} here)")
+        keys = [_group_key(g, f"{where}: param group {gi}") for gi, g in enumerate(groups)]
+        writes = []
         for g, o in zip(groups, self.param_groups):
             for pid, p in zip(g["params"], o["params"]):
-                i = self._shard_of[p]
                 st = saved.get(pid)
-                if st is None:
-                    for a in (1, 2):
-                        self._write(i, a, torch.zeros(p.shape))
-                    self._write(i, 0, self._engine_tensor(p).detach().cpu().float())
-                    _check(_load().dfa_opt_set_shard_step(self._handle, i, 0), "dfa_opt_set_shard_step")
+                if not self._has_state_slot(p):
+                    if st:
+                        raise InvalidArgumentError(f"{where}: parameter {pid!r} has state, but this optimizer holds "
+                                                   f"none for it (requires_grad=False at construction)")
                     continue
-                for k, a in _ARRAYS.items():
-                    src = st.get(k, self._engine_tensor(p).detach().cpu().float() if k == "main_param" else None)
-                    if src is None:
-                        raise InvalidArgumentError(f"StreamedAdamW.load_state_dict: parameter {pid} has no {k}")
-                    if src.numel() != p.numel():
-                        raise InvalidArgumentError(f"StreamedAdamW.load_state_dict: {k} of parameter {pid} has "
-                                                      f"{src.numel()} elements, the parameter {p.numel()}")
-                    self._write(i, a, src)
-                _check(_load().dfa_opt_set_shard_step(self._handle, i, int(float(st["step"]))),
-                       "dfa_opt_set_shard_step")
-        self.state.clear()
+                if st is None:  # never stepped: fresh state from the parameter
+                    fresh = {"step": 0, 1: torch.zeros(_local(p).shape), 2: torch.zeros(_local(p).shape),
+                             0: self._engine_tensor(p).detach().cpu().float()}
+                    writes.append((p, fresh))
+                else:
+                    writes.append((p, self._checked_state(p, st, f"{where}: parameter {pid!r}")))
+        self._refuse_while_speculating(where)
+        # Everything is checked: from here on only the engine's own failures (I/O) can stop it.
+        self._ensure_initialized()
         self._pushed = [None] * len(self.param_groups)
-        self._push_groups()
+        self._push_groups(keys)
+        kept = ("params", "param_names", "capturable", "differentiable", "foreach", "fused")
+        self.param_groups[:] = [{**o, **{k: v for k, v in g.items() if k not in kept}, "params": o["params"]}
+                                for g, o in zip(groups, self.param_groups)]
+        for p, st in writes:
+            self._apply_state(p, st)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # ---- the step ------------------------------------------------------------------------------
 
+    # Note [step under torch.compile]
+    # Rationale: the step is one call into the engine through ctypes, which TorchDynamo
+    # cannot trace; a training step compiled with torch.compile that calls opt.step() must
+    # still run it, as it runs torch's optimizers.
+    # Approach: step() is torch.compiler.disable'd: Dynamo ends the graph before it (a graph
+    # break), runs it eagerly, and compiles what follows as a new graph; the model's forward
+    # and backward stay compiled.
+    # Limits: fullgraph=True over a function that calls step() is refused by Dynamo (it
+    # allows no graph break): compile the model (or forward + backward) and call step()
+    # outside, as torch recommends for optimizers that are not traceable.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
+        """One AdamW step of every held parameter with a ``.grad`` (see the class docstring;
+        under GradScaler see ``_amp_scale``).  ``closure`` as torch's optimizers."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine_step(_load().dfa_opt_step, "dfa_opt_step")
+        scale = self._amp_scale()
+        if scale is not None:
+            self._engine_step(_load().dfa_opt_step, "dfa_opt_step", scale)
+            for p in self._empty:
+                if p.grad is not None:
+                    self._empty[p] += 1
         return loss
+
+    def _amp_scale(self) -> float | None:
+        """The factor of the gradients under torch.amp.GradScaler's protocol for fused
+        optimizers (it sets ``grad_scale`` and ``found_inf`` before ``step()``): None when
+        an inf/NaN was found (no parameter is stepped and no step count advances, as in
+        torch's fused AdamW), else 1 / grad_scale (1 without a scaler).  Reads both values
+        on the host (one synchronization).  The engine multiplies by the reciprocal where
+        torch's kernel divides: the same for GradScaler's power-of-two scales."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) != 0.0:
+            return None
+        grad_scale = getattr(self, "grad_scale", None)
+        return 1.0 if grad_scale is None else 1.0 / float(grad_scale)
 
     @torch.no_grad()
     def step_speculative(self) -> None:
@@ -433,8 +915,9 @@ class StreamedAdamW(torch.optim.Optimizer):
         _check(_load().dfa_opt_can_speculate(self._handle, shard, ctypes.byref(v)), "dfa_opt_can_speculate")
         return bool(v.value)
 
-    def _engine_step(self, fn, call: str) -> None:
-        """One engine step call over every parameter's ``.grad`` (None: skipped)."""
+    def _engine_step(self, fn, call: str, scale: float = 1.0) -> None:
+        """One engine step call over every held parameter's ``.grad`` (None: skipped; a
+        DTensor's local shard), each multiplied by ``scale``."""
         t0 = time.perf_counter()
         self._ensure_initialized()
         self._push_groups()
@@ -447,6 +930,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             if g is None:
                 ptrs[i] = None
                 continue
+            g = _local(g)
             t = dtypes.get(g.dtype)
             if t is None or g.is_sparse or g.numel() != n:
                 raise InvalidArgumentError(f"StreamedAdamW: the gradient of parameter {i} is "
@@ -457,9 +941,14 @@ class StreamedAdamW(torch.optim.Optimizer):
                 keep.append(g)
             ptrs[i] = g.data_ptr()
             types[i] = t
+        for p in self._unheld:
+            if p.grad is not None and _local(p.grad).numel() > 0:
+                raise InvalidStateError("StreamedAdamW: a parameter that had requires_grad=False when the optimizer "
+                                        "was built has a gradient: frozen parameters get no state; build the "
+                                        "optimizer again (load_state_dict carries the state over)")
         stream = _stream_ptr(self._stream, self._device)
         t1 = time.perf_counter()
-        _check(fn(self._handle, ptrs, len(self._params), types, 1.0, stream), call)
+        _check(fn(self._handle, ptrs, len(self._params), types, scale, stream), call)
         self._python_seconds = t1 - t0
         del keep
 
@@ -481,9 +970,13 @@ class StreamedAdamW(torch.optim.Optimizer):
     def stats(self) -> dict[str, float]:
         """The last pass (initialize or step): seconds, bytes each way, peak state HBM
         (physical memory behind the state, <= the window), host time split, and
-        python_seconds, the Python side of the last step() before the engine call."""
+        python_seconds, the Python side of the last step() before the engine call;
+        state_params, the elements the engine holds state for (frozen parameters none),
+        and state_bytes, their state's bytes on the tier (12 per element with FP32 moments)."""
         st = _Stats()
         _check(_load().dfa_opt_get_stats(self._handle, ctypes.byref(st)), "dfa_opt_get_stats")
         out = {name: getattr(st, name) for name, _ in _Stats._fields_}
         out["python_seconds"] = self._python_seconds
+        out["state_params"] = sum(n for _, n in self._numels)
+        out["state_bytes"] = int(out["state_params"] * _STATE_BYTES.get(self._moment_dtype, 12.0))
         return out

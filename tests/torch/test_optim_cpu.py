@@ -293,8 +293,10 @@ class Errors(unittest.TestCase):
         for pa, pb in zip(a, b):
             self.assertTrue(torch.equal(pa.detach(), pb.detach()))
 
-    def test_groups_are_fixed(self):
-        opt = build(make_params())
+    def test_groups_are_fixed_after_the_first_step(self):
+        params = make_params()
+        opt = build(params)
+        train(opt, params, 1)
         with self.assertRaises(optim.InvalidStateError):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
