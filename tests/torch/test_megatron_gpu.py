@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from megatron_runs import report, torchrun, work_dir
+from megatron_runs import probe_megatron, report, torchrun, work_dir
 
 MIB = 2**20
 
@@ -92,10 +92,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site,
                         args.megatron_wheel], check=True)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site) if p)
-    probe = subprocess.run([sys.executable, "-c", "import megatron.core as m; print(m.__version__)"], env=env,
-                           capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != "0.16.1":
-        print(f"SKIP: megatron-core 0.16.1 not importable ({probe.stdout.strip() or probe.stderr.strip()[-300:]})")
+    if probe_megatron(env) is None:
         return 77
 
     wall = {}
