@@ -19,7 +19,8 @@ foreach AdamW rounds differently).  The summary's ``reference`` records what ste
 Prints one line per step (loss as a float hex, optimizer-phase seconds) and a JSON summary
 (``--summary FILE``): losses, peak HBM sampled through the steps with cuMemGetInfo (a thread
 polling torch.cuda.mem_get_info), HBM in use between steps with torch's reserved and
-allocated bytes beside it, optimizer-phase times, the engine's per-step pass statistics
+allocated bytes beside it, optimizer-phase times, whole-iteration times (``step_seconds``:
+forward, backward, grad sync and step), the engine's per-step pass statistics
 (``engine``: seconds, host time mapping / retiring pieces, pieces, bytes), the parameter
 count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after step N;
 ``--load DIR`` loads one and continues from the step after it.
@@ -253,8 +254,7 @@ def _pipeline_stage() -> tuple[bool, bool]:
 def build(args):
     """Model, DDP, Megatron's optimizer and (--deferalloc) the streamed inner optimizers."""
     gpt, ddp = build_model_and_ddp(args)
-    optimizer = make_optimizer(args, ddp)
-    streamed = stream(args, optimizer) if args.deferalloc != "off" else []
+    optimizer, streamed = build_optimizer(args, ddp)
     return gpt, ddp, optimizer, streamed
 
 
@@ -294,7 +294,9 @@ def main_params_route(args) -> str:
     return route
 
 
-def make_optimizer(args, ddp):
+def build_optimizer(args, ddp, stream: bool = True):
+    """Megatron's optimizer and, under --deferalloc, the streamed inner optimizers (with
+    ``stream=False`` on Megatron's route: its handles before stream_optimizer_state, for tests)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ocfg = dict(optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
@@ -309,22 +311,25 @@ def make_optimizer(args, ddp):
             for dopt in optimizers_of(optimizer):
                 for g in dopt.optimizer.param_groups:
                     g["fused"], g["foreach"] = True, False
-        return optimizer
-    import deferalloc.megatron
+        return optimizer, []
     if main_params_route(args) == "megatron":
+        import deferalloc.megatron as dm
         # Megatron makes its main params as handles (storage released); the engine takes them.
-        return get_megatron_optimizer(OptimizerConfig(**ocfg, defer_main_param_initialization=True), [ddp])
+        optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg, defer_main_param_initialization=True), [ddp])
+        if not stream:
+            return optimizer, []
+        return optimizer, dm.stream_optimizer_state(optimizer, tier=args.deferalloc, directory=args.directory,
+                                                    window_mb=args.window_mb,
+                                                    release_torch_cache=args.release_torch_cache)
+    import deferalloc.megatron
     # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
     # then the streamed engine: the two deferalloc lines of a Megatron script.
     with deferalloc.megatron.deferred_main_params():
-        return get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
-
-
-def stream(args, optimizer):
-    import deferalloc.megatron
-    return deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc, directory=args.directory,
-                                                      window_mb=args.window_mb,
-                                                      release_torch_cache=args.release_torch_cache)
+        optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
+    streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
+                                                          directory=args.directory, window_mb=args.window_mb,
+                                                          release_torch_cache=args.release_torch_cache)
+    return optimizer, streamed
 
 
 def use_torch_adamw() -> None:
@@ -586,7 +591,7 @@ def main(argv=None) -> int:
     summary["reference"] = describe_optimizer(optimizer)
     cuda = torch.cuda.is_available()
     sampler = HbmSampler()
-    losses, opt_seconds, between, engine = {}, [], [], []
+    losses, opt_seconds, step_seconds, between, engine = {}, [], [], [], []
     steps = list(range(first, args.steps + 1))
     warm = min(args.warmup_steps, max(0, len(steps) - 1))
     for k, step in enumerate(steps):
@@ -598,7 +603,11 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             sampler.start()
+        if cuda:
+            torch.cuda.synchronize()
+        t_step = time.perf_counter()
         loss, grad_norm, seconds = train_step(args, ddp, optimizer, step, device)
+        step_seconds.append(time.perf_counter() - t_step)  # train_step ends synchronised
         opt_seconds.append(seconds)
         if k >= warm:
             between.append({"used": sampler.used(), "torch_reserved": torch.cuda.memory_reserved() if cuda else 0,
@@ -617,7 +626,8 @@ def main(argv=None) -> int:
         summary["final_digest"] = state_digest(optimizer)
     top = max(between, key=lambda b: b["used"]) if between else {"used": 0, "torch_reserved": 0, "torch_allocated": 0}
     summary.update(losses={str(k): v.hex() for k, v in losses.items()}, peak_hbm=sampler.peak,
-                   between_hbm=top["used"], optimizer_seconds=opt_seconds, window_mb=args.window_mb,
+                   between_hbm=top["used"], optimizer_seconds=opt_seconds, step_seconds=step_seconds,
+                   window_mb=args.window_mb,
                    warmup_steps=warm,
                    hbm={"between": top, "non_torch_between": top["used"] - top["torch_reserved"],
                         "torch_max_reserved": torch.cuda.max_memory_reserved() if cuda else 0,

@@ -119,6 +119,7 @@ from . import deferred_empty
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
+           "megatron_core_version",
            "streamed_optimizers", "save_engine_checkpoint", "load_engine_checkpoint", "megatron_defers_main_params"]
 
 
@@ -236,11 +237,18 @@ def streamed_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def megatron_core_version() -> str:
+    """The installed megatron-core's release, without the local part: from 0.18 on its
+    ``__version__`` appends ``+<commit>`` of whatever git repository its files sit in (its
+    package_info runs ``git rev-parse`` in its own directory), also for an installed wheel."""
+    import megatron.core
+    return str(getattr(megatron.core, "__version__", "?")).split("+")[0]
+
+
 def _adapter() -> _Adapter:
     """The installed megatron-core's adapter; refuses an untested version (Note
     [megatron-core versions])."""
-    import megatron.core
-    version = getattr(megatron.core, "__version__", "?")
+    version = megatron_core_version()
     adapter = _ADAPTERS.get(version)
     if adapter is not None:
         return adapter

@@ -111,7 +111,8 @@ def require_megatron() -> str:
     except ImportError as e:
         print(f"SKIP: megatron-core not importable ({e}); scripts/setup.sh installs the tested versions")
         sys.exit(77)
-    version = megatron.core.__version__
+    from deferalloc.megatron import megatron_core_version
+    version = megatron_core_version()
     expected = os.environ.get("DFA_MEGATRON_CORE_EXPECTED")
     if expected and expected != version:
         print(f"FAIL: megatron-core {version} imported ({megatron.core.__file__}), {expected} expected")
@@ -120,8 +121,8 @@ def require_megatron() -> str:
     return version
 
 
-_PROBE = ("import megatron.core as m, deferalloc.megatron as dm; "
-          "print(m.__version__, m.__version__ in dm.TESTED_VERSIONS)")
+_PROBE = ("import deferalloc.megatron as dm; v = dm.megatron_core_version(); "
+          "print(v, v in dm.TESTED_VERSIONS)")
 
 
 def probe_megatron(env: dict) -> str | None:

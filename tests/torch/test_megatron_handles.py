@@ -52,9 +52,9 @@ def in_process() -> None:
     args = train_gpt.parse_args(TINY + ["--deferalloc", "host", "--main-params", "megatron", "--steps", "2"])
     train_gpt.setup(args)
     standin = megatron_defer_standin.install()
-    print(f"     defer_main_param_initialization: {'stand-in (megatron-core ' + megatron.core.__version__ + ' lacks it)' if standin else 'megatron-core its own'}")
+    print(f"     defer_main_param_initialization: {'stand-in (megatron-core ' + dm.megatron_core_version() + ' lacks it)' if standin else 'megatron-core its own'}")
     gpt, ddp = train_gpt.build_model_and_ddp(args)
-    optimizer = train_gpt.make_optimizer(args, ddp)
+    optimizer, _ = train_gpt.build_optimizer(args, ddp, stream=False)
     (dopt,) = dm.streamed_optimizers(optimizer)
     pairs = [(mp, main, shard) for mps, mains, shards in zip(dopt.model_float16_groups,
                                                             dopt.shard_fp32_from_float16_groups,
@@ -67,7 +67,7 @@ def in_process() -> None:
                               mp.main_param is main and id(main) in inner_ids for mp, main, shard in pairs),
           f"Megatron's {len(pairs)} main-param handles: shard shape, float32, device, no storage, in main_param and "
           f"the inner groups")
-    streamed = train_gpt.stream(args, optimizer)
+    streamed = dm.stream_optimizer_state(optimizer, tier="host")
     inner = streamed[0]
     engine_ids = {id(p) for g in inner.param_groups for p in g["params"]}
 
@@ -87,12 +87,12 @@ def in_process() -> None:
 
     # The option set, yet a main param holding storage: refused before anything changes.
     gpt2, ddp2 = train_gpt.build_model_and_ddp(args)
-    opt2 = train_gpt.make_optimizer(args, ddp2)
+    opt2, _ = train_gpt.build_optimizer(args, ddp2, stream=False)
     (dopt2,) = dm.streamed_optimizers(opt2)
     some = dopt2.shard_fp32_from_float16_groups[0][0]
     some.untyped_storage().resize_(some.numel() * 4)
     try:
-        train_gpt.stream(args, opt2)
+        dm.stream_optimizer_state(opt2, tier="host")
         check(False, "option set but a main param with storage: refused")
     except InvalidStateError as e:
         check("holds storage" in str(e) and type(dopt2.optimizer) is not dm.StreamedMegatronAdamW,
@@ -109,6 +109,9 @@ def in_process() -> None:
         with open(os.path.join(HERE, "megatron_versions.txt")) as f:
             listed = tuple(line.strip() for line in f if line.strip() and not line.startswith("#"))
         check(listed == dm.TESTED_VERSIONS, "megatron_versions.txt (setup.sh's and CI's list) = TESTED_VERSIONS")
+        megatron.core.__version__ = "0.19.2+0123abc"
+        check(dm._adapter().version == "0.19.2", "a release with a local part (+<commit>, megatron-core's git "
+                                                 "suffix) is that release")
         megatron.core.__version__ = "0.15.3"
         os.environ.pop("DEFERALLOC_MEGATRON_UNTESTED", None)
         try:
