@@ -98,7 +98,8 @@ def main() -> int:
         site = os.path.join(work, "site")
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
                         "--target", site, args.megatron_wheel], check=True)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site) if p)
+        # First on the path: a megatron-core installed elsewhere (/tmp/site) must not shadow it.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     version = probe_megatron(env)
     if version is None:
         return 77
