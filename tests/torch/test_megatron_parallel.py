@@ -13,7 +13,7 @@ its tied embedding's grads summed over the stages by finalize_model_grads):
      uninterrupted run;
   3. TP 2 x DP 2 loads TP 2's (DP 1) checkpoint: the loaded state equals the saved one
      (dp_reshardable resharding at another data-parallel size, beside TP).
-Exit 0 / 1; 77 without megatron-core.  About 9 torchrun launches (2 or 4 processes each).
+Exit 0 / 1; 77 without megatron-core.  Ten torchrun launches (2 or 4 processes each).
 """
 from __future__ import annotations
 
