@@ -141,7 +141,8 @@ if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
   # Six torchrun processes per megatron-core (about 5-7 minutes each); the figures as JSON in
   # $R/test_megatron_gpu[_<version>].json.  Issue 26: each wheel in .whl/megatron/ (one per
   # tested version, outside .whl/*.whl so that they are not installed together) runs alone.
-  mcs=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null)
+  # DFA_MEGATRON_VERSION=0.19.2 runs that one only (one version fits a 10-minute call).
+  mcs=$(ls .whl/megatron/megatron_core-${DFA_MEGATRON_VERSION:-}*.whl 2>/dev/null)
   if [ -z "$mcs" ]; then
     CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 570 python3 tests/torch/test_megatron_gpu.py \
       --json "$R/test_megatron_gpu.json" ${DFA_MEGATRON_ARGS:-}
