@@ -7,6 +7,7 @@
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
+#   the same with -d .whl/megatron megatron-core==0.16.1 (and ==0.19.2, ...): the megatron step's versions
 #   pip download --only-binary=:all: --python-version 3.12 -d .whl scikit-build-core   # the offline pip test
 # The device machine returns at most 8 files from $OUT, so $OUT holds three, refreshed after
 # every step (a call cut at its time limit still brings back what ran): summary.txt (the
@@ -137,10 +138,22 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
   cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
-  # Six torchrun processes (about 3-4 minutes); the figures as JSON in $R/test_megatron_gpu.json.
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 480 python3 tests/torch/test_megatron_gpu.py --json "$R/test_megatron_gpu.json" \
-    ${DFA_MEGATRON_ARGS:-}
-  tail -24 "$L/megatron.log"
+  # Six torchrun processes per megatron-core (about 5-7 minutes each); the figures as JSON in
+  # $R/test_megatron_gpu[_<version>].json.  Issue 26: each wheel in .whl/megatron/ (one per
+  # tested version, outside .whl/*.whl so that they are not installed together) runs alone.
+  # DFA_MEGATRON_VERSION=0.19.2 runs that one only (one version fits a 10-minute call).
+  mcs=$(ls .whl/megatron/megatron_core-${DFA_MEGATRON_VERSION:-}*.whl 2>/dev/null)
+  if [ -z "$mcs" ]; then
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 570 python3 tests/torch/test_megatron_gpu.py \
+      --json "$R/test_megatron_gpu.json" ${DFA_MEGATRON_ARGS:-}
+    tail -24 "$L/megatron.log"
+  fi
+  for w in $mcs; do
+    v=$(basename "$w" | cut -d- -f2)
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron_$v 570 python3 tests/torch/test_megatron_gpu.py --megatron-wheel "$w" \
+      --json "$R/test_megatron_gpu_$v.json" ${DFA_MEGATRON_ARGS:-}
+    tail -24 "$L/megatron_$v.log"
+  done
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);

@@ -64,10 +64,27 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     echo "setup: installing accelerate into .venv"
     venv_pip accelerate
   fi
-  # deferalloc.megatron's tests (issue 14): megatron-core pinned, with the dependencies its
-  # wheel declares (numpy, packaging) and psutil, which its dist-checkpointing save uses.
+  # deferalloc.megatron's tests (issue 14): megatron-core 0.16.1 in .venv, with the
+  # dependencies its wheel declares (numpy, packaging) and psutil, which its
+  # dist-checkpointing save uses.
   if ! "$root/.venv/bin/python" -c "import sys, megatron.core as m, psutil; sys.exit(m.__version__ != '0.16.1')" >/dev/null 2>&1; then
     echo "setup: installing megatron-core==0.16.1 and psutil into .venv"
     venv_pip "megatron-core==0.16.1" psutil
   fi
+  # Issue 26: every tested megatron-core (tests/torch/megatron_versions.txt) unpacked into
+  # .megatron/<version>, one directory each, which the CPU tests put on PYTHONPATH.  From
+  # 0.17 on the wheels declare Python >= 3.12 (cp312 only) while their Python code imports on
+  # 3.11 (only a dataset helper extension is 3.12-only), so the cp312 wheel is fetched and
+  # unpacked rather than installed.  About 10 MB each.
+  for v in $(grep -v '^#' "$root/tests/torch/megatron_versions.txt"); do
+    [ -f "$root/.megatron/$v/megatron/core/__init__.py" ] && continue
+    echo "setup: unpacking megatron-core==$v into .megatron/$v"
+    tmp=$(mktemp -d)
+    "$root/.venv/bin/pip" download --quiet --disable-pip-version-check --no-cache-dir --no-deps \
+      --only-binary=:all: --python-version 3.12 -d "$tmp" "megatron-core==$v"
+    mkdir -p "$root/.megatron/$v.tmp"
+    "$root/.venv/bin/python" -m zipfile -e "$tmp"/megatron_core-"$v"-*.whl "$root/.megatron/$v.tmp"
+    rm -rf "$tmp" "$root/.megatron/$v"
+    mv "$root/.megatron/$v.tmp" "$root/.megatron/$v"
+  done
 fi

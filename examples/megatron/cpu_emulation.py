@@ -52,6 +52,21 @@ def enable() -> None:
     torch.Tensor.type = type_
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    # megatron-core >= 0.19 waits on the current stream's events before a grad reduction.
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+
+
+class _NoStream:
+    """The CPU's "current stream": every wait is already satisfied."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def after_model_parallel_init() -> None:

@@ -19,7 +19,8 @@ foreach AdamW rounds differently).  The summary's ``reference`` records what ste
 Prints one line per step (loss as a float hex, optimizer-phase seconds) and a JSON summary
 (``--summary FILE``): losses, peak HBM sampled through the steps with cuMemGetInfo (a thread
 polling torch.cuda.mem_get_info), HBM in use between steps with torch's reserved and
-allocated bytes beside it, optimizer-phase times, the engine's per-step pass statistics
+allocated bytes beside it, optimizer-phase times, whole-iteration times (``step_seconds``:
+forward, backward, grad sync and step), the engine's per-step pass statistics
 (``engine``: seconds, host time mapping / retiring pieces, pieces, bytes), the parameter
 count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after step N;
 ``--load DIR`` loads one and continues from the step after it.
@@ -83,12 +84,22 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=4, help="global batch (split over the data-parallel ranks)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--model", choices=["auto", "gpt", "hybrid"], default="auto",
+                    help="auto: HybridModel where megatron-core deprecates GPTModel (0.19 on), else GPTModel")
+    ap.add_argument("--main-params", choices=["auto", "megatron", "deferalloc"], default="auto",
+                    help="who makes the main-param handles: Megatron (OptimizerConfig."
+                         "defer_main_param_initialization) or deferalloc.megatron.deferred_main_params(); "
+                         "auto: Megatron's where its OptimizerConfig has the option")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--save", help="dist-checkpointing directory to save into")
     ap.add_argument("--save-at", type=int, default=0, help="save after this step")
     ap.add_argument("--load", help="dist-checkpointing directory to load, then continue")
     ap.add_argument("--warmup-steps", type=int, default=1,
                     help="steps before HBM sampling starts; torch's cache is emptied after them (every mode)")
     ap.add_argument("--summary", help="write the JSON summary here")
+    ap.add_argument("--digest", action="store_true", help="the summary's final_digest: state_digest after the "
+                                                          "last step (test-sized models)")
     ap.add_argument("--cpu-emulation", action="store_true", help="CI: run on the CPU (deferalloc host driver)")
     return ap.parse_args(argv)
 
@@ -154,7 +165,7 @@ def setup(args):
     torch.distributed.init_process_group("gloo" if args.cpu_emulation else "nccl")
     torch.use_deterministic_algorithms(True, warn_only=True)
     from megatron.core import parallel_state, tensor_parallel
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(args.tp, args.pp)
     dp = dp_size()
     if args.batch % dp:
         raise SystemExit(f"train_gpt.py: --batch {args.batch} (the global batch) is not divisible by the "
@@ -166,49 +177,159 @@ def setup(args):
     torch.manual_seed(args.seed)
 
 
-def build(args):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def gpt_is_deprecated() -> bool:
+    """megatron-core 0.19 deprecates GPTModel in favour of HybridModel (its constructor logs
+    "GPTModel IS DEPRECATED"); before that GPTModel is the recommended class."""
+    import megatron.core
+    from packaging.version import Version
+    return Version(megatron.core.__version__) >= Version("0.19")
+
+
+def local_hybrid_stack_spec():
+    """HybridModel's decoder made of megatron-core's own modules (no Transformer Engine): an
+    attention layer ('*') is the local GPT layer without its MLP, an MLP layer ('-') the
+    local GPT layer without its attention, so the pattern "*-" * L is L GPT layers.
+    megatron-core's published hybrid specs use Transformer Engine modules only."""
+    import dataclasses
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    local = get_gpt_layer_local_spec().submodules
+    attention = dataclasses.replace(local, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
+    mlp = dataclasses.replace(local, input_layernorm=IdentityOp, self_attention=IdentityOp,
+                              self_attn_bda=IdentityFuncOp)
+    if not getattr(hybrid_block, "HAVE_TE", True) or not _have_te():
+        # HybridStack builds its final norm with TENorm by name; without Transformer Engine
+        # the local spec's norm (torch's LayerNorm, what GPTModel's local spec uses) stands in.
+        hybrid_block.TENorm = local.input_layernorm
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp)))
+
+
+def _have_te() -> bool:
+    from megatron.core.extensions import transformer_engine
+    return bool(getattr(transformer_engine, "HAVE_TE", False))
+
+
+def build_model(args, cfg):
+    """The model class the installed megatron-core recommends: HybridModel with the pattern
+    "*-" * layers where GPTModel is deprecated (0.19 on), else GPTModel; ``--model`` picks
+    one.  Both hold the same GPT layers; with the local specs and learned absolute position
+    embeddings their forward is the same computation."""
+    kind = args.model
+    if kind == "auto":
+        kind = "hybrid" if gpt_is_deprecated() else "gpt"
+    pre, post = _pipeline_stage()
+    if kind == "hybrid":
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        cfg.num_layers = 2 * args.layers
+        return HybridModel(config=cfg, hybrid_stack_spec=local_hybrid_stack_spec(), vocab_size=args.vocab,
+                           max_sequence_length=args.seq, hybrid_layer_pattern=_hybrid_pattern(args),
+                           position_embedding_type="learned_absolute", pre_process=pre, post_process=post)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+                    max_sequence_length=args.seq, pre_process=pre, post_process=post)
+
+
+def _hybrid_pattern(args) -> str:
+    """HybridModel's layer pattern: its pipeline stages are given in the pattern ('|')."""
+    pp = args.pp
+    if args.layers % pp:
+        raise SystemExit(f"train_gpt.py: --layers {args.layers} is not divisible by --pp {pp}")
+    return "|".join(["*-" * (args.layers // pp)] * pp)
+
+
+def _pipeline_stage() -> tuple[bool, bool]:
+    from megatron.core import parallel_state
+    return parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+
+
+def build(args):
+    """Model, DDP, Megatron's optimizer and (--deferalloc) the streamed inner optimizers."""
+    gpt, ddp = build_model_and_ddp(args)
+    optimizer, streamed = build_optimizer(args, ddp)
+    return gpt, ddp, optimizer, streamed
+
+
+def build_model_and_ddp(args):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                             use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=True,
                             params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             deterministic_mode=not args.cpu_emulation)
     torch.manual_seed(args.seed)
-    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
-                   max_sequence_length=args.seq)
+    gpt = build_model(args, cfg)
     model = Float16Module(cfg, gpt)
     if not args.cpu_emulation:
         model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False))
+    return gpt, ddp
+
+
+def main_params_route(args) -> str:
+    """Who makes the main-param handles under --deferalloc: "megatron" (OptimizerConfig's
+    defer_main_param_initialization, where it exists) or "deferalloc" (deferred_main_params)."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+    has_option = "defer_main_param_initialization" in {f.name for f in dataclasses.fields(OptimizerConfig)}
+    route = args.main_params
+    if route == "auto":
+        route = "megatron" if has_option else "deferalloc"
+    if route == "megatron" and not has_option:
+        raise SystemExit("train_gpt.py: --main-params megatron needs an OptimizerConfig with "
+                         "defer_main_param_initialization (no megatron-core release has it)")
+    return route
+
+
+def build_optimizer(args, ddp, stream: bool = True):
+    """Megatron's optimizer and, under --deferalloc, the streamed inner optimizers (with
+    ``stream=False`` on Megatron's route: its handles before stream_optimizer_state, for tests)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     ocfg = dict(optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                 bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if args.hdo:
         ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                     overlap_cpu_optimizer_d2h_h2d=True)
     use_torch_adamw()
-    streamed = []
-    if args.deferalloc != "off":
-        import deferalloc.megatron
-        # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
-        # then the streamed engine: the two deferalloc lines of a Megatron script.
-        with deferalloc.megatron.deferred_main_params():
-            optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
-        streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
-                                                              directory=args.directory, window_mb=args.window_mb,
-                                                              release_torch_cache=args.release_torch_cache)
-    else:
+    if args.deferalloc == "off":
         optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
-    if args.deferalloc == "off" and not args.hdo:
-        for dopt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            for g in dopt.optimizer.param_groups:
-                g["fused"], g["foreach"] = True, False
-    return gpt, ddp, optimizer, streamed
+        if not args.hdo:
+            for dopt in optimizers_of(optimizer):
+                for g in dopt.optimizer.param_groups:
+                    g["fused"], g["foreach"] = True, False
+        return optimizer, []
+    if main_params_route(args) == "megatron":
+        import deferalloc.megatron as dm
+        # Megatron makes its main params as handles (storage released); the engine takes them.
+        optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg, defer_main_param_initialization=True), [ddp])
+        if not stream:
+            return optimizer, []
+        return optimizer, dm.stream_optimizer_state(optimizer, tier=args.deferalloc, directory=args.directory,
+                                                    window_mb=args.window_mb,
+                                                    release_torch_cache=args.release_torch_cache)
+    import deferalloc.megatron
+    # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
+    # then the streamed engine: the two deferalloc lines of a Megatron script.
+    with deferalloc.megatron.deferred_main_params():
+        optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
+    streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
+                                                          directory=args.directory, window_mb=args.window_mb,
+                                                          release_torch_cache=args.release_torch_cache)
+    return optimizer, streamed
 
 
 def use_torch_adamw() -> None:
@@ -253,7 +374,22 @@ def describe_optimizer(optimizer) -> list[dict]:
 
 
 def dp_size() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if not torch.distributed.is_initialized():
+        return 1
+    from megatron.core import parallel_state
+    return parallel_state.get_data_parallel_world_size()
+
+
+def dp_rank() -> int:
+    from megatron.core import parallel_state
+    return parallel_state.get_data_parallel_rank() if torch.distributed.is_initialized() else 0
+
+
+def model_parallel() -> bool:
+    """Tensor or pipeline parallelism in this run."""
+    from megatron.core import parallel_state
+    return (parallel_state.get_tensor_model_parallel_world_size() > 1 or
+            parallel_state.get_pipeline_model_parallel_world_size() > 1)
 
 
 def batch(args, step: int, device):
@@ -263,7 +399,7 @@ def batch(args, step: int, device):
     dp = dp_size()
     if dp > 1:
         rows = args.batch // dp
-        rank = torch.distributed.get_rank()
+        rank = dp_rank()
         tokens = tokens[rank * rows:(rank + 1) * rows]
     pos = torch.arange(args.seq).unsqueeze(0).expand(tokens.shape[0], -1)
     return tokens[:, :-1].to(device), pos.to(device), tokens[:, 1:].to(device)
@@ -283,7 +419,7 @@ def state_digest(optimizer) -> str:
     """sha256 over every model param's FP32 main shard and moments, read through Megatron's
     own accessor (the one its checkpoint formats use).  Data-parallel: over the whole state,
     every rank's pieces gathered (the same digest as at N = 1 for the same state)."""
-    if dp_size() > 1:
+    if dp_size() > 1 or model_parallel():
         return gathered_state_digest(optimizer)
     h = hashlib.sha256()
     for dopt in optimizers_of(optimizer):
@@ -302,6 +438,8 @@ def gathered_state_digest(optimizer) -> str:
     exp_avg, exp_avg_sq with its offset in the param) gathered to every rank, then hashed in
     the order of the N = 1 digest (params in grad-buffer order, a param's pieces by offset).
     Every piece travels as a Python object: for test-sized models."""
+    from megatron.core import parallel_state
+    mp = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
     mine = []
     for o, dopt in enumerate(optimizers_of(optimizer)):
         for b, gbuf in enumerate(dopt.gbuf_ranges):
@@ -310,10 +448,10 @@ def gathered_state_digest(optimizer) -> str:
                 for bucket in per_bucket:
                     for model_param, ranges in bucket["param_map"].items():
                         t = dopt._get_main_param_and_optimizer_states(model_param)
-                        mine.append(((o, b, position[model_param]), ranges["param"].start,
+                        mine.append(((*mp, o, b, position[model_param]), ranges["param"].start,
                                      [t[k].detach().float().cpu().contiguous().numpy().tobytes()
                                       for k in ("param", "exp_avg", "exp_avg_sq")]))
-    every = [None] * dp_size()
+    every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, mine)
     by_param: dict = {}
     for key, start, data in sorted((p for rank in every for p in rank), key=lambda p: (p[0], p[1])):
@@ -372,14 +510,20 @@ def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, f
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     tokens, pos, labels = batch(args, step, device)
-    loss = ddp(tokens, pos, None, labels=labels).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    dp = dp_size()
-    if dp > 1:  # the global batch's mean loss (the ranks' halves are equal in size)
-        loss = loss.detach().clone()
-        torch.distributed.all_reduce(loss)
-        loss /= dp
+    if args.pp > 1:
+        loss = pipeline_forward_backward(args, ddp, tokens, pos, labels)
+    else:
+        loss = ddp(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+    if model_parallel():
+        # Megatron's own finish: the grad reduce-scatter plus the tied embedding's grads
+        # summed over the first and last pipeline stages.
+        from megatron.core.distributed import finalize_model_grads
+        finalize_model_grads([ddp])
+    else:
+        ddp.finish_grad_sync()
+    if dp_size() > 1 or model_parallel():
+        loss = global_loss(loss)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -389,6 +533,36 @@ def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, f
     if not ok:
         raise RuntimeError(f"step {step}: Megatron skipped the update (inf/nan gradients)")
     return loss.item(), float(grad_norm), time.perf_counter() - t0
+
+
+def pipeline_forward_backward(args, ddp, tokens, pos, labels):
+    """Forward and backward of one micro-batch through megatron-core's pipeline schedule
+    (1F1B with one micro-batch); the loss on the last stage, None elsewhere."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        out = model(tokens, pos, None, labels=labels)
+        def loss_func(t):
+            loss = t.float().mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[ddp], num_microbatches=1,
+        seq_length=args.seq, micro_batch_size=tokens.shape[0], forward_only=False)
+    return losses[0]["loss"] if losses else None
+
+
+def global_loss(loss):
+    """The global batch's mean loss on every rank: the loss of the last pipeline stage's
+    tensor-parallel rank 0, summed over the data-parallel ranks (equal halves) and divided
+    by their number.  Other ranks add zeros (exact)."""
+    from megatron.core import parallel_state
+    mine = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    out = loss.detach().clone().reshape(()) if mine else torch.zeros((), dtype=torch.float32, device=device)
+    torch.distributed.all_reduce(out)
+    return out / dp_size()
 
 
 def engine_stats(streamed) -> dict:
@@ -408,7 +582,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in gpt.parameters())
     rank0 = torch.distributed.get_rank() == 0  # prints and writes the summary
     first = 1
-    summary = {"params": n_params, "mode": "hdo" if args.hdo else args.deferalloc}
+    summary = {"params": n_params, "mode": "hdo" if args.hdo else args.deferalloc, "model_class": type(gpt).__name__}
     if args.load:
         first = load(gpt, optimizer, args.load) + 1
         summary["loaded_digest"] = state_digest(optimizer)
@@ -417,7 +591,7 @@ def main(argv=None) -> int:
     summary["reference"] = describe_optimizer(optimizer)
     cuda = torch.cuda.is_available()
     sampler = HbmSampler()
-    losses, opt_seconds, between, engine = {}, [], [], []
+    losses, opt_seconds, step_seconds, between, engine = {}, [], [], [], []
     steps = list(range(first, args.steps + 1))
     warm = min(args.warmup_steps, max(0, len(steps) - 1))
     for k, step in enumerate(steps):
@@ -429,7 +603,11 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             sampler.start()
+        if cuda:
+            torch.cuda.synchronize()
+        t_step = time.perf_counter()
         loss, grad_norm, seconds = train_step(args, ddp, optimizer, step, device)
+        step_seconds.append(time.perf_counter() - t_step)  # train_step ends synchronised
         opt_seconds.append(seconds)
         if k >= warm:
             between.append({"used": sampler.used(), "torch_reserved": torch.cuda.memory_reserved() if cuda else 0,
@@ -444,9 +622,12 @@ def main(argv=None) -> int:
             save(gpt, optimizer, args.save, step)
             summary["saved_digest"] = state_digest(optimizer)
     sampler.stop()
+    if args.digest:
+        summary["final_digest"] = state_digest(optimizer)
     top = max(between, key=lambda b: b["used"]) if between else {"used": 0, "torch_reserved": 0, "torch_allocated": 0}
     summary.update(losses={str(k): v.hex() for k, v in losses.items()}, peak_hbm=sampler.peak,
-                   between_hbm=top["used"], optimizer_seconds=opt_seconds, window_mb=args.window_mb,
+                   between_hbm=top["used"], optimizer_seconds=opt_seconds, step_seconds=step_seconds,
+                   window_mb=args.window_mb,
                    warmup_steps=warm,
                    hbm={"between": top, "non_torch_between": top["used"] - top["torch_reserved"],
                         "torch_max_reserved": torch.cuda.max_memory_reserved() if cuda else 0,
@@ -455,7 +636,7 @@ def main(argv=None) -> int:
         summary["engine_peak_backed"] = max(s.stats()["peak_backed_bytes"] for s in streamed)
         summary["engine"] = engine
     if rank0:
-        print(f"params {n_params} peak HBM {sampler.peak / 2**20:.0f} MiB between steps "
+        print(f"params {n_params} ({type(gpt).__name__}) peak HBM {sampler.peak / 2**20:.0f} MiB between steps "
               f"{summary['between_hbm'] / 2**20:.0f} MiB (torch reserved {top['torch_reserved'] / 2**20:.0f}, "
               f"allocated {top['torch_allocated'] / 2**20:.0f})", flush=True)
     if args.summary and rank0:

@@ -5,7 +5,27 @@ after ``get_megatron_optimizer`` (or a DistributedOptimizer built by hand).  Fro
 the FP32 main params and both moments of every DistributedOptimizer in ``optimizer`` live in
 the streamed engine (libdeferalloc_optimizer.so through ``deferalloc.optim``): pinned host
 memory, a file, or HBM, streamed through a fixed HBM window at each step, and no HBM between
-steps.  Pinned to megatron-core 0.16.1 (checked at the call).
+steps.  Tested on megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (``TESTED_VERSIONS``; another
+version is refused at the call, see Note [megatron-core versions]).
+
+Note [megatron-core versions]
+Rationale: the integration binds six DistributedOptimizer methods and reads its shard lists
+(``shard_fp32_from_float16_groups``, ``model_param_group_index_map``, ``opt_group_ranges``'
+``orig_group``), internals megatron-core may change in any release; a version nobody ran
+would fail silently or far from the cause, so a version outside ``TESTED_VERSIONS`` is
+refused with the list.
+Approach: one code path.  Read side by side (optimizer/distrib_optimizer.py,
+optimizer/__init__.py, optimizer/optimizer.py, distributed/) 0.16.1 to 0.19.2 keep every
+internal used here: the construction of a main param (``shard_model_param.clone().float()``
+in ``_build_model_and_main_param_groups``), the group layout, the six methods' signatures
+and the inner torch Adam/AdamW.  What differs is a small ``_Adapter`` per version:
+``quantized`` (0.19 adds grouped quantized and NVFP4 params to FP8 ones; all refused).
+Whether OptimizerConfig carries ``defer_main_param_initialization`` is looked up on the
+config, not the version (no release up to 0.19.2 does; patched Megatrons do).  The tests
+run on every tested version (one ctest test each, CPU emulation).
+Limits: a new megatron-core needs its row in ``_ADAPTERS`` after its tests pass;
+``DEFERALLOC_MEGATRON_UNTESTED=1`` lets an untested version through with a warning (for
+trying one, never for production).
 
 Note [Megatron's step with a streamed inner optimizer]
 Rationale: DistributedOptimizer.step is prepare_grads (copy the reduce-scattered grad shards
@@ -27,9 +47,9 @@ parallel attributes, a stable address and no memory.  They carry ``.grad`` for M
 their values are the engine's (reading one faults: ``optimizer.main_param_shard`` reads
 through the engine instead).  FP32 model params keep Megatron's layout: their main copy is
 the param itself and the engine streams only their moments.
-Construction: megatron-core 0.16.1 makes the FP32 main copies in DistributedOptimizer.__init__
-(``shard.clone().float()``; it has no hook to defer them and no
-``defer_main_param_initialization`` option).  Built inside ``deferred_main_params()``,
+Construction, two routes (Note [Megatron's deferred main params]).  Released megatron-core
+makes the FP32 main copies in DistributedOptimizer.__init__ (``shard.clone().float()``) and
+has no ``defer_main_param_initialization`` option.  Built inside ``deferred_main_params()``,
 those become handles from the start (Megatron's own builder runs, with ``Tensor.clone`` of
 16-bit tensors answering a handle for ``.float()``), so no FP32 copy ever exists and the
 main-param objects keep their construction addresses; built outside, this call frees the
@@ -38,6 +58,24 @@ Limits: refused: Megatron FSDP, precision-aware optimizer, FP8 params,
 CPU offload (HybridDeviceOptimizer), SGD, Adam with L2 weight decay (torch.optim.Adam with
 weight_decay > 0), amsgrad.  Code outside megatron-core that reads ``param.main_param``
 values (Megatron-LM's --log-params-norm) must not be used.
+
+Note [Megatron's deferred main params]
+Rationale: a Megatron whose OptimizerConfig has ``defer_main_param_initialization`` (patched
+Megatrons of RL stacks; no megatron-core release up to 0.19.2) makes each FP32 main param
+as a handle itself: an FP32 CUDA tensor with the shard's shape, its storage released
+(``untyped_storage().nbytes() == 0``), the same object in ``model_param.main_param`` and the
+inner optimizer's groups, its initialisation left to an external state backend.  Code
+around such a Megatron (its checkpoint hooks, its own backend's tests) holds those objects,
+so they must stay the main params: identity kept.
+Approach: with the option set, ``stream_optimizer_state`` takes Megatron's handles as the
+engine's torch-side parameters unchanged (no reservation is made, nothing replaced; the
+engine initialises main = float(model shard) as on the other route) and checks that each
+one's storage is released; ``deferred_main_params()`` then changes nothing (Megatron
+defers by itself).  Without the option, ``deferred_main_params()`` makes deferalloc
+handles at construction.  Both routes hand the engine the same shards in the same order
+and give the same bits (test_megatron_handles.py).
+Limits: with the option, a main param whose storage is not released is refused (a
+Megatron that deferred only part of them is not one this was written against).
 
 Note [The window and torch's cache]
 Rationale: the step's window (``window_mb``) is mapped by the engine, outside torch's caching
@@ -67,21 +105,50 @@ layout only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import threading
 import types
-from typing import Any, Iterable, Iterator
+import warnings
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from . import deferred_empty
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
 
-__all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "MEGATRON_CORE_VERSION", "streamed_optimizers",
-           "save_engine_checkpoint", "load_engine_checkpoint"]
+__all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
+           "megatron_core_version",
+           "streamed_optimizers", "save_engine_checkpoint", "load_engine_checkpoint", "megatron_defers_main_params"]
 
-MEGATRON_CORE_VERSION = "0.16.1"
+
+@dataclasses.dataclass(frozen=True)
+class _Adapter:
+    """What differs between the tested megatron-core versions (Note [megatron-core versions])."""
+    version: str
+    quantized: Callable[[Any, torch.Tensor], bool]  # (DistributedOptimizer, model param) -> refused
+
+
+def _fp8(dopt, p) -> bool:
+    from megatron.core.fp8_utils import is_float8tensor
+    return is_float8tensor(p)
+
+
+def _fp8_grouped_or_nvfp4(dopt, p) -> bool:
+    # 0.19: DistributedOptimizer._is_distopt_quantized_param (FP8 or grouped quantized
+    # storage) and NVFP4 params take their own construction path.
+    from megatron.core.fp4_utils import is_nvfp4tensor
+    return type(dopt)._is_distopt_quantized_param(p) or is_nvfp4tensor(p)
+
+
+_ADAPTERS = {a.version: a for a in (
+    _Adapter("0.16.1", _fp8),
+    _Adapter("0.17.1", _fp8),
+    _Adapter("0.18.2", _fp8),
+    _Adapter("0.19.2", _fp8_grouped_or_nvfp4),
+)}
+TESTED_VERSIONS = tuple(_ADAPTERS)
 _STATE_KEYS = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
 
 
@@ -172,15 +239,37 @@ def streamed_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def _check_megatron():
+def megatron_core_version() -> str:
+    """The installed megatron-core's release, without the local part: from 0.18 on its
+    ``__version__`` appends ``+<commit>`` of whatever git repository its files sit in (its
+    package_info runs ``git rev-parse`` in its own directory), also for an installed wheel."""
     import megatron.core
-    version = getattr(megatron.core, "__version__", "?")
-    if version != MEGATRON_CORE_VERSION:
-        raise InvalidStateError(f"deferalloc.megatron: megatron-core {version} found, {MEGATRON_CORE_VERSION} "
-                                   f"is the version this integration is written against")
+    return str(getattr(megatron.core, "__version__", "?")).split("+")[0]
 
 
-def _refuse_if_unsupported(dopt, inner) -> None:
+def _adapter() -> _Adapter:
+    """The installed megatron-core's adapter; refuses an untested version (Note
+    [megatron-core versions])."""
+    version = megatron_core_version()
+    adapter = _ADAPTERS.get(version)
+    if adapter is not None:
+        return adapter
+    tested = ", ".join(TESTED_VERSIONS)
+    if os.environ.get("DEFERALLOC_MEGATRON_UNTESTED") == "1":
+        warnings.warn(f"deferalloc.megatron: megatron-core {version} is untested (tested: {tested}); "
+                      f"DEFERALLOC_MEGATRON_UNTESTED=1 lets it through with {TESTED_VERSIONS[-1]}'s adapter")
+        return dataclasses.replace(_ADAPTERS[TESTED_VERSIONS[-1]], version=version)
+    raise InvalidStateError(f"deferalloc.megatron: megatron-core {version} found; the tested versions are {tested} "
+                               f"(DEFERALLOC_MEGATRON_UNTESTED=1 tries another, unsupported)")
+
+
+def megatron_defers_main_params(config) -> bool:
+    """Whether ``config`` (an OptimizerConfig) asks Megatron for its own main-param handles
+    (``defer_main_param_initialization``, Note [Megatron's deferred main params])."""
+    return bool(getattr(config, "defer_main_param_initialization", False))
+
+
+def _refuse_if_unsupported(dopt, inner, adapter: _Adapter) -> None:
     cfg = dopt.config
     why = None
     if getattr(dopt, "is_stub_optimizer", False):
@@ -198,10 +287,8 @@ def _refuse_if_unsupported(dopt, inner) -> None:
         why = "torch.optim.Adam with L2 weight decay (decoupled_weight_decay=False); the engine is AdamW"
     elif any(g.get("amsgrad") or g.get("maximize") for g in inner.param_groups):
         why = "amsgrad / maximize"
-    if why is None:
-        from megatron.core.fp8_utils import is_float8tensor
-        if any(is_float8tensor(p) for g in dopt.model_float16_groups for p in g):
-            why = "FP8 params"
+    if why is None and any(adapter.quantized(dopt, p) for g in dopt.model_float16_groups for p in g):
+        why = "FP8 / quantized params"
     if why:
         raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: {why} is not supported")
 
@@ -227,7 +314,7 @@ class _DeferredClone:
 
     def __getattr__(self, name):
         raise InvalidStateError(f"deferalloc.megatron.deferred_main_params: Megatron used a 16-bit shard's clone "
-                                   f"for .{name} (only .float() is expected in megatron-core {MEGATRON_CORE_VERSION})")
+                                   f"for .{name} (only .float() is expected, megatron-core {', '.join(TESTED_VERSIONS)})")
 
 
 @contextlib.contextmanager
@@ -239,6 +326,8 @@ def deferred_main_params() -> Iterator[None]:
     the main params (it keeps these handles: the main-param objects and their addresses are
     those of construction).  Megatron's own ``_build_model_and_main_param_groups`` runs; only
     ``Tensor.clone`` of a 16-bit CUDA tensor is changed, on this thread, during that call.
+    For a config with ``defer_main_param_initialization`` set, nothing changes: Megatron
+    makes its own handles (Note [Megatron's deferred main params]).
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -255,6 +344,9 @@ def deferred_main_params() -> Iterator[None]:
     own_clone = "clone" in torch.Tensor.__dict__  # else inherited from TensorBase
 
     def build(cls, *args, **kwargs):
+        config = kwargs.get("config", args[-1] if args else None)
+        if megatron_defers_main_params(config):
+            return original.__func__(cls, *args, **kwargs)
         torch.Tensor.clone = clone
         try:
             return original.__func__(cls, *args, **kwargs)
@@ -277,7 +369,18 @@ def _copy_tensor_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
         setattr(dst, k, v)
 
 
-def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch_cache):
+def _megatron_handles(dopt) -> bool:
+    """Whether Megatron made the main params as handles itself; checks that it did for each."""
+    if not megatron_defers_main_params(dopt.config):
+        return False
+    kept = [m for g in dopt.shard_fp32_from_float16_groups for m in g if not _is_handle(m)]
+    if any(m.untyped_storage().nbytes() != 0 for m in kept):
+        raise InvalidStateError("deferalloc.megatron.stream_optimizer_state: defer_main_param_initialization is set "
+                                   "but a main param holds storage (Note [Megatron's deferred main params])")
+    return True
+
+
+def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch_cache, adapter):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(dopt, DistributedOptimizer):
@@ -286,9 +389,13 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
     inner = dopt.optimizer
     if isinstance(inner, StreamedMegatronAdamW):
         raise InvalidStateError("deferalloc.megatron.stream_optimizer_state: already streamed")
-    _refuse_if_unsupported(dopt, inner)
+    _refuse_if_unsupported(dopt, inner, adapter)
+    megatron_handles = _megatron_handles(dopt)
 
-    n_main = sum(p.numel() for g in dopt.shard_fp32_from_float16_groups for p in g if not _is_handle(p))
+    def kept(main: torch.Tensor) -> bool:  # a handle already: ours from construction, or Megatron's
+        return megatron_handles or _is_handle(main)
+
+    n_main = sum(p.numel() for g in dopt.shard_fp32_from_float16_groups for p in g if not kept(p))
     some = next((p for g in dopt.shard_float16_groups + dopt.shard_fp32_groups for p in g), None)
     if some is None:
         raise InvalidArgumentError("deferalloc.megatron.stream_optimizer_state: no parameter shards")
@@ -305,10 +412,10 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
         if list(map(id, group["params"])) != list(map(id, [*fp32_shards, *mains])):
             raise InvalidStateError("deferalloc.megatron.stream_optimizer_state: the inner optimizer's group "
                                        f"{gi} is not [shard_fp32, shard_fp32_from_float16] (a megatron-core layout "
-                                       f"other than {MEGATRON_CORE_VERSION}'s)")
+                                       f"other than {adapter.version}'s)")
         handles = []
         for main, shard in zip(mains, dopt.shard_float16_groups[gi]):
-            if _is_handle(main):  # made at construction (deferred_main_params): kept
+            if kept(main):  # made at construction (deferred_main_params or Megatron's option): kept
                 handle = main
             else:
                 handle = base[offset:offset + main.numel()].view(main.shape)
@@ -334,7 +441,7 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
         if not st:
             continue
         p = replaced.get(old, old)
-        streamed.write_shard(p, {"param": old if old in replaced else None,
+        streamed.write_shard(p, {"param": old if old in replaced and not kept(old) else None,
                                  "exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq")})
         if "step" in st:
             streamed.set_shard_step(p, int(float(st["step"])))
@@ -446,11 +553,13 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     ``deferred_main_params()``), the engine's initialisation (main = float(model shard),
     window by window on the GPU), and freeing Megatron's FP32 main copies if it made them
     (``gc.collect`` and ``torch.cuda.empty_cache`` give them back).
+    Main params that Megatron made as handles itself (``defer_main_param_initialization``)
+    are kept as they are (Note [Megatron's deferred main params]).
     @throws InvalidArgumentError for an unsupported configuration (nothing changed),
-    InvalidStateError for another megatron-core version or a second call, the engine's
+    InvalidStateError for an untested megatron-core version or a second call, the engine's
     errors (OutOfMemoryError, IOFailure, ...) otherwise.
     """
-    _check_megatron()
+    adapter = _adapter()
     chain = streamed_optimizers(optimizer)
     out = []
     for i, dopt in enumerate(chain):
@@ -458,7 +567,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         if directory and len(chain) > 1:
             d = os.path.join(directory, f"optimizer{i}")
             os.makedirs(d, exist_ok=True)
-        out.append(_stream_one(dopt, tier, d, window_mb, depth, settings, release_torch_cache))
+        out.append(_stream_one(dopt, tier, d, window_mb, depth, settings, release_torch_cache, adapter))
     gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -66,3 +66,71 @@ def report(benchmark: str, device: str, rows: list, results: list, extra: dict, 
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
     return failed
+
+
+# ---- the CPU tests' checks ------------------------------------------------------------------
+
+failures: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    """Prints one check; a failed one is remembered in ``failures``."""
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def in_child(fn) -> None:
+    """Runs ``fn`` (checks) in a forked child: Megatron's process groups are per process.  A
+    failed check or an exception there is one failure here."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported as a failure below
+            import traceback
+            traceback.print_exc()
+            failures.append(f"{fn.__name__} raised {type(e).__name__}: {e}")
+        os._exit(1 if failures else 0)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        failures.append(fn.__name__)
+
+
+def require_megatron() -> str:
+    """The importable megatron-core's version; exits 77 (skip) when there is none or
+    DFA_MEGATRON_CORE_DIR (the version's own directory) is missing, 1 when
+    DFA_MEGATRON_CORE_EXPECTED names another (a ctest test of the version matrix must run
+    the version it is named for)."""
+    where = os.environ.get("DFA_MEGATRON_CORE_DIR")
+    if where and not os.path.isdir(os.path.join(where, "megatron", "core")):
+        print(f"SKIP: no megatron-core in {where}; scripts/setup.sh unpacks the tested versions there")
+        sys.exit(77)
+    try:
+        import megatron.core
+    except ImportError as e:
+        print(f"SKIP: megatron-core not importable ({e}); scripts/setup.sh installs the tested versions")
+        sys.exit(77)
+    from deferalloc.megatron import megatron_core_version
+    version = megatron_core_version()
+    expected = os.environ.get("DFA_MEGATRON_CORE_EXPECTED")
+    if expected and expected != version:
+        print(f"FAIL: megatron-core {version} imported ({megatron.core.__file__}), {expected} expected")
+        sys.exit(1)
+    print(f"megatron-core {version} ({os.path.dirname(megatron.core.__file__)})", flush=True)
+    return version
+
+
+_PROBE = ("import deferalloc.megatron as dm; v = dm.megatron_core_version(); "
+          "print(v, v in dm.TESTED_VERSIONS)")
+
+
+def probe_megatron(env: dict) -> str | None:
+    """The tested megatron-core version ``env``'s Python imports; None (why printed as a
+    SKIP line) when there is none."""
+    r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)
+    out = r.stdout.split()
+    if r.returncode != 0 or len(out) != 2 or out[1] != "True":
+        print(f"SKIP: no tested megatron-core importable ({r.stdout.strip() or r.stderr.strip()[-300:]})")
+        return None
+    return out[0]
