@@ -101,6 +101,14 @@ struct streamed_adamw::impl {
   step_report report;
   bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
   std::size_t speculating = 0;    // shards with shard::speculative set
+  bool writing = false;           // between begin_state_write and end_state_write (Note [State writes])
+  bool moments_before_write = false;  // moments_written at begin_state_write (restored by an abort)
+  std::vector<std::uint64_t> steps_before_write;  // the shards' step counts then
+
+  /// Every shard's step count, in shard order.
+  std::vector<std::uint64_t> shard_steps() const;
+  /// Refuses (invalid_state) what reads or steps the state while a state write is open.
+  void refuse_if_writing(const char* fn) const;
 
   /// The checks step() and step_speculative() share.
   void check_step(const char* fn, std::span<const void* const> grads, std::span<const value_type> gts,
@@ -215,12 +223,23 @@ class streamed_adamw::impl::home {
   virtual void end_pass() {}
   /// After a failed pass: waits for all it started (never throws; logs).
   virtual void drain() noexcept {}
-  /// Publishes a finished init or step pass (file: the commit record).
-  virtual void commit(pass) {}
+  /// Publishes a finished init or step pass with the shards' step counts after it (file:
+  /// the commit record).
+  virtual void commit(pass, std::span<const std::uint64_t> /*shard_steps*/) {}
   /// A checkpoint load writes into this slot, which changes nothing until commit_load
   /// (file: the inactive slot); in-place homes ignore it.
   virtual int load_slot() const { return 0; }
-  virtual void commit_load(std::uint64_t /*step*/, int /*slot*/, bool /*moments_written*/) {}
+  virtual void commit_load(std::uint64_t /*step*/, int /*slot*/, bool /*moments_written*/,
+                           std::span<const std::uint64_t> /*shard_steps*/) {}
+  /// Note [State writes] (home.cpp): write_range calls between begin_write and
+  /// end_write(true) are published together (file: into the inactive slot, one commit
+  /// with the shards' step counts then); end_write(false) drops them (file) or keeps
+  /// what was written (in-place homes).  Outside them, each write_range is published by
+  /// itself.
+  virtual void begin_write() {}
+  virtual void end_write(bool /*publish*/) {}
+  /// The shards' step counts changed outside a write (file: a commit of the active slot).
+  virtual void publish_steps() {}
 
   // -- state ranges and checkpoints (host memory on the other side; never-written
   // moments are the caller's: never_written())

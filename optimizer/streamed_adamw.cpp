@@ -219,10 +219,76 @@ std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
   return impl_->shards[s].step;
 }
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
-  std::lock_guard lk(impl_->mu);
-  DFA_EXPECTS(s < impl_->shards.size(), "set_shard_step: no shard " + std::to_string(s));
-  impl_->refuse_if_speculating("set_shard_step");
-  impl_->shards[s].step = step;
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
+  I.refuse_if_speculating("set_shard_step");
+  const std::uint64_t before = I.shards[s].step;
+  I.shards[s].step = step;
+  if (I.writing) return;  // published with the write (Note [State writes])
+  try {
+    I.tier_home->publish_steps();
+  } catch (...) {
+    I.shards[s].step = before;
+    throw;
+  }
+}
+
+void streamed_adamw::set_shard_param(std::size_t s, void* param) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(s < I.shards.size(), "set_shard_param: no shard " + std::to_string(s));
+  DFA_EXPECTS(param != nullptr, "set_shard_param: the parameter pointer is null");
+  I.refuse_if_speculating("set_shard_param");
+  auto& info = I.shards[s].info;
+  info.param = param;
+  info.param_bf16 = info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
+  I.infos[s] = info;
+}
+
+std::vector<std::uint64_t> streamed_adamw::impl::shard_steps() const {
+  std::vector<std::uint64_t> v;
+  v.reserve(shards.size());
+  for (const auto& s : shards) v.push_back(s.step);
+  return v;
+}
+
+void streamed_adamw::impl::refuse_if_writing(const char* fn) const {
+  DFA_EXPECTS(!writing, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+}
+
+void streamed_adamw::begin_state_write() {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.open_state();
+  DFA_EXPECTS(I.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
+  I.refuse_if_writing("begin_state_write");
+  I.refuse_if_speculating("begin_state_write");
+  I.tier_home->begin_write();
+  I.writing = true;
+  I.moments_before_write = I.moments_written;
+  I.steps_before_write = I.shard_steps();
+}
+
+void streamed_adamw::end_state_write(bool publish) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  if (!I.writing) return;
+  I.writing = false;
+  // A write not published leaves the file tier's committed state, and so its counts;
+  // the in-place tiers keep what was written.
+  auto keep_old = [&] {
+    if (I.tier_home->in_place()) return;
+    I.moments_written = I.moments_before_write;
+    for (std::size_t s = 0; s < I.shards.size(); ++s) I.shards[s].step = I.steps_before_write[s];
+  };
+  try {
+    I.tier_home->end_write(publish);
+  } catch (...) {
+    keep_old();
+    throw;
+  }
+  if (!publish) keep_old();
 }
 std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
 step_report streamed_adamw::last_report() const { return impl_->report; }
@@ -345,7 +411,7 @@ void streamed_adamw::initialize(stream_t stream) {
     I.init_device_shards(false);
     I.run_pass(impl::pass::init, {}, {}, 1.0f, stream, 0);
     I.drv->synchronize_stream(I.exec);
-    I.tier_home->commit(impl::pass::init);
+    I.tier_home->commit(impl::pass::init, std::vector<std::uint64_t>(I.shards.size(), 0));
   }
   I.step_count = 0;
   for (auto& s : I.shards) s.step = 0;
@@ -389,7 +455,9 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
         I.resident_stepped = true;
       }
       I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, skip);
-      I.tier_home->commit(impl::pass::step);
+      std::vector<std::uint64_t> after = I.shard_steps();
+      for (std::size_t s = 0; s < after.size(); ++s) after[s] += grads[s] != nullptr;
+      I.tier_home->commit(impl::pass::step, after);
       I.after(stream, I.exec);
     }
   } catch (...) {
@@ -420,6 +488,7 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
                                       std::span<const value_type> gts, float grad_scale) const {
   const std::string f(fn);
   DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
+  refuse_if_writing(fn);
   DFA_EXPECTS(grads.size() == shards.size(),
               f + ": " + std::to_string(grads.size()) + " gradients for " + std::to_string(shards.size()) + " shards");
   DFA_EXPECTS(gts.size() == shards.size(), f + ": " + std::to_string(gts.size()) + " gradient types for " +
@@ -538,6 +607,7 @@ void streamed_adamw::sync_model_params(stream_t stream) {
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
+  I.refuse_if_writing("sync_model_params");
   I.sync_model(stream);
 }
 
@@ -582,6 +652,7 @@ void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::siz
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
+  I.refuse_if_writing("read_state_range");
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
   check_range("read_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
@@ -599,7 +670,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   check_range("write_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
   if (n == 0) return;
-  I.home_of(shard).write_range(shard, a, offset, n, in);
+  I.home_of(shard).write_range(shard, a, offset, n, in);  // Note [State writes] (home.cpp)
   if (is_moment(a)) I.moments_written = true;
 }
 

@@ -19,6 +19,7 @@ the parameters, so a model whose weights are replaced after the first step (outs
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -118,6 +119,9 @@ def _load():
         "dfa_opt_write_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
         "dfa_opt_get_shard_step": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_uint64)]),
         "dfa_opt_set_shard_step": (c.c_int, [P, c.c_size_t, c.c_uint64]),
+        "dfa_opt_begin_state_write": (c.c_int, [P]),
+        "dfa_opt_end_state_write": (c.c_int, [P, c.c_int]),
+        "dfa_opt_set_shard_param": (c.c_int, [P, c.c_size_t, P]),
         "dfa_opt_save_checkpoint": (c.c_int, [P, c.c_char_p]),
         "dfa_opt_load_checkpoint": (c.c_int, [P, c.c_char_p]),
         "dfa_opt_set_progress": (c.c_int, [P, _PROGRESS, P]),
@@ -148,6 +152,30 @@ def _stream_ptr(stream, device: torch.device):
 
 
 # ---- the optimizer -------------------------------------------------------------------------
+
+# Note [Parameter storage under the optimizer]
+# Rationale: the engine writes each step's parameters through the pointer it was given
+# at construction.  m.half(), m.to(torch.bfloat16) or p.data = p.data.clone() replace a
+# parameter's storage and free the old one: the engine then wrote freed memory (double
+# free, SIGSEGV) and the parameter never changed.  Two optimizers over one parameter (or
+# over overlapping views of one storage) each write back their own FP32 copy, so one's
+# update is lost.
+# Approach: each parameter's engine tensor is bound as (data_ptr, dtype, numel).
+# _follow_params(), at the start of every call that lets the engine read or write the
+# parameters, compares them (three attribute reads per parameter): a new storage of the
+# same dtype and numel is followed (dfa_opt_set_shard_param; the FP32 state stays the
+# master, as torch's optimizers keep theirs); another dtype or numel raises
+# InvalidStateError naming the parameter, before the engine touches anything.  At
+# construction, the parameters' byte ranges must be disjoint from each other and from
+# those of every live StreamedAdamW (_LIVE), else InvalidArgumentError.
+# Limits: a storage replaced between two calls is followed at the next call only; a
+# replaced storage's values are not read (call sync_main_from_params() to take them).
+_LIVE: "weakref.WeakSet[StreamedAdamW]" = weakref.WeakSet()
+
+
+def _span(t: torch.Tensor) -> tuple:
+    return (t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
 
 class StreamedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction; ``torch._fused_adamw_``'s arithmetic)
@@ -234,6 +262,8 @@ class StreamedAdamW(torch.optim.Optimizer):
                                                   f"{t.dtype} elements (contiguous, {p.numel()} expected)")
                 _check(lib.dfa_opt_add_shard(h, ctypes.c_void_p(t.data_ptr()), t.numel(), _DTYPE[t.dtype], gi,
                                              name.encode(), None), "dfa_opt_add_shard")
+        self._bound = [(t.data_ptr(), t.dtype, t.numel()) for t in map(self._engine_tensor, self._params)]
+        self._refuse_shared_params()
         n = len(self._params)
         self._numels = [(p, p.numel()) for p in self._params]
         self._grad_ptrs = (ctypes.c_void_p * n)()
@@ -242,8 +272,70 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._initialized = False
         self._python_seconds = 0.0
         self._push_groups()
+        _LIVE.add(self)
         if resume:
             self._resume()
+
+    def _refuse_shared_params(self) -> None:
+        """Note [Parameter storage under the optimizer]: no two parameters (of this or a
+        live StreamedAdamW) share bytes."""
+        spans = [(_span(self._engine_tensor(p)), i, self) for i, p in enumerate(self._params)]
+        for other in list(_LIVE):
+            if other is not self and getattr(other, "_handle", None) is not None:
+                spans += [(_span(other._engine_tensor(p)), i, other) for i, p in enumerate(other._params)]
+        spans.sort(key=lambda x: (str(x[0][0]), x[0][1]))
+        cur = None  # the span reaching furthest so far (on its device)
+        for b, j, ob in spans:
+            if cur is None or cur[0][0] != b[0] or cur[0][2] <= b[1]:
+                cur = (b, j, ob)
+                continue
+            a, i, oa = cur
+            if b[2] > a[2]:
+                cur = (b, j, ob)
+            if oa is self or ob is self:
+                if oa is ob:
+                    raise InvalidArgumentError(f"StreamedAdamW: parameters {i} and {j} overlap in memory (views of "
+                                               f"one storage); each would keep its own state and overwrite the other")
+                mine, theirs = (i, j) if oa is self else (j, i)
+                raise InvalidArgumentError(f"StreamedAdamW: parameter {mine} is already held by another live "
+                                           f"StreamedAdamW (its parameter {theirs} shares its memory); one optimizer "
+                                           f"per parameter (delete the other first)")
+
+    def _follow_params(self) -> None:
+        """Note [Parameter storage under the optimizer]: follows replaced storages of the
+        same dtype and numel, refuses other changes."""
+        lib = None
+        for i, p in enumerate(self._params):
+            t = self._engine_tensor(p)
+            ptr, dtype, numel = self._bound[i]
+            if t.data_ptr() == ptr and t.dtype == dtype and t.numel() == numel:
+                continue
+            if t.dtype != dtype or t.numel() != numel:
+                raise InvalidStateError(
+                    f"StreamedAdamW: parameter {i} changed from {numel} {dtype} elements to {t.numel()} {t.dtype} "
+                    f"after the optimizer was built (m.half() / m.to(dtype)?); the optimizer keeps the state of the "
+                    f"old parameters: build a new StreamedAdamW after converting the model (load_state_dict carries "
+                    f"the state over)")
+            if not t.is_contiguous():
+                raise InvalidStateError(f"StreamedAdamW: parameter {i}'s new storage is not contiguous")
+            lib = lib or _load()
+            _check(lib.dfa_opt_set_shard_param(self._handle, i, ctypes.c_void_p(t.data_ptr())),
+                   "dfa_opt_set_shard_param")
+            self._bound[i] = (t.data_ptr(), dtype, numel)
+
+    @contextlib.contextmanager
+    def _state_write(self):
+        """Groups the state writes in it into one publish (the file tier commits them at
+        once: a kill leaves the old state or the new; Note [State writes] in
+        optimizer/home.cpp); an exception drops them on the file tier."""
+        lib = _load()
+        _check(lib.dfa_opt_begin_state_write(self._handle), "dfa_opt_begin_state_write")
+        try:
+            yield
+        except BaseException:
+            lib.dfa_opt_end_state_write(self._handle, 0)
+            raise
+        _check(lib.dfa_opt_end_state_write(self._handle, 1), "dfa_opt_end_state_write")
 
     def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor the engine updates in place for parameter ``p``: ``p`` itself here; a
@@ -292,6 +384,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def _resume(self) -> None:
         # File tier with resume: a committed state file is taken as is, and the parameters
         # are written from its main params; without one, the state starts at the first step.
+        self._follow_params()
         try:
             self._ensure_initialized()
         except InvalidStateError:
@@ -301,6 +394,7 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _ensure_initialized(self) -> None:
         if not self._initialized:
+            self._follow_params()
             _check(_load().dfa_opt_initialize(self._handle, _stream_ptr(self._stream, self._device)),
                    "dfa_opt_initialize")
             self._initialized = True
@@ -357,7 +451,13 @@ class StreamedAdamW(torch.optim.Optimizer):
                                           "(number of groups or of parameters per group)")
         super().load_state_dict({"state": {}, "param_groups": groups})
         self._ensure_initialized()
-        saved = state_dict["state"]
+        with self._state_write():
+            self._load_state(groups, state_dict["state"])
+        self.state.clear()
+        self._pushed = [None] * len(self.param_groups)
+        self._push_groups()
+
+    def _load_state(self, groups: list, saved: dict) -> None:
         for g, o in zip(groups, self.param_groups):
             for pid, p in zip(g["params"], o["params"]):
                 i = self._shard_of[p]
@@ -378,9 +478,6 @@ class StreamedAdamW(torch.optim.Optimizer):
                     self._write(i, a, src)
                 _check(_load().dfa_opt_set_shard_step(self._handle, i, int(float(st["step"]))),
                        "dfa_opt_set_shard_step")
-        self.state.clear()
-        self._pushed = [None] * len(self.param_groups)
-        self._push_groups()
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -432,6 +529,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         """One engine step call over every parameter's ``.grad`` (None: skipped)."""
         t0 = time.perf_counter()
         self._ensure_initialized()
+        self._follow_params()
         self._push_groups()
         keep = []
         ptrs, types, dtypes = self._grad_ptrs, self._grad_types, _DTYPE
@@ -468,6 +566,7 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def load_checkpoint(self, directory: str) -> None:
         """Loads save_checkpoint's directory and writes the parameters from the main params."""
+        self._follow_params()
         _check(_load().dfa_opt_load_checkpoint(self._handle, directory.encode()), "dfa_opt_load_checkpoint")
         self._initialized = True
         self._pushed = [None] * len(self.param_groups)
