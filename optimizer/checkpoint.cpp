@@ -182,7 +182,7 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(shard < I.shards.size(), "read_state: no shard " + std::to_string(shard));
   DFA_EXPECTS(I.initialized, "read_state: no state yet", invalid_state);
-  I.refuse_if_writing("read_state");
+  I.settle_writes("read_state");
   const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
   for (state_array a : k_state_arrays)
     if (outs[a]) I.read_home(shard, a, 0, I.shards[shard].info.numel, outs[a]);
@@ -194,7 +194,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  I.refuse_if_writing("save_checkpoint");
+  I.settle_writes("save_checkpoint");
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';
@@ -262,7 +262,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
   I.refuse_if_speculating("load_checkpoint");
-  I.refuse_if_writing("load_checkpoint");
+  I.settle_writes("load_checkpoint");
   I.open_state();
   const std::string mpath = dir + "/manifest.txt";
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");

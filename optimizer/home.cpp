@@ -335,17 +335,22 @@ class streamed_adamw::impl::file_home final : public home {
   // the committed slot in place: a kill part-way left a mix of old and new arrays under
   // a valid commit record, or a checksum table that no longer matched (refused, and the
   // previous step lost with it).
-  // Approach: a write goes to the inactive slot, as a step does.  begin_write() opens a
-  // write (the streamed_adamw's begin_state_write; write_range opens one of its own when
-  // none is open); each array written is marked; end_write(true) fills every array not
-  // written from the active slot (moments never written: zeros, when the write wrote
-  // some moment, else left unwritten), then commits the inactive slot once with the
-  // step count and the shards' step counts.  A kill before that commit leaves the old
-  // state, after it the new.  end_write(false) forgets the marks: the inactive slot is
-  // not named by any commit record and the next write or step rewrites all of it.
-  // Limits: whole arrays only (whole_arrays()); a write copies the arrays it does not
-  // write (one read and one write of the state per end_write, however many arrays it
-  // took), so loading a state dict costs about two passes over the state.
+  // Approach: a write goes to the inactive slot, as a step does, within a state write:
+  // begin_state_write's, or one that write_state_range opens itself when none is open
+  // (implicit) and that the next call using the state publishes (a step, a read, a
+  // save or load, sync_model_params, begin_state_write, the destructor), so that a
+  // caller writing array after array (Megatron's checkpoint load, one parameter at a
+  // time) pays one publish, not one per array.  Each array written is marked;
+  // end_write(true) fills every array not written from the active slot (moments never
+  // written: zeros, when the write wrote some moment, else left unwritten), then commits
+  // the inactive slot once with the step count and the shards' step counts.  A kill
+  // before that commit leaves the old state, after it the new.  end_write(false)
+  // forgets the marks: the inactive slot is not named by any commit record and the next
+  // write or step rewrites all of it.
+  // Limits: whole arrays only (whole_arrays()); a publish copies the arrays not written
+  // (one read and one write of the rest of the state), so loading a state dict costs
+  // about two passes over the state.  An implicit write is durable only once published:
+  // a process killed before its next use of the optimizer resumes the old state.
   void begin_write() override {
     written_.assign(I.shards.size(), per_array<bool>{});
     wrote_moment_ = false;
@@ -377,26 +382,19 @@ class streamed_adamw::impl::file_home final : public home {
     I.file->commit(I.step_count, I.file->active_slot(), I.file->moments_written(), I.shard_steps());
   }
   // Whole arrays (whole_arrays()) into the inactive slot through an aligned bounce buffer,
-  // in pieces on checksum-block boundaries (write() pads each piece to whole blocks);
-  // published by end_write (Note [State writes]).
+  // in pieces on checksum-block boundaries (write() pads each piece to whole blocks),
+  // within a state write, published by end_write (Note [State writes]).
   void write_range(std::size_t shard, state_array a, std::size_t, std::size_t, const float* in) override {
-    const bool own = !writing_;
-    if (own) begin_write();
-    try {
-      detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
-      const std::size_t numel = I.shards[shard].info.numel;
-      for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
-        const std::size_t k = std::min(k_bounce, numel - e0);
-        std::memcpy(buf.p, in + e0, k * 4);
-        write(shard, a, e0, k, reinterpret_cast<float*>(buf.p), 1 - I.file->active_slot());
-      }
-      written_[shard][a] = true;
-      wrote_moment_ = wrote_moment_ || is_moment(a);
-      if (own) end_write(true);
-    } catch (...) {
-      if (own) end_write(false);
-      throw;
+    DFA_EXPECTS(writing_, "write_state_range: the file tier writes within a state write", invalid_state);
+    detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
+    const std::size_t numel = I.shards[shard].info.numel;
+    for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
+      const std::size_t k = std::min(k_bounce, numel - e0);
+      std::memcpy(buf.p, in + e0, k * 4);
+      write(shard, a, e0, k, reinterpret_cast<float*>(buf.p), 1 - I.file->active_slot());
     }
+    written_[shard][a] = true;
+    wrote_moment_ = wrote_moment_ || is_moment(a);
   }
 
  private:

@@ -101,14 +101,20 @@ struct streamed_adamw::impl {
   step_report report;
   bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
   std::size_t speculating = 0;    // shards with shard::speculative set
-  bool writing = false;           // between begin_state_write and end_state_write (Note [State writes])
+  bool writing = false;           // a state write is open (Note [State writes] in home.cpp)
+  bool implicit_write = false;    // opened by write_state_range itself, published by the next use
   bool moments_before_write = false;  // moments_written at begin_state_write (restored by an abort)
   std::vector<std::uint64_t> steps_before_write;  // the shards' step counts then
 
   /// Every shard's step count, in shard order.
   std::vector<std::uint64_t> shard_steps() const;
-  /// Refuses (invalid_state) what reads or steps the state while a state write is open.
-  void refuse_if_writing(const char* fn) const;
+  /// Opens a state write (implicit: by write_state_range, published by settle_writes).
+  void open_write(bool implicit);
+  /// Ends the open state write: published, or dropped (the file tier's counts restored).
+  void close_write(bool publish);
+  /// Before a call that reads, steps or saves the state: publishes an implicit write,
+  /// refuses (invalid_state) while an explicit one is open.
+  void settle_writes(const char* fn);
 
   /// The checks step() and step_speculative() share.
   void check_step(const char* fn, std::span<const void* const> grads, std::span<const value_type> gts,

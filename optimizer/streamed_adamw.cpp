@@ -128,6 +128,11 @@ streamed_adamw::~streamed_adamw() {
   if (!impl_) return;
   auto& I = *impl_;
   try {
+    I.settle_writes("~streamed_adamw");  // an open state write is dropped (explicit) or published
+  } catch (const std::exception& e) {
+    deferalloc::detail::log(log_level::error, std::string("streamed_adamw: state write not published: ") + e.what());
+  }
+  try {
     I.drv->synchronize_stream(I.h2d);
     I.drv->synchronize_stream(I.exec);
     I.drv->synchronize_stream(I.d2h);
@@ -225,7 +230,7 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   I.refuse_if_speculating("set_shard_step");
   const std::uint64_t before = I.shards[s].step;
   I.shards[s].step = step;
-  if (I.writing) return;  // published with the write (Note [State writes])
+  if (I.writing) return;  // published with the write (Note [State writes] in home.cpp)
   try {
     I.tier_home->publish_steps();
   } catch (...) {
@@ -253,8 +258,37 @@ std::vector<std::uint64_t> streamed_adamw::impl::shard_steps() const {
   return v;
 }
 
-void streamed_adamw::impl::refuse_if_writing(const char* fn) const {
-  DFA_EXPECTS(!writing, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+void streamed_adamw::impl::open_write(bool implicit) {
+  tier_home->begin_write();
+  writing = true;
+  implicit_write = implicit;
+  moments_before_write = moments_written;
+  steps_before_write = shard_steps();
+}
+
+void streamed_adamw::impl::close_write(bool publish) {
+  if (!writing) return;
+  writing = false;
+  // A write not published leaves the file tier's committed state, and so its counts;
+  // the in-place tiers keep what was written.
+  auto keep_old = [&] {
+    if (tier_home->in_place()) return;
+    moments_written = moments_before_write;
+    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = steps_before_write[s];
+  };
+  try {
+    tier_home->end_write(publish);
+  } catch (...) {
+    keep_old();
+    throw;
+  }
+  if (!publish) keep_old();
+}
+
+void streamed_adamw::impl::settle_writes(const char* fn) {
+  if (!writing) return;
+  DFA_EXPECTS(implicit_write, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+  close_write(true);
 }
 
 void streamed_adamw::begin_state_write() {
@@ -262,34 +296,18 @@ void streamed_adamw::begin_state_write() {
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
-  I.refuse_if_writing("begin_state_write");
+  I.settle_writes("begin_state_write");
   I.refuse_if_speculating("begin_state_write");
-  I.tier_home->begin_write();
-  I.writing = true;
-  I.moments_before_write = I.moments_written;
-  I.steps_before_write = I.shard_steps();
+  I.open_write(false);
 }
 
 void streamed_adamw::end_state_write(bool publish) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
-  if (!I.writing) return;
-  I.writing = false;
-  // A write not published leaves the file tier's committed state, and so its counts;
-  // the in-place tiers keep what was written.
-  auto keep_old = [&] {
-    if (I.tier_home->in_place()) return;
-    I.moments_written = I.moments_before_write;
-    for (std::size_t s = 0; s < I.shards.size(); ++s) I.shards[s].step = I.steps_before_write[s];
-  };
-  try {
-    I.tier_home->end_write(publish);
-  } catch (...) {
-    keep_old();
-    throw;
-  }
-  if (!publish) keep_old();
+  if (!I.writing || I.implicit_write) return;
+  I.close_write(publish);
 }
+
 std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
 step_report streamed_adamw::last_report() const { return impl_->report; }
 reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
@@ -429,6 +447,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   I.check_step("step", grads, gts, grad_scale);
+  I.settle_writes("step");
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     DFA_EXPECTS(grads[s] == nullptr || !I.shards[s].speculative,
                 "step: shard " + std::to_string(s) + " ('" + I.shards[s].info.name +
@@ -488,7 +507,6 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
                                       std::span<const value_type> gts, float grad_scale) const {
   const std::string f(fn);
   DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
-  refuse_if_writing(fn);
   DFA_EXPECTS(grads.size() == shards.size(),
               f + ": " + std::to_string(grads.size()) + " gradients for " + std::to_string(shards.size()) + " shards");
   DFA_EXPECTS(gts.size() == shards.size(), f + ": " + std::to_string(gts.size()) + " gradient types for " +
@@ -540,6 +558,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   I.check_step("step_speculative", grads, gts, grad_scale);
+  I.settle_writes("step_speculative");
   DFA_EXPECTS(I.tier_home->speculates(),
               std::string("step_speculative: the ") + to_string(I.cfg.home) +
                   " tier keeps one copy of the state (speculative steps need the host tier)",
@@ -607,7 +626,7 @@ void streamed_adamw::sync_model_params(stream_t stream) {
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
-  I.refuse_if_writing("sync_model_params");
+  I.settle_writes("sync_model_params");
   I.sync_model(stream);
 }
 
@@ -652,7 +671,7 @@ void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::siz
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
-  I.refuse_if_writing("read_state_range");
+  I.settle_writes("read_state_range");
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
   check_range("read_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
@@ -670,7 +689,10 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   check_range("write_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
   if (n == 0) return;
-  I.home_of(shard).write_range(shard, a, offset, n, in);  // Note [State writes] (home.cpp)
+  // The file tier writes only within a state write: one of its own when none is open,
+  // published by the next call that uses the state (Note [State writes] in home.cpp).
+  if (!I.writing && !I.tier_home->in_place()) I.open_write(true);
+  I.home_of(shard).write_range(shard, a, offset, n, in);
   if (is_moment(a)) I.moments_written = true;
 }
 

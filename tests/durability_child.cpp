@@ -6,7 +6,8 @@
 // Resumes the file tier from STATE_DIR and loads new state into it: ck, the checkpoint
 // directory SOURCE (load_checkpoint); sd, the state (write_state's format, arrays and
 // per-shard step counts) in file SOURCE as load_state_dict does (one state write:
-// write_state_range per array, set_shard_step per shard).  CRASH_AT_WRITE: the nth
+// write_state_range per array, set_shard_step per shard); sdi, the same without
+// begin/end_state_write (the destructor publishes the implicit write).  CRASH_AT_WRITE: the nth
 // write request of the file tier exits the process at once (0: the commit).
 #include <cstdio>
 #include <cstdlib>
@@ -32,9 +33,10 @@ static int load(int argc, char** argv) {
     return 0;
   }
   state st;
-  if (kind != "sd" || !read_state(argv[3], st)) return 5;
+  const bool explicit_write = kind == "sd";
+  if ((kind != "sd" && kind != "sdi") || !read_state(argv[3], st)) return 5;
   const auto sizes = shard_sizes();
-  m.opt->begin_state_write();
+  if (explicit_write) m.opt->begin_state_write();
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     const float* f = reinterpret_cast<const float*>(st.bytes[i].data());
     for (int a = 0; a < 3; ++a)
@@ -43,7 +45,7 @@ static int load(int argc, char** argv) {
     std::memcpy(&step, st.bytes[i].data() + sizes[i] * 14, 8);
     m.opt->set_shard_step(i, step);
   }
-  m.opt->end_state_write();
+  if (explicit_write) m.opt->end_state_write();
   return 0;
 }
 

@@ -161,7 +161,8 @@ int run_child(const std::vector<std::string>& args, pid_t* started = nullptr) {
 // Kills (SIGKILL at random moments, and an exit at each write request and at the commit)
 // while a file-tier optimizer loads new state: a checkpoint (load_checkpoint) or a state
 // dict (one state write: write_state_range per array and set_shard_step per shard, as
-// load_state_dict does).  Every resume is the old state or the new one, bit for bit,
+// load_state_dict does; and the same without begin/end_state_write, published by the
+// destructor).  Every resume is the old state or the new one, bit for bit,
 // per-shard step counts included (the model's shards have different counts).
 TEST(durability, killed_during_state_loads_resumes_old_or_new) {
   ASSERT_FALSE(child_program().empty()) << "DFA_DURABILITY_CHILD is not set";
@@ -203,7 +204,7 @@ TEST(durability, killed_during_state_loads_resumes_old_or_new) {
     spit(path, old_file);
   };
   // An exit at each write request, then at the commit (past the last write: the load completes).
-  for (const std::string kind : {"ck", "sd"})
+  for (const std::string kind : {"ck", "sd", "sdi"})
     for (int n = 0; n <= 24; ++n) {
       reset();
       const int rc = run_child({"load", dir, kind == "ck" ? ck : sd, kind, std::to_string(n)});
@@ -214,13 +215,13 @@ TEST(durability, killed_during_state_loads_resumes_old_or_new) {
     }
   // SIGKILL at random moments over an uninterrupted load's time.
   std::mt19937_64 rng(31);
-  for (const std::string kind : {"ck", "sd"}) {
+  for (const std::string kind : {"ck", "sd", "sdi"}) {
     reset();
     const auto t0 = std::chrono::steady_clock::now();
     ASSERT_EQ(run_child({"load", dir, kind == "ck" ? ck : sd, kind}), 0) << kind << ": the uninterrupted load failed";
     const auto full_us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
     check(kind + " uninterrupted");
-    for (int k = 0; k < 20; ++k) {
+    for (int k = 0; k < 15; ++k) {
       reset();
       pid_t pid = 0;
       run_child({"load", dir, kind == "ck" ? ck : sd, kind}, &pid);

@@ -197,7 +197,7 @@ TEST(state_integrity, killed_state_write_leaves_the_old_state) {
   const std::size_t n = shard_sizes()[0];
   const std::vector<float> ones(n, 1.0f);
   int old_seen = 0, new_seen = 0;
-  for (std::uint64_t nth = 1; nth <= 6; ++nth) {
+  for (std::uint64_t nth = 1; nth <= 24; nth += 2) {
     spit(path, orig);
     const pid_t pid = ::fork();
     if (pid == 0) {
@@ -205,6 +205,7 @@ TEST(state_integrity, killed_state_write_leaves_the_old_state) {
       m.opt->resumed();
       optim::detail::inject_file_fault(*m.opt, optim::detail::file_fault_op::write, optim::detail::file_fault_kind::crash, nth);
       m.opt->write_state_range(0, state_array::exp_avg, 0, n, ones.data());
+      m.opt.reset();  // publishes the write (Note [State writes])
       ::_exit(0);
     }
     int st = 0;
@@ -230,6 +231,22 @@ TEST(state_integrity, killed_state_write_leaves_the_old_state) {
     }
   }
   EXPECT_GT(old_seen, 0);
+  EXPECT_GT(new_seen, 0);
+  // Writes array after array are published together by the next use of the state.
+  model m(host(), config(tier::file, dir, true));
+  ASSERT_TRUE(m.opt->resumed());
+  m.opt->write_state_range(0, state_array::exp_avg, 0, n, ones.data());
+  m.opt->write_state_range(0, state_array::exp_avg_sq, 0, n, ones.data());
+  m.opt->set_shard_step(0, 77);
+  std::vector<float> got(n);
+  m.opt->read_state_range(0, state_array::exp_avg_sq, 0, n, got.data());
+  EXPECT_EQ(got, ones);
+  m.opt.reset();
+  model again(host(), config(tier::file, dir, true));
+  ASSERT_TRUE(again.opt->resumed());
+  EXPECT_EQ(again.opt->shard_step(0), 77u);
+  again.opt->read_state_range(0, state_array::exp_avg, 0, n, got.data());
+  EXPECT_EQ(got, ones);
 }
 
 // ---- 3: checkpoint generation names ----------------------------------------------------

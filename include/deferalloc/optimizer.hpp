@@ -265,9 +265,11 @@ class DFA_API streamed_adamw {
   void read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out);
   /// Writes host memory into elements [offset, offset + n) of one state array.  The file
   /// tier takes whole arrays only (offset 0, n = numel), written to its inactive slot and
-  /// published by one commit (a kill leaves the old state or the new): by this call, or,
-  /// between begin_state_write and end_state_write, by end_state_write for all of them
-  /// (Note [State writes] in optimizer/home.cpp).  Does not touch model parameters
+  /// published by one commit (a kill leaves the old state or the new): between
+  /// begin_state_write and end_state_write, by end_state_write; else with the writes that
+  /// follow, by the next call that uses the state (a step, a read, a checkpoint save or
+  /// load, sync_model_params, begin_state_write, the destructor); a kill before that
+  /// resumes the old state (Note [State writes] in optimizer/home.cpp).  Does not touch model parameters
   /// (sync_model_params does).  @throws invalid_argument for a bad range, invalid_state
   /// while a speculative step is pending (commit or discard it first).
   void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
@@ -284,7 +286,8 @@ class DFA_API streamed_adamw {
   /// end_state_write(false) drops them (file tier: state and step counts stay the last
   /// committed; the in-place host and device tiers keep what was written).  While a
   /// write is open, steps, reads, checkpoints and sync_model_params are refused
-  /// (invalid_state).  end_state_write without an open write does nothing.
+  /// (invalid_state); destroying the optimizer drops it.  end_state_write without an
+  /// open write does nothing.
   /// @throws invalid_state (no state yet, a write already open, a pending speculative step)
   void begin_state_write();
   void end_state_write(bool publish = true);
