@@ -336,7 +336,7 @@ class streamed_adamw::impl::file_home final : public home {
   // a valid commit record, or a checksum table that no longer matched (refused, and the
   // previous step lost with it).
   // Approach: a write goes to the inactive slot, as a step does, within a state write:
-  // begin_state_write's, or one that write_state_range opens itself when none is open
+  // begin_state_write's, or one that write_state_range or set_shard_step opens itself when none is open
   // (implicit) and that the next call using the state publishes (a step, a read, a
   // save or load, sync_model_params, begin_state_write, the destructor), so that a
   // caller writing array after array (Megatron's checkpoint load, one parameter at a
@@ -346,7 +346,8 @@ class streamed_adamw::impl::file_home final : public home {
   // the inactive slot once with the step count and the shards' step counts.  A kill
   // before that commit leaves the old state, after it the new.  end_write(false)
   // forgets the marks: the inactive slot is not named by any commit record and the next
-  // write or step rewrites all of it.
+  // write or step rewrites all of it.  A write of step counts only commits the active
+  // slot again (its bytes unchanged) with the new counts.
   // Limits: whole arrays only (whole_arrays()); a publish copies the arrays not written
   // (one read and one write of the rest of the state), so loading a state dict costs
   // about two passes over the state.  An implicit write is durable only once published:
@@ -360,6 +361,9 @@ class streamed_adamw::impl::file_home final : public home {
     if (!writing_) return;
     writing_ = false;
     if (!publish) return;
+    bool any = false;
+    for (const auto& w : written_) any = any || w[state_array::main] || w[state_array::exp_avg] || w[state_array::exp_avg_sq];
+    if (!any) return publish_steps();  // step counts only: the active slot again
     const int from = I.file->active_slot(), to = 1 - from;
     const bool moments = I.moments_written || wrote_moment_;
     detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
@@ -376,10 +380,6 @@ class streamed_adamw::impl::file_home final : public home {
         }
       }
     I.file->commit(I.step_count, to, moments, I.shard_steps());
-  }
-  void publish_steps() override {
-    if (!I.file || !I.initialized) return;  // initialize() or a resume sets them
-    I.file->commit(I.step_count, I.file->active_slot(), I.file->moments_written(), I.shard_steps());
   }
   // Whole arrays (whole_arrays()) into the inactive slot through an aligned bounce buffer,
   // in pieces on checksum-block boundaries (write() pads each piece to whole blocks),
@@ -398,6 +398,11 @@ class streamed_adamw::impl::file_home final : public home {
   }
 
  private:
+  // Step counts only: a commit naming the active slot again.
+  void publish_steps() {
+    if (!I.file || !I.initialized) return;  // initialize() or a resume sets them
+    I.file->commit(I.step_count, I.file->active_slot(), I.file->moments_written(), I.shard_steps());
+  }
   std::string what(std::size_t s, state_array a) const {
     return std::string(array_name(a)) + " of " + I.shards[s].info.name;
   }

@@ -244,8 +244,6 @@ class streamed_adamw::impl::home {
   /// itself.
   virtual void begin_write() {}
   virtual void end_write(bool /*publish*/) {}
-  /// The shards' step counts changed outside a write (file: a commit of the active slot).
-  virtual void publish_steps() {}
 
   // -- state ranges and checkpoints (host memory on the other side; never-written
   // moments are the caller's: never_written())

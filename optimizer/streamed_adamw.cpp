@@ -228,15 +228,10 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
   I.refuse_if_speculating("set_shard_step");
-  const std::uint64_t before = I.shards[s].step;
+  // The file tier publishes it with the state write under way, or with one of its own
+  // (Note [State writes] in home.cpp); the others keep it in memory.
+  if (!I.writing && !I.tier_home->in_place() && I.initialized) I.open_write(true);
   I.shards[s].step = step;
-  if (I.writing) return;  // published with the write (Note [State writes] in home.cpp)
-  try {
-    I.tier_home->publish_steps();
-  } catch (...) {
-    I.shards[s].step = before;
-    throw;
-  }
 }
 
 void streamed_adamw::set_shard_param(std::size_t s, void* param) {

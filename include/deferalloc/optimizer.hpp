@@ -276,8 +276,8 @@ class DFA_API streamed_adamw {
   /// Steps taken by shard `s` (PyTorch's per-parameter `step`; the committed count while
   /// a speculative step is pending), and setting it (state loading; invalid_state while
   /// a speculative step is pending).
-  /// The file tier commits the counts with its state (set_shard_step outside a state
-  /// write: a commit of its own); checkpoints keep them too.
+  /// The file tier commits the counts with its state (set_shard_step is published as
+  /// write_state_range is); checkpoints keep them too.
   std::uint64_t shard_step(std::size_t s) const;
   void set_shard_step(std::size_t s, std::uint64_t step);
   /// Groups write_state_range and set_shard_step calls into one publish (loading a state
