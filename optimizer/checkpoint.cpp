@@ -88,7 +88,8 @@ using detail::write_new_file;
 namespace {
 
 constexpr const char* k_header = "deferalloc-optimizer-checkpoint";
-constexpr int k_version = 2;
+constexpr int k_version = 3;            // 3: each shard line ends with the shard's step count
+constexpr int k_version_one_step = 2;   // one step count per checkpoint: still loaded, every shard at it
 constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a multiple of file_store::block
 constexpr int k_lanes = 6;                              // chunks in flight (192 MiB of buffers)
 // A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (write_home).
@@ -181,6 +182,7 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(shard < I.shards.size(), "read_state: no shard " + std::to_string(shard));
   DFA_EXPECTS(I.initialized, "read_state: no state yet", invalid_state);
+  I.settle_writes("read_state");
   const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
   for (state_array a : k_state_arrays)
     if (outs[a]) I.read_home(shard, a, 0, I.shards[shard].info.numel, outs[a]);
@@ -192,6 +194,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
+  I.settle_writes("save_checkpoint");
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << I.step_count << '\n';
@@ -242,9 +245,9 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     char line[512];
     std::snprintf(line, sizeof line,
                   "shard %zu numel %zu dtype fp32 file %s main %016" PRIx64 " exp_avg %016" PRIx64 " exp_avg_sq %016" PRIx64
-                  "\n",
+                  " step %" PRIu64 "\n",
                   s, numel, file.c_str(), fold(sums[state_array::main]), fold(sums[state_array::exp_avg]),
-                  fold(sums[state_array::exp_avg_sq]));
+                  fold(sums[state_array::exp_avg_sq]), sh.step);
     m << line;
     I.report_progress("checkpoint save", done += numel, total, t0, last_line);
   }
@@ -259,6 +262,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& I = *o.impl_;
   std::lock_guard lk(I.mu);
   I.refuse_if_speculating("load_checkpoint");
+  I.settle_writes("load_checkpoint");
   I.open_state();
   const std::string mpath = dir + "/manifest.txt";
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");
@@ -278,9 +282,9 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   std::string lr, b1, b2, eps, wd, k1, k2, k3, k4, k5;
   m >> word >> version;
   if (word != k_header) throw corrupt_data("load_checkpoint: " + mpath + " is not a deferalloc optimizer checkpoint");
-  if (version != k_version)
+  if (version != k_version && version != k_version_one_step)
     throw corrupt_data("load_checkpoint: " + mpath + " has format version " + std::to_string(version) + ", this build reads " +
-                       std::to_string(k_version));
+                       std::to_string(k_version_one_step) + " and " + std::to_string(k_version));
   m >> word >> step >> word >> moments;
   const auto before_format = m.tellg();
   std::string format = "fp32";  // a record of how the moments were stored; any format loads into any
@@ -308,6 +312,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     std::size_t numel;
     std::string file;
     per_array<std::uint64_t> sum;
+    std::uint64_t step = 0;  // the shard's step count (format 2: the checkpoint's)
   };
   std::vector<entry> es(count);
   for (std::size_t s = 0; s < count; ++s) {
@@ -315,7 +320,9 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     std::string dtype, sums[3];
     m >> word >> idx >> word >> es[s].numel >> word >> dtype >> word >> es[s].file >> word >> sums[0] >> word >> sums[1] >>
         word >> sums[2];
-    if (!m || idx != s || dtype != "fp32") throw corrupt_data("load_checkpoint: " + mpath + ": bad shard record " + std::to_string(s));
+    es[s].step = step;
+    if (version == k_version) m >> word >> es[s].step;
+    if (!m || idx != s || dtype != "fp32" || (version == k_version && word != "step")) throw corrupt_data("load_checkpoint: " + mpath + ": bad shard record " + std::to_string(s));
     if (es[s].numel != I.shards[s].info.numel)
       throw corrupt_data("load_checkpoint: layout mismatch: checkpoint shard " + std::to_string(s) + " has " +
                          std::to_string(es[s].numel) + " elements, this optimizer's shard " + std::to_string(s) + " ('" +
@@ -381,9 +388,11 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
       ::close(fd);
       I.report_progress("checkpoint load", done += es[s].numel, total, t0, last_line);
     }
-  I.tier_home->commit_load(step, slot, moments != 0);
+  std::vector<std::uint64_t> steps;
+  for (const auto& e : es) steps.push_back(e.step);
+  I.tier_home->commit_load(step, slot, moments != 0, steps);
   I.step_count = step;
-  for (auto& sh : I.shards) sh.step = step;  // one count per checkpoint
+  for (std::size_t s = 0; s < count; ++s) I.shards[s].step = steps[s];
   I.moments_written = moments != 0;
   I.cfg.adamw = h;
   I.initialized = true;
@@ -402,8 +411,12 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
     std::lock_guard lk(impl_->mu);
     impl_->pruner.wait();  // the previous save's (one prune at a time)
   }
-  const std::uint64_t n = detail::scan_generations(dir).highest + 1;
+  const std::uint64_t n = detail::next_generation(dir, "save_checkpoint");
   const std::string tmp = detail::generation_path(dir, n, true);
+  {
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);  // a killed save's (Note [Generation names])
+  }
   detail::check_dir(tmp, "save_checkpoint");
   try {
     detail::write_checkpoint_files(*this, tmp);

@@ -223,7 +223,7 @@ class streamed_adamw::impl::file_home final : public home {
                                           I.cfg.io_request_bytes);
     if (I.file->resumed()) {
       I.step_count = I.file->committed_step();
-      for (auto& s : I.shards) s.step = I.step_count;  // one count per file (see the header)
+      for (std::size_t s = 0; s < I.shards.size(); ++s) I.shards[s].step = I.file->shard_steps()[s];
       I.moments_written = I.file->moments_written();
       I.initialized = true;
     }
@@ -296,16 +296,18 @@ class streamed_adamw::impl::file_home final : public home {
     writes_.clear();
   }
   // A step's new slot becomes the state only here (Note [File tier]).
-  void commit(pass kind) override {
-    if (kind == pass::init) I.file->commit(0, I.file->active_slot(), false);
-    if (kind == pass::step) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true);
+  void commit(pass kind, std::span<const std::uint64_t> steps) override {
+    if (kind == pass::init) I.file->commit(0, I.file->active_slot(), false, steps);
+    if (kind == pass::step) I.file->commit(I.step_count + 1, 1 - I.file->active_slot(), true, steps);
   }
   // A speculative step writes the inactive slot like any step; committing it is commit()
   // after the shards not stepped were carried (Note [Speculative steps]).  Discarding it
   // leaves the active slot, and the next step writes the inactive one afresh.
   bool speculates() const override { return true; }
   int load_slot() const override { return 1 - I.file->active_slot(); }
-  void commit_load(std::uint64_t step, int slot, bool moments) override { I.file->commit(step, slot, moments); }
+  void commit_load(std::uint64_t step, int slot, bool moments, std::span<const std::uint64_t> steps) override {
+    I.file->commit(step, slot, moments, steps);
+  }
 
   void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
     constexpr std::size_t chunk = std::size_t{32} << 20;  // bytes per read
@@ -331,34 +333,80 @@ class streamed_adamw::impl::file_home final : public home {
     std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
     I.file->write(in, io, I.file->offset(slot, s, a, e0), what(s, a))->wait();
   }
-  // Whole arrays (whole_arrays()) through an aligned bounce buffer, in pieces on
-  // checksum-block boundaries (write() pads each piece to whole blocks), committed.
-  void write_range(std::size_t shard, state_array a, std::size_t, std::size_t, const float* in) override {
-    const int slot = I.file->active_slot();
-    constexpr std::size_t piece = std::size_t{8} << 20;  // elements: 32 MiB
-    detail::aligned_buffer buf(file_store::io_bytes(piece), false, "write_state_range: no host memory for a bounce buffer");
-    auto write_array = [&](std::size_t s, state_array m, const float* src) {
-      const std::size_t numel = I.shards[s].info.numel;
-      for (std::size_t e0 = 0; e0 < numel; e0 += piece) {
-        const std::size_t k = std::min(piece, numel - e0);
-        if (src) std::memcpy(buf.p, src + e0, k * 4);
-        else std::memset(buf.p, 0, k * 4);
-        write(s, m, e0, k, reinterpret_cast<float*>(buf.p), slot);
+  // Note [State writes]
+  //
+  // Rationale: write_state_range (and load_state_dict, one call per array) once wrote
+  // the committed slot in place: a kill part-way left a mix of old and new arrays under
+  // a valid commit record, or a checksum table that no longer matched (refused, and the
+  // previous step lost with it).
+  // Approach: a write goes to the inactive slot, as a step does, within a state write:
+  // begin_state_write's, or one that write_state_range or set_shard_step opens itself when none is open
+  // (implicit) and that the next call using the state publishes (a step, a read, a
+  // save or load, sync_model_params, begin_state_write, the destructor), so that a
+  // caller writing array after array (Megatron's checkpoint load, one parameter at a
+  // time) pays one publish, not one per array.  Each array written is marked;
+  // end_write(true) fills every array not written from the active slot (moments never
+  // written: zeros, when the write wrote some moment, else left unwritten), then commits
+  // the inactive slot once with the step count and the shards' step counts.  A kill
+  // before that commit leaves the old state, after it the new.  end_write(false)
+  // forgets the marks: the inactive slot is not named by any commit record and the next
+  // write or step rewrites all of it.  A write of step counts only commits the active
+  // slot again (its bytes unchanged) with the new counts.
+  // Limits: whole arrays only (whole_arrays()); a publish copies the arrays not written
+  // (one read and one write of the rest of the state), so loading a state dict costs
+  // about two passes over the state.  An implicit write is durable only once published:
+  // a process killed before its next use of the optimizer resumes the old state.
+  void begin_write() override {
+    written_.assign(I.shards.size(), per_array<bool>{});
+    wrote_moment_ = false;
+    writing_ = true;
+  }
+  void end_write(bool publish) override {
+    if (!writing_) return;
+    writing_ = false;
+    if (!publish) return;
+    bool any = false;
+    for (const auto& w : written_) any = any || w[state_array::main] || w[state_array::exp_avg] || w[state_array::exp_avg_sq];
+    if (!any) return publish_steps();  // step counts only: the active slot again
+    const int from = I.file->active_slot(), to = 1 - from;
+    const bool moments = I.moments_written || wrote_moment_;
+    detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
+    for (std::size_t s = 0; s < I.shards.size(); ++s)
+      for (state_array a : k_state_arrays) {
+        if (written_[s][a] || (is_moment(a) && !moments)) continue;
+        const bool zeros = is_moment(a) && !I.file->moments_written();  // never stored: zeros by construction
+        const std::size_t numel = I.shards[s].info.numel;
+        for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
+          const std::size_t k = std::min(k_bounce, numel - e0);
+          if (zeros) std::memset(buf.p, 0, k * 4);
+          else I.file->read(buf.p, file_store::io_bytes(k), I.file->offset(from, s, a, e0), what(s, a))->wait();
+          write(s, a, e0, k, reinterpret_cast<float*>(buf.p), to);
+        }
       }
-    };
-    if (is_moment(a) && !I.moments_written) {
-      // The file holds no moments yet: zeros everywhere first, so that the shards not
-      // loaded read PyTorch's initial moments.
-      for (std::size_t s = 0; s < I.shards.size(); ++s)
-        for (state_array m : {state_array::exp_avg, state_array::exp_avg_sq}) write_array(s, m, nullptr);
-      I.file->commit(I.step_count, slot, true);
+    I.file->commit(I.step_count, to, moments, I.shard_steps());
+  }
+  // Whole arrays (whole_arrays()) into the inactive slot through an aligned bounce buffer,
+  // in pieces on checksum-block boundaries (write() pads each piece to whole blocks),
+  // within a state write, published by end_write (Note [State writes]).
+  void write_range(std::size_t shard, state_array a, std::size_t, std::size_t, const float* in) override {
+    DFA_EXPECTS(writing_, "write_state_range: the file tier writes within a state write", invalid_state);
+    detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
+    const std::size_t numel = I.shards[shard].info.numel;
+    for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
+      const std::size_t k = std::min(k_bounce, numel - e0);
+      std::memcpy(buf.p, in + e0, k * 4);
+      write(shard, a, e0, k, reinterpret_cast<float*>(buf.p), 1 - I.file->active_slot());
     }
-    write_array(shard, a, in);
-    // The slot's checksum table now covers the new bytes: publish it (same step).
-    I.file->commit(I.step_count, slot, I.moments_written || is_moment(a));
+    written_[shard][a] = true;
+    wrote_moment_ = wrote_moment_ || is_moment(a);
   }
 
  private:
+  // Step counts only: a commit naming the active slot again.
+  void publish_steps() {
+    if (!I.file || !I.initialized) return;  // initialize() or a resume sets them
+    I.file->commit(I.step_count, I.file->active_slot(), I.file->moments_written(), I.shard_steps());
+  }
   std::string what(std::size_t s, state_array a) const {
     return std::string(array_name(a)) + " of " + I.shards[s].info.name;
   }
@@ -384,6 +432,10 @@ class streamed_adamw::impl::file_home final : public home {
     }
   }
 
+  static constexpr std::size_t k_bounce = std::size_t{8} << 20;  // elements per state-write piece (32 MiB)
+  bool writing_ = false;                 // a write is open (Note [State writes])
+  bool wrote_moment_ = false;
+  std::vector<per_array<bool>> written_;  // per shard: the arrays it wrote
   const pass_plan* plan_ = nullptr;
   int read_slot_ = 0, write_slot_ = 0;
   std::vector<std::shared_ptr<detail::io_batch>> reads_, writes_;  // per piece of the pass

@@ -101,6 +101,20 @@ struct streamed_adamw::impl {
   step_report report;
   bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
   std::size_t speculating = 0;    // shards with shard::speculative set
+  bool writing = false;           // a state write is open (Note [State writes] in home.cpp)
+  bool implicit_write = false;    // opened by write_state_range itself, published by the next use
+  bool moments_before_write = false;  // moments_written at begin_state_write (restored by an abort)
+  std::vector<std::uint64_t> steps_before_write;  // the shards' step counts then
+
+  /// Every shard's step count, in shard order.
+  std::vector<std::uint64_t> shard_steps() const;
+  /// Opens a state write (implicit: by write_state_range, published by settle_writes).
+  void open_write(bool implicit);
+  /// Ends the open state write: published, or dropped (the file tier's counts restored).
+  void close_write(bool publish);
+  /// Before a call that reads, steps or saves the state: publishes an implicit write,
+  /// refuses (invalid_state) while an explicit one is open.
+  void settle_writes(const char* fn);
 
   /// The checks step() and step_speculative() share.
   void check_step(const char* fn, std::span<const void* const> grads, std::span<const value_type> gts,
@@ -216,12 +230,21 @@ class streamed_adamw::impl::home {
   virtual void end_pass() {}
   /// After a failed pass: waits for all it started (never throws; logs).
   virtual void drain() noexcept {}
-  /// Publishes a finished init or step pass (file: the commit record).
-  virtual void commit(pass) {}
+  /// Publishes a finished init or step pass with the shards' step counts after it (file:
+  /// the commit record).
+  virtual void commit(pass, std::span<const std::uint64_t> /*shard_steps*/) {}
   /// A checkpoint load writes into this slot, which changes nothing until commit_load
   /// (file: the inactive slot); in-place homes ignore it.
   virtual int load_slot() const { return 0; }
-  virtual void commit_load(std::uint64_t /*step*/, int /*slot*/, bool /*moments_written*/) {}
+  virtual void commit_load(std::uint64_t /*step*/, int /*slot*/, bool /*moments_written*/,
+                           std::span<const std::uint64_t> /*shard_steps*/) {}
+  /// Note [State writes] (home.cpp): write_range calls between begin_write and
+  /// end_write(true) are published together (file: into the inactive slot, one commit
+  /// with the shards' step counts then); end_write(false) drops them (file) or keeps
+  /// what was written (in-place homes).  Outside them, each write_range is published by
+  /// itself.
+  virtual void begin_write() {}
+  virtual void end_write(bool /*publish*/) {}
 
   // -- state ranges and checkpoints (host memory on the other side; never-written
   // moments are the caller's: never_written())

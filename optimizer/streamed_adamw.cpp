@@ -128,6 +128,11 @@ streamed_adamw::~streamed_adamw() {
   if (!impl_) return;
   auto& I = *impl_;
   try {
+    I.settle_writes("~streamed_adamw");  // an open state write is dropped (explicit) or published
+  } catch (const std::exception& e) {
+    deferalloc::detail::log(log_level::error, std::string("streamed_adamw: state write not published: ") + e.what());
+  }
+  try {
     I.drv->synchronize_stream(I.h2d);
     I.drv->synchronize_stream(I.exec);
     I.drv->synchronize_stream(I.d2h);
@@ -219,11 +224,85 @@ std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
   return impl_->shards[s].step;
 }
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
-  std::lock_guard lk(impl_->mu);
-  DFA_EXPECTS(s < impl_->shards.size(), "set_shard_step: no shard " + std::to_string(s));
-  impl_->refuse_if_speculating("set_shard_step");
-  impl_->shards[s].step = step;
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
+  I.refuse_if_speculating("set_shard_step");
+  // The file tier publishes it with the state write under way, or with one of its own
+  // (Note [State writes] in home.cpp); the others keep it in memory.
+  if (!I.writing && !I.tier_home->in_place() && I.initialized) I.open_write(true);
+  I.shards[s].step = step;
 }
+
+void streamed_adamw::set_shard_param(std::size_t s, void* param) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  DFA_EXPECTS(s < I.shards.size(), "set_shard_param: no shard " + std::to_string(s));
+  DFA_EXPECTS(param != nullptr, "set_shard_param: the parameter pointer is null");
+  I.refuse_if_speculating("set_shard_param");
+  auto& info = I.shards[s].info;
+  info.param = param;
+  info.param_bf16 = info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
+  I.infos[s] = info;
+}
+
+std::vector<std::uint64_t> streamed_adamw::impl::shard_steps() const {
+  std::vector<std::uint64_t> v;
+  v.reserve(shards.size());
+  for (const auto& s : shards) v.push_back(s.step);
+  return v;
+}
+
+void streamed_adamw::impl::open_write(bool implicit) {
+  tier_home->begin_write();
+  writing = true;
+  implicit_write = implicit;
+  moments_before_write = moments_written;
+  steps_before_write = shard_steps();
+}
+
+void streamed_adamw::impl::close_write(bool publish) {
+  if (!writing) return;
+  writing = false;
+  // A write not published leaves the file tier's committed state, and so its counts;
+  // the in-place tiers keep what was written.
+  auto keep_old = [&] {
+    if (tier_home->in_place()) return;
+    moments_written = moments_before_write;
+    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = steps_before_write[s];
+  };
+  try {
+    tier_home->end_write(publish);
+  } catch (...) {
+    keep_old();
+    throw;
+  }
+  if (!publish) keep_old();
+}
+
+void streamed_adamw::impl::settle_writes(const char* fn) {
+  if (!writing) return;
+  DFA_EXPECTS(implicit_write, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+  close_write(true);
+}
+
+void streamed_adamw::begin_state_write() {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.open_state();
+  DFA_EXPECTS(I.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
+  I.settle_writes("begin_state_write");
+  I.refuse_if_speculating("begin_state_write");
+  I.open_write(false);
+}
+
+void streamed_adamw::end_state_write(bool publish) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  if (!I.writing || I.implicit_write) return;
+  I.close_write(publish);
+}
+
 std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
 step_report streamed_adamw::last_report() const { return impl_->report; }
 reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
@@ -348,7 +427,7 @@ void streamed_adamw::initialize(stream_t stream) {
     I.init_device_shards(false);
     I.run_pass(impl::pass::init, {}, {}, 1.0f, stream, 0);
     I.drv->synchronize_stream(I.exec);
-    I.tier_home->commit(impl::pass::init);
+    I.tier_home->commit(impl::pass::init, std::vector<std::uint64_t>(I.shards.size(), 0));
   }
   I.step_count = 0;
   for (auto& s : I.shards) s.step = 0;
@@ -366,6 +445,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   I.check_step("step", grads, gts, grad_scale);
+  I.settle_writes("step");
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     DFA_EXPECTS(grads[s] == nullptr || !I.shards[s].speculative,
                 "step: shard " + std::to_string(s) + " ('" + I.shards[s].info.name +
@@ -395,7 +475,9 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
         I.resident_stepped = true;
       }
       I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, skip);
-      I.tier_home->commit(impl::pass::step);
+      std::vector<std::uint64_t> after = I.shard_steps();
+      for (std::size_t s = 0; s < after.size(); ++s) after[s] += grads[s] != nullptr;
+      I.tier_home->commit(impl::pass::step, after);
       I.after(stream, I.exec);
     }
   } catch (...) {
@@ -485,6 +567,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   I.check_step("step_speculative", grads, gts, grad_scale);
+  I.settle_writes("step_speculative");
   DFA_EXPECTS(I.tier_home->speculates(),
               std::string("step_speculative: the ") + to_string(I.cfg.home) +
                   " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
@@ -562,6 +645,7 @@ void streamed_adamw::sync_model_params(stream_t stream) {
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
+  I.settle_writes("sync_model_params");
   I.sync_model(stream);
 }
 
@@ -606,6 +690,7 @@ void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::siz
   std::lock_guard lk(I.mu);
   I.open_state();
   DFA_EXPECTS(I.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
+  I.settle_writes("read_state_range");
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
   check_range("read_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
@@ -623,6 +708,9 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   check_range("write_state_range", I.shards.size(), shard, a, offset, n,
               shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
   if (n == 0) return;
+  // The file tier writes only within a state write: one of its own when none is open,
+  // published by the next call that uses the state (Note [State writes] in home.cpp).
+  if (!I.writing && !I.tier_home->in_place()) I.open_write(true);
   I.home_of(shard).write_range(shard, a, offset, n, in);
   if (is_moment(a)) I.moments_written = true;
 }

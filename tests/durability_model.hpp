@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -41,7 +43,7 @@ inline deferalloc::optim::optimizer_config config(deferalloc::optim::tier t, con
 
 /// Everything that must be identical between two runs at the same step.
 struct state {
-  std::vector<std::vector<std::uint8_t>> bytes;  // per shard: main, exp_avg, exp_avg_sq, bf16
+  std::vector<std::vector<std::uint8_t>> bytes;  // per shard: main, exp_avg, exp_avg_sq, bf16, its step count (u64)
   bool operator==(const state&) const = default;
 };
 
@@ -66,12 +68,16 @@ struct model {
     s.drv->copy_async(dev, v.data(), v.size() * 2, nullptr);
     s.drv->synchronize_stream(nullptr);
   }
-  /// Step `t` (0-based) with its gradients.
+  /// Step `t` (0-based) with its gradients.  The last shard has no gradient at every
+  /// fourth step (from step 1), so the shards' step counts differ (PyTorch's
+  /// per-parameter `step`).
   void step(std::uint64_t t) {
     const auto sizes = shard_sizes();
     for (std::size_t i = 0; i < sizes.size(); ++i)
       put(const_cast<void*>(grads[i]), bf16_values(sizes[i], 1000 * t + i, 0.1f));
-    opt->step(grads, deferalloc::optim::grad_type::bf16, t % 3 == 1 ? 0.5f : 1.0f);
+    std::vector<const void*> g = grads;
+    if (t % 4 == 1) g.back() = nullptr;
+    opt->step(g, deferalloc::optim::grad_type::bf16, t % 3 == 1 ? 0.5f : 1.0f);
     s.drv->synchronize_stream(nullptr);
   }
   state snapshot() {
@@ -79,11 +85,13 @@ struct model {
     const auto sizes = shard_sizes();
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       const std::size_t n = sizes[i];
-      std::vector<std::uint8_t> b(n * 14);
+      std::vector<std::uint8_t> b(n * 14 + 8);
       float* f = reinterpret_cast<float*>(b.data());
       opt->read_state(i, f, f + n, f + 2 * n);
       s.drv->copy_async(b.data() + n * 12, params[i], n * 2, nullptr);
       s.drv->synchronize_stream(nullptr);
+      const std::uint64_t step = opt->shard_step(i);
+      std::memcpy(b.data() + n * 14, &step, 8);
       out.bytes.push_back(std::move(b));
     }
     return out;
@@ -93,6 +101,32 @@ struct model {
   std::vector<std::uint16_t*> params;
   std::vector<const void*> grads;
 };
+
+/// The host driver the tests run on.
+inline std::shared_ptr<deferalloc::driver> host() { return deferalloc::make_host_driver({64 << 10, std::size_t{1} << 30}); }
+
+/// An uninterrupted host-tier run's state after every step (r[t]: after t steps).
+inline std::vector<state> reference_run(std::uint64_t steps) {
+  std::vector<state> r;
+  model m(host(), config(deferalloc::optim::tier::host, {}, false));
+  m.opt->initialize();
+  r.push_back(m.snapshot());
+  for (std::uint64_t t = 0; t < steps; ++t) {
+    m.step(t);
+    r.push_back(m.snapshot());
+  }
+  return r;
+}
+
+/// A file's bytes, and a file written with `b`.
+inline std::vector<char> slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+inline void spit(const std::string& path, const std::vector<char>& b) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(b.data(), static_cast<std::streamsize>(b.size()));
+}
 
 inline bool write_state(const std::string& path, const state& st) {
   FILE* f = std::fopen(path.c_str(), "wb");
@@ -107,7 +141,7 @@ inline bool read_state(const std::string& path, state& st) {
   st.bytes.clear();
   bool ok = true;
   for (std::size_t n : shard_sizes()) {
-    std::vector<std::uint8_t> b(n * 14);
+    std::vector<std::uint8_t> b(n * 14 + 8);
     ok = ok && std::fread(b.data(), 1, b.size(), f) == b.size();
     st.bytes.push_back(std::move(b));
   }

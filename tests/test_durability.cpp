@@ -28,31 +28,10 @@ namespace {
 
 constexpr std::uint64_t k_steps = 12;
 
-std::shared_ptr<driver> host() { return make_host_driver({64_KiB, 1_GiB}); }
-
 // The uninterrupted run's state after every step (ref[t]: after t steps).
 const std::vector<state>& reference() {
-  static const std::vector<state> ref = [] {
-    std::vector<state> r;
-    model m(host(), config(tier::host, {}, false));
-    m.opt->initialize();
-    r.push_back(m.snapshot());
-    for (std::uint64_t t = 0; t < k_steps; ++t) {
-      m.step(t);
-      r.push_back(m.snapshot());
-    }
-    return r;
-  }();
+  static const std::vector<state> ref = reference_run(k_steps);
   return ref;
-}
-
-std::vector<char> slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
-void spit(const std::string& path, const std::vector<char>& b) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(b.data(), static_cast<std::streamsize>(b.size()));
 }
 
 std::string child_program() {
@@ -158,6 +137,113 @@ TEST(durability, killed_at_random_moments_resumes_bit_identically) {
 
 namespace {
 
+int run_child(const std::vector<std::string>& args, pid_t* started = nullptr) {
+  const std::string prog = child_program();
+  std::vector<char*> argv{const_cast<char*>(prog.c_str())};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execv(prog.c_str(), argv.data());
+    ::_exit(127);
+  }
+  if (started) {
+    *started = pid;
+    return 0;
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+}
+
+}  // namespace
+
+// Kills (SIGKILL at random moments, and an exit at each write request and at the commit)
+// while a file-tier optimizer loads new state: a checkpoint (load_checkpoint) or a state
+// dict (one state write: write_state_range per array and set_shard_step per shard, as
+// load_state_dict does; and the same without begin/end_state_write, published by the
+// destructor).  Every resume is the old state or the new one, bit for bit,
+// per-shard step counts included (the model's shards have different counts).
+TEST(durability, killed_during_state_loads_resumes_old_or_new) {
+  ASSERT_FALSE(child_program().empty()) << "DFA_DURABILITY_CHILD is not set";
+  const auto& ref = reference();
+  constexpr std::uint64_t k_old = 5, k_new = 9;
+  temp_dir root;
+  const std::string dir = root.path + "/state", ck = root.path + "/ck", sd = root.path + "/new.bin";
+  const std::string path = dir + "/deferalloc-rank0.state";
+  {
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+    for (std::uint64_t t = 0; t < k_old; ++t) m.step(t);
+    ASSERT_TRUE(m.snapshot() == ref[k_old]);
+  }
+  const std::vector<char> old_file = slurp(path);
+  {
+    model m(host(), config(tier::host, {}, false));
+    m.opt->initialize();
+    for (std::uint64_t t = 0; t < k_new; ++t) m.step(t);
+    ASSERT_TRUE(m.snapshot() == ref[k_new]);
+    ASSERT_NE(m.opt->shard_step(0), m.opt->shard_step(2)) << "the model's shards should have different step counts";
+    m.opt->save_checkpoint(ck);
+    ASSERT_TRUE(write_state(sd, ref[k_new]));
+  }
+  int kills = 0, crashes = 0, old_seen = 0, new_seen = 0, completed = 0;
+  // Resumes the state file after a child: the old or the new state, exactly.
+  auto check = [&](const std::string& what) {
+    model m(host(), config(tier::file, dir, true));
+    ASSERT_TRUE(m.opt->resumed()) << what;
+    m.opt->sync_model_params();
+    const state got = m.snapshot();
+    // (A state dict carries the shards' step counts, not steps(): compared in the snapshot.)
+    const bool is_old = got == ref[k_old], is_new = got == ref[k_new];
+    ASSERT_TRUE(is_old || is_new) << what << ": resumed neither the old nor the new state (step " << m.opt->steps() << ")";
+    (is_old ? old_seen : new_seen)++;
+  };
+  auto reset = [&] {
+    fs::remove(path + ".new");
+    spit(path, old_file);
+  };
+  // An exit at each write request, then at the commit (past the last write: the load completes).
+  for (const std::string kind : {"ck", "sd", "sdi"})
+    for (int n = 0; n <= 24; ++n) {
+      reset();
+      const int rc = run_child({"load", dir, kind == "ck" ? ck : sd, kind, std::to_string(n)});
+      ASSERT_TRUE(rc == 86 || rc == 0) << kind << " crash at " << n << ": child exit " << rc;
+      (rc == 86 ? crashes : completed)++;
+      check(kind + " crash at write " + std::to_string(n));
+      if (HasFatalFailure()) return;
+    }
+  // SIGKILL at random moments over an uninterrupted load's time.
+  std::mt19937_64 rng(31);
+  for (const std::string kind : {"ck", "sd", "sdi"}) {
+    reset();
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(run_child({"load", dir, kind == "ck" ? ck : sd, kind}), 0) << kind << ": the uninterrupted load failed";
+    const auto full_us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+    check(kind + " uninterrupted");
+    for (int k = 0; k < 15; ++k) {
+      reset();
+      pid_t pid = 0;
+      run_child({"load", dir, kind == "ck" ? ck : sd, kind}, &pid);
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % static_cast<std::uint64_t>(full_us + 1)));
+      ::kill(pid, SIGKILL);
+      int st = 0;
+      ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+      if (WIFSIGNALED(st)) ++kills;
+      else ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << kind << ": the child failed on its own";
+      check(kind + " killed at random");
+      if (HasFatalFailure()) return;
+    }
+  }
+  std::printf("state loads into the file tier: %d exits at a write or commit, %d SIGKILLs, %d loads completed; resumed "
+              "%d old, %d new\n", crashes, kills, completed, old_seen, new_seen);
+  EXPECT_GE(crashes + kills, 30);
+  EXPECT_GT(old_seen, 0);
+  EXPECT_GT(new_seen, 0);
+}
+
+namespace {
+
 // Opens a copy of a state file and classifies it: refused with corrupt_data, or resumed
 // at a committed step whose state (and next step) equal the reference.  Anything else
 // (a fresh start, other state, another error type) fails the test.
@@ -218,7 +304,8 @@ TEST(durability, damaged_state_file_is_refused_or_resumes_an_intact_step) {
   const std::vector<char> orig = slurp(path);
   const file_layout lay;
   const std::uint64_t data0 = 8192, active = data0;  // step 6 is in slot 0 (init: slot 0, then alternating)
-  ASSERT_EQ(orig.size(), data0 + 2 * lay.slot_bytes + 2 * ((lay.slot_bytes / optim::detail::file_store::block * 8 + 4095) / 4096 * 4096));
+  // Headers, slots, a checksum table per slot, a page of step counts per header copy.
+  ASSERT_EQ(orig.size(), data0 + 2 * lay.slot_bytes + 2 * ((lay.slot_bytes / optim::detail::file_store::block * 8 + 4095) / 4096 * 4096) + 2 * 4096);
   std::mt19937_64 rng(7);
   struct probe {
     std::uint64_t off;

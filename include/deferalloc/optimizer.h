@@ -109,6 +109,15 @@ DFA_C_API dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_sta
 /* PyTorch's per-parameter `step` of a shard. */
 DFA_C_API dfa_status dfa_opt_get_shard_step(dfa_optimizer* o, size_t shard, uint64_t* out);
 DFA_C_API dfa_status dfa_opt_set_shard_step(dfa_optimizer* o, size_t shard, uint64_t step);
+/* Groups dfa_opt_write_state / dfa_opt_set_shard_step calls into one publish (the file
+ * tier commits them at once: a kill leaves the old state or the new); publish 0 drops
+ * them (file tier; the host and device tiers keep what was written).  See
+ * streamed_adamw::begin_state_write. */
+DFA_C_API dfa_status dfa_opt_begin_state_write(dfa_optimizer* o);
+DFA_C_API dfa_status dfa_opt_end_state_write(dfa_optimizer* o, int publish);
+/* Points a shard at new parameter memory of the same size and type (the model's storage
+ * was replaced); the state is unchanged. */
+DFA_C_API dfa_status dfa_opt_set_shard_param(dfa_optimizer* o, size_t shard, void* param);
 /* The engine's own checkpoint (a directory; see optimizer.hpp). */
 DFA_C_API dfa_status dfa_opt_save_checkpoint(dfa_optimizer* o, const char* dir);
 DFA_C_API dfa_status dfa_opt_load_checkpoint(dfa_optimizer* o, const char* dir);

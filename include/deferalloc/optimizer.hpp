@@ -266,16 +266,37 @@ class DFA_API streamed_adamw {
   /// reads (file tier: offset must be 0).  @throws invalid_argument for a bad range.
   void read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out);
   /// Writes host memory into elements [offset, offset + n) of one state array.  The file
-  /// tier takes whole arrays only (offset 0, n = numel) and writes its committed slot in
-  /// place (not atomic: the engine's checkpoint is).  Does not touch model parameters
+  /// tier takes whole arrays only (offset 0, n = numel), written to its inactive slot and
+  /// published by one commit (a kill leaves the old state or the new): between
+  /// begin_state_write and end_state_write, by end_state_write; else with the writes that
+  /// follow, by the next call that uses the state (a step, a read, a checkpoint save or
+  /// load, sync_model_params, begin_state_write, the destructor); a kill before that
+  /// resumes the old state (Note [State writes] in optimizer/home.cpp).  Does not touch model parameters
   /// (sync_model_params does).  @throws invalid_argument for a bad range, invalid_state
   /// while a speculative step is pending (commit or discard it first).
   void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
   /// Steps taken by shard `s` (PyTorch's per-parameter `step`; the committed count while
   /// a speculative step is pending), and setting it (state loading; invalid_state while
   /// a speculative step is pending).
+  /// The file tier commits the counts with its state (set_shard_step is published as
+  /// write_state_range is); checkpoints keep them too.
   std::uint64_t shard_step(std::size_t s) const;
   void set_shard_step(std::size_t s, std::uint64_t step);
+  /// Groups write_state_range and set_shard_step calls into one publish (loading a state
+  /// dict): the file tier writes them to its inactive slot and end_state_write(true)
+  /// commits them once, the arrays not written copied from the current state;
+  /// end_state_write(false) drops them (file tier: state and step counts stay the last
+  /// committed; the in-place host and device tiers keep what was written).  While a
+  /// write is open, steps, reads, checkpoints and sync_model_params are refused
+  /// (invalid_state); destroying the optimizer drops it.  end_state_write without an
+  /// open write does nothing.
+  /// @throws invalid_state (no state yet, a write already open, a pending speculative step)
+  void begin_state_write();
+  void end_state_write(bool publish = true);
+  /// Points shard `s` at new parameter memory of the same size and type (the model's
+  /// storage was replaced, as `p.data = p.data.clone()` does); the state is unchanged.
+  /// @throws invalid_argument (null), invalid_state (a pending speculative step)
+  void set_shard_param(std::size_t s, void* param);
   /// Saves the whole state as a new generation `dir`/gen-<N>: one data file per shard and
   /// manifest.txt (version, dtypes, shapes, step, hyper-parameters, checksums), all
   /// fsynced, published by one rename; older generations are then removed on a thread

@@ -195,6 +195,18 @@ dfa_status dfa_opt_set_shard_step(dfa_optimizer* o, size_t shard, uint64_t step)
   return guard("dfa_opt_set_shard_step", [&] { opt_of(o).set_shard_step(shard, step); });
 }
 
+dfa_status dfa_opt_begin_state_write(dfa_optimizer* o) {
+  return guard("dfa_opt_begin_state_write", [&] { opt_of(o).begin_state_write(); });
+}
+
+dfa_status dfa_opt_end_state_write(dfa_optimizer* o, int publish) {
+  return guard("dfa_opt_end_state_write", [&] { opt_of(o).end_state_write(publish != 0); });
+}
+
+dfa_status dfa_opt_set_shard_param(dfa_optimizer* o, size_t shard, void* param) {
+  return guard("dfa_opt_set_shard_param", [&] { opt_of(o).set_shard_param(shard, param); });
+}
+
 dfa_status dfa_opt_save_checkpoint(dfa_optimizer* o, const char* dir) {
   return guard("dfa_opt_save_checkpoint", [&] {
     need(dir, "dir");

@@ -315,7 +315,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   try {
     I.pruner.wait();  // the previous save's (one prune at a time)
     optim::detail::check_dir(dir, "save_checkpoint");
-    proposal = static_cast<double>(optim::detail::scan_generations(dir).highest + 1);
+    proposal = static_cast<double>(optim::detail::next_generation(dir, "save_checkpoint"));
   } catch (...) {
     failed = std::current_exception();
   }
@@ -325,6 +325,9 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   try {
     optim::detail::check_dir(tmp, "save_checkpoint");
     const std::string part = tmp + "/rank-" + std::to_string(I.lay.rank);
+    std::error_code ec;
+    std::filesystem::remove_all(part, ec);  // a killed save's (Note [Generation names])
+    if (I.lay.rank == 0) std::filesystem::remove(tmp + "/distributed.txt", ec);
     optim::detail::check_dir(part, "save_checkpoint");
     optim::detail::write_checkpoint_files(*I.opt, part);
   } catch (...) {
@@ -354,7 +357,7 @@ void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream)
   double mine = -1.0;
   try {
     gen_dir = optim::detail::newest_generation(dir, "load_checkpoint");
-    mine = static_cast<double>(optim::detail::scan_generations(dir).newest_complete);
+    mine = static_cast<double>(optim::detail::scan_generations(dir, "load_checkpoint").newest_complete);
     const std::string text = optim::detail::read_text_file(gen_dir + "/distributed.txt", "load_checkpoint");
     if (text != layout_text(I.lay))
       throw corrupt_data("load_checkpoint: " + gen_dir + " was saved with another layout:\n" + text + "this run has:\n" +

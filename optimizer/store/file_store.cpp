@@ -5,12 +5,25 @@
 // loadable, and state that cannot be read back exactly must be refused, never used.
 //
 // Approach
-//  - layout: two 4 KiB header copies, then two slots, then one checksum table per slot.
+//  - layout: two 4 KiB header copies, then two slots, then one checksum table per slot,
+//    then one area of per-shard step counts per header copy (format 3).
 //    A slot holds, per shard, the main params, exp_avg and exp_avg_sq, each padded to a
 //    64 KiB block.  Step k reads the active slot and writes the other; commit() makes
 //    the data durable, writes the slot's checksum table and makes it durable, then
-//    writes the header copy of the commit's parity (sequence number, step, slot, layout
-//    hash, the table's checksum, and a checksum of the header) and makes that durable.
+//    writes the step counts into the area of the commit's parity and the header copy of
+//    that parity (sequence number, step, slot, layout hash, the table's and the step
+//    counts' checksums, and a checksum of the header) and makes that durable.
+//  - every write of state goes to the inactive slot, whatever writes it: a step, a
+//    checkpoint load, write_state_range and load_state_dict (Note [State writes] in
+//    home.cpp), so one commit publishes it and a kill leaves the old state or the new.
+//    A commit that changes step counts only names the active slot again: its data and
+//    table are rewritten with the bytes they hold, and the step counts live with the
+//    header copy, so the other copy's commit stays intact.
+//  - step counts: PyTorch keeps one per parameter (a parameter without a gradient is
+//    not stepped); the file keeps one per shard, with each commit.  A format-2 file
+//    (one count per file) still resumes, every shard at the file's step; its first
+//    commit extends it by the step-count areas and writes a format-3 header (the other
+//    copy, format 2, stays valid until it is overwritten).
 //  - a new file is created as <name>.new and renamed into place (and the directory
 //    fsynced) by its first commit, so a file at the final name always holds a commit.
 //  - the whole file is fallocate'd at creation: a full disk fails before any step.
@@ -44,7 +57,7 @@
 //    files are opened with O_NOFOLLOW and never with O_TRUNC.
 //
 // Limits: one file per rank, no compression; the two slots cost 24 B per parameter,
-// the tables 16 B per 64 KiB (on disk and in memory).  A block damaged in the inactive
+// the tables 16 B per 64 KiB (on disk and in memory), the step counts 16 B per shard.  A block damaged in the inactive
 // slot is not noticed until that slot is read (it is rewritten by the next step first).
 // A header copy rotted after its commit completed cannot be told from a torn write: the
 // resume then takes the step before it (intact, verified) and logs a warning.
@@ -53,6 +66,7 @@
 
 #include <deferalloc/errors.hpp>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -78,9 +92,11 @@ struct header {
   std::uint32_t block_bytes;
   std::uint64_t seq;        // commit sequence: the valid copy with the highest wins
   std::uint64_t table_sum;  // checksum64 of the slot's checksum table
+  std::uint64_t steps_sum;  // checksum64 of the shards' step counts (format 2: the header checksum)
   std::uint64_t checksum;   // of the bytes before it
 };
-constexpr std::uint32_t k_version = 2;
+constexpr std::uint32_t k_version = 3;
+constexpr std::uint32_t k_version_one_step = 2;  // one step count per file; still resumed
 
 std::string errtext(int e) { return std::strerror(e); }
 
@@ -133,6 +149,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
   check_dir(dir, "file tier");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
+  lock_owner();
 
   // Layout.
   std::uint64_t h = 0;
@@ -145,14 +162,60 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
   layout_hash_ = h;
   blocks_per_slot_ = slot_bytes_ / block;
   table_bytes_ = (blocks_per_slot_ * 8 + align - 1) / align * align;
+  steps_bytes_ = (numel.size() * 8 + align - 1) / align * align;
   for (auto& t : table_) t.assign(blocks_per_slot_, 0);
+  shard_steps_.assign(numel.size(), 0);
 
+  try {
+    struct stat st {};
+    const bool exists = ::lstat(path_.c_str(), &st) == 0;
+    if (exists) check_owned_file(path_, st, "file tier");
+    if (resume && exists) open_existing();
+    else create_new();
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
+  } catch (...) {
+    ::close(lock_fd_);
+    throw;
+  }
+}
+
+// Note [One owner per state file]
+//
+// Rationale: two optimizers on one state file (one process or two) each commit their
+// own steps into it; the second one's create_new() even replaces the first's file.  One
+// of them loses its steps without an error.
+// Approach: before looking at the state file, file_store takes an exclusive flock() on
+// <state>.lock (created 0600 beside it, never followed through a symlink, never
+// removed: removing a lock file lets two openers lock two different files) and keeps
+// it until it is destroyed.  flock() locks belong to the open file description, so a
+// second opener in the same process conflicts too (a POSIX fcntl lock would not), and
+// the kernel drops the lock when the holder dies (a kill leaves no stale lock).  The
+// holder writes its pid into the file, which the refused opener names.
+// Limits: advisory (only deferalloc honours it); the pid is what the holder wrote (a
+// holder that has not written it yet is named as unknown); on NFS flock() is emulated
+// with fcntl locks, which conflict between processes only.
+void file_store::lock_owner() {
+  const std::string lock_path = path_ + ".lock";
   struct stat st {};
-  const bool exists = ::lstat(path_.c_str(), &st) == 0;
-  if (exists) check_owned_file(path_, st, "file tier");
-  if (resume && exists) open_existing();
-  else create_new();
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
+  if (::lstat(lock_path.c_str(), &st) == 0) check_owned_file(lock_path, st, "file tier");
+  lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    char pid[32] = {};
+    const ssize_t n = ::pread(lock_fd_, pid, sizeof pid - 1, 0);
+    ::close(lock_fd_);
+    std::string holder = n > 0 ? std::string(pid, static_cast<std::size_t>(n)) : std::string();
+    holder.resize(std::min(holder.size(), holder.find_first_not_of("0123456789")));
+    if (e != EWOULDBLOCK) throw io_error("file tier: cannot lock " + lock_path + ": " + errtext(e));
+    const std::string who = holder.empty() ? std::string("a process whose pid is not recorded")
+                                           : "process " + holder + (holder == std::to_string(::getpid()) ? " (this one)" : "");
+    throw invalid_state("file tier: " + path_ + " is in use by another optimizer, held by " + who + " (lock " + lock_path +
+                        "); one optimizer per state file");
+  }
+  const std::string me = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size()))
+    deferalloc::detail::log(log_level::warn, "file tier: cannot write this process's pid into " + lock_path);
 }
 
 // Opens fd_ on `path` with `flags` (O_DIRECT when the file system has it); the file
@@ -181,7 +244,7 @@ void file_store::create_new() {
   }
   fd_ = open_checked(tmp_path_, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, direct_, dir_);
   published_ = false;
-  const std::uint64_t total = table_offset(2);
+  const std::uint64_t total = steps_offset(2);
   if (::fallocate(fd_, 0, 0, static_cast<off_t>(total)) != 0) {
     const int e = errno;
     if (e != EOPNOTSUPP) {
@@ -221,16 +284,35 @@ void file_store::open_existing() {
           throw corrupt_data("file tier: " + path_ + " holds state of another layout (different shards); refusing to resume");
         if (hs == header_state::other_version)
           throw corrupt_data("file tier: " + path_ + " has another format version (this build reads " +
-                             std::to_string(k_version) + "); refusing to resume");
+                             std::to_string(k_version_one_step) + " and " + std::to_string(k_version) + "); refusing to resume");
       }
       throw corrupt_data("file tier: both commit records of " + path_ +
                          " (offsets 0 and 4096) are unreadable; refusing to resume (this would restart from step 0)");
     }
+    // An empty copy is a record never written (a file with one commit so far).
     for (int c = 0; c < 2; ++c)
-      if (states[c] != header_state::valid)
+      if (states[c] != header_state::valid && states[c] != header_state::empty)
         deferalloc::detail::log(log_level::warn, "file tier: commit record " + std::to_string(c) + " of " + path_ +
                                                      " is damaged; resuming from the other one, step " +
                                                      std::to_string(best.step));
+    extended_ = static_cast<std::uint64_t>(st.st_size) >= steps_offset(2);
+    if (best.version == k_version) {
+      if (!extended_)
+        throw corrupt_data("file tier: " + path_ + " is " + std::to_string(st.st_size) + " bytes, its layout needs " +
+                           std::to_string(steps_offset(2)) + " (truncated); refusing to resume");
+      aligned_buffer sb(steps_bytes_, false, "file tier: no memory for the step counts");
+      const std::uint64_t soff = steps_offset(static_cast<int>(best.seq % 2));
+      if (::pread(fd_, sb.p, steps_bytes_, static_cast<off_t>(soff)) != static_cast<ssize_t>(steps_bytes_))
+        throw io_error("file tier: reading the step counts at offset " + std::to_string(soff) + " of " + path_ + " failed");
+      std::memcpy(shard_steps_.data(), sb.p, shard_steps_.size() * 8);
+      if (checksum64(shard_steps_.data(), shard_steps_.size() * 8) != best.steps_sum)
+        throw corrupt_data("file tier: the step counts at offset " + std::to_string(soff) + " of " + path_ +
+                           " are corrupt; refusing to resume");
+    } else {
+      shard_steps_.assign(shard_steps_.size(), best.step);  // format 2: one count per file
+      deferalloc::detail::log(log_level::info, "file tier: " + path_ + " has format 2 (one step count per file): every "
+                                                   "shard resumes at step " + std::to_string(best.step));
+    }
     auto& t = table_[best.slot];
     aligned_buffer buf(table_bytes_, false, "file tier: no memory for the checksum table");
     const std::uint64_t toff = table_offset(best.slot);
@@ -262,6 +344,7 @@ file_store::~file_store() {
   for (auto& t : threads_) t.join();
   if (fd_ >= 0) ::close(fd_);
   if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
+  ::close(lock_fd_);  // Note [One owner per state file]: after the last write
 }
 
 file_store::header_state file_store::read_header(int copy, commit_record& out) {
@@ -272,9 +355,11 @@ file_store::header_state file_store::read_header(int copy, commit_record& out) {
   bool empty = true;
   for (std::size_t i = 0; i < align && empty; ++i) empty = buf.p[i] == 0;
   if (empty) return header_state::empty;
-  if (h.checksum != checksum64(&h, offsetof(header, checksum)) || std::memcmp(h.magic, k_magic, 8) != 0)
-    return header_state::damaged;
-  if (h.version != k_version || h.block_bytes != block) return header_state::other_version;
+  // Format 2 had no steps_sum: its header checksum is where steps_sum is now.
+  const bool v3 = h.checksum == checksum64(&h, offsetof(header, checksum));
+  const bool v2 = h.steps_sum == checksum64(&h, offsetof(header, steps_sum));
+  if (!(v3 || v2) || std::memcmp(h.magic, k_magic, 8) != 0) return header_state::damaged;
+  if (h.version != (v3 ? k_version : k_version_one_step) || h.block_bytes != block) return header_state::other_version;
   if (h.layout != layout_hash_) return header_state::other_layout;
   if (h.slot > 1) return header_state::damaged;
   out.step = h.step;
@@ -282,6 +367,8 @@ file_store::header_state file_store::read_header(int copy, commit_record& out) {
   out.slot = static_cast<int>(h.slot);
   out.moments = h.moments_written != 0;
   out.table_sum = h.table_sum;
+  out.steps_sum = v3 ? h.steps_sum : 0;
+  out.version = h.version;
   return header_state::valid;
 }
 
@@ -410,11 +497,28 @@ void file_store::worker() {
   }
 }
 
-void file_store::commit(std::uint64_t step, int slot, bool moments_written) {
+void file_store::commit(std::uint64_t step, int slot, bool moments_written, std::span<const std::uint64_t> shard_steps) {
+  DFA_EXPECTS(shard_steps.size() == shard_steps_.size(), "file tier: commit with " + std::to_string(shard_steps.size()) +
+                                                             " step counts for " + std::to_string(shard_steps_.size()) +
+                                                             " shards", invalid_state);
   const fault_kind f = take_fault(fault_op::commit);
   if (f == fault_kind::crash) ::_exit(86);
   if (f != fault_kind::none) throw io_error("commit of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(EIO));
   const auto& t = table_[slot];
+  const std::uint64_t seq = seq_ + 1;
+  if (!extended_) {  // a format-2 file: room for the step counts first
+    if (::fallocate(fd_, 0, 0, static_cast<off_t>(steps_offset(2))) != 0 &&
+        (errno != EOPNOTSUPP || ::ftruncate(fd_, static_cast<off_t>(steps_offset(2))) != 0))
+      throw io_error("file tier: cannot extend " + path_ + " by its step counts: " + errtext(errno));
+    extended_ = true;
+  }
+  {
+    aligned_buffer sb(steps_bytes_, true, "file tier: no memory for the step counts");
+    std::memcpy(sb.p, shard_steps.data(), shard_steps.size() * 8);
+    const off_t soff = static_cast<off_t>(steps_offset(static_cast<int>(seq % 2)));
+    if (::pwrite(fd_, sb.p, steps_bytes_, soff) != static_cast<ssize_t>(steps_bytes_))
+      throw io_error("step counts of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(errno));
+  }
   {
     aligned_buffer tb(table_bytes_, true, "file tier: no memory for the checksum table");
     std::memcpy(tb.p, t.data(), t.size() * 8);
@@ -432,8 +536,9 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written) {
   h.step = step;
   h.moments_written = moments_written ? 1 : 0;
   h.block_bytes = block;
-  h.seq = seq_ + 1;
+  h.seq = seq;
   h.table_sum = checksum64(t.data(), t.size() * 8);
+  h.steps_sum = checksum64(shard_steps.data(), shard_steps.size() * 8);
   h.checksum = checksum64(&h, offsetof(header, checksum));
   std::memcpy(buf.p, &h, sizeof h);
   const off_t where = static_cast<off_t>((h.seq % 2) * align);
@@ -450,6 +555,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written) {
   step_ = step;
   slot_ = slot;
   moments_written_ = moments_written;
+  shard_steps_.assign(shard_steps.begin(), shard_steps.end());
 }
 
 }  // namespace deferalloc::optim::detail

@@ -11,6 +11,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,6 +63,9 @@ class file_store {
   const std::string& path() const { return path_; }
   bool resumed() const { return resumed_; }
   std::uint64_t committed_step() const { return step_; }
+  /// The committed step count of each shard (a format-2 file, which kept one count per
+  /// file: committed_step() for every shard).
+  const std::vector<std::uint64_t>& shard_steps() const { return shard_steps_; }
   int active_slot() const { return slot_; }
   bool moments_written() const { return moments_written_; }
   bool direct_io() const { return direct_; }
@@ -82,9 +86,12 @@ class file_store {
                                  std::shared_ptr<io_batch> batch = nullptr);
   std::shared_ptr<io_batch> write(const void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
                                   std::shared_ptr<io_batch> batch = nullptr);
-  /// Makes every written byte durable, then writes the commit record (step, slot) in the
-  /// header copy of the next sequence number's parity, then makes it durable.
-  void commit(std::uint64_t step, int slot, bool moments_written);
+  /// Makes every written byte durable, then writes the commit record (step, slot, the
+  /// shards' step counts) in the header copy of the next sequence number's parity (and
+  /// the step counts in that copy's area), then makes it durable.  `slot` is the
+  /// inactive slot after writes to it, or the active one when only step counts change
+  /// (its data and checksum table are then rewritten with the same bytes).
+  void commit(std::uint64_t step, int slot, bool moments_written, std::span<const std::uint64_t> shard_steps);
 
   void inject(fault_op op, fault_kind kind, std::uint64_t nth);
 
@@ -106,22 +113,31 @@ class file_store {
   /// when the copy is ours (magic) but written for another layout.
   enum class header_state { valid, empty, damaged, other_layout, other_version };
   struct commit_record {
-    std::uint64_t step = 0, seq = 0, table_sum = 0;
+    std::uint64_t step = 0, seq = 0, table_sum = 0, steps_sum = 0;
+    std::uint32_t version = 0;
     int slot = 0;
     bool moments = false;
   };
   header_state read_header(int copy, commit_record& out);
   void open_existing();
   void create_new();
+  /// Takes the state file's lock or throws invalid_state naming the holder.
+  void lock_owner();
   /// Checksums (write) or verifies (read) the blocks of one request.
   void checksum_blocks(const request& r);
   std::uint64_t table_offset(int slot) const;
+  /// Where header copy `copy`'s per-shard step counts are (format 3).
+  std::uint64_t steps_offset(int copy) const { return table_offset(2) + static_cast<std::uint64_t>(copy) * steps_bytes_; }
 
   std::string tmp_path_;
   std::string dir_;
   bool published_ = true;
   std::uint64_t blocks_per_slot_ = 0;
   std::uint64_t table_bytes_ = 0;
+  std::uint64_t steps_bytes_ = 0;  // one copy's step counts, whole pages
+  bool extended_ = true;           // the file has room for the step counts (false: a format-2 file)
+  int lock_fd_ = -1;
+  std::vector<std::uint64_t> shard_steps_;
   std::vector<std::uint64_t> table_[2];  // per block of each slot: checksum64 of its bytes
 
   std::string path_;

@@ -149,9 +149,31 @@ inline std::string read_text_file(const std::string& path, const std::string& wh
 
 // ---- checkpoint generations (see Note [Checkpoint generations] in checkpoint.cpp) ----
 
+// Note [Generation names]
+//
+// Rationale: the generation a load takes is the highest gen-<N> in the directory, so
+// every entry named like one steers what is loaded and what a save writes next.  A
+// stray gen-999999999999999999.tmp once made a save write gen-1000000000000000000
+// (a number the loader rejects) and prune the last good generation; an unreadable
+// directory restarted the numbering at gen-1; a symlinked newest generation was
+// skipped for an older one.
+// Approach: numbers have at most k_generation_digits digits, read and written alike.
+// A save numbers from the complete generations only (gen-<N> directories, not
+// symlinks): unfinished ones (gen-<N>.tmp) and foreign entries never raise the number;
+// a killed save's gen-<N>.tmp of the number a save takes is removed first.  A listing
+// that fails throws, naming the directory and the reason, before anything is written
+// or removed.  The highest gen-<N> name that is not a real directory (a symlink, a
+// file) is refused with the reason by a load, and by a save (whose generation the
+// load would otherwise never reach).  The prune removes only real directories below
+// the generation just published.
+// Limits: a save refuses once the numbers reach k_max_generation (10^18 - 1 saves).
+inline constexpr std::size_t k_generation_digits = 18;
+inline constexpr std::uint64_t k_max_generation = 999'999'999'999'999'999ull;
+
 struct generations {
-  std::uint64_t newest_complete = 0;  // 0: none
-  std::uint64_t highest = 0;          // over complete and unfinished (gen-N.tmp) ones
+  std::uint64_t newest_complete = 0;  // the highest gen-<N> directory (not a symlink); 0: none
+  std::uint64_t newest_name = 0;      // the highest gen-<N> name of any kind
+  std::string newest_problem;         // why newest_name is no generation ("" when it is newest_complete)
 };
 
 /// True when `name` is gen-<N> or gen-<N>.tmp (`tmp` says which).
@@ -159,22 +181,40 @@ inline bool parse_generation(const std::string& name, std::uint64_t& n, bool& tm
   if (name.rfind("gen-", 0) != 0) return false;
   tmp = name.size() > 8 && name.compare(name.size() - 4, 4, ".tmp") == 0;
   const std::string digits = name.substr(4, name.size() - 4 - (tmp ? 4 : 0));
-  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  if (digits.empty() || digits.size() > k_generation_digits || digits.find_first_not_of("0123456789") != std::string::npos)
+    return false;
   n = std::stoull(digits);
-  return true;
+  return n > 0;
 }
 
-/// Scans `dir` for gen-<N> and gen-<N>.tmp entries.  Cost: one readdir.
-inline generations scan_generations(const std::string& dir) {
+/// What an entry of a checkpoint directory is, by lstat: a real directory or not, and why.
+inline std::string generation_problem(const std::filesystem::directory_entry& e) {
+  std::error_code ec;
+  const auto st = e.symlink_status(ec);
+  if (ec) return "cannot be examined: " + ec.message();
+  if (std::filesystem::is_symlink(st)) return "is a symbolic link";
+  if (!std::filesystem::is_directory(st)) return "is not a directory";
+  return {};
+}
+
+/// Scans `dir` for gen-<N> entries (Note [Generation names]).  Cost: one readdir.
+/// @throws io_error naming `what`, the directory and the reason when it cannot be listed
+inline generations scan_generations(const std::string& dir, const std::string& what) {
   generations g;
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+  auto fail = [&] { throw io_error(what + ": cannot list " + dir + ": " + ec.message()); };
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) fail();
+  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    if (ec) fail();
     std::uint64_t n = 0;
     bool tmp = false;
-    if (!parse_generation(e.path().filename().string(), n, tmp)) continue;
-    g.highest = std::max(g.highest, n);
-    if (!tmp && e.is_directory(ec) && !e.is_symlink(ec)) g.newest_complete = std::max(g.newest_complete, n);
+    if (!parse_generation(it->path().filename().string(), n, tmp) || tmp) continue;
+    const std::string problem = generation_problem(*it);
+    if (problem.empty()) g.newest_complete = std::max(g.newest_complete, n);
+    if (n > g.newest_name) g.newest_name = n, g.newest_problem = problem;
   }
+  if (ec) fail();
   return g;
 }
 
@@ -182,12 +222,31 @@ inline std::string generation_path(const std::string& dir, std::uint64_t n, bool
   return dir + "/gen-" + std::to_string(n) + (tmp ? ".tmp" : "");
 }
 
-/// The newest complete generation's directory.  @throws io_error when there is none
+/// Refuses (io_error) a newest gen-<N> that is not a real directory.
+inline void refuse_foreign_newest(const std::string& dir, const generations& g, const std::string& what) {
+  if (!g.newest_problem.empty())
+    throw io_error(what + ": the newest generation " + generation_path(dir, g.newest_name, false) + " " + g.newest_problem +
+                   "; refusing it (not a generation this library wrote; remove or rename it)");
+}
+
+/// The number the next save takes (a stale gen-<N>.tmp of it removed).  @throws io_error
+inline std::uint64_t next_generation(const std::string& dir, const std::string& what) {
+  const generations g = scan_generations(dir, what);
+  refuse_foreign_newest(dir, g, what);
+  if (g.newest_complete >= k_max_generation)
+    throw io_error(what + ": " + generation_path(dir, g.newest_complete, false) + " is the last generation number this "
+                   "library reads; move the checkpoints to a new directory");
+  return g.newest_complete + 1;
+}
+
+/// The newest complete generation's directory.  @throws io_error when there is none, the
+/// directory cannot be listed, or the newest is a symlink or no directory
 inline std::string newest_generation(const std::string& dir, const std::string& what) {
   struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0) throw io_error(what + ": cannot open " + dir + ": " + std::strerror(errno));
   if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + dir + " is a symbolic link; refusing to follow it");
-  const generations g = scan_generations(dir);
+  const generations g = scan_generations(dir, what);
+  refuse_foreign_newest(dir, g, what);
   if (g.newest_complete == 0) throw io_error(what + ": no complete checkpoint (gen-<N>) in " + dir);
   return generation_path(dir, g.newest_complete, false);
 }
@@ -205,8 +264,9 @@ inline void publish_generation(const std::string& dir, std::uint64_t n, const st
   fsync_dir(dir, what);
 }
 
-/// Removes every generation (complete or not) older than `keep`.  Best effort: a
-/// failure leaves a stale directory that the next save removes.  Never throws.
+/// Removes every generation (complete or not) older than `keep` that is a real
+/// directory (Note [Generation names]).  Best effort: a failure leaves a stale directory
+/// that the next save removes.  Never throws.
 inline void prune_generations(const std::string& dir, std::uint64_t keep) noexcept {
   try {
     std::error_code ec;
@@ -214,7 +274,8 @@ inline void prune_generations(const std::string& dir, std::uint64_t keep) noexce
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
       std::uint64_t n = 0;
       bool tmp = false;
-      if (parse_generation(e.path().filename().string(), n, tmp) && n < keep) old.push_back(e.path());
+      if (parse_generation(e.path().filename().string(), n, tmp) && n < keep && generation_problem(e).empty())
+        old.push_back(e.path());
     }
     for (const auto& p : old) std::filesystem::remove_all(p, ec);
   } catch (...) {

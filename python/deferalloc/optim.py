@@ -30,6 +30,7 @@ See docs/OPTIM.md for checkpoints (torch.save, DCP), FSDP2, AMP and torch.compil
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -95,7 +96,8 @@ class _Stats(ctypes.Structure):
                 ("retire_seconds", ctypes.c_double), ("io_wait_seconds", ctypes.c_double)]
 
 
-# Every live StreamedAdamW, for deferalloc.memory_snapshot()'s "optimizers" annotation.
+# Every live StreamedAdamW: deferalloc.memory_snapshot()'s "optimizers" annotation, and the
+# refusal of a parameter another one holds (Note [Parameter storage under the optimizer]).
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
 _PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p)
@@ -149,6 +151,9 @@ def _load():
         "dfa_opt_write_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
         "dfa_opt_get_shard_step": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_uint64)]),
         "dfa_opt_set_shard_step": (c.c_int, [P, c.c_size_t, c.c_uint64]),
+        "dfa_opt_begin_state_write": (c.c_int, [P]),
+        "dfa_opt_end_state_write": (c.c_int, [P, c.c_int]),
+        "dfa_opt_set_shard_param": (c.c_int, [P, c.c_size_t, P]),
         "dfa_opt_save_checkpoint": (c.c_int, [P, c.c_char_p]),
         "dfa_opt_load_checkpoint": (c.c_int, [P, c.c_char_p]),
         "dfa_opt_set_progress": (c.c_int, [P, _PROGRESS, P]),
@@ -391,6 +396,29 @@ _PROGRESS_AFTER_S = 1.0
 
 # ---- the optimizer -------------------------------------------------------------------------
 
+# Note [Parameter storage under the optimizer]
+# Rationale: the engine writes each step's parameters through the pointer it was given
+# at construction.  m.half(), m.to(torch.bfloat16) or p.data = p.data.clone() replace a
+# parameter's storage and free the old one: the engine then wrote freed memory (double
+# free, SIGSEGV) and the parameter never changed.  Two optimizers over one parameter (or
+# over overlapping views of one storage) each write back their own FP32 copy, so one's
+# update is lost.
+# Approach: each parameter's engine tensor is bound as (data_ptr, dtype, numel).
+# _follow_params(), at the start of every call that lets the engine read or write the
+# parameters, compares them (three attribute reads per parameter): a new storage of the
+# same dtype and numel is followed (dfa_opt_set_shard_param; the FP32 state stays the
+# master, as torch's optimizers keep theirs); another dtype or numel raises
+# InvalidStateError naming the parameter, before the engine touches anything.  At
+# construction, the parameters' byte ranges must be disjoint from each other and from
+# those of every live StreamedAdamW (_LIVE), else InvalidArgumentError.
+# Limits: a storage replaced between two calls is followed at the next call only; a
+# replaced storage's values are not read (call sync_main_from_params() to take them).
+
+
+def _span(t: torch.Tensor) -> tuple:
+    return (t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
 class StreamedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction; ``torch._fused_adamw_``'s arithmetic)
     with FP32 main params and moments streamed from ``tier`` each step.
@@ -500,7 +528,6 @@ class StreamedAdamW(torch.optim.Optimizer):
         _check(lib.dfa_opt_create(text.encode(), ctypes.byref(h)), "dfa_opt_create")
         self._handle = h
         self._finalizer = weakref.finalize(self, lib.dfa_opt_destroy, h)
-        _LIVE.add(self)
         self._progress_cb = None
         if progress is True:
             progress = _ProgressToLogger()
@@ -513,6 +540,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._empty: dict[torch.Tensor, int] = {}  # an empty local shard (FSDP2) -> its step count
         self._unheld: list[torch.Tensor] = []  # frozen at construction
         self._pushed: list[tuple | None] = []
+        self._bound: list[tuple] = []  # (data_ptr, dtype, numel) per held parameter (Note [Parameter storage under the optimizer])
         self._initialized = False
         self._python_seconds = 0.0
         for gi, g in enumerate(self.param_groups):
@@ -522,6 +550,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             self.state = _EngineState(self)
         if resume:
             self._resume()
+        _LIVE.add(self)
 
     @staticmethod
     def _holds(p: torch.Tensor) -> bool:
@@ -559,6 +588,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def _register(self, gi: int, params: list[torch.Tensor]) -> None:
         """Gives the engine group ``gi``'s held parameters (before its state exists)."""
         lib = _load()
+        self._refuse_shared_params([p for p in params if self._holds(p) and _local(p).numel() > 0])
         for p in params:
             if not self._holds(p):
                 self._unheld.append(p)
@@ -576,11 +606,73 @@ class StreamedAdamW(torch.optim.Optimizer):
                                          name.encode(), None), "dfa_opt_add_shard")
             self._shard_of[p] = len(self._params)
             self._params.append(p)
+            self._bound.append((t.data_ptr(), t.dtype, t.numel()))
         self._pushed.append(None)
         n = len(self._params)
         self._numels = [(p, _local(p).numel()) for p in self._params]
         self._grad_ptrs = (ctypes.c_void_p * n)()
         self._grad_types = (ctypes.c_int * n)()
+
+    def _refuse_shared_params(self, new: list[torch.Tensor]) -> None:
+        """Note [Parameter storage under the optimizer]: no two parameters (of this one, the
+        ``new`` ones it is about to hold, or a live StreamedAdamW's) share bytes."""
+        spans = [(_span(self._engine_tensor(p)), i, self) for i, p in enumerate([*self._params, *new])]
+        for other in list(_LIVE):
+            if other is not self and getattr(other, "_handle", None) is not None:
+                spans += [(_span(other._engine_tensor(p)), i, other) for i, p in enumerate(getattr(other, "_params", ()))]
+        spans.sort(key=lambda x: (str(x[0][0]), x[0][1]))
+        cur = None  # the span reaching furthest so far (on its device)
+        for b, j, ob in spans:
+            if cur is None or cur[0][0] != b[0] or cur[0][2] <= b[1]:
+                cur = (b, j, ob)
+                continue
+            a, i, oa = cur
+            if b[2] > a[2]:
+                cur = (b, j, ob)
+            if oa is self or ob is self:
+                if oa is ob:
+                    raise InvalidArgumentError(f"StreamedAdamW: parameters {i} and {j} overlap in memory (views of "
+                                               f"one storage); each would keep its own state and overwrite the other")
+                mine, theirs = (i, j) if oa is self else (j, i)
+                raise InvalidArgumentError(f"StreamedAdamW: parameter {mine} is already held by another live "
+                                           f"StreamedAdamW (its parameter {theirs} shares its memory); one optimizer "
+                                           f"per parameter (delete the other first)")
+
+    def _follow_params(self) -> None:
+        """Note [Parameter storage under the optimizer]: follows replaced storages of the
+        same dtype and numel, refuses other changes."""
+        lib = None
+        for i, p in enumerate(self._params):
+            t = self._engine_tensor(p)
+            ptr, dtype, numel = self._bound[i]
+            if t.data_ptr() == ptr and t.dtype == dtype and t.numel() == numel:
+                continue
+            if t.dtype != dtype or t.numel() != numel:
+                raise InvalidStateError(
+                    f"StreamedAdamW: parameter {i} changed from {numel} {dtype} elements to {t.numel()} {t.dtype} "
+                    f"after the optimizer was built (m.half() / m.to(dtype)?); the optimizer keeps the state of the "
+                    f"old parameters: build a new StreamedAdamW after converting the model (load_state_dict carries "
+                    f"the state over)")
+            if not t.is_contiguous():
+                raise InvalidStateError(f"StreamedAdamW: parameter {i}'s new storage is not contiguous")
+            lib = lib or _load()
+            _check(lib.dfa_opt_set_shard_param(self._handle, i, ctypes.c_void_p(t.data_ptr())),
+                   "dfa_opt_set_shard_param")
+            self._bound[i] = (t.data_ptr(), dtype, numel)
+
+    @contextlib.contextmanager
+    def _state_write(self):
+        """Groups the state writes in it into one publish (the file tier commits them at
+        once: a kill leaves the old state or the new; Note [State writes] in
+        optimizer/home.cpp); an exception drops them on the file tier."""
+        lib = _load()
+        _check(lib.dfa_opt_begin_state_write(self._handle), "dfa_opt_begin_state_write")
+        try:
+            yield
+        except BaseException:
+            lib.dfa_opt_end_state_write(self._handle, 0)
+            raise
+        _check(lib.dfa_opt_end_state_write(self._handle, 1), "dfa_opt_end_state_write")
 
     def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor the engine updates in place for parameter ``p``: ``p`` itself (its
@@ -648,6 +740,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def _resume(self) -> None:
         # File tier with resume: a committed state file is taken as is, and the parameters
         # are written from its main params; without one, the state starts at the first step.
+        self._follow_params()
         try:
             self._ensure_initialized()
         except InvalidStateError:
@@ -657,6 +750,7 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _ensure_initialized(self) -> None:
         if not self._initialized:
+            self._follow_params()
             _check(_load().dfa_opt_initialize(self._handle, _stream_ptr(self._stream, self._device)),
                    "dfa_opt_initialize")
             self._initialized = True
@@ -833,8 +927,9 @@ class StreamedAdamW(torch.optim.Optimizer):
         kept = ("params", "param_names", "capturable", "differentiable", "foreach", "fused")
         self.param_groups[:] = [{**o, **{k: v for k, v in g.items() if k not in kept}, "params": o["params"]}
                                 for g, o in zip(groups, self.param_groups)]
-        for p, st in writes:
-            self._apply_state(p, st)
+        with self._state_write():  # one publish: a kill leaves the old state or the new
+            for p, st in writes:
+                self._apply_state(p, st)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -920,6 +1015,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         DTensor's local shard), each multiplied by ``scale``."""
         t0 = time.perf_counter()
         self._ensure_initialized()
+        self._follow_params()
         self._push_groups()
         keep = []
         ptrs, types, dtypes = self._grad_ptrs, self._grad_types, _DTYPE
@@ -962,6 +1058,7 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def load_checkpoint(self, directory: str) -> None:
         """Loads save_checkpoint's directory and writes the parameters from the main params."""
+        self._follow_params()
         _check(_load().dfa_opt_load_checkpoint(self._handle, directory.encode()), "dfa_opt_load_checkpoint")
         self._initialized = True
         self._pushed = [None] * len(self.param_groups)

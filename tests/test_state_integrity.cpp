@@ -1,0 +1,423 @@
+// Never silently wrong (issue 31), on the host driver: per-shard step counts survive the
+// file tier's commits and checkpoints; a state write killed part-way leaves the old
+// state; checkpoint generation names cannot lose a checkpoint; one optimizer per state
+// file; permission errors say so.  The kill tests are in test_durability.cpp.
+#include <deferalloc/deferalloc.h>
+#include <deferalloc/optimizer.hpp>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+
+#include "../optimizer/store/file_store.hpp"
+#include "durability_model.hpp"
+
+using namespace deferalloc;
+using namespace deferalloc::optim;
+using namespace dfa_test;
+using namespace dfa_test::durability;
+namespace fs = std::filesystem;
+
+namespace {
+
+// The host tier's run (per-shard steps kept in memory): ref[t] after t steps.
+const std::vector<state>& reference() {
+  static const std::vector<state> ref = reference_run(8);
+  return ref;
+}
+
+std::vector<std::uint64_t> steps_of(streamed_adamw& o) {
+  std::vector<std::uint64_t> v;
+  for (std::size_t s = 0; s < o.shards().size(); ++s) v.push_back(o.shard_step(s));
+  return v;
+}
+
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Runs `fn` in a child process as an unprivileged user when this one is root (so that
+// file modes apply), owning `dir`; the child's exit status (0: fn returned true).
+int as_unprivileged(const std::string& dir, const std::function<bool()>& fn) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (::geteuid() == 0) {
+      for (const auto& e : fs::recursive_directory_iterator(dir)) (void)::lchown(e.path().c_str(), 65534, 65534);
+      (void)::chown(dir.c_str(), 65534, 65534);
+      if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(70);
+    }
+    bool ok = false;
+    try {
+      ok = fn();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "unexpected error: %s\n", e.what());
+    }
+    std::fflush(stderr);
+    ::_exit(ok ? 0 : 1);
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+}  // namespace
+
+// ---- 1: per-shard step counts -------------------------------------------------------
+
+// The model's last shard has no gradient at step 1 (and 5): its step count lags.  The
+// file tier's resume, checkpoints (into every tier) and set_shard_step keep each count.
+TEST(state_integrity, per_shard_steps_survive_resume_and_checkpoints) {
+  const auto& ref = reference();
+  temp_dir base;
+  const std::string dir = base.path + "/state", ck = base.path + "/ck";
+  std::vector<std::uint64_t> steps;
+  {
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+    for (std::uint64_t t = 0; t < 4; ++t) m.step(t);
+    steps = steps_of(*m.opt);
+    ASSERT_EQ(steps, (std::vector<std::uint64_t>{4, 4, 3}));
+    m.opt->save_checkpoint(ck);
+  }
+  {
+    model m(host(), config(tier::file, dir, true));
+    ASSERT_TRUE(m.opt->resumed());
+    EXPECT_EQ(steps_of(*m.opt), steps) << "the file tier's resume lost the per-shard step counts";
+    m.opt->sync_model_params();
+    EXPECT_TRUE(m.snapshot() == ref[4]);
+    m.step(4);
+    EXPECT_TRUE(m.snapshot() == ref[5]) << "the step after the resume differs (bias correction of the lagging shard)";
+  }
+  for (tier t : {tier::host, tier::device, tier::file}) {
+    model m(host(), config(t, base.path + "/load-" + to_string(t), false));
+    m.opt->initialize();
+    m.step(0);
+    m.opt->load_checkpoint(ck);
+    EXPECT_EQ(steps_of(*m.opt), steps) << to_string(t) << " tier: load_checkpoint collapsed the step counts";
+    EXPECT_TRUE(m.snapshot() == ref[4]) << to_string(t);
+  }
+  {  // the file tier's load persisted them
+    model m(host(), config(tier::file, base.path + "/load-file", true));
+    ASSERT_TRUE(m.opt->resumed());
+    EXPECT_EQ(steps_of(*m.opt), steps);
+  }
+  {  // set_shard_step (load_state_dict) on the file tier is committed
+    model m(host(), config(tier::file, dir, true));
+    ASSERT_TRUE(m.opt->resumed());
+    m.opt->set_shard_step(1, 42);
+  }
+  model m(host(), config(tier::file, dir, true));
+  ASSERT_TRUE(m.opt->resumed());
+  EXPECT_EQ(m.opt->shard_step(1), 42u);
+  EXPECT_EQ(m.opt->shard_step(2), 4u);
+}
+
+// A state file of format 2 (one step count per file) and a checkpoint of format 2 still
+// load, every shard at the file's step; the file's next commit keeps per-shard counts.
+TEST(state_integrity, format_2_files_load_with_one_step_count) {
+  temp_dir base;
+  const std::string dir = base.path + "/state", ck = base.path + "/ck";
+  {
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+    for (std::uint64_t t = 0; t < 3; ++t) m.step(t);
+    m.opt->save_checkpoint(ck);
+  }
+  // Rewrite the state file as format 2: version 2, the header checksum over the 56 bytes
+  // before it (where steps_sum is now), no step-count areas.
+  const std::string path = dir + "/deferalloc-rank0.state";
+  std::vector<char> b = slurp(path);
+  for (std::size_t c = 0; c < 2; ++c) {
+    char* h = b.data() + c * 4096;
+    if (std::all_of(h, h + 64, [](char x) { return x == 0; })) continue;
+    const std::uint32_t v = 2;
+    std::memcpy(h + 8, &v, 4);
+    const std::uint64_t sum = optim::detail::checksum64(h, 56);
+    std::memcpy(h + 56, &sum, 8);
+    std::memset(h + 64, 0, 8);
+  }
+  b.resize(b.size() - 2 * 4096);
+  spit(path, b);
+  {
+    model m(host(), config(tier::file, dir, true));
+    ASSERT_TRUE(m.opt->resumed());
+    EXPECT_EQ(steps_of(*m.opt), (std::vector<std::uint64_t>{3, 3, 3})) << "format 2: every shard at the file's step";
+    m.opt->set_shard_step(2, 2);  // a commit: the file becomes format 3
+  }
+  {
+    model m(host(), config(tier::file, dir, true));
+    ASSERT_TRUE(m.opt->resumed());
+    EXPECT_EQ(steps_of(*m.opt), (std::vector<std::uint64_t>{3, 3, 2}));
+    m.opt->sync_model_params();
+    EXPECT_TRUE(m.snapshot() == reference()[3]);
+  }
+  // The manifest as format 2: no step per shard line, version 2, its end checksum.
+  const std::string mpath = ck + "/gen-1/manifest.txt";
+  std::string text(slurp(mpath).data(), slurp(mpath).size());
+  text = text.substr(0, text.rfind("end "));
+  for (std::size_t at; (at = text.find(" step ")) != std::string::npos;) text.erase(at, text.find('\n', at) - at);
+  text.replace(text.find(" 3\n"), 3, " 2\n");
+  char end[64];
+  std::snprintf(end, sizeof end, "end %016llx\n",
+                static_cast<unsigned long long>(optim::detail::checksum64(text.data(), text.size())));
+  text += end;
+  spit(mpath, std::vector<char>(text.begin(), text.end()));
+  model m(host(), config(tier::host, {}, false));
+  m.opt->load_checkpoint(ck);
+  EXPECT_EQ(steps_of(*m.opt), (std::vector<std::uint64_t>{3, 3, 3}));
+}
+
+// ---- 2: state writes are published by one commit --------------------------------------
+
+// A process killed at each write request of a write_state_range into the file tier: the
+// resume is the old state, exactly (once the commit is written: the new one).
+TEST(state_integrity, killed_state_write_leaves_the_old_state) {
+  const auto& ref = reference();
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  {
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+    for (std::uint64_t t = 0; t < 3; ++t) m.step(t);
+  }
+  const std::string path = dir + "/deferalloc-rank0.state";
+  const std::vector<char> orig = slurp(path);
+  const std::size_t n = shard_sizes()[0];
+  const std::vector<float> ones(n, 1.0f);
+  int old_seen = 0, new_seen = 0;
+  for (std::uint64_t nth = 1; nth <= 24; nth += 2) {
+    spit(path, orig);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      model m(host(), config(tier::file, dir, true));
+      m.opt->resumed();
+      optim::detail::inject_file_fault(*m.opt, optim::detail::file_fault_op::write, optim::detail::file_fault_kind::crash, nth);
+      m.opt->write_state_range(0, state_array::exp_avg, 0, n, ones.data());
+      m.opt.reset();  // publishes the write (Note [State writes])
+      ::_exit(0);
+    }
+    int st = 0;
+    ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+    ASSERT_TRUE(WIFEXITED(st));
+    model m(host(), config(tier::file, dir, true));
+    std::string err;
+    try {
+      ASSERT_TRUE(m.opt->resumed());
+      m.opt->sync_model_params();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    ASSERT_EQ(err, "") << "write " << nth << ": the state file does not resume";
+    std::vector<float> got(n);
+    m.opt->read_state_range(0, state_array::exp_avg, 0, n, got.data());
+    if (WEXITSTATUS(st) == 86) {
+      EXPECT_TRUE(m.snapshot() == ref[3]) << "killed at write " << nth << ": not the old state";
+      ++old_seen;
+    } else {
+      EXPECT_EQ(got, ones);
+      ++new_seen;
+    }
+  }
+  EXPECT_GT(old_seen, 0);
+  EXPECT_GT(new_seen, 0);
+  // Writes array after array are published together by the next use of the state.
+  model m(host(), config(tier::file, dir, true));
+  ASSERT_TRUE(m.opt->resumed());
+  m.opt->write_state_range(0, state_array::exp_avg, 0, n, ones.data());
+  m.opt->write_state_range(0, state_array::exp_avg_sq, 0, n, ones.data());
+  m.opt->set_shard_step(0, 77);
+  std::vector<float> got(n);
+  m.opt->read_state_range(0, state_array::exp_avg_sq, 0, n, got.data());
+  EXPECT_EQ(got, ones);
+  m.opt.reset();
+  model again(host(), config(tier::file, dir, true));
+  ASSERT_TRUE(again.opt->resumed());
+  EXPECT_EQ(again.opt->shard_step(0), 77u);
+  again.opt->read_state_range(0, state_array::exp_avg, 0, n, got.data());
+  EXPECT_EQ(got, ones);
+}
+
+// ---- 3: checkpoint generation names ----------------------------------------------------
+
+TEST(state_integrity, stray_generation_names_never_lose_a_checkpoint) {
+  const auto& ref = reference();
+  temp_dir base;
+  const std::string ck = base.path + "/ck";
+  model m(host(), config(tier::host, {}, false));
+  m.opt->initialize();
+  m.step(0);
+  m.opt->save_checkpoint(ck);  // gen-1
+  // An unfinished generation with the largest number the loader reads, and foreign names.
+  fs::create_directory(ck + "/gen-999999999999999999.tmp");
+  fs::create_directory(ck + "/gen-x");
+  fs::create_directory(ck + "/gen-00000000000000000007.tmp");
+  m.step(1);
+  m.opt->save_checkpoint(ck);
+  optim::detail::wait_checkpoint_prune(*m.opt);
+  EXPECT_TRUE(fs::is_directory(ck + "/gen-2")) << "numbered from the stray .tmp";
+  EXPECT_FALSE(fs::exists(ck + "/gen-1000000000000000000")) << "a number the loader cannot read";
+  EXPECT_TRUE(fs::exists(ck + "/gen-999999999999999999.tmp")) << "a stray entry above the generations was removed";
+  {
+    model r(host(), config(tier::host, {}, false));
+    r.opt->load_checkpoint(ck);
+    EXPECT_TRUE(r.snapshot() == ref[2]);
+  }
+  // A symlinked newest generation: refused with the reason (never an older one
+  // silently), by the load and by a save (whose generation the load would not reach).
+  fs::create_directory_symlink(ck + "/gen-2", ck + "/gen-3");
+  {
+    model r(host(), config(tier::host, {}, false));
+    const std::string e = error_of([&] { r.opt->load_checkpoint(ck); });
+    EXPECT_NE(e.find("gen-3 is a symbolic link"), std::string::npos) << e;
+    EXPECT_FALSE(r.opt->initialized());
+  }
+  m.step(2);
+  EXPECT_NE(error_of([&] { m.opt->save_checkpoint(ck); }).find("symbolic link"), std::string::npos);
+  EXPECT_TRUE(fs::is_directory(ck + "/gen-2")) << "a refused save removed a generation";
+  fs::remove(ck + "/gen-3");
+  spit(ck + "/gen-4", {'x'});  // a file
+  {
+    model r(host(), config(tier::host, {}, false));
+    EXPECT_NE(error_of([&] { r.opt->load_checkpoint(ck); }).find("gen-4 is not a directory"), std::string::npos);
+  }
+  fs::remove(ck + "/gen-4");
+  m.opt->save_checkpoint(ck);
+  optim::detail::wait_checkpoint_prune(*m.opt);
+  EXPECT_TRUE(fs::is_directory(ck + "/gen-3"));
+  EXPECT_FALSE(fs::exists(ck + "/gen-2"));
+  EXPECT_TRUE(fs::exists(ck + "/gen-x"));
+}
+
+// A checkpoint directory that cannot be listed fails the save before anything is
+// written or removed, and the load, naming the directory and "Permission denied".
+TEST(state_integrity, unlistable_checkpoint_directory_is_permission_denied) {
+  temp_dir base;
+  const std::string ck = base.path + "/ck";
+  {
+    model m(host(), config(tier::host, {}, false));
+    m.opt->initialize();
+    m.opt->save_checkpoint(ck);
+    m.step(0);
+    m.opt->save_checkpoint(ck);  // gen-2 (gen-1 pruned)
+    optim::detail::wait_checkpoint_prune(*m.opt);
+  }
+  const int rc = as_unprivileged(base.path, [&] {
+    bool ok = true;
+    model m(host(), config(tier::host, {}, false));
+    m.opt->initialize();
+    for (mode_t mode : {0300, 0000}) {
+      ::chmod(ck.c_str(), mode);
+      const std::string save = error_of([&] { m.opt->save_checkpoint(ck); });
+      const std::string load = error_of([&] { m.opt->load_checkpoint(ck); });
+      ::chmod(ck.c_str(), 0700);
+      for (const std::string& e : {save, load})
+        if (e.find("Permission denied") == std::string::npos || e.find(ck) == std::string::npos) {
+          std::fprintf(stderr, "mode %o: %s\n", static_cast<unsigned>(mode), e.c_str());
+          ok = false;
+        }
+      for (const auto& e : fs::directory_iterator(ck))
+        if (e.path().filename() != "gen-2") {
+          std::fprintf(stderr, "mode %o: left %s\n", static_cast<unsigned>(mode), e.path().c_str());
+          ok = false;
+        }
+    }
+    m.opt->load_checkpoint(ck);
+    return ok && m.opt->steps() == 1;
+  });
+  EXPECT_EQ(rc, 0) << "see the child's messages above";
+}
+
+// ---- 4: one owner per state file ------------------------------------------------------
+
+TEST(state_integrity, a_second_optimizer_on_a_state_file_is_refused) {
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  model a(host(), config(tier::file, dir, false));
+  a.opt->initialize();
+  a.step(0);
+  for (bool resume : {true, false}) {
+    model b(host(), config(tier::file, dir, resume));
+    std::string e;
+    try {
+      resume ? (void)b.opt->resumed() : b.opt->initialize();
+    } catch (const invalid_state& x) {
+      e = x.what();
+    }
+    EXPECT_NE(e.find("in use by another optimizer"), std::string::npos) << "resume " << resume << ": " << e;
+    EXPECT_NE(e.find("process " + std::to_string(::getpid())), std::string::npos) << e;
+  }
+  a.step(1);  // the first is unharmed
+  EXPECT_TRUE(a.snapshot() == reference()[2]);
+  // Another process holding it.
+  int to_child[2], from_child[2];
+  ASSERT_EQ(::pipe(to_child), 0);
+  ASSERT_EQ(::pipe(from_child), 0);
+  const std::string dir2 = base.path + "/state2";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(to_child[1]);  // else the parent's close would not end the read below
+    ::close(from_child[0]);
+    model c(host(), config(tier::file, dir2, false));
+    c.opt->initialize();
+    char x = 1;
+    (void)!::write(from_child[1], &x, 1);
+    (void)!::read(to_child[0], &x, 1);
+    ::_exit(0);
+  }
+  ::close(to_child[0]);
+  ::close(from_child[1]);
+  char x = 0;
+  ASSERT_EQ(::read(from_child[0], &x, 1), 1);
+  {
+    model b(host(), config(tier::file, dir2, true));
+    const std::string e = error_of([&] { b.opt->resumed(); });
+    EXPECT_NE(e.find("process " + std::to_string(pid)), std::string::npos) << e;
+  }
+  ::close(to_child[1]);
+  ::close(from_child[0]);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  model b(host(), config(tier::file, dir2, true));
+  EXPECT_TRUE(b.opt->resumed()) << "the lock outlived its holder";
+}
+
+// ---- 7 (part): what resumes and refusals say -----------------------------------------
+
+namespace {
+std::mutex g_log_mu;
+std::vector<std::string> g_log;
+void capture(int, const char* m, void*) {
+  std::lock_guard lk(g_log_mu);
+  g_log.emplace_back(m);
+}
+}  // namespace
+
+// A state file with one commit so far has a second commit record never written: its
+// resume is silent (no "damaged").
+TEST(state_integrity, never_written_commit_record_is_not_damaged) {
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  {
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+  }
+  ASSERT_EQ(dfa_set_log_callback(capture, nullptr, 3), DFA_SUCCESS);
+  {
+    model m(host(), config(tier::file, dir, true));
+    EXPECT_TRUE(m.opt->resumed());
+  }
+  dfa_set_log_callback(nullptr, nullptr, 0);
+  for (const auto& l : g_log) EXPECT_EQ(l.find("damaged"), std::string::npos) << l;
+}
