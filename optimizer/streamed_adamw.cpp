@@ -609,7 +609,9 @@ void streamed_adamw::commit_speculation() {
     // (The carry touches no parameter or gradient: it is ordered after no user stream.)
     if (!I.pieces(none, false).empty()) I.run_pass(impl::pass::step, none, gts, 1.0f, I.exec, 0);
     I.drv->synchronize_stream(I.exec);
-    I.tier_home->commit(impl::pass::step);
+    std::vector<std::uint64_t> after = I.shard_steps();
+    for (std::size_t s = 0; s < after.size(); ++s) after[s] += I.shards[s].speculative;
+    I.tier_home->commit(impl::pass::step, after);
   }
   for (std::size_t s = 0; s < I.shards.size(); ++s)
     if (I.shards[s].speculative) {

@@ -285,10 +285,19 @@ class _EngineState(MutableMapping):
     """``opt.state``: parameter -> _ParamState for every held parameter that has state.
     Looking up any other parameter gives an empty dict, as torch's defaultdict does."""
 
-    __slots__ = ("_opt",)
+    __slots__ = ("_ref",)
 
     def __init__(self, opt: "StreamedAdamW"):
-        self._opt = opt
+        # A weak reference: the optimizer holds this mapping, and a cycle would keep a
+        # deleted optimizer (its engine, its state file's lock) alive until the next gc.
+        self._ref = weakref.ref(opt)
+
+    @property
+    def _opt(self) -> "StreamedAdamW":
+        opt = self._ref()
+        if opt is None:
+            raise InvalidStateError("StreamedAdamW: opt.state of an optimizer that was deleted")
+        return opt
 
     def __getitem__(self, p):
         if self._opt._has_state_slot(p):

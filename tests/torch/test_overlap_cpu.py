@@ -208,6 +208,7 @@ class Overlap(unittest.TestCase):
                 self.assertLess(st["passes"], st["buckets"] + 1)
                 if pol == "speculate":
                     self.assertGreater(st["redos"], 0)
+                del got, st  # one optimizer per state file: the first lets go of it
                 m = model()
                 again = make_opt(m, tier="file", directory=d2, resume=True)
                 self.assertEqual(again.stats()["steps"], 5, "the state file holds one step per step()")
