@@ -60,10 +60,16 @@ TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.25, small_vs_
                file_bf16_speedup=1.4, file_int8_speedup=1.8, bf16_loss=0.5, int8_loss=1.0)
 
 
+class BudgetSpent(Exception):
+    """--budget-s would be exceeded by the next mode (its estimate: the last mode's time)."""
+
+
 class Bench:
     def __init__(self, a):
         self.a = a
-        self.dev = torch.device("cpu" if a.smoke else "cuda")
+        self.t_start = time.perf_counter()
+        self.last_mode_s = 0.0
+        self.dev = torch.device("cpu" if a.smoke or not a.parts else "cuda")
         self.cuda = self.dev.type == "cuda"
         self.results, self.checks, self.extra = [], [], {"smoke": a.smoke, "targets": TARGETS}
 
@@ -131,6 +137,16 @@ class Bench:
             self.check(f"GPU memory released after {what}", f"{da / 2**20:+.0f} MiB allocated, {du / 2**20:+.0f} MiB "
                        "in use", f"<= +{torch_slack >> 20} MiB, +{device_slack >> 20} MiB", False)
         return ok
+
+    def budget(self, name):
+        """Raises BudgetSpent where mode ``name`` would end past --budget-s (estimated
+        from the last mode's time), so that a run under a time limit still ends with its
+        table and JSON instead of being killed."""
+        b = self.a.budget_s
+        if b and time.perf_counter() - self.t_start + self.last_mode_s > b:
+            raise BudgetSpent(f"{name} not run: --budget-s {b:g} s would be exceeded "
+                              f"({time.perf_counter() - self.t_start:.0f} s spent, the last mode took "
+                              f"{self.last_mode_s:.0f} s)")
 
     def opt_kw(self, tier="host"):
         """Engine settings: the window (kept between the passes of an overlapped step),
@@ -226,6 +242,8 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
     spans, and the overlap's stats.  Everything the mode allocated is released before it
     returns, also when it fails (see release_check)."""
     a = B.a
+    B.budget(name)
+    t_mode = time.perf_counter()
     model, init = B.model()
     data = B.batches(batch)
     iters = iters or a.iters
@@ -317,6 +335,7 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
           f"visible opt {split['visible_optimizer'] * 1e3:7.1f}  (wall clock {wall_s * 1e3:.1f})  {stats or ''}",
           flush=True)
     B.release_check(name, mem0)
+    B.last_mode_s = time.perf_counter() - t_mode
     out = [float(v) for v in losses]
     B.extra.setdefault("modes", {})[name] = dict(batch=batch, micro=micro, split=split, wall_clock_s=wall_s,
                                                  losses=out, stats=stats, timeline=dict(phases=spans, buckets=buckets))
@@ -522,8 +541,13 @@ def part_clip(B):
         B.cache["resident"] = res
     out = {}
     for name, clip in patterns.items():
-        lp, sp, _ = run_mode(B, f"host, clip {name}", a.batch, clip=clip, iters=a.clip_iters)
-        lo_, so, st = run_mode(B, f"host+overlap, clip {name}", a.batch, overlap=True, clip=clip, iters=a.clip_iters)
+        try:
+            lp, sp, _ = run_mode(B, f"host, clip {name}", a.batch, clip=clip, iters=a.clip_iters)
+            lo_, so, st = run_mode(B, f"host+overlap, clip {name}", a.batch, overlap=True, clip=clip,
+                                   iters=a.clip_iters)
+        except BudgetSpent as e:
+            B.check(f"clip {name}", f"cut short: {e}", "runs", False)
+            return
         same_losses(B, f"host, clip {name}", f"host+overlap, clip {name}", lp, lo_,
                     f"; {st.get('speculations')} speculations, {st.get('redos')} redos, {st.get('switches')} switches")
         out[name] = (sp, so, st)
@@ -620,6 +644,14 @@ def part_file(B):
             except optim.OptimizerError as e:
                 print(f"  {name}: not run ({type(e).__name__}: {str(e)[:120]})", flush=True)
                 B.extra.setdefault("file_not_supported", {})[name] = str(e)
+            except BudgetSpent as e:  # the modes run keep their rows and checks
+                B.check(name, f"cut short: {e}", "runs", False)
+                break
+        else:
+            continue
+        break
+    if "file fp32+overlap" not in modes:
+        return
     p = modes["file fp32"][1]
     q = duplex / p["visible_optimizer"]
     B.check("file tier plain step / dd at once (same bytes)", f"{q:.2f}x ({p['visible_optimizer']:.2f} s vs "
@@ -808,7 +840,8 @@ def merge_previous(B, path):
             B.extra[k] = v
     if modes:
         B.extra["modes"] = modes
-    B.extra["merged_from"] = old.get("command")
+    B.extra.setdefault("merged_from", []).append(old.get("command"))
+    B.extra.setdefault("merged_devices", []).append(old.get("device"))
 
 
 PARTS = ("bound", "split", "small", "clip", "accum", "file")
@@ -818,6 +851,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the PNGs")
     ap.add_argument("--json", default=None, help="write the results here (merged with an earlier run's other parts)")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="also merge this earlier run's JSON (repeatable; with --parts '' only merges: no GPU needed)")
     ap.add_argument("--smoke", action="store_true", help="tiny configuration on the CPU (host driver)")
     ap.add_argument("--layers", type=int, default=16)  # 0.85 B parameters with hidden 2048
     ap.add_argument("--attn", choices=("sdpa", "eager"), default=None,
@@ -836,6 +871,9 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--curve-steps", type=int, default=None, help="default 300 (--smoke 20)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}, twin, curves")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run: a mode that would end later is not run (the table and JSON "
+                         "still come); give a little less than the caller's time limit")
     ap.add_argument("--engine-settings", default="",
                     help="more engine settings for every StreamedAdamW of the run (e.g. depth:6)")
     a = ap.parse_args()
@@ -845,7 +883,8 @@ def main() -> int:
     for k, full, smoke in (("iters", 3, 2), ("warm", 2, 1), ("clip_iters", 6, 4), ("file_iters", 2, 1)):
         if getattr(a, k) is None:
             setattr(a, k, smoke if a.smoke else full)
-    if not a.smoke and not torch.cuda.is_available():
+    parts = [p for p in a.parts.split(",") if p]
+    if not a.smoke and parts and not torch.cuda.is_available():
         print("SKIP: no CUDA device (--smoke runs a tiny configuration on the CPU)")
         return 77
     B = Bench(a)
@@ -885,7 +924,7 @@ def main() -> int:
         torch.backends.cuda.enable_math_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.perf_counter()
-    parts = ["split" if p == "llama" else p for p in a.parts.split(",")]
+    parts = ["split" if p == "llama" else p for p in parts]
     fns = dict(twin=kernels_vs_cpu_twin, bound=part_bound, split=part_split, small=part_small, clip=part_clip,
                accum=part_accum, file=part_file, curves=curves)
     for key in parts:
@@ -900,6 +939,8 @@ def main() -> int:
             before = B.memory()
             try:  # a failing part still leaves the others' rows and the table
                 fn(B)
+            except BudgetSpent as e:
+                B.check(f"part {key}", f"cut short: {e}", "runs", False)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 B.check(f"part {key}", f"{type(e).__name__}: {str(e)[:160]}", "runs", False)
@@ -912,11 +953,12 @@ def main() -> int:
     B.cache.clear()
     if B.cuda:  # with the model freed, nothing may stay allocated (the device's use is not compared)
         B.release_check("the run (model freed)", (0, B.memory()[1]))
-    if a.json:
-        merge_previous(B, a.json)
+    for path in ([a.json] if a.json else []) + a.merge:
+        merge_previous(B, path)
     os.makedirs(a.out, exist_ok=True)
     files = plots(B, a.out)
-    device = torch.cuda.get_device_name() if B.cuda else "cpu (host driver)"
+    device = (torch.cuda.get_device_name() if B.cuda else "cpu (host driver)" if parts
+              else next((d for d in B.extra.get("merged_devices", []) if d), "none"))
     ok = all(c["ok"] is not False for c in B.checks)
     if a.json:
         B.extra.update(checks=B.checks, passed=ok, pngs=files, seconds=time.perf_counter() - t0)
