@@ -5,9 +5,10 @@ rows into an existing bench_overlap.json, so the lead can call the parts one by 
 
   bound:  the duplex transfer bound (pinned H2D and D2H at once, each way) measured now;
   split:  a GQA transformers LlamaForCausalLM (hidden 2048, 16 layers, 32 heads, 4 KV
-          heads: 0.85 B params; config only, random init, BF16, eager attention,
-          deterministic) at --batch x --seq: resident FP32 state (device tier), the host
-          tier plain, host + overlap_with_backward, host int8 moments + overlap;
+          heads: 0.84 B params; config only, random init, BF16, SDPA flash attention or
+          eager, deterministic: Note [Attention of the benchmark]) at --batch x --seq
+          (forward+backward longer than the state transfer): resident FP32 state (device
+          tier), the host tier plain, host + overlap_with_backward, host int8 moments + overlap;
   small:  the same at --small-batch (forward+backward shorter than the state transfer):
           iteration against max(forward+backward, transfer at the duplex bound);
   clip:   clipping that never / always / every other iteration fires (max_grad_norm set
@@ -22,9 +23,13 @@ rows into an existing bench_overlap.json, so the lead can call the parts one by 
   twin, curves: the compressed-moment kernels against their CPU twin; loss curves of a
           small Llama with fp32 / bf16 / int8 moments (issue 16; not in the default parts).
 
-Each mode: --warm + --iters iterations back to back (file tier: --file-iters), then one
-traced iteration (timeline PNG).  Prints a table last; exit status 1 when a check
-fails.  --json PATH writes {"benchmark": "bench_overlap", "schema": 1, "device",
+Each mode: --warm + --iters iterations back to back (file tier: --file-warm +
+--file-iters), then one traced iteration (timeline PNG); its optimizer and hooks are
+released after it (also when it fails) and the GPU memory is checked back at what it was
+(a failed check otherwise).  Prints a table last; exit status 1 when a check fails.
+--budget-s S: a mode that would end past S seconds is not run (a failed check says so),
+so a run under a time limit still ends with its table and JSON.  --merge A.json (with
+--parts '': no GPU needed) merges runs made separately.  --json PATH writes {"benchmark": "bench_overlap", "schema": 1, "device",
 "command", "results": [{"name", "value", "unit", "baseline"}], "extra": {...}}; PNGs go
 to --out.  --smoke: a tiny configuration on the CPU (host driver) that runs every part
 but twin, asserting only the exactness checks (ctest).
@@ -33,6 +38,10 @@ but twin, asserting only the exactness checks (ctest).
     DEFERALLOC_OPTIMIZER_LIB=build-gpu/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
       python3 benchmarks/optimizer/bench_overlap.py --out $OUT --json $OUT/bench_overlap.json \\
       --parts bound,split,small --file-dir /path/on/nvme
+
+On the H200 the whole table is two calls of under 4.5 minutes each (docs/OVERLAP.md):
+  --parts bound,split,small,clip,accum --budget-s 255     (about 3 minutes)
+  --parts bound,file --file-dir /path/on/nvme --budget-s 255
 """
 import argparse
 import gc
