@@ -955,7 +955,11 @@ def main() -> int:
             print(f"unknown part {key!r} (parts: {', '.join(fns)})")
             return 2
     if any(p in parts for p in ("split", "small", "clip", "accum", "file")):
-        _model(B)  # first, so that each part's memory is measured against the shared model's
+        try:  # first, so that each part's memory is measured against the shared model's
+            _model(B)
+        except Exception as e:  # noqa: BLE001 (each part then fails building it, with the table)
+            traceback.print_exc()
+            B.check("model", f"{type(e).__name__}: {str(e)[:160]}", "built", False)
     for key, fn in fns.items():
         if key in parts:
             t1 = time.perf_counter()
