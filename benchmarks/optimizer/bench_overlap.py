@@ -5,11 +5,14 @@ rows into an existing bench_overlap.json, so the lead can call the parts one by 
 
   bound:  the duplex transfer bound (pinned H2D and D2H at once, each way) measured now;
   split:  a GQA transformers LlamaForCausalLM (hidden 2048, 16 layers, 32 heads, 4 KV
-          heads: 0.85 B params; config only, random init, BF16, eager attention,
-          deterministic) at --batch x --seq: resident FP32 state (device tier), the host
-          tier plain, host + overlap_with_backward, host int8 moments + overlap;
+          heads: 0.84 B params; config only, random init, BF16, SDPA flash attention or
+          eager, deterministic: Note [Attention of the benchmark]) at --batch x --seq
+          (forward+backward longer than the state transfer): resident FP32 state (device
+          tier), the host tier plain, host + overlap_with_backward, host int8 moments + overlap,
+          host + overlap with the embedding's state resident (resident_mb);
   small:  the same at --small-batch (forward+backward shorter than the state transfer):
-          iteration against max(forward+backward, transfer at the duplex bound);
+          iteration against max(forward+backward, transfer at the duplex bound); also the
+          overlap with coalesced passes (coalesce=2 and all);
   clip:   clipping that never / always / every other iteration fires (max_grad_norm set
           per iteration around the first gradient norm), clip_grad_norm_ + step against
           the overlap (clip_policy auto), losses bit-identical;
@@ -22,9 +25,13 @@ rows into an existing bench_overlap.json, so the lead can call the parts one by 
   twin, curves: the compressed-moment kernels against their CPU twin; loss curves of a
           small Llama with fp32 / bf16 / int8 moments (issue 16; not in the default parts).
 
-Each mode: --warm + --iters iterations back to back (file tier: --file-iters), then one
-traced iteration (timeline PNG).  Prints a table last; exit status 1 when a check
-fails.  --json PATH writes {"benchmark": "bench_overlap", "schema": 1, "device",
+Each mode: --warm + --iters iterations back to back (file tier: --file-warm +
+--file-iters), then one traced iteration (timeline PNG); its optimizer and hooks are
+released after it (also when it fails) and the GPU memory is checked back at what it was
+(a failed check otherwise).  Prints a table last; exit status 1 when a check fails.
+--budget-s S: a mode that would end past S seconds is not run (a failed check says so),
+so a run under a time limit still ends with its table and JSON.  --merge A.json (with
+--parts '': no GPU needed) merges runs made separately.  --json PATH writes {"benchmark": "bench_overlap", "schema": 1, "device",
 "command", "results": [{"name", "value", "unit", "baseline"}], "extra": {...}}; PNGs go
 to --out.  --smoke: a tiny configuration on the CPU (host driver) that runs every part
 but twin, asserting only the exactness checks (ctest).
@@ -33,6 +40,10 @@ but twin, asserting only the exactness checks (ctest).
     DEFERALLOC_OPTIMIZER_LIB=build-gpu/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
       python3 benchmarks/optimizer/bench_overlap.py --out $OUT --json $OUT/bench_overlap.json \\
       --parts bound,split,small --file-dir /path/on/nvme
+
+On the H200 the whole table is two calls of under 4.5 minutes each (docs/OVERLAP.md):
+  --parts bound,split,small,clip,accum --budget-s 255     (about 3 minutes)
+  --parts bound,file --file-dir /path/on/nvme --budget-s 255
 """
 import argparse
 import gc
@@ -60,10 +71,16 @@ TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.25, small_vs_
                file_bf16_speedup=1.4, file_int8_speedup=1.8, bf16_loss=0.5, int8_loss=1.0)
 
 
+class BudgetSpent(Exception):
+    """--budget-s would be exceeded by the next mode (its estimate: the last mode's time)."""
+
+
 class Bench:
     def __init__(self, a):
         self.a = a
-        self.dev = torch.device("cpu" if a.smoke else "cuda")
+        self.t_start = time.perf_counter()
+        self.last_mode_s = 0.0
+        self.dev = torch.device("cpu" if a.smoke or not a.parts else "cuda")
         self.cuda = self.dev.type == "cuda"
         self.results, self.checks, self.extra = [], [], {"smoke": a.smoke, "targets": TARGETS}
 
@@ -102,7 +119,45 @@ class Bench:
     def free(self):
         gc.collect()
         if self.cuda:
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    def memory(self):
+        """(bytes the caching allocator has allocated, bytes in use on the device) once
+        freed; None on the CPU."""
+        if not self.cuda:
+            return None
+        self.free()
+        free, total = torch.cuda.mem_get_info()
+        return torch.cuda.memory_allocated(), total - free
+
+    def release_check(self, what, before, torch_slack=256 << 20, device_slack=1 << 30):
+        """Prints the GPU memory after ``what`` against ``before`` (memory()); a failed
+        check when more than the slack stayed (the slack: cuBLAS workspaces, which stay
+        per stream, and the CUDA libraries' own caches)."""
+        if not self.cuda:
+            return True
+        alloc, used = self.memory()
+        da, du = alloc - before[0], used - before[1]
+        print(f"    GPU memory after {what}: {alloc / 2**30:.2f} GiB allocated ({da / 2**20:+.0f} MiB), "
+              f"{used / 2**30:.2f} GiB in use on the device ({du / 2**20:+.0f} MiB)", flush=True)
+        self.extra.setdefault("memory", {})[what] = dict(allocated=alloc, device_used=used, allocated_delta=da,
+                                                        device_delta=du)
+        ok = da <= torch_slack and du <= device_slack
+        if not ok:
+            self.check(f"GPU memory released after {what}", f"{da / 2**20:+.0f} MiB allocated, {du / 2**20:+.0f} MiB "
+                       "in use", f"<= +{torch_slack >> 20} MiB, +{device_slack >> 20} MiB", False)
+        return ok
+
+    def budget(self, name):
+        """Raises BudgetSpent where mode ``name`` would end past --budget-s (estimated
+        from the last mode's time), so that a run under a time limit still ends with its
+        table and JSON instead of being killed."""
+        b = self.a.budget_s
+        if b and time.perf_counter() - self.t_start + self.last_mode_s > b:
+            raise BudgetSpent(f"{name} not run: --budget-s {b:g} s would be exceeded "
+                              f"({time.perf_counter() - self.t_start:.0f} s spent, the last mode took "
+                              f"{self.last_mode_s:.0f} s)")
 
     def opt_kw(self, tier="host"):
         """Engine settings: the window (kept between the passes of an overlapped step),
@@ -158,7 +213,7 @@ def kernels_vs_cpu_twin(B):
 def llama(B, cfg_kw, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(attn_implementation="eager", tie_word_embeddings=False, **cfg_kw)
+    cfg = LlamaConfig(attn_implementation=B.attn, tie_word_embeddings=False, **cfg_kw)
     with torch.device(B.dev):
         m = LlamaForCausalLM(cfg).to(torch.bfloat16)
     m.config.use_cache = False
@@ -185,20 +240,29 @@ def restore(model, init):
 
 # ---- one mode -----------------------------------------------------------------------------------
 
-def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_kw=None, iters=None, **kw):
+def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_kw=None, iters=None, warm=None,
+             **kw):
     """warm + iters iterations back to back (an overlapped step may end under the next
     forward), then one traced iteration.  ``clip(it)``: max_grad_norm of iteration it
     (None: no clipping); ``micro``: micro-batches per step (the overlap: all but the last
-    inside accumulating()).  Returns losses (every micro-batch), the split (seconds:
-    iteration by wall clock over the timed iterations; forward and backward by events,
-    summed over micro-batches, an overlapped forward including its waits; visible
-    optimizer = the rest), the traced iteration's spans, and the overlap's stats."""
+    inside accumulating()).  Returns losses (every micro-batch), the split (seconds, means
+    over the timed iterations, all from the same clock: iteration = from one iteration's
+    first forward to the next one's (the last: to the end of the step); forward and
+    backward summed over micro-batches, an overlapped forward including its waits; visible
+    optimizer = iteration - forward - backward, never negative), the traced iteration's
+    spans, and the overlap's stats.  Everything the mode allocated is released before it
+    returns, also when it fails (see release_check)."""
     a = B.a
+    B.budget(name)
+    t_mode = time.perf_counter()
     model, init = B.model()
     data = B.batches(batch)
     iters = iters or a.iters
+    warm = a.warm if warm is None else warm
     restore(model, init)
+    mem0 = B.memory()
     directory = tempfile.mkdtemp(prefix="dfa-bench-", dir=a.file_dir) if tier == "file" else None
+    opt = ov = None
     try:
         opt = optim.StreamedAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, directory=directory,
                                   **B.opt_kw(tier), **kw)
@@ -235,23 +299,25 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
             opt.zero_grad(set_to_none=True)
             return fb, mark()
 
-        for it in range(a.warm):
+        for it in range(warm):
             iteration(it, lambda: None)
         if ov is not None:
             ov.synchronize()
         B.sync()
         t0 = time.perf_counter()
-        for it in range(a.warm, a.warm + iters):
+        for it in range(warm, warm + iters):
             marks.append(iteration(it, B.mark))
         if ov is not None:
             ov.synchronize()
         B.sync()
-        it_s = (time.perf_counter() - t0) / iters
+        end = B.mark()  # the step's end: every stream idle (the overlap's last bucket included)
+        B.sync()
+        wall_s = (time.perf_counter() - t0) / iters
         # The traced iteration: host stamps after the current stream is idle at each phase,
         # the overlap's bucket steps from its worker, and the next forward (no grad) with its waits.
         if ov is not None:
             ov.trace, ov.timeline = True, []
-        fb, t3 = iteration(a.warm + iters, B.stamp)
+        fb, t3 = iteration(warm + iters, B.stamp)
         o = fb[0][0]
         with torch.no_grad():
             model(input_ids=data[0])
@@ -262,22 +328,28 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
         spans += [("optimizer (visible)", fb[-1][2] - o, t3 - o), ("next forward", t3 - o, t4 - o)]
         buckets = [("commit" if i < 0 else f"bucket {i}", s - o, e - o) for i, s, e in (ov.timeline if ov else [])]
         stats = ov.stats() if ov is not None else {}
-        if ov is not None:
-            ov.remove()
-        del opt, ov
     finally:
+        if ov is not None:
+            ov.remove()  # the model is shared by every mode: no hook may outlive its mode
+        opt = ov = None
         B.free()
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    f_s = med([sum(B.between(m0, m1) for m0, m1, _ in fb) for fb, _ in marks])
-    b_s = med([sum(B.between(m1, b1) for _, m1, b1 in fb) for fb, _ in marks])
-    split = dict(iteration=it_s, forward=f_s, backward=b_s, visible_optimizer=it_s - f_s - b_s)
+    # One clock for every part of the split (events on the GPU), so that the parts add up:
+    # a median of the forward plus a median of the backward could exceed the mean iteration.
+    starts = [fb[0][0] for fb, _ in marks] + [end]
+    it_s = sum(B.between(s, e) for s, e in zip(starts, starts[1:])) / iters
+    f_s = sum(B.between(m0, m1) for fb, _ in marks for m0, m1, _ in fb) / iters
+    b_s = sum(B.between(m1, b1) for fb, _ in marks for _, m1, b1 in fb) / iters
+    split = dict(iteration=it_s, forward=f_s, backward=b_s, visible_optimizer=max(0.0, it_s - f_s - b_s))
     print(f"  {name:<34} iter {it_s * 1e3:8.1f} ms  fwd {f_s * 1e3:7.1f}  bwd {b_s * 1e3:7.1f}  "
-          f"visible opt {split['visible_optimizer'] * 1e3:7.1f}  {stats or ''}", flush=True)
+          f"visible opt {split['visible_optimizer'] * 1e3:7.1f}  (wall clock {wall_s * 1e3:.1f})  {stats or ''}",
+          flush=True)
+    B.release_check(name, mem0)
+    B.last_mode_s = time.perf_counter() - t_mode
     out = [float(v) for v in losses]
-    B.extra.setdefault("modes", {})[name] = dict(batch=batch, micro=micro, split=split, losses=out, stats=stats,
-                                                 timeline=dict(phases=spans, buckets=buckets))
+    B.extra.setdefault("modes", {})[name] = dict(batch=batch, micro=micro, split=split, wall_clock_s=wall_s,
+                                                 losses=out, stats=stats, timeline=dict(phases=spans, buckets=buckets))
     for part in ("iteration", "forward", "backward", "visible_optimizer"):
         B.result(f"{name}: {part.replace('_', ' ')}", split[part] * 1e3, "ms")
     return out, split, stats
@@ -301,15 +373,50 @@ def model_config(B):
                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
 
 
+def determinism_probe(B, m, cfg):
+    """Why ``m``'s attention cannot serve (None: it can): two forward+backward passes of
+    one batch must run and give bit-identical gradients."""
+    g = torch.Generator(device=B.dev).manual_seed(7)
+    x = torch.randint(0, cfg["vocab_size"], (2, min(B.a.seq, 1024)), generator=g, device=B.dev)
+    runs = []
+    try:
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            m(input_ids=x, labels=x).loss.backward()
+            runs.append([p.grad.clone() for p in m.parameters()])
+    except RuntimeError as e:
+        return f"does not run ({str(e)[:120]})"
+    finally:
+        m.zero_grad(set_to_none=True)
+    same = all(torch.equal(u, v) for u, v in zip(*runs))
+    return None if same else "gives different gradients for the same batch"
+
+
 def _model(B):
+    """The shared model.  Attention (see Note [Attention of the benchmark] at main): SDPA
+    restricted to flash attention, whose backward is deterministic under
+    torch.use_deterministic_algorithms(True); where it does not run or a probe finds it
+    not deterministic, eager attention (and the smaller default batches)."""
     if "model" not in B.cache:
         cfg = model_config(B)
         m = llama(B, cfg)
+        if B.attn == "sdpa" and B.cuda:
+            why = determinism_probe(B, m, cfg)
+            if why:
+                print(f"[model] SDPA flash attention {why}: eager attention instead", flush=True)
+                B.extra["attention_fallback"] = why
+                del m
+                B.free()
+                B.attn = "eager"
+                m = llama(B, cfg)
+        B.shapes()
         n = sum(p.numel() for p in m.parameters())
         print(f"[model] GQA Llama, {n / 1e9:.3f} G params ({cfg['num_hidden_layers']} layers, hidden "
-              f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} KV heads)",
+              f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} KV heads), "
+              f"{B.attn} attention; batch {B.a.batch} (split, clip), {B.a.small_batch} (small, accum, file)",
               flush=True)
-        B.extra["model"] = dict(params=n, **cfg, seq=B.a.seq)
+        B.extra["model"] = dict(params=n, **cfg, seq=B.a.seq, attention=B.attn, batch=B.a.batch,
+                                small_batch=B.a.small_batch)
         B.cache["model"] = (m, [p.detach().clone() for p in m.parameters()])
         B.cache["params"] = n
     return B.cache["model"]
@@ -381,10 +488,35 @@ def _split_modes(B, batch, tag):
     return r, h, o, i8
 
 
+def _which_case(B, r, tag, longer):
+    """A check that the shape gives the case the part stands for: forward+backward (the
+    resident mode's) longer (split) or shorter (small) than the FP32 state's transfer at
+    the duplex bound."""
+    fb = r[1]["forward"] + r[1]["backward"]
+    transfer = B.cache["params"] * 12 / duplex_bound(B)
+    q = fb / transfer
+    B.check(f"fwd+bwd{tag} / FP32 state transfer at the duplex bound",
+            f"{q:.2f} ({fb * 1e3:.0f} vs {transfer * 1e3:.0f} ms)", "> 1" if longer else "< 1",
+            q > 1 if longer else q < 1, perf=True)
+    B.result(f"fwd+bwd{tag} / transfer", q, "x")
+    return fb, transfer
+
+
 def part_split(B):
-    print(f"[split] batch {B.a.batch} x {B.a.seq}", flush=True)
     _model(B)
+    print(f"[split] batch {B.a.batch} x {B.a.seq}", flush=True)
     r, h, o, i8 = _split_modes(B, B.a.batch, "")
+    _which_case(B, r, "", True)
+    # The forward's first bucket (the embedding) gets its gradient last and is needed first:
+    # kept resident (registration order), its step runs on the GPU (docs/OVERLAP.md).
+    emb = B.model()[0].get_input_embeddings().weight.numel()
+    try:
+        e = run_mode(B, "host+overlap, embedding resident", B.a.batch, overlap=True,
+                     resident_mb=math.ceil(emb * 12 / 2**20) + 1)
+        same_losses(B, "host", "host+overlap, embedding resident", h[0], e[0])
+        B.result("host+overlap, embedding resident / resident iteration", e[1]["iteration"] / r[1]["iteration"], "x")
+    except BudgetSpent as ex:
+        B.check("host+overlap, embedding resident", f"cut short: {ex}", "runs", False)
     q = o[1]["iteration"] / r[1]["iteration"]
     B.check("host+overlap iteration / resident", f"{q:.2f}x", f"<= {TARGETS['overlap_vs_resident']}x",
             q <= TARGETS["overlap_vs_resident"], perf=True)
@@ -392,20 +524,33 @@ def part_split(B):
 
 def part_small(B):
     a = B.a
-    print(f"[small] batch {a.small_batch} x {a.seq}", flush=True)
     _model(B)
+    print(f"[small] batch {a.small_batch} x {a.seq}", flush=True)
     bps = duplex_bound(B)
     n = B.cache["params"]
-    r, h, o, i8 = _split_modes(B, a.small_batch, f" b{a.small_batch}")
-    fb = r[1]["forward"] + r[1]["backward"]
-    for name, m, bpp in (("host+overlap", o, 12), ("host int8+overlap", i8, 6)):
+    tag = f" b{a.small_batch}"
+    r, h, o, i8 = _split_modes(B, a.small_batch, tag)
+    fb, _ = _which_case(B, r, tag, False)
+    rows = [("host+overlap", o, 12, True), ("host int8+overlap", i8, 6, False)]
+    # The host tier's coalesced passes (overlap's coalesce=k: at most k done buckets a
+    # pass, the forward's first), the option for this case (docs/OVERLAP.md).
+    for k in (2, True):
+        name = f"host+overlap, coalesce {'all' if k is True else k}"
+        try:
+            c = run_mode(B, name + tag, a.small_batch, overlap=True, ov_kw=dict(coalesce=k))
+        except BudgetSpent as e:
+            B.check(name + tag, f"cut short: {e}", "runs", False)
+            break
+        same_losses(B, f"host{tag}", name + tag, h[0], c[0])
+        rows.append((name, c, 12, False))
+    for name, m, bpp, asserted in rows:
         transfer = n * bpp / bps
         ideal = max(fb, transfer)
         q = m[1]["iteration"] / ideal
-        B.check(f"{name} b{a.small_batch} / max(fwd+bwd, transfer at the duplex bound)",
+        B.check(f"{name}{tag} / max(fwd+bwd, transfer at the duplex bound)",
                 f"{q:.2f}x ({m[1]['iteration'] * 1e3:.0f} ms vs max({fb * 1e3:.0f}, {transfer * 1e3:.0f}) ms)",
-                f"<= {TARGETS['small_vs_bound']}x", q <= TARGETS["small_vs_bound"] if bpp == 12 else None, perf=True)
-        B.result(f"{name} b{a.small_batch} / max(fwd+bwd, transfer)", q, "x")
+                f"<= {TARGETS['small_vs_bound']}x", q <= TARGETS["small_vs_bound"] if asserted else None, perf=True)
+        B.result(f"{name}{tag} / max(fwd+bwd, transfer)", q, "x")
 
 
 # ---- clip: clipping that never / always / every other iteration fires -----------------------------
@@ -430,8 +575,13 @@ def part_clip(B):
         B.cache["resident"] = res
     out = {}
     for name, clip in patterns.items():
-        lp, sp, _ = run_mode(B, f"host, clip {name}", a.batch, clip=clip, iters=a.clip_iters)
-        lo_, so, st = run_mode(B, f"host+overlap, clip {name}", a.batch, overlap=True, clip=clip, iters=a.clip_iters)
+        try:
+            lp, sp, _ = run_mode(B, f"host, clip {name}", a.batch, clip=clip, iters=a.clip_iters)
+            lo_, so, st = run_mode(B, f"host+overlap, clip {name}", a.batch, overlap=True, clip=clip,
+                                   iters=a.clip_iters)
+        except BudgetSpent as e:
+            B.check(f"clip {name}", f"cut short: {e}", "runs", False)
+            return
         same_losses(B, f"host, clip {name}", f"host+overlap, clip {name}", lp, lo_,
                     f"; {st.get('speculations')} speculations, {st.get('redos')} redos, {st.get('switches')} switches")
         out[name] = (sp, so, st)
@@ -454,8 +604,8 @@ def part_clip(B):
 
 def part_accum(B):
     a = B.a
-    print(f"[accum] 4 micro-batches of {a.small_batch} x {a.seq} per step", flush=True)
     _model(B)
+    print(f"[accum] 4 micro-batches of {a.small_batch} x {a.seq} per step", flush=True)
     lp, sp, _ = run_mode(B, "host, 4 micro-batches", a.small_batch, micro=4)
     lo, so, st = run_mode(B, "host+overlap, 4 micro-batches", a.small_batch, micro=4, overlap=True)
     same_losses(B, "host, 4 micro-batches", "host+overlap, 4 micro-batches", lp, lo)
@@ -523,10 +673,19 @@ def part_file(B):
             name = f"file {fmt}" + ("+overlap" if ov else "")
             kw = dict(moment_dtype=fmt) if fmt != "fp32" else {}
             try:
-                modes[name] = run_mode(B, name, a.small_batch, tier="file", overlap=ov, iters=a.file_iters, **kw)
+                modes[name] = run_mode(B, name, a.small_batch, tier="file", overlap=ov, iters=a.file_iters,
+                                       warm=a.file_warm, **kw)
             except optim.OptimizerError as e:
                 print(f"  {name}: not run ({type(e).__name__}: {str(e)[:120]})", flush=True)
                 B.extra.setdefault("file_not_supported", {})[name] = str(e)
+            except BudgetSpent as e:  # the modes run keep their rows and checks
+                B.check(name, f"cut short: {e}", "runs", False)
+                break
+        else:
+            continue
+        break
+    if "file fp32+overlap" not in modes:
+        return
     p = modes["file fp32"][1]
     q = duplex / p["visible_optimizer"]
     B.check("file tier plain step / dd at once (same bytes)", f"{q:.2f}x ({p['visible_optimizer']:.2f} s vs "
@@ -537,8 +696,8 @@ def part_file(B):
     B.check("file tier: overlap / plain iteration", f"{qo:.2f}x", "<= 1x", qo <= 1.0, perf=True)
     B.result("file tier: overlap / plain iteration", qo, "x")
     st = modes["file fp32+overlap"][2]
-    B.check("file tier + overlap: commits per step", f"{st.get('commits')} in {a.warm + a.file_iters + 1} steps",
-            "one per step", st.get("commits") == a.warm + a.file_iters + 1)
+    B.check("file tier + overlap: commits per step", f"{st.get('commits')} in {a.file_warm + a.file_iters + 1} steps",
+            "one per step", st.get("commits") == a.file_warm + a.file_iters + 1)
     for fmt in ("bf16", "int8"):
         if f"file {fmt}" in modes:
             s = p["visible_optimizer"] / modes[f"file {fmt}"][1]["visible_optimizer"]
@@ -715,7 +874,8 @@ def merge_previous(B, path):
             B.extra[k] = v
     if modes:
         B.extra["modes"] = modes
-    B.extra["merged_from"] = old.get("command")
+    B.extra.setdefault("merged_from", []).append(old.get("command"))
+    B.extra.setdefault("merged_devices", []).append(old.get("device"))
 
 
 PARTS = ("bound", "split", "small", "clip", "accum", "file")
@@ -725,65 +885,118 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the PNGs")
     ap.add_argument("--json", default=None, help="write the results here (merged with an earlier run's other parts)")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="also merge this earlier run's JSON (repeatable; with --parts '' only merges: no GPU needed)")
     ap.add_argument("--smoke", action="store_true", help="tiny configuration on the CPU (host driver)")
     ap.add_argument("--layers", type=int, default=16)  # 0.85 B parameters with hidden 2048
-    ap.add_argument("--batch", type=int, default=None, help="split and clip (default 12; --smoke 2)")
-    ap.add_argument("--small-batch", type=int, default=None, help="small, accum (per micro-batch), file (default 4)")
+    ap.add_argument("--attn", choices=("sdpa", "eager"), default=None,
+                    help="attention: sdpa (flash only; the default on the GPU) or eager (--smoke's)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="split and clip (default 12 with sdpa, 4 with eager; --smoke 2)")
+    ap.add_argument("--small-batch", type=int, default=None,
+                    help="small, accum (per micro-batch), file (default 4 with sdpa, 1 with eager; --smoke 2)")
     ap.add_argument("--seq", type=int, default=None, help="default 2048 (--smoke 32)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default 3; --smoke 2)")
     ap.add_argument("--warm", type=int, default=None, help="default 2 (--smoke 1)")
     ap.add_argument("--clip-iters", type=int, default=None, help="timed iterations of the clipping modes (6; 4)")
     ap.add_argument("--file-iters", type=int, default=None, help="timed iterations of the file-tier modes (2; 1)")
+    ap.add_argument("--file-warm", type=int, default=1, help="warm-up iterations of the file-tier modes")
     ap.add_argument("--file-dir", default=None, help="where the file tier and dd write (default: the temp directory)")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--curve-steps", type=int, default=None, help="default 300 (--smoke 20)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}, twin, curves")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run: a mode that would end later is not run (the table and JSON "
+                         "still come); give a little less than the caller's time limit")
     ap.add_argument("--engine-settings", default="",
                     help="more engine settings for every StreamedAdamW of the run (e.g. depth:6)")
     a = ap.parse_args()
     a.seq = a.seq or (32 if a.smoke else 2048)
-    a.batch = a.batch or (2 if a.smoke else 12)
-    a.small_batch = a.small_batch or (2 if a.smoke else 4)
+    a.attn = a.attn or ("eager" if a.smoke else "sdpa")
     a.curve_steps = a.curve_steps or (20 if a.smoke else 300)
     for k, full, smoke in (("iters", 3, 2), ("warm", 2, 1), ("clip_iters", 6, 4), ("file_iters", 2, 1)):
         if getattr(a, k) is None:
             setattr(a, k, smoke if a.smoke else full)
-    if not a.smoke and not torch.cuda.is_available():
+    parts = [p for p in a.parts.split(",") if p]
+    if not a.smoke and parts and not torch.cuda.is_available():
         print("SKIP: no CUDA device (--smoke runs a tiny configuration on the CPU)")
         return 77
     B = Bench(a)
     B.cache = {}
     B.model = lambda: _model(B)
     B.batches = lambda batch: _batches(B, batch)
-    # Bit-identical losses between runs need deterministic kernels (cuBLAS workspace; eager
-    # attention; strict, so that a non-deterministic kernel fails instead of warning).
+    B.attn = a.attn
+    given = a.batch, a.small_batch
+
+    def shapes():  # the default batches once the attention is known (_model)
+        eager = B.attn == "eager"
+        a.batch = given[0] or (2 if a.smoke else 4 if eager else 12)
+        a.small_batch = given[1] or (2 if a.smoke else 1 if eager else 4)
+    B.shapes = shapes
+    shapes()
+    # Note [Attention of the benchmark]
+    # Rationale: losses must be bit-identical between modes (one process, same init and
+    # batches), so every kernel must be deterministic; and the parts need shapes on both
+    # sides of the state transfer: eager attention keeps each layer's attention
+    # probabilities (FP32 and BF16: batch x heads x seq^2 x 6 bytes, 3 GiB a layer at batch
+    # 4 x 2048 with 32 heads), so batch 12 does not fit in 141 GB, and it is slow (forward+
+    # backward 341 ms at batch 4, longer than the transfer).
+    # Approach: torch.use_deterministic_algorithms(True) (strict: a kernel with no
+    # deterministic variant fails instead of warning), cuBLAS workspace config, and SDPA
+    # restricted to flash attention: torch's flash backward runs its deterministic
+    # variant when deterministic algorithms are on and warn_only is off (it warns only in
+    # warn_only mode); cuDNN and memory-efficient attention are switched off (each has a
+    # non-deterministic backward by default).  A probe (determinism_probe) runs one batch
+    # twice and compares the gradients bit for bit before the model is used.
+    # Limits: the probe cannot prove determinism for every shape; the losses of every
+    # mode are compared bit for bit anyway.  Where flash does not run or the probe fails,
+    # eager attention with batches 4 and 1 (fwd+bwd about 1.6x and 0.4x the transfer).
     torch.use_deterministic_algorithms(True)
+    if B.cuda and a.attn == "sdpa":
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_math_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.perf_counter()
-    parts = ["split" if p == "llama" else p for p in a.parts.split(",")]
+    parts = ["split" if p == "llama" else p for p in parts]
     fns = dict(twin=kernels_vs_cpu_twin, bound=part_bound, split=part_split, small=part_small, clip=part_clip,
                accum=part_accum, file=part_file, curves=curves)
     for key in parts:
         if key not in fns:
             print(f"unknown part {key!r} (parts: {', '.join(fns)})")
             return 2
+    if any(p in parts for p in ("split", "small", "clip", "accum", "file")):
+        try:  # first, so that each part's memory is measured against the shared model's
+            _model(B)
+        except Exception as e:  # noqa: BLE001 (each part then fails building it, with the table)
+            traceback.print_exc()
+            B.check("model", f"{type(e).__name__}: {str(e)[:160]}", "built", False)
     for key, fn in fns.items():
         if key in parts:
             t1 = time.perf_counter()
+            before = B.memory()
             try:  # a failing part still leaves the others' rows and the table
                 fn(B)
+            except BudgetSpent as e:
+                B.check(f"part {key}", f"cut short: {e}", "runs", False)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 B.check(f"part {key}", f"{type(e).__name__}: {str(e)[:160]}", "runs", False)
-                B.free()
+            # Outside the except clause: the traceback (and the frames holding a failed
+            # mode's tensors) is gone, so the next part starts with the memory released.
+            if before is not None:
+                B.release_check(f"part {key}", before)
             B.extra.setdefault("part_seconds", {})[key] = time.perf_counter() - t1
             print(f"[{key}] {time.perf_counter() - t1:.0f} s", flush=True)
     B.cache.clear()
-    B.free()
-    if a.json:
-        merge_previous(B, a.json)
+    if B.cuda:  # with the model freed, nothing may stay allocated (the device's use is not compared)
+        B.release_check("the run (model freed)", (0, B.memory()[1]))
+    for path in ([a.json] if a.json else []) + a.merge:
+        merge_previous(B, path)
     os.makedirs(a.out, exist_ok=True)
     files = plots(B, a.out)
-    device = torch.cuda.get_device_name() if B.cuda else "cpu (host driver)"
+    device = (torch.cuda.get_device_name() if B.cuda else "cpu (host driver)" if parts
+              else next((d for d in B.extra.get("merged_devices", []) if d), "none"))
     ok = all(c["ok"] is not False for c in B.checks)
     if a.json:
         B.extra.update(checks=B.checks, passed=ok, pngs=files, seconds=time.perf_counter() - t0)

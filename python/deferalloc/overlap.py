@@ -40,7 +40,12 @@ Approach
    17 times the plain step's I/O).  On the file tier the worker also takes every queued
    bucket whose gradients are done into one pass (``coalesce``), so reads run ahead
    across buckets instead of each pass filling and draining the pipeline; the next
-   forward then waits for that pass as a whole.
+   forward then waits for that pass as a whole.  ``coalesce=k`` (an int) takes at most k
+   of them, those the forward needs first: on the host tier, where the link is the
+   bottleneck (forward+backward shorter than the state's transfer), passes of k buckets
+   fill and drain k times less often, while the next forward waits for at most k
+   buckets' pass before its first module runs (the host tier's default stays 1: one
+   bucket a pass).
  - Clipping (``max_grad_norm``, the L2 norm of ``clip_grad_norm_``).  Each bucket's
    per-gradient norms are computed as its gradients become final (on the current stream,
    as ``get_total_norm`` computes them: ``torch._foreach_norm`` per device and dtype), so
@@ -150,14 +155,20 @@ class BackwardOverlap:
 
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
                  max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True,
-                 clip_policy: str = "auto", clip_history: int = 8, coalesce: bool | None = None):
+                 clip_policy: str = "auto", clip_history: int = 8, coalesce: bool | int | None = None):
         if clip_policy not in ("auto", "speculate", "after"):
             raise ValueError(f"BackwardOverlap: clip_policy {clip_policy!r} (auto, speculate or after)")
         self.opt = opt
         self.engine_speculation = engine_speculation
         # File tier: bucket passes are speculative steps, committed once per iteration.
         self._commit_tier = engine_speculation and getattr(opt, "tier", "host") == "file"
-        self.coalesce = self._commit_tier if coalesce is None else coalesce
+        if coalesce is None:
+            coalesce = self._commit_tier
+        # Buckets per engine pass at most (0: no limit).
+        self._coalesce = 0 if coalesce is True else 1 if coalesce is False else int(coalesce)
+        if self._coalesce < 0:
+            raise ValueError(f"BackwardOverlap: coalesce {coalesce!r} (a bool or a number of buckets)")
+        self.coalesce = coalesce
         self._speculable: list[bool] | None = None  # per shard: the engine keeps its state (after init)
         # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
         # (-1: a commit) while ``trace`` is True (benchmark timelines; the engine's streamed
@@ -284,8 +295,8 @@ class BackwardOverlap:
     def _take(self) -> list[_Item] | None:
         """The next items, all of the oldest iteration queued: its commit once no bucket
         of it is left; else, of its buckets whose gradients are done on the GPU, the one
-        the forward needs first (highest index; ``coalesce``: all of them), and if none is
-        done, the one queued first.  None: stop."""
+        the forward needs first (highest index; ``coalesce``: the first k of them in that
+        order, or all), and if none is done, the one queued first.  None: stop."""
         with self._cv:
             while not self._pending and not self._stop:
                 self._cv.wait()
@@ -300,10 +311,11 @@ class BackwardOverlap:
                 done = [x for x in buckets if x.event is None or x.event.query()]
                 if not done:
                     picks = [min(buckets, key=lambda x: x.seq)]
-                elif self.coalesce:
-                    picks = [x for x in done if x.speculative == done[0].speculative]
                 else:
-                    picks = [max(done, key=lambda x: x.bucket.index)]
+                    done.sort(key=lambda x: -x.bucket.index)  # the forward's order
+                    picks = [x for x in done if x.speculative == done[0].speculative]
+                    if self._coalesce:
+                        picks = picks[:self._coalesce]
             for x in picks:
                 self._pending.remove(x)
             self._busy += 1

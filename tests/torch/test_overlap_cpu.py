@@ -104,6 +104,27 @@ class Overlap(unittest.TestCase):
             self.assertGreater(got[3]["buckets"], 0)
             self.assertEqual(got[3]["redos"], 0)
 
+    def test_coalesced_passes_on_the_host_tier_are_bit_identical(self):
+        # coalesce=True: every bucket whose gradients are done goes into one engine pass;
+        # coalesce=2: at most two a pass.
+        plain = train(6, "plain")
+        got = train(6, "overlap", bucket_mb=0, ov_kw=dict(coalesce=True))
+        self.same(plain, got)
+        self.assertGreaterEqual(got[3]["buckets"], got[3]["passes"])
+        got = train(6, "overlap", bucket_mb=0, ov_kw=dict(coalesce=2))
+        self.same(plain, got)
+        self.assertGreaterEqual(2 * got[3]["passes"], got[3]["buckets"])
+        # Which buckets a pass takes: with the worker stopped, five done buckets queued.
+        from deferalloc.overlap import _Bucket, _Item
+        m = model()
+        for k, want in ((None, [4]), (2, [4, 3]), (True, [4, 3, 2, 1, 0])):
+            ov = overlap_with_backward(m, make_opt(m), bucket_mb=0, coalesce=k)
+            ov.remove()
+            ov._pending = [_Item(0, i, _Bucket(i, []), speculative=False) for i in (1, 3, 0, 4, 2)]
+            self.assertEqual([x.bucket.index for x in ov._take()], want, f"coalesce={k}")
+        clipped = train(6, "plain", max_norm=1.0)
+        self.same(clipped, train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(coalesce=True)))
+
     def test_clipping_speculative_steps_and_redos_are_bit_identical(self):
         # The inputs grow with t: the first steps' norms are below max_norm, later ones above.
         plain = train(6, "plain", max_norm=1.0)
