@@ -122,6 +122,7 @@ class Overlap(unittest.TestCase):
             ov.remove()
             ov._pending = [_Item(0, i, _Bucket(i, []), speculative=False) for i in (1, 3, 0, 4, 2)]
             self.assertEqual([x.bucket.index for x in ov._take()], want, f"coalesce={k}")
+            del ov  # one optimizer per parameter: the next make_opt(m) needs this one gone
         clipped = train(6, "plain", max_norm=1.0)
         self.same(clipped, train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(coalesce=True)))
 
