@@ -463,7 +463,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     ``step`` stays).  ``amsgrad``, ``maximize``, ``capturable`` and ``differentiable``
     are refused.  The state is created at the first ``step()`` (or ``load_state_dict``)
     from the parameters' values then.  Parameters with ``requires_grad=False`` at
-    construction (frozen ``nn.Parameter``\ s) get no state and no memory; one that is unfrozen later is
+    construction (frozen ``nn.Parameter`` objects) get no state and no memory; one that is unfrozen later is
     refused at the step (build the optimizer again).  DTensor parameters (FSDP2's
     ``fully_shard``) are held as their local shards, and their state is DTensors of the
     same placements.  ``opt.state`` reads through the engine (Note [opt.state reads
