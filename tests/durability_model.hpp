@@ -118,6 +118,13 @@ inline std::vector<state> reference_run(std::uint64_t steps) {
   return r;
 }
 
+/// reference_run(Steps), computed once per test program.
+template <std::uint64_t Steps>
+const std::vector<state>& reference() {
+  static const std::vector<state> r = reference_run(Steps);
+  return r;
+}
+
 /// A file's bytes, and a file written with `b`.
 inline std::vector<char> slurp(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -28,12 +28,6 @@ namespace {
 
 constexpr std::uint64_t k_steps = 12;
 
-// The uninterrupted run's state after every step (ref[t]: after t steps).
-const std::vector<state>& reference() {
-  static const std::vector<state> ref = reference_run(k_steps);
-  return ref;
-}
-
 std::string child_program() {
   const char* p = std::getenv("DFA_DURABILITY_CHILD");
   return p ? p : "";
@@ -58,7 +52,7 @@ pid_t spawn_child(const std::string& state_dir, const std::string& ck_dir, const
 // committed step of the uninterrupted run, and the run finally completes bit-identically.
 TEST(durability, killed_at_random_moments_resumes_bit_identically) {
   ASSERT_FALSE(child_program().empty()) << "DFA_DURABILITY_CHILD is not set";
-  const auto& ref = reference();
+  const auto& ref = reference<k_steps>();
   temp_dir root;
   const std::string state_dir = root.path + "/state", ck = root.path + "/ck", out = root.path + "/final.bin";
   // How long an uninterrupted run takes, to aim the kills over all of it.
@@ -166,7 +160,7 @@ int run_child(const std::vector<std::string>& args, pid_t* started = nullptr) {
 // per-shard step counts included (the model's shards have different counts).
 TEST(durability, killed_during_state_loads_resumes_old_or_new) {
   ASSERT_FALSE(child_program().empty()) << "DFA_DURABILITY_CHILD is not set";
-  const auto& ref = reference();
+  const auto& ref = reference<k_steps>();
   constexpr std::uint64_t k_old = 5, k_new = 9;
   temp_dir root;
   const std::string dir = root.path + "/state", ck = root.path + "/ck", sd = root.path + "/new.bin";
@@ -249,7 +243,7 @@ namespace {
 // (a fresh start, other state, another error type) fails the test.
 enum class outcome { refused, resumed_intact };
 outcome resume_damaged(const std::string& dir, const std::string& what, std::uint64_t* step_out = nullptr) {
-  const auto& ref = reference();
+  const auto& ref = reference<k_steps>();
   try {
     model m(host(), config(tier::file, dir, true));
     if (!m.opt->resumed()) {
@@ -371,7 +365,7 @@ TEST(durability, damaged_state_file_is_refused_or_resumes_an_intact_step) {
 // changes nothing, loading into the host tier (verify, then copy) or the file tier
 // (one pass into the inactive slot).
 TEST(durability, damaged_checkpoint_is_refused_and_changes_nothing) {
-  const auto& ref = reference();
+  const auto& ref = reference<k_steps>();
   temp_dir base;
   const std::string ck = base.path + "/ck";
   {
@@ -421,7 +415,7 @@ TEST(durability, damaged_checkpoint_is_refused_and_changes_nothing) {
 // A save that fails part-way (here: a read error of the file tier) leaves the previous
 // checkpoint the newest complete one, loadable; no unfinished generation stays.
 TEST(durability, failed_save_keeps_the_previous_checkpoint) {
-  const auto& ref = reference();
+  const auto& ref = reference<k_steps>();
   temp_dir base;
   const std::string ck = base.path + "/ck";
   model m(host(), config(tier::file, base.path + "/state", false));
@@ -448,7 +442,7 @@ TEST(durability, failed_save_keeps_the_previous_checkpoint) {
 // ---- the bad-input table --------------------------------------------------------------
 
 TEST(durability, null_pointers_are_refused_and_change_nothing) {
-  const auto& ref = reference();
+  const auto& ref = reference<k_steps>();
   model m(host(), config(tier::host, {}, false));
   EXPECT_THROW(m.opt->add_shard(nullptr, 16), invalid_argument);
   m.opt->initialize();

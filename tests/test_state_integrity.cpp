@@ -26,11 +26,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The host tier's run (per-shard steps kept in memory): ref[t] after t steps.
-const std::vector<state>& reference() {
-  static const std::vector<state> ref = reference_run(8);
-  return ref;
-}
 
 std::vector<std::uint64_t> steps_of(streamed_adamw& o) {
   std::vector<std::uint64_t> v;
@@ -79,7 +74,7 @@ int as_unprivileged(const std::string& dir, const std::function<bool()>& fn) {
 // The model's last shard has no gradient at step 1 (and 5): its step count lags.  The
 // file tier's resume, checkpoints (into every tier) and set_shard_step keep each count.
 TEST(state_integrity, per_shard_steps_survive_resume_and_checkpoints) {
-  const auto& ref = reference();
+  const auto& ref = reference<8>();
   temp_dir base;
   const std::string dir = base.path + "/state", ck = base.path + "/ck";
   std::vector<std::uint64_t> steps;
@@ -161,7 +156,7 @@ TEST(state_integrity, format_2_files_load_with_one_step_count) {
     ASSERT_TRUE(m.opt->resumed());
     EXPECT_EQ(steps_of(*m.opt), (std::vector<std::uint64_t>{3, 3, 2}));
     m.opt->sync_model_params();
-    EXPECT_TRUE(m.snapshot() == reference()[3]);
+    EXPECT_TRUE(m.snapshot() == reference<8>()[3]);
   }
   // The manifest as format 2: no step per shard line, version 2, its end checksum.
   const std::string mpath = ck + "/gen-1/manifest.txt";
@@ -184,7 +179,7 @@ TEST(state_integrity, format_2_files_load_with_one_step_count) {
 // A process killed at each write request of a write_state_range into the file tier: the
 // resume is the old state, exactly (once the commit is written: the new one).
 TEST(state_integrity, killed_state_write_leaves_the_old_state) {
-  const auto& ref = reference();
+  const auto& ref = reference<8>();
   temp_dir base;
   const std::string dir = base.path + "/state";
   {
@@ -252,7 +247,7 @@ TEST(state_integrity, killed_state_write_leaves_the_old_state) {
 // ---- 3: checkpoint generation names ----------------------------------------------------
 
 TEST(state_integrity, stray_generation_names_never_lose_a_checkpoint) {
-  const auto& ref = reference();
+  const auto& ref = reference<8>();
   temp_dir base;
   const std::string ck = base.path + "/ck";
   model m(host(), config(tier::host, {}, false));
@@ -359,7 +354,7 @@ TEST(state_integrity, a_second_optimizer_on_a_state_file_is_refused) {
     EXPECT_NE(e.find("process " + std::to_string(::getpid())), std::string::npos) << e;
   }
   a.step(1);  // the first is unharmed
-  EXPECT_TRUE(a.snapshot() == reference()[2]);
+  EXPECT_TRUE(a.snapshot() == reference<8>()[2]);
   // Another process holding it.
   int to_child[2], from_child[2];
   ASSERT_EQ(::pipe(to_child), 0);
