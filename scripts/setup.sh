@@ -76,12 +76,13 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
   # 0.17 on the wheels declare Python >= 3.12 (cp312 only) while their Python code imports on
   # 3.11 (only a dataset helper extension is 3.12-only), so the cp312 wheel is fetched and
   # unpacked rather than installed.  About 10 MB each.
-  for v in $(grep -v '^#' "$root/tests/torch/megatron_versions.txt"); do
+  for v in $(grep '^[0-9]' "$root/tests/torch/megatron_versions.txt"); do  # the lines CMake reads
     [ -f "$root/.megatron/$v/megatron/core/__init__.py" ] && continue
     echo "setup: unpacking megatron-core==$v into .megatron/$v"
     tmp=$(mktemp -d)
     "$root/.venv/bin/pip" download --quiet --disable-pip-version-check --no-cache-dir --no-deps \
       --only-binary=:all: --python-version 3.12 -d "$tmp" "megatron-core==$v"
+    rm -rf "$root/.megatron/$v.tmp"  # a failed earlier unpack
     mkdir -p "$root/.megatron/$v.tmp"
     "$root/.venv/bin/python" -m zipfile -e "$tmp"/megatron_core-"$v"-*.whl "$root/.megatron/$v.tmp"
     rm -rf "$tmp" "$root/.megatron/$v"

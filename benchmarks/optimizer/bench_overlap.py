@@ -329,12 +329,16 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
         buckets = [("commit" if i < 0 else f"bucket {i}", s - o, e - o) for i, s, e in (ov.timeline if ov else [])]
         stats = ov.stats() if ov is not None else {}
     finally:
-        if ov is not None:
-            ov.remove()  # the model is shared by every mode: no hook may outlive its mode
-        opt = ov = None
-        B.free()
-        if directory:
-            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            if ov is not None:
+                ov.remove()  # the model is shared by every mode: no hook may outlive its mode
+        finally:
+            # Nor may a failed mode's gradients: the next mode's first backward would add to them.
+            model.zero_grad(set_to_none=True)
+            opt = ov = None
+            B.free()
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
     # One clock for every part of the split (events on the GPU), so that the parts add up:
     # a median of the forward plus a median of the backward could exceed the mean iteration.
     starts = [fb[0][0] for fb, _ in marks] + [end]
