@@ -128,7 +128,8 @@ streamed_adamw::~streamed_adamw() {
   if (!impl_) return;
   auto& I = *impl_;
   try {
-    I.settle_writes("~streamed_adamw");  // an open state write is dropped (explicit) or published
+    // An open state write is published (implicit) or dropped (explicit, as the header says).
+    if (I.writing) I.close_write(I.implicit_write);
   } catch (const std::exception& e) {
     deferalloc::detail::log(log_level::error, std::string("streamed_adamw: state write not published: ") + e.what());
   }
@@ -240,10 +241,12 @@ void streamed_adamw::set_shard_param(std::size_t s, void* param) {
   DFA_EXPECTS(s < I.shards.size(), "set_shard_param: no shard " + std::to_string(s));
   DFA_EXPECTS(param != nullptr, "set_shard_param: the parameter pointer is null");
   I.refuse_if_speculating("set_shard_param");
-  auto& info = I.shards[s].info;
-  info.param = param;
-  info.param_bf16 = info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
-  I.infos[s] = info;
+  // Both copies of the pointer, and nothing else: infos[s] also carries what place_resident set.
+  auto* bf16 = I.shards[s].info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
+  for (shard_info* info : {&I.shards[s].info, &I.infos[s]}) {
+    info->param = param;
+    info->param_bf16 = bf16;
+  }
 }
 
 std::vector<std::uint64_t> streamed_adamw::impl::shard_steps() const {
