@@ -67,10 +67,12 @@ void caching_allocator::check_tag_name(std::string_view call, std::string_view t
 }
 
 tag_id caching_allocator::register_tag(std::string_view tag) {
-  check_tag_name("register_tag", tag);
   impl& d = *impl_;
   std::lock_guard lk(d.mu);
+  // A known tag's name was checked when it was registered: the C ABI's tagged malloc,
+  // which looks its tag up each time, pays for the check once.
   if (tag_state* t = d.find_tag(tag)) return d.id_of(t);
+  check_tag_name("register_tag", tag);
   auto t = std::make_unique<tag_state>();
   t->name = std::string(tag);
   t->grp = std::make_unique<group>();
@@ -92,8 +94,7 @@ tag_scope::~tag_scope() {
 }
 
 void caching_allocator::begin_tag(std::string_view tag) {
-  check_tag_name("begin_tag", tag);
-  const tag_id id = register_tag(tag);
+  const tag_id id = register_tag(tag);  // checks a new tag's name
   detail::t_regions.emplace_back(this, id);
   detail::g_open_regions.fetch_add(1);
 }
