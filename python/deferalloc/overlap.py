@@ -327,7 +327,10 @@ class BackwardOverlap:
             if items is None:
                 return
             try:
-                if self._error is None:
+                if self._error is not None and items[0].bucket is not None:
+                    # Not stepped after an earlier failure: its iteration's commit discards.
+                    self._failed.add(items[0].gen)
+                else:  # commits always run: a failed iteration's commit restores the state
                     t0 = time.perf_counter()
                     if items[0].bucket is None:
                         self._commit(items[0].gen)
@@ -375,6 +378,7 @@ class BackwardOverlap:
         shards it can keep when the items speculate (clipping) or on the file tier; the
         others plainly, their state copied out first when the items speculate."""
         opt, lib = self.opt, _load()
+        opt._follow_params()  # storage replaced under the optimizer (Note [Parameter storage under the optimizer])
         speculative = items[0].speculative
         use_engine = speculative or self._commit_tier
         n = len(opt._params)

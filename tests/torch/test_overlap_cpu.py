@@ -49,9 +49,10 @@ def make_opt(m, **kw):
     return optim.StreamedAdamW(groups, lr=1e-2, window_mb=WINDOW_MB, **kw)
 
 
-def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, micro=1, scale=None, **kw):
+def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, micro=1, scale=None, replace_at=None, **kw):
     """``micro`` micro-batches per step (accumulated into .grad; overlap: all but the last
-    inside accumulating()); ``scale(t)``: the inputs' scale at step t (default 1 + t)."""
+    inside accumulating()); ``scale(t)``: the inputs' scale at step t (default 1 + t);
+    ``replace_at``: before that step every parameter gets a new storage (p.data = clone)."""
     m = model()
     opt = make_opt(m, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -59,6 +60,9 @@ def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, micro=1, scale=
           if mode == "overlap" else None)
     losses = []
     for t in range(steps):
+        if t == replace_at:
+            for p in m.parameters():
+                p.data = p.data.clone()
         for k in range(micro):
             x, y = batch(t * micro + k, scale)
             loss = torch.nn.functional.mse_loss(forward(m, x), y) / micro
@@ -95,6 +99,15 @@ class Overlap(unittest.TestCase):
         for i in sa:
             for k in ("main_param", "exp_avg", "exp_avg_sq", "step"):
                 self.assertTrue(torch.equal(sa[i][k], sb[i][k]), f"{k} of {i}")
+
+    def test_replaced_storage_is_followed_by_the_bucket_steps(self):
+        # p.data = p.data.clone() between iterations: the overlap's worker steps the new
+        # storage, as step() does (it stepped the freed one before).
+        plain = train(4, "plain", replace_at=2)
+        for max_norm in (None, 1.0):
+            with self.subTest(max_norm=max_norm):
+                self.same(train(4, "plain", max_norm=max_norm, replace_at=2) if max_norm else plain,
+                          train(4, "overlap", max_norm=max_norm, bucket_mb=0, replace_at=2))
 
     def test_no_clipping_is_bit_identical(self):
         plain = train(6, "plain")
