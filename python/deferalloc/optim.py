@@ -931,14 +931,15 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._refuse_while_speculating(where)
         # Everything is checked: from here on only the engine's own failures (I/O) can stop it.
         self._ensure_initialized()
+        with self._state_write():  # one publish: a kill leaves the old state or the new
+            for p, st in writes:
+                self._apply_state(p, st)
+        # The hyper-parameters change only once the state is in (a failed write keeps both).
         self._pushed = [None] * len(self.param_groups)
         self._push_groups(keys)
         kept = ("params", "param_names", "capturable", "differentiable", "foreach", "fused")
         self.param_groups[:] = [{**o, **{k: v for k, v in g.items() if k not in kept}, "params": o["params"]}
                                 for g, o in zip(groups, self.param_groups)]
-        with self._state_write():  # one publish: a kill leaves the old state or the new
-            for p, st in writes:
-                self._apply_state(p, st)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
