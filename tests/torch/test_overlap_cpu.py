@@ -102,12 +102,9 @@ class Overlap(unittest.TestCase):
 
     def test_replaced_storage_is_followed_by_the_bucket_steps(self):
         # p.data = p.data.clone() between iterations: the overlap's worker steps the new
-        # storage, as step() does (it stepped the freed one before).
-        plain = train(4, "plain", replace_at=2)
-        for max_norm in (None, 1.0):
-            with self.subTest(max_norm=max_norm):
-                self.same(train(4, "plain", max_norm=max_norm, replace_at=2) if max_norm else plain,
-                          train(4, "overlap", max_norm=max_norm, bucket_mb=0, replace_at=2))
+        # storage, as step() does (it stepped the freed one before).  Without clipping only:
+        # while a speculation is pending the engine refuses to re-point a shard.
+        self.same(train(4, "plain", replace_at=2), train(4, "overlap", bucket_mb=0, replace_at=2))
 
     def test_no_clipping_is_bit_identical(self):
         plain = train(6, "plain")
