@@ -18,6 +18,7 @@ must agree bit for bit.  A transformers Llama when transformers is installed, el
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -84,32 +85,42 @@ def worker(rank: int, world: int, args) -> None:
     if not cpu:
         torch.cuda.set_device(device)
     dtype = torch.float32 if cpu else torch.bfloat16
+    # torch's shutdown order: no collective in flight (the barrier, on success only: a rank
+    # that failed leaves its peers inside a collective) and nothing alive that holds the group
+    # (_run's models and optimizers: FSDP2's states keep the mesh's group and the Work handles
+    # of their last collectives) when the group is destroyed.
     try:
-        model, opt = build(device, dtype, seed=0)
-        losses = train(model, opt, 0, args.steps, rank, world, device)
-        if rank == 0:
-            print(f"fsdp2_train: world size {world}, losses", " ".join(f"{x:.4f}" for x in losses), flush=True)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=args.checkpoint)
-        if not args.check:
-            return
-        train(model, opt, args.steps, 2, rank, world, device)
-        fresh, fopt = build(device, dtype, seed=1)  # other weights: all must come from the checkpoint
-        msd, osd = get_state_dict(fresh, fopt)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=args.checkpoint)
-        set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        train(fresh, fopt, args.steps, 2, rank, world, device)
-        same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(model.parameters(), fresh.parameters()))
-        ok = torch.tensor([int(same)])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if rank == 0:
-            print("fsdp2_train: resumed from the DCP checkpoint: weights", "identical" if ok.item() else "DIFFER",
-                  flush=True)
-        if not ok.item():
-            raise SystemExit(1)
+        _run(rank, world, args, device, dtype)
+        dist.barrier()
     finally:
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, args, device, dtype) -> None:
+    model, opt = build(device, dtype, seed=0)
+    losses = train(model, opt, 0, args.steps, rank, world, device)
+    if rank == 0:
+        print(f"fsdp2_train: world size {world}, losses", " ".join(f"{x:.4f}" for x in losses), flush=True)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=args.checkpoint)
+    if not args.check:
+        return
+    train(model, opt, args.steps, 2, rank, world, device)
+    fresh, fopt = build(device, dtype, seed=1)  # other weights: all must come from the checkpoint
+    msd, osd = get_state_dict(fresh, fopt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=args.checkpoint)
+    set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    train(fresh, fopt, args.steps, 2, rank, world, device)
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(model.parameters(), fresh.parameters()))
+    ok = torch.tensor([int(same)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        print("fsdp2_train: resumed from the DCP checkpoint: weights", "identical" if ok.item() else "DIFFER",
+              flush=True)
+    if not ok.item():
+        raise SystemExit(1)
 
 
 def main() -> None:
