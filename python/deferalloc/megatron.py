@@ -87,6 +87,49 @@ max(forward/backward, model + grads + window).  Cost: torch's empty_cache (a dev
 synchronisation and a cudaFree per free segment) in the step, and cudaMalloc again in the
 next forward; off by default.
 
+Note [The step inside Megatron's backward]
+Rationale: with DDP's ``overlap_grad_reduce`` Megatron reduce-scatters each bucket group's
+grads as soon as backward has produced them, but the optimizer step, the host tier's 12 B/param
+each way over PCIe, starts only after backward: it adds its whole length to every iteration.
+A shard's step needs only its own reduced grad, so it can run while backward computes the
+others' (deferalloc.overlap does this for plain torch models).
+Approach: ``stream_optimizer_state(..., step_in_backward=True)`` drives deferalloc.overlap's
+BackwardOverlap (its worker, engine calls, speculation, clip policy and per-bucket waits; Note
+[Overlap with backward]) with one bucket per DDP bucket group (the shards this rank's
+DistributedOptimizer holds of the group's params) instead of its own gradient hooks:
+ - each ``_ParamAndGradBucketGroup.start_grad_sync`` of the model chunks is wrapped: after
+   Megatron dispatched the group's reduce-scatter, the bucket is queued with that
+   collective's handle.  The worker waits for the handle (GPU: its side stream waits for
+   the NCCL work, the host does not block) and makes the shards' main grads exactly as
+   ``_copy_model_grads_to_main_grads`` does (``main_grad`` shard ``.float()``), then steps
+   them (null grads for every other shard: the plain step's arithmetic and step counts).
+   No communication of its own: Megatron's reduce-scatter, on Megatron's communicator.
+ - clipping: Megatron computes the norm (over the DP and model-parallel groups) after
+   backward.  ``clip_grad_norm`` (a DistributedOptimizer's) or ``get_grad_norm`` (a
+   ChainedOptimizer's) is wrapped to record the norm; the inner step (called by Megatron's
+   ``step_with_ready_grads`` after it clipped) applies Megatron's own rule, clip_coeff =
+   clip_grad / (norm + 1e-6) < 1.0 (and 0.19's separate grad-norm groups).  Not fired: the
+   speculative steps are committed (Megatron left the grads unchanged).  Fired: the
+   speculation is discarded and every bucket stepped again from Megatron's clipped grads.
+   Whether to speculate is deferalloc.overlap's policy (``clip_policy``, "auto" by default:
+   speculate while clipping fired in fewer than a quarter of the recent iterations; held
+   buckets are stepped after Megatron's clip).  Without clipping (clip_grad 0) every
+   bucket is stepped plainly during backward.
+ - each bucket group's ``start_param_sync`` (the param all-gather: in the step without
+   ``overlap_param_gather``, in the next forward's pre-hook with it) first waits for that
+   group's own bucket only.  Each DDP chunk's ``zero_grad_buffer`` first waits for every
+   step (they read the grad buffer it zeroes).  Reading or writing the state
+   (checkpoints, ``read_shard``) waits for them too.
+Limits: Megatron's ``zero_grad_buffer`` zeroes the whole grad buffer before the next forward,
+so with ``overlap_param_gather`` the next forward starts only after every bucket's step:
+the step overlaps backward and the grad sync, not the next forward.  The first iteration
+(Megatron's first batch dispatches every reduce-scatter at ``finish_grad_sync``) and any
+iteration where clipping fires while speculating step after backward.  Refused: a grad
+scaler (FP16 / loss scale: a skipped step), ``grad_norm_skip_threshold``, more than one
+distributed-optimizer instance.  Speculation on the host tier holds a second pinned copy of
+the state (12 B/param more pinned host memory).  Without ``overlap_grad_reduce`` the reduce-
+scatters (and so the steps) start at ``finish_grad_sync``, after backward.
+
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
 ``_get_main_param_and_optimizer_states`` and ``_set_main_param_and_optimizer_states``; every
