@@ -6,7 +6,9 @@ the FP32 main params and both moments of every DistributedOptimizer in ``optimiz
 the streamed engine (libdeferalloc_optimizer.so through ``deferalloc.optim``): pinned host
 memory, a file, or HBM, streamed through a fixed HBM window at each step, and no HBM between
 steps.  Tested on megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (``TESTED_VERSIONS``; another
-version is refused at the call, see Note [megatron-core versions]).
+version is refused at the call, see Note [megatron-core versions]).  With
+``step_in_backward=True`` each DDP bucket group's shards are stepped inside Megatron's backward,
+as soon as its reduce-scatter has finished (Note [The step inside Megatron's backward]).
 
 Note [megatron-core versions]
 Rationale: the integration binds six DistributedOptimizer methods and reads its shard lists
