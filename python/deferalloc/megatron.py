@@ -106,6 +106,11 @@ DistributedOptimizer holds of the group's params) instead of its own gradient ho
    ``_copy_model_grads_to_main_grads`` does (``main_grad`` shard ``.float()``), then steps
    them (null grads for every other shard: the plain step's arithmetic and step counts).
    No communication of its own: Megatron's reduce-scatter, on Megatron's communicator.
+   (0.19's promoted FP32 main grads are read from the reduced comm buffer, the values
+   Megatron's finish_grad_sync copies back.)
+ - Megatron's step: ``prepare_grads`` is wrapped to let the pass in flight finish and start
+   no other until the inner step (Megatron reads and clips the grads meanwhile: no engine
+   pass runs beside it).
  - clipping: Megatron computes the norm (over the DP and model-parallel groups) after
    backward.  ``clip_grad_norm`` (a DistributedOptimizer's) or ``get_grad_norm`` (a
    ChainedOptimizer's) is wrapped to record the norm; the inner step (called by Megatron's
@@ -662,6 +667,11 @@ def _refuse_backward_step(chain, clip_policy: str) -> None:
         raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state(step_in_backward=True): {why}")
 
 
+def _reduced_grad(mp) -> torch.Tensor:
+    copy = getattr(mp, "main_grad_copy_in_grad_buffer", None)
+    return mp.main_grad if copy is None else copy
+
+
 class _BackwardStep(BackwardOverlap):
     """deferalloc.overlap's bucket stepping driven by Megatron's bucket groups (Note [The
     step inside Megatron's backward]).  One per DistributedOptimizer; ``stats()`` as
@@ -714,6 +724,13 @@ class _BackwardStep(BackwardOverlap):
                 return _zero(*a, **k)
             chunk.zero_grad_buffer = zero_grad_buffer
 
+        def prepare_grads(opt, *a, **k):
+            # Megatron's step reads and clips the grads the bucket passes read: none runs
+            # meanwhile (the queued ones resume, or are dropped, at the inner step).
+            self._pause()
+            return type(opt).prepare_grads(opt, *a, **k)
+        dopt.prepare_grads = types.MethodType(prepare_grads, dopt)
+
         def clip_grad_norm(opt, clip_grad, *a, **k):
             self.norm = type(opt).clip_grad_norm(opt, clip_grad, *a, **k)
             self.norm_owner = opt
@@ -732,7 +749,9 @@ class _BackwardStep(BackwardOverlap):
             with ctx, torch.no_grad():
                 if handle is not None:
                     handle.wait()
-                return [(h, mp.main_grad.view(-1)[r.start:r.end].float()) for h, mp, r in pairs]
+                # (0.19's promoted main grads: the reduced values are in the comm buffer
+                # until Megatron's finish_grad_sync copies them back, value for value.)
+                return [(h, _reduced_grad(mp).view(-1)[r.start:r.end].float()) for h, mp, r in pairs]
 
         def grads_reduced(*a, **k):
             start_grad_sync(*a, **k)
@@ -748,6 +767,10 @@ class _BackwardStep(BackwardOverlap):
 
         bg.start_grad_sync = grads_reduced
         bg.start_param_sync = params_gathered
+
+    def synchronize(self) -> None:
+        self._resume()  # (a step Megatron left after prepare_grads: nothing stays paused)
+        super().synchronize()
 
     def _complete(self, b) -> None:
         # A bucket group whose grad sync was not started through Megatron's hook: stepped
@@ -772,6 +795,7 @@ class _BackwardStep(BackwardOverlap):
 
     def end_iteration(self) -> None:
         """The inner optimizer's step: Megatron has prepared (and clipped) the main grads."""
+        self._resume()
         if self.max_grad_norm is None:
             self._end(None)
             return

@@ -197,6 +197,7 @@ class BackwardOverlap:
         self._pending: list[_Item] = []
         self._busy = 0
         self._stop = False
+        self._paused = False  # the worker takes nothing new (_pause / _resume)
         self._seq = 0
         self._gen = 0
         self._accumulating = False
@@ -288,6 +289,18 @@ class BackwardOverlap:
             self._pending.append(item)
             self._cv.notify_all()
 
+    def _pause(self) -> None:
+        """The worker finishes the item it is on and takes nothing new until _resume()."""
+        with self._cv:
+            self._paused = True
+            while self._busy:
+                self._cv.wait()
+
+    def _resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
     def _wait(self, buckets: list[_Bucket]) -> None:
         for b in buckets:
             b.idle.wait()
@@ -303,7 +316,7 @@ class BackwardOverlap:
         the forward needs first (highest index; ``coalesce``: all of them), and if none is
         done, the one queued first.  None: stop."""
         with self._cv:
-            while not self._pending and not self._stop:
+            while (not self._pending or self._paused) and not self._stop:
                 self._cv.wait()
             if not self._pending:
                 return None
