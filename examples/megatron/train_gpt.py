@@ -74,6 +74,16 @@ def parse_args(argv=None):
     ap.add_argument("--window-mb", type=int, default=512)
     ap.add_argument("--release-torch-cache", action="store_true",
                     help="stream_optimizer_state(release_torch_cache=True): empty torch's cache before each step")
+    ap.add_argument("--overlap-grad-reduce", action="store_true",
+                    help="DDP's overlap_grad_reduce (bucket reduce-scatters during backward)")
+    ap.add_argument("--overlap-param-gather", action="store_true",
+                    help="DDP's and the optimizer's overlap_param_gather (param all-gathers in the next forward)")
+    ap.add_argument("--bucket-size", type=int, help="DDP's bucket_size (parameters)")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="--deferalloc: step each bucket group inside backward (needs --overlap-grad-reduce)")
+    ap.add_argument("--clip-policy", default="auto", choices=["auto", "speculate", "after"],
+                    help="--step-in-backward: when to speculate on Megatron's clipping")
+    ap.add_argument("--clip-grad", type=float, default=1.0, help="OptimizerConfig.clip_grad")
     ap.add_argument("--hdo", action="store_true", help="megatron-core's HybridDeviceOptimizer(offload_fraction=1.0)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=12)
@@ -274,7 +284,8 @@ def build_model_and_ddp(args):
     if not args.cpu_emulation:
         model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False))
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, bucket_size=args.bucket_size))
     return gpt, ddp
 
 
@@ -300,7 +311,8 @@ def build_optimizer(args, ddp, stream: bool = True):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ocfg = dict(optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
+                bf16=True, use_distributed_optimizer=True, clip_grad=args.clip_grad,
+                overlap_param_gather=args.overlap_param_gather)
     if args.hdo:
         ocfg.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                     overlap_cpu_optimizer_d2h_h2d=True)
@@ -320,7 +332,8 @@ def build_optimizer(args, ddp, stream: bool = True):
             return optimizer, []
         return optimizer, dm.stream_optimizer_state(optimizer, tier=args.deferalloc, directory=args.directory,
                                                     window_mb=args.window_mb,
-                                                    release_torch_cache=args.release_torch_cache)
+                                                    release_torch_cache=args.release_torch_cache,
+                                step_in_backward=args.step_in_backward, clip_policy=args.clip_policy)
     import deferalloc.megatron
     # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
     # then the streamed engine: the two deferalloc lines of a Megatron script.
@@ -328,7 +341,8 @@ def build_optimizer(args, ddp, stream: bool = True):
         optimizer = get_megatron_optimizer(OptimizerConfig(**ocfg), [ddp])
     streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
                                                           directory=args.directory, window_mb=args.window_mb,
-                                                          release_torch_cache=args.release_torch_cache)
+                                                          release_torch_cache=args.release_torch_cache,
+                                step_in_backward=args.step_in_backward, clip_policy=args.clip_policy)
     return optimizer, streamed
 
 
@@ -632,6 +646,8 @@ def main(argv=None) -> int:
                    hbm={"between": top, "non_torch_between": top["used"] - top["torch_reserved"],
                         "torch_max_reserved": torch.cuda.max_memory_reserved() if cuda else 0,
                         "torch_max_allocated": torch.cuda.max_memory_allocated() if cuda else 0})
+    if streamed and streamed[0].backward_step is not None:
+        summary["backward_step"] = streamed[0].backward_step.stats()
     if streamed:
         summary["engine_peak_backed"] = max(s.stats()["peak_backed_bytes"] for s in streamed)
         summary["engine"] = engine

@@ -6,7 +6,9 @@ the FP32 main params and both moments of every DistributedOptimizer in ``optimiz
 the streamed engine (libdeferalloc_optimizer.so through ``deferalloc.optim``): pinned host
 memory, a file, or HBM, streamed through a fixed HBM window at each step, and no HBM between
 steps.  Tested on megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (``TESTED_VERSIONS``; another
-version is refused at the call, see Note [megatron-core versions]).
+version is refused at the call, see Note [megatron-core versions]).  With
+``step_in_backward=True`` each DDP bucket group's shards are stepped inside Megatron's backward,
+as soon as its reduce-scatter has finished (Note [The step inside Megatron's backward]).
 
 Note [megatron-core versions]
 Rationale: the integration binds six DistributedOptimizer methods and reads its shard lists
@@ -87,6 +89,54 @@ max(forward/backward, model + grads + window).  Cost: torch's empty_cache (a dev
 synchronisation and a cudaFree per free segment) in the step, and cudaMalloc again in the
 next forward; off by default.
 
+Note [The step inside Megatron's backward]
+Rationale: with DDP's ``overlap_grad_reduce`` Megatron reduce-scatters each bucket group's
+grads as soon as backward has produced them, but the optimizer step, the host tier's 12 B/param
+each way over PCIe, starts only after backward: it adds its whole length to every iteration.
+A shard's step needs only its own reduced grad, so it can run while backward computes the
+others' (deferalloc.overlap does this for plain torch models).
+Approach: ``stream_optimizer_state(..., step_in_backward=True)`` drives deferalloc.overlap's
+BackwardOverlap (its worker, engine calls, speculation, clip policy and per-bucket waits; Note
+[Overlap with backward]) with one bucket per DDP bucket group (the shards this rank's
+DistributedOptimizer holds of the group's params) instead of its own gradient hooks:
+ - each ``_ParamAndGradBucketGroup.start_grad_sync`` of the model chunks is wrapped: after
+   Megatron dispatched the group's reduce-scatter, the bucket is queued with that
+   collective's handle.  The worker waits for the handle (GPU: its side stream waits for
+   the NCCL work, the host does not block) and makes the shards' main grads exactly as
+   ``_copy_model_grads_to_main_grads`` does (``main_grad`` shard ``.float()``), then steps
+   them (null grads for every other shard: the plain step's arithmetic and step counts).
+   No communication of its own: Megatron's reduce-scatter, on Megatron's communicator.
+   (0.19's promoted FP32 main grads are read from the reduced comm buffer, the values
+   Megatron's finish_grad_sync copies back.)
+ - Megatron's step: ``prepare_grads`` is wrapped to let the pass in flight finish and start
+   no other until the inner step (Megatron reads and clips the grads meanwhile: no engine
+   pass runs beside it).
+ - clipping: Megatron computes the norm (over the DP and model-parallel groups) after
+   backward.  ``clip_grad_norm`` (a DistributedOptimizer's) or ``get_grad_norm`` (a
+   ChainedOptimizer's) is wrapped to record the norm; the inner step (called by Megatron's
+   ``step_with_ready_grads`` after it clipped) applies Megatron's own rule, clip_coeff =
+   clip_grad / (norm + 1e-6) < 1.0 (and 0.19's separate grad-norm groups).  Not fired: the
+   speculative steps are committed (Megatron left the grads unchanged).  Fired: the
+   speculation is discarded and every bucket stepped again from Megatron's clipped grads.
+   Whether to speculate is deferalloc.overlap's policy (``clip_policy``, "auto" by default:
+   speculate while clipping fired in fewer than a quarter of the recent iterations; held
+   buckets are stepped after Megatron's clip).  Without clipping (clip_grad 0) every
+   bucket is stepped plainly during backward.
+ - each bucket group's ``start_param_sync`` (the param all-gather: in the step without
+   ``overlap_param_gather``, in the next forward's pre-hook with it) first waits for that
+   group's own bucket only.  Each DDP chunk's ``zero_grad_buffer`` first waits for every
+   step (they read the grad buffer it zeroes).  Reading or writing the state
+   (checkpoints, ``read_shard``) waits for them too.
+Limits: Megatron's ``zero_grad_buffer`` zeroes the whole grad buffer before the next forward,
+so with ``overlap_param_gather`` the next forward starts only after every bucket's step:
+the step overlaps backward and the grad sync, not the next forward.  The first iteration
+(Megatron's first batch dispatches every reduce-scatter at ``finish_grad_sync``) and any
+iteration where clipping fires while speculating step after backward.  Refused: a grad
+scaler (FP16 / loss scale: a skipped step), ``grad_norm_skip_threshold``, more than one
+distributed-optimizer instance.  Speculation on the host tier holds a second pinned copy of
+the state (12 B/param more pinned host memory).  Without ``overlap_grad_reduce`` the reduce-
+scatters (and so the steps) start at ``finish_grad_sync``, after backward.
+
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
 ``_get_main_param_and_optimizer_states`` and ``_set_main_param_and_optimizer_states``; every
@@ -117,6 +167,7 @@ import torch
 
 from . import deferred_empty
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
+from .overlap import BackwardOverlap
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
            "megatron_core_version",
@@ -165,6 +216,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
     """
 
     _state_view = False  # self.state holds each handle's step, for Megatron (see state_dict)
+    backward_step = None  # the _BackwardStep stepping this optimizer inside Megatron's backward
 
     def __init__(self, params: Iterable, targets: dict[torch.Tensor, torch.Tensor], *,
                  release_torch_cache: bool = False, **kwargs):
@@ -175,6 +227,8 @@ class StreamedMegatronAdamW(StreamedAdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.backward_step is not None:  # Note [The step inside Megatron's backward]
+            return self.backward_step.end_iteration()
         # See Note [The window and torch's cache].
         if self.release_torch_cache and self._device.type == "cuda":
             torch.cuda.empty_cache()
@@ -187,7 +241,13 @@ class StreamedMegatronAdamW(StreamedAdamW):
         for p, i in self._shard_of.items():
             self.state[p] = {"step": torch.tensor(float(self._shard_step(i)) if self._initialized else 0.0)}
 
+    def _settled(self) -> None:
+        """Waits for the steps inside backward still in flight (the state is read or written)."""
+        if self.backward_step is not None:
+            self.backward_step.synchronize()
+
     def state_dict(self) -> dict[str, Any]:
+        self._settled()
         self._refresh_steps()
         return torch.optim.Optimizer.state_dict(self)
 
@@ -196,6 +256,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
             raise InvalidArgumentError("StreamedMegatronAdamW.load_state_dict: the parameter groups do not match")
+        self._settled()
         torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": groups})
         self._ensure_initialized()
         saved = state_dict.get("state", {})
@@ -215,12 +276,14 @@ class StreamedMegatronAdamW(StreamedAdamW):
     def read_shard(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Main param, exp_avg and exp_avg_sq of handle ``p`` as FP32 CPU tensors (read now)."""
         self._ensure_initialized()
+        self._settled()
         i = self._shard_of[p]
         return {k: self._read(i, a, p) for k, a in _STATE_KEYS.items()}
 
     def write_shard(self, p: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
         """Writes those of main param / exp_avg / exp_avg_sq that ``tensors`` holds."""
         self._ensure_initialized()
+        self._settled()
         i = self._shard_of[p]
         for k, a in _STATE_KEYS.items():
             t = tensors.get(k)
@@ -529,7 +592,8 @@ def _bind(dopt) -> None:
 
 def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None = None, window_mb: int = 512,
                            *, depth: int | None = None, settings: str | None = None,
-                           release_torch_cache: bool = False) -> list[StreamedMegatronAdamW]:
+                           release_torch_cache: bool = False, step_in_backward: bool = False,
+                           clip_policy: str = "auto") -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
     returns) into deferalloc's streamed engine.
@@ -547,6 +611,11 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         depth, settings: as ``deferalloc.optim.StreamedAdamW``.
         release_torch_cache: torch.cuda.empty_cache() before each streamed step, so that the
             window takes HBM torch keeps cached but free (Note [The window and torch's cache]).
+        step_in_backward: step each DDP bucket group's shards as soon as its grad
+            reduce-scatter has finished, during backward (needs
+            ``DistributedDataParallelConfig(overlap_grad_reduce=True)`` to overlap; Note [The
+            step inside Megatron's backward]).  ``clip_policy``: "auto", "speculate" or
+            "after", as ``deferalloc.overlap.BackwardOverlap`` (when Megatron clips).
 
     Returns the inner optimizers (one per DistributedOptimizer), for ``stats()``.
     Cost: one address reservation per DistributedOptimizer (none when it was built inside
@@ -561,6 +630,8 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     """
     adapter = _adapter()
     chain = streamed_optimizers(optimizer)
+    if step_in_backward:
+        _refuse_backward_step(chain, clip_policy)
     out = []
     for i, dopt in enumerate(chain):
         d = directory
@@ -571,7 +642,165 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if step_in_backward:
+        _BackwardStep.attach_all(optimizer, chain, clip_policy)
     return out
+
+
+# ---- the step inside Megatron's backward ---------------------------------------------------
+
+def _refuse_backward_step(chain, clip_policy: str) -> None:
+    """What step_in_backward cannot make exact (nothing changed yet)."""
+    why = None
+    if clip_policy not in ("auto", "speculate", "after"):
+        why = f"clip_policy {clip_policy!r} (auto, speculate or after)"
+    for dopt in chain:
+        if why is not None:
+            break
+        if getattr(dopt, "grad_scaler", None) is not None:
+            why = "a grad scaler (FP16 or a loss scale): a skipped step would have to undo every bucket's"
+        elif getattr(dopt.ddp_config, "num_distributed_optimizer_instances", 1) != 1:
+            why = "num_distributed_optimizer_instances > 1 (the reduction is not one handle per bucket group)"
+        elif getattr(dopt.config, "grad_norm_skip_threshold", float("inf")) != float("inf"):
+            why = "grad_norm_skip_threshold (a skipped update would have to undo every bucket's)"
+    if why is not None:
+        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state(step_in_backward=True): {why}")
+
+
+def _reduced_grad(mp) -> torch.Tensor:
+    copy = getattr(mp, "main_grad_copy_in_grad_buffer", None)
+    return mp.main_grad if copy is None else copy
+
+
+class _BackwardStep(BackwardOverlap):
+    """deferalloc.overlap's bucket stepping driven by Megatron's bucket groups (Note [The
+    step inside Megatron's backward]).  One per DistributedOptimizer; ``stats()`` as
+    BackwardOverlap's."""
+
+    _own_norms = False  # Megatron computes the norm and clips; clip_grad_norm reports whether it fired
+
+    def __init__(self, dopt, clip_policy: str):
+        self.dopt = dopt
+        self._groups = []  # (bucket group, [(handle, model param, range)])
+        for chunk in dopt.model_chunks:
+            for bg in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                mine = [mp for b in bg.buckets for mp in b.params_list if mp in dopt.model_param_group_index_map]
+                if mine:
+                    self._groups.append((bg, [(_handle_of(dopt, mp), mp, dopt._get_model_param_range_map(mp)["param"])
+                                              for mp in mine]))
+        clip = dopt.config.clip_grad if dopt.config.clip_grad > 0.0 else None
+        super().__init__(dopt.optimizer, None, max_grad_norm=clip, clip_policy=clip_policy,
+                         buckets=[[h for h, _, _ in pairs] for _, pairs in self._groups])
+        self._wait_in_forward = True  # each bucket group's param all-gather waits for its own bucket
+        self.norm = None  # this iteration's total grad norm as Megatron computed it (None: not seen)
+        self.norm_owner = dopt  # the object whose grad_norms_by_group (0.19) goes with it
+        self._queued: dict[int, int] = {}  # bucket -> the iteration it was queued in
+
+    @classmethod
+    def attach_all(cls, optimizer, chain, clip_policy: str) -> None:
+        steps = [cls.attach(dopt, clip_policy) for dopt in chain]
+        if optimizer is not chain[0]:  # a ChainedOptimizer: its step clips with get_grad_norm's norm
+            def get_grad_norm(opt, *a, **k):
+                norm = type(opt).get_grad_norm(opt, *a, **k)
+                for st in steps:
+                    st.norm, st.norm_owner = norm, opt
+                return norm
+            optimizer.get_grad_norm = types.MethodType(get_grad_norm, optimizer)
+
+    @classmethod
+    def attach(cls, dopt, clip_policy: str) -> "_BackwardStep":
+        self = cls(dopt, clip_policy)
+        for (bg, pairs), b in zip(self._groups, self._buckets):
+            self._wrap_bucket_group(bg, pairs, b)
+        chunks_done = set()
+        for chunk in dopt.model_chunks:
+            if id(chunk) in chunks_done:
+                continue
+            chunks_done.add(id(chunk))
+            zero = chunk.zero_grad_buffer
+
+            def zero_grad_buffer(*a, _zero=zero, **k):
+                self.synchronize()  # the steps read the grad buffer this zeroes
+                return _zero(*a, **k)
+            chunk.zero_grad_buffer = zero_grad_buffer
+
+        def prepare_grads(opt, *a, **k):
+            # Megatron's step reads and clips the grads the bucket passes read: none runs
+            # meanwhile (the queued ones resume, or are dropped, at the inner step).
+            self._pause()
+            return type(opt).prepare_grads(opt, *a, **k)
+        dopt.prepare_grads = types.MethodType(prepare_grads, dopt)
+
+        def clip_grad_norm(opt, clip_grad, *a, **k):
+            self.norm = type(opt).clip_grad_norm(opt, clip_grad, *a, **k)
+            self.norm_owner = opt
+            return self.norm
+        dopt.clip_grad_norm = types.MethodType(clip_grad_norm, dopt)
+        dopt.optimizer.backward_step = self
+        return self
+
+    def _wrap_bucket_group(self, bg, pairs, b) -> None:
+        start_grad_sync, start_param_sync = bg.start_grad_sync, bg.start_param_sync
+
+        def prepare(handle):
+            # The worker: the reduce-scatter's end (GPU: the side stream waits for it), then
+            # the shards' main grads as Megatron's _copy_model_grads_to_main_grads makes them.
+            ctx = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+            with ctx, torch.no_grad():
+                if handle is not None:
+                    handle.wait()
+                # (0.19's promoted main grads: the reduced values are in the comm buffer
+                # until Megatron's finish_grad_sync copies them back, value for value.)
+                return [(h, _reduced_grad(mp).view(-1)[r.start:r.end].float()) for h, mp, r in pairs]
+
+        def grads_reduced(*a, **k):
+            start_grad_sync(*a, **k)
+            if self._queued.get(b.index) == self._gen:
+                return  # (Megatron's first batch calls it again)
+            self._queued[b.index] = self._gen
+            handle = bg.grad_reduce_handle
+            self._ready(b, b.params, lambda: prepare(handle))
+
+        def params_gathered(*a, **k):
+            self._wait([b])
+            return start_param_sync(*a, **k)
+
+        bg.start_grad_sync = grads_reduced
+        bg.start_param_sync = params_gathered
+
+    def synchronize(self) -> None:
+        self._resume()  # (a step Megatron left after prepare_grads: nothing stays paused)
+        super().synchronize()
+
+    def _complete(self, b) -> None:
+        # A bucket group whose grad sync was not started through Megatron's hook: stepped
+        # with the main grads Megatron prepared.
+        if self._queued.get(b.index) == self._gen:
+            return
+        self._queued[b.index] = self._gen
+        params = [p for p in b.params if p.grad is not None]
+        if params:
+            self._ready(b, params)
+
+    def _megatron_clipped(self) -> bool:
+        """Whether Megatron clipped this iteration's grads: its rule (clip_grad_by_total_norm_fp32:
+        clip_coeff = clip_grad / (norm + 1e-6) < 1.0 clips), for the total norm and 0.19's
+        separate grad-norm groups; a norm not seen counts as fired (redone: exact)."""
+        norm, self.norm = self.norm, None
+        if norm is None:
+            return True
+        clip = self.max_grad_norm
+        norms = [norm, *(getattr(self.norm_owner, "grad_norms_by_group", None) or {}).values()]
+        return any(bool(clip / (n + 1.0e-6) < 1.0) for n in norms if n is not None)
+
+    def end_iteration(self) -> None:
+        """The inner optimizer's step: Megatron has prepared (and clipped) the main grads."""
+        self._resume()
+        if self.max_grad_norm is None:
+            self._end(None)
+            return
+        fired = self._megatron_clipped()
+        self._end(lambda: self._settle(fired, None))
 
 
 def save_engine_checkpoint(optimizer, directory: str) -> None:

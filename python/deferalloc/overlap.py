@@ -128,6 +128,7 @@ class _Item:
     event: object = None  # CUDA: the gradients are done on the current stream
     groups: list = field(default_factory=list)
     speculative: bool = False  # a clipping speculation: keep the previous state
+    prepare: object = None  # called by the worker first; returns ``grads`` (gradients made final there)
 
 
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -153,9 +154,14 @@ class BackwardOverlap:
     steps, speculations (iterations), redos, switches, commits, and ``kept_copies``:
     shards whose state was copied out to be kept."""
 
+    # Clipping's norm is computed here from the gradients as they become final
+    # (deferalloc.megatron's subclass takes Megatron's own instead).
+    _own_norms = True
+
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
                  max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True,
-                 clip_policy: str = "auto", clip_history: int = 8, coalesce: bool | int | None = None):
+                 clip_policy: str = "auto", clip_history: int = 8, coalesce: bool | int | None = None,
+                 buckets: list[list[torch.Tensor]] | None = None):
         if clip_policy not in ("auto", "speculate", "after"):
             raise ValueError(f"BackwardOverlap: clip_policy {clip_policy!r} (auto, speculate or after)")
         self.opt = opt
@@ -181,10 +187,11 @@ class BackwardOverlap:
         self._speculate = clip_policy == "speculate"  # this iteration's mode (clipping)
         cuda = opt._device.type == "cuda"
         self._side = torch.cuda.Stream(opt._device) if cuda else None
-        # Buckets in reverse registration order.
+        # Buckets in reverse registration order, or the caller's (then no gradient hooks:
+        # the caller queues a bucket through _ready when its gradients are final).
         self._buckets: list[_Bucket] = []
         cur, size = [], 0
-        for p in reversed(opt._params):
+        for p in (reversed(opt._params) if buckets is None else ()):
             cur.append(p)
             size += p.numel() * 4
             if size >= bucket_mb << 20:
@@ -192,6 +199,8 @@ class BackwardOverlap:
                 cur, size = [], 0
         if cur:
             self._buckets.append(_Bucket(len(self._buckets), cur))
+        for ps in buckets or ():
+            self._buckets.append(_Bucket(len(self._buckets), list(ps)))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._lock = threading.Lock()
         # Queued items; _take() picks the next ones.  _busy: items taken, not finished.
@@ -199,6 +208,7 @@ class BackwardOverlap:
         self._pending: list[_Item] = []
         self._busy = 0
         self._stop = False
+        self._paused = False  # the worker takes nothing new (_pause / _resume)
         self._seq = 0
         self._gen = 0
         self._accumulating = False
@@ -210,7 +220,7 @@ class BackwardOverlap:
         self._stepped: list[tuple[_Bucket, list]] = []  # buckets queued this iteration (a redo queues them again)
         self._counts = {"buckets": 0, "passes": 0, "speculative_steps": 0, "speculations": 0, "redos": 0,
                         "switches": 0, "commits": 0, "kept_copies": 0}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._params] if buckets is None else []
         if model is not None and wait_in_forward:
             for m in model.modules():
                 own = [p for p in m.parameters(recurse=False) if p in self._bucket_of]
@@ -253,20 +263,26 @@ class BackwardOverlap:
             b.ready = set()
         if not ready:
             return
+        if self.max_grad_norm is not None and self._own_norms:
+            with torch.no_grad():
+                for p, n in zip(ready, _norms([p.grad for p in ready])):
+                    self._norm[p] = n
+        self._ready(b, ready)
+
+    def _ready(self, b: _Bucket, params: list, prepare=None) -> None:
+        """Bucket ``b``'s ``params`` have final gradients (``prepare``: the worker makes them
+        final, and returns them as (param, grad), before stepping): queued, or held for the
+        clip coefficient (they are then read from ``.grad`` when it is known)."""
         self.opt._ensure_initialized()  # the state starts from the parameters' values at the first step
         if self._speculable is None:  # (initialize picks the resident shards)
             self._speculable = [self.engine_speculation and self.opt._can_speculate(i)
                                 for i in range(len(self.opt._params))]
-        if self.max_grad_norm is not None:
-            with torch.no_grad():
-                for p, n in zip(ready, _norms([p.grad for p in ready])):
-                    self._norm[p] = n
-            if not self._speculate:
-                self._held.append((b, ready))
-                return
-        self._queue(b, ready, speculative=self.max_grad_norm is not None)
+        if self.max_grad_norm is not None and not self._speculate:
+            self._held.append((b, params))
+            return
+        self._queue(b, params, speculative=self.max_grad_norm is not None, prepare=prepare)
 
-    def _queue(self, b: _Bucket, params: list, speculative: bool) -> None:
+    def _queue(self, b: _Bucket, params: list, speculative: bool, prepare=None) -> None:
         b.idle.wait()  # the previous iteration's step of this bucket
         b.idle.clear()
         ev = None
@@ -274,13 +290,26 @@ class BackwardOverlap:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.opt._device))
         self._stepped.append((b, params))
-        self._put(_Item(self._gen, 0, b, [(p, p.grad) for p in params], ev, self.opt._group_keys(), speculative))
+        grads = [] if prepare is not None else [(p, p.grad) for p in params]
+        self._put(_Item(self._gen, 0, b, grads, ev, self.opt._group_keys(), speculative, prepare))
 
     def _put(self, item: _Item) -> None:
         with self._cv:
             self._seq += 1
             item.seq = self._seq
             self._pending.append(item)
+            self._cv.notify_all()
+
+    def _pause(self) -> None:
+        """The worker finishes the item it is on and takes nothing new until _resume()."""
+        with self._cv:
+            self._paused = True
+            while self._busy:
+                self._cv.wait()
+
+    def _resume(self) -> None:
+        with self._cv:
+            self._paused = False
             self._cv.notify_all()
 
     def _wait(self, buckets: list[_Bucket]) -> None:
@@ -298,7 +327,7 @@ class BackwardOverlap:
         the forward needs first (highest index; ``coalesce``: the first k of them in that
         order, or all), and if none is done, the one queued first.  None: stop."""
         with self._cv:
-            while not self._pending and not self._stop:
+            while (not self._pending or self._paused) and not self._stop:
                 self._cv.wait()
             if not self._pending:
                 return None
@@ -387,6 +416,8 @@ class BackwardOverlap:
         types = (ctypes.c_int * n)()
         keep, calls = [], set()
         for x in items:
+            if x.prepare is not None:
+                x.grads = x.prepare()
             for p, g in x.grads:
                 i = opt._shard_of[p]
                 if not g.is_contiguous():
@@ -439,6 +470,10 @@ class BackwardOverlap:
         gradient are skipped, as by ``opt.step()``), settles clipping, queues the commit
         and returns; with a model and ``wait_in_forward`` the next forward waits per
         module, else this waits."""
+        self._end(self._settle_clipping if self.max_grad_norm is not None else None)
+
+    def _end(self, settle) -> None:
+        """step() with ``settle`` (or None: no clipping) deciding the clip coefficient."""
         if self._accumulating:
             raise RuntimeError("BackwardOverlap.step() inside accumulating()")
         self._raise()
@@ -446,8 +481,8 @@ class BackwardOverlap:
         for b in self._buckets:
             self._complete(b)
         try:
-            if self.max_grad_norm is not None:
-                self._settle_clipping()
+            if settle is not None:
+                settle()
         finally:
             self._held, self._stepped = [], []
             self._norm.clear()
@@ -487,6 +522,12 @@ class BackwardOverlap:
         total = self._total_norm(params)
         coef = self.max_grad_norm / (total + 1e-6)
         fired = not bool(coef >= 1.0)  # else torch multiplies by exactly 1.0: no change (NaN: fired)
+        self._settle(fired, lambda: torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total))
+
+    def _settle(self, fired: bool, clip) -> None:
+        """Speculation kept (commit) or discarded and redone, once whether clipping
+        ``fired`` is known; ``clip()`` clips the gradients in place (None: already clipped
+        by the caller, which must not have changed any gradient when it did not fire)."""
         todo = self._held
         if self._speculate:
             self._counts["speculations"] += 1
@@ -504,8 +545,8 @@ class BackwardOverlap:
                     self._restore()
                 todo = self._stepped + self._held
                 self._counts["redos"] += 1
-        if fired:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
+        if fired and clip is not None:
+            clip()
         if todo:
             self._stepped = []
             for b, ps in sorted(todo, key=lambda t: -t[0].index):  # the forward's order

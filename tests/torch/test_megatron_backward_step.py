@@ -1,0 +1,111 @@
+"""deferalloc.megatron's step inside Megatron's backward (``step_in_backward=True``) on the CPU
+(gloo, cpu_emulation, deferalloc's host driver).
+
+examples/megatron/train_gpt.py under torchrun, DDP with ``overlap_grad_reduce`` and small
+buckets (several bucket groups, each stepped when its reduce-scatter has finished), at data-
+parallel size 1 and 2, with Megatron's clipping never firing (clip_grad 1000) and always
+firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
+  1. Megatron's own DistributedOptimizer (CUDA's AdamW roundings, megatron_cuda_rounding.py)
+     and the plain streamed step (host tier): losses and final state (a digest over every
+     rank's main params and moments) bit-identical;
+  2. the step inside backward, bit-identical to both:
+       never firing, clip policy "auto" (the first iteration holds its buckets, then every
+       bucket is stepped speculatively during backward and committed), with
+       overlap_param_gather (each bucket group's all-gather waits for its own bucket);
+       always firing, clip policy "speculate" (every speculation discarded and redone);
+       always firing, clip policy "auto" (buckets held, stepped after Megatron's clip; DP 1);
+     and the counts show which path ran (3 steps each);
+  3. what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
+     distributed-optimizer instances, an unknown clip policy).
+Exit 0 / 1; 77 without megatron-core.  Eleven torchrun launches (1 or 2 processes each).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_runs import EXAMPLE, HERE, report, require_megatron, torchrun, work_dir
+
+CUDA_ROUNDING = os.path.join(HERE, "megatron_cuda_rounding.py")
+MODEL = ["--cpu-emulation", "--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "16",
+         "--batch", "2", "--steps", "3", "--digest", "--overlap-grad-reduce", "--bucket-size", "3000"]
+CLIPS = {"never": ["--clip-grad", "1000"], "always": ["--clip-grad", "1.0"]}
+STEPS = 3
+
+
+def refusals() -> list:
+    """stream_optimizer_state(step_in_backward=True)'s refusals, on stand-ins of a
+    DistributedOptimizer's attributes (checked before anything changes)."""
+    from types import SimpleNamespace as NS
+
+    from deferalloc.megatron import _refuse_backward_step
+    from deferalloc.optim import InvalidArgumentError
+
+    def dopt(**kw):
+        d = dict(grad_scaler=None, ddp_config=NS(num_distributed_optimizer_instances=1),
+                 config=NS(grad_norm_skip_threshold=float("inf")))
+        d.update(kw)
+        return NS(**d)
+
+    def refused(chain, policy="auto") -> bool:
+        try:
+            _refuse_backward_step(chain, policy)
+            return False
+        except InvalidArgumentError:
+            return True
+    cases = {"a grad scaler": refused([dopt(grad_scaler=object())]),
+             "grad_norm_skip_threshold": refused([dopt(config=NS(grad_norm_skip_threshold=10.0))]),
+             "two distributed-optimizer instances": refused([dopt(ddp_config=NS(
+                 num_distributed_optimizer_instances=2))]),
+             "clip policy 'sometimes'": refused([dopt()], "sometimes")}
+    rows = [(f"refused: {k}", "refused" if v else "accepted", v) for k, v in cases.items()]
+    ok = not refused([dopt(), dopt()])
+    rows.append(("accepted: BF16 without a scaler (a chain of two)", "accepted" if ok else "refused", ok))
+    return rows
+
+
+def main() -> int:
+    version = require_megatron()
+    env = dict(os.environ)
+    work = work_dir("dfa_megatron_backward_step_")
+    wall: dict[str, float] = {}
+    rows = refusals()
+    for dp in (1, 2):
+        for clip, clip_args in CLIPS.items():
+            def run(tag: str, extra: list[str], script: str = EXAMPLE) -> dict | None:
+                return torchrun(f"dp{dp}-{clip}-{tag}", dp, [*MODEL, *clip_args, *extra], env, work, wall, script)
+
+            own = run("megatron", [], CUDA_ROUNDING)
+            plain = run("plain", ["--deferalloc", "host"])
+            ok = bool(own and plain) and own["losses"] == plain["losses"] and \
+                own["final_digest"] == plain["final_digest"]
+            rows.append((f"DP {dp}, clipping {clip}: plain streamed step == Megatron's own (losses, final state)",
+                         "bit-identical" if ok else "differ / failed", ok))
+            variants = {"auto": ["--clip-policy", "auto"]}
+            if clip == "never":
+                variants["auto"] += ["--overlap-param-gather"]
+            else:  # (the held path of auto once, at DP 1: the CI budget)
+                variants = {"speculate": ["--clip-policy", "speculate"], **(variants if dp == 1 else {})}
+            for name, extra in variants.items():
+                r = run(f"backward-{name}", ["--deferalloc", "host", "--step-in-backward", *extra])
+                same = bool(r and plain) and r["losses"] == plain["losses"] and \
+                    r["final_digest"] == plain["final_digest"]
+                st = (r or {}).get("backward_step") or {}
+                if clip == "never":  # the first iteration holds, the others speculate and commit
+                    path = st.get("speculations") == STEPS - 1 and st.get("commits") == STEPS - 1 and \
+                        st.get("redos") == 0
+                elif name == "speculate":  # every speculation discarded, every bucket redone
+                    path = st.get("speculations") == STEPS and st.get("redos") == STEPS and st.get("commits") == 0
+                else:  # clipping fires: auto never speculates
+                    path = st.get("speculations") == 0 and st.get("speculative_steps") == 0
+                what = f"DP {dp}, clipping {clip}: step inside backward ({' '.join(extra)}) == plain == own"
+                rows.append((what, "bit-identical" if same else "differ / failed", same))
+                rows.append((f"DP {dp}, clipping {clip}, {name}: the path taken", str(st), path))
+    print(f"megatron-core {version}; wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
+    failed = report("test_megatron_backward_step", f"CPU emulation (gloo), megatron-core {version}", rows, [],
+                    {"wall_seconds": wall}, None)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
