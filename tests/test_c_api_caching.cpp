@@ -4,6 +4,7 @@
 #include <deferalloc/deferalloc.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "../allocator/abi/dlpack_abi.hpp"
+#include "log_probe.hpp"
 
 namespace {
 class c_api_caching : public ::testing::Test {
@@ -328,6 +330,40 @@ TEST_F(c_api_caching, a_refused_allocation_says_why_once) {
   dfa_free(p, 0, 0, nullptr);
   dfa_free(q, 0, 0, nullptr);
   ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+}
+
+// Note [Logging outside locks] at the C ABI: lines logged under the caching allocator's
+// mutex (a refusal) or under the instance's lock (the driver chosen at dfa_init) reach
+// the callback after every lock is released, so a callback may call the library.
+TEST_F(c_api_caching, the_log_callback_runs_outside_the_librarys_locks) {
+  dfa_test::log_probe probe([] {
+    int64_t v = 0;
+    (void)dfa_memory_stat(0, "num_ooms", &v);  // the instance's lock, then the allocator's
+  });
+  ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_set_log_callback(&dfa_test::log_probe::fn, &probe, 3), DFA_SUCCESS);
+  ASSERT_EQ(dfa_init("driver:auto,host_granularity_kb:64"), DFA_SUCCESS) << dfa_last_error();
+  const char* n = nullptr;
+  ASSERT_EQ(dfa_driver_name(&n), DFA_SUCCESS);
+  const std::string name = n;
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  void* p = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_pause("p", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  EXPECT_EQ(dfa_malloc(100, 0, nullptr), nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+  std::size_t refusals = 0;
+  for (const std::string& l : probe.lines) refusals += l.rfind("deferalloc refused 100 bytes", 0) == 0;
+  EXPECT_EQ(refusals, 1u);
+  if (name == "host")
+    EXPECT_NE(std::find(probe.lines.begin(), probe.lines.end(), "no CUDA device: using the host driver (driver:auto)"),
+              probe.lines.end());
+  EXPECT_TRUE(probe.blocked.empty()) << probe.blocked.size() << " lines delivered under a lock, the first: "
+                                     << probe.blocked.front();
+  ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_free(p, 0, 0, nullptr);
 }
 
 TEST_F(c_api_caching, refusals_name_the_fraction_the_budget_and_the_device) {

@@ -123,8 +123,11 @@ void note_segment(caching_allocator& a, const void* block) {
   }
 }
 
+// The body's log lines are delivered when it has returned, its locks (g_mu, the
+// allocators', the manager's) released: Note [Logging outside locks] in log.hpp.
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
+  detail::log_hold hold;
   return detail::abi_guard(call, t_last_error, std::forward<F>(body));
 }
 
