@@ -318,9 +318,11 @@ TEST_F(c_api_caching, a_refused_allocation_says_why_once) {
   EXPECT_EQ(refusal(), paused);
   ASSERT_EQ(logs.warn.size(), 1u);
   EXPECT_EQ(logs.warn[0], paused);
-  void* q = dfa_malloc(4096, 0, nullptr);  // untagged: served; the refusal stays readable
-  ASSERT_NE(q, nullptr);
+  dfa_empty_cache_hook();  // what PyTorch calls between its retries: the refusal stays readable
   EXPECT_EQ(refusal(), paused);
+  void* q = dfa_malloc(4096, 0, nullptr);  // untagged: served, which clears it
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(refusal(), "");
   int is_paused = 0;
   ASSERT_EQ(dfa_tag_is_paused("p", &is_paused), DFA_SUCCESS);
   EXPECT_EQ(is_paused, 1) << "the refused allocation leaves the tag paused";
@@ -362,6 +364,41 @@ TEST_F(c_api_caching, the_log_callback_runs_outside_the_librarys_locks) {
               probe.lines.end());
   EXPECT_TRUE(probe.blocked.empty()) << probe.blocked.size() << " lines delivered under a lock, the first: "
                                      << probe.blocked.front();
+  ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_free(p, 0, 0, nullptr);
+}
+
+// dfa_last_refusal is the calling thread's, and valid until its next dfa_malloc: another
+// thread's refusal never shows, and a successful allocation clears an old one (PyTorch's
+// note on a later, unrelated out-of-memory error would otherwise name it).
+TEST_F(c_api_caching, the_last_refusal_is_this_threads_last_malloc) {
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  void* p = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_pause("p", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  auto refused_in_p = [](size_t bytes) {
+    EXPECT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+    EXPECT_EQ(dfa_malloc(bytes, 0, nullptr), nullptr);
+    EXPECT_EQ(dfa_tag_end(), DFA_SUCCESS);
+    return refusal();
+  };
+  dfa_clear_last_refusal();
+  std::string other;
+  std::thread([&] { other = refused_in_p(200); }).join();
+  EXPECT_EQ(other.rfind("deferalloc refused 200 bytes", 0), 0u) << other;
+  EXPECT_EQ(refusal(), "") << "another thread's refusal";
+  const std::string mine = refused_in_p(100);
+  EXPECT_EQ(mine.rfind("deferalloc refused 100 bytes", 0), 0u) << mine;
+  std::thread([&] { (void)refused_in_p(300); }).join();
+  EXPECT_EQ(refusal(), mine) << "another thread's later refusal";
+  void* q = dfa_malloc(4096, 0, nullptr);
+  ASSERT_NE(q, nullptr) << dfa_last_error();
+  EXPECT_EQ(refusal(), "") << "a successful allocation clears the old refusal";
+  EXPECT_EQ(refused_in_p(100), mine);
+  EXPECT_EQ(dfa_malloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(refusal(), "") << "size 0 is no refusal";
+  dfa_free(q, 0, 0, nullptr);
   ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
   dfa_free(p, 0, 0, nullptr);
 }

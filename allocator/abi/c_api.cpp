@@ -38,9 +38,12 @@ namespace {
 using namespace deferalloc;
 
 thread_local std::string t_last_error;
-// The last allocation dfa_malloc refused on this thread (Note [Refusals] in
-// caching/impl.hpp): kept across later successful calls, unlike t_last_error, because
-// PyTorch calls the allocator again (frees, a retry) before its error reaches the user.
+// Why this thread's last dfa_malloc returned NULL, "" when it returned a block (Note
+// [Refusals] in caching/impl.hpp).  Per thread, so that another thread's refusal is never
+// reported for this one's failure; cleared by this thread's next successful dfa_malloc,
+// so that an old refusal is never reported for a later error.  Other calls keep it,
+// unlike t_last_error: PyTorch frees (dfa_free, the hooks) between its retries and
+// raising its error, and a retry that fails sets it again.
 thread_local std::string t_last_refusal;
 
 // Note [Process lifetime]: the instance is torn down by dfa_shutdown, never by the exit
@@ -437,6 +440,7 @@ void* dfa_malloc(size_t size, int device, void* stream) {
   void* out = nullptr;
   if (size == 0) {  // PyTorch asks for 0 bytes for empty tensors: a null pointer, no error
     t_last_error.clear();
+    t_last_refusal.clear();
     return nullptr;
   }
   if (guard("dfa_malloc", [&] {
@@ -446,8 +450,14 @@ void* dfa_malloc(size_t size, int device, void* stream) {
     // The C ABI's current tag is this thread's (thread_tags); the allocator takes its id.
     if (tags.empty()) out = a.allocate(size, stream_t{stream});
     else out = a.allocate(size, stream_t{stream}, a.register_tag(tags.back()));
-    note_segment(a, out);
-  }) != DFA_SUCCESS) {
+    try {
+      note_segment(a, out);
+    } catch (...) {  // the block is the caller's: a failure here must not report it failed
+      detail::log_current("dfa_malloc: listing the segment for fault reports", log_level::warn);
+    }
+  }) == DFA_SUCCESS) {
+    t_last_refusal.clear();
+  } else {
     // The refusal's own text (the warn line), without guard's "dfa_malloc: ".
     constexpr std::string_view prefix = "dfa_malloc: ";
     t_last_refusal = t_last_error.starts_with(prefix) ? t_last_error.substr(prefix.size()) : t_last_error;
