@@ -508,6 +508,41 @@ TEST_F(c_api_caching, memory_snapshot_lists_state_and_recorded_events) {
   dfa_free(b, 0, 0, nullptr);
 }
 
+// A deferred reservation's backed runs ("R" after its "Q" line) are its backed granules,
+// adjacent chunks merged, the same as asking granule by granule.
+TEST_F(c_api_caching, memory_snapshot_lists_a_reservations_backed_runs) {
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  ASSERT_EQ(dfa_reserve(16 * g, &r, nullptr), DFA_SUCCESS) << dfa_last_error();
+  const std::pair<size_t, size_t> backed[] = {{1, 2}, {3, 1}, {6, 1}, {9, 7}};  // [1, 4) from two calls
+  for (auto [first, n] : backed)
+    ASSERT_EQ(dfa_materialize(r, first * g, n * g, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_release(r, 12 * g, g, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  std::string want;  // granule by granule, as the snapshot used to ask
+  int on[17] = {};
+  for (size_t i = 0; i < 16; ++i) ASSERT_EQ(dfa_is_backed(r, i * g, g, &on[i]), DFA_SUCCESS);
+  for (size_t i = 0, j = 0; i < 16; i = j + 1) {
+    for (j = i; on[j]; ++j) {
+    }
+    if (j > i) want += "R " + std::to_string(i * g) + " " + std::to_string((j - i) * g) + "\n";
+  }
+  EXPECT_EQ(want, "R " + std::to_string(g) + " " + std::to_string(3 * g) + "\nR " + std::to_string(6 * g) + " " +
+                      std::to_string(g) + "\nR " + std::to_string(9 * g) + " " + std::to_string(3 * g) + "\nR " +
+                      std::to_string(13 * g) + " " + std::to_string(3 * g) + "\n");
+  size_t needed = 0;
+  ASSERT_EQ(dfa_memory_snapshot(nullptr, 0, &needed), DFA_SUCCESS) << dfa_last_error();
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_memory_snapshot(text.data(), text.size(), &needed), DFA_SUCCESS) << dfa_last_error();
+  text.resize(needed - 1);
+  const std::size_t q = text.find("\nQ " + std::to_string(r) + " ");
+  ASSERT_NE(q, std::string::npos) << text;
+  const std::size_t runs = text.find('\n', q + 1) + 1;
+  const std::size_t end = text.find("\nQ ", runs);
+  EXPECT_EQ(text.substr(runs, end == std::string::npos ? std::string::npos : end + 1 - runs), want) << text;
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+}
+
 // The history is a ring of the newest max_entries events, oldest first.
 TEST_F(c_api_caching, memory_history_keeps_the_newest_events_in_order) {
   ASSERT_EQ(dfa_record_memory_history(5), DFA_SUCCESS) << dfa_last_error();

@@ -614,7 +614,6 @@ dfa_status dfa_memory_snapshot(char* buf, size_t cap, size_t* needed) {
       ids.assign(g_ids.begin(), g_ids.end());
     }
     std::sort(ids.begin(), ids.end());
-    const std::size_t g = m.granularity();
     for (dfa_reservation r : ids) {
       reservation_info info;
       try {
@@ -625,13 +624,9 @@ dfa_status dfa_memory_snapshot(char* buf, size_t cap, size_t* needed) {
       text += "Q " + std::to_string(r) + " " + std::to_string(info.address) + " " + std::to_string(info.reserved_bytes) +
               " " + std::to_string(info.backed_bytes) + " " + std::to_string(info.backup_bytes) + "\n";
       if (info.backed_bytes == 0) continue;
-      try {
-        for (std::size_t i = 0; i * g < info.reserved_bytes;) {
-          std::size_t j = i;
-          while (j * g < info.reserved_bytes && m.is_backed(r, j * g, g)) ++j;
-          if (j > i) text += "R " + std::to_string(i * g) + " " + std::to_string((j - i) * g) + "\n";
-          i = j + 1;
-        }
+      try {  // one pass over the chunks (a 16 GiB reservation has 8192 granules of 2 MiB)
+        for (const range& run : m.backed_ranges(r))
+          text += "R " + std::to_string(run.offset) + " " + std::to_string(run.length) + "\n";
       } catch (const invalid_argument&) {  // freed meanwhile: its runs are left out
       }
     }

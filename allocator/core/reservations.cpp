@@ -851,6 +851,17 @@ bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::
   return gaps(r.chunks, b, e).empty();
 }
 
+std::vector<range> reservation_manager::backed_ranges(reservation_id id) const {
+  detail::log_after_unlock lk(impl_->mu_);
+  const reservation& r = get(id);
+  std::vector<range> out;
+  for (const auto& [pos, c] : r.chunks) {
+    if (!out.empty() && out.back().offset + out.back().length == pos) out.back().length += c.bytes;
+    else out.push_back({r.id, pos, c.bytes});
+  }
+  return out;
+}
+
 std::vector<bool> reservation_manager::backed_granules(reservation_id id) const {
   detail::log_after_unlock lk(impl_->mu_);
   const reservation& r = get(id);
