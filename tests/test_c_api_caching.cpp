@@ -4,6 +4,7 @@
 #include <deferalloc/deferalloc.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "../allocator/abi/dlpack_abi.hpp"
+#include "log_probe.hpp"
 
 namespace {
 class c_api_caching : public ::testing::Test {
@@ -316,9 +318,11 @@ TEST_F(c_api_caching, a_refused_allocation_says_why_once) {
   EXPECT_EQ(refusal(), paused);
   ASSERT_EQ(logs.warn.size(), 1u);
   EXPECT_EQ(logs.warn[0], paused);
-  void* q = dfa_malloc(4096, 0, nullptr);  // untagged: served; the refusal stays readable
-  ASSERT_NE(q, nullptr);
+  dfa_empty_cache_hook();  // what PyTorch calls between its retries: the refusal stays readable
   EXPECT_EQ(refusal(), paused);
+  void* q = dfa_malloc(4096, 0, nullptr);  // untagged: served, which clears it
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(refusal(), "");
   int is_paused = 0;
   ASSERT_EQ(dfa_tag_is_paused("p", &is_paused), DFA_SUCCESS);
   EXPECT_EQ(is_paused, 1) << "the refused allocation leaves the tag paused";
@@ -328,6 +332,75 @@ TEST_F(c_api_caching, a_refused_allocation_says_why_once) {
   dfa_free(p, 0, 0, nullptr);
   dfa_free(q, 0, 0, nullptr);
   ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+}
+
+// Note [Logging outside locks] at the C ABI: lines logged under the caching allocator's
+// mutex (a refusal) or under the instance's lock (the driver chosen at dfa_init) reach
+// the callback after every lock is released, so a callback may call the library.
+TEST_F(c_api_caching, the_log_callback_runs_outside_the_librarys_locks) {
+  dfa_test::log_probe probe([] {
+    int64_t v = 0;
+    (void)dfa_memory_stat(0, "num_ooms", &v);  // the instance's lock, then the allocator's
+  });
+  ASSERT_EQ(dfa_shutdown(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_set_log_callback(&dfa_test::log_probe::fn, &probe, 3), DFA_SUCCESS);
+  ASSERT_EQ(dfa_init("driver:auto,host_granularity_kb:64"), DFA_SUCCESS) << dfa_last_error();
+  const char* n = nullptr;
+  ASSERT_EQ(dfa_driver_name(&n), DFA_SUCCESS);
+  const std::string name = n;
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  void* p = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_pause("p", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  EXPECT_EQ(dfa_malloc(100, 0, nullptr), nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+  std::size_t refusals = 0;
+  for (const std::string& l : probe.lines) refusals += l.rfind("deferalloc refused 100 bytes", 0) == 0;
+  EXPECT_EQ(refusals, 1u);
+  if (name == "host")
+    EXPECT_NE(std::find(probe.lines.begin(), probe.lines.end(), "no CUDA device: using the host driver (driver:auto)"),
+              probe.lines.end());
+  EXPECT_TRUE(probe.blocked.empty()) << probe.blocked.size() << " lines delivered under a lock, the first: "
+                                     << probe.blocked.front();
+  ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_free(p, 0, 0, nullptr);
+}
+
+// dfa_last_refusal is the calling thread's, and valid until its next dfa_malloc: another
+// thread's refusal never shows, and a successful allocation clears an old one (PyTorch's
+// note on a later, unrelated out-of-memory error would otherwise name it).
+TEST_F(c_api_caching, the_last_refusal_is_this_threads_last_malloc) {
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  void* p = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_pause("p", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  auto refused_in_p = [](size_t bytes) {
+    EXPECT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+    EXPECT_EQ(dfa_malloc(bytes, 0, nullptr), nullptr);
+    EXPECT_EQ(dfa_tag_end(), DFA_SUCCESS);
+    return refusal();
+  };
+  dfa_clear_last_refusal();
+  std::string other;
+  std::thread([&] { other = refused_in_p(200); }).join();
+  EXPECT_EQ(other.rfind("deferalloc refused 200 bytes", 0), 0u) << other;
+  EXPECT_EQ(refusal(), "") << "another thread's refusal";
+  const std::string mine = refused_in_p(100);
+  EXPECT_EQ(mine.rfind("deferalloc refused 100 bytes", 0), 0u) << mine;
+  std::thread([&] { (void)refused_in_p(300); }).join();
+  EXPECT_EQ(refusal(), mine) << "another thread's later refusal";
+  void* q = dfa_malloc(4096, 0, nullptr);
+  ASSERT_NE(q, nullptr) << dfa_last_error();
+  EXPECT_EQ(refusal(), "") << "a successful allocation clears the old refusal";
+  EXPECT_EQ(refused_in_p(100), mine);
+  EXPECT_EQ(dfa_malloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(refusal(), "") << "size 0 is no refusal";
+  dfa_free(q, 0, 0, nullptr);
+  ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_free(p, 0, 0, nullptr);
 }
 
 TEST_F(c_api_caching, refusals_name_the_fraction_the_budget_and_the_device) {
@@ -433,6 +506,41 @@ TEST_F(c_api_caching, memory_snapshot_lists_state_and_recorded_events) {
   EXPECT_EQ(std::string(text.c_str()).find("\nE "), std::string::npos) << "stopping drops the events";
   ASSERT_EQ(dfa_tag_resume("t", nullptr), DFA_SUCCESS);
   dfa_free(b, 0, 0, nullptr);
+}
+
+// A deferred reservation's backed runs ("R" after its "Q" line) are its backed granules,
+// adjacent chunks merged, the same as asking granule by granule.
+TEST_F(c_api_caching, memory_snapshot_lists_a_reservations_backed_runs) {
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  dfa_reservation r = 0;
+  ASSERT_EQ(dfa_reserve(16 * g, &r, nullptr), DFA_SUCCESS) << dfa_last_error();
+  const std::pair<size_t, size_t> backed[] = {{1, 2}, {3, 1}, {6, 1}, {9, 7}};  // [1, 4) from two calls
+  for (auto [first, n] : backed)
+    ASSERT_EQ(dfa_materialize(r, first * g, n * g, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_release(r, 12 * g, g, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  std::string want;  // granule by granule, as the snapshot used to ask
+  int on[17] = {};
+  for (size_t i = 0; i < 16; ++i) ASSERT_EQ(dfa_is_backed(r, i * g, g, &on[i]), DFA_SUCCESS);
+  for (size_t i = 0, j = 0; i < 16; i = j + 1) {
+    for (j = i; on[j]; ++j) {
+    }
+    if (j > i) want += "R " + std::to_string(i * g) + " " + std::to_string((j - i) * g) + "\n";
+  }
+  EXPECT_EQ(want, "R " + std::to_string(g) + " " + std::to_string(3 * g) + "\nR " + std::to_string(6 * g) + " " +
+                      std::to_string(g) + "\nR " + std::to_string(9 * g) + " " + std::to_string(3 * g) + "\nR " +
+                      std::to_string(13 * g) + " " + std::to_string(3 * g) + "\n");
+  size_t needed = 0;
+  ASSERT_EQ(dfa_memory_snapshot(nullptr, 0, &needed), DFA_SUCCESS) << dfa_last_error();
+  std::string text(needed, '\0');
+  ASSERT_EQ(dfa_memory_snapshot(text.data(), text.size(), &needed), DFA_SUCCESS) << dfa_last_error();
+  text.resize(needed - 1);
+  const std::size_t q = text.find("\nQ " + std::to_string(r) + " ");
+  ASSERT_NE(q, std::string::npos) << text;
+  const std::size_t runs = text.find('\n', q + 1) + 1;
+  const std::size_t end = text.find("\nQ ", runs);
+  EXPECT_EQ(text.substr(runs, end == std::string::npos ? std::string::npos : end + 1 - runs), want) << text;
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
 }
 
 // The history is a ring of the newest max_entries events, oldest first.

@@ -12,6 +12,8 @@
 #include <thread>
 
 #include "common.hpp"
+#include "core/log/log.hpp"
+#include "log_probe.hpp"
 #include "memory_checks.hpp"
 
 using namespace deferalloc;
@@ -169,6 +171,27 @@ TEST_F(caching, memory_fraction_gives_out_of_memory_after_one_retry) {
   a->deallocate(p, 0, s1);
   void* q = a->allocate(total / 5, s1);  // the cached block is released and re-used
   a->deallocate(q, 0, s1);
+}
+
+// Note [Logging outside locks]: a refusal's warn line reaches the log sink after the
+// allocator's mutex is released (a sink that takes the GIL, the Python bridge, would
+// otherwise deadlock against a thread that holds the GIL and waits for the allocator).
+TEST_F(caching, log_lines_reach_the_sink_after_the_allocators_lock_is_released) {
+  log_probe probe([&] { (void)a->memory_fraction(); });  // takes the allocator's mutex
+  struct sink_scope {
+    explicit sink_scope(log_probe& p) { detail::set_log_sink(&log_probe::fn, &p, log_level::warn); }
+    ~sink_scope() { detail::set_log_sink(nullptr, nullptr, log_level::off); }
+  } sink(probe);
+  EXPECT_THROW(a->allocate(0, s1), invalid_argument);
+  const tag_id t = a->register_tag("p");
+  a->pause("p", keep_mode::discard, s1);
+  EXPECT_THROW(a->allocate(100, s1, t), invalid_state);
+  a->set_memory_fraction(0.25);
+  EXPECT_THROW(a->allocate(d.get_memory_info().total_bytes / 2, s1), out_of_memory);
+  ASSERT_EQ(probe.lines.size(), 3u) << "one warn line per refusal";
+  EXPECT_EQ(probe.lines[1].rfind("deferalloc refused 100 bytes (100 B) in tag 'p': ", 0), 0u) << probe.lines[1];
+  EXPECT_TRUE(probe.blocked.empty()) << probe.blocked.size() << " lines delivered under the lock, the first: "
+                                     << probe.blocked.front();
 }
 
 TEST_F(caching, statistics_have_pytorch_keys_and_peaks_reset) {

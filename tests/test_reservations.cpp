@@ -119,12 +119,18 @@ TEST_F(reservations, releasing_inside_a_chunk_splits_it_and_keeps_the_rest) {
   EXPECT_EQ(m.stats().splits, 2u);
   auto backed = m.backed_granules(id);
   EXPECT_EQ(backed, (std::vector<bool>{true, true, true, false, false, true, true, true}));
+  auto runs = m.backed_ranges(id);  // the split's pieces, merged where adjacent
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_TRUE(runs[0].offset == 0 && runs[0].length == 3 * g && runs[1].offset == 5 * g && runs[1].length == 3 * g);
   auto left = download(d, at(id), 3 * g);
   auto right = download(d, at(id, 5 * g), 3 * g);
   EXPECT_TRUE(std::equal(left.begin(), left.end(), data.begin()));
   EXPECT_TRUE(std::equal(right.begin(), right.end(), data.begin() + 5 * g));
   m.materialize(id, 3 * g, 2 * g, fill_mode::restore);
   EXPECT_EQ(download(d, at(id), 8 * g), data);
+  runs = m.backed_ranges(id);
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_TRUE(runs[0].id == id && runs[0].offset == 0 && runs[0].length == 8 * g);
   m.free(id);
 }
 

@@ -38,9 +38,12 @@ namespace {
 using namespace deferalloc;
 
 thread_local std::string t_last_error;
-// The last allocation dfa_malloc refused on this thread (Note [Refusals] in
-// caching/impl.hpp): kept across later successful calls, unlike t_last_error, because
-// PyTorch calls the allocator again (frees, a retry) before its error reaches the user.
+// Why this thread's last dfa_malloc returned NULL, "" when it returned a block (Note
+// [Refusals] in caching/impl.hpp).  Per thread, so that another thread's refusal is never
+// reported for this one's failure; cleared by this thread's next successful dfa_malloc,
+// so that an old refusal is never reported for a later error.  Other calls keep it,
+// unlike t_last_error: PyTorch frees (dfa_free, the hooks) between its retries and
+// raising its error, and a retry that fails sets it again.
 thread_local std::string t_last_refusal;
 
 // Note [Process lifetime]: the instance is torn down by dfa_shutdown, never by the exit
@@ -123,8 +126,11 @@ void note_segment(caching_allocator& a, const void* block) {
   }
 }
 
+// The body's log lines are delivered when it has returned, its locks (g_mu, the
+// allocators', the manager's) released: Note [Logging outside locks] in log.hpp.
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
+  detail::log_hold hold;
   return detail::abi_guard(call, t_last_error, std::forward<F>(body));
 }
 
@@ -434,6 +440,7 @@ void* dfa_malloc(size_t size, int device, void* stream) {
   void* out = nullptr;
   if (size == 0) {  // PyTorch asks for 0 bytes for empty tensors: a null pointer, no error
     t_last_error.clear();
+    t_last_refusal.clear();
     return nullptr;
   }
   if (guard("dfa_malloc", [&] {
@@ -443,8 +450,14 @@ void* dfa_malloc(size_t size, int device, void* stream) {
     // The C ABI's current tag is this thread's (thread_tags); the allocator takes its id.
     if (tags.empty()) out = a.allocate(size, stream_t{stream});
     else out = a.allocate(size, stream_t{stream}, a.register_tag(tags.back()));
-    note_segment(a, out);
-  }) != DFA_SUCCESS) {
+    try {
+      note_segment(a, out);
+    } catch (...) {  // the block is the caller's: a failure here must not report it failed
+      detail::log_current("dfa_malloc: listing the segment for fault reports", log_level::warn);
+    }
+  }) == DFA_SUCCESS) {
+    t_last_refusal.clear();
+  } else {
     // The refusal's own text (the warn line), without guard's "dfa_malloc: ".
     constexpr std::string_view prefix = "dfa_malloc: ";
     t_last_refusal = t_last_error.starts_with(prefix) ? t_last_error.substr(prefix.size()) : t_last_error;
@@ -601,7 +614,6 @@ dfa_status dfa_memory_snapshot(char* buf, size_t cap, size_t* needed) {
       ids.assign(g_ids.begin(), g_ids.end());
     }
     std::sort(ids.begin(), ids.end());
-    const std::size_t g = m.granularity();
     for (dfa_reservation r : ids) {
       reservation_info info;
       try {
@@ -612,13 +624,9 @@ dfa_status dfa_memory_snapshot(char* buf, size_t cap, size_t* needed) {
       text += "Q " + std::to_string(r) + " " + std::to_string(info.address) + " " + std::to_string(info.reserved_bytes) +
               " " + std::to_string(info.backed_bytes) + " " + std::to_string(info.backup_bytes) + "\n";
       if (info.backed_bytes == 0) continue;
-      try {
-        for (std::size_t i = 0; i * g < info.reserved_bytes;) {
-          std::size_t j = i;
-          while (j * g < info.reserved_bytes && m.is_backed(r, j * g, g)) ++j;
-          if (j > i) text += "R " + std::to_string(i * g) + " " + std::to_string((j - i) * g) + "\n";
-          i = j + 1;
-        }
+      try {  // one pass over the chunks (a 16 GiB reservation has 8192 granules of 2 MiB)
+        for (const range& run : m.backed_ranges(r))
+          text += "R " + std::to_string(run.offset) + " " + std::to_string(run.length) + "\n";
       } catch (const invalid_argument&) {  // freed meanwhile: its runs are left out
       }
     }

@@ -101,7 +101,7 @@ caching_allocator::caching_allocator(reservation_manager& mgr, caching_allocator
 
 caching_allocator::~caching_allocator() {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   if (d.allocated.size() != 0)
     detail::log(log_level::warn, "caching_allocator destroyed with " + std::to_string(d.allocated.size()) +
                                      " blocks still allocated (their memory is released)");
@@ -138,12 +138,12 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
 void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag) {
   impl& d = *impl_;
   if (bytes == 0 || bytes > k_max_request) {
-    std::lock_guard lk(d.mu);
+    log_after_unlock lk(d.mu);
     throw d.refuse<invalid_argument>(bytes, nullptr, bytes == 0 ? "the size is zero" : "the size is above 64 TiB, the most one request may ask",
                                      "check how the size is computed (a negative size cast to unsigned?)");
   }
   const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   if (!d.pending.empty()) d.process_pending(false);
   group* grp = size <= d.cfg.small_size ? &d.small_grp : &d.large_grp;
   if (tag != tag_id::none) {
@@ -206,7 +206,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag
 void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream) {
   impl& d = *impl_;
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   block* b = d.allocated.find(p);
   if (b == nullptr)
     throw invalid_argument("deallocate: pointer " + hex(p) + " was not returned by this allocator (or is already freed)");
@@ -260,7 +260,7 @@ void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream
 
 void caching_allocator::record_stream(void* ptr, stream_t stream) {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   block* b = d.allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr) b = d.find_containing(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr)
@@ -276,7 +276,7 @@ void caching_allocator::record_stream(void* ptr, stream_t stream) {
 
 std::size_t caching_allocator::empty_cache() {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   return d.free_cached();
 }
 
@@ -284,28 +284,28 @@ void caching_allocator::set_memory_fraction(double fraction) {
   DFA_EXPECTS(fraction > 0.0 && fraction <= 1.0,
               "set_memory_fraction: fraction must be in (0, 1], got " + std::to_string(fraction));
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   d.cfg.memory_fraction = fraction;
   d.limit = static_cast<std::size_t>(static_cast<double>(d.total) * fraction);
 }
 
 caching_allocator_config caching_allocator::config() const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   return impl_->cfg;
 }
 
 double caching_allocator::memory_fraction() const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   return impl_->cfg.memory_fraction;
 }
 
 bool caching_allocator::owns(const void* ptr) const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   return impl_->find_containing(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
 }
 
 void* caching_allocator::base_allocation(const void* ptr, std::size_t* size) const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   block* b = impl_->find_containing(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr)
     throw invalid_argument("base_allocation: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
@@ -315,7 +315,7 @@ void* caching_allocator::base_allocation(const void* ptr, std::size_t* size) con
 }
 
 std::size_t caching_allocator::allocation_size(const void* ptr) const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   block* b = impl_->allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
   return b == nullptr ? 0 : b->size;
 }

@@ -65,7 +65,7 @@ void caching_allocator::impl::record_runs(trace_action a, const segment& seg, co
 
 void caching_allocator::record_history(std::size_t max_entries) {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   if (max_entries == 0 || max_entries != d.history_max) {
     d.history.clear();
     d.history.shrink_to_fit();
@@ -76,7 +76,7 @@ void caching_allocator::record_history(std::size_t max_entries) {
 
 std::string caching_allocator::snapshot_text() const {
   const impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   std::string out;
   char line[256];
   std::snprintf(line, sizeof line, "A %zu %zu %zu %" PRId64 "\n", d.g, d.limit, d.reserved, d.refusals);

@@ -68,7 +68,7 @@ void caching_allocator::check_tag_name(std::string_view call, std::string_view t
 
 tag_id caching_allocator::register_tag(std::string_view tag) {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   // A known tag's name was checked when it was registered: the C ABI's tagged malloc,
   // which looks its tag up each time, pays for the check once.
   if (tag_state* t = d.find_tag(tag)) return d.id_of(t);
@@ -112,7 +112,7 @@ void caching_allocator::end_tag() {
 std::string caching_allocator::current_tag() const {
   const tag_id id = region_tag(this);
   if (id == tag_id::none) return std::string();
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   return impl_->tag_of(id)->name;
 }
 
@@ -124,7 +124,7 @@ void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t str
     throw invalid_state("pause('" + std::string(tag) + "'): called inside the tagged region '" + current_tag() +
                         "' (leave the region first)");
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   tag_state* t = d.find_tag(tag);
   if (t == nullptr) throw invalid_argument("pause: unknown tag '" + std::string(tag) + "'");
   if (t->paused) throw invalid_state("pause: tag '" + t->name + "' is already paused");
@@ -158,7 +158,7 @@ void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t str
 
 void caching_allocator::resume(std::string_view tag, stream_t stream) {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   tag_state* t = d.find_tag(tag);
   if (t == nullptr) throw invalid_argument("resume: unknown tag '" + std::string(tag) + "'");
   if (!t->paused) throw invalid_state("resume: tag '" + t->name + "' is not paused");
@@ -197,7 +197,7 @@ void caching_allocator::resume(std::string_view tag, stream_t stream) {
 }
 
 bool caching_allocator::is_paused(std::string_view tag) const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   tag_state* t = impl_->find_tag(tag);
   if (t == nullptr) throw invalid_argument("is_paused: unknown tag '" + std::string(tag) + "'");
   return t->paused;
@@ -205,7 +205,7 @@ bool caching_allocator::is_paused(std::string_view tag) const {
 
 void caching_allocator::set_resident(void* ptr, bool resident) {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   block* b = d.find_containing(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr)
     throw invalid_argument("set_resident: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
@@ -216,7 +216,7 @@ void caching_allocator::set_resident(void* ptr, bool resident) {
 }
 
 std::vector<std::string> caching_allocator::tags() const {
-  std::lock_guard lk(impl_->mu);
+  log_after_unlock lk(impl_->mu);
   std::vector<std::string> out;
   for (auto& t : impl_->tags) out.push_back(t->name);
   return out;
@@ -227,7 +227,7 @@ std::vector<std::string> caching_allocator::tags() const {
 std::map<std::string, std::int64_t> caching_allocator::stats() const {
   const impl& d = *impl_;
   std::map<std::string, std::int64_t> m;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   const char* pools[3] = {"all", "small_pool", "large_pool"};
   auto put = [&](const char* name, const stat_array& a) {
     for (int p = 0; p < 3; ++p) {
@@ -302,7 +302,7 @@ std::int64_t caching_allocator::stat(std::string_view key) const {
 
 void caching_allocator::reset_peak_stats() {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   for (stat_array* a : {&d.st.allocation, &d.st.segment, &d.st.active, &d.st.allocated_bytes, &d.st.reserved_bytes,
                         &d.st.active_bytes, &d.st.requested_bytes})
     for (auto& s : *a) s.peak = s.current;
@@ -310,7 +310,7 @@ void caching_allocator::reset_peak_stats() {
 
 void caching_allocator::reset_accumulated_stats() {
   impl& d = *impl_;
-  std::lock_guard lk(d.mu);
+  log_after_unlock lk(d.mu);
   for (stat_array* a : {&d.st.allocation, &d.st.segment, &d.st.active, &d.st.allocated_bytes, &d.st.reserved_bytes,
                         &d.st.active_bytes, &d.st.requested_bytes})
     for (auto& s : *a) s.allocated = s.freed = 0;

@@ -65,6 +65,8 @@ struct caching_allocator::impl {
   std::size_t limit = 0;
   std::size_t segment_reserve = 0;
 
+  // Taken as log_after_unlock: lines logged under it are delivered after the unlock
+  // (Note [Logging outside locks] in log.hpp).
   mutable std::mutex mu;
   std::vector<std::unique_ptr<stream_state>> streams;
   stream_state* last_stream = nullptr;

@@ -44,7 +44,7 @@ chunk_pool::chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg)
 }
 
 chunk_pool::~chunk_pool() {
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   trim_locked(0);
   if (stats_.taken_bytes != 0)
     detail::log(log_level::warn, "chunk_pool destroyed with " + std::to_string(stats_.taken_bytes) + " bytes still taken");
@@ -76,12 +76,12 @@ std::optional<chunk> chunk_pool::take_locked(std::size_t bytes) {
 
 std::optional<chunk> chunk_pool::try_acquire(std::size_t bytes) {
   DFA_EXPECTS(bytes > 0 && bytes % granularity_ == 0, "chunk_pool: chunk size must be a positive multiple of the granularity");
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   return take_locked(bytes);
 }
 
 std::optional<chunk> chunk_pool::try_reuse(std::span<const std::size_t> sizes) {
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   for (std::size_t bytes : sizes) {
     auto it = cache_.find(bytes);
     if (it != cache_.end() && !it->second.empty()) return take_locked(bytes);
@@ -91,7 +91,7 @@ std::optional<chunk> chunk_pool::try_reuse(std::span<const std::size_t> sizes) {
 
 chunk chunk_pool::acquire(std::size_t bytes) {
   DFA_EXPECTS(bytes > 0 && bytes % granularity_ == 0, "chunk_pool: chunk size must be a positive multiple of the granularity");
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   if (auto c = take_locked(bytes)) return *c;
   if (trim_locked(0) > 0)
     if (auto c = take_locked(bytes)) return *c;
@@ -101,7 +101,7 @@ chunk chunk_pool::acquire(std::size_t bytes) {
 }
 
 void chunk_pool::give_back(const chunk& c) noexcept {
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   try {
     cache_[c.bytes].push_back(c.handle);
   } catch (...) {  // no memory for the list: release the chunk instead of losing it
@@ -142,19 +142,19 @@ std::size_t chunk_pool::trim_locked(std::size_t keep_bytes) noexcept {
 }
 
 std::size_t chunk_pool::trim(std::size_t keep_bytes) noexcept {
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   return trim_locked(keep_bytes);
 }
 
 pool_stats chunk_pool::stats() const {
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   pool_stats s = stats_;
   s.driver_calls = drv_->call_counts();
   return s;
 }
 
 void chunk_pool::reset_peak() noexcept {
-  std::lock_guard lk(mu_);
+  detail::log_after_unlock lk(mu_);
   stats_.peak_alive_bytes = stats_.alive_bytes;
 }
 

@@ -161,7 +161,7 @@ driver& reservation_manager::drv() const { return *impl_->drv_; }
 reservation_manager::~reservation_manager() {
   std::vector<reservation_id> ids;
   {
-    std::lock_guard lk(impl_->mu_);
+    detail::log_after_unlock lk(impl_->mu_);
     for (auto& [id, r] : impl_->reservations_) ids.push_back(id);
   }
   for (auto id : ids) {
@@ -267,7 +267,7 @@ reservation_id reservation_manager::reserve(std::size_t bytes) {
   const std::size_t padded = (bytes + impl_->granularity_ - 1) / impl_->granularity_ * impl_->granularity_;
   // A power of two (the driver requires it), up to the largest chunk class.
   const std::size_t align = std::max(impl_->granularity_, std::bit_floor(std::min(impl_->pool_->classes().back(), padded)));
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   auto r = std::make_unique<reservation>();
   r->base = impl_->drv_->reserve(padded, align);
   r->id = impl_->next_id_++;
@@ -287,12 +287,12 @@ reservation_id reservation_manager::reserve(std::size_t bytes) {
 }
 
 void* reservation_manager::address(reservation_id id) const {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   return reinterpret_cast<void*>(get(id).base);
 }
 
 void reservation_manager::free(reservation_id id, stream_t stream) {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   reservation& r = get(id);
   // Release everything (also drops backups) through the one release path.
   const range all{id, 0, whole};
@@ -428,7 +428,7 @@ std::vector<reservation_manager::work_item> reservation_manager::resolve(std::sp
 
 void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
   expect_valid(fill, "materialize");
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   reap_retired(false);
   const std::size_t g = impl_->granularity_;
   std::vector<work_item> ws = resolve(ranges);
@@ -690,13 +690,13 @@ void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t str
 }
 
 void reservation_manager::release(std::span<const range> ranges, keep_mode keep, stream_t stream) {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   release_locked(ranges, keep, stream, nullptr);
 }
 
 void reservation_manager::release_after(std::span<const range> ranges, keep_mode keep, event_t last_use) {
   DFA_EXPECTS(last_use != nullptr, "release_after: last_use is null");
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   release_locked(ranges, keep, nullptr, last_use);
 }
 
@@ -822,7 +822,7 @@ void reservation_manager::release_locked(std::span<const range> ranges, keep_mod
 std::vector<range> reservation_manager::release_whole_chunks(std::span<const range> ranges, keep_mode keep,
                                                              stream_t stream) {
   expect_valid(keep, "release_whole_chunks");
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   std::vector<range> inner;
   for (const auto& w : resolve(ranges)) {
     auto& r = *w.r;
@@ -840,19 +840,30 @@ std::vector<range> reservation_manager::release_whole_chunks(std::span<const ran
 // ---- queries ------------------------------------------------------------------------
 
 void reservation_manager::record_stream(reservation_id id, stream_t stream) {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   get(id).use(stream);
 }
 
 bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::size_t length) const {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   const reservation& r = get(id);
   auto [b, e] = clamp(r, offset, length);
   return gaps(r.chunks, b, e).empty();
 }
 
+std::vector<range> reservation_manager::backed_ranges(reservation_id id) const {
+  detail::log_after_unlock lk(impl_->mu_);
+  const reservation& r = get(id);
+  std::vector<range> out;
+  for (const auto& [pos, c] : r.chunks) {
+    if (!out.empty() && out.back().offset + out.back().length == pos) out.back().length += c.bytes;
+    else out.push_back({r.id, pos, c.bytes});
+  }
+  return out;
+}
+
 std::vector<bool> reservation_manager::backed_granules(reservation_id id) const {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   const reservation& r = get(id);
   std::vector<bool> out(r.padded / impl_->granularity_, false);
   for (const auto& [pos, c] : r.chunks)
@@ -861,13 +872,13 @@ std::vector<bool> reservation_manager::backed_granules(reservation_id id) const 
 }
 
 reservation_info reservation_manager::info(reservation_id id) const {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   const reservation& r = get(id);
   return {r.id, r.base, r.size, r.padded, r.backed_granules * impl_->granularity_, r.saved_granules * impl_->granularity_};
 }
 
 std::optional<reservation_id> reservation_manager::find(const void* ptr) const {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = impl_->by_address_.upper_bound(p);
   if (it == impl_->by_address_.begin()) return std::nullopt;
@@ -878,7 +889,7 @@ std::optional<reservation_id> reservation_manager::find(const void* ptr) const {
 }
 
 reservation_stats reservation_manager::stats() const {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   reservation_stats s;
   s.reservations = impl_->reservations_.size();
   s.reserved_bytes = impl_->reserved_bytes_;
@@ -892,12 +903,12 @@ reservation_stats reservation_manager::stats() const {
 }
 
 void reservation_manager::reset_peak() noexcept {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   impl_->peak_backed_ = impl_->backed_bytes_;
 }
 
 std::size_t reservation_manager::trim_backup_cache(std::size_t keep_bytes) {
-  std::lock_guard lk(impl_->mu_);
+  detail::log_after_unlock lk(impl_->mu_);
   reap_retired(true);
   return impl_->pinned_->trim(keep_bytes);
 }

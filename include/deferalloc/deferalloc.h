@@ -116,10 +116,13 @@ DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
  * to the tag.  size 0 gives NULL without an error (PyTorch's empty tensors).
  * Cost: cached: one mutex, no driver call; see caching_allocator.hpp. */
 DFA_C_API void* dfa_malloc(size_t size, int device, void* stream);
-/* The message of the last allocation dfa_malloc refused on this thread ("" if none):
- * "deferalloc refused <N> bytes (<size>)[ in tag 'T']: <reason>. Fix: <what to do>."
- * (also logged at warn).  Unlike dfa_last_error(), later successful calls keep it, until
- * the next refusal or dfa_clear_last_refusal(). */
+/* Why the calling thread's last dfa_malloc returned NULL: "deferalloc refused <N> bytes
+ * (<size>)[ in tag 'T']: <reason>. Fix: <what to do>." (also logged at warn), or the
+ * error of a failure that is not a refusal; "" when that dfa_malloc returned a block (or
+ * size 0), before any, and after dfa_clear_last_refusal().  Per thread: another thread's
+ * refusal never shows here.  Valid until this thread's next dfa_malloc: unlike
+ * dfa_last_error(), other calls (dfa_free, the hooks, which PyTorch makes between its
+ * retries and its error) keep it. */
 DFA_C_API const char* dfa_last_refusal(void);
 DFA_C_API void dfa_clear_last_refusal(void);
 /* CUDAPluggableAllocator's free (no status: a pointer we do not own sets

@@ -384,11 +384,12 @@ def _refusal_note() -> Iterator[None]:
 
 
 def last_error() -> str:
-    """The last allocation deferalloc refused on this thread, "" if none: "deferalloc
-    refused <N> bytes (<size>)[ in tag 'T']: <reason>. Fix: <what to do>." (the same
-    line is logged at warn).  PyTorch's allocator interface reports a refusal as its own
-    out-of-memory error (or, under ``install()``, not at all): this says why.  Entering a
-    ``region`` clears it."""
+    """Why this thread's last deferalloc allocation failed, "" when it succeeded (or none was
+    made): "deferalloc refused <N> bytes (<size>)[ in tag 'T']: <reason>. Fix: <what to
+    do>." (the same line is logged at warn).  PyTorch's allocator interface reports a
+    refusal as its own out-of-memory error (or, under ``install()``, not at all): this says
+    why.  Per thread, valid until this thread's next allocation through deferalloc (frees
+    keep it); entering a ``region`` clears it."""
     return _load().dfa_last_refusal().decode(errors="replace")
 
 
