@@ -52,7 +52,7 @@ typedef void (*dfa_progress_fn)(const char* phase, size_t done, size_t total, do
  * budget of streamed state, default 512), depth (pieces in flight, default 0:
  * 8 on the host tier, 3 on the file tier, fewer if the window holds fewer),
  * resume:0|1 (file tier), rank, io_threads, io_request_mb, progress_line:0|1,
- * moments:fp32|bf16|int8 (host tier: how the Adam moments are stored; optimizer.hpp),
+ * moments:fp32|bf16|int8 (host and file tiers: how the Adam moments are stored; optimizer.hpp),
  * resident_mb (host tier: HBM for shards kept resident, the rest stream; optimizer.hpp),
  * keep_window:0|1 (keep the window's slots backed between passes: back-to-back passes map nothing).
  * Unknown keys: INVALID_ARGUMENT.  Cost: a driver and three streams. */

@@ -56,7 +56,7 @@ DFA_API void validate(const adamw_params& p);
 /// references that must reproduce a step bit for bit.
 DFA_API float backend_pow(driver& d, float base, float e);
 
-/// How the Adam moments are stored at home and moved over PCIe (host tier).  The
+/// How the Adam moments are stored at home and moved (host and file tiers).  The
 /// arithmetic stays FP32 inside the window; main params are always FP32.  See
 /// Note [Moment formats] in optimizer/kernels/moment_format.hpp.
 enum class moment_format : int {
@@ -95,7 +95,8 @@ struct optimizer_config {
   /// the file tier, or as many as the window holds if fewer (Note [Window slots]).
   int depth = 0;
   adamw_params adamw;
-  /// Storage of the moments at home (host tier; the device and file tiers take fp32 only).
+  /// Storage of the moments at home (host and file tiers; the device tier takes fp32 only;
+  /// a state file keeps the format it was created with: Note [File tier moments]).
   moment_format moments = moment_format::fp32;
   /// Host tier: HBM for shards kept resident (FP32 state in HBM, stepped in place like
   /// the device tier, never streamed), taken in registration order at initialize() while
