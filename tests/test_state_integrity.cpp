@@ -5,6 +5,7 @@
 #include <deferalloc/deferalloc.h>
 #include <deferalloc/optimizer.hpp>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -386,6 +387,49 @@ TEST(state_integrity, a_second_optimizer_on_a_state_file_is_refused) {
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
   model b(host(), config(tier::file, dir2, true));
   EXPECT_TRUE(b.opt->resumed()) << "the lock outlived its holder";
+}
+
+// A state file opened by a file store whose construction then fails (no memory for its
+// I/O threads' stacks) is closed, and an unpublished one removed: the descriptor leaked.
+TEST(state_integrity, a_file_store_failing_after_the_open_closes_the_state_file) {
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // a child: the address-space limit would hit the test runner's threads too
+    auto fds = [] {
+      int n = 0;
+      for (const auto& e : fs::directory_iterator("/proc/self/fd")) n += e.path().filename() != "." ? 1 : 0;
+      return n;
+    };
+    auto vm_kb = [] {
+      std::ifstream f("/proc/self/status");
+      std::string line;
+      while (std::getline(f, line))
+        if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7));
+      return 0ull;
+    };
+    auto cfg = config(tier::file, dir, false);
+    cfg.io_threads = 64;  // more than glibc's cache of joined threads' stacks serves
+    model m(host(), cfg);
+    const int before = fds();
+    rlimit old{};
+    ::getrlimit(RLIMIT_AS, &old);
+    rlimit lim = old;
+    lim.rlim_cur = (vm_kb() + 1024) * 1024;  // no room for an I/O thread's stack
+    ::setrlimit(RLIMIT_AS, &lim);
+    const std::string e = error_of([&] { m.opt->initialize(); });
+    ::setrlimit(RLIMIT_AS, &old);
+    int rc = 0;
+    if (e == "(no error)") rc |= 1;  // (the limit did not bite: the test proves nothing)
+    if (fds() != before) rc |= 2;
+    if (fs::exists(dir + "/deferalloc-rank0.state.new")) rc |= 4;
+    if (rc) std::fprintf(stderr, "error: %s, fds %d -> %d\n", e.c_str(), before, fds());
+    ::_exit(rc);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 0) << "1: no failure, 2: a descriptor leaked, 4: the unpublished file stayed";
 }
 
 // ---- 7 (part): what resumes and refusals say -----------------------------------------

@@ -217,7 +217,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
     else create_new();
     for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
   } catch (...) {
-    ::close(lock_fd_);
+    shut_down();  // the threads started, the state file (an unpublished one removed), the lock
     throw;
   }
 }
@@ -286,20 +286,14 @@ void file_store::create_new() {
     ::unlink(tmp_path_.c_str());  // a killed run's unpublished file
   }
   fd_ = open_checked(tmp_path_, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, direct_, dir_);
-  published_ = false;
+  published_ = false;  // from here a failure closes and removes it (shut_down)
   const std::uint64_t total = steps_offset(2);
   if (::fallocate(fd_, 0, 0, static_cast<off_t>(total)) != 0) {
     const int e = errno;
-    if (e != EOPNOTSUPP) {
-      ::close(fd_);
-      ::unlink(tmp_path_.c_str());
+    if (e != EOPNOTSUPP)
       throw io_error("file tier: cannot reserve " + std::to_string(total) + " bytes for " + tmp_path_ + ": " + errtext(e));
-    }
-    if (::ftruncate(fd_, static_cast<off_t>(total)) != 0) {
-      ::close(fd_);
-      ::unlink(tmp_path_.c_str());
+    if (::ftruncate(fd_, static_cast<off_t>(total)) != 0)
       throw io_error("file tier: cannot size " + tmp_path_ + ": " + errtext(errno));
-    }
   }
 }
 
@@ -385,16 +379,22 @@ void file_store::open_existing() {
   }
 }
 
-file_store::~file_store() {
+file_store::~file_store() { shut_down(); }
+
+void file_store::shut_down() noexcept {
   {
     std::lock_guard lk(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
+  threads_.clear();
   if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
-  ::close(lock_fd_);  // Note [One owner per state file]: after the last write
+  published_ = true;
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // Note [One owner per state file]: after the last write
+  lock_fd_ = -1;
 }
 
 file_store::header_state file_store::read_header(int copy, commit_record& out) {

@@ -133,6 +133,9 @@ class file_store {
     bool moments = false;
   };
   header_state read_header(int copy, commit_record& out);
+  /// Stops the I/O threads, closes the state file (removing an unpublished one) and
+  /// releases the lock: the destructor, and a constructor that fails part-way.
+  void shut_down() noexcept;
   void open_existing();
   void create_new();
   /// Takes the state file's lock or throws invalid_state naming the holder.
