@@ -389,6 +389,39 @@ TEST(state_integrity, a_second_optimizer_on_a_state_file_is_refused) {
   EXPECT_TRUE(b.opt->resumed()) << "the lock outlived its holder";
 }
 
+// A process forked while an optimizer holds its state file (a DataLoader worker forked
+// after the optimizer was built) does not keep the lock: once the parent closes the
+// optimizer, a new one in the parent takes the file while the child still runs.
+TEST(state_integrity, a_forked_child_does_not_keep_the_owner_lock) {
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  auto a = std::make_unique<model>(host(), config(tier::file, dir, false));
+  a->opt->initialize();
+  a->step(0);
+  int to_child[2];
+  ASSERT_EQ(::pipe(to_child), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(to_child[1]);
+    char x = 0;
+    (void)!::read(to_child[0], &x, 1);  // alive until the parent has checked
+    ::_exit(0);
+  }
+  ::close(to_child[0]);
+  a.reset();
+  std::string e = "(no error)";
+  bool resumed = false;
+  {
+    model b(host(), config(tier::file, dir, true));
+    e = error_of([&] { resumed = b.opt->resumed(); });
+  }
+  ::close(to_child[1]);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_EQ(e, "(no error)") << "the forked child kept the lock";
+  EXPECT_TRUE(resumed);
+}
+
 // A state file opened by a file store whose construction then fails (no memory for its
 // I/O threads' stacks) is closed, and an unpublished one removed: the descriptor leaked.
 TEST(state_integrity, a_file_store_failing_after_the_open_closes_the_state_file) {

@@ -99,10 +99,12 @@
 
 #include <deferalloc/errors.hpp>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -234,20 +236,66 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // second opener in the same process conflicts too (a POSIX fcntl lock would not), and
 // the kernel drops the lock when the holder dies (a kill leaves no stale lock).  The
 // holder writes its pid into the file, which the refused opener names.
+// A forked child (a DataLoader worker forked after the optimizer was built) shares the
+// lock's open file description, so the lock would live until the child exits too and a
+// new optimizer of the parent would be refused: every lock fd is registered, and a
+// pthread_atfork child handler closes the child's copies (closing, never LOCK_UN, which
+// would release the parent's lock).  The fd is opened, locked and registered under the
+// registry's mutex, which the fork holds (prepare handler), so no fork sees an fd locked
+// and not yet registered; a file_store destroyed in the child closes nothing of it.
 // Limits: advisory (only deferalloc honours it); the pid is what the holder wrote (a
 // holder that has not written it yet is named as unknown); on NFS flock() is emulated
-// with fcntl locks, which conflict between processes only.
+// with fcntl locks, which conflict between processes only; a process made by clone()
+// without fork's handlers (vfork, posix_spawn) keeps its copy until it execs (the fd is
+// O_CLOEXEC).
+namespace {
+struct lock_registry {
+  std::mutex mu;
+  std::vector<int> fds;  // the lock fds of this process's file stores
+};
+lock_registry& locks() {
+  static auto* r = new lock_registry;  // never destroyed: a fork at exit still finds it
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::pthread_atfork([] { locks().mu.lock(); }, [] { locks().mu.unlock(); },
+                     [] {
+                       auto& l = locks();
+                       for (int fd : l.fds) ::close(fd);
+                       l.fds.clear();
+                       l.mu.unlock();
+                     });
+  });
+  return *r;
+}
+}  // namespace
+
+void file_store::release_lock() noexcept {
+  if (lock_fd_ < 0) return;
+  auto& l = locks();
+  std::lock_guard lk(l.mu);
+  const auto it = std::find(l.fds.begin(), l.fds.end(), lock_fd_);
+  if (it != l.fds.end()) {  // else a forked child's copy, closed by the fork
+    l.fds.erase(it);
+    ::close(lock_fd_);
+  }
+  lock_fd_ = -1;
+}
+
 void file_store::lock_owner() {
   const std::string lock_path = path_ + ".lock";
   struct stat st {};
   if (::lstat(lock_path.c_str(), &st) == 0) check_owned_file(lock_path, st, "file tier");
+  auto& l = locks();
+  std::unique_lock reg(l.mu);
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
+  l.fds.push_back(lock_fd_);
+  reg.unlock();
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     char pid[32] = {};
     const ssize_t n = ::pread(lock_fd_, pid, sizeof pid - 1, 0);
-    ::close(lock_fd_);
+    release_lock();
     std::string holder = n > 0 ? std::string(pid, static_cast<std::size_t>(n)) : std::string();
     holder.resize(std::min(holder.size(), holder.find_first_not_of("0123456789")));
     if (e != EWOULDBLOCK) throw io_error("file tier: cannot lock " + lock_path + ": " + errtext(e));
@@ -393,8 +441,7 @@ void file_store::shut_down() noexcept {
   fd_ = -1;
   if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
   published_ = true;
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // Note [One owner per state file]: after the last write
-  lock_fd_ = -1;
+  release_lock();  // Note [One owner per state file]: after the last write
 }
 
 file_store::header_state file_store::read_header(int copy, commit_record& out) {

@@ -140,6 +140,8 @@ class file_store {
   void create_new();
   /// Takes the state file's lock or throws invalid_state naming the holder.
   void lock_owner();
+  /// Closes the lock fd (unless a fork closed it: Note [One owner per state file]).
+  void release_lock() noexcept;
   /// Checksums (write) or verifies (read) the blocks of one request.
   void checksum_blocks(const request& r);
   std::uint64_t table_offset(int slot) const;
