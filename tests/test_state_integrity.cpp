@@ -465,6 +465,33 @@ TEST(state_integrity, a_file_store_failing_after_the_open_closes_the_state_file)
   EXPECT_EQ(WEXITSTATUS(st), 0) << "1: no failure, 2: a descriptor leaked, 4: the unpublished file stayed";
 }
 
+// set_shard_step before the state exists is refused (initialize() would reset the counts,
+// a resume would read the file's over it); on a resumed file tier it first reads the file,
+// then changes the count, and the change is committed.
+TEST(state_integrity, set_shard_step_needs_the_state_and_reads_a_resumed_file_first) {
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  {
+    model h(host(), config(tier::host, "", false));
+    const std::string e = error_of([&] { h.opt->set_shard_step(1, 5); });
+    EXPECT_NE(e.find("set_shard_step: no state yet"), std::string::npos) << e;
+    model f(host(), config(tier::file, dir, false));
+    EXPECT_NE(error_of([&] { f.opt->set_shard_step(1, 5); }).find("no state yet"), std::string::npos);
+    f.opt->initialize();
+    f.step(0), f.step(1);
+  }
+  {
+    model m(host(), config(tier::file, dir, true));
+    m.opt->set_shard_step(1, 42);  // the first call: the file is opened by it
+    EXPECT_TRUE(m.opt->resumed());
+    EXPECT_EQ(m.opt->shard_step(1), 42u);
+    EXPECT_EQ(m.opt->shard_step(0), 2u);
+  }
+  model m(host(), config(tier::file, dir, true));
+  EXPECT_TRUE(m.opt->resumed());
+  EXPECT_EQ(m.opt->shard_step(1), 42u) << "the count set after the resume was committed";
+}
+
 // ---- 7 (part): what resumes and refusals say -----------------------------------------
 
 namespace {

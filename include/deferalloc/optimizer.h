@@ -106,7 +106,8 @@ DFA_C_API dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_stat
                                         float* out);
 DFA_C_API dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
                                          const float* in);
-/* PyTorch's per-parameter `step` of a shard. */
+/* PyTorch's per-parameter `step` of a shard.  Setting it needs the state (INVALID_STATE
+ * before dfa_opt_initialize, unless a file tier resumed). */
 DFA_C_API dfa_status dfa_opt_get_shard_step(dfa_optimizer* o, size_t shard, uint64_t* out);
 DFA_C_API dfa_status dfa_opt_set_shard_step(dfa_optimizer* o, size_t shard, uint64_t step);
 /* Groups dfa_opt_write_state / dfa_opt_set_shard_step calls into one publish (the file

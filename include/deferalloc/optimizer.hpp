@@ -278,7 +278,8 @@ class DFA_API streamed_adamw {
   void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
   /// Steps taken by shard `s` (PyTorch's per-parameter `step`; the committed count while
   /// a speculative step is pending), and setting it (state loading; invalid_state while
-  /// a speculative step is pending).
+  /// a speculative step is pending, and before the state exists: initialize() first, or
+  /// a file tier that resumed, whose file set_shard_step opens before it sets the count).
   /// The file tier commits the counts with its state (set_shard_step is published as
   /// write_state_range is); checkpoints keep them too.
   std::uint64_t shard_step(std::size_t s) const;
