@@ -374,6 +374,10 @@ class streamed_adamw::impl::file_home final : public home {
   void end_write(bool publish) override {
     if (!writing_) return;
     writing_ = false;
+    struct free_bounce {  // held for one state write
+      std::unique_ptr<detail::aligned_buffer>& b;
+      ~free_bounce() { b.reset(); }
+    } on_return{bounce_};
     if (!publish) return;
     bool any = false;
     for (const auto& w : written_) any = any || w[state_array::main] || w[state_array::exp_avg] || w[state_array::exp_avg_sq];
@@ -383,7 +387,7 @@ class streamed_adamw::impl::file_home final : public home {
     // The stored bytes, copied as they are (compressed moments are not decoded and
     // encoded again; zero bytes are zero moments in every format).
     constexpr std::size_t piece = 4 * k_bounce;  // bytes per request: whole checksum blocks
-    detail::aligned_buffer buf(piece, false, "write_state_range: no host memory for a bounce buffer");
+    unsigned char* buf = bounce();
     for (std::size_t s = 0; s < I.shards.size(); ++s)
       for (state_array a : k_state_arrays) {
         if (written_[s][a] || (is_moment(a) && !moments)) continue;
@@ -391,9 +395,9 @@ class streamed_adamw::impl::file_home final : public home {
         const std::size_t bytes = I.file->io_bytes(a, 0, I.shards[s].info.numel);
         for (std::size_t done = 0; done < bytes; done += piece) {
           const std::size_t k = std::min(piece, bytes - done);
-          if (zeros) std::memset(buf.p, 0, k);
-          else I.file->read(buf.p, k, I.file->offset(from, s, a, 0) + done, what(s, a))->wait();
-          I.file->write(buf.p, k, I.file->offset(to, s, a, 0) + done, what(s, a))->wait();
+          if (zeros) std::memset(buf, 0, k);
+          else I.file->read(buf, k, I.file->offset(from, s, a, 0) + done, what(s, a))->wait();
+          I.file->write(buf, k, I.file->offset(to, s, a, 0) + done, what(s, a))->wait();
         }
       }
     I.file->commit(I.step_count, to, moments, I.shard_steps());
@@ -403,12 +407,12 @@ class streamed_adamw::impl::file_home final : public home {
   // within a state write, published by end_write (Note [State writes]).
   void write_range(std::size_t shard, state_array a, std::size_t, std::size_t, const float* in) override {
     DFA_EXPECTS(writing_, "write_state_range: the file tier writes within a state write", invalid_state);
-    detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
+    unsigned char* buf = bounce();
     const std::size_t numel = I.shards[shard].info.numel;
     for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
       const std::size_t k = std::min(k_bounce, numel - e0);
-      std::memcpy(buf.p, in + e0, k * 4);
-      write(shard, a, e0, k, reinterpret_cast<float*>(buf.p), 1 - I.file->active_slot());
+      std::memcpy(buf, in + e0, k * 4);
+      write(shard, a, e0, k, reinterpret_cast<float*>(buf), 1 - I.file->active_slot());
     }
     written_[shard][a] = true;
     wrote_moment_ = wrote_moment_ || is_moment(a);
@@ -487,6 +491,17 @@ class streamed_adamw::impl::file_home final : public home {
   }
 
   static constexpr std::size_t k_bounce = std::size_t{8} << 20;  // elements per state-write piece (32 MiB)
+  // The state write's bounce buffer (k_bounce FP32 values), allocated by its first
+  // write_range or its publish and freed by end_write: a state dict's load writes array
+  // after array through one buffer, and an optimizer not writing holds none.  Its
+  // callers hold the optimizer's mutex.
+  unsigned char* bounce() {
+    if (!bounce_)
+      bounce_ = std::make_unique<detail::aligned_buffer>(file_store::io_bytes(k_bounce), false,
+                                                         "write_state_range: no host memory for a bounce buffer");
+    return bounce_->p;
+  }
+  std::unique_ptr<detail::aligned_buffer> bounce_;
   bool writing_ = false;                 // a write is open (Note [State writes])
   bool wrote_moment_ = false;
   std::vector<per_array<bool>> written_;  // per shard: the arrays it wrote
