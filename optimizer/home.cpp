@@ -159,8 +159,6 @@ class streamed_adamw::impl::host_home final : public home {
   }
 
  private:
-  int format() const { return static_cast<int>(I.cfg.moments); }
-  bool compressed() const { return I.cfg.moments != moment_format::fp32; }
   // Pinned memory for one copy of a shard's three arrays in the format's layout (all or
   // nothing; contents undefined).
   per_array<float*> alloc_copy(std::size_t numel) {
@@ -179,19 +177,14 @@ class streamed_adamw::impl::host_home final : public home {
   // piece's window, in the format's layout) on `s`; returns the bytes moved.
   std::size_t move_moment(float* array, const piece_ref& p, float* dev, bool to_device, stream_t s) {
     char* home = reinterpret_cast<char*>(array);
-    auto copy = [&](char* d, char* h, std::size_t bytes) {
-      if (to_device) I.drv->copy_async(d, h, bytes, s);
-      else I.drv->copy_async(h, d, bytes, s);
-      return bytes;
-    };
     char* d = reinterpret_cast<char*>(dev);
-    if (format() == detail::k_mom_bf16) return copy(d, home + 2 * p.e0, 2 * p.n);
+    if (format() == detail::k_mom_bf16) return copy_run(d, home + 2 * p.e0, 2 * p.n, to_device, s);
     // int8: the piece's codes, then its blocks' scales (pieces start on a block: the
     // piece size is a multiple of the granule, itself of 256 elements).
     const std::size_t numel = I.shards[p.shard].info.numel;
-    return copy(d, home + p.e0, p.n) +
-           copy(d + detail::q_scales_offset(p.n), home + detail::q_scales_offset(numel) + 4 * (p.e0 / detail::k_qblock),
-                4 * detail::q_blocks(p.n));
+    return copy_run(d, home + p.e0, p.n, to_device, s) +
+           copy_run(d + detail::q_scales_offset(p.n), home + detail::q_scales_offset(numel) + 4 * (p.e0 / detail::k_qblock),
+                    4 * detail::q_blocks(p.n), to_device, s);
   }
 
   std::vector<per_array<float*>> homes_;  // per shard: the pinned home of each array
@@ -209,7 +202,9 @@ class streamed_adamw::impl::file_home final : public home {
   ~file_home() override { free_staging(); }
 
   bool in_place() const override { return false; }
-  std::size_t piece_align() const override { return file_store::block; }  // Note [File tier integrity]
+  // Whole checksum blocks (Note [File tier integrity]) of every array: a moment's pieces
+  // are whole segments of its format (Note [File tier moments]).
+  std::size_t piece_align() const override { return std::max(file_store::block, 4 * file_store::segment(format())); }
   // Its reads ahead and staging ring are `depth` pieces deep; its figures (bench_checkpoint,
   // the file-tier tests) were measured at 3, deeper was not.
   int default_depth() const override { return 3; }
@@ -220,7 +215,7 @@ class streamed_adamw::impl::file_home final : public home {
     std::vector<std::size_t> numel;
     for (auto& s : I.shards) numel.push_back(s.info.numel);
     I.file = std::make_unique<file_store>(I.cfg.directory, I.cfg.rank, numel, I.cfg.resume, I.cfg.io_threads,
-                                          I.cfg.io_request_bytes);
+                                          I.cfg.io_request_bytes, format());
     if (I.file->resumed()) {
       I.step_count = I.file->committed_step();
       for (std::size_t s = 0; s < I.shards.size(); ++s) I.shards[s].step = I.file->shard_steps()[s];
@@ -248,8 +243,8 @@ class streamed_adamw::impl::file_home final : public home {
     if (!plan_->fetch_main) return;
     const int n_arr = plan_->kind == pass::step && I.moments_written ? 3 : 1;
     for (state_array a : first_arrays(n_arr))
-      reads_[j] = I.file->read(staging(false, j, a), file_store::io_bytes(p.n), I.file->offset(read_slot_, p.shard, a, p.e0),
-                               "state of " + I.where(p), reads_[j]);
+      reads_[j] = I.file->read(staging(false, j, a), I.file->io_bytes(a, p.e0, p.n),
+                               I.file->offset(read_slot_, p.shard, a, p.e0), "state of " + I.where(p), reads_[j]);
   }
   void await_fetch(std::size_t i) override {
     const auto t = clk::now();
@@ -257,6 +252,7 @@ class streamed_adamw::impl::file_home final : public home {
     I.report.io_wait_seconds += since(t);
   }
   std::size_t to_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
+    if (is_moment(a) && compressed()) return move_moment(staging(false, i, a), p, dev, true, s);
     I.drv->copy_async(dev, staging(false, i, a), p.n * 4, s);
     return p.n * 4;
   }
@@ -269,14 +265,15 @@ class streamed_adamw::impl::file_home final : public home {
     }
   }
   std::size_t from_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
+    if (is_moment(a) && compressed()) return move_moment(staging(true, i, a), p, dev, false, s);
     I.drv->copy_async(staging(true, i, a), dev, p.n * 4, s);
     return p.n * 4;
   }
   void retire(std::size_t i, const piece_ref& p) override {
     if (!plan_->write_back) return;
     for (state_array a : first_arrays(plan_->arrays))
-      writes_[i] = I.file->write(staging(true, i, a), file_store::io_bytes(p.n), I.file->offset(write_slot_, p.shard, a, p.e0),
-                                 "state of " + I.where(p), writes_[i]);
+      writes_[i] = I.file->write(staging(true, i, a), I.file->io_bytes(a, p.e0, p.n),
+                                 I.file->offset(write_slot_, p.shard, a, p.e0), "state of " + I.where(p), writes_[i]);
   }
   void end_pass() override {
     for (auto& w : writes_)
@@ -310,6 +307,7 @@ class streamed_adamw::impl::file_home final : public home {
   }
 
   void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
+    if (is_moment(a) && compressed()) return read_moment(s, a, e0, n, out);
     constexpr std::size_t chunk = std::size_t{32} << 20;  // bytes per read
     const bool direct = reinterpret_cast<std::uintptr_t>(out) % file_store::align == 0 && (n * 4) % file_store::align == 0;
     const std::size_t block = std::min<std::size_t>(chunk, n * 4);
@@ -326,9 +324,21 @@ class streamed_adamw::impl::file_home final : public home {
     }
   }
   void read_io(std::size_t s, state_array a, std::size_t e0, std::size_t n, unsigned char* buf) override {
+    if (is_moment(a) && compressed()) return read_moment(s, a, e0, n, reinterpret_cast<float*>(buf));
     I.file->read(buf, file_store::io_bytes(n), I.file->offset(I.file->active_slot(), s, a, e0), what(s, a))->wait();
   }
+  // `e0` on a chunk boundary (write_range's and the checkpoint's pieces), so a compressed
+  // moment's range is whole segments, encoded here as the host tier encodes them.
   void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* in, int slot) override {
+    if (is_moment(a) && compressed()) {
+      const std::size_t io = I.file->io_bytes(a, e0, n);
+      detail::aligned_buffer buf(io, true, "file tier: no host memory for encoding moments");
+      for_segments(e0, n, [&](std::size_t j, std::size_t r, std::uint64_t at) {
+        detail::encode_moments(format(), a, buf.p + at, r, 0, r, in + j);
+      });
+      I.file->write(buf.p, io, I.file->offset(slot, s, a, e0), what(s, a))->wait();
+      return;
+    }
     const std::size_t io = file_store::io_bytes(n);
     std::memset(reinterpret_cast<char*>(in) + n * 4, 0, io - n * 4);
     I.file->write(in, io, I.file->offset(slot, s, a, e0), what(s, a))->wait();
@@ -364,23 +374,30 @@ class streamed_adamw::impl::file_home final : public home {
   void end_write(bool publish) override {
     if (!writing_) return;
     writing_ = false;
+    struct free_bounce {  // held for one state write
+      std::unique_ptr<detail::aligned_buffer>& b;
+      ~free_bounce() { b.reset(); }
+    } on_return{bounce_};
     if (!publish) return;
     bool any = false;
     for (const auto& w : written_) any = any || w[state_array::main] || w[state_array::exp_avg] || w[state_array::exp_avg_sq];
     if (!any) return publish_steps();  // step counts only: the active slot again
     const int from = I.file->active_slot(), to = 1 - from;
     const bool moments = I.moments_written || wrote_moment_;
-    detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
+    // The stored bytes, copied as they are (compressed moments are not decoded and
+    // encoded again; zero bytes are zero moments in every format).
+    constexpr std::size_t piece = 4 * k_bounce;  // bytes per request: whole checksum blocks
+    unsigned char* buf = bounce();
     for (std::size_t s = 0; s < I.shards.size(); ++s)
       for (state_array a : k_state_arrays) {
         if (written_[s][a] || (is_moment(a) && !moments)) continue;
         const bool zeros = is_moment(a) && !I.file->moments_written();  // never stored: zeros by construction
-        const std::size_t numel = I.shards[s].info.numel;
-        for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
-          const std::size_t k = std::min(k_bounce, numel - e0);
-          if (zeros) std::memset(buf.p, 0, k * 4);
-          else I.file->read(buf.p, file_store::io_bytes(k), I.file->offset(from, s, a, e0), what(s, a))->wait();
-          write(s, a, e0, k, reinterpret_cast<float*>(buf.p), to);
+        const std::size_t bytes = I.file->io_bytes(a, 0, I.shards[s].info.numel);
+        for (std::size_t done = 0; done < bytes; done += piece) {
+          const std::size_t k = std::min(piece, bytes - done);
+          if (zeros) std::memset(buf, 0, k);
+          else I.file->read(buf, k, I.file->offset(from, s, a, 0) + done, what(s, a))->wait();
+          I.file->write(buf, k, I.file->offset(to, s, a, 0) + done, what(s, a))->wait();
         }
       }
     I.file->commit(I.step_count, to, moments, I.shard_steps());
@@ -390,12 +407,12 @@ class streamed_adamw::impl::file_home final : public home {
   // within a state write, published by end_write (Note [State writes]).
   void write_range(std::size_t shard, state_array a, std::size_t, std::size_t, const float* in) override {
     DFA_EXPECTS(writing_, "write_state_range: the file tier writes within a state write", invalid_state);
-    detail::aligned_buffer buf(file_store::io_bytes(k_bounce), false, "write_state_range: no host memory for a bounce buffer");
+    unsigned char* buf = bounce();
     const std::size_t numel = I.shards[shard].info.numel;
     for (std::size_t e0 = 0; e0 < numel; e0 += k_bounce) {
       const std::size_t k = std::min(k_bounce, numel - e0);
-      std::memcpy(buf.p, in + e0, k * 4);
-      write(shard, a, e0, k, reinterpret_cast<float*>(buf.p), 1 - I.file->active_slot());
+      std::memcpy(buf, in + e0, k * 4);
+      write(shard, a, e0, k, reinterpret_cast<float*>(buf), 1 - I.file->active_slot());
     }
     written_[shard][a] = true;
     wrote_moment_ = wrote_moment_ || is_moment(a);
@@ -409,6 +426,47 @@ class streamed_adamw::impl::file_home final : public home {
   }
   std::string what(std::size_t s, state_array a) const {
     return std::string(array_name(a)) + " of " + I.shards[s].info.name;
+  }
+  // fn(j, r, at) for each segment of elements [e0 + j, e0 + j + r) of a compressed
+  // moment range starting on a segment (Note [File tier moments]), `at` its bytes'
+  // offset from the range's first.
+  template <typename F>
+  void for_segments(std::size_t e0, std::size_t n, F&& fn) const {
+    const std::size_t seg = format() == detail::k_mom_int8 ? file_store::segment(format()) : n;
+    const std::uint64_t first = file_store::stored_bytes(format(), e0);
+    for (std::size_t j = 0; j < n; j += seg)
+      fn(j, std::min(seg, n - j), file_store::stored_bytes(format(), e0 + j) - first);
+  }
+  // Piece p's compressed moment between its staging buffer (its segments as stored) and
+  // its window (the host tier's layout of p.n elements: codes, then scales); returns the
+  // bytes moved.
+  std::size_t move_moment(void* stage, const piece_ref& p, float* dev, bool to_device, stream_t s) {
+    char* st = static_cast<char*>(stage);
+    char* d = reinterpret_cast<char*>(dev);
+    if (format() == detail::k_mom_bf16) return copy_run(d, st, 2 * p.n, to_device, s);
+    std::size_t moved = 0;
+    for_segments(p.e0, p.n, [&](std::size_t j, std::size_t r, std::uint64_t at) {
+      moved += copy_run(d + j, st + at, r, to_device, s) +
+               copy_run(d + detail::q_scales_offset(p.n) + 4 * (j / detail::k_qblock), st + at + detail::q_scales_offset(r),
+                        4 * detail::q_blocks(r), to_device, s);
+    });
+    return moved;
+  }
+  // Elements [e0, e0+n) of a compressed moment, decoded: the segments covering them are
+  // read through a bounce buffer, k_bounce elements at a time.
+  void read_moment(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) {
+    const std::size_t numel = I.shards[s].info.numel, seg = file_store::segment(format());
+    const std::size_t first = e0 / seg * seg;
+    detail::aligned_buffer buf(I.file->io_bytes(a, 0, std::min(k_bounce, numel)), false,
+                               "file tier: no host memory for decoding moments");
+    for (std::size_t c0 = first; c0 < e0 + n; c0 += k_bounce) {
+      const std::size_t k = std::min(k_bounce, numel - c0);
+      I.file->read(buf.p, I.file->io_bytes(a, c0, k), I.file->offset(I.file->active_slot(), s, a, c0), what(s, a))->wait();
+      for_segments(c0, k, [&](std::size_t j, std::size_t r, std::uint64_t at) {
+        const std::size_t lo = std::max(e0, c0 + j), hi = std::min(e0 + n, c0 + j + r);
+        if (lo < hi) detail::decode_moments(format(), a, buf.p + at, r, lo - c0 - j, hi - lo, out + (lo - e0));
+      });
+    }
   }
   // Piece i's array `a` in the ring of staging buffers (in: reads, out: writes).
   char* staging(bool out, std::size_t i, state_array a) const {
@@ -433,6 +491,17 @@ class streamed_adamw::impl::file_home final : public home {
   }
 
   static constexpr std::size_t k_bounce = std::size_t{8} << 20;  // elements per state-write piece (32 MiB)
+  // The state write's bounce buffer (k_bounce FP32 values), allocated by its first
+  // write_range or its publish and freed by end_write: a state dict's load writes array
+  // after array through one buffer, and an optimizer not writing holds none.  Its
+  // callers hold the optimizer's mutex.
+  unsigned char* bounce() {
+    if (!bounce_)
+      bounce_ = std::make_unique<detail::aligned_buffer>(file_store::io_bytes(k_bounce), false,
+                                                         "write_state_range: no host memory for a bounce buffer");
+    return bounce_->p;
+  }
+  std::unique_ptr<detail::aligned_buffer> bounce_;
   bool writing_ = false;                 // a write is open (Note [State writes])
   bool wrote_moment_ = false;
   std::vector<per_array<bool>> written_;  // per shard: the arrays it wrote
@@ -450,8 +519,8 @@ std::size_t streamed_adamw::impl::home::from_device(std::size_t, const piece_ref
 }
 
 void streamed_adamw::impl::make_homes() {
-  DFA_EXPECTS(cfg.moments == moment_format::fp32 || cfg.home == tier::host,
-              std::string("streamed_adamw: ") + to_string(cfg.moments) + " moments need the host tier (the " +
+  DFA_EXPECTS(cfg.moments == moment_format::fp32 || cfg.home != tier::device,
+              std::string("streamed_adamw: ") + to_string(cfg.moments) + " moments need the host or file tier (the " +
                   to_string(cfg.home) + " tier keeps fp32 moments)");
   DFA_EXPECTS(cfg.resident_bytes == 0 || cfg.home == tier::host,
               std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(cfg.home) +

@@ -272,6 +272,17 @@ class streamed_adamw::impl::home {
   virtual void commit_speculation(std::size_t) {}
 
  protected:
+  /// The moments' format (k_mom_*, Note [Moment formats]); compressed: not fp32.
+  int format() const { return static_cast<int>(I.cfg.moments); }
+  bool compressed() const { return I.cfg.moments != moment_format::fp32; }
+  /// Copies `bytes` between `dev` and host memory `host` on `s` (to the device when
+  /// `to_device`); returns `bytes`.
+  std::size_t copy_run(char* dev, char* host, std::size_t bytes, bool to_device, stream_t s) {
+    if (to_device) I.drv->copy_async(dev, host, bytes, s);
+    else I.drv->copy_async(host, dev, bytes, s);
+    return bytes;
+  }
+
   impl& I;
 };
 

@@ -228,10 +228,14 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
+  // A resumed file's counts are read first (else the resume would overwrite this one);
+  // before any state the count would be reset by initialize(): refused.
+  I.open_state();
+  DFA_EXPECTS(I.initialized, "set_shard_step: no state yet (initialize() first, or a resumed state file)", invalid_state);
   I.refuse_if_speculating("set_shard_step");
   // The file tier publishes it with the state write under way, or with one of its own
   // (Note [State writes] in home.cpp); the others keep it in memory.
-  if (!I.writing && !I.tier_home->in_place() && I.initialized) I.open_write(true);
+  if (!I.writing && !I.tier_home->in_place()) I.open_write(true);
   I.shards[s].step = step;
 }
 

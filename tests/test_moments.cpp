@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <random>
 #include <string>
@@ -29,7 +30,15 @@ struct handle {
                           moments + extra;
     EXPECT_EQ(dfa_opt_create(s.c_str(), &o), DFA_SUCCESS) << dfa_opt_last_error();
   }
-  ~handle() { EXPECT_EQ(dfa_opt_destroy(o), DFA_SUCCESS); }
+  // The whole settings text (no defaults added).
+  struct text {
+    std::string s;
+  };
+  handle() = default;
+  explicit handle(const text& t) { EXPECT_EQ(dfa_opt_create(t.s.c_str(), &o), DFA_SUCCESS) << dfa_opt_last_error(); }
+  ~handle() {
+    if (o) EXPECT_EQ(dfa_opt_destroy(o), DFA_SUCCESS);
+  }
 };
 
 // ---- the reference: the documented formats, written independently ------------------------
@@ -399,9 +408,218 @@ INSTANTIATE_TEST_SUITE_P(host, formats, ::testing::Values("bf16", "int8"));
 TEST(moments, other_tiers_refuse_compressed_moments_and_bad_names_are_refused) {
   dfa_optimizer* o = nullptr;
   EXPECT_EQ(dfa_opt_create("driver:host,tier:device,moments:bf16", &o), DFA_ERROR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(dfa_opt_last_error()).find("host tier"), std::string::npos) << dfa_opt_last_error();
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("host or file tier"), std::string::npos) << dfa_opt_last_error();
   EXPECT_EQ(dfa_opt_create("driver:host,tier:host,moments:int4", &o), DFA_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dfa_opt_last_error()).find("int4"), std::string::npos) << dfa_opt_last_error();
+}
+
+// ---- the file tier (Note [File tier moments], optimizer/store/file_store.cpp) ----------------
+
+// A model of three shards: one over two int8 segments (2^20 elements each) and a partial
+// third, one of several pieces of the host tier's window, one smaller than an int8 block.
+struct file_model {
+  std::vector<std::size_t> n{(std::size_t{2} << 20) + 5000, 70000, 333};
+  std::vector<std::vector<std::uint16_t>> p;
+  explicit file_model() {
+    for (std::size_t s = 0; s < n.size(); ++s) p.push_back(bf16_of(randn(n[s], 30 + s, 0.1f)));
+  }
+  void add(handle& h) {
+    for (std::size_t s = 0; s < n.size(); ++s)
+      ASSERT_EQ(dfa_opt_add_shard(h.o, p[s].data(), n[s], DFA_DTYPE_BF16, int(s % 2), nullptr, nullptr), DFA_SUCCESS)
+          << dfa_opt_last_error();
+    const dfa_adamw_params g1{3e-3, 0.8, 0.99, 1e-6, 0.0};
+    ASSERT_EQ(dfa_opt_set_group(h.o, 1, &g1), DFA_SUCCESS);
+  }
+  // Step t (0-based): shard 2 has no gradient at t == 1 (the shards' step counts differ).
+  void step(handle& h, int t) {
+    std::vector<std::vector<std::uint16_t>> g;
+    std::vector<const void*> gp;
+    for (std::size_t s = 0; s < n.size(); ++s) {
+      g.push_back(bf16_of(randn(n[s], 500 + 10 * t + s, 1e-3f)));
+      gp.push_back(s == 2 && t == 1 ? nullptr : g.back().data());
+    }
+    ASSERT_EQ(dfa_opt_step(h.o, gp.data(), gp.size(), nullptr, t == 2 ? 0.5f : 1.0f, nullptr), DFA_SUCCESS)
+        << dfa_opt_last_error();
+  }
+  // Every state array and step count of `h`, and the model's BF16 params.
+  std::vector<std::vector<float>> state(handle& h) const {
+    std::vector<std::vector<float>> out;
+    for (std::size_t s = 0; s < n.size(); ++s) {
+      for (int a = 0; a < 3; ++a) out.push_back(read(h, s, a, n[s]));
+      std::uint64_t st = 0;
+      EXPECT_EQ(dfa_opt_get_shard_step(h.o, s, &st), DFA_SUCCESS);
+      out.push_back({float(st)});
+      out.push_back(std::vector<float>(p[s].begin(), p[s].end()));
+    }
+    return out;
+  }
+};
+
+handle::text host_text(const std::string& f) {
+  return {"driver:host,host_granularity_kb:64,tier:host,window_mb:1,depth:2,moments:" + f};
+}
+// int8 pieces are whole 2^20-element segments: a window of 2 slots of 2 MiB-element pieces.
+handle::text file_text(const std::string& f, const std::string& dir, bool resume = false) {
+  return {"driver:host,host_granularity_kb:64,tier:file,window_mb:48,depth:2,io_threads:2,directory:" + dir +
+          ",resume:" + (resume ? "1" : "0") + ",moments:" + f};
+}
+
+// The host tier's bits after `steps` steps of the model.
+std::vector<std::vector<float>> host_reference(const std::string& f, int steps) {
+  file_model m;
+  handle h(host_text(f));
+  m.add(h);
+  EXPECT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  for (int t = 0; t < steps; ++t) m.step(h, t);
+  return m.state(h);
+}
+
+class file_formats : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(file_formats, file_tier_equals_the_host_tier_bit_for_bit) {
+  const std::string f = GetParam();
+  const auto ref = host_reference(f, 4);
+  const dfa_test::temp_dir tmp;
+  file_model m;
+  handle h(file_text(f, tmp.path));
+  m.add(h);
+  ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  for (int t = 0; t < 4; ++t) m.step(h, t);
+  const auto got = m.state(h);
+  ASSERT_EQ(got.size(), ref.size());
+  for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(got[i] == ref[i]) << "array " << i;
+  // The state file holds the compressed moments: its slots are smaller than FP32's.
+  std::uint64_t numel = 0;
+  for (auto n : m.n) numel += n;
+  EXPECT_LT(std::filesystem::file_size(tmp.path + "/deferalloc-rank0.state"), 2 * numel * (f == "bf16" ? 9 : 7));
+}
+
+// Closed (and killed mid-step) after two steps, resumed, two more: the host tier's bits.
+TEST_P(file_formats, resume_after_close_and_after_a_kill_mid_step_continues_bit_identically) {
+  const std::string f = GetParam();
+  const auto ref = host_reference(f, 4);
+  for (const bool kill : {false, true}) {
+    const dfa_test::temp_dir tmp;
+    if (kill) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        file_model m;
+        handle h(file_text(f, tmp.path));
+        m.add(h);
+        if (dfa_opt_initialize(h.o, nullptr) != DFA_SUCCESS) ::_exit(3);
+        for (int t = 0; t < 2; ++t) m.step(h, t);
+        // Killed while step 2 has written part of the inactive slot, before its commit.
+        dfa_opt_set_progress(h.o, [](const char* phase, size_t done, size_t, double, void*) {
+          if (std::string(phase) == "step" && done > 0) ::_exit(9);
+        }, nullptr);
+        m.step(h, 2);
+        ::_exit(4);
+      }
+      int st = 0;
+      ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+      ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 9) << st;
+    } else {
+      file_model m;
+      handle h(file_text(f, tmp.path));
+      m.add(h);
+      ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+      for (int t = 0; t < 2; ++t) m.step(h, t);
+    }
+    file_model m;
+    handle h(file_text(f, tmp.path, true));
+    m.add(h);
+    ASSERT_EQ(dfa_opt_sync_model_params(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();  // resumed: the file's state
+    std::uint64_t st = 0;
+    ASSERT_EQ(dfa_opt_get_shard_step(h.o, 0, &st), DFA_SUCCESS);
+    ASSERT_EQ(st, 2u) << (kill ? "killed" : "closed");
+    for (int t = 2; t < 4; ++t) m.step(h, t);
+    const auto got = m.state(h);
+    for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(got[i] == ref[i]) << (kill ? "killed" : "closed") << " array " << i;
+  }
+}
+
+// A file-tier checkpoint loads into a fresh file tier and into the host tier, and both
+// continue as the host tier does.
+TEST_P(file_formats, checkpoint_round_trips_between_file_tiers_and_to_the_host_tier) {
+  const std::string f = GetParam();
+  const auto ref = host_reference(f, 4);
+  const dfa_test::temp_dir tmp;
+  const std::string a_dir = tmp.path + "/a", b_dir = tmp.path + "/b", ck = tmp.path + "/ck";
+  std::filesystem::create_directory(a_dir), std::filesystem::create_directory(b_dir);
+  file_model ma, mb, mc;
+  handle a(file_text(f, a_dir)), b(file_text(f, b_dir)), c(host_text(f));
+  ma.add(a), mb.add(b), mc.add(c);
+  ASSERT_EQ(dfa_opt_initialize(a.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  for (int t = 0; t < 2; ++t) ma.step(a, t);
+  ASSERT_EQ(dfa_opt_save_checkpoint(a.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  ASSERT_EQ(dfa_opt_load_checkpoint(b.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  ASSERT_EQ(dfa_opt_load_checkpoint(c.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  for (int t = 2; t < 4; ++t) ma.step(a, t), mb.step(b, t), mc.step(c, t);
+  const auto ga = ma.state(a), gb = mb.state(b), gc = mc.state(c);
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_TRUE(ga[i] == ref[i]) << "array " << i;
+    EXPECT_TRUE(gb[i] == ref[i]) << "array " << i;
+    EXPECT_TRUE(gc[i] == ref[i]) << "array " << i;
+  }
+  // Into a file tier with state (back to step 2, through the inactive slot), then on.
+  ASSERT_EQ(dfa_opt_load_checkpoint(a.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  for (int t = 2; t < 4; ++t) ma.step(a, t);
+  const auto again = ma.state(a);
+  for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(again[i] == ref[i]) << "array " << i;
+}
+
+// State ranges (whole arrays on the file tier): written moments read back as the host
+// tier encodes them; the publish carries the arrays not written unchanged.
+TEST_P(file_formats, state_writes_encode_as_the_host_tier_and_carry_the_rest) {
+  const std::string f = GetParam();
+  const dfa_test::temp_dir tmp;
+  file_model mf, mh;
+  handle fh(file_text(f, tmp.path)), hh(host_text(f));
+  mf.add(fh), mh.add(hh);
+  for (handle* h : {&fh, &hh}) ASSERT_EQ(dfa_opt_initialize(h->o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  for (int t = 0; t < 2; ++t) mf.step(fh, t), mh.step(hh, t);
+  auto m0 = randn(mf.n[0], 77, 1e-3f);
+  for (handle* h : {&fh, &hh})
+    ASSERT_EQ(dfa_opt_write_state(h->o, 0, DFA_STATE_EXP_AVG, 0, mf.n[0], m0.data()), DFA_SUCCESS) << dfa_opt_last_error();
+  const auto gf = mf.state(fh), gh = mh.state(hh);
+  for (std::size_t i = 0; i < gh.size(); ++i) EXPECT_TRUE(gf[i] == gh[i]) << "array " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(file, file_formats, ::testing::Values("bf16", "int8"));
+
+// A state file written with one format is refused by an optimizer with another, naming
+// both formats and the file, before anything changes.
+TEST(moments, file_tier_refuses_a_state_file_of_another_format) {
+  const dfa_test::temp_dir tmp;
+  const std::string file = tmp.path + "/deferalloc-rank0.state";
+  for (const std::string written : {"fp32", "bf16", "int8"}) {
+    std::filesystem::remove(file);
+    file_model m;
+    {
+      handle h(file_text(written, tmp.path));
+      m.add(h);
+      ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+      m.step(h, 0);
+    }
+    const auto before = std::filesystem::file_size(file);
+    for (const std::string other : {"fp32", "bf16", "int8"}) {
+      if (other == written) continue;
+      handle h(file_text(other, tmp.path, true));
+      m.add(h);
+      EXPECT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_ERROR_INVALID_ARGUMENT) << written << " -> " << other;
+      const std::string e = dfa_opt_last_error();
+      EXPECT_NE(e.find("holds moments in " + written), std::string::npos) << e;
+      EXPECT_NE(e.find("configured with moment format " + other), std::string::npos) << e;
+      EXPECT_NE(e.find(file), std::string::npos) << e;
+    }
+    EXPECT_EQ(std::filesystem::file_size(file), before);
+    handle h(file_text(written, tmp.path, true));  // its own format still resumes
+    m.add(h);
+    ASSERT_EQ(dfa_opt_sync_model_params(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+    std::uint64_t st = 0;
+    ASSERT_EQ(dfa_opt_get_shard_step(h.o, 0, &st), DFA_SUCCESS);
+    EXPECT_EQ(st, 1u);
+  }
 }
 
 // ---- convergence -----------------------------------------------------------------------------

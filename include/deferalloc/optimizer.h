@@ -52,7 +52,7 @@ typedef void (*dfa_progress_fn)(const char* phase, size_t done, size_t total, do
  * budget of streamed state, default 512), depth (pieces in flight, default 0:
  * 8 on the host tier, 3 on the file tier, fewer if the window holds fewer),
  * resume:0|1 (file tier), rank, io_threads, io_request_mb, progress_line:0|1,
- * moments:fp32|bf16|int8 (host tier: how the Adam moments are stored; optimizer.hpp),
+ * moments:fp32|bf16|int8 (host and file tiers: how the Adam moments are stored; optimizer.hpp),
  * resident_mb (host tier: HBM for shards kept resident, the rest stream; optimizer.hpp),
  * keep_window:0|1 (keep the window's slots backed between passes: back-to-back passes map nothing).
  * Unknown keys: INVALID_ARGUMENT.  Cost: a driver and three streams. */
@@ -106,7 +106,8 @@ DFA_C_API dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_stat
                                         float* out);
 DFA_C_API dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
                                          const float* in);
-/* PyTorch's per-parameter `step` of a shard. */
+/* PyTorch's per-parameter `step` of a shard.  Setting it needs the state (INVALID_STATE
+ * before dfa_opt_initialize, unless a file tier resumed). */
 DFA_C_API dfa_status dfa_opt_get_shard_step(dfa_optimizer* o, size_t shard, uint64_t* out);
 DFA_C_API dfa_status dfa_opt_set_shard_step(dfa_optimizer* o, size_t shard, uint64_t step);
 /* Groups dfa_opt_write_state / dfa_opt_set_shard_step calls into one publish (the file

@@ -56,7 +56,7 @@ DFA_API void validate(const adamw_params& p);
 /// references that must reproduce a step bit for bit.
 DFA_API float backend_pow(driver& d, float base, float e);
 
-/// How the Adam moments are stored at home and moved over PCIe (host tier).  The
+/// How the Adam moments are stored at home and moved (host and file tiers).  The
 /// arithmetic stays FP32 inside the window; main params are always FP32.  See
 /// Note [Moment formats] in optimizer/kernels/moment_format.hpp.
 enum class moment_format : int {
@@ -95,7 +95,8 @@ struct optimizer_config {
   /// the file tier, or as many as the window holds if fewer (Note [Window slots]).
   int depth = 0;
   adamw_params adamw;
-  /// Storage of the moments at home (host tier; the device and file tiers take fp32 only).
+  /// Storage of the moments at home (host and file tiers; the device tier takes fp32 only;
+  /// a state file keeps the format it was created with: Note [File tier moments]).
   moment_format moments = moment_format::fp32;
   /// Host tier: HBM for shards kept resident (FP32 state in HBM, stepped in place like
   /// the device tier, never streamed), taken in registration order at initialize() while
@@ -277,7 +278,8 @@ class DFA_API streamed_adamw {
   void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
   /// Steps taken by shard `s` (PyTorch's per-parameter `step`; the committed count while
   /// a speculative step is pending), and setting it (state loading; invalid_state while
-  /// a speculative step is pending).
+  /// a speculative step is pending, and before the state exists: initialize() first, or
+  /// a file tier that resumed, whose file set_shard_step opens before it sets the count).
   /// The file tier commits the counts with its state (set_shard_step is published as
   /// write_state_range is); checkpoints keep them too.
   std::uint64_t shard_step(std::size_t s) const;

@@ -77,7 +77,8 @@
 // (emulated): m and v each about half; 1% of independent noise on m alone costs 1.7% on
 // seed 1, so m's 4 bits are near their limit in this regime (6 bits: +0.7%), and v
 // needs its 8 bits (E3M3 of w: +5%); m as E2M5 (more bits, less range) is worse.
-// The device and file tiers keep FP32 moments.
+// The device tier keeps FP32 moments; the file tier stores these formats as Note [File tier
+// moments] (store/file_store.cpp) says, with the host tier's bits.
 #pragma once
 #include <cstddef>
 #include <cstdint>

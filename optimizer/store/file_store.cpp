@@ -8,11 +8,12 @@
 //  - layout: two 4 KiB header copies, then two slots, then one checksum table per slot,
 //    then one area of per-shard step counts per header copy (format 3).
 //    A slot holds, per shard, the main params, exp_avg and exp_avg_sq, each padded to a
-//    64 KiB block.  Step k reads the active slot and writes the other; commit() makes
-//    the data durable, writes the slot's checksum table and makes it durable, then
-//    writes the step counts into the area of the commit's parity and the header copy of
-//    that parity (sequence number, step, slot, layout hash, the table's and the step
-//    counts' checksums, and a checksum of the header) and makes that durable.
+//    64 KiB block (the moments in their format: Note [File tier moments]).  Step k reads
+//    the active slot and writes the other; commit() makes the data durable, writes the
+//    slot's checksum table and makes it durable, then writes the step counts into the
+//    area of the commit's parity and the header copy of that parity (sequence number,
+//    step, slot, layout hash, moment format, the table's and the step counts' checksums,
+//    and a checksum of the header) and makes that durable.
 //  - every write of state goes to the inactive slot, whatever writes it: a step, a
 //    checkpoint load, write_state_range and load_state_dict (Note [State writes] in
 //    home.cpp), so one commit publishes it and a kill leaves the old state or the new.
@@ -22,8 +23,9 @@
 //  - step counts: PyTorch keeps one per parameter (a parameter without a gradient is
 //    not stepped); the file keeps one per shard, with each commit.  A format-2 file
 //    (one count per file) still resumes, every shard at the file's step; its first
-//    commit extends it by the step-count areas and writes a format-3 header (the other
-//    copy, format 2, stays valid until it is overwritten).
+//    commit extends it by the step-count areas and writes a format-4 header (the other
+//    copy, format 2, stays valid until it is overwritten).  A format-3 file (FP32
+//    moments, no format field) resumes likewise; format 4 added the moments' format.
 //  - a new file is created as <name>.new and renamed into place (and the directory
 //    fsynced) by its first commit, so a file at the final name always holds a commit.
 //  - the whole file is fallocate'd at creation: a full disk fails before any step.
@@ -56,20 +58,53 @@
 //    (not a symlink), and an existing state file a regular file owned by this user;
 //    files are opened with O_NOFOLLOW and never with O_TRUNC.
 //
-// Limits: one file per rank, no compression; the two slots cost 24 B per parameter,
+// Note [File tier moments]
+//
+// Rationale: compressed moments (Note [Moment formats] in kernels/moment_format.hpp) cut
+// the file tier's bytes per step as they cut the host tier's PCIe bytes (12 B/param each
+// way FP32, 8 bf16, 6.125 int8), and a run must be able to move between the host and
+// file tiers with the same numbers: the file tier with a format gives the host tier's
+// bits for the same steps and gradients.
+// Approach: the window holds a piece's moments in the host tier's layout and the same
+// kernel steps them; the file stores each moment array so that a piece's bytes are one
+// request starting on a checksum block whatever the piece size:
+//  - fp32: 4 B per element; bf16: 2 B per element, contiguous (a segment of 32768
+//    elements is one 64 KiB block).
+//  - int8: segments of k_int8_segment = 2^20 elements, each its codes (1 MiB) then its
+//    blocks' scales (64 KiB), 17 checksum blocks; the last segment of an array holds
+//    its r elements in the host tier's layout of an r-element array (codes, padded to
+//    16 bytes, then scales), so an array of up to 2^20 elements is stored exactly as the
+//    host tier holds it.  The pieces of an int8 file tier are whole segments
+//    (piece_align); the home copies a piece's segments' codes and scales to the
+//    window's two runs.  The int8 blocks (64 elements) are aligned to the shard's start
+//    in both tiers, so the cut changes no bit.
+//  - state ranges and checkpoints decode and encode segment by segment with the host
+//    tier's decode_moments / encode_moments; a publish copies the arrays not written as
+//    stored bytes (never decoded and encoded again).
+//  - the header (format 4) records the format; a file written with another format is
+//    refused at open (invalid_argument naming both formats and the file).  Formats 2
+//    and 3 hold FP32 moments.  Checkpoints hold decoded FP32 moments and load into any
+//    format (Note [Checkpoint generations]): they are the way to convert a state file.
+// Limits: int8 pieces are 2^20 elements (4 MiB of FP32 per array of a window slot), so
+// its window_bytes must be at least 12 MiB per slot (depth); bf16's are 2^15.
+//
+// Limits: one file per rank; the two slots cost 24 B per parameter (FP32 moments),
 // the tables 16 B per 64 KiB (on disk and in memory), the step counts 16 B per shard.  A block damaged in the inactive
 // slot is not noticed until that slot is read (it is rewritten by the next step first).
 // A header copy rotted after its commit completed cannot be told from a torn write: the
 // resume then takes the step before it (intact, verified) and logs a warning.
 #include "file_store.hpp"
 #include "file_util.hpp"
+#include "../kernels/moment_format.hpp"
 
 #include <deferalloc/errors.hpp>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -93,10 +128,16 @@ struct header {
   std::uint64_t seq;        // commit sequence: the valid copy with the highest wins
   std::uint64_t table_sum;  // checksum64 of the slot's checksum table
   std::uint64_t steps_sum;  // checksum64 of the shards' step counts (format 2: the header checksum)
+  std::uint32_t moments;    // the moments' format, k_mom_* (format 3: the header checksum, with pad)
+  std::uint32_t pad;
   std::uint64_t checksum;   // of the bytes before it
 };
-constexpr std::uint32_t k_version = 3;
+constexpr std::uint32_t k_version = 4;
+constexpr std::uint32_t k_version_fp32 = 3;      // FP32 moments, no format field; still resumed
 constexpr std::uint32_t k_version_one_step = 2;  // one step count per file; still resumed
+constexpr std::size_t k_int8_segment = std::size_t{1} << 20;  // elements (Note [File tier moments])
+
+std::string format_name(int f) { return to_string(static_cast<moment_format>(f)); }
 
 std::string errtext(int e) { return std::strerror(e); }
 
@@ -142,10 +183,12 @@ bool io_batch::done() const {
 }
 
 file_store::file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
-                       std::size_t request_bytes)
-    : dir_(dir), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)) {
+                       std::size_t request_bytes, int moment_format)
+    : dir_(dir), format_(moment_format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)) {
   if (dir.empty()) throw invalid_argument("file tier: no directory given (optimizer_config::directory)");
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
+  if (format_ != k_mom_fp32 && format_ != k_mom_bf16 && format_ != k_mom_int8)
+    throw invalid_argument("file tier: unknown moment format " + std::to_string(format_));
   check_dir(dir, "file tier");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
@@ -153,10 +196,12 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 
   // Layout.
   std::uint64_t h = 0;
+  auto blocks = [](std::uint64_t bytes) { return (bytes + block - 1) / block * block; };
   for (std::size_t n : numel) {
     shard_base_.push_back(slot_bytes_);
-    array_bytes_.push_back((io_bytes(n) + block - 1) / block * block);
-    slot_bytes_ += 3 * array_bytes_.back();
+    array_bytes_.push_back(blocks(n * 4));
+    moment_bytes_.push_back(blocks(stored_bytes(format_, n)));
+    slot_bytes_ += array_bytes_.back() + 2 * moment_bytes_.back();
     h = checksum64(&n, sizeof n, h);
   }
   layout_hash_ = h;
@@ -174,7 +219,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
     else create_new();
     for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
   } catch (...) {
-    ::close(lock_fd_);
+    shut_down();  // the threads started, the state file (an unpublished one removed), the lock
     throw;
   }
 }
@@ -191,20 +236,66 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // second opener in the same process conflicts too (a POSIX fcntl lock would not), and
 // the kernel drops the lock when the holder dies (a kill leaves no stale lock).  The
 // holder writes its pid into the file, which the refused opener names.
+// A forked child (a DataLoader worker forked after the optimizer was built) shares the
+// lock's open file description, so the lock would live until the child exits too and a
+// new optimizer of the parent would be refused: every lock fd is registered, and a
+// pthread_atfork child handler closes the child's copies (closing, never LOCK_UN, which
+// would release the parent's lock).  The fd is opened, locked and registered under the
+// registry's mutex, which the fork holds (prepare handler), so no fork sees an fd locked
+// and not yet registered; a file_store destroyed in the child closes nothing of it.
 // Limits: advisory (only deferalloc honours it); the pid is what the holder wrote (a
 // holder that has not written it yet is named as unknown); on NFS flock() is emulated
-// with fcntl locks, which conflict between processes only.
+// with fcntl locks, which conflict between processes only; a process made by clone()
+// without fork's handlers (vfork, posix_spawn) keeps its copy until it execs (the fd is
+// O_CLOEXEC).
+namespace {
+struct lock_registry {
+  std::mutex mu;
+  std::vector<int> fds;  // the lock fds of this process's file stores
+};
+lock_registry& locks() {
+  static auto* r = new lock_registry;  // never destroyed: a fork at exit still finds it
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::pthread_atfork([] { locks().mu.lock(); }, [] { locks().mu.unlock(); },
+                     [] {
+                       auto& l = locks();
+                       for (int fd : l.fds) ::close(fd);
+                       l.fds.clear();
+                       l.mu.unlock();
+                     });
+  });
+  return *r;
+}
+}  // namespace
+
+void file_store::release_lock() noexcept {
+  if (lock_fd_ < 0) return;
+  auto& l = locks();
+  std::lock_guard lk(l.mu);
+  const auto it = std::find(l.fds.begin(), l.fds.end(), lock_fd_);
+  if (it != l.fds.end()) {  // else a forked child's copy, closed by the fork
+    l.fds.erase(it);
+    ::close(lock_fd_);
+  }
+  lock_fd_ = -1;
+}
+
 void file_store::lock_owner() {
   const std::string lock_path = path_ + ".lock";
   struct stat st {};
   if (::lstat(lock_path.c_str(), &st) == 0) check_owned_file(lock_path, st, "file tier");
+  auto& l = locks();
+  std::unique_lock reg(l.mu);
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
+  l.fds.push_back(lock_fd_);
+  reg.unlock();
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     char pid[32] = {};
     const ssize_t n = ::pread(lock_fd_, pid, sizeof pid - 1, 0);
-    ::close(lock_fd_);
+    release_lock();
     std::string holder = n > 0 ? std::string(pid, static_cast<std::size_t>(n)) : std::string();
     holder.resize(std::min(holder.size(), holder.find_first_not_of("0123456789")));
     if (e != EWOULDBLOCK) throw io_error("file tier: cannot lock " + lock_path + ": " + errtext(e));
@@ -243,20 +334,14 @@ void file_store::create_new() {
     ::unlink(tmp_path_.c_str());  // a killed run's unpublished file
   }
   fd_ = open_checked(tmp_path_, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, direct_, dir_);
-  published_ = false;
+  published_ = false;  // from here a failure closes and removes it (shut_down)
   const std::uint64_t total = steps_offset(2);
   if (::fallocate(fd_, 0, 0, static_cast<off_t>(total)) != 0) {
     const int e = errno;
-    if (e != EOPNOTSUPP) {
-      ::close(fd_);
-      ::unlink(tmp_path_.c_str());
+    if (e != EOPNOTSUPP)
       throw io_error("file tier: cannot reserve " + std::to_string(total) + " bytes for " + tmp_path_ + ": " + errtext(e));
-    }
-    if (::ftruncate(fd_, static_cast<off_t>(total)) != 0) {
-      ::close(fd_);
-      ::unlink(tmp_path_.c_str());
+    if (::ftruncate(fd_, static_cast<off_t>(total)) != 0)
       throw io_error("file tier: cannot size " + tmp_path_ + ": " + errtext(errno));
-    }
   }
 }
 
@@ -265,9 +350,11 @@ void file_store::open_existing() {
   try {
     struct stat st {};
     const std::uint64_t total = table_offset(2);
-    if (::fstat(fd_, &st) != 0 || static_cast<std::uint64_t>(st.st_size) < total)
-      throw corrupt_data("file tier: " + path_ + " is " + std::to_string(st.st_size) + " bytes, its layout needs " +
-                         std::to_string(total) + " (truncated); refusing to resume");
+    auto truncated = [&](std::uint64_t need) {
+      return corrupt_data("file tier: " + path_ + " is " + std::to_string(st.st_size) + " bytes, its layout needs " +
+                          std::to_string(need) + " (truncated); refusing to resume");
+    };
+    if (::fstat(fd_, &st) != 0 || static_cast<std::uint64_t>(st.st_size) < 2 * align) throw truncated(total);
     commit_record best, rec;
     bool found = false;
     header_state states[2];
@@ -277,14 +364,21 @@ void file_store::open_existing() {
         found = true;
         best = rec;
       }
+      // Before the size: a file of another format has another size.
+      if (states[c] == header_state::other_format)
+        throw invalid_argument("file tier: " + path_ + " holds moments in " + format_name(rec.format) +
+                               ", this optimizer is configured with moment format " + format_name(format_) +
+                               "; refusing to resume (resume with moments " + format_name(rec.format) +
+                               ", or convert through a checkpoint: docs/DURABILITY.md)");
     }
+    if (static_cast<std::uint64_t>(st.st_size) < total) throw truncated(total);
     if (!found) {
       for (header_state hs : states) {
         if (hs == header_state::other_layout)
           throw corrupt_data("file tier: " + path_ + " holds state of another layout (different shards); refusing to resume");
         if (hs == header_state::other_version)
           throw corrupt_data("file tier: " + path_ + " has another format version (this build reads " +
-                             std::to_string(k_version_one_step) + " and " + std::to_string(k_version) + "); refusing to resume");
+                             std::to_string(k_version_one_step) + " to " + std::to_string(k_version) + "); refusing to resume");
       }
       throw corrupt_data("file tier: both commit records of " + path_ +
                          " (offsets 0 and 4096) are unreadable; refusing to resume (this would restart from step 0)");
@@ -296,10 +390,8 @@ void file_store::open_existing() {
                                                      " is damaged; resuming from the other one, step " +
                                                      std::to_string(best.step));
     extended_ = static_cast<std::uint64_t>(st.st_size) >= steps_offset(2);
-    if (best.version == k_version) {
-      if (!extended_)
-        throw corrupt_data("file tier: " + path_ + " is " + std::to_string(st.st_size) + " bytes, its layout needs " +
-                           std::to_string(steps_offset(2)) + " (truncated); refusing to resume");
+    if (best.version != k_version_one_step) {
+      if (!extended_) throw truncated(steps_offset(2));
       aligned_buffer sb(steps_bytes_, false, "file tier: no memory for the step counts");
       const std::uint64_t soff = steps_offset(static_cast<int>(best.seq % 2));
       if (::pread(fd_, sb.p, steps_bytes_, static_cast<off_t>(soff)) != static_cast<ssize_t>(steps_bytes_))
@@ -335,16 +427,21 @@ void file_store::open_existing() {
   }
 }
 
-file_store::~file_store() {
+file_store::~file_store() { shut_down(); }
+
+void file_store::shut_down() noexcept {
   {
     std::lock_guard lk(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
+  threads_.clear();
   if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
-  ::close(lock_fd_);  // Note [One owner per state file]: after the last write
+  published_ = true;
+  release_lock();  // Note [One owner per state file]: after the last write
 }
 
 file_store::header_state file_store::read_header(int copy, commit_record& out) {
@@ -355,28 +452,54 @@ file_store::header_state file_store::read_header(int copy, commit_record& out) {
   bool empty = true;
   for (std::size_t i = 0; i < align && empty; ++i) empty = buf.p[i] == 0;
   if (empty) return header_state::empty;
-  // Format 2 had no steps_sum: its header checksum is where steps_sum is now.
-  const bool v3 = h.checksum == checksum64(&h, offsetof(header, checksum));
+  // Format 2 had no steps_sum: its header checksum is where steps_sum is now; format 3
+  // had no moment format: its header checksum is where moments and pad are now.
+  std::uint64_t at_moments;
+  std::memcpy(&at_moments, &h.moments, 8);
+  const bool v4 = h.checksum == checksum64(&h, offsetof(header, checksum));
+  const bool v3 = at_moments == checksum64(&h, offsetof(header, moments));
   const bool v2 = h.steps_sum == checksum64(&h, offsetof(header, steps_sum));
-  if (!(v3 || v2) || std::memcmp(h.magic, k_magic, 8) != 0) return header_state::damaged;
-  if (h.version != (v3 ? k_version : k_version_one_step) || h.block_bytes != block) return header_state::other_version;
+  if (!(v4 || v3 || v2) || std::memcmp(h.magic, k_magic, 8) != 0) return header_state::damaged;
+  const std::uint32_t version = v4 ? k_version : v3 ? k_version_fp32 : k_version_one_step;
+  if (h.version != version || h.block_bytes != block) return header_state::other_version;
+  if (h.slot > 1 || (v4 && h.moments > k_mom_int8)) return header_state::damaged;
+  out.format = v4 ? static_cast<int>(h.moments) : k_mom_fp32;
+  if (out.format != format_) return header_state::other_format;
   if (h.layout != layout_hash_) return header_state::other_layout;
-  if (h.slot > 1) return header_state::damaged;
   out.step = h.step;
   out.seq = h.seq;
   out.slot = static_cast<int>(h.slot);
   out.moments = h.moments_written != 0;
   out.table_sum = h.table_sum;
-  out.steps_sum = v3 ? h.steps_sum : 0;
+  out.steps_sum = v2 && !v3 && !v4 ? 0 : h.steps_sum;
   out.version = h.version;
   return header_state::valid;
 }
 
 std::uint64_t file_store::table_offset(int slot) const { return 2 * align + 2 * slot_bytes_ + slot * table_bytes_; }
 
+std::size_t file_store::segment(int f) {
+  return f == k_mom_int8 ? k_int8_segment : f == k_mom_bf16 ? block / 2 : 1;
+}
+
+std::uint64_t file_store::stored_bytes(int f, std::size_t n) {
+  if (f != k_mom_int8) return moment_bytes(f, n);
+  const std::size_t whole = n / k_int8_segment, rest = n % k_int8_segment;
+  return whole * moment_bytes(f, k_int8_segment) + (rest ? moment_bytes(f, rest) : 0);
+}
+
 std::uint64_t file_store::offset(int slot, std::size_t s, state_array a, std::size_t elem) const {
-  return 2 * align + static_cast<std::uint64_t>(slot) * slot_bytes_ + shard_base_[s] +
-         static_cast<std::uint64_t>(a) * array_bytes_[s] + elem * 4;
+  const std::uint64_t base = 2 * align + static_cast<std::uint64_t>(slot) * slot_bytes_ + shard_base_[s];
+  if (a == state_array::main) return base + elem * 4;
+  DFA_EXPECTS(elem % segment(format_) == 0, "file tier: a moment range starts at element " + std::to_string(elem) +
+                                                ", not on a segment of " + std::to_string(segment(format_)), invalid_state);
+  return base + array_bytes_[s] + (a == state_array::exp_avg_sq ? moment_bytes_[s] : 0) + stored_bytes(format_, elem);
+}
+
+std::size_t file_store::io_bytes(state_array a, std::size_t e0, std::size_t n) const {
+  if (a == state_array::main) return io_bytes(n);
+  const std::uint64_t bytes = stored_bytes(format_, e0 + n) - stored_bytes(format_, e0);
+  return static_cast<std::size_t>((bytes + align - 1) / align * align);
 }
 
 std::shared_ptr<io_batch> file_store::read(void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
@@ -536,6 +659,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   h.step = step;
   h.moments_written = moments_written ? 1 : 0;
   h.block_bytes = block;
+  h.moments = static_cast<std::uint32_t>(format_);
   h.seq = seq;
   h.table_sum = checksum64(t.data(), t.size() * 8);
   h.steps_sum = checksum64(shard_steps.data(), shard_steps.size() * 8);

@@ -1,5 +1,5 @@
-// The file tier: one state file per rank, two slots of FP32 state and a commit record.
-// See Note [File tier] in file_store.cpp.
+// The file tier: one state file per rank, two slots of state (FP32 main params, the
+// moments in their format) and a commit record.  See Note [File tier] in file_store.cpp.
 #pragma once
 #include <deferalloc/export.hpp>
 #include <deferalloc/optimizer.hpp>
@@ -47,17 +47,19 @@ class file_store {
   static constexpr std::size_t block = std::size_t{64} << 10;
 
   /// Opens (resume) or creates `dir`/deferalloc-rank<rank>.state for shards of the given
-  /// sizes.  A new file is created under a temporary name (0600, exclusive, no symlink
-  /// followed), its space reserved up front (fallocate) so a full disk fails here, and
-  /// renamed into place by the first commit.  `dir` must be a directory owned by this
+  /// sizes, with the moments in `moment_format` (k_mom_*: Note [File tier moments]).  A
+  /// new file is created under a temporary name (0600, exclusive, no symlink followed),
+  /// its space reserved up front (fallocate) so a full disk fails here, and renamed into
+  /// place by the first commit.  `dir` must be a directory owned by this
   /// user, not a symlink; an existing state file must be a regular file owned by this
   /// user, checked before anything is written.  Resume reads the newest valid commit
   /// record and its checksum table; a file with no commit is refused (see
   /// Note [File tier integrity]).  Cost: one file open, two header reads, one table read.
   /// @throws io_error (open, ownership, space), corrupt_data (another layout or format,
-  ///         truncated, both commit records unreadable, a damaged checksum table)
+  ///         truncated, both commit records unreadable, a damaged checksum table),
+  ///         invalid_argument (a file whose moments are in another format)
   file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
-             std::size_t request_bytes);
+             std::size_t request_bytes, int moment_format = 0);
   ~file_store();
 
   const std::string& path() const { return path_; }
@@ -71,10 +73,21 @@ class file_store {
   bool direct_io() const { return direct_; }
 
   /// Byte offset of element `elem` of array `a` of shard `s` in slot `slot` (a shard's
-  /// arrays are stored main, exp_avg, exp_avg_sq, one after the other).
+  /// arrays are stored main, exp_avg, exp_avg_sq, one after the other).  A moment's
+  /// `elem` is on a segment boundary (segment()).
   std::uint64_t offset(int slot, std::size_t s, state_array a, std::size_t elem) const;
   /// Bytes of `n` FP32 values rounded up to the I/O alignment.
   static std::size_t io_bytes(std::size_t n) { return (n * 4 + align - 1) / align * align; }
+  /// The I/O bytes of elements [e0, e0+n) of array `a` as stored (e0 on a segment
+  /// boundary; the range a whole number of segments or up to the array's end).
+  std::size_t io_bytes(state_array a, std::size_t e0, std::size_t n) const;
+  int moment_format() const { return format_; }
+  /// Elements per segment of a moment array in format `f` (Note [File tier moments]): a
+  /// request of a moment starts on one.
+  static std::size_t segment(int f);
+  /// Bytes of the first `n` elements of a moment array in format `f` as the file stores
+  /// them (`n` a whole number of segments, or the array's length).
+  static std::uint64_t stored_bytes(int f, std::size_t n);
 
   /// Adds a read (write) of `bytes` at `off` to `batch` (created when null).  `buf` and
   /// `off` must be aligned, `off` on a block boundary of its slot, `bytes` whole blocks
@@ -111,18 +124,24 @@ class file_store {
   fault_kind take_fault(fault_op op);
   /// Reads header copy `copy`; true when it is valid for `layout`.  Sets `other_layout`
   /// when the copy is ours (magic) but written for another layout.
-  enum class header_state { valid, empty, damaged, other_layout, other_version };
+  enum class header_state { valid, empty, damaged, other_layout, other_version, other_format };
   struct commit_record {
     std::uint64_t step = 0, seq = 0, table_sum = 0, steps_sum = 0;
     std::uint32_t version = 0;
+    int format = 0;  // the moments' format (formats 2 and 3: fp32)
     int slot = 0;
     bool moments = false;
   };
   header_state read_header(int copy, commit_record& out);
+  /// Stops the I/O threads, closes the state file (removing an unpublished one) and
+  /// releases the lock: the destructor, and a constructor that fails part-way.
+  void shut_down() noexcept;
   void open_existing();
   void create_new();
   /// Takes the state file's lock or throws invalid_state naming the holder.
   void lock_owner();
+  /// Closes the lock fd (unless a fork closed it: Note [One owner per state file]).
+  void release_lock() noexcept;
   /// Checksums (write) or verifies (read) the blocks of one request.
   void checksum_blocks(const request& r);
   std::uint64_t table_offset(int slot) const;
@@ -150,7 +169,9 @@ class file_store {
   bool moments_written_ = false;
   std::uint64_t layout_hash_ = 0;
   std::vector<std::uint64_t> shard_base_;
-  std::vector<std::uint64_t> array_bytes_;
+  std::vector<std::uint64_t> array_bytes_;   // per shard: the main array's bytes in a slot
+  std::vector<std::uint64_t> moment_bytes_;  // per shard: one moment array's bytes in a slot
+  int format_ = 0;
   std::uint64_t slot_bytes_ = 0;
   std::size_t request_bytes_;
 

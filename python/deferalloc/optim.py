@@ -436,9 +436,11 @@ class StreamedAdamW(torch.optim.Optimizer):
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (param groups may set
             their own; schedulers may change them between steps).
         tier: "host" (pinned host memory), "file" (``directory``), or "device" (HBM).
-        moment_dtype: how the host tier stores the Adam moments: "fp32" (exact torch AdamW),
+        moment_dtype: how the host and file tiers store the Adam moments: "fp32" (exact torch AdamW),
             "bf16" (round to nearest even, 8 B/param moved each way instead of 12) or
-            "int8" (block-scaled 8-bit floats, ~6 B/param); the arithmetic stays FP32.
+            "int8" (block-scaled 8-bit floats, ~6 B/param); the arithmetic stays FP32.  A
+            state file keeps the format it was created with (another one is refused at
+            resume); int8 on the file tier needs window_mb >= 12 * depth.
         resident_mb: host tier: HBM (MiB) for parameters whose FP32 state stays resident
             (taken in order while they fit; the rest stream), or "auto": the free HBM at
             construction less the window and a tenth of the device (for activations).

@@ -190,6 +190,27 @@ torch.save({{"model": [p.detach() for p in params], "opt": opt.state_dict()}}, {
             for p, q in zip(c_params, a_params):
                 self.assertTrue(torch.equal(p.detach(), q.detach()), "resume writes the parameters from main")
 
+    def test_file_tier_with_compressed_moments_equals_the_host_tier(self):
+        # Note [File tier moments]: the host tier's bits; the state file keeps its format.
+        for dt in ("bf16", "int8"):
+            h_params, f_params = make_params(), make_params()
+            with tempfile.TemporaryDirectory() as tmp:
+                h = build(h_params, moment_dtype=dt)
+                f = optim.StreamedAdamW([dict(params=f_params[:2], **GROUPS[0]), dict(params=f_params[2:], **GROUPS[1])],
+                                        lr=3e-3, window_mb=48, depth=2, tier="file", directory=tmp, moment_dtype=dt)
+                train(h, h_params, 3)
+                train(f, f_params, 3)
+                want, got = h.state_dict()["state"], f.state_dict()["state"]
+                for i in want:
+                    for k in ("main_param", "exp_avg", "exp_avg_sq"):
+                        self.assertTrue(torch.equal(want[i][k], got[i][k]), f"{dt}: {k} of {i}")
+                del f
+                other = "int8" if dt == "bf16" else "bf16"
+                with self.assertRaisesRegex(optim.InvalidArgumentError, f"holds moments in {dt}.*{other}"):
+                    g = optim.StreamedAdamW(make_params(), lr=3e-3, window_mb=48, depth=2, tier="file",
+                                            directory=tmp, resume=True, moment_dtype=other)
+                    g.state_dict()
+
     def test_loads_torch_adamw_state(self):
         params = make_params()
         ref = torch.optim.AdamW(params, lr=1e-3)
