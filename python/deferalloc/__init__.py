@@ -44,19 +44,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import operator
-import os
 import pickle
 import sys
 from typing import Iterator, Sequence
 
 import torch
 
-from . import _logging
+from . import _native
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState,
-                     IoError, NoDevice, OutOfMemory, from_status)
+                     IoError, NoDevice, OutOfMemory)
 
 __all__ = [
     "DeferallocError", "InvalidArgument", "InvalidState", "OutOfMemory", "CudaError", "NoDevice", "IoError",
@@ -80,81 +78,11 @@ _DTYPES = {
 }
 
 
-_lib = None
-_path = None
-
-
-def library_path() -> str:
-    """Path of libdeferalloc.so: $DEFERALLOC_LIB, else the one installed inside this package
-    (``pip install``: deferalloc/lib), else what the dynamic linker finds."""
-    env = os.environ.get("DEFERALLOC_LIB")
-    if env:
-        return env
-    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libdeferalloc.so")
-    if os.path.exists(bundled):
-        return bundled
-    found = ctypes.util.find_library("deferalloc")
-    if found is None:
-        raise DeferallocError("libdeferalloc.so not found: install the package (pip install .) "
-                              "or set DEFERALLOC_LIB to the library's path")
-    return found
-
-
-def _load():
-    global _lib, _path
-    if _lib is not None:
-        return _lib
-    _path = library_path()
-    lib = ctypes.CDLL(_path)
-    c = ctypes
-    sigs = {
-        "dfa_last_error": (c.c_char_p, []),
-        "dfa_driver_name": (c.c_int, [c.POINTER(c.c_char_p)]),
-        "dfa_granularity": (c.c_int, [c.POINTER(c.c_size_t)]),
-        "dfa_reserve": (c.c_int, [c.c_size_t, c.POINTER(c.c_uint64), c.POINTER(c.c_void_p)]),
-        "dfa_materialize": (c.c_int, [c.c_uint64, c.c_size_t, c.c_size_t, c.c_int, c.c_void_p]),
-        "dfa_release": (c.c_int, [c.c_uint64, c.c_size_t, c.c_size_t, c.c_int, c.c_void_p]),
-        "dfa_record_stream": (c.c_int, [c.c_uint64, c.c_void_p]),
-        "dfa_free_reservation": (c.c_int, [c.c_uint64, c.c_void_p]),
-        "dfa_is_backed": (c.c_int, [c.c_uint64, c.c_size_t, c.c_size_t, c.POINTER(c.c_int)]),
-        "dfa_find": (c.c_int, [c.c_void_p, c.POINTER(c.c_uint64)]),
-        "dfa_export_dlpack": (c.c_int, [c.c_uint64, c.POINTER(c.c_int64), c.c_int, c.c_uint8, c.c_uint8,
-                                        c.c_uint16, c.POINTER(c.c_void_p)]),
-        "dfa_tag_begin": (c.c_int, [c.c_char_p]),
-        "dfa_tag_end": (c.c_int, []),
-        "dfa_tag_pause": (c.c_int, [c.c_char_p, c.c_int, c.c_void_p]),
-        "dfa_tag_resume": (c.c_int, [c.c_char_p, c.c_void_p]),
-        "dfa_tag_is_paused": (c.c_int, [c.c_char_p, c.POINTER(c.c_int)]),
-        "dfa_tag_names": (c.c_int, [c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)]),
-        "dfa_set_resident": (c.c_int, [c.c_void_p, c.c_int]),
-        "dfa_memory_stats": (c.c_int, [c.c_int, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)]),
-        "dfa_reset_peak_stats": (c.c_int, [c.c_int]),
-        "dfa_empty_cache": (c.c_int, [c.c_int, c.POINTER(c.c_size_t)]),
-        "dfa_trim": (c.c_int, [c.c_size_t, c.POINTER(c.c_size_t)]),
-        "dfa_last_refusal": (c.c_char_p, []),
-        "dfa_clear_last_refusal": (None, []),
-        "dfa_memory_snapshot": (c.c_int, [c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)]),
-        "dfa_record_memory_history": (c.c_int, [c.c_size_t]),
-    }
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = res
-        fn.argtypes = args
-    _logging.install(lib)  # the library's messages to logging.getLogger("deferalloc")
-    _lib = lib
-    return lib
-
-
-def _check(status: int, call: str) -> None:
-    if status != 0:
-        raise _error(status, call)
-
-
-def _error(status: int, call: str) -> DeferallocError:
-    """The exception for `status`, with this thread's dfa_last_error() (read it before any
-    other deferalloc call: a success clears it)."""
-    msg = _load().dfa_last_error().decode(errors="replace")
-    return from_status(status, msg or f"{call} failed")
+# The allocator's C ABI (deferalloc._native: the package's one loader of its libraries).
+_load = _native.allocator        # libdeferalloc with its signatures set, opened on first call
+_check = _native.allocator.check  # a failed dfa_status -> the package's exception
+_error = _native.allocator.error
+library_path = _native.library_path
 
 
 # ---- argument checks (before anything reaches C) --------------------------------------------
@@ -771,10 +699,9 @@ def pluggable_allocator():
     global _pluggable
     if _pluggable is not None:
         return _pluggable
-    _load()
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(_path, "dfa_malloc", "dfa_free")
+    lib = _load()
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(_native.allocator.path, "dfa_malloc", "dfa_free")
     hooks = alloc.allocator()
-    lib = ctypes.CDLL(_path)
 
     def addr(name):
         return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value

@@ -166,7 +166,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import deferred_empty
-from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _check, _load
+from . import _native
+from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW
+
+_load = _native.optimizer
+_check = _native.optimizer.check
 from .overlap import BackwardOverlap
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",

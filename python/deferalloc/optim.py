@@ -42,9 +42,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import library_path
+from . import _native
+from ._native import AdamwParams as _AdamwParams, OptimizerStats as _Stats, PROGRESS_FN as _PROGRESS
+from ._native import optimizer_library_path
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState, IoError,
-                     NoDevice, OutOfMemory, from_status)
+                     NoDevice, OutOfMemory)
 
 __all__ = [
     "StreamedAdamW", "OptimizerError", "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError",
@@ -65,7 +67,8 @@ CorruptDataError = CorruptData
 
 # ---- the library ---------------------------------------------------------------------------
 
-_DTYPE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
+_DTYPE = _native.DTYPE_CODES
+_stream_ptr = _native.stream_ptr
 _ARRAYS = {"main_param": 0, "exp_avg": 1, "exp_avg_sq": 2}
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "main_param")
 _MAX_STEP = 1 << 53  # steps are whole numbers a double (and so torch's float step tensors) holds exactly
@@ -83,104 +86,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
-class _AdamwParams(ctypes.Structure):
-    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
-                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double)]
-
-
-class _Stats(ctypes.Structure):
-    _fields_ = [("steps", ctypes.c_uint64), ("shards", ctypes.c_size_t), ("piece_elements", ctypes.c_size_t),
-                ("seconds", ctypes.c_double), ("params", ctypes.c_size_t), ("pieces", ctypes.c_size_t),
-                ("bytes_to_device", ctypes.c_size_t), ("bytes_from_device", ctypes.c_size_t),
-                ("peak_backed_bytes", ctypes.c_size_t), ("map_seconds", ctypes.c_double),
-                ("retire_seconds", ctypes.c_double), ("io_wait_seconds", ctypes.c_double)]
-
-
 # Every live StreamedAdamW: deferalloc.memory_snapshot()'s "optimizers" annotation, and the
 # refusal of a parameter another one holds (Note [Parameter storage under the optimizer]).
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
-_PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p)
-_lib = None
-
-
-def optimizer_library_path() -> str:
-    """$DEFERALLOC_OPTIMIZER_LIB, else libdeferalloc_optimizer.so beside libdeferalloc.so, else the linker's search."""
-    env = os.environ.get("DEFERALLOC_OPTIMIZER_LIB")
-    if env:
-        return env
-    try:
-        base = library_path()
-    except DeferallocError:
-        base = None
-    if base and os.path.sep in base:
-        d = os.path.dirname(base)
-        for cand in (os.path.join(d, "libdeferalloc_optimizer.so"),
-                     os.path.join(d, "..", "optimizer", "libdeferalloc_optimizer.so")):
-            if os.path.exists(cand):
-                return os.path.normpath(cand)
-    import ctypes.util
-    found = ctypes.util.find_library("deferalloc_optimizer")
-    if found is None:
-        raise NoDeviceError("libdeferalloc_optimizer.so not found: set DEFERALLOC_OPTIMIZER_LIB to its path")
-    return found
-
-
-def _load():
-    global _lib
-    if _lib is not None:
-        return _lib
-    lib = ctypes.CDLL(optimizer_library_path())
-    c = ctypes
-    P = c.c_void_p
-    sigs = {
-        "dfa_opt_last_error": (c.c_char_p, []),
-        "dfa_opt_create": (c.c_int, [c.c_char_p, c.POINTER(P)]),
-        "dfa_opt_destroy": (c.c_int, [P]),
-        "dfa_opt_add_shard": (c.c_int, [P, P, c.c_size_t, c.c_int, c.c_int, c.c_char_p, c.POINTER(c.c_size_t)]),
-        "dfa_opt_set_group": (c.c_int, [P, c.c_int, c.POINTER(_AdamwParams)]),
-        "dfa_opt_initialize": (c.c_int, [P, P]),
-        "dfa_opt_step": (c.c_int, [P, c.POINTER(P), c.c_size_t, c.POINTER(c.c_int), c.c_float, P]),
-        "dfa_opt_step_speculative": (c.c_int, [P, c.POINTER(P), c.c_size_t, c.POINTER(c.c_int), c.c_float, P]),
-        "dfa_opt_commit_speculation": (c.c_int, [P]),
-        "dfa_opt_discard_speculation": (c.c_int, [P]),
-        "dfa_opt_speculation_pending": (c.c_int, [P, c.POINTER(c.c_size_t)]),
-        "dfa_opt_can_speculate": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_int)]),
-        "dfa_opt_sync_model_params": (c.c_int, [P, P]),
-        "dfa_opt_read_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
-        "dfa_opt_write_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
-        "dfa_opt_get_shard_step": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_uint64)]),
-        "dfa_opt_set_shard_step": (c.c_int, [P, c.c_size_t, c.c_uint64]),
-        "dfa_opt_begin_state_write": (c.c_int, [P]),
-        "dfa_opt_end_state_write": (c.c_int, [P, c.c_int]),
-        "dfa_opt_set_shard_param": (c.c_int, [P, c.c_size_t, P]),
-        "dfa_opt_save_checkpoint": (c.c_int, [P, c.c_char_p]),
-        "dfa_opt_load_checkpoint": (c.c_int, [P, c.c_char_p]),
-        "dfa_opt_set_progress": (c.c_int, [P, _PROGRESS, P]),
-        "dfa_opt_get_stats": (c.c_int, [P, c.POINTER(_Stats)]),
-    }
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = res
-        fn.argtypes = args
-    _lib = lib
-    return lib
-
-
-def _check(status: int, call: str) -> None:
-    if status != 0:
-        msg = _load().dfa_opt_last_error().decode(errors="replace") or call
-        raise from_status(status, msg)
-
-
-def _stream_ptr(stream, device: torch.device):
-    if device.type != "cuda":
-        return None
-    if stream is None:
-        stream = torch.cuda.current_stream(device)
-    if isinstance(stream, torch.cuda.Stream):
-        return ctypes.c_void_p(stream.cuda_stream)
-    return ctypes.c_void_p(int(stream))
+# The optimizer's C ABI (deferalloc._native: the package's one loader of its libraries).
+_load = _native.optimizer        # libdeferalloc_optimizer with its signatures set, opened on first call
+_check = _native.optimizer.check  # a failed dfa_status -> the package's exception
 
 
 # ---- opt.state, the torch way ----------------------------------------------------------------

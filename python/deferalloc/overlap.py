@@ -103,7 +103,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from .optim import StreamedAdamW, _check, _DTYPE, _load, _stream_ptr
+from . import _native
+from ._native import DTYPE_CODES as _DTYPE, stream_ptr as _stream_ptr
+from .optim import StreamedAdamW
+
+_load = _native.optimizer
+_check = _native.optimizer.check
 
 __all__ = ["BackwardOverlap", "overlap_with_backward"]
 
