@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -399,6 +400,43 @@ TEST_F(c_api_caching, the_last_refusal_is_this_threads_last_malloc) {
   EXPECT_EQ(dfa_malloc(0, 0, nullptr), nullptr);
   EXPECT_EQ(refusal(), "") << "size 0 is no refusal";
   dfa_free(q, 0, 0, nullptr);
+  ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_free(p, 0, 0, nullptr);
+}
+
+// A log callback that calls the library while a refusal's line is delivered (Python's
+// garbage collector freeing a tensor): the refusal's
+// message is stored after the callback ran, so dfa_last_error / dfa_last_refusal still say
+// why dfa_malloc failed.
+TEST_F(c_api_caching, a_callback_calling_the_library_keeps_the_refusals_message) {
+  struct reentry {
+    void* spare = nullptr;
+    int calls = 0;
+    static void fn(int level, const char* msg, void* user) {
+      auto* r = static_cast<reentry*>(user);
+      if (level != 2 || std::string_view(msg).rfind("deferalloc refused", 0) != 0) return;
+      ++r->calls;
+      dfa_free(r->spare, 0, 0, nullptr);  // succeeds: clears this thread's dfa_last_error
+      r->spare = nullptr;
+    }
+  } r;
+  r.spare = dfa_malloc(4096, 0, nullptr);
+  ASSERT_NE(r.spare, nullptr) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  void* p = dfa_malloc(1 << 20, 0, nullptr);
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_NE(p, nullptr) << dfa_last_error();
+  ASSERT_EQ(dfa_tag_pause("p", DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_set_log_callback(&reentry::fn, &r, 2), DFA_SUCCESS);
+  ASSERT_EQ(dfa_tag_begin("p"), DFA_SUCCESS);
+  EXPECT_EQ(dfa_malloc(100, 0, nullptr), nullptr);
+  const std::string error = dfa_last_error();
+  const std::string why = refusal();
+  ASSERT_EQ(dfa_tag_end(), DFA_SUCCESS);
+  ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
+  EXPECT_EQ(r.calls, 1);
+  EXPECT_EQ(error.rfind("dfa_malloc: deferalloc refused 100 bytes", 0), 0u) << error;
+  EXPECT_EQ(why.rfind("deferalloc refused 100 bytes", 0), 0u) << why;
   ASSERT_EQ(dfa_tag_resume("p", nullptr), DFA_SUCCESS) << dfa_last_error();
   dfa_free(p, 0, 0, nullptr);
 }

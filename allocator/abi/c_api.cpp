@@ -126,12 +126,16 @@ void note_segment(caching_allocator& a, const void* block) {
   }
 }
 
-// The body's log lines are delivered when it has returned, its locks (g_mu, the
-// allocators', the manager's) released: Note [Logging outside locks] in log.hpp.
+// The body's log lines are delivered when it has returned or thrown, its locks (g_mu, the
+// allocators', the manager's) released: Note [Logging outside locks] in log.hpp.  The hold
+// closes inside abi_guard, before the call's error message is stored: a callback that
+// calls the library (dfa_free succeeds and clears dfa_last_error) cannot wipe it.
 template <typename F>
 dfa_status guard(const char* call, F&& body) noexcept {
-  detail::log_hold hold;
-  return detail::abi_guard(call, t_last_error, std::forward<F>(body));
+  return detail::abi_guard(call, t_last_error, [&] {
+    detail::log_hold hold;
+    body();
+  });
 }
 
 settings env_settings() {

@@ -343,7 +343,9 @@ void deliver_held_logs() noexcept {
 
 void log(log_level level, const std::string& msg) noexcept {
   if (!wanted(level)) return;
-  if (t_log_hold.depth > 0) {
+  // Only a callback can call back into the library: stderr lines go out at once, so a
+  // process that dies inside the section still printed them.
+  if (t_log_hold.depth > 0 && g_sink.load() != nullptr) {
     t_log_hold.kept = 1;
     try {
       if (t_held.size() >= k_max_held) throw std::length_error("too many held lines");

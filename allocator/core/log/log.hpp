@@ -25,6 +25,8 @@ DFA_API void set_log_sink(log_sink fn, void* user, log_level level) noexcept;
 // (log_after_unlock<M> does both); log() on a thread with a hold open keeps the line, and
 // the outermost hold's end, after the mutex is released, delivers the kept lines in order
 // on the same thread (before the exception or result of the section reaches its caller).
+// Only lines for a callback are kept: without one, lines go to stderr at once (stderr
+// cannot call back, and a process dying inside the section has printed them).
 // Limits: at most 64 lines kept per section (the rest are counted: one line says how many
 // were lost); a thread whose lines are kept cannot see them before the section ends.
 struct log_hold_state {
