@@ -12,7 +12,6 @@
 #include <deferalloc/context.hpp>
 #include <deferalloc/deferalloc.h>
 #include <deferalloc/errors.hpp>
-#include <deferalloc/mode_checks.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +28,7 @@
 #include <vector>
 
 #include "abi_guard.hpp"
+#include "core/mode_checks.hpp"
 #include "dlpack_abi.hpp"
 #include "fault_report.hpp"
 #include "log.hpp"

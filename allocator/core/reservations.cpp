@@ -39,13 +39,13 @@
 // recorded on the copy stream has completed (checked at the next call, waited for by
 // trim_backup_cache and the destructor).
 #include <deferalloc/errors.hpp>
-#include <deferalloc/mode_checks.hpp>
 #include <deferalloc/reservations.hpp>
 
 #include <algorithm>
 #include <bit>
 #include <unordered_map>
 
+#include "core/mode_checks.hpp"
 #include "log.hpp"
 
 namespace deferalloc {
