@@ -398,16 +398,23 @@ TEST(state_integrity, a_forked_child_does_not_keep_the_owner_lock) {
   auto a = std::make_unique<model>(host(), config(tier::file, dir, false));
   a->opt->initialize();
   a->step(0);
-  int to_child[2];
+  int to_child[2], from_child[2];
   ASSERT_EQ(::pipe(to_child), 0);
+  ASSERT_EQ(::pipe(from_child), 0);
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(to_child[1]);
-    char x = 0;
-    (void)!::read(to_child[0], &x, 1);  // alive until the parent has checked
+    ::close(from_child[0]);
+    char x = 1;
+    (void)!::write(from_child[1], &x, 1);  // running: the fork's child handler has run
+    (void)!::read(to_child[0], &x, 1);     // alive until the parent has checked
     ::_exit(0);
   }
   ::close(to_child[0]);
+  ::close(from_child[1]);
+  char x = 0;
+  ASSERT_EQ(::read(from_child[0], &x, 1), 1);
+  ::close(from_child[0]);
   a.reset();
   std::string e = "(no error)";
   bool resumed = false;
