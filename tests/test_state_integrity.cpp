@@ -429,6 +429,66 @@ TEST(state_integrity, a_forked_child_does_not_keep_the_owner_lock) {
   EXPECT_TRUE(resumed);
 }
 
+// A forked child that destroys the optimizer it inherited (a DataLoader worker exiting,
+// or one that deletes it) touches nothing of the parent's: no join of the parent's I/O
+// threads (it would hang), no unlink of its unpublished state file, no close of a lock
+// fd, not even its own optimizer's that got the closed lock fd's number again.  The parent
+// steps on and closes cleanly.
+TEST(state_integrity, a_forked_child_destroying_the_inherited_optimizer_touches_nothing) {
+  const auto& ref = reference<8>();
+  temp_dir base;
+  const std::string dir = base.path + "/state", dir2 = base.path + "/child";
+  auto a = std::make_unique<model>(host(), config(tier::file, dir, false));
+  EXPECT_FALSE(a->opt->resumed());  // opens the state file: <state>.new until the first commit
+  const std::string fresh = dir + "/deferalloc-rank0.state.new";
+  ASSERT_TRUE(fs::exists(fresh));
+  // The child's exit status: 0, or 1 its own lock was lost, 2 an error, 128 + a signal.
+  auto in_child = [&](bool own) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(60);  // a join of the parent's threads would hang
+      int rc = 0;
+      try {
+        std::unique_ptr<model> c;
+        if (own) {
+          c = std::make_unique<model>(host(), config(tier::file, dir2, false));
+          c->opt->initialize();
+        }
+        a.reset();
+        if (own) {
+          model d(host(), config(tier::file, dir2, true));
+          const std::string e = error_of([&] { d.opt->resumed(); });
+          if (e.find("in use") == std::string::npos) rc |= 1;
+          c->step(0);
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "child: %s\n", e.what());
+        rc |= 2;
+      }
+      std::fflush(stderr);
+      ::_exit(rc);
+    }
+    int st = 0;
+    EXPECT_EQ(::waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  };
+  EXPECT_EQ(in_child(false), 0);
+  EXPECT_TRUE(fs::exists(fresh)) << "the child removed the parent's unpublished state file";
+  a->opt->initialize();
+  a->step(0);
+  a->step(1);
+  EXPECT_EQ(in_child(true), 0) << "1: the child's own optimizer lost its lock";
+  a->step(2);
+  EXPECT_TRUE(a->snapshot() == ref[3]);
+  EXPECT_NE(error_of([&] { model(host(), config(tier::file, dir, true)).opt->resumed(); }).find("in use"),
+            std::string::npos) << "the parent lost its lock";
+  a.reset();
+  model r(host(), config(tier::file, dir, true));
+  EXPECT_TRUE(r.opt->resumed());
+  r.opt->sync_model_params();
+  EXPECT_TRUE(r.snapshot() == ref[3]);
+}
+
 // A state file opened by a file store whose construction then fails (no memory for its
 // I/O threads' stacks) is closed, and an unpublished one removed: the descriptor leaked.
 TEST(state_integrity, a_file_store_failing_after_the_open_closes_the_state_file) {

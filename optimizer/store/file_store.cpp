@@ -184,7 +184,8 @@ bool io_batch::done() const {
 
 file_store::file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
                        std::size_t request_bytes, int moment_format)
-    : dir_(dir), format_(moment_format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)) {
+    : dir_(dir), format_(moment_format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)),
+      owner_pid_(::getpid()) {
   if (dir.empty()) throw invalid_argument("file tier: no directory given (optimizer_config::directory)");
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
   if (format_ != k_mom_fp32 && format_ != k_mom_bf16 && format_ != k_mom_int8)
@@ -217,7 +218,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
     if (exists) check_owned_file(path_, st, "file tier");
     if (resume && exists) open_existing();
     else create_new();
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
+    for (int i = 0; i < threads; ++i) io_->threads.emplace_back([this] { worker(); });
   } catch (...) {
     shut_down();  // the threads started, the state file (an unpublished one removed), the lock
     throw;
@@ -242,16 +243,27 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // pthread_atfork child handler closes the child's copies (closing, never LOCK_UN, which
 // would release the parent's lock).  The fd is opened, locked and registered under the
 // registry's mutex, which the fork holds (prepare handler), so no fork sees an fd locked
-// and not yet registered; a file_store destroyed in the child closes nothing of it.
+// and not yet registered.  A registry entry is the fd and its
+// file_store: a child that builds its own optimizer may get the closed fd's number again.
+// A file_store remembers the process that built it; destroyed in another one (a forked
+// child exiting, or deleting the inherited optimizer) it touches nothing: no join of I/O
+// threads that exist only in the parent, no unlink of the parent's unpublished .new
+// file, no close of a lock fd.  Its reads, writes and commits there throw invalid_state.
 // Limits: advisory (only deferalloc honours it); the pid is what the holder wrote (a
 // holder that has not written it yet is named as unknown); on NFS flock() is emulated
 // with fcntl locks, which conflict between processes only; a process made by clone()
 // without fork's handlers (vfork, posix_spawn) keeps its copy until it execs (the fd is
-// O_CLOEXEC).
+// O_CLOEXEC); a child closes its copy when it first runs, so the parent's fork() can
+// return, and a lock attempt of the parent fail, before that.  A file_store destroyed in a forked child leaks, by design, its I/O pool's
+// memory and its copy of the state file's fd (the child's exit or exec frees both).
 namespace {
 struct lock_registry {
+  struct entry {
+    int fd;
+    const void* owner;  // the file_store: an fd number alone is reused once closed
+  };
   std::mutex mu;
-  std::vector<int> fds;  // the lock fds of this process's file stores
+  std::vector<entry> fds;  // the lock fds of this process's file stores
 };
 lock_registry& locks() {
   static auto* r = new lock_registry;  // never destroyed: a fork at exit still finds it
@@ -260,7 +272,7 @@ lock_registry& locks() {
     ::pthread_atfork([] { locks().mu.lock(); }, [] { locks().mu.unlock(); },
                      [] {
                        auto& l = locks();
-                       for (int fd : l.fds) ::close(fd);
+                       for (const auto& e : l.fds) ::close(e.fd);
                        l.fds.clear();
                        l.mu.unlock();
                      });
@@ -273,7 +285,7 @@ void file_store::release_lock() noexcept {
   if (lock_fd_ < 0) return;
   auto& l = locks();
   std::lock_guard lk(l.mu);
-  const auto it = std::find(l.fds.begin(), l.fds.end(), lock_fd_);
+  const auto it = std::find_if(l.fds.begin(), l.fds.end(), [&](const auto& e) { return e.fd == lock_fd_ && e.owner == this; });
   if (it != l.fds.end()) {  // else a forked child's copy, closed by the fork
     l.fds.erase(it);
     ::close(lock_fd_);
@@ -289,7 +301,7 @@ void file_store::lock_owner() {
   std::unique_lock reg(l.mu);
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
-  l.fds.push_back(lock_fd_);
+  l.fds.push_back({lock_fd_, this});
   reg.unlock();
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
@@ -429,14 +441,27 @@ void file_store::open_existing() {
 
 file_store::~file_store() { shut_down(); }
 
+void file_store::refuse_in_child(const std::string& what) const {
+  if (::getpid() != owner_pid_)
+    throw invalid_state("file tier: " + path_ + " belongs to process " + std::to_string(owner_pid_) +
+                        "; a forked child cannot move its data (" + what + ")");
+}
+
 void file_store::shut_down() noexcept {
-  {
-    std::lock_guard lk(mu_);
-    stop_ = true;
+  if (::getpid() != owner_pid_) {  // a forked child: Note [One owner per state file]
+    (void)io_.release();           // its threads are the parent's; its cv has their waits
+    fd_ = -1;
+    lock_fd_ = -1;
+    published_ = true;
+    return;
   }
-  cv_.notify_all();
-  for (auto& t : threads_) t.join();
-  threads_.clear();
+  {
+    std::lock_guard lk(io_->mu);
+    io_->stop = true;
+  }
+  io_->cv.notify_all();
+  for (auto& t : io_->threads) t.join();
+  io_->threads.clear();
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
@@ -513,18 +538,19 @@ std::shared_ptr<io_batch> file_store::write(const void* buf, std::size_t bytes, 
 
 std::shared_ptr<io_batch> file_store::submit(void* buf, std::size_t bytes, std::uint64_t off, bool write,
                                              const std::string& what, std::shared_ptr<io_batch> batch) {
+  refuse_in_child(what);
   if (!batch) batch = std::make_shared<io_batch>();
   if (bytes % align != 0 || off < 2 * align || off + bytes > table_offset(0) ||
       (off - 2 * align) % slot_bytes_ % block != 0 || reinterpret_cast<std::uintptr_t>(buf) % align != 0)
     throw invalid_argument("file tier: unaligned request for " + what);
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(io_->mu);
   for (std::size_t done = 0; done < bytes; done += request_bytes_) {
     const std::size_t n = std::min(request_bytes_, bytes - done);
-    queue_.push_back({static_cast<char*>(buf) + done, n, off + done, write, what, batch});
+    io_->queue.push_back({static_cast<char*>(buf) + done, n, off + done, write, what, batch});
     std::lock_guard bl(batch->mu_);
     ++batch->pending_;
   }
-  cv_.notify_all();
+  io_->cv.notify_all();
   return batch;
 }
 
@@ -595,11 +621,11 @@ void file_store::worker() {
   for (;;) {
     request r;
     {
-      std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      r = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock lk(io_->mu);
+      io_->cv.wait(lk, [&] { return io_->stop || !io_->queue.empty(); });
+      if (io_->queue.empty()) return;
+      r = std::move(io_->queue.front());
+      io_->queue.pop_front();
     }
     std::string err;
     bool corrupt = false;
@@ -624,6 +650,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   DFA_EXPECTS(shard_steps.size() == shard_steps_.size(), "file tier: commit with " + std::to_string(shard_steps.size()) +
                                                              " step counts for " + std::to_string(shard_steps_.size()) +
                                                              " shards", invalid_state);
+  refuse_in_child("the commit of step " + std::to_string(step));
   const fault_kind f = take_fault(fault_op::commit);
   if (f == fault_kind::crash) ::_exit(86);
   if (f != fault_kind::none) throw io_error("commit of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(EIO));
