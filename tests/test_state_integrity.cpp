@@ -587,3 +587,38 @@ TEST(state_integrity, never_written_commit_record_is_not_damaged) {
   dfa_set_log_callback(nullptr, nullptr, 0);
   for (const auto& l : g_log) EXPECT_EQ(l.find("damaged"), std::string::npos) << l;
 }
+
+// FP32 moments keep header format 3, which a build that predates format 4 reads (a
+// format-4 header looks damaged to it: it would resume a step back); compressed moments
+// write format 4, which records their format.  Both resume here.
+TEST(state_integrity, fp32_state_files_keep_header_format_3) {
+  temp_dir base;
+  auto versions = [](const std::string& file) {
+    std::ifstream f(file, std::ios::binary);
+    std::vector<std::uint32_t> v;
+    for (std::streamoff copy : {0, 4096}) {
+      std::uint32_t x = 0;
+      f.seekg(copy + 8);
+      f.read(reinterpret_cast<char*>(&x), 4);
+      v.push_back(x);
+    }
+    return v;
+  };
+  for (moment_format mf : {moment_format::fp32, moment_format::bf16}) {
+    const std::string dir = base.path + "/" + to_string(mf);
+    auto cfg = config(tier::file, dir, false);
+    cfg.moments = mf;
+    {
+      model m(host(), cfg);
+      m.opt->initialize();
+      m.step(0);
+      m.step(1);
+    }
+    const std::uint32_t want = mf == moment_format::fp32 ? 3 : 4;
+    EXPECT_EQ(versions(dir + "/deferalloc-rank0.state"), (std::vector<std::uint32_t>{want, want})) << to_string(mf);
+    cfg.resume = true;
+    model m(host(), cfg);
+    EXPECT_TRUE(m.opt->resumed()) << to_string(mf);
+    EXPECT_EQ(m.opt->shard_step(0), 2u) << to_string(mf);
+  }
+}

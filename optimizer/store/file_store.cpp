@@ -23,9 +23,11 @@
 //  - step counts: PyTorch keeps one per parameter (a parameter without a gradient is
 //    not stepped); the file keeps one per shard, with each commit.  A format-2 file
 //    (one count per file) still resumes, every shard at the file's step; its first
-//    commit extends it by the step-count areas and writes a format-4 header (the other
-//    copy, format 2, stays valid until it is overwritten).  A format-3 file (FP32
-//    moments, no format field) resumes likewise; format 4 added the moments' format.
+//    commit extends it by the step-count areas and writes a format-3 header (the other
+//    copy, format 2, stays valid until it is overwritten).  Format 3 has no moment
+//    format field (FP32 moments); format 4 added it, and is written for compressed
+//    moments only: FP32 moments keep writing format 3, so a build that reads 2 and 3
+//    still resumes the newest commit (a format-4 header would look damaged to it).
 //  - a new file is created as <name>.new and renamed into place (and the directory
 //    fsynced) by its first commit, so a file at the final name always holds a commit.
 //  - the whole file is fallocate'd at creation: a full disk fails before any step.
@@ -83,7 +85,8 @@
 //    stored bytes (never decoded and encoded again).
 //  - the header (format 4) records the format; a file written with another format is
 //    refused at open (invalid_argument naming both formats and the file).  Formats 2
-//    and 3 hold FP32 moments.  Checkpoints hold decoded FP32 moments and load into any
+//    and 3 hold FP32 moments, and FP32 moments are still written as format 3 (Note
+//    [File tier]).  Checkpoints hold decoded FP32 moments and load into any
 //    format (Note [Checkpoint generations]): they are the way to convert a state file.
 // Limits: int8 pieces are 2^20 elements (4 MiB of FP32 per array of a window slot), so
 // its window_bytes must be at least 12 MiB per slot (depth); bf16's are 2^15.
@@ -680,7 +683,10 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   page buf;
   header h{};
   std::memcpy(h.magic, k_magic, 8);
-  h.version = k_version;
+  // FP32 moments keep format 3, which a build before format 4 reads: a format-4 header
+  // looks damaged to it, and it would resume one commit back without an error.
+  const bool v3 = format_ == k_mom_fp32;
+  h.version = v3 ? k_version_fp32 : k_version;
   h.slot = static_cast<std::uint32_t>(slot);
   h.layout = layout_hash_;
   h.step = step;
@@ -690,7 +696,12 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   h.seq = seq;
   h.table_sum = checksum64(t.data(), t.size() * 8);
   h.steps_sum = checksum64(shard_steps.data(), shard_steps.size() * 8);
-  h.checksum = checksum64(&h, offsetof(header, checksum));
+  if (v3) {  // format 3's checksum is where the moment format and pad are now
+    const std::uint64_t sum = checksum64(&h, offsetof(header, moments));
+    std::memcpy(&h.moments, &sum, 8);
+  } else {
+    h.checksum = checksum64(&h, offsetof(header, checksum));
+  }
   std::memcpy(buf.p, &h, sizeof h);
   const off_t where = static_cast<off_t>((h.seq % 2) * align);
   if (::pwrite(fd_, buf.p, align, where) != static_cast<ssize_t>(align))
