@@ -229,9 +229,12 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
   // A resumed file's counts are read first (else the resume would overwrite this one);
-  // before any state the count would be reset by initialize(): refused.
+  // before any state the count would be reset by initialize(): refused, before a fresh
+  // file tier creates its state file.
+  const std::string no_state = "set_shard_step: no state yet (initialize() first, or a resumed state file)";
+  DFA_EXPECTS(I.initialized || I.cfg.resume, no_state, invalid_state);
   I.open_state();
-  DFA_EXPECTS(I.initialized, "set_shard_step: no state yet (initialize() first, or a resumed state file)", invalid_state);
+  DFA_EXPECTS(I.initialized, no_state, invalid_state);
   I.refuse_if_speculating("set_shard_step");
   // The file tier publishes it with the state write under way, or with one of its own
   // (Note [State writes] in home.cpp); the others keep it in memory.

@@ -544,6 +544,7 @@ TEST(state_integrity, set_shard_step_needs_the_state_and_reads_a_resumed_file_fi
     EXPECT_NE(e.find("set_shard_step: no state yet"), std::string::npos) << e;
     model f(host(), config(tier::file, dir, false));
     EXPECT_NE(error_of([&] { f.opt->set_shard_step(1, 5); }).find("no state yet"), std::string::npos);
+    EXPECT_FALSE(fs::exists(dir + "/deferalloc-rank0.state.new")) << "refused after creating the state file";
     f.opt->initialize();
     f.step(0), f.step(1);
   }
