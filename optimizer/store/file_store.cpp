@@ -196,26 +196,25 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
   check_dir(dir, "file tier");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
-  lock_owner();
-
-  // Layout.
-  std::uint64_t h = 0;
-  auto blocks = [](std::uint64_t bytes) { return (bytes + block - 1) / block * block; };
-  for (std::size_t n : numel) {
-    shard_base_.push_back(slot_bytes_);
-    array_bytes_.push_back(blocks(n * 4));
-    moment_bytes_.push_back(blocks(stored_bytes(format_, n)));
-    slot_bytes_ += array_bytes_.back() + 2 * moment_bytes_.back();
-    h = checksum64(&n, sizeof n, h);
-  }
-  layout_hash_ = h;
-  blocks_per_slot_ = slot_bytes_ / block;
-  table_bytes_ = (blocks_per_slot_ * 8 + align - 1) / align * align;
-  steps_bytes_ = (numel.size() * 8 + align - 1) / align * align;
-  for (auto& t : table_) t.assign(blocks_per_slot_, 0);
-  shard_steps_.assign(numel.size(), 0);
-
   try {
+    lock_owner();  // before anything looks at the state file; released by shut_down()
+    // Layout.
+    std::uint64_t h = 0;
+    auto blocks = [](std::uint64_t bytes) { return (bytes + block - 1) / block * block; };
+    for (std::size_t n : numel) {
+      shard_base_.push_back(slot_bytes_);
+      array_bytes_.push_back(blocks(n * 4));
+      moment_bytes_.push_back(blocks(stored_bytes(format_, n)));
+      slot_bytes_ += array_bytes_.back() + 2 * moment_bytes_.back();
+      h = checksum64(&n, sizeof n, h);
+    }
+    layout_hash_ = h;
+    blocks_per_slot_ = slot_bytes_ / block;
+    table_bytes_ = (blocks_per_slot_ * 8 + align - 1) / align * align;
+    steps_bytes_ = (numel.size() * 8 + align - 1) / align * align;
+    for (auto& t : table_) t.assign(blocks_per_slot_, 0);
+    shard_steps_.assign(numel.size(), 0);
+
     struct stat st {};
     const bool exists = ::lstat(path_.c_str(), &st) == 0;
     if (exists) check_owned_file(path_, st, "file tier");
@@ -244,9 +243,9 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // lock's open file description, so the lock would live until the child exits too and a
 // new optimizer of the parent would be refused: every lock fd is registered, and a
 // pthread_atfork child handler closes the child's copies (closing, never LOCK_UN, which
-// would release the parent's lock).  The fd is opened, locked and registered under the
-// registry's mutex, which the fork holds (prepare handler), so no fork sees an fd locked
-// and not yet registered.  A registry entry is the fd and its
+// would release the parent's lock).  The fd is opened and registered under the
+// registry's mutex, which the fork holds (prepare handler), and locked after the mutex
+// is released, so no fork sees an fd locked and not yet registered.  A registry entry is the fd and its
 // file_store: a child that builds its own optimizer may get the closed fd's number again.
 // A file_store remembers the process that built it; destroyed in another one (a forked
 // child exiting, or deleting the inherited optimizer) it touches nothing: no join of I/O
