@@ -91,9 +91,14 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
     // slots of three arrays fit in the window, so that it halves down to one unit (Note
     // [Pass pieces]).
     const std::size_t units = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth)) / I.piece_align;
+    // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
+    const bool int8_file = I.cfg.moments == moment_format::int8 && I.cfg.home == tier::file;
     DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                std::to_string(I.cfg.depth) + " needs at least " +
-                               std::to_string(12 * I.cfg.depth * I.piece_align) + " bytes");
+                               std::to_string(12 * I.cfg.depth * I.piece_align) + " bytes" +
+                               (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
+                                            "segments of the state file, so each slot of depth needs 12 MiB)"
+                                          : ""));
     I.piece = std::bit_floor(units) * I.piece_align;  // params
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
