@@ -91,9 +91,14 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
     // slots of three arrays fit in the window, so that it halves down to one unit (Note
     // [Pass pieces]).
     const std::size_t units = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth)) / I.piece_align;
+    // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
+    const bool int8_file = I.cfg.moments == moment_format::int8 && I.cfg.home == tier::file;
     DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
                                std::to_string(I.cfg.depth) + " needs at least " +
-                               std::to_string(12 * I.cfg.depth * I.piece_align) + " bytes");
+                               std::to_string(12 * I.cfg.depth * I.piece_align) + " bytes" +
+                               (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
+                                            "segments of the state file, so each slot of depth needs 12 MiB)"
+                                          : ""));
     I.piece = std::bit_floor(units) * I.piece_align;  // params
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
@@ -229,9 +234,12 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   std::lock_guard lk(I.mu);
   DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
   // A resumed file's counts are read first (else the resume would overwrite this one);
-  // before any state the count would be reset by initialize(): refused.
+  // before any state the count would be reset by initialize(): refused, before a fresh
+  // file tier creates its state file.
+  const std::string no_state = "set_shard_step: no state yet (initialize() first, or a resumed state file)";
+  DFA_EXPECTS(I.initialized || I.cfg.resume, no_state, invalid_state);
   I.open_state();
-  DFA_EXPECTS(I.initialized, "set_shard_step: no state yet (initialize() first, or a resumed state file)", invalid_state);
+  DFA_EXPECTS(I.initialized, no_state, invalid_state);
   I.refuse_if_speculating("set_shard_step");
   // The file tier publishes it with the state write under way, or with one of its own
   // (Note [State writes] in home.cpp); the others keep it in memory.

@@ -216,7 +216,7 @@ class streamed_adamw::impl::window_pipeline {
     } else if (grads_[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
       const int gt = static_cast<int>(gts_[p.shard]);
       const char* grad = static_cast<const char*>(grads_[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2);
-      if (I.cfg.moments != moment_format::fp32)  // (host tier only: the constructor checks)
+      if (I.cfg.moments != moment_format::fp32)  // (host and file tiers: make_homes() checks)
         I.comp->adamw_moments({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model,
                                grad, mt, gt, static_cast<int>(I.cfg.moments), p.n, p.e0},
                               ks_[p.shard], I.exec);

@@ -589,6 +589,20 @@ INSTANTIATE_TEST_SUITE_P(file, file_formats, ::testing::Values("bf16", "int8"));
 
 // A state file written with one format is refused by an optimizer with another, naming
 // both formats and the file, before anything changes.
+// int8 on the file tier moves pieces of 2^20 elements: a window too small for them says
+// so, with what it needs.
+TEST(moments, int8_file_tier_window_too_small_says_why) {
+  const dfa_test::temp_dir tmp;
+  dfa_optimizer* o = nullptr;
+  const std::string t = "driver:host,host_granularity_kb:64,tier:file,window_mb:8,depth:1,directory:" + tmp.path +
+                        ",moments:int8";
+  EXPECT_EQ(dfa_opt_create(t.c_str(), &o), DFA_ERROR_INVALID_ARGUMENT);
+  const std::string e = dfa_opt_last_error();
+  EXPECT_NE(e.find("needs at least 12582912 bytes"), std::string::npos) << e;
+  EXPECT_NE(e.find("pieces of 2^20 elements"), std::string::npos) << e;
+  if (o) dfa_opt_destroy(o);
+}
+
 TEST(moments, file_tier_refuses_a_state_file_of_another_format) {
   const dfa_test::temp_dir tmp;
   const std::string file = tmp.path + "/deferalloc-rank0.state";

@@ -398,16 +398,23 @@ TEST(state_integrity, a_forked_child_does_not_keep_the_owner_lock) {
   auto a = std::make_unique<model>(host(), config(tier::file, dir, false));
   a->opt->initialize();
   a->step(0);
-  int to_child[2];
+  int to_child[2], from_child[2];
   ASSERT_EQ(::pipe(to_child), 0);
+  ASSERT_EQ(::pipe(from_child), 0);
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(to_child[1]);
-    char x = 0;
-    (void)!::read(to_child[0], &x, 1);  // alive until the parent has checked
+    ::close(from_child[0]);
+    char x = 1;
+    (void)!::write(from_child[1], &x, 1);  // running: the fork's child handler has run
+    (void)!::read(to_child[0], &x, 1);     // alive until the parent has checked
     ::_exit(0);
   }
   ::close(to_child[0]);
+  ::close(from_child[1]);
+  char x = 0;
+  ASSERT_EQ(::read(from_child[0], &x, 1), 1);
+  ::close(from_child[0]);
   a.reset();
   std::string e = "(no error)";
   bool resumed = false;
@@ -420,6 +427,66 @@ TEST(state_integrity, a_forked_child_does_not_keep_the_owner_lock) {
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
   EXPECT_EQ(e, "(no error)") << "the forked child kept the lock";
   EXPECT_TRUE(resumed);
+}
+
+// A forked child that destroys the optimizer it inherited (a DataLoader worker exiting,
+// or one that deletes it) touches nothing of the parent's: no join of the parent's I/O
+// threads (it would hang), no unlink of its unpublished state file, no close of a lock
+// fd, not even its own optimizer's that got the closed lock fd's number again.  The parent
+// steps on and closes cleanly.
+TEST(state_integrity, a_forked_child_destroying_the_inherited_optimizer_touches_nothing) {
+  const auto& ref = reference<8>();
+  temp_dir base;
+  const std::string dir = base.path + "/state", dir2 = base.path + "/child";
+  auto a = std::make_unique<model>(host(), config(tier::file, dir, false));
+  EXPECT_FALSE(a->opt->resumed());  // opens the state file: <state>.new until the first commit
+  const std::string fresh = dir + "/deferalloc-rank0.state.new";
+  ASSERT_TRUE(fs::exists(fresh));
+  // The child's exit status: 0, or 1 its own lock was lost, 2 an error, 128 + a signal.
+  auto in_child = [&](bool own) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(60);  // a join of the parent's threads would hang
+      int rc = 0;
+      try {
+        std::unique_ptr<model> c;
+        if (own) {
+          c = std::make_unique<model>(host(), config(tier::file, dir2, false));
+          c->opt->initialize();
+        }
+        a.reset();
+        if (own) {
+          model d(host(), config(tier::file, dir2, true));
+          const std::string e = error_of([&] { d.opt->resumed(); });
+          if (e.find("in use") == std::string::npos) rc |= 1;
+          c->step(0);
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "child: %s\n", e.what());
+        rc |= 2;
+      }
+      std::fflush(stderr);
+      ::_exit(rc);
+    }
+    int st = 0;
+    EXPECT_EQ(::waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  };
+  EXPECT_EQ(in_child(false), 0);
+  EXPECT_TRUE(fs::exists(fresh)) << "the child removed the parent's unpublished state file";
+  a->opt->initialize();
+  a->step(0);
+  a->step(1);
+  EXPECT_EQ(in_child(true), 0) << "1: the child's own optimizer lost its lock";
+  a->step(2);
+  EXPECT_TRUE(a->snapshot() == ref[3]);
+  EXPECT_NE(error_of([&] { model(host(), config(tier::file, dir, true)).opt->resumed(); }).find("in use"),
+            std::string::npos) << "the parent lost its lock";
+  a.reset();
+  model r(host(), config(tier::file, dir, true));
+  EXPECT_TRUE(r.opt->resumed());
+  r.opt->sync_model_params();
+  EXPECT_TRUE(r.snapshot() == ref[3]);
 }
 
 // A state file opened by a file store whose construction then fails (no memory for its
@@ -477,6 +544,7 @@ TEST(state_integrity, set_shard_step_needs_the_state_and_reads_a_resumed_file_fi
     EXPECT_NE(e.find("set_shard_step: no state yet"), std::string::npos) << e;
     model f(host(), config(tier::file, dir, false));
     EXPECT_NE(error_of([&] { f.opt->set_shard_step(1, 5); }).find("no state yet"), std::string::npos);
+    EXPECT_FALSE(fs::exists(dir + "/deferalloc-rank0.state.new")) << "refused after creating the state file";
     f.opt->initialize();
     f.step(0), f.step(1);
   }
@@ -519,4 +587,39 @@ TEST(state_integrity, never_written_commit_record_is_not_damaged) {
   }
   dfa_set_log_callback(nullptr, nullptr, 0);
   for (const auto& l : g_log) EXPECT_EQ(l.find("damaged"), std::string::npos) << l;
+}
+
+// FP32 moments keep header format 3, which a build that predates format 4 reads (a
+// format-4 header looks damaged to it: it would resume a step back); compressed moments
+// write format 4, which records their format.  Both resume here.
+TEST(state_integrity, fp32_state_files_keep_header_format_3) {
+  temp_dir base;
+  auto versions = [](const std::string& file) {
+    std::ifstream f(file, std::ios::binary);
+    std::vector<std::uint32_t> v;
+    for (std::streamoff copy : {0, 4096}) {
+      std::uint32_t x = 0;
+      f.seekg(copy + 8);
+      f.read(reinterpret_cast<char*>(&x), 4);
+      v.push_back(x);
+    }
+    return v;
+  };
+  for (moment_format mf : {moment_format::fp32, moment_format::bf16}) {
+    const std::string dir = base.path + "/" + to_string(mf);
+    auto cfg = config(tier::file, dir, false);
+    cfg.moments = mf;
+    {
+      model m(host(), cfg);
+      m.opt->initialize();
+      m.step(0);
+      m.step(1);
+    }
+    const std::uint32_t want = mf == moment_format::fp32 ? 3 : 4;
+    EXPECT_EQ(versions(dir + "/deferalloc-rank0.state"), (std::vector<std::uint32_t>{want, want})) << to_string(mf);
+    cfg.resume = true;
+    model m(host(), cfg);
+    EXPECT_TRUE(m.opt->resumed()) << to_string(mf);
+    EXPECT_EQ(m.opt->shard_step(0), 2u) << to_string(mf);
+  }
 }

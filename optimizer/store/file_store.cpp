@@ -23,9 +23,11 @@
 //  - step counts: PyTorch keeps one per parameter (a parameter without a gradient is
 //    not stepped); the file keeps one per shard, with each commit.  A format-2 file
 //    (one count per file) still resumes, every shard at the file's step; its first
-//    commit extends it by the step-count areas and writes a format-4 header (the other
-//    copy, format 2, stays valid until it is overwritten).  A format-3 file (FP32
-//    moments, no format field) resumes likewise; format 4 added the moments' format.
+//    commit extends it by the step-count areas and writes a format-3 header (the other
+//    copy, format 2, stays valid until it is overwritten).  Format 3 has no moment
+//    format field (FP32 moments); format 4 added it, and is written for compressed
+//    moments only: FP32 moments keep writing format 3, so a build that reads 2 and 3
+//    still resumes the newest commit (a format-4 header would look damaged to it).
 //  - a new file is created as <name>.new and renamed into place (and the directory
 //    fsynced) by its first commit, so a file at the final name always holds a commit.
 //  - the whole file is fallocate'd at creation: a full disk fails before any step.
@@ -83,7 +85,8 @@
 //    stored bytes (never decoded and encoded again).
 //  - the header (format 4) records the format; a file written with another format is
 //    refused at open (invalid_argument naming both formats and the file).  Formats 2
-//    and 3 hold FP32 moments.  Checkpoints hold decoded FP32 moments and load into any
+//    and 3 hold FP32 moments, and FP32 moments are still written as format 3 (Note
+//    [File tier]).  Checkpoints hold decoded FP32 moments and load into any
 //    format (Note [Checkpoint generations]): they are the way to convert a state file.
 // Limits: int8 pieces are 2^20 elements (4 MiB of FP32 per array of a window slot), so
 // its window_bytes must be at least 12 MiB per slot (depth); bf16's are 2^15.
@@ -184,7 +187,8 @@ bool io_batch::done() const {
 
 file_store::file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
                        std::size_t request_bytes, int moment_format)
-    : dir_(dir), format_(moment_format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)) {
+    : dir_(dir), format_(moment_format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)),
+      owner_pid_(::getpid()) {
   if (dir.empty()) throw invalid_argument("file tier: no directory given (optimizer_config::directory)");
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
   if (format_ != k_mom_fp32 && format_ != k_mom_bf16 && format_ != k_mom_int8)
@@ -192,32 +196,31 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
   check_dir(dir, "file tier");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
-  lock_owner();
-
-  // Layout.
-  std::uint64_t h = 0;
-  auto blocks = [](std::uint64_t bytes) { return (bytes + block - 1) / block * block; };
-  for (std::size_t n : numel) {
-    shard_base_.push_back(slot_bytes_);
-    array_bytes_.push_back(blocks(n * 4));
-    moment_bytes_.push_back(blocks(stored_bytes(format_, n)));
-    slot_bytes_ += array_bytes_.back() + 2 * moment_bytes_.back();
-    h = checksum64(&n, sizeof n, h);
-  }
-  layout_hash_ = h;
-  blocks_per_slot_ = slot_bytes_ / block;
-  table_bytes_ = (blocks_per_slot_ * 8 + align - 1) / align * align;
-  steps_bytes_ = (numel.size() * 8 + align - 1) / align * align;
-  for (auto& t : table_) t.assign(blocks_per_slot_, 0);
-  shard_steps_.assign(numel.size(), 0);
-
   try {
+    lock_owner();  // before anything looks at the state file; released by shut_down()
+    // Layout.
+    std::uint64_t h = 0;
+    auto blocks = [](std::uint64_t bytes) { return (bytes + block - 1) / block * block; };
+    for (std::size_t n : numel) {
+      shard_base_.push_back(slot_bytes_);
+      array_bytes_.push_back(blocks(n * 4));
+      moment_bytes_.push_back(blocks(stored_bytes(format_, n)));
+      slot_bytes_ += array_bytes_.back() + 2 * moment_bytes_.back();
+      h = checksum64(&n, sizeof n, h);
+    }
+    layout_hash_ = h;
+    blocks_per_slot_ = slot_bytes_ / block;
+    table_bytes_ = (blocks_per_slot_ * 8 + align - 1) / align * align;
+    steps_bytes_ = (numel.size() * 8 + align - 1) / align * align;
+    for (auto& t : table_) t.assign(blocks_per_slot_, 0);
+    shard_steps_.assign(numel.size(), 0);
+
     struct stat st {};
     const bool exists = ::lstat(path_.c_str(), &st) == 0;
     if (exists) check_owned_file(path_, st, "file tier");
     if (resume && exists) open_existing();
     else create_new();
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { worker(); });
+    for (int i = 0; i < threads; ++i) io_->threads.emplace_back([this] { worker(); });
   } catch (...) {
     shut_down();  // the threads started, the state file (an unpublished one removed), the lock
     throw;
@@ -240,18 +243,29 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // lock's open file description, so the lock would live until the child exits too and a
 // new optimizer of the parent would be refused: every lock fd is registered, and a
 // pthread_atfork child handler closes the child's copies (closing, never LOCK_UN, which
-// would release the parent's lock).  The fd is opened, locked and registered under the
-// registry's mutex, which the fork holds (prepare handler), so no fork sees an fd locked
-// and not yet registered; a file_store destroyed in the child closes nothing of it.
+// would release the parent's lock).  The fd is opened and registered under the
+// registry's mutex, which the fork holds (prepare handler), and locked after the mutex
+// is released, so no fork sees an fd locked and not yet registered.  A registry entry is the fd and its
+// file_store: a child that builds its own optimizer may get the closed fd's number again.
+// A file_store remembers the process that built it; destroyed in another one (a forked
+// child exiting, or deleting the inherited optimizer) it touches nothing: no join of I/O
+// threads that exist only in the parent, no unlink of the parent's unpublished .new
+// file, no close of a lock fd.  Its reads, writes and commits there throw invalid_state.
 // Limits: advisory (only deferalloc honours it); the pid is what the holder wrote (a
 // holder that has not written it yet is named as unknown); on NFS flock() is emulated
 // with fcntl locks, which conflict between processes only; a process made by clone()
 // without fork's handlers (vfork, posix_spawn) keeps its copy until it execs (the fd is
-// O_CLOEXEC).
+// O_CLOEXEC); a child closes its copy when it first runs, so the parent's fork() can
+// return, and a lock attempt of the parent fail, before that.  A file_store destroyed in a forked child leaks, by design, its I/O pool's
+// memory and its copy of the state file's fd (the child's exit or exec frees both).
 namespace {
 struct lock_registry {
+  struct entry {
+    int fd;
+    const void* owner;  // the file_store: an fd number alone is reused once closed
+  };
   std::mutex mu;
-  std::vector<int> fds;  // the lock fds of this process's file stores
+  std::vector<entry> fds;  // the lock fds of this process's file stores
 };
 lock_registry& locks() {
   static auto* r = new lock_registry;  // never destroyed: a fork at exit still finds it
@@ -260,7 +274,7 @@ lock_registry& locks() {
     ::pthread_atfork([] { locks().mu.lock(); }, [] { locks().mu.unlock(); },
                      [] {
                        auto& l = locks();
-                       for (int fd : l.fds) ::close(fd);
+                       for (const auto& e : l.fds) ::close(e.fd);
                        l.fds.clear();
                        l.mu.unlock();
                      });
@@ -273,7 +287,7 @@ void file_store::release_lock() noexcept {
   if (lock_fd_ < 0) return;
   auto& l = locks();
   std::lock_guard lk(l.mu);
-  const auto it = std::find(l.fds.begin(), l.fds.end(), lock_fd_);
+  const auto it = std::find_if(l.fds.begin(), l.fds.end(), [&](const auto& e) { return e.fd == lock_fd_ && e.owner == this; });
   if (it != l.fds.end()) {  // else a forked child's copy, closed by the fork
     l.fds.erase(it);
     ::close(lock_fd_);
@@ -289,7 +303,7 @@ void file_store::lock_owner() {
   std::unique_lock reg(l.mu);
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
-  l.fds.push_back(lock_fd_);
+  l.fds.push_back({lock_fd_, this});
   reg.unlock();
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
@@ -429,14 +443,27 @@ void file_store::open_existing() {
 
 file_store::~file_store() { shut_down(); }
 
+void file_store::refuse_in_child(const std::string& what) const {
+  if (::getpid() != owner_pid_)
+    throw invalid_state("file tier: " + path_ + " belongs to process " + std::to_string(owner_pid_) +
+                        "; a forked child cannot move its data (" + what + ")");
+}
+
 void file_store::shut_down() noexcept {
-  {
-    std::lock_guard lk(mu_);
-    stop_ = true;
+  if (::getpid() != owner_pid_) {  // a forked child: Note [One owner per state file]
+    (void)io_.release();           // its threads are the parent's; its cv has their waits
+    fd_ = -1;
+    lock_fd_ = -1;
+    published_ = true;
+    return;
   }
-  cv_.notify_all();
-  for (auto& t : threads_) t.join();
-  threads_.clear();
+  {
+    std::lock_guard lk(io_->mu);
+    io_->stop = true;
+  }
+  io_->cv.notify_all();
+  for (auto& t : io_->threads) t.join();
+  io_->threads.clear();
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   if (!published_) ::unlink(tmp_path_.c_str());  // never committed: nothing to resume
@@ -513,18 +540,19 @@ std::shared_ptr<io_batch> file_store::write(const void* buf, std::size_t bytes, 
 
 std::shared_ptr<io_batch> file_store::submit(void* buf, std::size_t bytes, std::uint64_t off, bool write,
                                              const std::string& what, std::shared_ptr<io_batch> batch) {
+  refuse_in_child(what);
   if (!batch) batch = std::make_shared<io_batch>();
   if (bytes % align != 0 || off < 2 * align || off + bytes > table_offset(0) ||
       (off - 2 * align) % slot_bytes_ % block != 0 || reinterpret_cast<std::uintptr_t>(buf) % align != 0)
     throw invalid_argument("file tier: unaligned request for " + what);
-  std::lock_guard lk(mu_);
+  std::lock_guard lk(io_->mu);
   for (std::size_t done = 0; done < bytes; done += request_bytes_) {
     const std::size_t n = std::min(request_bytes_, bytes - done);
-    queue_.push_back({static_cast<char*>(buf) + done, n, off + done, write, what, batch});
+    io_->queue.push_back({static_cast<char*>(buf) + done, n, off + done, write, what, batch});
     std::lock_guard bl(batch->mu_);
     ++batch->pending_;
   }
-  cv_.notify_all();
+  io_->cv.notify_all();
   return batch;
 }
 
@@ -595,11 +623,11 @@ void file_store::worker() {
   for (;;) {
     request r;
     {
-      std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      r = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock lk(io_->mu);
+      io_->cv.wait(lk, [&] { return io_->stop || !io_->queue.empty(); });
+      if (io_->queue.empty()) return;
+      r = std::move(io_->queue.front());
+      io_->queue.pop_front();
     }
     std::string err;
     bool corrupt = false;
@@ -624,6 +652,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   DFA_EXPECTS(shard_steps.size() == shard_steps_.size(), "file tier: commit with " + std::to_string(shard_steps.size()) +
                                                              " step counts for " + std::to_string(shard_steps_.size()) +
                                                              " shards", invalid_state);
+  refuse_in_child("the commit of step " + std::to_string(step));
   const fault_kind f = take_fault(fault_op::commit);
   if (f == fault_kind::crash) ::_exit(86);
   if (f != fault_kind::none) throw io_error("commit of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(EIO));
@@ -653,7 +682,10 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   page buf;
   header h{};
   std::memcpy(h.magic, k_magic, 8);
-  h.version = k_version;
+  // FP32 moments keep format 3, which a build before format 4 reads: a format-4 header
+  // looks damaged to it, and it would resume one commit back without an error.
+  const bool v3 = format_ == k_mom_fp32;
+  h.version = v3 ? k_version_fp32 : k_version;
   h.slot = static_cast<std::uint32_t>(slot);
   h.layout = layout_hash_;
   h.step = step;
@@ -663,7 +695,12 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   h.seq = seq;
   h.table_sum = checksum64(t.data(), t.size() * 8);
   h.steps_sum = checksum64(shard_steps.data(), shard_steps.size() * 8);
-  h.checksum = checksum64(&h, offsetof(header, checksum));
+  if (v3) {  // format 3's checksum is where the moment format and pad are now
+    const std::uint64_t sum = checksum64(&h, offsetof(header, moments));
+    std::memcpy(&h.moments, &sum, 8);
+  } else {
+    h.checksum = checksum64(&h, offsetof(header, checksum));
+  }
   std::memcpy(buf.p, &h, sizeof h);
   const off_t where = static_cast<off_t>((h.seq % 2) * align);
   if (::pwrite(fd_, buf.p, align, where) != static_cast<ssize_t>(align))

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <sys/types.h>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -134,8 +135,12 @@ class file_store {
   };
   header_state read_header(int copy, commit_record& out);
   /// Stops the I/O threads, closes the state file (removing an unpublished one) and
-  /// releases the lock: the destructor, and a constructor that fails part-way.
+  /// releases the lock: the destructor, and a constructor that fails part-way.  In a
+  /// forked child it touches nothing (Note [One owner per state file]).
   void shut_down() noexcept;
+  /// Throws invalid_state in a forked child (no I/O threads there: its I/O would wait
+  /// forever, its commits would write the parent's file).
+  void refuse_in_child(const std::string& what) const;
   void open_existing();
   void create_new();
   /// Takes the state file's lock or throws invalid_state naming the holder.
@@ -175,11 +180,18 @@ class file_store {
   std::uint64_t slot_bytes_ = 0;
   std::size_t request_bytes_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<request> queue_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
+  // The I/O threads and their queue, on the heap: a forked child leaks them rather than
+  // destroy a condition variable its parent's threads wait on (Note [One owner per
+  // state file]).
+  struct io_pool {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<request> queue;
+    bool stop = false;
+    std::vector<std::thread> threads;
+  };
+  std::unique_ptr<io_pool> io_ = std::make_unique<io_pool>();
+  pid_t owner_pid_;  // the constructing process: only it stops, closes, removes or unlocks
 
   std::mutex fault_mu_;
   fault_kind fault_[3] = {fault_kind::none, fault_kind::none, fault_kind::none};
