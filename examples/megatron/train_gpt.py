@@ -333,7 +333,8 @@ def build_optimizer(args, ddp, stream: bool = True):
         return optimizer, dm.stream_optimizer_state(optimizer, tier=args.deferalloc, directory=args.directory,
                                                     window_mb=args.window_mb,
                                                     release_torch_cache=args.release_torch_cache,
-                                step_in_backward=args.step_in_backward, clip_policy=args.clip_policy)
+                                                    step_in_backward=args.step_in_backward,
+                                                    clip_policy=args.clip_policy)
     import deferalloc.megatron
     # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
     # then the streamed engine: the two deferalloc lines of a Megatron script.
@@ -342,7 +343,8 @@ def build_optimizer(args, ddp, stream: bool = True):
     streamed = deferalloc.megatron.stream_optimizer_state(optimizer, tier=args.deferalloc,
                                                           directory=args.directory, window_mb=args.window_mb,
                                                           release_torch_cache=args.release_torch_cache,
-                                step_in_backward=args.step_in_backward, clip_policy=args.clip_policy)
+                                                          step_in_backward=args.step_in_backward,
+                                                          clip_policy=args.clip_policy)
     return optimizer, streamed
 
 
