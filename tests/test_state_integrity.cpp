@@ -27,7 +27,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-
 std::vector<std::uint64_t> steps_of(streamed_adamw& o) {
   std::vector<std::uint64_t> v;
   for (std::size_t s = 0; s < o.shards().size(); ++s) v.push_back(o.shard_step(s));

@@ -245,8 +245,9 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // pthread_atfork child handler closes the child's copies (closing, never LOCK_UN, which
 // would release the parent's lock).  The fd is opened and registered under the
 // registry's mutex, which the fork holds (prepare handler), and locked after the mutex
-// is released, so no fork sees an fd locked and not yet registered.  A registry entry is the fd and its
-// file_store: a child that builds its own optimizer may get the closed fd's number again.
+// is released, so no fork sees an fd locked and not yet registered.  A registry entry is
+// the fd and its file_store: a child that builds its own optimizer may get the closed
+// fd's number again.
 // A file_store remembers the process that built it; destroyed in another one (a forked
 // child exiting, or deleting the inherited optimizer) it touches nothing: no join of I/O
 // threads that exist only in the parent, no unlink of the parent's unpublished .new
@@ -256,8 +257,9 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
 // with fcntl locks, which conflict between processes only; a process made by clone()
 // without fork's handlers (vfork, posix_spawn) keeps its copy until it execs (the fd is
 // O_CLOEXEC); a child closes its copy when it first runs, so the parent's fork() can
-// return, and a lock attempt of the parent fail, before that.  A file_store destroyed in a forked child leaks, by design, its I/O pool's
-// memory and its copy of the state file's fd (the child's exit or exec frees both).
+// return, and a lock attempt of the parent fail, before that.  A file_store destroyed in
+// a forked child leaks, by design, its I/O pool's memory and its copy of the state
+// file's fd (the child's exit or exec frees both).
 namespace {
 struct lock_registry {
   struct entry {

@@ -9,13 +9,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <sys/types.h>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/types.h>
 
 namespace deferalloc::optim::detail {
 
