@@ -9,7 +9,7 @@ parameters' ``to_local()``), streamed from pinned host memory; ``opt.state`` and
     DEFERALLOC_CONF=driver:host DEFERALLOC_LIB=build/allocator/libdeferalloc.so \\
     DEFERALLOC_OPTIMIZER_LIB=build/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
         python examples/python/fsdp2_train.py --cpu --world-size 2
-    # GPUs: torchrun --nproc-per-node 2 examples/python/fsdp2_train.py  (NCCL, BF16)
+    # GPUs: torchrun --nproc-per-node 2 examples/python/fsdp2_train.py --checkpoint DIR  (NCCL, BF16)
 
 --check: after the DCP save, every rank takes two more steps; then a fresh model and
 optimizer load the checkpoint (set_state_dict) and take the same two steps: the weights
@@ -74,9 +74,9 @@ def train(model, opt, first: int, steps: int, rank: int, world: int, device) -> 
     return losses
 
 
-def worker(rank: int, world: int, args) -> None:
+def worker(rank: int, world: int, args, spawned: bool = True) -> None:
     cpu = args.cpu
-    if "RANK" not in os.environ:
+    if spawned:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
                           WORLD_SIZE=str(world))
     dist.init_process_group("gloo" if cpu else "nccl")
@@ -95,6 +95,18 @@ def worker(rank: int, world: int, args) -> None:
     finally:
         gc.collect()
         dist.destroy_process_group()
+    if spawned:
+        leave()
+
+
+def leave() -> None:
+    """Ends a rank that finished: torch's DTensor caches still hold the device mesh, and
+    through it the group's gloo threads and rank 0's store server, until the interpreter
+    finalizes, and a group torn down then can abort a finished run ("terminate called without
+    an active exception").  The checkpoint is written: the rank leaves without finalization."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(rank: int, world: int, args, device, dtype) -> None:
@@ -131,11 +143,16 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--checkpoint", default=None, help="DCP directory (default: a temporary one)")
     args = ap.parse_args()
+    if "RANK" in os.environ:  # under torchrun: every rank writes to one --checkpoint
+        world = int(os.environ["WORLD_SIZE"])
+        if world > 1 and not args.checkpoint:
+            sys.exit("fsdp2_train: under torchrun, --checkpoint DIR (one directory every rank reaches)")
+        with tempfile.TemporaryDirectory() as tmp:
+            args.checkpoint = args.checkpoint or os.path.join(tmp, "dcp")
+            worker(int(os.environ["RANK"]), world, args, spawned=False)
+        leave()
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = args.checkpoint or os.path.join(tmp, "dcp")
-        if "RANK" in os.environ:  # under torchrun
-            worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-            return
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]

@@ -12,7 +12,6 @@ import logging
 import os
 import pickle
 import re
-import socket
 import sys
 import tempfile
 import unittest
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optim_reference import ReferenceAdamW  # noqa: E402
+from process_group import exit_now, free_port, run_in_process_group  # noqa: E402
 
 import deferalloc  # noqa: E402
 from deferalloc import optim  # noqa: E402
@@ -325,12 +325,6 @@ class Frozen(unittest.TestCase):
         self.assertIn("Refused after it", optim.StreamedAdamW.add_param_group.__doc__)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fsdp_net(seed=0):
     """Net with a one-row last layer: at world size 2 one rank's shard of it is empty."""
     m = Net(seed, dtype=torch.float32)
@@ -339,48 +333,47 @@ def fsdp_net(seed=0):
 
 
 def _fsdp2_worker(rank, world, port, tmp):
+    run_in_process_group(_fsdp2_work, "gloo", rank, world, port, rank, world, tmp)
+    exit_now()
+
+
+def _fsdp2_work(rank, world, tmp):
     """FSDP2 (fully_shard) over gloo: StreamedAdamW on the local shards against the
     reference AdamW on FP32 copies of the same shards, with clip_grad_norm_; then a DCP save."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        m = fsdp_net()
-        fully_shard(m.a)
-        fully_shard(m.b)
-        fully_shard(m)
-        opt = optim.StreamedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, window_mb=2)
-        params = list(m.parameters())
-        ref = ReferenceAdamW([p.to_local() for p in params])
-        for t in range(3):
-            x, y = batch(t, torch.float32)
-            ((m(x[rank::world]) - y[rank::world, :1]) ** 2).mean().backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            for i, p in enumerate(params):
-                ref.step(i, p.grad.to_local(), 1e-2, 0.9, 0.999, 1e-8, 0.1)
-            opt.step()
-            opt.zero_grad()
-        bad = []
+    m = fsdp_net()
+    fully_shard(m.a)
+    fully_shard(m.b)
+    fully_shard(m)
+    opt = optim.StreamedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, window_mb=2)
+    params = list(m.parameters())
+    ref = ReferenceAdamW([p.to_local() for p in params])
+    for t in range(3):
+        x, y = batch(t, torch.float32)
+        ((m(x[rank::world]) - y[rank::world, :1]) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
         for i, p in enumerate(params):
-            st = opt.state[p]
-            if type(st["exp_avg"]).__name__ != "DTensor" or st["exp_avg"].placements != p.placements:
-                bad.append(f"param {i}: state is not a DTensor of the param's placements")
-            for k, w in (("main_param", "main"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-                if not torch.equal(st[k].to_local(), ref.tensor(w, i, p.to_local())):
-                    bad.append(f"param {i}: {k} differs from the reference on the FP32 shard")
-            if not torch.equal(p.to_local(), ref.tensor("main", i, p.to_local())):
-                bad.append(f"param {i}: parameter differs")
-        dcp_save(m, opt, os.path.join(tmp, "ck"))
-        full = {n: {k: (v.full_tensor() if k != "step" else v) for k, v in opt.state[p].items()}
-                for n, p in m.named_parameters()}
-        weights = {n: p.full_tensor() for n, p in m.named_parameters()}
-        if rank == 0:
-            torch.save({"bad": bad, "state": full, "weights": weights}, os.path.join(tmp, "rank0.pt"))
-        elif bad:
-            torch.save({"bad": bad}, os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+            ref.step(i, p.grad.to_local(), 1e-2, 0.9, 0.999, 1e-8, 0.1)
+        opt.step()
+        opt.zero_grad()
+    bad = []
+    for i, p in enumerate(params):
+        st = opt.state[p]
+        if type(st["exp_avg"]).__name__ != "DTensor" or st["exp_avg"].placements != p.placements:
+            bad.append(f"param {i}: state is not a DTensor of the param's placements")
+        for k, w in (("main_param", "main"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            if not torch.equal(st[k].to_local(), ref.tensor(w, i, p.to_local())):
+                bad.append(f"param {i}: {k} differs from the reference on the FP32 shard")
+        if not torch.equal(p.to_local(), ref.tensor("main", i, p.to_local())):
+            bad.append(f"param {i}: parameter differs")
+    dcp_save(m, opt, os.path.join(tmp, "ck"))
+    full = {n: {k: (v.full_tensor() if k != "step" else v) for k, v in opt.state[p].items()}
+            for n, p in m.named_parameters()}
+    weights = {n: p.full_tensor() for n, p in m.named_parameters()}
+    if rank == 0:
+        torch.save({"bad": bad, "state": full, "weights": weights}, os.path.join(tmp, "rank0.pt"))
+    elif bad:
+        torch.save({"bad": bad}, os.path.join(tmp, f"rank{rank}.pt"))
 
 
 class Fsdp2(unittest.TestCase):
