@@ -2,7 +2,9 @@
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
-#     [stress] [stress_bg] [stress_wait] [bench]   (default: all but multi, diag and megatron_dp2, the two-GPU steps and the diagnostic).
+#     [stress] [stress_bg] [stress_wait] [bench] [compare]
+#   (default: all but multi, diag, megatron_dp2 and compare: the two-GPU steps, the diagnostic and
+#   the before/after comparison).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -194,6 +196,65 @@ if has stress_wait; then
   cp /tmp/dfa_stress/c_api.log "$L/stress_c_api_bg.log" 2>/dev/null
   el=$(( $(date +%s) - $(cat /tmp/dfa_stress/start 2>/dev/null || date +%s) ))
   row stress_c_api_bg "rc=$(cat /tmp/dfa_stress/c_api.rc 2>/dev/null || echo none) ${el}s since start | $(grep -h '\[stress\]' "$L/stress_c_api_bg.log" 2>/dev/null | tail -1 | cut -c1-150)"
+fi
+if has compare; then
+  # A change that must not move the figures (a refactor): the same benchmarks on a build of the
+  # "before" sources and on this tree, interleaved (before, after, before, after ...) so that
+  # drift hits both, in one call; benchmarks/compare_builds.py prints after / before per figure.
+  # The before sources travel as an ignored file, carried with the call:
+  #   mkdir -p .before && git archive -o .before/src.tar COMMIT      (run: carry [".before"])
+  # DFA_COMPARE_REPS (default 2) repetitions; DFA_COMPARE_OVERLAP_ARGS the bench_overlap parts
+  # (default "--parts bound,split"; empty string: no bench_overlap).
+  if [ ! -f .before/src.tar ]; then
+    row compare "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
+  else
+    BS=/tmp/dfa-before-src BB=${DFA_BEFORE_BUILD_DIR:-/tmp/dfa-before-build}
+    rm -rf $BS && mkdir -p $BS && tar -C $BS -xf .before/src.tar
+    prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+    if cmake -S $BS -B $BB -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+         -DDEFERALLOC_BUILD_BENCHMARKS=ON -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON \
+         -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/before-configure.log" 2>&1 &&
+       cmake --build $BB -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
+         > "$L/before-build.log" 2>&1; then
+      row "compare: before build" ok
+      mkdir -p "$R/compare"
+      gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
+      oargs=${DFA_COMPARE_OVERLAP_ARGS-"--parts bound,split"}
+      pairs=()
+      for rep in $(seq "${DFA_COMPARE_REPS:-2}"); do
+        for side in before after; do
+          if [ $side = before ]; then src=$BS bld=$BB; else src=$PWD bld=$PWD/$B; fi
+          for g in bench_reservations bench_optimizer; do
+            case $g in
+              bench_reservations) extra=(--benchmark_min_time=0.3) ;;
+              *) extra=("--benchmark_filter=BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused") ;;
+            esac
+            timeout 240 "$bld/benchmarks/$g" "${extra[@]}" --benchmark_out="$L/cmp-$side-$rep-$g.gb.json" \
+              --benchmark_out_format=json > "$L/cmp-$side-$rep-$g.log" 2>&1 &&
+              python3 benchmarks/bench_json.py convert "$L/cmp-$side-$rep-$g.gb.json" \
+                --out "$R/compare/$side-$rep-$g.json" --device "${gpu:-GPU}" --command "$g ($side)" > /dev/null
+          done
+          if [ -n "$oargs" ]; then
+            # shellcheck disable=SC2086
+            DEFERALLOC_LIB=$bld/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$bld/optimizer/libdeferalloc_optimizer.so \
+              PYTHONPATH=$src/python${site:+:$site} CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 300 \
+              python3 "$src/benchmarks/optimizer/bench_overlap.py" --out "$L/cmp-$side-$rep-overlap" \
+              --json "$R/compare/$side-$rep-bench_overlap.json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1
+          fi
+        done
+        for g in bench_reservations bench_optimizer bench_overlap; do
+          [ -f "$R/compare/before-$rep-$g.json" ] && [ -f "$R/compare/after-$rep-$g.json" ] &&
+            pairs+=("$R/compare/before-$rep-$g.json" "$R/compare/after-$rep-$g.json")
+        done
+        pack
+      done
+      python3 benchmarks/compare_builds.py "${pairs[@]}" > "$L/compare.txt" 2>&1
+      row compare "$(tail -1 "$L/compare.txt")"
+      cat "$L/compare.txt"
+    else
+      row "compare: before build" "FAILED (logs: before-configure.log, before-build.log)"
+    fi
+  fi
 fi
 if has bench; then
   # Google Benchmark programs: reservations, the optimizer's tiers against the pinned-copy
