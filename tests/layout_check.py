@@ -13,6 +13,9 @@
    date (YYYY-MM-DD, as in a dated run folder): run diaries belong in docs/BENCHMARKS.md and
    CHANGELOG.md, and a Note points at docs/BENCHMARKS.md for numbers.
 5. README.md, the user's document, is at most 250 lines (details go to docs/*.md).
+6. Each library owns its settings: no key of the optimizer's table (optimizer/settings.cpp)
+   is a row of the allocator's (allocator/core/config.cpp); the allocator only names the
+   optimizer's keys (Note [Keys other libraries own]).
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -38,8 +41,9 @@ LAYERS = [
     ("python/deferalloc", 7),    #        Python
 ]
 # Where a quoted include that is not beside its file is looked up (the CMake targets'
-# private include directories and the internal targets deferalloc_log / deferalloc_abi_guard).
-INCLUDE_ROOTS = ["include", "allocator", "allocator/core/log", "allocator/abi", "optimizer"]
+# private include directories and the internal targets deferalloc_log / deferalloc_abi_guard /
+# deferalloc_setting_rows).
+INCLUDE_ROOTS = ["include", "allocator", "allocator/core/log", "allocator/core/settings", "allocator/abi", "optimizer"]
 SOURCE_EXT = (".cpp", ".hpp", ".h", ".cu", ".cuh", ".py")
 LIBRARY = ["allocator", "optimizer", "include", "python/deferalloc"]
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
@@ -176,6 +180,38 @@ def readme_length(root):
         if n > README_LINES else []
 
 
+ALLOCATOR_TABLE, OPTIMIZER_TABLE = "allocator/core/config.cpp", "optimizer/settings.cpp"
+TABLE_ROW = re.compile(r'^ {4}\{"([a-z0-9_]+)",', re.M)
+
+
+def table_keys(root, rel):
+    """The keys of the settings table (`k_table[] = {` ... `};`, one row per `{"key", ...`) in rel."""
+    path = os.path.join(root, rel)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    start = text.find("k_table[] = {")
+    if start < 0:
+        return None
+    return TABLE_ROW.findall(text[start:text.find("\n};", start)])
+
+
+def settings_owners(root):
+    """Rule 6."""
+    found, tables = [], {}
+    for rel in (ALLOCATOR_TABLE, OPTIMIZER_TABLE):
+        tables[rel] = table_keys(root, rel)
+        if not tables[rel]:
+            found.append(f"{rel}: no settings table found (k_table[] = {{ with one row per key)")
+    if all(tables.values()):
+        for key in tables[ALLOCATOR_TABLE]:
+            if key in tables[OPTIMIZER_TABLE]:
+                found.append(f"{ALLOCATOR_TABLE}: the optimizer's key '{key}' is a row of the allocator's settings "
+                             f"table: it belongs to {OPTIMIZER_TABLE} (the allocator only names it)")
+    return found
+
+
 def check(root):
     problems = []
     files = list(library_files(root))
@@ -206,11 +242,13 @@ def check(root):
             problems.append(f"{folder}/ holds {n} of the library's {lines} lines (more than a third)")
     problems += repeated_runs(texts)
     problems += readme_length(root)
+    problems += settings_owners(root)
     return problems, lines, per_folder
 
 
 def self_test():
-    """The checker must be able to fail: a climbing include, a fat folder and a repeated run are found."""
+    """The checker must be able to fail: a climbing include, a fat folder, a repeated run, diary marks,
+    a long README and an optimizer key in the allocator's settings table are found."""
     import tempfile
     with tempfile.TemporaryDirectory() as t:
         def put(rel, text):
@@ -226,6 +264,10 @@ def self_test():
                                '/* measured\n   2026-12-01 */ int y = 0x5061b2f0;  // 5.9604644775390625e-08\n')
         put("python/deferalloc/d.py", '"""Docstring.\n\nAt b64ed16 it ran."""\nx = "2026-12-01"  # code\n# on 2026-11-30\n')
         put("README.md", "line\n" * (README_LINES + 1))
+        put(ALLOCATOR_TABLE, 'const row k_table[] = {\n    {"driver", "name",\n    {"tier", "name",\n};\n')
+        problems, _, _ = check(t)
+        assert any(p.startswith(f"{OPTIMIZER_TABLE}: no settings table") for p in problems), problems
+        put(OPTIMIZER_TABLE, 'const row k_table[] = {\n    {"tier", "name", 0,\n    {"depth", "integer",\n};\n')
         problems, _, _ = check(t)
         assert any("climb" in p or "higher layer" in p for p in problems), problems
         assert any("more than a third" in p for p in problems), problems
@@ -235,6 +277,9 @@ def self_test():
         assert marks == ["optimizer/c.cpp:1 commit id 5061b2f", "optimizer/c.cpp:4 date 2026-12-01",
                          "python/deferalloc/d.py:3 commit id b64ed16", "python/deferalloc/d.py:5 date 2026-11-30"], marks
         assert any(p.startswith(f"README.md has {README_LINES + 1} lines") for p in problems), problems
+        owned = [p for p in problems if "settings table" in p]
+        assert owned == [f"{ALLOCATOR_TABLE}: the optimizer's key 'tier' is a row of the allocator's settings table: "
+                         f"it belongs to {OPTIMIZER_TABLE} (the allocator only names it)"], owned
 
 
 def main(argv):

@@ -4,8 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <fstream>
 #include <string_view>
+
+#include "settings_doc.hpp"
 
 using namespace deferalloc;
 
@@ -39,6 +40,7 @@ TEST(config, unknown_key_lists_the_valid_keys) {
     const std::string w = e.what();
     EXPECT_NE(w.find("unknown key 'expandable_segments'"), std::string::npos) << w;
     EXPECT_NE(w.find(settings_keys()), std::string::npos) << w;
+    for (const std::string& k : other_libraries_keys()) EXPECT_NE(w.find(k), std::string::npos) << k << ": " << w;
   }
 }
 
@@ -91,15 +93,14 @@ TEST(config, numbers_are_range_checked_and_never_wrap) {
   EXPECT_EQ(s.host_granularity, 4096u);
 }
 
-// The caching allocator's and the optimizer's knobs are rows of the same table.
-TEST(config, caching_and_optimizer_keys) {
+// The caching allocator's knobs are rows of the allocator's table; the optimizer's keys
+// (its own table, Note [Keys other libraries own]) are accepted and passed over.
+TEST(config, caching_keys_and_keys_other_libraries_own) {
   const settings d = parse_settings("");
   const caching_allocator_config c0;
   EXPECT_EQ(d.caching.small_size, c0.small_size);
   EXPECT_EQ(d.caching.grow_bytes, c0.grow_bytes);
   EXPECT_EQ(d.caching.memory_fraction, c0.memory_fraction);
-  EXPECT_FALSE(d.optimizer.tier.has_value());
-  EXPECT_FALSE(d.optimizer.window_bytes.has_value());
 
   const settings s = parse_settings("small_size_kb:256,segment_reserve_mb:4096,memory_fraction:0.5,grow_mb:0,"
                                     "tier:file,directory:/tmp/x,window_mb:64,depth:4,resume:1,rank:3,io_threads:2,"
@@ -108,23 +109,12 @@ TEST(config, caching_and_optimizer_keys) {
   EXPECT_EQ(s.caching.segment_reserve, std::size_t{4096} << 20);
   EXPECT_EQ(s.caching.memory_fraction, 0.5);
   EXPECT_EQ(s.caching.grow_bytes, 0u);
-  EXPECT_EQ(s.optimizer.tier, "file");
-  EXPECT_EQ(s.optimizer.directory, "/tmp/x");
-  EXPECT_EQ(s.optimizer.window_bytes, std::size_t{64} << 20);
-  EXPECT_EQ(s.optimizer.depth, 4);
-  EXPECT_EQ(s.optimizer.resume, true);
-  EXPECT_EQ(s.optimizer.rank, 3);
-  EXPECT_EQ(s.optimizer.io_threads, 2);
-  EXPECT_EQ(s.optimizer.io_request_bytes, std::size_t{16} << 20);
-  EXPECT_EQ(s.optimizer.keep_window, true) << "any nonzero integer is true, as before";
-  EXPECT_EQ(s.optimizer.resident_bytes, std::size_t{128} << 20);
-  EXPECT_EQ(s.optimizer.moments, "bf16");
-  EXPECT_EQ(s.optimizer.progress_line, false);
+  for (const std::string& k : other_libraries_keys())
+    EXPECT_NO_THROW(parse_settings(k + ":anything")) << k << " is the optimizer's to check";
 
   for (const char* bad : {"memory_fraction:0", "memory_fraction:1.5", "memory_fraction:nan", "memory_fraction:x",
                           "memory_fraction:[0.5]", "small_size_kb:0", "small_size_kb:1048577", "grow_mb:16777217",
-                          "segment_reserve_mb:-1", "window_mb:17592186044416", "depth:2147483648", "rank:-1",
-                          "io_threads:x", "tier:[host]"}) {
+                          "segment_reserve_mb:-1"}) {
     const std::string key(bad, std::string_view(bad).find(':'));
     try {
       (void)parse_settings(bad);
@@ -135,29 +125,12 @@ TEST(config, caching_and_optimizer_keys) {
   }
 }
 
-// docs/SETTINGS.md's settings table lists exactly the table, row by row, in its order.
+// docs/SETTINGS.md's allocator table lists exactly the allocator's table, row by row, in its
+// order (the optimizer's table: tests/test_optimizer_settings.cpp).
 TEST(config, docs_list_the_settings_table) {
-  std::ifstream in(DFA_SETTINGS_DOC);
-  ASSERT_TRUE(in) << "cannot read " << DFA_SETTINGS_DOC;
-  const std::string header = "| key | type | range | default | meaning |";
-  std::vector<std::string> doc;
-  bool inside = false;
-  for (std::string line; std::getline(in, line);) {
-    if (line == header) {
-      inside = true;
-      continue;
-    }
-    if (inside && line.rfind("| ---", 0) == 0) continue;
-    if (inside && line.rfind("|", 0) != 0) break;
-    if (inside) doc.push_back(line);
-  }
-  std::vector<std::string> table;
-  std::string expected;
-  for (const setting_doc& d : settings_table()) {
-    table.push_back(std::string("| `") + d.key + "` | " + d.type + " | " + d.range + " | " + d.def + " | " + d.doc + " |");
-    expected += table.back() + "\n";
-  }
-  EXPECT_EQ(doc, table) << DFA_SETTINGS_DOC << "'s settings table (under '" << header << "') should be:\n" << expected;
+  dfa_test::expect_documented(DFA_SETTINGS_DOC, "## The allocator's keys", settings_table());
   const std::string keys = settings_keys();
   EXPECT_EQ(settings_table().size(), static_cast<std::size_t>(std::count(keys.begin(), keys.end(), ',') + 1));
+  for (const setting_doc& d : settings_table())
+    for (const std::string& k : other_libraries_keys()) EXPECT_NE(k, d.key) << "a key of two tables";
 }

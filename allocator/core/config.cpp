@@ -2,8 +2,9 @@
 //
 // Two steps: parse_config_text splits the text into keys and values without knowing
 // any key, so every face (C ABI, preload, Python) shares one grammar; parse_settings
-// interprets the keys through one table (Note [Settings table]) and rejects unknown ones
-// with the list of valid keys.
+// interprets the allocator's keys through its table (Note [Settings table]), passes over
+// the keys other libraries of the package own (Note [Keys other libraries own]) and rejects
+// unknown ones with the list of valid keys.
 #include <deferalloc/config.hpp>
 #include <deferalloc/errors.hpp>
 
@@ -22,6 +23,7 @@
 #include <unistd.h>
 
 #include "log.hpp"
+#include "setting_rows.hpp"
 
 namespace deferalloc {
 namespace {
@@ -34,13 +36,15 @@ std::string_view trim(std::string_view s) {
 
 std::atomic<int> g_level{static_cast<int>(log_level::warn)};
 
+}  // namespace
+
 // Note [Settings ranges]
 // Every number is parsed as an unsigned 64-bit integer and checked against its key's
 // range before it is scaled, so no value wraps (device:4294967296 is not device 0, a
 // huge pool_budget_mb is not 1 MiB or "unlimited").  Sizes in MB are capped at 16 TiB,
 // far above any device or host, and well below the 2^64 bytes where the shift would
 // wrap; granularities must be powers of two.  Every error names the key and its range.
-constexpr std::uint64_t k_max_mb = std::uint64_t{1} << 24;  // 16 TiB
+namespace detail {
 
 std::uint64_t to_uint(const std::string& key, const std::string& v, std::uint64_t lo, std::uint64_t hi) {
   std::uint64_t out = 0;
@@ -58,7 +62,7 @@ const std::string& scalar(const std::string& key, const config_value& v) {
   return v.items[0];
 }
 
-}  // namespace
+}  // namespace detail
 
 std::map<std::string, config_value> parse_config_text(std::string_view text) {
   std::map<std::string, config_value> out;
@@ -121,29 +125,25 @@ std::size_t quarter_of_ram() noexcept {
 namespace {
 
 // Note [Settings table]
-// Every key of DEFERALLOC_CONF is one row of k_table (mimalloc's src/options.c style):
-// its name, what a value looks like, its range, its default and meaning (for messages,
-// settings_table() and docs/SETTINGS.md's table, which tests/test_config.cpp compares), and a
-// setter that checks the value and stores it.  Numeric rows carry their range as
-// numbers (lo, hi) and the setter reads it from the row, so the range is written once.
-// The keys are the library's (driver, pools, logging), the caching allocator's
-// (caching_allocator_config) and the streamed optimizer's (optimizer_settings, read by
-// the optimizer's C ABI and Python): one grammar, one list of valid keys.
-struct row {
-  const char* key;
-  const char* type;
-  std::uint64_t lo, hi;  ///< numeric rows: the accepted range (before scaling)
-  const char* values;    ///< other rows: the accepted values, as text
-  const char* def;
-  const char* doc;
-  void (*set)(settings& s, const row& r, const config_value& v);
-};
-
-constexpr std::uint64_t k_max_int = 2147483647;
-constexpr std::uint64_t k_any = ~std::uint64_t{0};
-
-std::uint64_t num(const row& r, const config_value& v) { return to_uint(r.key, scalar(r.key, v), r.lo, r.hi); }
-std::size_t mb(const row& r, const config_value& v) { return static_cast<std::size_t>(num(r, v)) << 20; }
+// Rationale: one knob should be written in one place: its name, what a value looks like,
+// its range, default and meaning (for messages, settings_table() and docs/SETTINGS.md,
+// which the tests compare) and how a value is checked and stored (mimalloc's
+// src/options.c style).
+// Approach: every key of a library is one row of that library's table
+// (detail::setting_row, allocator/core/settings/setting_rows.hpp).  Numeric rows carry
+// their range as numbers (lo, hi) and the setter reads it from the row, so the range is
+// written once.  This table holds the library's keys (driver, pools, logging) and the
+// caching allocator's (caching_allocator_config); the streamed optimizer's keys are rows
+// of its own table (optimizer/settings.cpp), which sets optimizer_config directly.
+// Limits: the grammar (parse_config_text) is shared; a table knows only its own keys, so
+// the keys of the other libraries are named here (Note [Keys other libraries own]).
+using row = detail::setting_row<settings>;
+using detail::k_max_mb;
+using detail::num;
+using detail::mb;
+using detail::pick;
+using detail::scalar;
+using detail::to_uint;
 
 double to_fraction(const std::string& key, const std::string& v) {
   double out = 0;
@@ -152,18 +152,6 @@ double to_fraction(const std::string& key, const std::string& v) {
     throw invalid_argument("DEFERALLOC_CONF: " + key + " expects a number in (0, 1], got '" + v + "'");
   if (!(out > 0.0 && out <= 1.0)) throw invalid_argument("DEFERALLOC_CONF: " + key + " is " + v + ", outside its range (0, 1]");
   return out;
-}
-
-// A name-valued row: the value must be one of `names` (in the row's order for the message).
-template <class E>
-E pick(const row& r, const config_value& v, std::initializer_list<std::pair<const char*, E>> names) {
-  const auto& got = scalar(r.key, v);
-  std::string list;
-  for (const auto& [n, e] : names) {
-    if (got == n) return e;
-    list += (list.empty() ? "" : ", ") + std::string(n);
-  }
-  throw invalid_argument("DEFERALLOC_CONF: " + std::string(r.key) + " must be one of " + list + ", got '" + got + "'");
 }
 
 const row k_table[] = {
@@ -218,67 +206,58 @@ const row k_table[] = {
      [](settings& s, const row& r, const config_value& v) { s.caching.memory_fraction = to_fraction(r.key, scalar(r.key, v)); }},
     {"grow_mb", "MB", 0, k_max_mb, nullptr, "64", "caching allocator: the largest growth step (0: back block by block)",
      [](settings& s, const row& r, const config_value& v) { s.caching.grow_bytes = mb(r, v); }},
-    // ---- the streamed optimizer (optimizer_settings; checked further by the optimizer) ----
-    {"tier", "name", 0, 0, "device, host, file", "host", "optimizer: where the FP32 state lives between steps",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.tier = scalar(r.key, v); }},
-    {"directory", "path", 0, 0, "a directory", "(none)", "optimizer: the file tier's directory",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.directory = scalar(r.key, v); }},
-    {"window_mb", "MB", 0, k_max_mb, nullptr, "512", "optimizer: HBM budget of the streamed state",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.window_bytes = mb(r, v); }},
-    {"depth", "integer", 0, k_max_int, nullptr, "0", "optimizer: pieces in flight (0: 8 host, 3 file tier)",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.depth = static_cast<int>(num(r, v)); }},
-    {"resume", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: file tier, continue from the state file's last step",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.resume = num(r, v) != 0; }},
-    {"rank", "integer", 0, k_max_int, nullptr, "0", "optimizer: this rank (names the state file)",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.rank = static_cast<int>(num(r, v)); }},
-    {"io_threads", "integer", 0, k_max_int, nullptr, "8", "optimizer: file tier I/O threads",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.io_threads = static_cast<int>(num(r, v)); }},
-    {"io_request_mb", "MB", 0, k_max_mb, nullptr, "8", "optimizer: file tier, the size of one request",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.io_request_bytes = mb(r, v); }},
-    {"keep_window", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: keep the window's slots backed between passes",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.keep_window = num(r, v) != 0; }},
-    {"resident_mb", "MB", 0, k_max_mb, nullptr, "0", "optimizer: host tier, HBM for shards kept resident",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.resident_bytes = mb(r, v); }},
-    {"moments", "name", 0, 0, "fp32, bf16, int8", "fp32", "optimizer: storage of the Adam moments at home",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.moments = scalar(r.key, v); }},
-    {"progress_line", "flag", 0, k_any, "0 or any other integer",  "0", "optimizer: print a progress line during a long initialize()",
-     [](settings& s, const row& r, const config_value& v) { s.optimizer.progress_line = num(r, v) != 0; }},
 };
+
+// Note [Keys other libraries own]
+// Rationale: DEFERALLOC_CONF is one namespace read by every library of the package, and
+// the allocator reads it (LD_PRELOAD, the C ABI's first call) in processes where the
+// optimizer's library is never loaded; an unknown key must still be an error that lists
+// the valid keys (a misspelt key is not silently ignored).
+// Approach: the allocator's core holds the names of the keys other libraries own, and
+// only their names (no type, range or doc: those live in the owner's table).  It accepts
+// and ignores them, and lists them in its unknown-key message.  The optimizer's test
+// suite (tests/test_optimizer_settings.cpp) checks that this list equals the optimizer's
+// table (optimizer/settings.cpp) exactly, and tests/layout_check.py that no optimizer key
+// is a row of the allocator's table.
+// Limits: a new optimizer key is written twice (its row and its name here); the test
+// fails until both agree.  A bad value of such a key is found only by its owner.
+constexpr const char* k_other_libraries_keys[] = {
+    "tier", "directory", "window_mb", "depth", "resume", "rank", "io_threads", "io_request_mb",
+    "keep_window", "resident_mb", "moments", "progress_line"};
+
+bool owned_elsewhere(const std::string& key) {
+  for (const char* k : k_other_libraries_keys)
+    if (key == k) return true;
+  return false;
+}
 
 }  // namespace
 
-std::string settings_keys() {
-  std::string s;
-  for (const row& r : k_table) s += (s.empty() ? "" : ", ") + std::string(r.key);
-  return s;
+std::string settings_keys() { return detail::keys_of(k_table); }
+
+std::vector<std::string> other_libraries_keys() {
+  return {std::begin(k_other_libraries_keys), std::end(k_other_libraries_keys)};
 }
 
-std::vector<setting_doc> settings_table() {
-  // The range text of numeric rows is made from their numbers once, and lives as long as the process.
-  static const std::vector<std::string> ranges = [] {
-    std::vector<std::string> out;
-    for (const row& r : k_table)
-      out.push_back(r.values ? r.values : "[" + std::to_string(r.lo) + ", " + std::to_string(r.hi) + "]");
-    return out;
-  }();
-  std::vector<setting_doc> out;
-  for (std::size_t i = 0; i < std::size(k_table); ++i)
-    out.push_back({k_table[i].key, k_table[i].type, ranges[i].c_str(), k_table[i].def, k_table[i].doc});
-  return out;
-}
+std::vector<setting_doc> settings_table() { return detail::docs_of(k_table); }
 
-settings parse_settings(std::string_view text) {
+settings settings_from(const std::map<std::string, config_value>& keys) {
   settings s;
-  for (const auto& [key, v] : parse_config_text(text)) {
-    const row* found = nullptr;
-    for (const row& r : k_table)
-      if (key == r.key) found = &r;
-    if (found == nullptr)
-      throw invalid_argument("DEFERALLOC_CONF: unknown key '" + key + "'; valid keys: " + settings_keys());
-    found->set(s, *found, v);
+  for (const auto& [key, v] : keys) {
+    if (const row* r = detail::find_row(k_table, key)) {
+      r->set(s, *r, v);
+      continue;
+    }
+    if (owned_elsewhere(key)) continue;
+    std::string others;
+    for (const char* k : k_other_libraries_keys) others += (others.empty() ? "" : ", ") + std::string(k);
+    throw invalid_argument("DEFERALLOC_CONF: unknown key '" + key + "'; valid keys: " + settings_keys() +
+                           "; the optimizer's: " + others);
   }
   return s;
 }
+
+settings parse_settings(std::string_view text) { return settings_from(parse_config_text(text)); }
 
 void set_log_level(log_level l) noexcept { g_level.store(static_cast<int>(l)); }
 log_level get_log_level() noexcept { return static_cast<log_level>(g_level.load()); }

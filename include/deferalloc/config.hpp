@@ -1,14 +1,14 @@
 // Settings: one parser for the PYTORCH_CUDA_ALLOC_CONF grammar,
 //   key:value,key:[v1,v2],...
-// read from DEFERALLOC_CONF by the C ABI and the preload library.  An unknown key or
-// a bad value is an error that lists the valid keys.
+// read from DEFERALLOC_CONF by the C ABI and the preload library, and the allocator's
+// settings table (the optimizer's keys are its own: deferalloc/optimizer_settings.hpp).
+// An unknown key or a bad value is an error that lists the valid keys.
 #pragma once
 #include <deferalloc/driver.hpp>
 #include <deferalloc/export.hpp>
 
 #include <cstddef>
 #include <map>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,25 +51,6 @@ struct caching_allocator_config {
   std::size_t grow_bytes = std::size_t{64} << 20;
 };
 
-/// The streamed optimizer's knobs as settings (the optimizer's C ABI and Python read
-/// them; deferalloc::optim::optimizer_config holds the typed values).  Unset = the
-/// optimizer_config default.  tier and moments are checked by the optimizer
-/// (parse_tier, parse_moment_format).
-struct optimizer_settings {
-  std::optional<std::string> tier;              ///< tier: device | host | file
-  std::optional<std::string> directory;         ///< directory: the file tier's directory
-  std::optional<std::size_t> window_bytes;      ///< window_mb
-  std::optional<int> depth;                     ///< depth
-  std::optional<bool> resume;                   ///< resume: 0 | 1 (any nonzero is 1)
-  std::optional<int> rank;                      ///< rank
-  std::optional<int> io_threads;                ///< io_threads
-  std::optional<std::size_t> io_request_bytes;  ///< io_request_mb
-  std::optional<bool> keep_window;              ///< keep_window
-  std::optional<std::size_t> resident_bytes;    ///< resident_mb
-  std::optional<std::string> moments;           ///< moments: fp32 | bf16 | int8
-  std::optional<bool> progress_line;            ///< progress_line
-};
-
 /// Every setting of the library, with its default.
 struct settings {
   driver_kind driver = driver_kind::automatic;  ///< driver: auto | cuda | host
@@ -92,8 +73,6 @@ struct settings {
   /// small_size_kb, segment_reserve_mb, memory_fraction, grow_mb: the caching
   /// allocator of the C ABI / preload / LibTorch faces.
   caching_allocator_config caching;
-  /// The optimizer's keys (tier, window_mb, ...).
-  optimizer_settings optimizer;
 };
 
 /// One row of the settings table (Note [Settings table] in allocator/core/config.cpp).
@@ -105,15 +84,23 @@ struct setting_doc {
   const char* doc;      ///< one line of meaning
 };
 
-/// Every key, in table order (docs/SETTINGS.md's settings table lists exactly these).
+/// The allocator's keys, in table order (docs/SETTINGS.md's allocator table lists exactly
+/// these).  The optimizer's are in deferalloc::optim::optimizer_settings_table().
 DFA_API std::vector<setting_doc> settings_table();
 
-/// The valid keys, comma-separated, for messages.
+/// The allocator's keys, comma-separated, for messages.
 DFA_API std::string settings_keys();
 
-/// Parses `text` into settings (defaults for keys not given).
-/// @throws invalid_argument naming the key and listing the valid keys.
+/// The names of the keys other libraries of the package own (the optimizer's), which the
+/// allocator accepts and ignores (Note [Keys other libraries own] in allocator/core/config.cpp).
+DFA_API std::vector<std::string> other_libraries_keys();
+
+/// Parses `text` into settings (defaults for keys not given; keys other libraries own are
+/// passed over).  @throws invalid_argument naming the key and listing the valid keys.
 DFA_API settings parse_settings(std::string_view text);
+
+/// parse_settings of keys already split by parse_config_text.
+DFA_API settings settings_from(const std::map<std::string, config_value>& keys);
 
 /// The level that library messages are printed at (stderr).  Default warn.
 DFA_API void set_log_level(log_level l) noexcept;

@@ -46,16 +46,47 @@ typedef struct dfa_optimizer_stats {
 /* phase is "init", "step" or "sync"; called from the calling thread after each piece. */
 typedef void (*dfa_progress_fn)(const char* phase, size_t done, size_t total, double seconds, void* user);
 
-/* Creates an optimizer from settings in DEFERALLOC_CONF's grammar ("key:value,..."):
- * the driver keys of deferalloc.h (driver, device, host_capacity_mb, host_granularity_kb,
- * log_level, ...) and tier:device|host|file, directory:PATH (file tier), window_mb (HBM
- * budget of streamed state, default 512), depth (pieces in flight, default 0:
- * 8 on the host tier, 3 on the file tier, fewer if the window holds fewer),
- * resume:0|1 (file tier), rank, io_threads, io_request_mb, progress_line:0|1,
- * moments:fp32|bf16|int8 (host and file tiers: how the Adam moments are stored; optimizer.hpp),
- * resident_mb (host tier: HBM for shards kept resident, the rest stream; optimizer.hpp),
- * keep_window:0|1 (keep the window's slots backed between passes: back-to-back passes map nothing).
- * Unknown keys: INVALID_ARGUMENT.  Cost: a driver and three streams. */
+/* The engine's settings, typed: the optimizer's keys of docs/SETTINGS.md (same names, same
+ * units, same ranges and messages: each field goes through its key's row) and the driver
+ * it runs on.  Versioned by its size: set struct_size = sizeof(dfa_optimizer_config), then
+ * dfa_opt_config_init fills the defaults; a struct of a size this library does not know
+ * is refused (INVALID_ARGUMENT).  Enumerations are ints (the DFA_* constants below). */
+typedef enum dfa_driver_kind { DFA_DRIVER_AUTO = 0, DFA_DRIVER_CUDA = 1, DFA_DRIVER_HOST = 2 } dfa_driver_kind;
+typedef enum dfa_tier { DFA_TIER_DEVICE = 0, DFA_TIER_HOST = 1, DFA_TIER_FILE = 2 } dfa_tier;
+typedef enum dfa_moments { DFA_MOMENTS_FP32 = 0, DFA_MOMENTS_BF16 = 1, DFA_MOMENTS_INT8 = 2 } dfa_moments;
+typedef struct dfa_optimizer_config {
+  size_t struct_size;        /* sizeof(dfa_optimizer_config): this struct's version */
+  /* the driver */
+  int driver;                /* dfa_driver_kind (DFA_DRIVER_AUTO: cuda when a device is present) */
+  int device;                /* CUDA device ordinal */
+  const char* allocator_settings; /* the allocator's other keys for the driver and logging
+                                     (host_granularity_kb, host_capacity_mb, shareable_handles,
+                                     log_level, ...) in DEFERALLOC_CONF's grammar; NULL: none.
+                                     Naming driver, device or an optimizer key is refused. */
+  /* the optimizer */
+  int tier;                  /* dfa_tier */
+  const char* directory;     /* file tier: the state file's directory (NULL: none) */
+  uint64_t window_mb;        /* HBM budget of the streamed state */
+  int depth;                 /* pieces in flight (0: 8 host, 3 file tier) */
+  int resume;                /* file tier: continue from the state file's last step */
+  int rank;                  /* names the state file */
+  int io_threads;            /* file tier */
+  uint64_t io_request_mb;    /* file tier: the size of one request */
+  int keep_window;           /* keep the window's slots backed between passes */
+  uint64_t resident_mb;      /* host tier: HBM for shards kept resident */
+  int moments;               /* dfa_moments: storage of the Adam moments at home */
+  int progress_line;         /* print a progress line during a long initialize() */
+} dfa_optimizer_config;
+
+/* Fills *c with the defaults (those of docs/SETTINGS.md); c->struct_size must be set first. */
+DFA_C_API dfa_status dfa_opt_config_init(dfa_optimizer_config* c);
+/* Creates an optimizer from a filled config (dfa_opt_config_init, then the fields to change).
+ * Bad values: INVALID_ARGUMENT naming the field's key and its range.  Cost: a driver and
+ * three streams. */
+DFA_C_API dfa_status dfa_opt_create_with_config(const dfa_optimizer_config* c, dfa_optimizer** out);
+/* The same from settings in DEFERALLOC_CONF's grammar ("key:value,..."): the optimizer's
+ * keys and the allocator's (driver, device, host_granularity_kb, log_level, ...), all
+ * listed in docs/SETTINGS.md.  Unknown keys: INVALID_ARGUMENT listing the valid ones. */
 DFA_C_API dfa_status dfa_opt_create(const char* settings, dfa_optimizer** out);
 /* Waits for its streams and frees everything.  NULL is allowed. */
 DFA_C_API dfa_status dfa_opt_destroy(dfa_optimizer* o);

@@ -4,12 +4,15 @@
 // Each entry point runs through guard(), which maps every exception to a dfa_status and
 // a thread-local message "dfa_opt_<call>: <cause>" (this library's own, beside the
 // allocator's dfa_last_error()).  No global state besides that message: each handle
-// owns its driver, pool and streams, built from the settings string, so any number can
-// live in one process (the host driver's tests build several).
+// owns its driver, pool and streams, built from its settings (the typed
+// dfa_optimizer_config or a settings string, both through the optimizer's settings table:
+// Note [Optimizer settings] in optimizer/settings.cpp), so any number can live in one
+// process (the host driver's tests build several).
 #include <deferalloc/context.hpp>
 #include <deferalloc/errors.hpp>
 #include <deferalloc/optimizer.h>
 #include <deferalloc/optimizer.hpp>
+#include <deferalloc/optimizer_settings.hpp>
 
 #include <memory>
 #include <new>
@@ -44,25 +47,73 @@ streamed_adamw& opt_of(dfa_optimizer* o) {
   return *o->opt;
 }
 
-// The optimizer's keys are rows of the one settings table (Note [Settings table] in
-// allocator/core/config.cpp); unset ones keep optimizer_config's defaults.
-std::pair<optimizer_config, settings> parse(const char* text) {
-  settings s = parse_settings(text ? text : "");
-  const optimizer_settings& o = s.optimizer;
-  optimizer_config oc;
-  if (o.tier) oc.home = parse_tier(*o.tier);
-  if (o.directory) oc.directory = *o.directory;
-  if (o.window_bytes) oc.window_bytes = *o.window_bytes;
-  if (o.depth) oc.depth = *o.depth;
-  if (o.resume) oc.resume = *o.resume;
-  if (o.rank) oc.rank = *o.rank;
-  if (o.io_threads) oc.io_threads = *o.io_threads;
-  if (o.io_request_bytes) oc.io_request_bytes = *o.io_request_bytes;
-  if (o.keep_window) oc.keep_window = *o.keep_window;
-  if (o.resident_bytes) oc.resident_bytes = *o.resident_bytes;
-  if (o.moments) oc.moments = parse_moment_format(*o.moments);
-  if (o.progress_line) oc.progress_line = *o.progress_line;
-  return {std::move(oc), std::move(s)};
+static_assert(DFA_TIER_DEVICE == int(tier::device) && DFA_TIER_HOST == int(tier::host) && DFA_TIER_FILE == int(tier::file));
+static_assert(DFA_MOMENTS_FP32 == int(moment_format::fp32) && DFA_MOMENTS_BF16 == int(moment_format::bf16) &&
+              DFA_MOMENTS_INT8 == int(moment_format::int8));
+static_assert(DFA_DRIVER_AUTO == int(driver_kind::automatic) && DFA_DRIVER_CUDA == int(driver_kind::cuda) &&
+              DFA_DRIVER_HOST == int(driver_kind::host));
+
+void need_known_size(const dfa_optimizer_config* c) {
+  need(c, "the config");
+  if (c->struct_size != sizeof(dfa_optimizer_config))
+    throw invalid_argument("dfa_optimizer_config: struct_size is " + std::to_string(c->struct_size) +
+                           ", this library knows " + std::to_string(sizeof(dfa_optimizer_config)) +
+                           " (set struct_size = sizeof(dfa_optimizer_config) from this library's optimizer.h)");
+}
+
+bool is_optimizer_key(const std::string& key) {
+  for (const setting_doc& d : optimizer_settings_table())
+    if (key == d.key) return true;
+  return false;
+}
+
+// An enumeration field's value, checked against its last enumerator.
+int enumerator(const char* field, int v, int last) {
+  if (v < 0 || v > last)
+    throw invalid_argument("dfa_optimizer_config: " + std::string(field) + " is " + std::to_string(v) + ", not one of 0 .. " +
+                           std::to_string(last));
+  return v;
+}
+
+// A typed config through the same rows as a settings text: each field is its key's value.
+engine_settings from_config(const dfa_optimizer_config* c) {
+  need_known_size(c);
+  engine_settings e;
+  auto keys = parse_config_text(c->allocator_settings ? c->allocator_settings : "");
+  for (const auto& [key, v] : keys)
+    if (key == "driver" || key == "device" || is_optimizer_key(key))
+      throw invalid_argument("dfa_optimizer_config: allocator_settings names '" + key +
+                             "', a field of dfa_optimizer_config");
+  const char* const drivers[] = {"auto", "cuda", "host"};
+  keys["driver"] = {{drivers[enumerator("driver", c->driver, DFA_DRIVER_HOST)]}, false};
+  keys["device"] = {{std::to_string(c->device)}, false};
+  e.allocator = settings_from(keys);
+  auto set = [&](const char* key, std::string v) { apply_optimizer_setting(e.optimizer, key, {{std::move(v)}, false}); };
+  auto flag = [](int v) { return std::string(v != 0 ? "1" : "0"); };
+  set("tier", to_string(static_cast<tier>(enumerator("tier", c->tier, DFA_TIER_FILE))));
+  if (c->directory) set("directory", c->directory);
+  set("window_mb", std::to_string(c->window_mb));
+  set("depth", std::to_string(c->depth));
+  set("resume", flag(c->resume));
+  set("rank", std::to_string(c->rank));
+  set("io_threads", std::to_string(c->io_threads));
+  set("io_request_mb", std::to_string(c->io_request_mb));
+  set("keep_window", flag(c->keep_window));
+  set("resident_mb", std::to_string(c->resident_mb));
+  set("moments", to_string(static_cast<moment_format>(enumerator("moments", c->moments, DFA_MOMENTS_INT8))));
+  set("progress_line", flag(c->progress_line));
+  return e;
+}
+
+dfa_optimizer* create(engine_settings e) {
+  auto h = std::make_unique<dfa_optimizer>();
+  dfa_optimizer* raw = h.get();
+  e.optimizer.on_progress = [raw](const progress& p) {
+    if (raw->progress) raw->progress(p.phase, p.done_params, p.total_params, p.seconds, raw->progress_user);
+  };
+  set_log_level(e.allocator.level);
+  h->opt = std::make_unique<streamed_adamw>(make_driver(e.allocator), std::move(e.optimizer));
+  return h.release();
 }
 
 value_type dtype_of(int t, const char* what) {
@@ -87,19 +138,42 @@ std::vector<value_type> grad_types(const streamed_adamw& opt, const void* const*
 
 extern "C" {
 
+dfa_status dfa_opt_config_init(dfa_optimizer_config* c) {
+  return guard("dfa_opt_config_init", [&] {
+    need_known_size(c);
+    const optimizer_config d;
+    const settings s;
+    *c = dfa_optimizer_config{};
+    c->struct_size = sizeof *c;
+    c->driver = static_cast<int>(s.driver);
+    c->device = s.device;
+    c->tier = static_cast<int>(d.home);
+    c->window_mb = d.window_bytes >> 20;
+    c->depth = d.depth;
+    c->resume = d.resume;
+    c->rank = d.rank;
+    c->io_threads = d.io_threads;
+    c->io_request_mb = d.io_request_bytes >> 20;
+    c->keep_window = d.keep_window;
+    c->resident_mb = d.resident_bytes >> 20;
+    c->moments = static_cast<int>(d.moments);
+    c->progress_line = d.progress_line;
+  });
+}
+
+dfa_status dfa_opt_create_with_config(const dfa_optimizer_config* c, dfa_optimizer** out) {
+  return guard("dfa_opt_create_with_config", [&] {
+    need(out, "out");
+    *out = nullptr;
+    *out = create(from_config(c));
+  });
+}
+
 dfa_status dfa_opt_create(const char* text, dfa_optimizer** out) {
   return guard("dfa_opt_create", [&] {
     need(out, "out");
     *out = nullptr;
-    auto [oc, s] = parse(text);
-    auto h = std::make_unique<dfa_optimizer>();
-    dfa_optimizer* raw = h.get();
-    oc.on_progress = [raw](const progress& p) {
-      if (raw->progress) raw->progress(p.phase, p.done_params, p.total_params, p.seconds, raw->progress_user);
-    };
-    set_log_level(s.level);
-    h->opt = std::make_unique<streamed_adamw>(make_driver(s), std::move(oc));
-    *out = h.release();
+    *out = create(parse_optimizer_settings(text ? text : ""));
   });
 }
 
