@@ -39,7 +39,7 @@ using namespace deferalloc;
 
 thread_local std::string t_last_error;
 // Why this thread's last dfa_malloc returned NULL, "" when it returned a block (Note
-// [Refusals] in caching/impl.hpp).  Per thread, so that another thread's refusal is never
+// [Refusals] in caching/refusals.cpp).  Per thread, so that another thread's refusal is never
 // reported for this one's failure; cleared by this thread's next successful dfa_malloc,
 // so that an old refusal is never reported for a later error.  Other calls keep it,
 // unlike t_last_error: PyTorch frees (dfa_free, the hooks) between its retries and
