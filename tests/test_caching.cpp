@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "common.hpp"
+#include "core/driver/fault_driver.hpp"
 #include "core/log/log.hpp"
 #include "log_probe.hpp"
 #include "memory_checks.hpp"

@@ -2,6 +2,7 @@
 #include <sys/mman.h>
 
 #include "common.hpp"
+#include "core/driver/fault_driver.hpp"
 
 using namespace deferalloc;
 using namespace dfa_test;

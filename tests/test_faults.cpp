@@ -3,6 +3,7 @@
 // backups, same bytes), leak no chunk (pool accounting equals driver accounting), and
 // the same call must succeed once the fault is gone.
 #include "common.hpp"
+#include "core/driver/fault_driver.hpp"
 
 using namespace deferalloc;
 using namespace dfa_test;

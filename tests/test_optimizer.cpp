@@ -14,6 +14,7 @@
 #include "../optimizer/kernels/adamw_math.hpp"
 #include "../optimizer/store/file_store.hpp"
 #include "common.hpp"
+#include "core/driver/fault_driver.hpp"
 
 using namespace deferalloc;
 using namespace deferalloc::optim;

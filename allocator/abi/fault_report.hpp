@@ -1,4 +1,4 @@
-// A named failure for touching released memory on the host driver (used by c_api.cpp).
+// A named failure for touching released memory on the host driver (used by the C ABI).
 //
 // Note [Released-memory faults]: on the host driver an unbacked granule is PROT_NONE,
 // so a touch of released memory raises SIGSEGV, as it faults on the GPU.  Without help
@@ -94,7 +94,7 @@ class fault_table {
   std::atomic<std::size_t> high_{0};
 };
 
-/// The process's table (never destroyed: Note [Process lifetime] in c_api.cpp).
+/// The process's table (never destroyed: Note [Process lifetime] in process_state.cpp).
 inline fault_table& faults() {
   static fault_table& t = *new fault_table;
   return t;

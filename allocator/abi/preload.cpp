@@ -44,7 +44,7 @@
 namespace {
 
 // Our allocations: base address -> reservation.  Never destroyed, like the C ABI's
-// instance (Note [Process lifetime] in c_api.cpp): a cudaFree from a static destructor
+// instance (Note [Process lifetime] in process_state.cpp): a cudaFree from a static destructor
 // that runs after ours would otherwise find the map gone.
 std::mutex& g_mu = *new std::mutex;
 std::unordered_map<void*, dfa_reservation>& g_ours = *new std::unordered_map<void*, dfa_reservation>;

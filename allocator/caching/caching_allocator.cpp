@@ -74,9 +74,189 @@
 
 #include <algorithm>
 
-#include "caching/impl.hpp"
+#include "caching/allocator_state.hpp"
 
 namespace deferalloc {
+
+// ---- block reuse: take a block for a stream, split, coalesce, pending frees ----------
+
+void caching_allocator::impl::split(block* b, std::size_t size, owner_bins& home) {
+  if (b->size - size < k_block_unit) return;
+  block* r = new_block();
+  r->addr = b->addr + size;
+  r->size = b->size - size;
+  r->seg = b->seg;
+  r->owner = b->owner;
+  r->free_gen = b->free_gen;
+  r->backed = b->backed;
+  r->prev = b;
+  r->next = b->next;
+  if (b->next != nullptr) b->next->prev = r;
+  b->next = r;
+  b->size = size;
+  home.b.insert(r);
+}
+
+void caching_allocator::impl::poll(stream_state* s) {
+  if (s->event != nullptr && drv.query(s->event)) {
+    s->safe_gen = std::max(s->safe_gen, s->event_gen + 1);
+    give_event(s->event);
+    s->event = nullptr;
+  }
+  if (s->event == nullptr && s->dirty) {
+    event_t e = take_event();
+    try {
+      drv.record(e, s->stream);
+    } catch (...) {
+      give_event(e);
+      throw;
+    }
+    s->event = e;
+    ++st.stream_events;
+    s->event_gen = s->gen++;
+    s->dirty = false;
+    // Not queried at once on a GPU: the event covers the frees made so far, and it is
+    // used at a later poll.  Querying now would let streams pass one block round and
+    // round (each allocation stealing the block the previous stream just freed, a
+    // record + query, 2 us, per pair); this way each stream keeps its own blocks.
+    if (!drv.asynchronous() && drv.query(e)) {  // the host driver completes at once
+      s->safe_gen = s->event_gen + 1;
+      give_event(e);
+      s->event = nullptr;
+    }
+  }
+}
+
+block* caching_allocator::impl::find_eligible(owner_bins& ob, std::size_t size) {
+  int c = bins::class_down(size);
+  int checked = 0;
+  while ((c = ob.b.first_at_least(c)) >= 0 && checked < 256) {
+    for (block* b = ob.b.head(c); b != nullptr && checked < 256; b = b->free_next, ++checked)
+      if (b->size >= size && b->free_gen < ob.st->safe_gen) return b;
+    ++c;
+  }
+  return nullptr;
+}
+
+block* caching_allocator::impl::take(group& grp, stream_state* s, std::size_t size) {
+  owner_bins& own = grp.bins_of(s);
+  if (block* b = own.b.find(size)) {
+    own.b.remove(b);
+    split(b, size, own);
+    return b;
+  }
+  for (std::size_t i = 0; i < grp.owners.size(); ++i) {
+    owner_bins& ob = *grp.owners[i];
+    if (ob.st == s || ob.st->fresh || ob.b.empty()) continue;
+    poll(ob.st);
+    if (block* b = find_eligible(ob, size)) {
+      ++st.cross_stream_reuses;
+      ob.b.remove(b);
+      split(b, size, ob);
+      return b;
+    }
+  }
+  owner_bins& fr = grp.bins_of(&fresh);
+  block* b = fr.b.find(size);
+  if (b == nullptr) {
+    added = &add_segment(grp, size);
+    b = fr.b.find(size);
+  }
+  fr.b.remove(b);
+  split(b, size, fr);
+  return b;
+}
+
+block* caching_allocator::impl::absorb_next(block* l) noexcept {
+  block* r = l->next;
+  l->size += r->size;
+  l->next = r->next;
+  if (r->next != nullptr) r->next->prev = l;
+  l->free_gen = std::max(l->free_gen, r->free_gen);
+  l->backed = l->backed && r->backed;
+  recycle(r);
+  return l;
+}
+
+void caching_allocator::impl::free_block(block* b) {
+  b->allocated = false;
+  b->pending = false;
+  b->resident = false;
+  delete b->users;
+  b->users = nullptr;
+  b->free_gen = b->owner->gen;
+  b->owner->dirty = true;
+  owner_bins& ob = b->seg->grp->bins_of(b->owner);
+  auto mergeable = [&](block* n) { return n != nullptr && n->bin >= 0 && n->owner == b->owner; };
+  if (mergeable(b->prev)) {
+    ob.b.remove(b->prev);
+    b = absorb_next(b->prev);
+  }
+  if (mergeable(b->next)) {
+    ob.b.remove(b->next);
+    absorb_next(b);
+  }
+  ob.b.insert(b);
+}
+
+void caching_allocator::impl::finish_free(block* b) {
+  if (history_max != 0) record(trace_action::free_completed, b->addr, b->size, b->owner->stream, b->seg->grp);
+  stat_set::sub(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::sub(st.active, b->small, 1);
+  free_block(b);
+}
+
+void caching_allocator::impl::process_pending(bool wait) {
+  for (std::size_t i = 0; i < pending.size();) {
+    auto& pf = pending[i];
+    bool done = true;
+    for (event_t e : pf.events) {
+      if (wait) drv.synchronize(e);
+      else if (!drv.query(e)) {
+        done = false;
+        break;
+      }
+    }
+    if (!done) {
+      ++i;
+      continue;
+    }
+    for (event_t e : pf.events) give_event(e);
+    block* b = pf.b;
+    pending[i] = std::move(pending.back());
+    pending.pop_back();
+    finish_free(b);
+  }
+}
+
+void caching_allocator::impl::sync_all() {
+  process_pending(true);
+  for (auto& s : streams) {
+    poll(s.get());
+    if (s->event != nullptr) {
+      drv.synchronize(s->event);
+      poll(s.get());
+    }
+  }
+  ++st.num_sync_all_streams;
+}
+
+block* caching_allocator::impl::find_containing(std::uintptr_t p) const {
+  if (block* b = allocated.find(p)) return b;
+  auto look = [&](const group& grp) -> block* {
+    for (auto& s : grp.segments) {
+      if (p < s->base || p >= s->base + s->size) continue;
+      for (block* b = s->first; b != nullptr; b = b->next)
+        if (p >= b->addr && p < b->addr + b->size) return b->allocated ? b : nullptr;
+    }
+    return nullptr;
+  };
+  if (block* b = look(small_grp)) return b;
+  if (block* b = look(large_grp)) return b;
+  for (auto& t : tags)
+    if (block* b = look(*t->grp)) return b;
+  return nullptr;
+}
 
 // ---- construction ---------------------------------------------------------------------
 

@@ -31,7 +31,7 @@
 #include <chrono>
 #include <cinttypes>
 
-#include "caching/impl.hpp"
+#include "caching/allocator_state.hpp"
 
 namespace deferalloc {
 

@@ -14,7 +14,7 @@
 #include <cstdio>
 #include <limits>
 
-#include "caching/impl.hpp"
+#include "caching/allocator_state.hpp"
 
 namespace deferalloc {
 

@@ -1,13 +1,20 @@
-// The driver layer: the seven VMM primitives behind one interface, plus the few
-// stream/event/copy operations the layers above need to be stream-ordered.
+// The driver layer, as two narrow interfaces in the style of rmm's resources:
+//   vmm_ops     the seven VMM primitives (reserve, create, map, set access, unmap,
+//               release, free the reservation), pinned host memory, the granularity and
+//               free/total memory; every primitive is counted (the statistics layer);
+//   stream_ops  the few stream/event/copy operations the layers above need to be
+//               stream-ordered (not counted).
+// A `driver` is both, plus what identifies it (name, kind, device): layers above take a
+// `driver&` and call either half through it.
 //
 // Two real implementations: cuda_driver (libcuda resolved at run time) and
 // host_driver (the same semantics on host memory: PROT_NONE reservations, memfd
 // chunks, MAP_FIXED|MAP_SHARED mappings, mprotect for access).  A fault-injecting
-// wrapper fails the Nth call of a chosen primitive.
+// wrapper for the tests fails the Nth call of a chosen primitive (internal:
+// allocator/core/driver/fault_driver.hpp).
 //
-// The public functions are non-virtual and count every call (rmm's allocate /
-// do_allocate pattern), so the statistics live in one place.
+// The counting is vmm_ops' non-virtual public functions (rmm's allocate / do_allocate
+// pattern), so the statistics live in one place; budgets are the chunk pool's.
 #pragma once
 #include <deferalloc/export.hpp>
 
@@ -87,26 +94,21 @@ struct driver_call_counts {
   std::uint64_t operator[](primitive p) const { return calls[static_cast<int>(p)]; }
 };
 
-class DFA_API driver {
+/// The VMM primitives and pinned host memory (counted), with the granularity and the
+/// device's free/total memory.
+class DFA_API vmm_ops {
  public:
-  virtual ~driver();
-  driver(const driver&) = delete;
-  driver& operator=(const driver&) = delete;
+  virtual ~vmm_ops();
+  vmm_ops(const vmm_ops&) = delete;
+  vmm_ops& operator=(const vmm_ops&) = delete;
 
-  /// Short name: "cuda" or "host" (wrappers prefix theirs).
-  virtual std::string name() const = 0;
-  /// cuda or host: what the driver really is, also under a wrapper (fault(host) is
-  /// host).  Decide behaviour by this, never by name().
-  virtual driver_kind kind() const = 0;
-  /// True when chunks are created with a handle type other processes can import
-  /// (cuMemExportToShareableHandle), which NCCL needs to register them.  Host: false.
-  virtual bool shareable() const { return false; }
   /// The mapping granularity in bytes (2 MiB on H200).  No driver call.
   virtual std::size_t granularity() const = 0;
   /// Free and total physical memory (cuMemGetInfo; the capacity on the host).
   virtual memory_info get_memory_info() = 0;
-  /// The device ordinal this driver serves.
-  virtual int device() const { return 0; }
+  /// True when chunks are created with a handle type other processes can import
+  /// (cuMemExportToShareableHandle), which NCCL needs to register them.  Host: false.
+  virtual bool shareable() const { return false; }
 
   // ---- the seven VMM primitives (counted) ----
   /// Reserves `bytes` of address space aligned to `alignment`; no physical memory.
@@ -131,7 +133,34 @@ class DFA_API driver {
   void* host_alloc(std::size_t bytes);
   void host_free(void* p) noexcept;
 
-  // ---- streams, events, copies (not counted) ----
+  /// Calls made so far, by primitive.  No driver call.
+  driver_call_counts call_counts() const;
+
+ protected:
+  vmm_ops() = default;
+
+ private:
+  virtual std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) = 0;
+  virtual void do_free_reservation(std::uintptr_t va, std::size_t bytes) = 0;
+  virtual chunk_handle do_create(std::size_t bytes) = 0;
+  virtual void do_release(chunk_handle h) = 0;
+  virtual void do_map(std::uintptr_t va, std::size_t bytes, chunk_handle h) = 0;
+  virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
+  virtual void do_set_access(std::uintptr_t va, std::size_t bytes) = 0;
+  virtual void* do_host_alloc(std::size_t bytes) = 0;
+  virtual void do_host_free(void* p) noexcept = 0;
+
+  void count(primitive p) noexcept { calls_[static_cast<int>(p)].fetch_add(1, std::memory_order_relaxed); }
+  std::array<std::atomic<std::uint64_t>, primitive_count> calls_{};
+};
+
+/// Streams, events and copies: what makes the layers above stream-ordered (not counted).
+class DFA_API stream_ops {
+ public:
+  virtual ~stream_ops();
+  stream_ops(const stream_ops&) = delete;
+  stream_ops& operator=(const stream_ops&) = delete;
+
   virtual stream_t create_stream() = 0;
   /// A stream whose kernels the GPU schedules ahead of other streams' waiting blocks (the
   /// greatest CUDA stream priority): short kernels that run beside long ones, as the
@@ -158,25 +187,25 @@ class DFA_API driver {
   /// completed on return (host driver).
   virtual bool asynchronous() const = 0;
 
-  /// Calls made so far, by primitive.  No driver call.
-  driver_call_counts call_counts() const;
+ protected:
+  stream_ops() = default;
+};
+
+/// One device's driver: its VMM primitives and its streams, and what it is.
+class DFA_API driver : public vmm_ops, public stream_ops {
+ public:
+  ~driver() override;
+
+  /// Short name: "cuda" or "host" (wrappers prefix theirs).
+  virtual std::string name() const = 0;
+  /// cuda or host: what the driver really is, also under a wrapper (fault(host) is
+  /// host).  Decide behaviour by this, never by name().
+  virtual driver_kind kind() const = 0;
+  /// The device ordinal this driver serves.
+  virtual int device() const { return 0; }
 
  protected:
   driver() = default;
-
- private:
-  virtual std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) = 0;
-  virtual void do_free_reservation(std::uintptr_t va, std::size_t bytes) = 0;
-  virtual chunk_handle do_create(std::size_t bytes) = 0;
-  virtual void do_release(chunk_handle h) = 0;
-  virtual void do_map(std::uintptr_t va, std::size_t bytes, chunk_handle h) = 0;
-  virtual void do_unmap(std::uintptr_t va, std::size_t bytes) = 0;
-  virtual void do_set_access(std::uintptr_t va, std::size_t bytes) = 0;
-  virtual void* do_host_alloc(std::size_t bytes) = 0;
-  virtual void do_host_free(void* p) noexcept = 0;
-
-  void count(primitive p) noexcept { calls_[static_cast<int>(p)].fetch_add(1, std::memory_order_relaxed); }
-  std::array<std::atomic<std::uint64_t>, primitive_count> calls_{};
 };
 
 /// Host-driver settings.
@@ -197,60 +226,6 @@ DFA_API std::shared_ptr<driver> make_cuda_driver(int device = 0, shareable_handl
 
 /// True when libcuda loads and reports at least one device.  Never throws.
 DFA_API bool cuda_device_available() noexcept;
-
-/// A wrapper that forwards to `inner` and can fail chosen calls.
-class DFA_API fault_driver : public driver {
- public:
-  explicit fault_driver(std::shared_ptr<driver> inner);
-  /// The `nth` (1-based, counted from now) call of `p` throws: out_of_memory for
-  /// reserve/create/host_alloc, cuda_error for the others.  One armed fault per primitive.
-  void fail_nth(primitive p, std::uint64_t nth);
-  /// The `nth` copy_async (1-based, counted from now) throws cuda_error (a copy that
-  /// fails part-way through a pass).
-  void fail_nth_copy(std::uint64_t nth);
-  /// Disarms every fault.
-  void clear();
-  /// Number of faults fired so far.
-  std::uint64_t fired() const { return fired_.load(); }
-  driver& inner() { return *inner_; }
-
-  std::string name() const override;
-  driver_kind kind() const override;
-  bool shareable() const override;
-  std::size_t granularity() const override;
-  memory_info get_memory_info() override;
-  int device() const override;
-  stream_t create_stream() override;
-  stream_t create_priority_stream() override;
-  void destroy_stream(stream_t s) noexcept override;
-  event_t create_event() override;
-  void destroy_event(event_t e) noexcept override;
-  void record(event_t e, stream_t s) override;
-  void stream_wait(stream_t s, event_t e) override;
-  void synchronize(event_t e) override;
-  bool query(event_t e) override;
-  void synchronize_stream(stream_t s) override;
-  void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override;
-  void zero_async(void* dst, std::size_t bytes, stream_t s) override;
-  bool asynchronous() const override;
-
- private:
-  void check(primitive p);
-  std::uintptr_t do_reserve(std::size_t bytes, std::size_t alignment) override;
-  void do_free_reservation(std::uintptr_t va, std::size_t bytes) override;
-  chunk_handle do_create(std::size_t bytes) override;
-  void do_release(chunk_handle h) override;
-  void do_map(std::uintptr_t va, std::size_t bytes, chunk_handle h) override;
-  void do_unmap(std::uintptr_t va, std::size_t bytes) override;
-  void do_set_access(std::uintptr_t va, std::size_t bytes) override;
-  void* do_host_alloc(std::size_t bytes) override;
-  void do_host_free(void* p) noexcept override;
-
-  std::shared_ptr<driver> inner_;
-  std::array<std::atomic<std::uint64_t>, primitive_count> countdown_{};
-  std::atomic<std::uint64_t> copy_countdown_{0};
-  std::atomic<std::uint64_t> fired_{0};
-};
 
 }  // namespace deferalloc
 

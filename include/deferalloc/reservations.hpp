@@ -1,6 +1,6 @@
 // Deferred reservations: device addresses that never change, backed by physical
 // chunks only between materialize and release.  See Note [Deferred reservations]
-// in allocator/core/reservations.cpp.
+// in allocator/core/reservations/reservations.cpp.
 #pragma once
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/pinned_pool.hpp>
@@ -115,7 +115,7 @@ class DFA_API reservation_manager {
   /// released: a chunk is never split, so the call needs no new memory (it works when
   /// memory is full) and never copies, unmaps or remaps a byte outside the ranges.
   /// Backups of unbacked granules are left alone.  What a caching allocator uses to give
-  /// free space back (See Note [Splitting chunks] in allocator/core/reservations.cpp).
+  /// free space back (See Note [Splitting chunks] in allocator/core/reservations/split.cpp).
   /// Returns the ranges released (chunk boundaries, sorted), empty when none.
   /// Cost: as release() for the chunks released; no driver call when none.
   /// @throws invalid_argument, out_of_memory (backup memory), cuda_error
@@ -181,7 +181,7 @@ class DFA_API reservation_manager {
   void give_events(std::vector<event_t>& es) noexcept;
   void unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept;
 
-  // The state (pool, driver, the reservations, events, statistics), in reservations.cpp.
+  // The state (pool, driver, the reservations, events, statistics): allocator/core/reservations/state.hpp.
   struct impl;
   std::unique_ptr<impl> impl_;
 };

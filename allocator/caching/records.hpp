@@ -1,4 +1,5 @@
-// Internal state of the caching allocator, shared by its source files.
+// The records the caching allocator keeps besides its blocks (blocks.hpp): per stream,
+// per segment, per group (small, large, a tag's), per tag, trace events and statistics.
 #pragma once
 #include <deferalloc/caching_allocator.hpp>
 

@@ -1,0 +1,171 @@
+// The C ABI's reservation calls and the DLPack export.
+//
+// They act only on the reservations the ABI handed out (Note [Reservations of the ABI] in
+// process_state.cpp); on the host driver a touch of released memory is reported by name
+// (Note [Released-memory faults] in fault_report.hpp).
+#include <deferalloc/deferalloc.h>
+#include <deferalloc/errors.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/mode_checks.hpp"
+#include "dlpack_abi.hpp"
+#include "fault_report.hpp"
+#include "process_state.hpp"
+
+using namespace deferalloc;
+using namespace deferalloc::abi;
+
+namespace {
+
+struct dlpack_holder {
+  DLManagedTensor tensor{};
+  std::vector<std::int64_t> shape;
+  dfa_reservation id = 0;
+  std::uint64_t generation = 0;
+};
+
+extern "C" void dfa_dlpack_deleter(DLManagedTensor* t) {
+  auto* h = static_cast<dlpack_holder*>(t->manager_ctx);
+  if (h->generation == g_generation.load()) {
+    // The instance that made the reservation still exists: free it.
+    if (dfa_free_reservation(h->id, nullptr) != DFA_SUCCESS) log_hook_error("DLPack deleter");
+  }
+  delete h;
+}
+
+}  // namespace
+
+extern "C" {
+
+dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
+  return guard("dfa_reserve", [&] {
+    need(out, "out");
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    reservation_id id = m.reserve(bytes);
+    try {
+      std::lock_guard ids(g_ids_mu);
+      g_ids.insert(id);
+    } catch (...) {
+      m.free(id);
+      throw;
+    }
+    if (g_report_faults.load()) {
+      const reservation_info info = m.info(id);
+      detail::faults().add(id, info.address, info.reserved_bytes);
+    }
+    *out = id;
+    if (address) *address = m.address(id);
+  });
+}
+
+dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
+  return guard("dfa_materialize", [&] {
+    const fill_mode f = fill_from_int(raw_enum_value(fill));  // Note [Enum values from callers]
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.materialize(r, offset, length, f, stream_t{stream});
+  });
+}
+
+dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream) {
+  return guard("dfa_release", [&] {
+    const keep_mode k = keep_from_int(raw_enum_value(keep));
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.release(r, offset, length, k, stream_t{stream});
+  });
+}
+
+dfa_status dfa_record_stream(dfa_reservation r, void* stream) {
+  return guard("dfa_record_stream", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.record_stream(r, stream_t{stream});
+  });
+}
+
+dfa_status dfa_free_reservation(dfa_reservation r, void* stream) {
+  return guard("dfa_free_reservation", [&] {
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    m.free(r, stream_t{stream});
+    detail::faults().remove(r);
+    std::lock_guard ids(g_ids_mu);
+    g_ids.erase(r);
+  });
+}
+
+dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* out) {
+  return guard("dfa_is_backed", [&] {
+    need(out, "out");
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    *out = m.is_backed(r, offset, length) ? 1 : 0;
+  });
+}
+
+dfa_status dfa_find(const void* ptr, dfa_reservation* out) {
+  return guard("dfa_find", [&] {
+    need(out, "out");
+    need(ptr, "ptr");
+    std::shared_lock<std::shared_mutex> lk;
+    auto id = instance(lk).reservations->find(ptr);
+    if (!id) throw invalid_argument("pointer is not inside any reservation");
+    if (!handed_out(*id))
+      throw invalid_argument("pointer lies in a segment of deferalloc's caching allocator (a dfa_malloc block), "
+                             "not in a reservation of dfa_reserve");
+    *out = *id;
+  });
+}
+
+dfa_status dfa_export_dlpack(dfa_reservation r, const int64_t* shape, int ndim, uint8_t code, uint8_t bits,
+                             uint16_t lanes, struct DLManagedTensor** out) {
+  return guard("dfa_export_dlpack", [&] {
+    need(out, "out");
+    if (ndim < 0 || ndim > 64) throw invalid_argument("ndim " + std::to_string(ndim) + " is outside [0, 64]");
+    if (ndim > 0) need(shape, "shape");
+    if (bits == 0 || lanes == 0) throw invalid_argument("dtype bits and lanes must be positive");
+    if (code > 17) throw invalid_argument("dtype code " + std::to_string(code) + " is not a DLPack type code");
+    std::shared_lock<std::shared_mutex> lk;
+    context& ctx = instance(lk);
+    expect_handed_out(*ctx.reservations, r);
+    const reservation_info info = ctx.reservations->info(r);
+    unsigned __int128 bytes = (static_cast<unsigned>(bits) * lanes + 7) / 8;
+    for (int i = 0; i < ndim; ++i) {
+      if (shape[i] < 0) throw invalid_argument("shape[" + std::to_string(i) + "] is negative");
+      bytes *= static_cast<std::uint64_t>(shape[i]);
+      if (bytes > info.size) break;
+    }
+    if (bytes > info.size)
+      throw invalid_argument("the shape needs more than the reservation's " + std::to_string(info.size) + " bytes");
+    auto h = std::make_unique<dlpack_holder>();
+    h->shape.assign(shape, shape + ndim);
+    h->id = r;
+    h->generation = g_generation.load();
+    DLTensor& t = h->tensor.dl_tensor;
+    t.data = reinterpret_cast<void*>(info.address);
+    const bool host = ctx.drv->kind() == driver_kind::host;
+    t.device = {host ? detail::k_dl_cpu : detail::k_dl_cuda, host ? 0 : ctx.drv->device()};
+    t.ndim = ndim;
+    t.dtype = {code, bits, lanes};
+    t.shape = h->shape.data();
+    t.strides = nullptr;
+    t.byte_offset = 0;
+    h->tensor.manager_ctx = h.get();
+    h->tensor.deleter = &dfa_dlpack_deleter;
+    *out = &h.release()->tensor;
+  });
+}
+
+}  // extern "C"

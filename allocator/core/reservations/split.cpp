@@ -1,0 +1,89 @@
+// Splitting a chunk that a release cuts through (Note [Splitting chunks]).
+#include <deferalloc/errors.hpp>
+#include <deferalloc/reservations.hpp>
+
+#include "core/reservations/state.hpp"
+#include "log.hpp"
+
+namespace deferalloc {
+
+// Note [Splitting chunks]
+// cuMemUnmap takes whole mappings only, so a release that cuts through a chunk first
+// replaces the chunk by smaller ones with the same contents: the new chunks are mapped
+// at a scratch range, the old chunk's bytes copied there (after the streams that use
+// it), the old chunk unmapped and the new ones mapped in its place.  Rare by design:
+// materialize cuts ranges at their own boundaries, so only a release of a sub-range
+// of what was materialized splits.
+//
+// A split moves the bytes of the chunk outside the released range, so it is safe only
+// when nothing else touches them meanwhile: the manager's mutex orders it against every
+// other call of the manager, and the copy waits for the streams recorded on the
+// reservation, but a host thread (or a kernel on a stream not recorded) writing those
+// bytes during the split loses its writes or faults.  Hence the rule: only an explicit
+// release of a range by the reservation's owner may split, and the owner must not use
+// the rest of the cut chunks during that call.  Nothing inside the library splits: the
+// caching allocator (empty_cache, the out-of-memory retry, pause) gives memory back with
+// release_whole_chunks, which releases only chunks that lie wholly inside its ranges and
+// so needs no new chunk (freeing cache works when memory is full) and moves nothing.
+void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t stream, event_t after) {
+  auto it = r.chunks.upper_bound(cut);
+  if (it == r.chunks.begin()) return;
+  --it;
+  const std::size_t a = it->first;
+  const chunk old = it->second;
+  if (!(a < cut && cut < a + old.bytes)) return;
+
+  auto pieces = plan_chunks({{a, cut}, {cut, a + old.bytes}});
+  std::vector<std::pair<std::uintptr_t, std::size_t>> at_scratch, at_home;
+  bool old_unmapped = false;
+  std::vector<event_t> users;
+  try {
+    if (impl_->scratch_ == 0) {
+      impl_->scratch_bytes_ = impl_->pool_->classes().back();
+      impl_->scratch_ = impl_->drv_->reserve(impl_->scratch_bytes_, impl_->scratch_bytes_);
+    }
+    for (auto& [pos, c] : pieces) {
+      impl_->drv_->map(impl_->scratch_ + (pos - a), c.bytes, c.handle);
+      at_scratch.emplace_back(impl_->scratch_ + (pos - a), c.bytes);
+    }
+    impl_->drv_->set_access(impl_->scratch_, old.bytes);
+    std::vector<reservation*> rs{&r};
+    if (after == nullptr) users = record_users(rs, stream);
+    for (event_t e : users) impl_->drv_->stream_wait(impl_->copy_stream_, e);
+    if (after != nullptr) impl_->drv_->stream_wait(impl_->copy_stream_, after);
+    impl_->drv_->copy_async(reinterpret_cast<void*>(impl_->scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, impl_->copy_stream_);
+    impl_->drv_->synchronize_stream(impl_->copy_stream_);
+    give_events(users);
+    while (!at_scratch.empty()) {
+      impl_->drv_->unmap(at_scratch.back().first, at_scratch.back().second);
+      at_scratch.pop_back();
+    }
+    impl_->drv_->unmap(r.base + a, old.bytes);
+    old_unmapped = true;
+    for (auto& [pos, c] : pieces) {
+      impl_->drv_->map(r.base + pos, c.bytes, c.handle);
+      at_home.emplace_back(r.base + pos, c.bytes);
+    }
+    impl_->drv_->set_access(r.base + a, old.bytes);
+  } catch (...) {
+    give_events(users);
+    for (auto& [va, n] : at_scratch) unmap_quietly(va, n);
+    for (auto& [va, n] : at_home) unmap_quietly(va, n);
+    if (old_unmapped) {
+      try {
+        impl_->drv_->map(r.base + a, old.bytes, old.handle);
+        impl_->drv_->set_access(r.base + a, old.bytes);
+      } catch (const std::exception& e) {
+        detail::log(log_level::error, std::string("split rollback could not remap a chunk: ") + e.what());
+      }
+    }
+    for (auto& [pos, c] : pieces) impl_->pool_->give_back(c);
+    throw;
+  }
+  r.chunks.erase(it);
+  for (auto& [pos, c] : pieces) r.chunks.emplace(pos, c);
+  impl_->pool_->give_back(old);
+  ++impl_->splits_;
+}
+
+}  // namespace deferalloc
