@@ -397,7 +397,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   self.moments_written = moments != 0;
   self.cfg.adamw = h;
   self.initialized = true;
-  self.failed_step = 0;
+  self.retry.step = 0;
   self.sync_model(nullptr);
   self.drv->synchronize_stream(nullptr);
 }

@@ -61,15 +61,21 @@ struct streamed_adamw::impl {
   std::uint64_t step_count = 0;
   bool initialized = false;
   bool moments_written = false;
-  std::uint64_t failed_step = 0;       // the step number that failed part-way (in place tiers), 0 = none
-  std::size_t failed_pieces_done = 0;  // its pieces (device tier: shards) already written back
+  /// A step that failed part-way (in place tiers), retried with the same gradients.
+  struct failed_step {
+    std::uint64_t step = 0;        // its step number, 0 = none
+    std::size_t pieces_done = 0;   // its pieces (device tier: shards) already written back
+    bool resident_stepped = false;  // its resident shards are enqueued (the retry skips them)
+  } retry;
   step_report report;
-  bool resident_stepped = false;  // this step's resident shards are enqueued (a retry skips them)
-  std::size_t speculating = 0;    // shards with shard::speculative set
-  bool writing = false;           // a state write is open (Note [State writes] in home.cpp)
-  bool implicit_write = false;    // opened by write_state_range itself, published by the next use
-  bool moments_before_write = false;  // moments_written at begin_state_write (restored by an abort)
-  std::vector<std::uint64_t> steps_before_write;  // the shards' step counts then
+  std::size_t speculating = 0;  // shards with shard::speculative set
+  /// The open state write (Note [State writes] in home.cpp).
+  struct open_write_state {
+    bool open = false;
+    bool implicit = false;        // opened by write_state_range itself, published by the next use
+    bool moments_before = false;  // moments_written when it opened (restored by an abort)
+    std::vector<std::uint64_t> steps_before;  // the shards' step counts then
+  } state_write;
 
   /// The tier's state is published by commits (file); else a step updates it in place:
   /// a step that failed part-way is retried from where it stopped, a checkpoint load
@@ -109,7 +115,7 @@ struct streamed_adamw::impl {
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   /// One pass of the window pipeline over every piece (window_pipeline.cpp); a failed one
-  /// leaves failed_pieces_done at the pieces it wrote back.
+  /// leaves retry.pieces_done at the pieces it wrote back.
   void run_pass(pass_kind kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                 stream_t user, std::size_t skip, bool speculative = false);
   /// Shard `s`'s home.

@@ -126,7 +126,7 @@ streamed_adamw::~streamed_adamw() {
   auto& self = *impl_;
   try {
     // An open state write is published (implicit) or dropped (explicit, as the header says).
-    if (self.writing) self.close_write(self.implicit_write);
+    if (self.state_write.open) self.close_write(self.state_write.implicit);
   } catch (const std::exception& e) {
     deferalloc::detail::log(log_level::error, std::string("streamed_adamw: state write not published: ") + e.what());
   }
@@ -229,7 +229,7 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   self.refuse_if_speculating("set_shard_step");
   // The file tier publishes it with the state write under way, or with one of its own
   // (Note [State writes] in home.cpp); the others keep it in memory.
-  if (!self.writing && !self.in_place()) self.open_write(true);
+  if (!self.state_write.open && !self.in_place()) self.open_write(true);
   self.shards[s].step = step;
 }
 
@@ -244,21 +244,21 @@ void streamed_adamw::set_shard_param(std::size_t s, void* param) {
 
 void streamed_adamw::impl::open_write(bool implicit) {
   if (committed_store* store = tier_home->store()) store->begin_write();
-  writing = true;
-  implicit_write = implicit;
-  moments_before_write = moments_written;
-  steps_before_write = shards.steps();
+  state_write.open = true;
+  state_write.implicit = implicit;
+  state_write.moments_before = moments_written;
+  state_write.steps_before = shards.steps();
 }
 
 void streamed_adamw::impl::close_write(bool publish) {
-  if (!writing) return;
-  writing = false;
+  if (!state_write.open) return;
+  state_write.open = false;
   // A write not published leaves the file tier's committed state, and so its counts;
   // the in-place tiers keep what was written.
   auto keep_old = [&] {
     if (in_place()) return;
-    moments_written = moments_before_write;
-    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = steps_before_write[s];
+    moments_written = state_write.moments_before;
+    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = state_write.steps_before[s];
   };
   try {
     if (committed_store* store = tier_home->store()) store->end_write(publish, counts());
@@ -270,8 +270,8 @@ void streamed_adamw::impl::close_write(bool publish) {
 }
 
 void streamed_adamw::impl::settle_writes(const char* fn) {
-  if (!writing) return;
-  DFA_EXPECTS(implicit_write, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+  if (!state_write.open) return;
+  DFA_EXPECTS(state_write.implicit, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
   close_write(true);
 }
 
@@ -288,7 +288,7 @@ void streamed_adamw::begin_state_write() {
 void streamed_adamw::end_state_write(bool publish) {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
-  if (!self.writing || self.implicit_write) return;
+  if (!self.state_write.open || self.state_write.implicit) return;
   self.close_write(publish);
 }
 
@@ -356,7 +356,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   try {
     pass.run(user, report);
   } catch (...) {
-    failed_pieces_done = pass.written();
+    retry.pieces_done = pass.written();
     throw;
   }
 }
@@ -417,7 +417,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   if (!self.in_place()) self.refuse_if_speculating("step");
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
-  const std::size_t skip = self.failed_step == self.step_count + 1 ? self.failed_pieces_done : 0;
+  const std::size_t skip = self.retry.step == self.step_count + 1 ? self.retry.pieces_done : 0;
   try {
     if (!self.streamed()) {
       auto t0 = clk::now();
@@ -430,10 +430,10 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     } else {
       // Resident shards first (the GPU steps them while the link streams the rest); a
       // retry of a failed step does not step them twice.
-      if (!(self.failed_step == self.step_count + 1 && self.resident_stepped)) {
+      if (!(self.retry.step == self.step_count + 1 && self.retry.resident_stepped)) {
         self.after(self.exec(), stream);
         self.step_device_shards(grads, gts, grad_scale, 0, false);
-        self.resident_stepped = true;
+        self.retry.resident_stepped = true;
       }
       self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, skip);
       if (committed_store* store = self.tier_home->store()) {
@@ -446,7 +446,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   } catch (...) {
     if (!self.in_place()) {
       // The commit record still names the previous step; make the BF16 params match it.
-      self.failed_step = 0;
+      self.retry.step = 0;
       try {
         self.sync_model(stream);
       } catch (const std::exception& e2) {
@@ -454,13 +454,13 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
                                 std::string("step failed and the BF16 params could not be restored: ") + e2.what());
       }
     } else {
-      self.failed_step = self.step_count + 1;
+      self.retry.step = self.step_count + 1;
     }
     throw;
   }
-  self.failed_step = 0;
-  self.failed_pieces_done = 0;
-  self.resident_stepped = false;
+  self.retry.step = 0;
+  self.retry.pieces_done = 0;
+  self.retry.resident_stepped = false;
   self.moments_written = true;
   ++self.step_count;
   for (std::size_t s = 0; s < self.shards.size(); ++s)
@@ -536,7 +536,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
               std::string("step_speculative: the ") + to_string(self.cfg.home) +
                   " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
               invalid_state);
-  DFA_EXPECTS(self.failed_step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
+  DFA_EXPECTS(self.retry.step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
               invalid_state);
   for (std::size_t s = 0; s < self.shards.size(); ++s) {
     if (grads[s] == nullptr) continue;
@@ -554,7 +554,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
     self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, 0, true);
     self.after(stream, self.exec());
   } catch (...) {
-    self.failed_pieces_done = 0;  // the current copy is intact: nothing to resume
+    self.retry.pieces_done = 0;  // the current copy is intact: nothing to resume
     throw;
   }
   for (std::size_t s = 0; s < self.shards.size(); ++s)
@@ -676,7 +676,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   if (n == 0) return;
   // The file tier writes only within a state write: one of its own when none is open,
   // published by the next call that uses the state (Note [State writes] in home.cpp).
-  if (!self.writing && !self.in_place()) self.open_write(true);
+  if (!self.state_write.open && !self.in_place()) self.open_write(true);
   self.home_of(shard).write(shard, a, offset, n, in);
   if (is_moment(a)) self.moments_written = true;
 }
