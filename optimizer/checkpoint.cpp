@@ -76,6 +76,8 @@
 #include "store/file_util.hpp"
 #include "kernels/moment_format.hpp"
 #include "optimizer_impl.hpp"
+#include "progress.hpp"
+#include "store/file_store.hpp"
 
 namespace deferalloc::optim {
 
@@ -92,7 +94,7 @@ constexpr int k_version = 3;            // 3: each shard line ends with the shar
 constexpr int k_version_one_step = 2;   // one step count per checkpoint: still loaded, every shard at it
 constexpr std::size_t k_chunk = std::size_t{32} << 20;  // bytes per chunk: a multiple of file_store::block
 constexpr int k_lanes = 6;                              // chunks in flight (192 MiB of buffers)
-// A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (write_home).
+// A chunk is whole int8 moment blocks, so the lanes encode disjoint blocks (host_home::write_chunk).
 static_assert((k_chunk / 4) % detail::k_qblock == 0);
 
 void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t off, const std::string& path) {
@@ -169,7 +171,7 @@ std::uint64_t fold(const std::vector<std::uint64_t>& sums) { return checksum64(s
 // ---- home <-> host ------------------------------------------------------------------
 
 bool streamed_adamw::impl::never_written(std::size_t s, state_array a) const {
-  return is_moment(a) && !moments_written && home_of(s).streamed();
+  return is_moment(a) && !moments_written && home_of(s).traits().streamed;
 }
 
 void streamed_adamw::impl::read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) {
@@ -178,40 +180,39 @@ void streamed_adamw::impl::read_home(std::size_t s, state_array a, std::size_t e
 }
 
 void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(shard < I.shards.size(), "read_state: no shard " + std::to_string(shard));
-  DFA_EXPECTS(I.initialized, "read_state: no state yet", invalid_state);
-  I.settle_writes("read_state");
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(shard < self.shards.size(), "read_state: no shard " + std::to_string(shard));
+  DFA_EXPECTS(self.initialized, "read_state: no state yet", invalid_state);
+  self.settle_writes("read_state");
   const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
   for (state_array a : k_state_arrays)
-    if (outs[a]) I.read_home(shard, a, 0, I.shards[shard].info.numel, outs[a]);
+    if (outs[a]) self.read_home(shard, a, 0, self.shards[shard].info.numel, outs[a]);
 }
 
 // ---- checkpoint files ----------------------------------------------------------------
 
 void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
-  auto& I = *o.impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(I.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  I.settle_writes("save_checkpoint");
+  auto& self = *o.impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(self.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
+  self.settle_writes("save_checkpoint");
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
-  m << "step " << I.step_count << '\n';
-  m << "moments_written " << (I.moments_written ? 1 : 0) << '\n';
+  m << "step " << self.step_count << '\n';
+  m << "moments_written " << (self.moments_written ? 1 : 0) << '\n';
   // The moments' storage (Note [Moment formats]); the data files hold them decoded to FP32.
-  if (I.cfg.moments != moment_format::fp32) m << "moment_format " << to_string(I.cfg.moments) << '\n';
-  const adamw_params& h = I.cfg.adamw;
+  if (self.cfg.moments != moment_format::fp32) m << "moment_format " << to_string(self.cfg.moments) << '\n';
+  const adamw_params& h = self.cfg.adamw;
   m << "adamw lr " << hexfloat(h.lr) << " beta1 " << hexfloat(h.beta1) << " beta2 " << hexfloat(h.beta2) << " eps "
     << hexfloat(h.eps) << " weight_decay " << hexfloat(h.weight_decay) << '\n';
   m << "chunk_bytes " << k_chunk << '\n';
-  m << "shards " << I.shards.size() << '\n';
-  const auto t0 = std::chrono::steady_clock::now();
-  auto last_line = t0;
+  m << "shards " << self.shards.size() << '\n';
   std::size_t done = 0, total = 0;
-  for (const auto& sh : I.shards) total += sh.info.numel;
-  for (std::size_t s = 0; s < I.shards.size(); ++s) {
-    const auto& sh = I.shards[s];
+  for (const auto& sh : self.shards) total += sh.info.numel;
+  progress_meter progress(self.cfg, "checkpoint save", total);
+  for (std::size_t s = 0; s < self.shards.size(); ++s) {
+    const auto& sh = self.shards[s];
     const std::size_t numel = sh.info.numel;
     const std::string file = "shard-" + std::to_string(s) + ".bin";
     const auto cs = chunks_of(numel);
@@ -222,9 +223,9 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
       for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
         const std::size_t io = file_store::io_bytes(c.n);
         const unsigned char* src = buf;
-        auto& h = I.home_of(s);  // a resident shard lives on the device tier
+        auto& h = self.home_of(s);  // a resident shard lives on the device tier
         const float* host = h.host_array(s, c.a);
-        if (I.never_written(s, c.a)) {
+        if (self.never_written(s, c.a)) {
           std::memset(buf, 0, c.n * 4);  // never written: zero by construction
         } else if (host) {
           host += c.e0;
@@ -235,7 +236,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         } else {
           // The file tier's active slot; HBM; compressed host moments (Note [Moment
           // formats]), decoded to FP32 into the buffer.
-          h.read_io(s, c.a, c.e0, c.n, buf);
+          h.read_chunk(s, c.a, c.e0, c.n, buf);
         }
         if (src == buf) std::memset(buf + c.n * 4, 0, io - c.n * 4);
         sums[c.a][c.index] = checksum64(src, io);
@@ -249,7 +250,7 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
                   s, numel, file.c_str(), fold(sums[state_array::main]), fold(sums[state_array::exp_avg]),
                   fold(sums[state_array::exp_avg_sq]), sh.step);
     m << line;
-    I.report_progress("checkpoint save", done += numel, total, t0, last_line);
+    progress.report(done += numel);
   }
   const std::string text = m.str();
   char end[64];
@@ -259,11 +260,11 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
 }
 
 void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
-  auto& I = *o.impl_;
-  std::lock_guard lk(I.mu);
-  I.refuse_if_speculating("load_checkpoint");
-  I.settle_writes("load_checkpoint");
-  I.open_state();
+  auto& self = *o.impl_;
+  std::lock_guard lk(self.mu);
+  self.refuse_if_speculating("load_checkpoint");
+  self.settle_writes("load_checkpoint");
+  self.open_state();
   const std::string mpath = dir + "/manifest.txt";
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");
   const auto endpos = all.rfind("end ");
@@ -305,9 +306,9 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   if (!m || word != "chunk_bytes" || chunk_bytes != k_chunk)
     throw corrupt_data("load_checkpoint: " + mpath + ": bad chunk_bytes record");
   m >> word >> count;
-  if (!m || count != I.shards.size())
+  if (!m || count != self.shards.size())
     throw corrupt_data("load_checkpoint: layout mismatch: the checkpoint has " + std::to_string(count) +
-                       " shards, this optimizer has " + std::to_string(I.shards.size()));
+                       " shards, this optimizer has " + std::to_string(self.shards.size()));
   struct entry {
     std::size_t numel;
     std::string file;
@@ -323,21 +324,21 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     es[s].step = step;
     if (version == k_version) m >> word >> es[s].step;
     if (!m || idx != s || dtype != "fp32" || (version == k_version && word != "step")) throw corrupt_data("load_checkpoint: " + mpath + ": bad shard record " + std::to_string(s));
-    if (es[s].numel != I.shards[s].info.numel)
+    if (es[s].numel != self.shards[s].info.numel)
       throw corrupt_data("load_checkpoint: layout mismatch: checkpoint shard " + std::to_string(s) + " has " +
                          std::to_string(es[s].numel) + " elements, this optimizer's shard " + std::to_string(s) + " ('" +
-                         I.shards[s].info.name + "') has " + std::to_string(I.shards[s].info.numel));
+                         self.shards[s].info.name + "') has " + std::to_string(self.shards[s].info.numel));
     if (es[s].file.find('/') != std::string::npos) throw corrupt_data("load_checkpoint: bad file name in " + mpath);
     for (state_array a : k_state_arrays) es[s].sum[a] = std::strtoull(sums[array_index(a)].c_str(), nullptr, 16);
   }
   // One pass when nothing changes until the end (file tier: the inactive slot, committed
   // last; or no state yet); else verify first, then copy.  See Note [Checkpoint generations].
-  const bool in_place = I.tier_home->in_place() && I.initialized;
-  const int slot = I.tier_home->load_slot();
-  const auto t0 = std::chrono::steady_clock::now();
-  auto last_line = t0;
+  committed_store* store = self.tier_home->store();
+  const bool in_place = !store && self.initialized;
+  const int slot = store ? store->load_slot() : 0;
   std::size_t done = 0, total = 0;
   for (std::size_t s = 0; s < count; ++s) total += (in_place ? 2 : 1) * es[s].numel;  // verified, then written
+  progress_meter progress(self.cfg, "checkpoint load", total);
   for (int pass = in_place ? 0 : 1; pass < 2; ++pass)
     for (std::size_t s = 0; s < count; ++s) {
       const std::string path = dir + "/" + es[s].file;
@@ -358,8 +359,8 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
           const std::size_t io = file_store::io_bytes(c.n);
           // The pinned home takes the file's bytes as they are only when it holds FP32
-          // (compressed moments are encoded by write(); a resident shard is on the device).
-          auto& h = I.home_of(s);
+          // (compressed moments are encoded by write_chunk(); a resident shard is on the device).
+          auto& h = self.home_of(s);
           float* home = h.host_array(s, c.a);
           if (home) home += c.e0;
           if (pass == 1 && home && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
@@ -374,7 +375,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
           sums[c.a][c.index] = checksum64(buf, io);
           if (pass == 0) return;
-          h.write(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf), slot);
+          h.write_chunk(s, c.a, c.e0, c.n, buf, slot);
         });
         if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         for (state_array a : k_state_arrays)
@@ -386,19 +387,19 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         throw;
       }
       ::close(fd);
-      I.report_progress("checkpoint load", done += es[s].numel, total, t0, last_line);
+      progress.report(done += es[s].numel);
     }
   std::vector<std::uint64_t> steps;
   for (const auto& e : es) steps.push_back(e.step);
-  I.tier_home->commit_load(step, slot, moments != 0, steps);
-  I.step_count = step;
-  for (std::size_t s = 0; s < count; ++s) I.shards[s].step = steps[s];
-  I.moments_written = moments != 0;
-  I.cfg.adamw = h;
-  I.initialized = true;
-  I.failed_step = 0;
-  I.sync_model(nullptr);
-  I.drv->synchronize_stream(nullptr);
+  if (store) store->commit_load(slot, {step, moments != 0, steps});
+  self.step_count = step;
+  for (std::size_t s = 0; s < count; ++s) self.shards[s].step = steps[s];
+  self.moments_written = moments != 0;
+  self.cfg.adamw = h;
+  self.initialized = true;
+  self.retry.step = 0;
+  self.sync_model(nullptr);
+  self.drv->synchronize_stream(nullptr);
 }
 
 // ---- checkpoints --------------------------------------------------------------------

@@ -28,12 +28,11 @@ void streamed_adamw::impl::place_resident() {
   std::size_t left = cfg.resident_bytes;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     auto& s = shards[i];
-    const std::size_t bytes = 3 * resident_bytes(s);  // what device_home::add_shard backs
+    const std::size_t bytes = 3 * resident_bytes(*drv, s.info.numel);  // what device_home::add_shard backs
     if (bytes > left) continue;
     hbm_home->add_shard(s);  // backed whole, all or nothing
     left -= bytes;
-    s.resident = true;
-    infos[i].resident = true;
+    shards.mark_resident(i);
     tier_home->drop_shard(i);  // its pinned home
   }
 }
@@ -41,7 +40,7 @@ void streamed_adamw::impl::place_resident() {
 void streamed_adamw::impl::init_device_shards(bool all) {
   for (auto& s : shards)
     if (all || s.resident)
-      comp->upcast(s.info.param, static_cast<int>(s.info.param_type), s.info.main_param, s.info.numel, exec);
+      comp->upcast(s.info.param, s.info.param_type, s.info.main_param, s.info.numel, exec());
 }
 
 void streamed_adamw::impl::step_device_shards(std::span<const void* const> grads, std::span<const value_type> gts,
@@ -49,17 +48,16 @@ void streamed_adamw::impl::step_device_shards(std::span<const void* const> grads
   for (std::size_t s = first; s < shards.size(); ++s) {
     auto& sh = shards[s].info;
     if ((all || shards[s].resident) && grads[s] != nullptr)
-      comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], static_cast<int>(sh.param_type),
-                   static_cast<int>(gts[s]), sh.numel},
-                  scalars(s, grad_scale), exec);
-    if (all) failed_pieces_done = s + 1;
+      comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], sh.param_type, gts[s], sh.numel},
+                  scalars(s, grad_scale), exec());
+    if (all) retry.pieces_done = s + 1;
   }
 }
 
 void streamed_adamw::impl::sync_device_shards(bool all) {
   for (auto& s : shards)
     if (all || s.resident)
-      comp->downcast(s.info.main_param, s.info.param, static_cast<int>(s.info.param_type), s.info.numel, exec);
+      comp->downcast(s.info.main_param, s.info.param, s.info.param_type, s.info.numel, exec());
 }
 
 }  // namespace deferalloc::optim

@@ -1,5 +1,5 @@
-// The streamed optimizer's construction, queries, initialize / step / sync and state
-// ranges.  The pass is window_pipeline.cpp, the tiers home.cpp (Note [Homes]).
+// The streamed optimizer's facade: construction, queries, initialize / step / sync and
+// state ranges, over the layers of Note [Optimizer layers] (optimizer_impl.hpp).
 #include <deferalloc/errors.hpp>
 #include <deferalloc/optimizer.hpp>
 #include <deferalloc/reservations.hpp>
@@ -12,13 +12,11 @@
 #include <cstring>
 #include <mutex>
 
-#include <unistd.h>
-
 #include "log.hpp"
 #include "kernels/compute.hpp"
-#include "store/file_store.hpp"
-#include "store/file_util.hpp"
 #include "optimizer_impl.hpp"
+#include "store/file_store.hpp"
+#include "window_pipeline.hpp"
 
 namespace deferalloc::optim {
 
@@ -60,10 +58,8 @@ moment_format parse_moment_format(const std::string& s) {
 
 using clk = std::chrono::steady_clock;
 using detail::adamw_scalars;
-using detail::file_store;
 
 namespace {
-double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
 // What a call that would change a speculated shard's state is refused for.
 const std::string k_pending = "a pending speculative step (commit_speculation or discard_speculation first)";
 }  // namespace
@@ -71,88 +67,79 @@ const std::string k_pending = "a pending speculative step (commit_speculation or
 // ---- construction -------------------------------------------------------------------
 
 streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg) : impl_(std::make_unique<impl>()) {
-  auto& I = *impl_;
+  auto& self = *impl_;
   DFA_EXPECTS(drv != nullptr, "streamed_adamw: driver is null");
   DFA_EXPECTS(cfg.depth >= 0, "streamed_adamw: depth must be at least 1 (0: the tier's default)");
   validate(cfg.adamw);
-  I.drv = std::move(drv);
-  I.cfg = std::move(cfg);
-  I.make_homes();  // checks that the configuration fits the tier
-  const std::size_t g = I.drv->granularity();
-  if (I.tier_home->streamed()) {
+  self.drv = std::move(drv);
+  self.cfg = std::move(cfg);
+  DFA_EXPECTS(self.cfg.moments == moment_format::fp32 || self.cfg.home != tier::device,
+              std::string("streamed_adamw: ") + to_string(self.cfg.moments) + " moments need the host or file tier (the " +
+                  to_string(self.cfg.home) + " tier keeps fp32 moments)");
+  DFA_EXPECTS(self.cfg.resident_bytes == 0 || self.cfg.home == tier::host,
+              std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(self.cfg.home) +
+                  " tier keeps all or none of its state in HBM)");
+  const home_traits traits = traits_of(self.cfg.home, self.cfg.moments);
+  const std::size_t g = self.drv->granularity();
+  if (traits.streamed) {
     // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
-    I.piece_align = std::max(g, I.tier_home->piece_align()) / 4;
+    self.piece_align = std::max(g, traits.piece_align) / 4;
     // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
     // if fewer (Note [Window slots]).
-    if (I.cfg.depth == 0)
-      I.cfg.depth = static_cast<int>(std::clamp<std::size_t>(I.cfg.window_bytes / (12 * I.piece_align), 1,
-                                                              static_cast<std::size_t>(I.tier_home->default_depth())));
+    if (self.cfg.depth == 0)
+      self.cfg.depth = static_cast<int>(std::clamp<std::size_t>(self.cfg.window_bytes / (12 * self.piece_align), 1,
+                                                              static_cast<std::size_t>(traits.default_depth)));
     // The window's piece: a power-of-two number of aligned units, the most that depth
     // slots of three arrays fit in the window, so that it halves down to one unit (Note
     // [Pass pieces]).
-    const std::size_t units = I.cfg.window_bytes / (12 * static_cast<std::size_t>(I.cfg.depth)) / I.piece_align;
+    const std::size_t units = self.cfg.window_bytes / (12 * static_cast<std::size_t>(self.cfg.depth)) / self.piece_align;
     // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
-    const bool int8_file = I.cfg.moments == moment_format::int8 && I.cfg.home == tier::file;
-    DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(I.cfg.window_bytes) + " is too small: depth " +
-                               std::to_string(I.cfg.depth) + " needs at least " +
-                               std::to_string(12 * I.cfg.depth * I.piece_align) + " bytes" +
+    const bool int8_file = self.cfg.moments == moment_format::int8 && self.cfg.home == tier::file;
+    DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(self.cfg.window_bytes) + " is too small: depth " +
+                               std::to_string(self.cfg.depth) + " needs at least " +
+                               std::to_string(12 * self.cfg.depth * self.piece_align) + " bytes" +
                                (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
                                             "segments of the state file, so each slot of depth needs 12 MiB)"
                                           : ""));
-    I.piece = std::bit_floor(units) * I.piece_align;  // params
+    self.piece = std::bit_floor(units) * self.piece_align;  // params
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
     // (resident chunks stay taken).
     // Chunk classes: the piece and its halvings down to the granule (a pass's pieces,
     // Note [Pass pieces]).
-    std::vector<std::size_t> classes{I.piece * 4};
+    std::vector<std::size_t> classes{self.piece * 4};
     while (classes.back() / 2 >= g && (classes.back() / 2) % g == 0) classes.push_back(classes.back() / 2);
-    I.pool = std::make_shared<chunk_pool>(
-        I.drv, chunk_pool_config{classes, I.cfg.window_bytes + I.cfg.resident_bytes, I.cfg.window_bytes});
+    self.pool = std::make_shared<chunk_pool>(
+        self.drv, chunk_pool_config{classes, self.cfg.window_bytes + self.cfg.resident_bytes, self.cfg.window_bytes});
   } else {
-    I.pool = std::make_shared<chunk_pool>(I.drv);
+    self.pool = std::make_shared<chunk_pool>(self.drv);
   }
-  I.mgr = std::make_unique<reservation_manager>(I.pool);
-  if (I.tier_home->streamed()) {
-    I.slots.resize(static_cast<std::size_t>(I.cfg.depth));
-    for (auto& sl : I.slots)
-      for (state_array a : k_state_arrays) {
-        sl.res[a] = I.mgr->reserve(I.piece * 4);
-        sl.dev[a] = static_cast<float*>(I.mgr->address(sl.res[a]));
-      }
-  }
-  I.comp = detail::make_compute(*I.drv);
-  I.h2d = I.drv->create_stream();
-  I.d2h = I.drv->create_stream();
-  // The kernels' stream ahead of the model's (a step overlapped with backward: Note
-  // [Overlap with backward] in python/deferalloc/overlap.py).
-  I.exec = I.drv->create_priority_stream();
+  self.mgr = std::make_unique<reservation_manager>(self.pool);
+  if (traits.streamed) self.slots = std::make_unique<window>(*self.mgr, static_cast<std::size_t>(self.cfg.depth), self.piece * 4);
+  self.comp = detail::make_compute(*self.drv);
+  self.streams = std::make_unique<stream_set>(*self.drv);
+  self.make_homes();
 }
 
 streamed_adamw::~streamed_adamw() {
   if (!impl_) return;
-  auto& I = *impl_;
+  auto& self = *impl_;
   try {
     // An open state write is published (implicit) or dropped (explicit, as the header says).
-    if (I.writing) I.close_write(I.implicit_write);
+    if (self.state_write.open) self.close_write(self.state_write.implicit);
   } catch (const std::exception& e) {
     deferalloc::detail::log(log_level::error, std::string("streamed_adamw: state write not published: ") + e.what());
   }
   try {
-    I.drv->synchronize_stream(I.h2d);
-    I.drv->synchronize_stream(I.exec);
-    I.drv->synchronize_stream(I.d2h);
+    self.streams->synchronize();
   } catch (const std::exception& e) {
     deferalloc::detail::log(log_level::error, std::string("streamed_adamw: ") + e.what());
   }
-  I.tier_home.reset();  // pinned homes, staging buffers
-  I.hbm_home.reset();
-  for (event_t e : I.events) I.drv->destroy_event(e);
-  I.file.reset();
-  I.mgr.reset();
-  I.drv->destroy_stream(I.h2d);
-  I.drv->destroy_stream(I.d2h);
-  I.drv->destroy_stream(I.exec);
+  self.tier_home.reset();  // pinned homes, staging buffers, the state file
+  self.hbm_home.reset();
+  self.slots.reset();
+  self.mgr.reset();
+  self.streams.reset();  // the streams and their events
 }
 
 std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t numel, std::string name) {
@@ -160,17 +147,17 @@ std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t num
 }
 
 std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type t, int group, std::string name) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(!I.initialized, "add_shard: shards must be registered before initialize()", invalid_state);
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(!self.initialized, "add_shard: shards must be registered before initialize()", invalid_state);
   DFA_EXPECTS(param != nullptr, "add_shard: the parameter pointer is null");
   DFA_EXPECTS(numel > 0, "add_shard: numel is zero");
   DFA_EXPECTS(numel <= (std::size_t{1} << 40), "add_shard: numel " + std::to_string(numel) + " is absurd");
   DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
               "add_shard: unknown parameter type " + std::to_string(static_cast<int>(t)));
   DFA_EXPECTS(group >= 0, "add_shard: group " + std::to_string(group) + " is negative");
-  impl::shard s;
-  s.info.name = name.empty() ? "shard" + std::to_string(I.shards.size()) : std::move(name);
+  shard s;
+  s.info.name = name.empty() ? "shard" + std::to_string(self.shards.size()) : std::move(name);
   s.info.numel = numel;
   s.info.param = param;
   s.info.param_type = t;
@@ -181,18 +168,16 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
   const std::size_t bytes = numel * 4;
   std::size_t made = 0;
   try {
-    for (; made < 3; ++made) s.res[k_state_arrays[made]] = I.mgr->reserve(bytes);
-    I.tier_home->add_shard(s);
+    for (; made < 3; ++made) s.res[k_state_arrays[made]] = self.mgr->reserve(bytes);
+    self.tier_home->add_shard(s);
   } catch (...) {
-    for (std::size_t a = 0; a < made; ++a) I.mgr->free(s.res[k_state_arrays[a]]);
+    for (std::size_t a = 0; a < made; ++a) self.mgr->free(s.res[k_state_arrays[a]]);
     throw;
   }
-  s.info.main_param = static_cast<float*>(I.mgr->address(s.res[state_array::main]));
-  s.info.exp_avg = static_cast<float*>(I.mgr->address(s.res[state_array::exp_avg]));
-  s.info.exp_avg_sq = static_cast<float*>(I.mgr->address(s.res[state_array::exp_avg_sq]));
-  I.shards.push_back(std::move(s));
-  I.infos.push_back(I.shards.back().info);
-  return I.shards.size() - 1;
+  s.info.main_param = static_cast<float*>(self.mgr->address(s.res[state_array::main]));
+  s.info.exp_avg = static_cast<float*>(self.mgr->address(s.res[state_array::exp_avg]));
+  s.info.exp_avg_sq = static_cast<float*>(self.mgr->address(s.res[state_array::exp_avg_sq]));
+  return self.shards.add(std::move(s));
 }
 
 // ---- queries ------------------------------------------------------------------------
@@ -200,12 +185,13 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
 std::uint64_t streamed_adamw::steps() const { return impl_->step_count; }
 bool streamed_adamw::initialized() const { return impl_->initialized; }
 bool streamed_adamw::resumed() const {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  if (!I.shards.empty()) I.open_state();  // opens the state file: a damaged one throws here
-  return I.file && I.file->resumed();
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  if (!self.shards.empty()) self.open_state();  // opens the state file: a damaged one throws here
+  committed_store* store = self.tier_home->store();
+  return store && store->resumed();
 }
-const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->infos; }
+const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->shards.infos(); }
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {
   validate(p);
@@ -230,64 +216,52 @@ std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
   return impl_->shards[s].step;
 }
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(s < I.shards.size(), "set_shard_step: no shard " + std::to_string(s));
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(s < self.shards.size(), "set_shard_step: no shard " + std::to_string(s));
   // A resumed file's counts are read first (else the resume would overwrite this one);
   // before any state the count would be reset by initialize(): refused, before a fresh
   // file tier creates its state file.
   const std::string no_state = "set_shard_step: no state yet (initialize() first, or a resumed state file)";
-  DFA_EXPECTS(I.initialized || I.cfg.resume, no_state, invalid_state);
-  I.open_state();
-  DFA_EXPECTS(I.initialized, no_state, invalid_state);
-  I.refuse_if_speculating("set_shard_step");
+  DFA_EXPECTS(self.initialized || self.cfg.resume, no_state, invalid_state);
+  self.open_state();
+  DFA_EXPECTS(self.initialized, no_state, invalid_state);
+  self.refuse_if_speculating("set_shard_step");
   // The file tier publishes it with the state write under way, or with one of its own
   // (Note [State writes] in home.cpp); the others keep it in memory.
-  if (!I.writing && !I.tier_home->in_place()) I.open_write(true);
-  I.shards[s].step = step;
+  if (!self.state_write.open && !self.in_place()) self.open_write(true);
+  self.shards[s].step = step;
 }
 
 void streamed_adamw::set_shard_param(std::size_t s, void* param) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(s < I.shards.size(), "set_shard_param: no shard " + std::to_string(s));
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(s < self.shards.size(), "set_shard_param: no shard " + std::to_string(s));
   DFA_EXPECTS(param != nullptr, "set_shard_param: the parameter pointer is null");
-  I.refuse_if_speculating("set_shard_param");
-  // Both copies of the pointer, and nothing else: infos[s] also carries what place_resident set.
-  auto* bf16 = I.shards[s].info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
-  for (shard_info* info : {&I.shards[s].info, &I.infos[s]}) {
-    info->param = param;
-    info->param_bf16 = bf16;
-  }
-}
-
-std::vector<std::uint64_t> streamed_adamw::impl::shard_steps() const {
-  std::vector<std::uint64_t> v;
-  v.reserve(shards.size());
-  for (const auto& s : shards) v.push_back(s.step);
-  return v;
+  self.refuse_if_speculating("set_shard_param");
+  self.shards.set_param(s, param);
 }
 
 void streamed_adamw::impl::open_write(bool implicit) {
-  tier_home->begin_write();
-  writing = true;
-  implicit_write = implicit;
-  moments_before_write = moments_written;
-  steps_before_write = shard_steps();
+  if (committed_store* store = tier_home->store()) store->begin_write();
+  state_write.open = true;
+  state_write.implicit = implicit;
+  state_write.moments_before = moments_written;
+  state_write.steps_before = shards.steps();
 }
 
 void streamed_adamw::impl::close_write(bool publish) {
-  if (!writing) return;
-  writing = false;
+  if (!state_write.open) return;
+  state_write.open = false;
   // A write not published leaves the file tier's committed state, and so its counts;
   // the in-place tiers keep what was written.
   auto keep_old = [&] {
-    if (tier_home->in_place()) return;
-    moments_written = moments_before_write;
-    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = steps_before_write[s];
+    if (in_place()) return;
+    moments_written = state_write.moments_before;
+    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = state_write.steps_before[s];
   };
   try {
-    tier_home->end_write(publish);
+    if (committed_store* store = tier_home->store()) store->end_write(publish, counts());
   } catch (...) {
     keep_old();
     throw;
@@ -296,26 +270,26 @@ void streamed_adamw::impl::close_write(bool publish) {
 }
 
 void streamed_adamw::impl::settle_writes(const char* fn) {
-  if (!writing) return;
-  DFA_EXPECTS(implicit_write, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+  if (!state_write.open) return;
+  DFA_EXPECTS(state_write.implicit, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
   close_write(true);
 }
 
 void streamed_adamw::begin_state_write() {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  I.open_state();
-  DFA_EXPECTS(I.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
-  I.settle_writes("begin_state_write");
-  I.refuse_if_speculating("begin_state_write");
-  I.open_write(false);
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  self.open_state();
+  DFA_EXPECTS(self.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
+  self.settle_writes("begin_state_write");
+  self.refuse_if_speculating("begin_state_write");
+  self.open_write(false);
 }
 
 void streamed_adamw::end_state_write(bool publish) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  if (!I.writing || I.implicit_write) return;
-  I.close_write(publish);
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  if (!self.state_write.open || self.state_write.implicit) return;
+  self.close_write(publish);
 }
 
 std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
@@ -324,65 +298,32 @@ reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
 
 // ---- the pipeline -------------------------------------------------------------------
 
-void streamed_adamw::impl::open_state() { tier_home->open(); }
-
-event_t streamed_adamw::impl::event(std::size_t i) {
-  while (events.size() <= i) events.push_back(drv->create_event());
-  return events[i];
+void streamed_adamw::impl::make_homes() {
+  const home_context ctx{*drv, *mgr, shards, cfg, exec()};
+  tier_home = make_home(cfg.home, ctx);
+  hbm_home = make_home(tier::device, ctx);
 }
 
-void streamed_adamw::impl::after(stream_t waiter, stream_t producer) {
-  event_t e = event(0);
-  drv->record(e, producer);
-  drv->stream_wait(waiter, e);
+void streamed_adamw::impl::open_state() {
+  committed_store* store = tier_home->store();
+  if (!store) return;
+  if (auto resumed = store->open()) {
+    step_count = resumed->step;
+    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = resumed->shard_steps[s];
+    moments_written = resumed->moments_written;
+    initialized = true;
+  }
 }
 
-// Note [Pass pieces]
-// Rationale: a pass fills its pipeline (the first piece's fetch runs alone) and drains it
-// (the last write-back runs alone), about two pieces' transfers.  A pass over the whole
-// state has dozens of window-sized pieces and does not notice; a pass over one bucket
-// of a BackwardOverlap (256 MiB of parameters, 2-3 pieces of a 1 GiB window) spent as
-// long filling and draining as streaming: such passes ran at ~0.6x the link on the H200.
-// Approach: a pass's pieces are the window's piece halved while they stay at least
-// 1/k_pass_pieces of the pass's elements (so 12 to 24 pieces) and k_min_piece elements;
-// the window's piece is a power of two of granules (file tier: of checksum blocks), so it
-// halves down to one; the chunk pool's classes are those halvings, so a slot is still
-// one chunk (one map) per array.  The
-// arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
-// start, so the results do not depend on the cut (tests check it bit for bit); a retry
-// of a failed step selects the same shards, so it cuts the same pieces.
-// Limits: more than 24 pieces a pass gave no further gain, and the full-state step is
-// unchanged by the cut; the figures of each way of cutting are in docs/BENCHMARKS.md
-// ("Pass pieces").
-namespace {
-constexpr std::size_t k_pass_pieces = 24;
-constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)
-}  // namespace
-
-std::vector<streamed_adamw::impl::piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads,
-                                                                          bool speculative) const {
+std::vector<piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads, bool speculative) const {
   // A step that writes a new copy of the state (file tier) carries the shards it does not
   // step into it; a speculative one leaves that to commit_speculation, which carries those
   // not stepped speculatively (Note [Speculative steps]).
-  auto selected = [&](std::size_t s) {
-    if (shards[s].resident) return false;
-    if (grads.empty() || grads[s] != nullptr) return true;
-    return !tier_home->in_place() && !speculative && !shards[s].speculative;
-  };
-  std::size_t total = 0;
+  std::vector<bool> selected(shards.size());
   for (std::size_t s = 0; s < shards.size(); ++s)
-    if (selected(s)) total += shards[s].info.numel;
-  // The window's piece halved while it stays at least `want` and whole granules: a slot
-  // is then one chunk of the pool's classes (the piece's halvings), one map per array.
-  const std::size_t want = std::max((total + k_pass_pieces - 1) / k_pass_pieces, k_min_piece);
-  std::size_t n = piece;
-  while (n / 2 >= want && (n / 2) % piece_align == 0) n /= 2;
-  std::vector<piece_ref> out;
-  for (std::size_t s = 0; s < shards.size(); ++s)
-    if (selected(s))
-      for (std::size_t e0 = 0; e0 < shards[s].info.numel; e0 += n)
-        out.push_back({s, e0, std::min(n, shards[s].info.numel - e0)});
-  return out;
+    selected[s] = !shards[s].resident && (grads.empty() || grads[s] != nullptr ||
+                                          (!in_place() && !speculative && !shards[s].speculative));
+  return cut_pieces(shards, selected, piece, piece_align);
 }
 
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
@@ -394,60 +335,65 @@ adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) con
   return k;
 }
 
-std::string streamed_adamw::impl::where(const piece_ref& p) const {
-  return "shard " + std::to_string(p.shard) + " ('" + shards[p.shard].info.name + "') elements [" + std::to_string(p.e0) +
-         ", " + std::to_string(p.e0 + p.n) + ")";
-}
-
-// On a terminal one line rewritten in place ('\r', twice a second); in a log (stderr not
-// a terminal) whole lines: the first after a second, then one every 10 s, and the last.
-// Used by initialize(), step(), sync and checkpoint save/load (checkpoint.cpp).
-void streamed_adamw::impl::report_progress(const char* phase, std::size_t done, std::size_t total, clk::time_point t0,
-                                           clk::time_point& last_line) {
-  const double sec = since(t0);
-  if (cfg.on_progress) cfg.on_progress(progress{phase, done, total, sec});
-  static const bool tty = ::isatty(STDERR_FILENO) == 1;
-  const bool due = last_line == t0 || since(last_line) > (tty ? 0.5 : 10.0) || done == total;
-  if (cfg.progress_line && sec > 1.0 && due) {
-    last_line = clk::now();
-    std::fprintf(stderr, "%s[deferalloc] %s %5.1f%%  %.2f Gparam/s%s", tty ? "\r" : "", phase, 100.0 * done / total,
-                 done / sec / 1e9, done == total || !tty ? "\n" : "");
-    std::fflush(stderr);
+void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const> grads, std::span<const value_type> gts,
+                                    float grad_scale, stream_t user, std::size_t skip, bool speculative) {
+  pass_plan plan;
+  plan.kind = kind;
+  plan.pieces = pieces(grads, speculative);
+  plan.skip = skip;
+  plan.arrays = kind == pass_kind::step ? 3 : 1;
+  plan.fetch_main = kind != pass_kind::init;
+  plan.write_back = kind != pass_kind::export_bf16;
+  plan.speculative = speculative;  // the home writes back into the second copy
+  plan.moments_stored = moments_written;
+  plan.depth = static_cast<std::size_t>(cfg.depth);
+  plan.window_piece = piece;
+  step_inputs step{grads, gts, {}};
+  if (kind == pass_kind::step)
+    for (std::size_t s = 0; s < shards.size(); ++s) step.scalars.push_back(scalars(s, grad_scale));
+  window_pipeline pass({*drv, *comp, *pool, *streams, *slots, *tier_home->mover(), shards, cfg}, std::move(plan),
+                       std::move(step));
+  try {
+    pass.run(user, report);
+  } catch (...) {
+    retry.pieces_done = pass.written();
+    throw;
   }
 }
 
 // ---- initialize / step ---------------------------------------------------------------
 
 void streamed_adamw::initialize(stream_t stream) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(!I.shards.empty(), "initialize: no shard registered", invalid_state);
-  I.open_state();
-  DFA_EXPECTS(!I.initialized, I.file && I.file->resumed()
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(!self.shards.empty(), "initialize: no shard registered", invalid_state);
+  self.open_state();
+  DFA_EXPECTS(!self.initialized, self.tier_home->store() && self.tier_home->store()->resumed()
                                   ? "initialize: the file tier resumed committed state at step " +
-                                        std::to_string(I.step_count) + " (call sync_model_params, not initialize)"
+                                        std::to_string(self.step_count) + " (call sync_model_params, not initialize)"
                                   : std::string("initialize: already initialized"),
               invalid_state);
-  if (!I.tier_home->streamed()) {
+  if (!self.streamed()) {
     auto t0 = clk::now();
-    I.after(I.exec, stream);
-    I.init_device_shards(true);
-    I.drv->synchronize_stream(I.exec);
-    I.report = step_report{};
-    I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
-    for (auto& s : I.shards) I.report.params += s.info.numel;
+    self.after(self.exec(), stream);
+    self.init_device_shards(true);
+    self.drv->synchronize_stream(self.exec());
+    self.report = step_report{};
+    self.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
+    for (auto& s : self.shards) self.report.params += s.info.numel;
   } else {
-    I.place_resident();
-    I.after(I.exec, stream);
-    I.init_device_shards(false);
-    I.run_pass(impl::pass::init, {}, {}, 1.0f, stream, 0);
-    I.drv->synchronize_stream(I.exec);
-    I.tier_home->commit(impl::pass::init, std::vector<std::uint64_t>(I.shards.size(), 0));
+    self.place_resident();
+    self.after(self.exec(), stream);
+    self.init_device_shards(false);
+    self.run_pass(pass_kind::init, {}, {}, 1.0f, stream, 0);
+    self.drv->synchronize_stream(self.exec());
+    if (committed_store* store = self.tier_home->store())
+      store->commit(pass_kind::init, {0, false, std::vector<std::uint64_t>(self.shards.size(), 0)});
   }
-  I.step_count = 0;
-  for (auto& s : I.shards) s.step = 0;
-  I.moments_written = false;
-  I.initialized = true;
+  self.step_count = 0;
+  for (auto& s : self.shards) s.step = 0;
+  self.moments_written = false;
+  self.initialized = true;
 }
 
 void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, float grad_scale, stream_t stream) {
@@ -457,66 +403,68 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
 
 void streamed_adamw::step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                           stream_t stream) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  I.check_step("step", grads, gts, grad_scale);
-  I.settle_writes("step");
-  for (std::size_t s = 0; s < I.shards.size(); ++s)
-    DFA_EXPECTS(grads[s] == nullptr || !I.shards[s].speculative,
-                "step: shard " + std::to_string(s) + " ('" + I.shards[s].info.name +
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  self.check_step("step", grads, gts, grad_scale);
+  self.settle_writes("step");
+  for (std::size_t s = 0; s < self.shards.size(); ++s)
+    DFA_EXPECTS(grads[s] == nullptr || !self.shards[s].speculative,
+                "step: shard " + std::to_string(s) + " ('" + self.shards[s].info.name +
                     "') has " + k_pending,
                 invalid_state);
   // File tier: a plain step would write the pending shards' committed state over their
   // speculative one in the new slot.
-  if (!I.tier_home->in_place()) I.refuse_if_speculating("step");
+  if (!self.in_place()) self.refuse_if_speculating("step");
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
-  const std::size_t skip = I.failed_step == I.step_count + 1 ? I.failed_pieces_done : 0;
+  const std::size_t skip = self.retry.step == self.step_count + 1 ? self.retry.pieces_done : 0;
   try {
-    if (!I.tier_home->streamed()) {
+    if (!self.streamed()) {
       auto t0 = clk::now();
-      I.after(I.exec, stream);
-      I.step_device_shards(grads, gts, grad_scale, skip, true);
-      I.after(stream, I.exec);
-      I.report = step_report{};
-      I.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
-      for (auto& s : I.shards) I.report.params += s.info.numel;
+      self.after(self.exec(), stream);
+      self.step_device_shards(grads, gts, grad_scale, skip, true);
+      self.after(stream, self.exec());
+      self.report = step_report{};
+      self.report.seconds = std::chrono::duration<double>(clk::now() - t0).count();
+      for (auto& s : self.shards) self.report.params += s.info.numel;
     } else {
       // Resident shards first (the GPU steps them while the link streams the rest); a
       // retry of a failed step does not step them twice.
-      if (!(I.failed_step == I.step_count + 1 && I.resident_stepped)) {
-        I.after(I.exec, stream);
-        I.step_device_shards(grads, gts, grad_scale, 0, false);
-        I.resident_stepped = true;
+      if (!(self.retry.step == self.step_count + 1 && self.retry.resident_stepped)) {
+        self.after(self.exec(), stream);
+        self.step_device_shards(grads, gts, grad_scale, 0, false);
+        self.retry.resident_stepped = true;
       }
-      I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, skip);
-      std::vector<std::uint64_t> after = I.shard_steps();
-      for (std::size_t s = 0; s < after.size(); ++s) after[s] += grads[s] != nullptr;
-      I.tier_home->commit(impl::pass::step, after);
-      I.after(stream, I.exec);
+      self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, skip);
+      if (committed_store* store = self.tier_home->store()) {
+        state_counts after{self.step_count + 1, true, self.shards.steps()};
+        for (std::size_t s = 0; s < self.shards.size(); ++s) after.shard_steps[s] += grads[s] != nullptr;
+        store->commit(pass_kind::step, after);
+      }
+      self.after(stream, self.exec());
     }
   } catch (...) {
-    if (!I.tier_home->in_place()) {
+    if (!self.in_place()) {
       // The commit record still names the previous step; make the BF16 params match it.
-      I.failed_step = 0;
+      self.retry.step = 0;
       try {
-        I.sync_model(stream);
+        self.sync_model(stream);
       } catch (const std::exception& e2) {
         deferalloc::detail::log(log_level::error,
                                 std::string("step failed and the BF16 params could not be restored: ") + e2.what());
       }
     } else {
-      I.failed_step = I.step_count + 1;
+      self.retry.step = self.step_count + 1;
     }
     throw;
   }
-  I.failed_step = 0;
-  I.failed_pieces_done = 0;
-  I.resident_stepped = false;
-  I.moments_written = true;
-  ++I.step_count;
-  for (std::size_t s = 0; s < I.shards.size(); ++s)
-    if (grads[s] != nullptr) ++I.shards[s].step;
+  self.retry.step = 0;
+  self.retry.pieces_done = 0;
+  self.retry.resident_stepped = false;
+  self.moments_written = true;
+  ++self.step_count;
+  for (std::size_t s = 0; s < self.shards.size(); ++s)
+    if (grads[s] != nullptr) ++self.shards[s].step;
 }
 
 void streamed_adamw::impl::check_step(const char* fn, std::span<const void* const> grads,
@@ -579,71 +527,72 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 
 void streamed_adamw::step_speculative(std::span<const void* const> grads, std::span<const value_type> gts,
                                       float grad_scale, stream_t stream) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  I.check_step("step_speculative", grads, gts, grad_scale);
-  I.settle_writes("step_speculative");
-  DFA_EXPECTS(I.tier_home->speculates(),
-              std::string("step_speculative: the ") + to_string(I.cfg.home) +
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  self.check_step("step_speculative", grads, gts, grad_scale);
+  self.settle_writes("step_speculative");
+  second_copy* copies = self.tier_home->speculation();
+  DFA_EXPECTS(copies != nullptr,
+              std::string("step_speculative: the ") + to_string(self.cfg.home) +
                   " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
               invalid_state);
-  DFA_EXPECTS(I.failed_step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
+  DFA_EXPECTS(self.retry.step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
               invalid_state);
-  for (std::size_t s = 0; s < I.shards.size(); ++s) {
+  for (std::size_t s = 0; s < self.shards.size(); ++s) {
     if (grads[s] == nullptr) continue;
-    const std::string which = "step_speculative: shard " + std::to_string(s) + " ('" + I.shards[s].info.name + "') ";
-    DFA_EXPECTS(!I.shards[s].resident, which + "is resident in HBM and stepped in place (step it with step())",
+    const std::string which = "step_speculative: shard " + std::to_string(s) + " ('" + self.shards[s].info.name + "') ";
+    DFA_EXPECTS(!self.shards[s].resident, which + "is resident in HBM and stepped in place (step it with step())",
                 invalid_state);
-    DFA_EXPECTS(!I.shards[s].speculative,
+    DFA_EXPECTS(!self.shards[s].speculative,
                 which + "already has " + k_pending,
                 invalid_state);
   }
   // The second copies before anything runs: running out of pinned memory changes nothing.
-  for (std::size_t s = 0; s < I.shards.size(); ++s)
-    if (grads[s] != nullptr) I.tier_home->prepare_speculation(s);
+  for (std::size_t s = 0; s < self.shards.size(); ++s)
+    if (grads[s] != nullptr) copies->prepare(s);
   try {
-    I.run_pass(impl::pass::step, grads, gts, grad_scale, stream, 0, true);
-    I.after(stream, I.exec);
+    self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, 0, true);
+    self.after(stream, self.exec());
   } catch (...) {
-    I.failed_pieces_done = 0;  // the current copy is intact: nothing to resume
+    self.retry.pieces_done = 0;  // the current copy is intact: nothing to resume
     throw;
   }
-  for (std::size_t s = 0; s < I.shards.size(); ++s)
-    if (grads[s] != nullptr) I.shards[s].speculative = true, ++I.speculating;
+  for (std::size_t s = 0; s < self.shards.size(); ++s)
+    if (grads[s] != nullptr) self.shards[s].speculative = true, ++self.speculating;
 }
 
 void streamed_adamw::commit_speculation() {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  if (I.speculating == 0) return;
-  if (!I.tier_home->in_place()) {
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  if (self.speculating == 0) return;
+  if (committed_store* store = self.tier_home->store()) {
     // File tier: the shards not stepped are carried into the new slot, then one commit
     // record publishes it.  A failure leaves the speculation pending (retry or discard).
-    const std::vector<const void*> none(I.shards.size(), nullptr);
-    const std::vector<value_type> gts(I.shards.size(), value_type::fp32);
+    const std::vector<const void*> none(self.shards.size(), nullptr);
+    const std::vector<value_type> gts(self.shards.size(), value_type::fp32);
     // (The carry touches no parameter or gradient: it is ordered after no user stream.)
-    if (!I.pieces(none, false).empty()) I.run_pass(impl::pass::step, none, gts, 1.0f, I.exec, 0);
-    I.drv->synchronize_stream(I.exec);
-    std::vector<std::uint64_t> after = I.shard_steps();
-    for (std::size_t s = 0; s < after.size(); ++s) after[s] += I.shards[s].speculative;
-    I.tier_home->commit(impl::pass::step, after);
+    if (!self.pieces(none, false).empty()) self.run_pass(pass_kind::step, none, gts, 1.0f, self.exec(), 0);
+    self.drv->synchronize_stream(self.exec());
+    state_counts after{self.step_count + 1, true, self.shards.steps()};
+    for (std::size_t s = 0; s < self.shards.size(); ++s) after.shard_steps[s] += self.shards[s].speculative;
+    store->commit(pass_kind::step, after);
   }
-  for (std::size_t s = 0; s < I.shards.size(); ++s)
-    if (I.shards[s].speculative) {
-      I.tier_home->commit_speculation(s);
-      I.shards[s].speculative = false;
-      ++I.shards[s].step;
+  for (std::size_t s = 0; s < self.shards.size(); ++s)
+    if (self.shards[s].speculative) {
+      self.tier_home->speculation()->make_current(s);
+      self.shards[s].speculative = false;
+      ++self.shards[s].step;
     }
-  I.speculating = 0;
-  I.moments_written = true;
-  ++I.step_count;
+  self.speculating = 0;
+  self.moments_written = true;
+  ++self.step_count;
 }
 
 void streamed_adamw::discard_speculation() {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  for (auto& s : I.shards) s.speculative = false;
-  I.speculating = 0;
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  for (auto& s : self.shards) s.speculative = false;
+  self.speculating = 0;
 }
 
 std::size_t streamed_adamw::speculation_pending() const {
@@ -654,35 +603,35 @@ std::size_t streamed_adamw::speculation_pending() const {
 bool streamed_adamw::can_speculate(std::size_t s) const {
   std::lock_guard lk(impl_->mu);
   DFA_EXPECTS(s < impl_->shards.size(), "can_speculate: no shard " + std::to_string(s));
-  return impl_->tier_home->speculates() && !impl_->shards[s].resident;
+  return impl_->tier_home->speculation() != nullptr && !impl_->shards[s].resident;
 }
 
 void streamed_adamw::sync_model_params(stream_t stream) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  I.open_state();
-  DFA_EXPECTS(I.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
-  I.settle_writes("sync_model_params");
-  I.sync_model(stream);
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  self.open_state();
+  DFA_EXPECTS(self.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
+  self.settle_writes("sync_model_params");
+  self.sync_model(stream);
 }
 
 void streamed_adamw::impl::sync_model(stream_t stream) {
-  after(exec, stream);
-  sync_device_shards(!tier_home->streamed());
-  if (tier_home->streamed()) run_pass(pass::export_bf16, {}, {}, 1.0f, stream, 0);
-  after(stream, exec);
+  after(exec(), stream);
+  sync_device_shards(!streamed());
+  if (streamed()) run_pass(pass_kind::export_bf16, {}, {}, 1.0f, stream, 0);
+  after(stream, exec());
 }
 
 double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  DFA_EXPECTS(grads.size() == I.shards.size(), "grad_sq_norm: one gradient per shard expected");
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  DFA_EXPECTS(grads.size() == self.shards.size(), "grad_sq_norm: one gradient per shard expected");
   for (std::size_t s = 0; s < grads.size(); ++s)
     DFA_EXPECTS(grads[s] != nullptr, "grad_sq_norm: gradient of shard " + std::to_string(s) + " is null");
-  I.after(I.exec, stream);
+  self.after(self.exec(), stream);
   double s = 0;
   for (std::size_t i = 0; i < grads.size(); ++i)
-    s += I.comp->sq_norm(grads[i], gt == grad_type::bf16, I.shards[i].info.numel, I.exec);
+    s += self.comp->sq_norm(grads[i], gt == grad_type::bf16, self.shards[i].info.numel, self.exec());
   return s;
 }
 
@@ -703,41 +652,42 @@ void check_range(const char* fn, std::size_t shards, std::size_t s, state_array 
 }  // namespace
 
 void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  I.open_state();
-  DFA_EXPECTS(I.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
-  I.settle_writes("read_state_range");
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  self.open_state();
+  DFA_EXPECTS(self.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
+  self.settle_writes("read_state_range");
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
-  check_range("read_state_range", I.shards.size(), shard, a, offset, n,
-              shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
-  if (n > 0) I.read_home(shard, a, offset, n, out);
+  check_range("read_state_range", self.shards.size(), shard, a, offset, n,
+              shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
+  if (n > 0) self.read_home(shard, a, offset, n, out);
 }
 
 void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n,
                                        const float* in) {
-  auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  I.open_state();
-  DFA_EXPECTS(I.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
+  auto& self = *impl_;
+  std::lock_guard lk(self.mu);
+  self.open_state();
+  DFA_EXPECTS(self.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
-  I.refuse_if_speculating("write_state_range");
-  check_range("write_state_range", I.shards.size(), shard, a, offset, n,
-              shard < I.shards.size() ? I.shards[shard].info.numel : 0, I.tier_home->whole_arrays());
+  self.refuse_if_speculating("write_state_range");
+  check_range("write_state_range", self.shards.size(), shard, a, offset, n,
+              shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
   // The file tier writes only within a state write: one of its own when none is open,
   // published by the next call that uses the state (Note [State writes] in home.cpp).
-  if (!I.writing && !I.tier_home->in_place()) I.open_write(true);
-  I.home_of(shard).write_range(shard, a, offset, n, in);
-  if (is_moment(a)) I.moments_written = true;
+  if (!self.state_write.open && !self.in_place()) self.open_write(true);
+  self.home_of(shard).write(shard, a, offset, n, in);
+  if (is_moment(a)) self.moments_written = true;
 }
 
 void detail::inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth) {
-  auto& I = *o.impl_;
-  std::lock_guard lk(I.mu);
-  I.open_state();
-  DFA_EXPECTS(I.file != nullptr, "inject_file_fault: the optimizer has no file tier", invalid_state);
-  I.file->inject(op, kind, nth);
+  auto& self = *o.impl_;
+  std::lock_guard lk(self.mu);
+  self.open_state();
+  committed_store* store = self.tier_home->store();
+  DFA_EXPECTS(store != nullptr, "inject_file_fault: the optimizer has no file tier", invalid_state);
+  store->file().inject(op, kind, nth);
 }
 
 }  // namespace deferalloc::optim

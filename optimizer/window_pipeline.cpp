@@ -10,7 +10,7 @@
 // Approach
 //  - A piece is n elements of one shard, all three arrays; n is at most the largest
 //    multiple of the granule (in floats) with depth * 12 * n <= window_bytes, and about a
-//    12th to 24th of the pass (Note [Pass pieces] in streamed_adamw.cpp).  Piece i is moved and
+//    12th to 24th of the pass (Note [Pass pieces] below).  Piece i is moved and
 //    stepped in slot (i - skip) mod depth of the window (Note [Window slots]).
 //  - Per piece, on three streams, one method of window_pipeline each: fetch (H2D from
 //    the piece's home into its slot, Note [Homes], after the slot's previous piece was
@@ -40,7 +40,7 @@
 // pieces), during which the copy engines starve: a pass of many small pieces runs at the
 // speed of the driver's VMM calls, not of the link.
 // Approach: the window is `depth` slots, each one piece per array, reserved once at
-// construction (impl::slots) and backed at the start of a pass: 3 * depth chunks of one
+// construction (class window, window.hpp) and backed at the start of a pass: 3 * depth chunks of one
 // piece, from the chunk pool (whose cache keeps them between passes).  Every piece of the
 // pass moves through its slot, so a pass maps and unmaps 3 * depth chunks whatever the
 // number of pieces, and a piece costs its copies, its kernel and one event.  At the end of
@@ -69,234 +69,231 @@
 #include <chrono>
 
 #include "log.hpp"
-#include "optimizer_impl.hpp"
+#include "window_pipeline.hpp"
 
 namespace deferalloc::optim {
 
-using clk = std::chrono::steady_clock;
-
 namespace {
+using clk = std::chrono::steady_clock;
 double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+constexpr std::size_t k_pass_pieces = 24;
+constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)
 }  // namespace
 
-// One pass over every piece: the state the stages share, one method per stage.
-class streamed_adamw::impl::window_pipeline {
- public:
-  window_pipeline(impl& owner, pass kind, std::span<const void* const> grads, std::span<const value_type> gts,
-                  float grad_scale, std::size_t skip, bool speculative)
-      : I(owner), home_(*owner.tier_home), grads_(grads), gts_(gts), K(owner.cfg.depth) {
-    plan_.kind = kind;
-    plan_.pieces = I.pieces(grads, speculative);
-    plan_.skip = skip;
-    plan_.arrays = kind == pass::step ? 3 : 1;
-    plan_.fetch_main = kind != pass::init;
-    plan_.write_back = kind != pass::export_bf16;
-    plan_.speculative = speculative;  // the home writes back into the second copy
-    P = plan_.pieces.size();
-    if (kind == pass::step)
-      for (std::size_t s = 0; s < I.shards.size(); ++s) ks_.push_back(I.scalars(s, grad_scale));
-    home_.begin_pass(plan_);
-    for (std::size_t j = skip; j < P; ++j) params_ += plan_.pieces[j].n;
-    wb_issued_.assign(P, false);
-  }
+// Note [Pass pieces]
+// Rationale: a pass fills its pipeline (the first piece's fetch runs alone) and drains it
+// (the last write-back runs alone), about two pieces' transfers.  A pass over the whole
+// state has dozens of window-sized pieces and does not notice; a pass over one bucket
+// of a BackwardOverlap (256 MiB of parameters, 2-3 pieces of a 1 GiB window) spent as
+// long filling and draining as streaming: such passes ran at ~0.6x the link on the H200.
+// Approach: a pass's pieces are the window's piece halved while they stay at least
+// 1/k_pass_pieces of the pass's elements (so 12 to 24 pieces) and k_min_piece elements;
+// the window's piece is a power of two of granules (file tier: of checksum blocks), so it
+// halves down to one; the chunk pool's classes are those halvings, so a slot is still
+// one chunk (one map) per array.  The
+// arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
+// start, so the results do not depend on the cut (tests check it bit for bit); a retry
+// of a failed step selects the same shards, so it cuts the same pieces.
+// Limits: more than 24 pieces a pass gave no further gain, and the full-state step is
+// unchanged by the cut; the figures of each way of cutting are in docs/BENCHMARKS.md
+// ("Pass pieces").
+std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<bool>& selected,
+                                  std::size_t window_piece, std::size_t align) {
+  std::size_t total = 0;
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (selected[s]) total += shards.numel(s);
+  // The window's piece halved while it stays at least `want` and whole granules: a slot
+  // is then one chunk of the pool's classes (the piece's halvings), one map per array.
+  const std::size_t want = std::max((total + k_pass_pieces - 1) / k_pass_pieces, k_min_piece);
+  std::size_t n = window_piece;
+  while (n / 2 >= want && (n / 2) % align == 0) n /= 2;
+  std::vector<piece_ref> out;
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (selected[s])
+      for (std::size_t e0 = 0; e0 < shards.numel(s); e0 += n) out.push_back({s, e0, std::min(n, shards.numel(s) - e0)});
+  return out;
+}
 
-  void run(stream_t user) {
-    const std::size_t skip = plan_.skip;
-    t0_ = last_line_ = clk::now();
-    I.report = step_report{};
-    I.pool->reset_peak();
-    // The kernels read what the user's stream produced (gradients, BF16 params).
-    I.after(I.exec, user);
-    i_ = skip;
-    try {
-      for (std::size_t j = skip; j < std::min(P, skip + 2 * static_cast<std::size_t>(K)); ++j) prefetch(j);
-      // The window's memory before any piece moves: OOM here changes nothing.
-      back_slots();
-      for (; i_ < P; ++i_) {
-        if (i_ >= skip + K) {
-          retire(i_ - K);
-          prefetch(i_ + K);
-        }
-        fetch(i_);
-        compute(i_);
-        write_back(i_);
+window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, step_inputs step)
+    : parts_(parts), plan_(std::move(plan)), step_(std::move(step)) {
+  for (std::size_t j = plan_.skip; j < pieces(); ++j) params_ += plan_.pieces[j].n;
+  write_back_issued_.assign(pieces(), false);
+}
+
+void window_pipeline::run(stream_t user, step_report& report) {
+  const auto t0 = clk::now();
+  const std::size_t skip = plan_.skip, depth = plan_.depth;
+  report_ = &report;
+  report = step_report{};
+  progress_.emplace(parts_.cfg, phase(), params_);
+  parts_.pool.reset_peak();
+  parts_.home.begin_pass(plan_, report);
+  // The kernels read what the user's stream produced (gradients, BF16 params).
+  parts_.streams.after(parts_.streams.exec(), user);
+  current_ = skip;
+  try {
+    for (std::size_t j = skip; j < std::min(pieces(), skip + 2 * depth); ++j) prefetch(j);
+    // The window's memory before any piece moves: OOM here changes nothing.
+    back_slots();
+    for (; current_ < pieces(); ++current_) {
+      const std::size_t i = current_;
+      if (i >= skip + depth) {
+        retire(i - depth);
+        prefetch(i + depth);
       }
-      for (std::size_t j = P > static_cast<std::size_t>(K) ? std::max(skip, P - K) : skip; j < P; ++j) retire(j);
-      home_.end_pass();
-    } catch (...) {
-      fail();
+      fetch(i);
+      compute(i);
+      write_back(i);
     }
-    I.report.seconds = since(t0_);
-    I.report.params = params_;
-    I.report.pieces = P - skip;
-    I.report.peak_backed_bytes = I.pool->stats().peak_alive_bytes;
-    // Between passes the state holds no HBM: the window's chunks go back to the driver
-    // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
-    // against a pass of milliseconds).  keep_window keeps the slots backed for
-    // back-to-back passes (Note [Window slots]).
-    if (!I.cfg.keep_window) {
-      release_slots(I.d2h);
-      I.pool->trim();
+    for (std::size_t j = pieces() > depth ? std::max(skip, pieces() - depth) : skip; j < pieces(); ++j) retire(j);
+    parts_.home.end_pass();
+  } catch (...) {
+    fail();
+  }
+  report.seconds = since(t0);
+  report.params = params_;
+  report.pieces = pieces() - skip;
+  report.peak_backed_bytes = parts_.pool.stats().peak_alive_bytes;
+  // Between passes the state holds no HBM: the window's chunks go back to the driver
+  // (3 * depth cuMemRelease here and as many cuMemCreate in the next pass, microseconds
+  // against a pass of milliseconds).  keep_window keeps the slots backed for
+  // back-to-back passes (Note [Window slots]).
+  if (!parts_.cfg.keep_window) {
+    release_slots(parts_.streams.d2h());
+    parts_.pool.trim();
+  }
+}
+
+std::size_t window_pipeline::written() const {
+  std::size_t n = plan_.skip;
+  while (n < pieces() && write_back_issued_[n]) ++n;
+  return n;
+}
+
+// Piece i's slot of the event ring: 0 fetched, 1 computed, 2 written back.
+event_t window_pipeline::event(std::size_t i, int which) {
+  return parts_.streams.event(1 + (i % plan_.depth) * 3 + static_cast<std::size_t>(which));
+}
+
+// Piece i's slot of the window (Note [Window slots]): its arrays' device addresses.
+const per_array<float*>& window_pipeline::slot_of(std::size_t i) const {
+  return parts_.slots.slot((i - plan_.skip) % plan_.depth);
+}
+
+const char* window_pipeline::phase() const {
+  return plan_.kind == pass_kind::init ? "init" : plan_.kind == pass_kind::step ? "step" : "sync";
+}
+
+void window_pipeline::prefetch(std::size_t j) {
+  if (j < pieces() && j >= plan_.skip) parts_.home.prefetch(j, piece(j));
+}
+
+// Backs the slots the pass uses, for the arrays it moves and its largest piece (a pass
+// over tiny shards backs a granule per array, not a piece), where not backed yet.
+void window_pipeline::back_slots() {
+  std::size_t longest = 0;
+  for (std::size_t j = plan_.skip; j < pieces(); ++j) longest = std::max(longest, piece(j).n);
+  const std::size_t g = parts_.drv.granularity();
+  const std::size_t need = (longest * 4 + g - 1) / g * g;
+  const auto t = clk::now();
+  if (parts_.slots.back(std::min(pieces() - plan_.skip, plan_.depth), first_arrays(plan_.arrays), need,
+                        parts_.streams.h2d()))
+    report_->map_seconds += since(t);
+}
+
+// Gives the window's chunks back to the pool (after the work on `s`).
+void window_pipeline::release_slots(stream_t s) { parts_.slots.release(s); }
+
+// H2D: main (all but init), the moments (step; zeros before they were ever written).
+void window_pipeline::fetch(std::size_t i) {
+  const auto& p = piece(i);
+  const auto& dev = slot_of(i);
+  auto& drv = parts_.drv;
+  const stream_t h2d = parts_.streams.h2d();
+  // The slot's previous piece is written back (retire() waited for it on the host; the
+  // wait keeps the order on the device too).
+  if (i >= plan_.skip + plan_.depth) drv.stream_wait(h2d, event(i - plan_.depth, 2));
+  if (plan_.fetch_main) report_->bytes_to_device += parts_.home.to_device(i, p, state_array::main, dev[state_array::main], h2d);
+  if (plan_.kind == pass_kind::step)
+    for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
+      if (plan_.moments_stored) report_->bytes_to_device += parts_.home.to_device(i, p, a, dev[a], h2d);
+      else drv.zero_async(dev[a], p.n * 4, h2d);  // never written: zero by construction
     }
+  drv.record(event(i, 0), h2d);
+}
+
+void window_pipeline::compute(std::size_t i) {
+  const auto& p = piece(i);
+  const auto& sh = parts_.shards[p.shard].info;
+  const auto& dev = slot_of(i);
+  const stream_t exec = parts_.streams.exec();
+  auto& comp = parts_.comp;
+  parts_.drv.stream_wait(exec, event(i, 0));
+  char* model = static_cast<char*>(sh.param) + p.e0 * detail::value_bytes(sh.param_type);
+  if (plan_.kind == pass_kind::init) {
+    comp.upcast(model, sh.param_type, dev[state_array::main], p.n, exec);
+  } else if (plan_.kind == pass_kind::export_bf16) {
+    comp.downcast(dev[state_array::main], model, sh.param_type, p.n, exec);
+  } else if (step_.grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
+    const value_type gt = step_.grad_types[p.shard];
+    const char* grad = static_cast<const char*>(step_.grads[p.shard]) + p.e0 * detail::value_bytes(gt);
+    const moment_format moments = parts_.cfg.moments;
+    if (moments != moment_format::fp32)  // (host and file tiers: the optimizer checks)
+      comp.adamw_moments({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad,
+                          sh.param_type, gt, moments, p.n, p.e0},
+                         step_.scalars[p.shard], exec);
+    else
+      comp.adamw({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad,
+                  sh.param_type, gt, p.n},
+                 step_.scalars[p.shard], exec);
   }
+  parts_.drv.record(event(i, 1), exec);
+}
 
- private:
-  const piece_ref& piece(std::size_t i) const { return plan_.pieces[i]; }
-  // Piece i's slot of the event ring: 0 fetched, 1 computed, 2 written back.
-  event_t ev(std::size_t i, int which) { return I.event(1 + (i % K) * 3 + which); }
-  // Piece i's slot of the window (Note [Window slots]).
-  impl::slot& slot_of(std::size_t i) const { return I.slots[(i - plan_.skip) % static_cast<std::size_t>(K)]; }
-  // The piece's window: its slot's arrays.
-  const per_array<float*>& window(std::size_t i) const { return slot_of(i).dev; }
-  const char* phase() const { return plan_.kind == pass::init ? "init" : plan_.kind == pass::step ? "step" : "sync"; }
+// D2H of the arrays the pass changed (none for an export).
+void window_pipeline::write_back(std::size_t i) {
+  const auto& p = piece(i);
+  const auto& dev = slot_of(i);
+  const stream_t d2h = parts_.streams.d2h();
+  parts_.drv.stream_wait(d2h, event(i, 1));
+  if (plan_.write_back)
+    for (state_array a : first_arrays(plan_.arrays))
+      report_->bytes_from_device += parts_.home.from_device(i, p, a, dev[a], d2h);
+  parts_.drv.record(event(i, 2), d2h);
+  write_back_issued_[i] = true;
+}
 
-  void prefetch(std::size_t j) {
-    if (j < P && j >= plan_.skip) home_.prefetch(j, piece(j));
+// The piece's write-back is done (its slot is free again); its home persists it.
+void window_pipeline::retire(std::size_t i) {
+  const auto& p = piece(i);
+  const auto t = clk::now();
+  parts_.drv.synchronize(event(i, 2));
+  report_->retire_seconds += since(t);
+  parts_.home.retire(i, p);
+  done_params_ += p.n;
+  progress_->report(done_params_);
+}
+
+// Drain: every stream and every I/O request, then give the window back; rethrows.
+void window_pipeline::fail() {
+  try {
+    parts_.streams.synchronize();
+  } catch (...) {
+    deferalloc::detail::log_current("streamed_adamw: draining the streams after a failed pass");
   }
-
-  // Backs the slots the pass uses, for the arrays it moves and its largest piece (a pass
-  // over tiny shards backs a granule per array, not a piece), where not backed yet.
-  void back_slots() {
-    std::size_t longest = 0;
-    for (std::size_t j = plan_.skip; j < P; ++j) longest = std::max(longest, piece(j).n);
-    const std::size_t need = I.granules(longest * 4);
-    std::vector<range> rs;
-    const std::size_t n = std::min(P - plan_.skip, static_cast<std::size_t>(K));
-    for (std::size_t k = 0; k < n; ++k)
-      for (state_array a : first_arrays(plan_.arrays))
-        if (I.slots[k].backed[a] < need) rs.push_back({I.slots[k].res[a], I.slots[k].backed[a], need - I.slots[k].backed[a]});
-    if (rs.empty()) return;
-    const auto t = clk::now();
-    I.mgr->materialize(rs, fill_mode::undefined, I.h2d);
-    I.report.map_seconds += since(t);
-    for (std::size_t k = 0; k < n; ++k)
-      for (state_array a : first_arrays(plan_.arrays)) I.slots[k].backed[a] = std::max(I.slots[k].backed[a], need);
+  parts_.home.drain();
+  try {
+    release_slots(parts_.streams.d2h());
+  } catch (...) {
+    deferalloc::detail::log_current("streamed_adamw: releasing the window after a failed pass");
   }
-
-  // Gives the window's chunks back to the pool (after the work on `s`).
-  void release_slots(stream_t s) {
-    std::vector<range> rs;
-    for (auto& sl : I.slots)
-      for (state_array a : k_state_arrays)
-        if (sl.backed[a] > 0) rs.push_back({sl.res[a], 0, sl.backed[a]});
-    if (!rs.empty()) I.mgr->release(rs, keep_mode::discard, s);
-    for (auto& sl : I.slots) sl.backed = {};
-  }
-
-  // H2D: main (all but init), the moments (step; zeros before they were ever written).
-  void fetch(std::size_t i) {
-    const auto& p = piece(i);
-    const auto& dev = window(i);
-    // The slot's previous piece is written back (retire() waited for it on the host; the
-    // wait keeps the order on the device too).
-    if (i >= plan_.skip + K) I.drv->stream_wait(I.h2d, ev(i - K, 2));
-    if (plan_.fetch_main) {
-      home_.await_fetch(i);
-      I.report.bytes_to_device += home_.to_device(i, p, state_array::main, dev[state_array::main], I.h2d);
-    }
-    if (plan_.kind == pass::step)
-      for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
-        if (I.moments_written) I.report.bytes_to_device += home_.to_device(i, p, a, dev[a], I.h2d);
-        else I.drv->zero_async(dev[a], p.n * 4, I.h2d);  // never written: zero by construction
-      }
-    I.drv->record(ev(i, 0), I.h2d);
-  }
-
-  void compute(std::size_t i) {
-    const auto& p = piece(i);
-    const auto& sh = I.shards[p.shard];
-    const auto& dev = window(i);
-    I.drv->stream_wait(I.exec, ev(i, 0));
-    const int mt = static_cast<int>(sh.info.param_type);
-    char* model = static_cast<char*>(sh.info.param) + p.e0 * (mt == detail::k_fp32 ? 4 : 2);
-    if (plan_.kind == pass::init) {
-      I.comp->upcast(model, mt, dev[state_array::main], p.n, I.exec);
-    } else if (plan_.kind == pass::export_bf16) {
-      I.comp->downcast(dev[state_array::main], model, mt, p.n, I.exec);
-    } else if (grads_[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
-      const int gt = static_cast<int>(gts_[p.shard]);
-      const char* grad = static_cast<const char*>(grads_[p.shard]) + p.e0 * (gt == detail::k_fp32 ? 4 : 2);
-      if (I.cfg.moments != moment_format::fp32)  // (host and file tiers: make_homes() checks)
-        I.comp->adamw_moments({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model,
-                               grad, mt, gt, static_cast<int>(I.cfg.moments), p.n, p.e0},
-                              ks_[p.shard], I.exec);
-      else
-        I.comp->adamw({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad, mt,
-                       gt, p.n},
-                      ks_[p.shard], I.exec);
-    }
-    I.drv->record(ev(i, 1), I.exec);
-  }
-
-  // D2H of the arrays the pass changed (none for an export).
-  void write_back(std::size_t i) {
-    const auto& p = piece(i);
-    const auto& dev = window(i);
-    I.drv->stream_wait(I.d2h, ev(i, 1));
-    if (plan_.write_back) {
-      home_.await_write_back(i);
-      for (state_array a : first_arrays(plan_.arrays))
-        I.report.bytes_from_device += home_.from_device(i, p, a, dev[a], I.d2h);
-    }
-    I.drv->record(ev(i, 2), I.d2h);
-    wb_issued_[i] = true;
-  }
-
-  // The piece's write-back is done (its slot is free again); its home persists it.
-  void retire(std::size_t i) {
-    const auto& p = piece(i);
-    const auto t = clk::now();
-    I.drv->synchronize(ev(i, 2));
-    I.report.retire_seconds += since(t);
-    home_.retire(i, p);
-    done_params_ += p.n;
-    I.report_progress(phase(), done_params_, params_, t0_, last_line_);
-  }
-
-  // Drain: every stream and every I/O request, then give the window back; rethrows.
-  [[noreturn]] void fail() {
-    try {
-      I.drv->synchronize_stream(I.h2d);
-      I.drv->synchronize_stream(I.exec);
-      I.drv->synchronize_stream(I.d2h);
-    } catch (...) {
-      deferalloc::detail::log_current("streamed_adamw: draining the streams after a failed pass");
-    }
-    home_.drain();
-    try {
-      release_slots(I.d2h);
-    } catch (...) {
-      deferalloc::detail::log_current("streamed_adamw: releasing the window after a failed pass");
-    }
-    I.pool->trim();
-    std::size_t written = plan_.skip;
-    while (written < P && wb_issued_[written]) ++written;
-    I.failed_pieces_done = written;
-    const std::string at = i_ < P ? " at " + I.where(piece(i_)) : "";
-    // The same class as the cause (no_device stays no_device), the cause nested in it.
-    rethrow_with_context(std::string(plan_.kind == pass::init   ? "initialize"
-                                     : plan_.kind == pass::step ? "step"
-                                                                : "sync") +
-                         " failed" + at);
-  }
-
-  impl& I;
-  home& home_;
-  std::span<const void* const> grads_;
-  std::span<const value_type> gts_;
-  const int K;  // depth: pieces in flight
-  pass_plan plan_;
-  std::size_t P = 0;  // pieces
-  std::vector<detail::adamw_scalars> ks_;  // per shard (a step)
-  clk::time_point t0_, last_line_;
-  std::size_t params_ = 0, done_params_ = 0;
-  std::size_t i_ = 0;  // the piece being enqueued (for a failure's message)
-  std::vector<bool> wb_issued_;
-};
-
-void streamed_adamw::impl::run_pass(pass kind, std::span<const void* const> grads, std::span<const value_type> gts,
-                                    float grad_scale, stream_t user, std::size_t skip, bool speculative) {
-  window_pipeline(*this, kind, grads, gts, grad_scale, skip, speculative).run(user);
+  parts_.pool.trim();
+  const std::string at = current_ < pieces() ? " at " + parts_.shards.where(piece(current_)) : "";
+  // The same class as the cause (no_device stays no_device), the cause nested in it.
+  rethrow_with_context(std::string(plan_.kind == pass_kind::init   ? "initialize"
+                                   : plan_.kind == pass_kind::step ? "step"
+                                                                   : "sync") +
+                       " failed" + at);
 }
 
 }  // namespace deferalloc::optim

@@ -26,14 +26,20 @@ import sys
 import tokenize
 
 # The layers, lowest first (keep in step with docs/DESIGN.md).  A file belongs to the
-# layer of the longest folder prefix that matches its path.
+# layer of the longest entry that matches its path: a folder prefix, or the file's path
+# without its extension (the optimizer's layers inside optimizer/, Note [Optimizer layers]).
 LAYERS = [
     ("include/deferalloc", 0),   # public headers
     ("allocator/core", 1),       # driver, chunk pool, pinned pool, reservations, settings, log
     ("allocator/caching", 2),    # the caching allocator
     ("optimizer/kernels", 3),    # the AdamW arithmetic, CPU twin and CUDA kernels
     ("optimizer/store", 4),      # the file tier's I/O
-    ("optimizer", 5),            # the streamed optimizer: pipeline, tiers, checkpoints
+    ("optimizer/shard_table", 5.1),      # the optimizer: the shard table,
+    ("optimizer/window", 5.2),           #   the window's slots and the streams,
+    ("optimizer/progress", 5.2),         #   progress reports,
+    ("optimizer/home", 5.3),             #   the homes (tiers),
+    ("optimizer/window_pipeline", 5.4),  #   the window pipeline,
+    ("optimizer", 5.5),                  #   the streamed_adamw facade, resident shards, checkpoints
     ("optimizer/distributed", 6),  # the ZeRO-1 optimizer over NCCL
     ("allocator/abi", 7),        # faces: C ABI, DLPack, LD_PRELOAD
     ("allocator/torch", 7),      #        LibTorch
@@ -51,8 +57,9 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 
 def layer_of(rel):
     best = None
+    stem = os.path.splitext(rel)[0]
     for prefix, rank in LAYERS:
-        if rel == prefix or rel.startswith(prefix + "/"):
+        if rel == prefix or stem == prefix or rel.startswith(prefix + "/"):
             if best is None or len(prefix) > len(best[0]):
                 best = (prefix, rank)
     return best
@@ -256,7 +263,7 @@ def self_test():
             with open(os.path.join(t, rel), "w") as f:
                 f.write(text)
         put("allocator/caching/impl.hpp", "int x;\n")
-        put("allocator/core/reservations.cpp", '#include "caching/impl.hpp"\n' + "x\n" * 10)
+        put("allocator/core/reservations.cpp", '#include "caching/impl.hpp"\n' + "x\n" * 40)
         body = "".join(f"  int v{i} = f({i});\n" for i in range(RUN))
         put("optimizer/a.cpp", "x\n" + body)
         put("optimizer/kernels/b.cpp", "// other\n" + body.replace("\n", "  \n// note\n}\n"))
@@ -268,9 +275,13 @@ def self_test():
         problems, _, _ = check(t)
         assert any(p.startswith(f"{OPTIMIZER_TABLE}: no settings table") for p in problems), problems
         put(OPTIMIZER_TABLE, 'const row k_table[] = {\n    {"tier", "name", 0,\n    {"depth", "integer",\n};\n')
+        put("optimizer/optimizer_impl.hpp", "struct impl;\n")
+        put("optimizer/home.hpp", '#include "optimizer_impl.hpp"\n')
         problems, _, _ = check(t)
         assert any("climb" in p or "higher layer" in p for p in problems), problems
         assert any("more than a third" in p for p in problems), problems
+        assert any(p.startswith("optimizer/home.hpp (layer optimizer/home) includes optimizer_impl.hpp")
+                   for p in problems), problems
         assert any("optimizer/a.cpp:2-7 and optimizer/kernels/b.cpp" in p for p in problems), problems
         marks = sorted(" ".join(m.groups()) for m in (re.match(r"(\S+): a (commit id|date) \(([^)]+)\)", p)
                                                        for p in problems) if m)

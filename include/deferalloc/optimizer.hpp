@@ -6,6 +6,7 @@
 #pragma once
 #include <deferalloc/driver.hpp>
 #include <deferalloc/export.hpp>
+#include <deferalloc/optimizer_types.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -32,9 +33,6 @@ DFA_API const char* to_string(tier t) noexcept;
 /// "device" | "host" | "file".  @throws invalid_argument
 DFA_API tier parse_tier(const std::string& s);
 
-/// Element type of model parameters and gradients.
-enum class value_type : int { bf16 = 0, fp32 = 1, fp16 = 2 };
-using grad_type = value_type;
 DFA_API const char* to_string(value_type t) noexcept;
 
 /// AdamW hyper-parameters (PyTorch's AdamW: decoupled weight decay, bias correction),
@@ -56,20 +54,9 @@ DFA_API void validate(const adamw_params& p);
 /// references that must reproduce a step bit for bit.
 DFA_API float backend_pow(driver& d, float base, float e);
 
-/// How the Adam moments are stored at home and moved (host and file tiers).  The
-/// arithmetic stays FP32 inside the window; main params are always FP32.  See
-/// Note [Moment formats] in optimizer/kernels/moment_format.hpp.
-enum class moment_format : int {
-  fp32 = 0,  ///< 4 B per moment (12 B/param with the main param), exact torch AdamW
-  bf16 = 1,  ///< 2 B per moment (8 B/param), round to nearest even after each step
-  int8 = 2,  ///< 1 B per moment + an FP32 scale per 256 (6.125 B/param), block-scaled 8-bit floats
-};
 DFA_API const char* to_string(moment_format f) noexcept;
 /// "fp32" | "bf16" | "int8".  @throws invalid_argument
 DFA_API moment_format parse_moment_format(const std::string& s);
-
-/// Which state array of a shard.
-enum class state_array : int { main = 0, exp_avg = 1, exp_avg_sq = 2 };
 
 /// Reported during initialize() and step().
 struct progress {

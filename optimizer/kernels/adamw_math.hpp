@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <deferalloc/optimizer_types.hpp>
+
 #if defined(__CUDACC__)
 #define DFA_HD __host__ __device__ __forceinline__
 #else
@@ -179,23 +181,23 @@ DFA_HD float from_fp16(std::uint16_t h) {
   return f_from_bits(sign | ((e + 112u) << 23) | (mant << 13));
 }
 
-/// Element types of parameters and gradients (values of optim::dtype).
-enum : int { k_bf16 = 0, k_fp32 = 1, k_fp16 = 2 };
+/// Bytes of one element of type `t`.
+DFA_HD constexpr std::size_t value_bytes(value_type t) { return t == value_type::fp32 ? 4 : 2; }
 
 /// Element i of an array of type `t`, as float (exact).
-DFA_HD float load_as_float(const void* a, int t, std::size_t i) {
-  if (t == k_bf16) return from_bf16(static_cast<const std::uint16_t*>(a)[i]);
-  if (t == k_fp16) return from_fp16(static_cast<const std::uint16_t*>(a)[i]);
+DFA_HD float load_as_float(const void* a, value_type t, std::size_t i) {
+  if (t == value_type::bf16) return from_bf16(static_cast<const std::uint16_t*>(a)[i]);
+  if (t == value_type::fp16) return from_fp16(static_cast<const std::uint16_t*>(a)[i]);
   return static_cast<const float*>(a)[i];
 }
 /// Stores x into element i of an array of type `t` (round to nearest even).
-DFA_HD void store_from_float(void* a, int t, std::size_t i, float x) {
-  if (t == k_bf16) static_cast<std::uint16_t*>(a)[i] = to_bf16(x);
-  else if (t == k_fp16) static_cast<std::uint16_t*>(a)[i] = to_fp16(x);
+DFA_HD void store_from_float(void* a, value_type t, std::size_t i, float x) {
+  if (t == value_type::bf16) static_cast<std::uint16_t*>(a)[i] = to_bf16(x);
+  else if (t == value_type::fp16) static_cast<std::uint16_t*>(a)[i] = to_fp16(x);
   else static_cast<float*>(a)[i] = x;
 }
 /// Element i of a gradient array, BF16 or FP32 (the kernels' fast paths).
-DFA_HD float load_grad(const void* g, bool bf16, std::size_t i) { return load_as_float(g, bf16 ? k_bf16 : k_fp32, i); }
+DFA_HD float load_grad(const void* g, bool bf16, std::size_t i) { return load_as_float(g, bf16 ? value_type::bf16 : value_type::fp32, i); }
 
 /// One element: updates p, m, v in place.  See Note [Torch's fused AdamW, bit for bit].
 DFA_HD void adamw_update(float& p, float& m, float& v, float grad, const adamw_scalars& s) {
@@ -224,8 +226,8 @@ struct adamw_piece {
   float* exp_avg_sq;
   void* model;     // the model's parameters, of type model_type
   const void* grad;  // of type grad_type
-  int model_type;  // k_bf16, k_fp32, k_fp16
-  int grad_type;
+  value_type model_type;
+  value_type grad_type;
   std::size_t n;
 };
 

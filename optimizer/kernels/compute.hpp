@@ -17,10 +17,10 @@ class compute {
   virtual void adamw(const adamw_piece& p, const adamw_scalars& k, stream_t s) = 0;
   /// AdamW over one piece with compressed moments (Note [Moment formats]), on `s`.
   virtual void adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, stream_t s) = 0;
-  /// out[i] = float(in[i]) for n values of type `t` (k_bf16, k_fp16, k_fp32), on `s`.
-  virtual void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) = 0;
+  /// out[i] = float(in[i]) for n values of type `t`, on `s`.
+  virtual void upcast(const void* in, value_type t, float* out, std::size_t n, stream_t s) = 0;
   /// out[i] = in[i] as type `t` (round to nearest even), on `s`.
-  virtual void downcast(const float* in, void* out, int t, std::size_t n, stream_t s) = 0;
+  virtual void downcast(const float* in, void* out, value_type t, std::size_t n, stream_t s) = 0;
   /// Sum of squares of n gradient values, in a fixed order; waits for `s`.
   virtual double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t s) = 0;
   /// powf(base, e) as this backend's kernels compute it: the bias corrections of a step

@@ -19,10 +19,10 @@ class cpu_compute final : public compute {
     }
   }
   void adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, stream_t) override { cpu_adamw_moments(p, k); }
-  void upcast(const void* in, int t, float* out, std::size_t n, stream_t) override {
+  void upcast(const void* in, value_type t, float* out, std::size_t n, stream_t) override {
     for (std::size_t i = 0; i < n; ++i) out[i] = load_as_float(in, t, i);
   }
-  void downcast(const float* in, void* out, int t, std::size_t n, stream_t) override {
+  void downcast(const float* in, void* out, value_type t, std::size_t n, stream_t) override {
     for (std::size_t i = 0; i < n; ++i) store_from_float(out, t, i, in[i]);
   }
   double sq_norm(const void* grad, bool is_bf16, std::size_t n, stream_t) override {

@@ -32,30 +32,30 @@ namespace {
 constexpr int k_threads = 256;
 
 // Four gradient values (BF16 / FP16: one 8-byte load; FP32: one 16-byte load).
-template <int GradT>
+template <value_type GradT>
 __device__ __forceinline__ void load_grad4(const void* g, std::size_t i, float out[4]) {
-  if constexpr (GradT == k_fp32) {
+  if constexpr (GradT == value_type::fp32) {
     const float4 raw = __ldcs(reinterpret_cast<const float4*>(g) + i);
     out[0] = raw.x, out[1] = raw.y, out[2] = raw.z, out[3] = raw.w;
   } else {
     const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(g) + i);
     const std::uint16_t h[4] = {static_cast<std::uint16_t>(raw.x & 0xFFFF), static_cast<std::uint16_t>(raw.x >> 16),
                                 static_cast<std::uint16_t>(raw.y & 0xFFFF), static_cast<std::uint16_t>(raw.y >> 16)};
-    for (int j = 0; j < 4; ++j) out[j] = GradT == k_bf16 ? from_bf16(h[j]) : from_fp16(h[j]);
+    for (int j = 0; j < 4; ++j) out[j] = GradT == value_type::bf16 ? from_bf16(h[j]) : from_fp16(h[j]);
   }
 }
 // Four model values (BF16 / FP16: one 8-byte store; FP32: one 16-byte store).
-template <int ModelT>
+template <value_type ModelT>
 __device__ __forceinline__ void store_model4(void* out, std::size_t i, const float4& p) {
-  if constexpr (ModelT == k_fp32) {
+  if constexpr (ModelT == value_type::fp32) {
     __stcs(reinterpret_cast<float4*>(out) + i, p);
   } else {
-    auto cv = [](float x) -> std::uint32_t { return ModelT == k_bf16 ? to_bf16(x) : to_fp16(x); };
+    auto cv = [](float x) -> std::uint32_t { return ModelT == value_type::bf16 ? to_bf16(x) : to_fp16(x); };
     __stcs(reinterpret_cast<uint2*>(out) + i, make_uint2(cv(p.x) | (cv(p.y) << 16), cv(p.z) | (cv(p.w) << 16)));
   }
 }
 
-template <int ModelT, int GradT>
+template <value_type ModelT, value_type GradT>
 __global__ void adamw_vec4(adamw_piece p, adamw_scalars k) {
   const std::size_t n4 = p.n / 4;
   auto* P = reinterpret_cast<float4*>(p.param);
@@ -90,11 +90,11 @@ __global__ void adamw_scalar(adamw_piece p, adamw_scalars k) {
 }
 
 // The vector kernel for a (model, gradient) type pair.
-template <int ModelT>
-void (*vec_kernel_for(int grad_t))(adamw_piece, adamw_scalars) {
-  if (grad_t == k_bf16) return adamw_vec4<ModelT, k_bf16>;
-  if (grad_t == k_fp16) return adamw_vec4<ModelT, k_fp16>;
-  return adamw_vec4<ModelT, k_fp32>;
+template <value_type ModelT>
+void (*vec_kernel_for(value_type grad_t))(adamw_piece, adamw_scalars) {
+  if (grad_t == value_type::bf16) return adamw_vec4<ModelT, value_type::bf16>;
+  if (grad_t == value_type::fp16) return adamw_vec4<ModelT, value_type::fp16>;
+  return adamw_vec4<ModelT, value_type::fp32>;
 }
 
 // BF16 -> FP32, four values per thread (an 8-byte load, a 16-byte store) when both
@@ -140,11 +140,11 @@ __global__ void downcast_kernel(const float* in, std::uint16_t* out, std::size_t
 }
 
 // FP16 / FP32 model parameters (not on the BF16 fast path): one value per thread.
-__global__ void upcast_any(const void* in, int t, float* out, std::size_t n) {
+__global__ void upcast_any(const void* in, value_type t, float* out, std::size_t n) {
   for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
     out[j] = load_as_float(in, t, j);
 }
-__global__ void downcast_any(const float* in, void* out, int t, std::size_t n) {
+__global__ void downcast_any(const float* in, void* out, value_type t, std::size_t n) {
   for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
     store_from_float(out, t, j, in[j]);
 }
@@ -224,13 +224,14 @@ class cuda_compute final : public compute {
     DFA_CUDA_TRY(cudaSetDevice(device_));
     auto st = static_cast<cudaStream_t>(s.get());
     const bool vec = aligned(p.param, 16) && aligned(p.exp_avg, 16) && aligned(p.exp_avg_sq, 16) &&
-                     aligned(p.model, p.model_type == k_fp32 ? 16 : 8) && aligned(p.grad, p.grad_type == k_fp32 ? 16 : 8);
+                     aligned(p.model, p.model_type == value_type::fp32 ? 16 : 8) &&
+                     aligned(p.grad, p.grad_type == value_type::fp32 ? 16 : 8);
     const int blocks = grid(vec ? p.n / 4 + 1 : p.n);
     if (!vec) adamw_scalar<<<blocks, k_threads, 0, st>>>(p, k);
     else {
-      auto* kern = p.model_type == k_bf16   ? vec_kernel_for<k_bf16>(p.grad_type)
-                   : p.model_type == k_fp16 ? vec_kernel_for<k_fp16>(p.grad_type)
-                                            : vec_kernel_for<k_fp32>(p.grad_type);
+      auto* kern = p.model_type == value_type::bf16   ? vec_kernel_for<value_type::bf16>(p.grad_type)
+                   : p.model_type == value_type::fp16 ? vec_kernel_for<value_type::fp16>(p.grad_type)
+                                                      : vec_kernel_for<value_type::fp32>(p.grad_type);
       kern<<<blocks, k_threads, 0, st>>>(p, k);
     }
     DFA_CUDA_CHECK_LAUNCH();
@@ -240,8 +241,8 @@ class cuda_compute final : public compute {
     cuda_adamw_moments(p, k, s.get(), device_, sms_);
   }
 
-  void upcast(const void* in, int t, float* out, std::size_t n, stream_t s) override {
-    if (t == k_bf16) {
+  void upcast(const void* in, value_type t, float* out, std::size_t n, stream_t s) override {
+    if (t == value_type::bf16) {
       auto* b = static_cast<const std::uint16_t*>(in);
       launch_cast(upcast_kernel<true>, upcast_kernel<false>, aligned(in, 8) && aligned(out, 16), 4, b, out, n, s);
       return;
@@ -252,8 +253,8 @@ class cuda_compute final : public compute {
     DFA_CUDA_CHECK_LAUNCH();
   }
 
-  void downcast(const float* in, void* out, int t, std::size_t n, stream_t s) override {
-    if (t == k_bf16) {
+  void downcast(const float* in, void* out, value_type t, std::size_t n, stream_t s) override {
+    if (t == value_type::bf16) {
       auto* b = static_cast<std::uint16_t*>(out);
       launch_cast(downcast_kernel<true>, downcast_kernel<false>, aligned(in, 16) && aligned(out, 16), 8, in, b, n, s);
       return;

@@ -85,21 +85,16 @@
 
 #include "adamw_math.hpp"
 
-namespace deferalloc::optim {
-enum class state_array : int;  // <deferalloc/optimizer.hpp>
-}
-
 namespace deferalloc::optim::detail {
 
-enum : int { k_mom_fp32 = 0, k_mom_bf16 = 1, k_mom_int8 = 2 };
 constexpr std::size_t k_qblock = 64;
 
 /// Byte offset of the scales in an int8 moment array of n elements (codes first).
 DFA_HD constexpr std::size_t q_scales_offset(std::size_t n) { return (n + 15) / 16 * 16; }
 DFA_HD constexpr std::size_t q_blocks(std::size_t n) { return (n + k_qblock - 1) / k_qblock; }
 /// Bytes of one moment array of n elements in format `f`.
-DFA_HD constexpr std::size_t moment_bytes(int f, std::size_t n) {
-  return f == k_mom_fp32 ? 4 * n : f == k_mom_bf16 ? 2 * n : q_scales_offset(n) + 4 * q_blocks(n);
+DFA_HD constexpr std::size_t moment_bytes(moment_format f, std::size_t n) {
+  return f == moment_format::fp32 ? 4 * n : f == moment_format::bf16 ? 2 * n : q_scales_offset(n) + 4 * q_blocks(n);
 }
 
 
@@ -239,9 +234,9 @@ struct adamw_qpiece {
   void* exp_avg_sq;
   void* model;
   const void* grad;
-  int model_type;
-  int grad_type;
-  int format;  // k_mom_bf16 or k_mom_int8
+  value_type model_type;
+  value_type grad_type;
+  moment_format format;  // bf16 or int8
   std::size_t n;
   std::size_t e0;  // the piece's first element in its shard (int8: the dither's index)
 };
@@ -252,9 +247,9 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k);
 void cuda_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, void* stream, int device, int sms);
 /// Elements [e0, e0+n) of a moment array (`which`: exp_avg or exp_avg_sq) of `numel`
 /// elements in format `f` at `home`, decoded to FP32.
-void decode_moments(int f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out);
+void decode_moments(moment_format f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out);
 /// Encodes `in` into elements [e0, e0+n) of such an array; an int8 block only partly
 /// covered is decoded first and re-encoded with the new values (its scale may change).
-void encode_moments(int f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in);
+void encode_moments(moment_format f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in);
 
 }  // namespace deferalloc::optim::detail

@@ -29,7 +29,7 @@ void encode_block(int which, const float* x, std::size_t len, std::uint8_t* c, f
 }  // namespace
 
 void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k) {
-  if (p.format == k_mom_bf16) {
+  if (p.format == moment_format::bf16) {
     auto* M = static_cast<std::uint16_t*>(p.exp_avg);
     auto* V = static_cast<std::uint16_t*>(p.exp_avg_sq);
     for (std::size_t i = 0; i < p.n; ++i) {
@@ -53,8 +53,9 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k) {
   }
 }
 
-void decode_moments(int f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out) {
-  if (f == k_mom_bf16) {
+void decode_moments(moment_format f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n,
+                    float* out) {
+  if (f == moment_format::bf16) {
     const auto* h = static_cast<const std::uint16_t*>(home);
     for (std::size_t i = 0; i < n; ++i) out[i] = from_bf16(h[e0 + i]);
     return;
@@ -68,8 +69,9 @@ void decode_moments(int f, state_array which, const void* home, std::size_t nume
   }
 }
 
-void encode_moments(int f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in) {
-  if (f == k_mom_bf16) {
+void encode_moments(moment_format f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n,
+                    const float* in) {
+  if (f == moment_format::bf16) {
     auto* h = static_cast<std::uint16_t*>(home);
     for (std::size_t i = 0; i < n; ++i) h[e0 + i] = to_bf16(in[i]);
     return;

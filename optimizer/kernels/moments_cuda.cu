@@ -89,9 +89,9 @@ void cuda_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, void* str
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) throw cuda_error(std::string("cudaSetDevice: ") + cudaGetErrorString(e));
   auto st = static_cast<cudaStream_t>(stream);
-  const std::size_t work = p.format == k_mom_bf16 ? (p.n + k_threads - 1) / k_threads : (q_blocks(p.n) + k_warps - 1) / k_warps;
+  const std::size_t work = p.format == moment_format::bf16 ? (p.n + k_threads - 1) / k_threads : (q_blocks(p.n) + k_warps - 1) / k_warps;
   const int blocks = static_cast<int>(std::min<std::size_t>(work, std::size_t(sms) * 16));
-  if (p.format == k_mom_bf16) adamw_bf16_moments<<<blocks, k_threads, 0, st>>>(p, k);
+  if (p.format == moment_format::bf16) adamw_bf16_moments<<<blocks, k_threads, 0, st>>>(p, k);
   else adamw_int8_moments<<<blocks, k_threads, 0, st>>>(p, k);
   e = cudaGetLastError();
   if (e != cudaSuccess) throw cuda_error(std::string("adamw (compressed moments) launch: ") + cudaGetErrorString(e));

@@ -131,7 +131,7 @@ struct header {
   std::uint64_t seq;        // commit sequence: the valid copy with the highest wins
   std::uint64_t table_sum;  // checksum64 of the slot's checksum table
   std::uint64_t steps_sum;  // checksum64 of the shards' step counts (format 2: the header checksum)
-  std::uint32_t moments;    // the moments' format, k_mom_* (format 3: the header checksum, with pad)
+  std::uint32_t moments;    // the moments' format, a moment_format (format 3: the header checksum, with pad)
   std::uint32_t pad;
   std::uint64_t checksum;   // of the bytes before it
 };
@@ -140,7 +140,7 @@ constexpr std::uint32_t k_version_fp32 = 3;      // FP32 moments, no format fiel
 constexpr std::uint32_t k_version_one_step = 2;  // one step count per file; still resumed
 constexpr std::size_t k_int8_segment = std::size_t{1} << 20;  // elements (Note [File tier moments])
 
-std::string format_name(int f) { return to_string(static_cast<moment_format>(f)); }
+std::string format_name(moment_format f) { return to_string(f); }
 
 std::string errtext(int e) { return std::strerror(e); }
 
@@ -186,13 +186,13 @@ bool io_batch::done() const {
 }
 
 file_store::file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
-                       std::size_t request_bytes, int moment_format)
-    : dir_(dir), format_(moment_format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)),
+                       std::size_t request_bytes, moment_format format)
+    : dir_(dir), format_(format), request_bytes_(std::max<std::size_t>(block, (request_bytes + block - 1) / block * block)),
       owner_pid_(::getpid()) {
   if (dir.empty()) throw invalid_argument("file tier: no directory given (optimizer_config::directory)");
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
-  if (format_ != k_mom_fp32 && format_ != k_mom_bf16 && format_ != k_mom_int8)
-    throw invalid_argument("file tier: unknown moment format " + std::to_string(format_));
+  if (format_ != moment_format::fp32 && format_ != moment_format::bf16 && format_ != moment_format::int8)
+    throw invalid_argument("file tier: unknown moment format " + std::to_string(static_cast<int>(format_)));
   check_dir(dir, "file tier");
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
@@ -491,8 +491,8 @@ file_store::header_state file_store::read_header(int copy, commit_record& out) {
   if (!(v4 || v3 || v2) || std::memcmp(h.magic, k_magic, 8) != 0) return header_state::damaged;
   const std::uint32_t version = v4 ? k_version : v3 ? k_version_fp32 : k_version_one_step;
   if (h.version != version || h.block_bytes != block) return header_state::other_version;
-  if (h.slot > 1 || (v4 && h.moments > k_mom_int8)) return header_state::damaged;
-  out.format = v4 ? static_cast<int>(h.moments) : k_mom_fp32;
+  if (h.slot > 1 || (v4 && h.moments > static_cast<std::uint32_t>(moment_format::int8))) return header_state::damaged;
+  out.format = v4 ? static_cast<moment_format>(h.moments) : moment_format::fp32;
   if (out.format != format_) return header_state::other_format;
   if (h.layout != layout_hash_) return header_state::other_layout;
   out.step = h.step;
@@ -507,12 +507,12 @@ file_store::header_state file_store::read_header(int copy, commit_record& out) {
 
 std::uint64_t file_store::table_offset(int slot) const { return 2 * align + 2 * slot_bytes_ + slot * table_bytes_; }
 
-std::size_t file_store::segment(int f) {
-  return f == k_mom_int8 ? k_int8_segment : f == k_mom_bf16 ? block / 2 : 1;
+std::size_t file_store::segment(moment_format f) {
+  return f == moment_format::int8 ? k_int8_segment : f == moment_format::bf16 ? block / 2 : 1;
 }
 
-std::uint64_t file_store::stored_bytes(int f, std::size_t n) {
-  if (f != k_mom_int8) return moment_bytes(f, n);
+std::uint64_t file_store::stored_bytes(moment_format f, std::size_t n) {
+  if (f != moment_format::int8) return moment_bytes(f, n);
   const std::size_t whole = n / k_int8_segment, rest = n % k_int8_segment;
   return whole * moment_bytes(f, k_int8_segment) + (rest ? moment_bytes(f, rest) : 0);
 }
@@ -686,7 +686,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
   std::memcpy(h.magic, k_magic, 8);
   // FP32 moments keep format 3, which a build before format 4 reads: a format-4 header
   // looks damaged to it, and it would resume one commit back without an error.
-  const bool v3 = format_ == k_mom_fp32;
+  const bool v3 = format_ == moment_format::fp32;
   h.version = v3 ? k_version_fp32 : k_version;
   h.slot = static_cast<std::uint32_t>(slot);
   h.layout = layout_hash_;

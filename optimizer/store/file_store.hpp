@@ -49,7 +49,7 @@ class file_store {
   static constexpr std::size_t block = std::size_t{64} << 10;
 
   /// Opens (resume) or creates `dir`/deferalloc-rank<rank>.state for shards of the given
-  /// sizes, with the moments in `moment_format` (k_mom_*: Note [File tier moments]).  A
+  /// sizes, with the moments in `format` (Note [File tier moments]).  A
   /// new file is created under a temporary name (0600, exclusive, no symlink followed),
   /// its space reserved up front (fallocate) so a full disk fails here, and renamed into
   /// place by the first commit.  `dir` must be a directory owned by this
@@ -61,7 +61,7 @@ class file_store {
   ///         truncated, both commit records unreadable, a damaged checksum table),
   ///         invalid_argument (a file whose moments are in another format)
   file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
-             std::size_t request_bytes, int moment_format = 0);
+             std::size_t request_bytes, moment_format format = moment_format::fp32);
   ~file_store();
 
   const std::string& path() const { return path_; }
@@ -83,13 +83,13 @@ class file_store {
   /// The I/O bytes of elements [e0, e0+n) of array `a` as stored (e0 on a segment
   /// boundary; the range a whole number of segments or up to the array's end).
   std::size_t io_bytes(state_array a, std::size_t e0, std::size_t n) const;
-  int moment_format() const { return format_; }
+  moment_format format() const { return format_; }
   /// Elements per segment of a moment array in format `f` (Note [File tier moments]): a
   /// request of a moment starts on one.
-  static std::size_t segment(int f);
+  static std::size_t segment(moment_format f);
   /// Bytes of the first `n` elements of a moment array in format `f` as the file stores
   /// them (`n` a whole number of segments, or the array's length).
-  static std::uint64_t stored_bytes(int f, std::size_t n);
+  static std::uint64_t stored_bytes(moment_format f, std::size_t n);
 
   /// Adds a read (write) of `bytes` at `off` to `batch` (created when null).  `buf` and
   /// `off` must be aligned, `off` on a block boundary of its slot, `bytes` whole blocks
@@ -130,7 +130,7 @@ class file_store {
   struct commit_record {
     std::uint64_t step = 0, seq = 0, table_sum = 0, steps_sum = 0;
     std::uint32_t version = 0;
-    int format = 0;  // the moments' format (formats 2 and 3: fp32)
+    moment_format format = moment_format::fp32;  // the moments' format (formats 2 and 3: fp32)
     int slot = 0;
     bool moments = false;
   };
@@ -177,7 +177,7 @@ class file_store {
   std::vector<std::uint64_t> shard_base_;
   std::vector<std::uint64_t> array_bytes_;   // per shard: the main array's bytes in a slot
   std::vector<std::uint64_t> moment_bytes_;  // per shard: one moment array's bytes in a slot
-  int format_ = 0;
+  moment_format format_ = moment_format::fp32;
   std::uint64_t slot_bytes_ = 0;
   std::size_t request_bytes_;
 

@@ -1,0 +1,85 @@
+// The window pipeline, the optimizer's fourth layer (Note [Optimizer layers] in
+// optimizer_impl.hpp): one pass drives its pieces through fetch -> compute -> write back
+// over a home's piece_mover (Note [Window pipeline] in window_pipeline.cpp).
+#pragma once
+#include <deferalloc/chunk_pool.hpp>
+#include <deferalloc/driver.hpp>
+#include <deferalloc/optimizer.hpp>
+
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "home.hpp"
+#include "kernels/compute.hpp"
+#include "progress.hpp"
+#include "shard_table.hpp"
+#include "window.hpp"
+
+namespace deferalloc::optim {
+
+/// What a pass runs on: the layers below it, which outlive it.
+struct pipeline_parts {
+  driver& drv;
+  detail::compute& comp;
+  chunk_pool& pool;  // the window's chunks
+  stream_set& streams;
+  window& slots;
+  piece_mover& home;
+  const shard_table& shards;
+  const optimizer_config& cfg;  // the moments' format, keep_window, progress reports
+};
+
+/// A step pass's inputs, per shard: the gradients (null: not stepped), their types and
+/// the step's scalars.
+struct step_inputs {
+  std::span<const void* const> grads;
+  std::span<const value_type> grad_types;
+  std::vector<detail::adamw_scalars> scalars;
+};
+
+/// The pieces of a pass over the shards `selected` (Note [Pass pieces]): the window's
+/// piece of `window_piece` elements halved while the pass keeps 12 to 24 pieces, on
+/// multiples of `align` elements.
+std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<bool>& selected,
+                                  std::size_t window_piece, std::size_t align);
+
+/// One pass over plan.pieces (Note [Window pipeline]).
+class window_pipeline {
+ public:
+  window_pipeline(const pipeline_parts& parts, pass_plan plan, step_inputs step = {});
+
+  /// Runs the pass after the work enqueued on `user`, its figures into `report`.  On
+  /// failure it drains every stream and I/O, gives the window back and throws the
+  /// cause's class with the piece it failed at.
+  void run(stream_t user, step_report& report);
+  /// After a failed run: plan.skip plus the pieces after it whose write-back was issued,
+  /// in order (a step retried with the same gradients skips them).
+  std::size_t written() const;
+
+ private:
+  std::size_t pieces() const { return plan_.pieces.size(); }
+  const piece_ref& piece(std::size_t i) const { return plan_.pieces[i]; }
+  event_t event(std::size_t i, int which);
+  const per_array<float*>& slot_of(std::size_t i) const;
+  const char* phase() const;
+  void prefetch(std::size_t j);
+  void back_slots();
+  void release_slots(stream_t s);
+  void fetch(std::size_t i);
+  void compute(std::size_t i);
+  void write_back(std::size_t i);
+  void retire(std::size_t i);
+  [[noreturn]] void fail();
+
+  pipeline_parts parts_;
+  pass_plan plan_;
+  step_inputs step_;
+  step_report* report_ = nullptr;        // run()'s
+  std::optional<progress_meter> progress_;  // run()'s
+  std::size_t params_ = 0, done_params_ = 0;  // the pass's parameters, and those retired
+  std::size_t current_ = 0;                    // the piece being enqueued (for a failure's message)
+  std::vector<bool> write_back_issued_;
+};
+
+}  // namespace deferalloc::optim
