@@ -35,6 +35,7 @@ import ctypes
 import logging
 import math
 import os
+import threading
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -336,6 +337,24 @@ _PROGRESS_AFTER_S = 1.0
 # replaced storage's values are not read (call sync_main_from_params() to take them).
 
 
+# Note [Overlap steps settle first]
+# Rationale: a BackwardOverlap (deferalloc.overlap) steps buckets on its worker thread,
+# and with a model its step() returns before they are done (the next forward waits per
+# module).  A state_dict(), opt.state read, checkpoint or load in that gap read the state
+# of some shards stepped and others not, or wrote under a running step: a checkpoint
+# silently mixed two steps.
+# Approach: an overlap registers itself in its optimizer's _overlaps (a weak set); every
+# public call that reads or writes the state or the parameters (step, state_dict,
+# load_state_dict, opt.state, checkpoints, sync_main_from_params, add_param_group) first
+# waits for the overlaps' queued steps (_quiesce), except on an overlap's own worker.  The
+# model's state_dict() waits too (a hook the overlap registers).  A bucket step holds the
+# storages the engine writes (_follow_params(hold=)), so a parameter whose storage is
+# replaced while its step runs (p.data = ...) never has freed memory written.
+# Limits: a parameter read or replaced directly (p.data, p.clone()) between step() and
+# the next forward is not waited for: it may hold the step in part, and a replaced
+# storage misses the step that was running; call the overlap's synchronize() first.
+
+
 def _span(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
 
@@ -464,6 +483,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._unheld: list[torch.Tensor] = []  # frozen at construction
         self._pushed: list[tuple | None] = []
         self._bound: list[tuple] = []  # (data_ptr, dtype, numel) per held parameter (Note [Parameter storage under the optimizer])
+        self._overlaps: "weakref.WeakSet" = weakref.WeakSet()  # BackwardOverlaps stepping it (Note [Overlap steps settle first])
         self._initialized = False
         self._python_seconds = 0.0
         for gi, g in enumerate(self.param_groups):
@@ -561,12 +581,24 @@ class StreamedAdamW(torch.optim.Optimizer):
                                            f"StreamedAdamW (its parameter {theirs} shares its memory); one optimizer "
                                            f"per parameter (delete the other first)")
 
-    def _follow_params(self) -> None:
+    def _quiesce(self) -> None:
+        """Note [Overlap steps settle first]: waits for the bucket steps of every
+        BackwardOverlap over this optimizer (not on an overlap's own worker)."""
+        for ov in list(getattr(self, "_overlaps", ())):
+            if threading.current_thread() is not ov._worker:
+                ov.synchronize()
+
+    def _follow_params(self, hold: list | None = None, shards: set | None = None) -> None:
         """Note [Parameter storage under the optimizer]: follows replaced storages of the
-        same dtype and numel, refuses other changes."""
+        same dtype and numel, refuses other changes.  ``hold`` gets, for each shard of
+        ``shards``, a tensor holding the storage the engine is bound to from here on (a
+        storage replaced during the step that follows stays alive until ``hold`` goes)."""
         lib = None
         for i, p in enumerate(self._params):
             t = self._engine_tensor(p)
+            if hold is not None and i in shards:
+                t = t.detach()  # one snapshot: p.data may be replaced by another thread
+                hold.append(t)
             ptr, dtype, numel = self._bound[i]
             if t.data_ptr() == ptr and t.dtype == dtype and t.numel() == numel:
                 continue
@@ -616,6 +648,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         load / resume).  Refused after it (InvalidStateError): the engine lays out its state
         once, for the parameters it holds then; a parameter that becomes trainable later
         needs a new optimizer (``state_dict`` / ``load_state_dict`` carry the rest over)."""
+        self._quiesce()
         if getattr(self, "_handle", None) is not None and self._initialized:
             raise InvalidStateError("StreamedAdamW.add_param_group: the state exists already (created at the first "
                                     "step, load_state_dict or resume) and its parameters are fixed; build a new "
@@ -681,6 +714,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def sync_main_from_params(self) -> None:
         """Re-derives the FP32 main params from the parameters' current values (moments and
         steps are kept): after model weights were replaced behind the optimizer's back."""
+        self._quiesce()
         if not self._initialized:
             return
         for p, i in self._shard_of.items():
@@ -704,12 +738,14 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _stepped(self, p: torch.Tensor) -> bool:
         """Whether held parameter ``p`` has state (torch's sense: stepped, or loaded)."""
+        self._quiesce()
         if p in self._empty:
             return self._empty[p] > 0
         return self._initialized and self._shard_step(self._shard_of[p]) > 0
 
     def _state_value(self, p: torch.Tensor, key: str) -> torch.Tensor:
         """One state item of held parameter ``p``, read from the engine now."""
+        self._quiesce()
         if key == "step":
             step = self._empty[p] if p in self._empty else self._shard_step(self._shard_of[p])
             return torch.tensor(float(step), dtype=torch.float32)
@@ -782,6 +818,7 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _write_state_values(self, p: torch.Tensor, values: Mapping, where: str) -> None:
         """opt.state assignments: checked, then written through."""
+        self._quiesce()
         st = self._checked_state(p, values, where, partial=True)
         self._refuse_while_speculating(where)
         self._ensure_initialized()
@@ -796,6 +833,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         and ``main_param`` (the FP32 main copy; see ``main_param_in_state_dict``), as FP32
         CPU tensors of the parameter's shape (DTensors for DTensor parameters), read from the
         tier now.  Parameters not stepped yet (and frozen ones) have no entry."""
+        self._quiesce()
         keys = [k for k in _STATE_KEYS if k != "main_param" or self.main_param_in_state_dict]
         snapshot = {p: {k: self._state_value(p, k) for k in keys} for p in self._trainable if self._stepped(p)}
         view, self.state = self.state, snapshot
@@ -811,6 +849,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         dtypes and step counts are checked before anything changes, and a refused dict
         leaves the optimizer as it was.  Does not change the parameters themselves (load the
         model's state_dict for that, first)."""
+        self._quiesce()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, state_dict)
             if out is not None:
@@ -874,6 +913,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None):
         """One AdamW step of every held parameter with a ``.grad`` (see the class docstring;
         under GradScaler see ``_amp_scale``).  ``closure`` as torch's optimizers."""
+        self._quiesce()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -909,6 +949,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         host memory).  Refused
         (InvalidStateError) for other tiers, resident parameters (``can_speculate``) and
         parameters already pending.  See Note [Speculative steps] in optimizer/streamed_adamw.cpp."""
+        self._quiesce()
         self._engine_step(_load().dfa_opt_step_speculative, "dfa_opt_step_speculative")
 
     def commit_speculation(self) -> None:
@@ -977,11 +1018,13 @@ class StreamedAdamW(torch.optim.Optimizer):
     def save_checkpoint(self, directory: str) -> None:
         """The engine's checkpoint (fast path: raw FP32 files + a checksummed manifest).
         One step count for all parameters (use state_dict() when some were skipped)."""
+        self._quiesce()
         self._ensure_initialized()
         _check(_load().dfa_opt_save_checkpoint(self._handle, directory.encode()), "dfa_opt_save_checkpoint")
 
     def load_checkpoint(self, directory: str) -> None:
         """Loads save_checkpoint's directory and writes the parameters from the main params."""
+        self._quiesce()
         self._follow_params()
         _check(_load().dfa_opt_load_checkpoint(self._handle, directory.encode()), "dfa_opt_load_checkpoint")
         self._initialized = True

@@ -89,7 +89,11 @@ of its step.  Clipping's norm is the L2 norm over the optimizer's parameters in 
 order (``clip_grad_norm_(params)`` over the same list).  On the file tier the BF16
 parameters of a pass are written before its commit: a failed commit is reported at the
 next ``step()`` or forward, and the parameters then hold the uncommitted step
-(``opt.sync_main_from_params`` is not the fix: reload or resume).
+(``opt.sync_main_from_params`` is not the fix: reload or resume).  Until the next forward
+reaches a module (or ``synchronize()``), its parameters may still be written: the
+optimizer's state calls and the model's ``state_dict()`` wait for the steps, a direct
+read or a replaced storage (``p.data = ...``) does not (Note [Overlap steps settle first]
+in optim.py).
 """
 from __future__ import annotations
 
@@ -233,6 +237,9 @@ class BackwardOverlap:
                     bs = list({self._bucket_of[p].index: self._bucket_of[p] for p in own}.values())
                     self._hooks.append(m.register_forward_pre_hook(lambda _m, _a, bs=bs: self._wait(bs)))
         self._wait_in_forward = model is not None and wait_in_forward
+        if model is not None:  # Note [Overlap steps settle first] in optim.py
+            self._hooks.append(model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize()))
+        opt._overlaps.add(self)
         self._worker = threading.Thread(target=self._run, name="deferalloc-overlap", daemon=True)
         self._worker.start()
 
@@ -412,17 +419,21 @@ class BackwardOverlap:
         shards it can keep when the items speculate (clipping) or on the file tier; the
         others plainly, their state copied out first when the items speculate."""
         opt, lib = self.opt, _load()
-        opt._follow_params()  # storage replaced under the optimizer (Note [Parameter storage under the optimizer])
+        for x in items:
+            if x.prepare is not None:
+                x.grads = x.prepare()
+        # Storage replaced under the optimizer (Note [Parameter storage under the optimizer]);
+        # ``keep`` holds what the engine writes in this pass (Note [Overlap steps settle first]).
+        keep = []
+        opt._follow_params(hold=keep, shards={opt._shard_of[p] for x in items for p, _ in x.grads})
         speculative = items[0].speculative
         use_engine = speculative or self._commit_tier
         n = len(opt._params)
         plain = (ctypes.c_void_p * n)()
         spec = (ctypes.c_void_p * n)()
         types = (ctypes.c_int * n)()
-        keep, calls = [], set()
+        calls = set()
         for x in items:
-            if x.prepare is not None:
-                x.grads = x.prepare()
             for p, g in x.grads:
                 i = opt._shard_of[p]
                 if not g.is_contiguous():
@@ -579,6 +590,7 @@ class BackwardOverlap:
         finally:
             for h in self._hooks:
                 h.remove()
+            self.opt._overlaps.discard(self)
             with self._cv:
                 self._stop = True
                 self._cv.notify_all()

@@ -10,6 +10,7 @@ test_overlap_gpu.py runs the same tests on the GPU (DFA_OVERLAP_DEVICE=cuda).
 """
 import os
 import tempfile
+import time
 import unittest
 
 import torch
@@ -61,6 +62,8 @@ def train(steps, mode, max_norm=None, bucket_mb=256, ov_kw=None, micro=1, scale=
     losses = []
     for t in range(steps):
         if t == replace_at:
+            if ov is not None:
+                ov.synchronize()  # the parameters are written until the next forward waits for them
             for p in m.parameters():
                 p.data = p.data.clone()
         for k in range(micro):
@@ -105,6 +108,38 @@ class Overlap(unittest.TestCase):
         # storage, as step() does (it stepped the freed one before).  Without clipping only:
         # while a speculation is pending the engine refuses to re-point a shard.
         self.same(train(4, "plain", replace_at=2), train(4, "overlap", bucket_mb=0, replace_at=2))
+
+    def test_state_reads_after_step_wait_for_the_buckets(self):
+        # Note [Overlap steps settle first]: step() returns before the worker is done (the
+        # next forward waits per module); a slow worker makes the gap certain.  The
+        # optimizer's state_dict, opt.state and the model's state_dict read after all of it.
+        plain = train(2, "plain")
+        m = model()
+        opt = make_opt(m)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        ov = overlap_with_backward(m, opt, bucket_mb=0)
+        slow = ov._step_bucket
+        ov._step_bucket = lambda items: (time.sleep(0.05), slow(items))[1]
+        try:
+            for t in range(2):
+                x, y = batch(t)
+                torch.nn.functional.mse_loss(forward(m, x), y).backward()
+                ov.step()
+                if t == 0:
+                    opt.zero_grad(set_to_none=True)
+                    sched.step()
+            got = opt.state_dict()["state"]
+            steps = [float(opt.state[p]["step"]) for p in opt._params]
+            weights = m.state_dict()
+        finally:
+            ov.remove()
+        want = plain[1].state_dict()["state"]
+        for i in want:
+            for k in ("main_param", "exp_avg", "exp_avg_sq", "step"):
+                self.assertTrue(torch.equal(got[i][k], want[i][k]), f"{i} {k}")
+        self.assertEqual(steps, [2.0] * len(opt._params))
+        for (n, p) in plain[0].named_parameters():
+            self.assertTrue(torch.equal(weights[n], p.detach()), n)
 
     def test_no_clipping_is_bit_identical(self):
         plain = train(6, "plain")
