@@ -16,6 +16,9 @@
 6. Each library owns its settings: no key of the optimizer's table (optimizer/settings.cpp)
    is a row of the allocator's (allocator/core/config.cpp); the allocator only names the
    optimizer's keys (Note [Keys other libraries own]).
+7. include/deferalloc/ holds the installed API only: every header there is one of the entry
+   headers users include (PUBLIC_ENTRIES) or is included by one, directly or not.  An internal
+   header lives beside its code (the fault driver in allocator/core/driver/).
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -187,6 +190,31 @@ def readme_length(root):
         if n > README_LINES else []
 
 
+# The headers a user includes (README.md and docs/*.md name them); keep in step with the docs.
+PUBLIC_ENTRIES = ["deferalloc.h", "deferalloc.hpp", "caching_allocator.hpp", "optimizer.h", "optimizer.hpp",
+                  "optimizer_settings.hpp", "distributed.hpp", "torch.hpp"]
+PUBLIC_INCLUDE = re.compile(r'^\s*#\s*include\s*<deferalloc/([^>]+)>', re.M)
+
+
+def internal_headers(root):
+    """Rule 7."""
+    top = os.path.join(root, "include", "deferalloc")
+    if not os.path.isdir(top):
+        return []
+    headers = sorted(n for n in os.listdir(top) if n.endswith((".h", ".hpp")))
+    reached, todo = set(), [h for h in PUBLIC_ENTRIES if h in headers]
+    while todo:
+        h = todo.pop()
+        if h in reached:
+            continue
+        reached.add(h)
+        with open(os.path.join(top, h), encoding="utf-8", errors="replace") as f:
+            todo += [d for d in PUBLIC_INCLUDE.findall(f.read()) if d in headers]
+    return [f"include/deferalloc/{h}: no public header includes it and it is not an entry header: an internal "
+            f"header belongs beside its code (or add it to PUBLIC_ENTRIES and document it)"
+            for h in headers if h not in reached]
+
+
 ALLOCATOR_TABLE, OPTIMIZER_TABLE = "allocator/core/config.cpp", "optimizer/settings.cpp"
 TABLE_ROW = re.compile(r'^ {4}\{"([a-z0-9_]+)",', re.M)
 
@@ -250,12 +278,14 @@ def check(root):
     problems += repeated_runs(texts)
     problems += readme_length(root)
     problems += settings_owners(root)
+    problems += internal_headers(root)
     return problems, lines, per_folder
 
 
 def self_test():
     """The checker must be able to fail: a climbing include, a fat folder, a repeated run, diary marks,
-    a long README and an optimizer key in the allocator's settings table are found."""
+    a long README, an optimizer key in the allocator's settings table and an internal header under
+    include/ are found."""
     import tempfile
     with tempfile.TemporaryDirectory() as t:
         def put(rel, text):
@@ -271,6 +301,9 @@ def self_test():
                                '/* measured\n   2026-12-01 */ int y = 0x5061b2f0;  // 5.9604644775390625e-08\n')
         put("python/deferalloc/d.py", '"""Docstring.\n\nAt b64ed16 it ran."""\nx = "2026-12-01"  # code\n# on 2026-11-30\n')
         put("README.md", "line\n" * (README_LINES + 1))
+        put("include/deferalloc/deferalloc.hpp", "#include <deferalloc/driver.hpp>\n")
+        put("include/deferalloc/driver.hpp", "int d;\n")
+        put("include/deferalloc/fault_driver.hpp", "#include <deferalloc/driver.hpp>\n")
         put(ALLOCATOR_TABLE, 'const row k_table[] = {\n    {"driver", "name",\n    {"tier", "name",\n};\n')
         problems, _, _ = check(t)
         assert any(p.startswith(f"{OPTIMIZER_TABLE}: no settings table") for p in problems), problems
@@ -288,6 +321,8 @@ def self_test():
         assert marks == ["optimizer/c.cpp:1 commit id 5061b2f", "optimizer/c.cpp:4 date 2026-12-01",
                          "python/deferalloc/d.py:3 commit id b64ed16", "python/deferalloc/d.py:5 date 2026-11-30"], marks
         assert any(p.startswith(f"README.md has {README_LINES + 1} lines") for p in problems), problems
+        internal = [p.split(":")[0] for p in problems if "not an entry header" in p]
+        assert internal == ["include/deferalloc/fault_driver.hpp"], internal
         owned = [p for p in problems if "settings table" in p]
         assert owned == [f"{ALLOCATOR_TABLE}: the optimizer's key 'tier' is a row of the allocator's settings table: "
                          f"it belongs to {OPTIMIZER_TABLE} (the allocator only names it)"], owned
