@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,15 +83,21 @@ std::string keys_of(const setting_row<T> (&table)[N]) {
 }
 
 /// The table as documentation rows.  The range text of numeric rows is made from their
-/// numbers once, and lives as long as the process.
+/// numbers once per table (two tables of one row type and size keep their own), and lives
+/// as long as the process.
 template <class T, std::size_t N>
 std::vector<setting_doc> docs_of(const setting_row<T> (&table)[N]) {
-  static const std::vector<std::string> ranges = [&] {
-    std::vector<std::string> out;
+  static std::mutex mu;
+  static std::map<const void*, std::vector<std::string>> texts;  // per table; map nodes do not move
+  std::lock_guard lk(mu);
+  auto it = texts.find(&table[0]);
+  if (it == texts.end()) {
+    std::vector<std::string> made;  // whole before it is kept: a throw leaves no half entry
     for (const auto& r : table)
-      out.push_back(r.values ? r.values : "[" + std::to_string(r.lo) + ", " + std::to_string(r.hi) + "]");
-    return out;
-  }();
+      made.push_back(r.values ? r.values : "[" + std::to_string(r.lo) + ", " + std::to_string(r.hi) + "]");
+    it = texts.emplace(&table[0], std::move(made)).first;  // the strings stay where they are
+  }
+  const std::vector<std::string>& ranges = it->second;
   std::vector<setting_doc> out;
   for (std::size_t i = 0; i < N; ++i)
     out.push_back({table[i].key, table[i].type, ranges[i].c_str(), table[i].def, table[i].doc});
