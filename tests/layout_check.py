@@ -30,10 +30,18 @@ import tokenize
 
 # The layers, lowest first (keep in step with docs/DESIGN.md).  A file belongs to the
 # layer of the longest entry that matches its path: a folder prefix, or the file's path
-# without its extension (the optimizer's layers inside optimizer/, Note [Optimizer layers]).
+# without its extension (the layers inside allocator/core/ and, Note [Optimizer layers], inside optimizer/).
 LAYERS = [
     ("include/deferalloc", 0),   # public headers
-    ("allocator/core", 1),       # driver, chunk pool, pinned pool, reservations, settings, log
+    ("allocator/core/log", 1.1),          # the allocator core: the internal logger,
+    ("allocator/core/settings", 1.1),     #   the rows of every settings table,
+    ("allocator/core/driver", 1.1),       #   the driver (VMM primitives, streams and copies),
+    ("allocator/core/errors", 1.1),       #   the typed errors,
+    ("allocator/core/chunk_pool", 1.2),   #   the chunk pool,
+    ("allocator/core/pinned_pool", 1.2),  #   the pinned pool (the host backup tier),
+    ("allocator/core/reservations", 1.3), #   the reservations and their backups,
+    ("allocator/core/mode_checks", 1.3),  #   (release modes' checks)
+    ("allocator/core", 1.4),              #   the settings table and the context
     ("allocator/caching", 2),    # the caching allocator
     ("optimizer/kernels", 3),    # the AdamW arithmetic, CPU twin and CUDA kernels
     ("optimizer/store", 4),      # the file tier's I/O
@@ -283,7 +291,8 @@ def check(root):
 
 
 def self_test():
-    """The checker must be able to fail: a climbing include, a fat folder, a repeated run, diary marks,
+    """The checker must be able to fail: a climbing include (between folders and inside the allocator's
+    core and the optimizer), a fat folder, a repeated run, diary marks,
     a long README, an optimizer key in the allocator's settings table and an internal header under
     include/ are found."""
     import tempfile
@@ -310,11 +319,15 @@ def self_test():
         put(OPTIMIZER_TABLE, 'const row k_table[] = {\n    {"tier", "name", 0,\n    {"depth", "integer",\n};\n')
         put("optimizer/optimizer_impl.hpp", "struct impl;\n")
         put("optimizer/home.hpp", '#include "optimizer_impl.hpp"\n')
+        put("allocator/core/reservations/state.hpp", "int s;\n")
+        put("allocator/core/driver/d.cpp", '#include "core/reservations/state.hpp"\n')
         problems, _, _ = check(t)
         assert any("climb" in p or "higher layer" in p for p in problems), problems
         assert any("more than a third" in p for p in problems), problems
         assert any(p.startswith("optimizer/home.hpp (layer optimizer/home) includes optimizer_impl.hpp")
                    for p in problems), problems
+        assert any(p.startswith("allocator/core/driver/d.cpp (layer allocator/core/driver) includes "
+                                "core/reservations/state.hpp") for p in problems), problems
         assert any("optimizer/a.cpp:2-7 and optimizer/kernels/b.cpp" in p for p in problems), problems
         marks = sorted(" ".join(m.groups()) for m in (re.match(r"(\S+): a (commit id|date) \(([^)]+)\)", p)
                                                        for p in problems) if m)
