@@ -121,10 +121,9 @@ dfa_status dfa_set_resident(void* ptr, int resident) {
 dfa_status dfa_tag_begin(const char* tag) {
   return guard("dfa_tag_begin", [&] {
     need(tag, "tag");
-    if (*tag == '\0') throw invalid_argument("the tag is empty");
     std::shared_lock<std::shared_mutex> lk;
     caching_allocator& a = allocator_for(-1, lk);
-    a.register_tag(tag);  // pause/resume know it from now on
+    a.register_tag(tag);  // checks the name; pause/resume know it from now on
     thread_tags().emplace_back(tag);
   });
 }
