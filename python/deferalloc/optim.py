@@ -288,11 +288,13 @@ def _group_key(g: Mapping, where: str) -> tuple:
 
 
 def _whole_mb(name: str, v) -> int | None:
-    """A size in MiB: a whole number >= 0 (None stays None)."""
+    """A size in MiB as the int the settings text takes (a whole float converts; None stays
+    None).  Its range is the engine's to check (Note [Arguments are checked where they
+    enter] in docs/DESIGN.md)."""
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
-        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB >= 0 expected)")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB expected)")
     return int(v)
 
 

@@ -474,9 +474,14 @@ class Rest(unittest.TestCase):
             torch.save(opt, os.path.join(tmp, "opt.pt"))
 
     def test_sizes_are_whole_mib(self):
-        for kw in (dict(window_mb=0.5), dict(window_mb=-1), dict(resident_mb=1.5), dict(window_mb="8")):
+        for kw in (dict(window_mb=0.5), dict(resident_mb=1.5), dict(window_mb="8")):
             with self.assertRaisesRegex(optim.InvalidArgumentError, "whole number of MiB"):
                 optim.StreamedAdamW(Net().parameters(), **kw)
+        # The range is the engine's (Note [Arguments are checked where they enter]).
+        for key in ("window_mb", "resident_mb"):
+            with self.assertRaisesRegex(optim.InvalidArgumentError,
+                                        f"dfa_opt_create: .*{key} expects an integer in \\[0, [0-9]+\\], got '-1'"):
+                optim.StreamedAdamW(Net().parameters(), **{key: -1})
         optim.StreamedAdamW(Net().parameters(), window_mb=2.0)
 
     def test_version(self):
