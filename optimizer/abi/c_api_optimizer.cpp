@@ -129,10 +129,12 @@ std::vector<value_type> grad_types(const streamed_adamw& opt, const void* const*
                                    const int* grad_dtypes) {
   need(grads, "grads");
   const auto& shards = opt.shards();
-  std::vector<value_type> gts(n);  // (a count other than the shards' is refused by the step)
+  // A count other than the shards' is refused by the step before it reads anything: the
+  // caller's arrays are not read past what the step would read either.
+  if (n != shards.size()) return {};
+  std::vector<value_type> gts(n);
   for (std::size_t i = 0; i < n; ++i)
-    gts[i] = grad_dtypes ? static_cast<value_type>(grad_dtypes[i])
-                         : i < shards.size() ? shards[i].param_type : value_type::fp32;
+    gts[i] = grad_dtypes ? static_cast<value_type>(grad_dtypes[i]) : shards[i].param_type;
   return gts;
 }
 
