@@ -470,9 +470,11 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
 void streamed_adamw::impl::check_step(const char* fn, std::span<const void* const> grads,
                                       std::span<const value_type> gts, float grad_scale) const {
   const std::string f(fn);
-  DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
+  // The count first: a wrong one is the caller's argument whatever the state (the C ABI
+  // relies on it, Note [Arguments are checked where they enter] in docs/DESIGN.md).
   DFA_EXPECTS(grads.size() == shards.size(),
               f + ": " + std::to_string(grads.size()) + " gradients for " + std::to_string(shards.size()) + " shards");
+  DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
   DFA_EXPECTS(gts.size() == shards.size(), f + ": " + std::to_string(gts.size()) + " gradient types for " +
                                                std::to_string(shards.size()) + " shards");
   for (value_type t : gts)

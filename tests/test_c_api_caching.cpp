@@ -82,6 +82,7 @@ TEST_F(c_api_caching, tags_pause_and_resume) {
   EXPECT_EQ(dfa_tag_resume("unknown", nullptr), DFA_ERROR_INVALID_ARGUMENT) << "resume of an unknown tag";
   EXPECT_EQ(dfa_tag_end(), DFA_ERROR_INVALID_STATE);
   EXPECT_EQ(dfa_tag_begin(""), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(dfa_last_error(), "dfa_tag_begin: register_tag: the tag is empty") << "checked once, by the C++ call";
   ASSERT_EQ(dfa_tag_begin("rollout"), DFA_SUCCESS);
   void* p = dfa_malloc(6 << 20, 0, nullptr);
   ASSERT_NE(p, nullptr) << dfa_last_error();

@@ -217,9 +217,12 @@ TEST(optimizer_c_api, errors_are_statuses_with_messages) {
   std::vector<std::uint16_t> p(100, 0x3F80);
   EXPECT_EQ(dfa_opt_add_shard(h.o, nullptr, 100, DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(dfa_opt_add_shard(h.o, p.data(), 100, dfa_dtype(7), 0, nullptr, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  // The ABI converts the enum and the C++ call checks it (Note [Arguments are checked where they enter]).
+  EXPECT_STREQ(dfa_opt_last_error(), "dfa_opt_add_shard: add_shard: unknown parameter type 7");
   EXPECT_EQ(dfa_opt_add_shard(h.o, p.data(), 100, DFA_DTYPE_BF16, -1, nullptr, nullptr), DFA_ERROR_INVALID_ARGUMENT);
   const void* none[1] = {nullptr};
   EXPECT_EQ(dfa_opt_step(h.o, none, 1, nullptr, 1.0f, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "no shard yet";
+  EXPECT_STREQ(dfa_opt_last_error(), "dfa_opt_step: step: 1 gradients for 0 shards");
   EXPECT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_ERROR_INVALID_STATE) << "no shard";
   ASSERT_EQ(dfa_opt_add_shard(h.o, p.data(), 100, DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
   EXPECT_EQ(dfa_opt_step(h.o, none, 1, nullptr, 1.0f, nullptr), DFA_ERROR_INVALID_STATE) << "before initialize";
@@ -236,13 +239,16 @@ TEST(optimizer_c_api, errors_are_statuses_with_messages) {
   ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS);
   EXPECT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_ERROR_INVALID_STATE);
   EXPECT_EQ(dfa_opt_step(h.o, none, 2, nullptr, 1.0f, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "count";
+  EXPECT_STREQ(dfa_opt_last_error(), "dfa_opt_step: step: 2 gradients for 1 shards");
   EXPECT_EQ(dfa_opt_step(h.o, nullptr, 1, nullptr, 1.0f, nullptr), DFA_ERROR_INVALID_ARGUMENT);
   const int bad_type[1] = {5};
   EXPECT_EQ(dfa_opt_step(h.o, none, 1, bad_type, 1.0f, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(dfa_opt_last_error(), "dfa_opt_step: step: unknown gradient type 5");
   EXPECT_EQ(dfa_opt_step(h.o, none, 1, nullptr, INFINITY, nullptr), DFA_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(dfa_opt_read_state(h.o, 0, DFA_STATE_MAIN, 98, 4, out), DFA_ERROR_INVALID_ARGUMENT) << "past the end";
   EXPECT_EQ(dfa_opt_read_state(h.o, 1, DFA_STATE_MAIN, 0, 4, out), DFA_ERROR_INVALID_ARGUMENT) << "no shard 1";
   EXPECT_EQ(dfa_opt_read_state(h.o, 0, dfa_state_array(3), 0, 4, out), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(dfa_opt_last_error(), "dfa_opt_read_state: read_state_range: unknown state array 3");
   EXPECT_EQ(dfa_opt_get_stats(h.o, nullptr), DFA_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(dfa_opt_get_stats(nullptr, nullptr), DFA_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(dfa_opt_step(h.o, none, 1, nullptr, 1.0f, nullptr), DFA_SUCCESS) << "every shard skipped";

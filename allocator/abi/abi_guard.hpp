@@ -6,8 +6,10 @@
 #include <deferalloc/deferalloc.h>
 #include <deferalloc/errors.hpp>
 
+#include <cstring>
 #include <new>
 #include <string>
+#include <type_traits>
 
 namespace deferalloc::detail {
 
@@ -33,6 +35,19 @@ dfa_status abi_guard(const char* call, std::string& last_error, F&& body) noexce
 /// @throws invalid_argument "<what> is null" for a null pointer argument.
 inline void need(const void* p, const char* what) {
   if (p == nullptr) throw invalid_argument(std::string(what) + " is null");
+}
+
+/// The integer stored in an enumeration object, read from its bytes as the signed type of
+/// its size (a C caller passes an int: -1 stays -1), never loaded as the enumeration, so
+/// an out-of-range value of a C enum is no undefined behaviour.  The ABI converts it to
+/// the C++ scoped enum (defined for any int) and the C++ call refuses a value that names
+/// no enumerator (Note [Enum values from callers] in allocator/core/mode_checks.hpp).
+template <typename E>
+long long raw_enum_value(const E& e) noexcept {
+  static_assert(std::is_enum_v<E>);
+  std::make_signed_t<std::underlying_type_t<E>> v{};
+  std::memcpy(&v, &e, sizeof v);
+  return static_cast<long long>(v);
 }
 
 }  // namespace deferalloc::detail

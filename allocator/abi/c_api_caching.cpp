@@ -12,7 +12,6 @@
 #include <utility>
 #include <vector>
 
-#include "core/mode_checks.hpp"
 #include "fault_report.hpp"
 #include "log.hpp"
 #include "process_state.hpp"
@@ -122,10 +121,9 @@ dfa_status dfa_set_resident(void* ptr, int resident) {
 dfa_status dfa_tag_begin(const char* tag) {
   return guard("dfa_tag_begin", [&] {
     need(tag, "tag");
-    if (*tag == '\0') throw invalid_argument("the tag is empty");
     std::shared_lock<std::shared_mutex> lk;
     caching_allocator& a = allocator_for(-1, lk);
-    a.register_tag(tag);  // pause/resume know it from now on
+    a.register_tag(tag);  // checks the name; pause/resume know it from now on
     thread_tags().emplace_back(tag);
   });
 }
@@ -140,7 +138,7 @@ dfa_status dfa_tag_end(void) {
 
 dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream) {
   return guard("dfa_tag_pause", [&] {
-    const keep_mode k = keep_from_int(raw_enum_value(keep));
+    const auto k = static_cast<keep_mode>(detail::raw_enum_value(keep));  // range-checked by pause
     const std::vector<std::string>& tags = thread_tags();
     if (!tags.empty())
       throw invalid_state("called inside the tagged region '" + tags.back() + "' (dfa_tag_end first)");

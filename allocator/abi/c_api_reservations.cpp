@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "core/mode_checks.hpp"
 #include "dlpack_abi.hpp"
 #include "fault_report.hpp"
 #include "process_state.hpp"
@@ -66,7 +65,8 @@ dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
 
 dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
   return guard("dfa_materialize", [&] {
-    const fill_mode f = fill_from_int(raw_enum_value(fill));  // Note [Enum values from callers]
+    // Range-checked by materialize (Note [Enum values from callers]).
+    const auto f = static_cast<fill_mode>(detail::raw_enum_value(fill));
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
@@ -76,7 +76,7 @@ dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_
 
 dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream) {
   return guard("dfa_release", [&] {
-    const keep_mode k = keep_from_int(raw_enum_value(keep));
+    const auto k = static_cast<keep_mode>(detail::raw_enum_value(keep));  // range-checked by release
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);

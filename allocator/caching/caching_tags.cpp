@@ -15,6 +15,7 @@
 #include <limits>
 
 #include "caching/allocator_state.hpp"
+#include "core/mode_checks.hpp"
 
 namespace deferalloc {
 
@@ -119,7 +120,7 @@ std::string caching_allocator::current_tag() const {
 // ---- pause / resume -----------------------------------------------------------------------
 
 void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t stream) {
-  DFA_EXPECTS(keep == keep_mode::discard || keep == keep_mode::host, "pause: keep must be discard or host");
+  expect_valid(keep, "pause");
   if (region_tag(this) != tag_id::none)
     throw invalid_state("pause('" + std::string(tag) + "'): called inside the tagged region '" + current_tag() +
                         "' (leave the region first)");

@@ -4,18 +4,17 @@
 // Note [Enum values from callers]: an out-of-range value must be refused before it is
 // used as an enumeration.  fill_mode and keep_mode are scoped enums (underlying type
 // int), so any int converts to them with defined behaviour and is_valid() tells whether
-// it names an enumerator; the C ABI's dfa_fill / dfa_keep are unscoped C enums whose
-// valid range is only their enumerators' bits, so the ABI reads their raw integer
-// (raw_enum_value) and converts with fill_from_int / keep_from_int.  The reservation
-// layer should call expect_valid() on entry (it is the C++ API's own check).
+// it names an enumerator.  The reservation layer calls expect_valid() on entry (the C++
+// API's own check, Note [Arguments are checked where they enter] in docs/DESIGN.md); the
+// C ABI's dfa_fill / dfa_keep are unscoped C enums whose valid range is only their
+// enumerators' bits, so the ABI reads their raw integer (raw_enum_value in abi_guard.hpp),
+// converts it to the scoped enum and leaves the range check to that layer.
 #pragma once
 #include <deferalloc/errors.hpp>
 #include <deferalloc/reservations.hpp>
 
-#include <cstring>
 #include <string>
 #include <string_view>
-#include <type_traits>
 
 namespace deferalloc {
 
@@ -41,31 +40,6 @@ inline void expect_valid(keep_mode k, std::string_view call) {
   if (!is_valid(k))
     throw invalid_argument(std::string(call) + ": keep " + std::to_string(static_cast<int>(k)) +
                            " is not a keep mode (0 discard, 1 host)");
-}
-
-/// The integer stored in an enumeration object, read from its bytes as the signed type of
-/// its size (a C caller passes an int: -1 stays -1), never loaded as the enumeration, so
-/// an out-of-range value of a C enum is no undefined behaviour.
-template <typename E>
-long long raw_enum_value(const E& e) noexcept {
-  static_assert(std::is_enum_v<E>);
-  std::make_signed_t<std::underlying_type_t<E>> v{};
-  std::memcpy(&v, &e, sizeof v);
-  return static_cast<long long>(v);
-}
-
-/// fill_mode from an integer; @throws invalid_argument outside [0, 2].
-inline fill_mode fill_from_int(long long raw) {
-  if (raw < 0 || raw > static_cast<int>(fill_mode::restore))
-    throw invalid_argument("fill " + std::to_string(raw) +
-                           " is not DFA_FILL_UNDEFINED (0), DFA_FILL_ZERO (1) or DFA_FILL_RESTORE (2)");
-  return static_cast<fill_mode>(raw);
-}
-/// keep_mode from an integer; @throws invalid_argument outside [0, 1].
-inline keep_mode keep_from_int(long long raw) {
-  if (raw < 0 || raw > static_cast<int>(keep_mode::host))
-    throw invalid_argument("keep " + std::to_string(raw) + " is not DFA_KEEP_DISCARD (0) or DFA_KEEP_HOST (1)");
-  return static_cast<keep_mode>(raw);
 }
 
 }  // namespace deferalloc

@@ -7,7 +7,9 @@
 // owns its driver, pool and streams, built from its settings (the typed
 // dfa_optimizer_config or a settings string, both through the optimizer's settings table:
 // Note [Optimizer settings] in optimizer/settings.cpp), so any number can live in one
-// process (the host driver's tests build several).
+// process (the host driver's tests build several).  Arguments: null pointers, struct_size
+// and the config's enums are checked here, the rest by streamed_adamw (Note [Arguments
+// are checked where they enter] in docs/DESIGN.md).
 #include <deferalloc/context.hpp>
 #include <deferalloc/errors.hpp>
 #include <deferalloc/optimizer.h>
@@ -41,6 +43,7 @@ dfa_status guard(const char* call, F&& body) noexcept {
 }
 
 using deferalloc::detail::need;
+using deferalloc::detail::raw_enum_value;
 
 streamed_adamw& opt_of(dfa_optimizer* o) {
   need(o, "the optimizer");
@@ -116,21 +119,22 @@ dfa_optimizer* create(engine_settings e) {
   return h.release();
 }
 
-value_type dtype_of(int t, const char* what) {
-  if (t < 0 || t > 2) throw invalid_argument(std::string(what) + ": unknown dtype " + std::to_string(t));
-  return static_cast<value_type>(t);
-}
+// A dfa_dtype as value_type: the C++ call refuses a value that names no type (add_shard,
+// step: Note [Arguments are checked where they enter] in docs/DESIGN.md).
+value_type dtype_of(dfa_dtype t) { return static_cast<value_type>(raw_enum_value(t)); }
 
-// The gradients' types of a step call (grad_dtypes null: each shard's parameter type),
-// after checking its arguments.
+// The gradients' types of a step call (grad_dtypes null: each shard's parameter type);
+// the step checks their number and values.
 std::vector<value_type> grad_types(const streamed_adamw& opt, const void* const* grads, std::size_t n,
-                                   const int* grad_dtypes, const char* call) {
+                                   const int* grad_dtypes) {
   need(grads, "grads");
   const auto& shards = opt.shards();
-  if (n != shards.size())
-    throw invalid_argument(std::to_string(n) + " gradients for " + std::to_string(shards.size()) + " shards");
+  // A count other than the shards' is refused by the step before it reads anything: the
+  // caller's arrays are not read past what the step would read either.
+  if (n != shards.size()) return {};
   std::vector<value_type> gts(n);
-  for (std::size_t i = 0; i < n; ++i) gts[i] = grad_dtypes ? dtype_of(grad_dtypes[i], call) : shards[i].param_type;
+  for (std::size_t i = 0; i < n; ++i)
+    gts[i] = grad_dtypes ? static_cast<value_type>(grad_dtypes[i]) : shards[i].param_type;
   return gts;
 }
 
@@ -187,7 +191,7 @@ dfa_status dfa_opt_add_shard(dfa_optimizer* o, void* param, size_t numel, dfa_dt
                              size_t* index) {
   return guard("dfa_opt_add_shard", [&] {
     auto& opt = opt_of(o);
-    const std::size_t i = opt.add_shard(param, numel, dtype_of(dtype, "dfa_opt_add_shard"), group, name ? name : "");
+    const std::size_t i = opt.add_shard(param, numel, dtype_of(dtype), group, name ? name : "");
     if (index) *index = i;
   });
 }
@@ -207,7 +211,7 @@ dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, co
                         void* stream) {
   return guard("dfa_opt_step", [&] {
     auto& opt = opt_of(o);
-    opt.step(std::span<const void* const>(grads, n), grad_types(opt, grads, n, grad_dtypes, "dfa_opt_step"), scale,
+    opt.step(std::span<const void* const>(grads, n), grad_types(opt, grads, n, grad_dtypes), scale,
              stream_t{stream});
   });
 }
@@ -217,7 +221,7 @@ dfa_status dfa_opt_step_speculative(dfa_optimizer* o, const void* const* grads, 
   return guard("dfa_opt_step_speculative", [&] {
     auto& opt = opt_of(o);
     opt.step_speculative(std::span<const void* const>(grads, n),
-                         grad_types(opt, grads, n, grad_dtypes, "dfa_opt_step_speculative"), scale, stream_t{stream});
+                         grad_types(opt, grads, n, grad_dtypes), scale, stream_t{stream});
   });
 }
 
@@ -248,14 +252,16 @@ dfa_status dfa_opt_sync_model_params(dfa_optimizer* o, void* stream) {
 }
 
 dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n, float* out) {
-  return guard("dfa_opt_read_state",
-               [&] { opt_of(o).read_state_range(shard, static_cast<state_array>(a), offset, n, out); });
+  return guard("dfa_opt_read_state", [&] {
+    opt_of(o).read_state_range(shard, static_cast<state_array>(raw_enum_value(a)), offset, n, out);
+  });
 }
 
 dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
                                const float* in) {
-  return guard("dfa_opt_write_state",
-               [&] { opt_of(o).write_state_range(shard, static_cast<state_array>(a), offset, n, in); });
+  return guard("dfa_opt_write_state", [&] {
+    opt_of(o).write_state_range(shard, static_cast<state_array>(raw_enum_value(a)), offset, n, in);
+  });
 }
 
 dfa_status dfa_opt_get_shard_step(dfa_optimizer* o, size_t shard, uint64_t* out) {

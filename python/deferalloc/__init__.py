@@ -86,6 +86,8 @@ library_path = _native.library_path
 
 
 # ---- argument checks (before anything reaches C) --------------------------------------------
+# What Python alone knows (types, ctypes widths, NULs); the rest is the library's to check
+# (Note [Arguments are checked where they enter] in docs/DESIGN.md).
 
 def _int(value, what: str, lo: int = 0, hi: int = _SIZE_MAX) -> int:
     """`value` as an int in [lo, hi]; TypeError for a float, a bool or a non-integer."""

@@ -260,7 +260,9 @@ def _checked_step(v, where: str) -> int:
 
 def _group_key(g: Mapping, where: str) -> tuple:
     """(lr, beta1, beta2, eps, weight_decay) of a param group, checked as the engine and
-    torch.optim.AdamW check them; refuses groups of another optimizer kind."""
+    torch.optim.AdamW check them; refuses groups of another optimizer kind.  Checked here
+    too because load_state_dict pushes them after the state (Note [Arguments are checked
+    where they enter] in docs/DESIGN.md)."""
     missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
     if missing:
         raise InvalidArgumentError(f"{where}: not an AdamW param group (no {', '.join(map(repr, missing))}; "
@@ -286,11 +288,13 @@ def _group_key(g: Mapping, where: str) -> tuple:
 
 
 def _whole_mb(name: str, v) -> int | None:
-    """A size in MiB: a whole number >= 0 (None stays None)."""
+    """A size in MiB as the int the settings text takes (a whole float converts; None stays
+    None).  Its range is the engine's to check (Note [Arguments are checked where they
+    enter] in docs/DESIGN.md)."""
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
-        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB >= 0 expected)")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB expected)")
     return int(v)
 
 
@@ -444,8 +448,6 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._device = devices.pop()
         if self._device.type not in ("cuda", "cpu"):
             raise InvalidArgumentError(f"StreamedAdamW: parameters on {self._device} (cuda or cpu expected)")
-        if tier == "file" and not directory:
-            raise InvalidArgumentError("StreamedAdamW: tier 'file' needs directory=")
         self._stream = stream
         self.tier = tier
         self._moment_dtype = moment_dtype
@@ -464,7 +466,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                                     settings or "") if t)
         text = self._with_rank(text)
         if tier == "file" and not resume and not overwrite:
-            self._refuse_existing_state_file(directory, text)
+            self._refuse_existing_state_file(text)
         lib = _load()
         h = ctypes.c_void_p()
         _check(lib.dfa_opt_create(text.encode(), ctypes.byref(h)), "dfa_opt_create")
@@ -518,11 +520,18 @@ class StreamedAdamW(torch.optim.Optimizer):
         return text
 
     @staticmethod
-    def _refuse_existing_state_file(directory: str, text: str) -> None:
-        rank = 0
+    def _refuse_existing_state_file(text: str) -> None:
+        """``overwrite`` is never passed down: the file the settings name is refused here.
+        No directory: the engine refuses the file tier (Note [Arguments are checked where
+        they enter] in docs/DESIGN.md)."""
+        rank, directory = 0, None
         for kv in text.split(","):
             if kv.strip().startswith("rank:"):
                 rank = int(kv.split(":", 1)[1])
+            elif kv.strip().startswith("directory:"):
+                directory = kv.split(":", 1)[1].strip()
+        if not directory:
+            return
         path = os.path.join(directory, f"deferalloc-rank{rank}.state")
         if os.path.exists(path):
             raise InvalidStateError(f"StreamedAdamW: {path} holds optimizer state already: pass resume=True to "
@@ -825,6 +834,8 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._apply_state(p, st)
 
     def _refuse_while_speculating(self, where: str) -> None:
+        # The engine refuses its own shards' writes; this covers the empty local shards only
+        # Python holds too (Note [Arguments are checked where they enter] in docs/DESIGN.md).
         if self._initialized and self.speculation_pending():
             raise InvalidStateError(f"{where}: a speculative step is pending (commit or discard it first)")
 

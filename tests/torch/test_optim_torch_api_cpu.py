@@ -447,6 +447,22 @@ class Rest(unittest.TestCase):
             with self.assertRaises(optim.InvalidArgumentError):
                 make(Net(), "file", tmp, overwrite=True, resume=True)
 
+    def test_the_file_tier_directory_is_checked_by_the_engine(self):
+        # Note [Arguments are checked where they enter]: the engine refuses a file tier
+        # without a directory; a directory given in settings= counts, and its existing state
+        # file is refused as the keyword's is (overwrite is Python's alone).
+        with self.assertRaisesRegex(optim.InvalidArgumentError, "dfa_opt_create: .*file tier needs a directory"):
+            optim.StreamedAdamW(Net().parameters(), window_mb=2, tier="file")
+        with tempfile.TemporaryDirectory() as tmp:
+            m = Net()
+            opt = optim.StreamedAdamW(m.parameters(), lr=1e-2, window_mb=2, tier="file", settings=f"directory:{tmp}")
+            train(m, opt, 1)
+            del opt
+            with self.assertRaisesRegex(optim.InvalidStateError, "holds optimizer state already"):
+                optim.StreamedAdamW(Net().parameters(), window_mb=2, tier="file", settings=f"directory:{tmp}")
+            optim.StreamedAdamW(Net().parameters(), window_mb=2, tier="file", settings=f"directory:{tmp}",
+                                overwrite=True)
+
     def test_pickle_and_deepcopy_raise_type_error(self):
         m = Net()
         opt = make(m)
@@ -458,9 +474,14 @@ class Rest(unittest.TestCase):
             torch.save(opt, os.path.join(tmp, "opt.pt"))
 
     def test_sizes_are_whole_mib(self):
-        for kw in (dict(window_mb=0.5), dict(window_mb=-1), dict(resident_mb=1.5), dict(window_mb="8")):
+        for kw in (dict(window_mb=0.5), dict(resident_mb=1.5), dict(window_mb="8")):
             with self.assertRaisesRegex(optim.InvalidArgumentError, "whole number of MiB"):
                 optim.StreamedAdamW(Net().parameters(), **kw)
+        # The range is the engine's (Note [Arguments are checked where they enter]).
+        for key in ("window_mb", "resident_mb"):
+            with self.assertRaisesRegex(optim.InvalidArgumentError,
+                                        f"dfa_opt_create: .*{key} expects an integer in \\[0, [0-9]+\\], got '-1'"):
+                optim.StreamedAdamW(Net().parameters(), **{key: -1})
         optim.StreamedAdamW(Net().parameters(), window_mb=2.0)
 
     def test_version(self):
