@@ -117,7 +117,6 @@ struct streamed_adamw::impl {
   bool moments_written = false;
   step_retry retry;
   step_report report;
-  std::size_t speculating = 0;  // shards with shard::speculative set
   open_state_write state_write;
 
   /// The tier's state is published by commits (file); else a step updates it in place:

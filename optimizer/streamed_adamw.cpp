@@ -479,8 +479,8 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
 }
 
 void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
-  DFA_EXPECTS(speculating == 0,
-              std::string(fn) + ": " + std::to_string(speculating) +
+  DFA_EXPECTS(shards.speculating() == 0,
+              std::string(fn) + ": " + std::to_string(shards.speculating()) +
                   " shard(s) have " + k_pending,
               invalid_state);
 }
@@ -555,13 +555,13 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
     throw;
   }
   for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (grads[s] != nullptr) self.shards[s].speculative = true, ++self.speculating;
+    if (grads[s] != nullptr) self.shards.mark_speculative(s);
 }
 
 void streamed_adamw::commit_speculation() {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
-  if (self.speculating == 0) return;
+  if (self.shards.speculating() == 0) return;
   std::vector<bool> stepped(self.shards.size());
   for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = self.shards[s].speculative;
   const state_counts after = self.counts_after_step(stepped);
@@ -576,24 +576,20 @@ void streamed_adamw::commit_speculation() {
     store->commit(pass_kind::step, after);
   }
   for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (self.shards[s].speculative) {
-      self.tier_home->speculation()->make_current(s);
-      self.shards[s].speculative = false;
-    }
-  self.speculating = 0;
+    if (self.shards[s].speculative) self.tier_home->speculation()->make_current(s);
+  self.shards.end_speculation();
   self.adopt(after);
 }
 
 void streamed_adamw::discard_speculation() {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
-  for (auto& s : self.shards) s.speculative = false;
-  self.speculating = 0;
+  self.shards.end_speculation();
 }
 
 std::size_t streamed_adamw::speculation_pending() const {
   std::lock_guard lk(impl_->mu);
-  return impl_->speculating;
+  return impl_->shards.speculating();
 }
 
 bool streamed_adamw::can_speculate(std::size_t s) const {
