@@ -95,6 +95,17 @@ class open_state_write {
   state_counts before_;  // moments_written and the shards' step counts when it opened
 };
 
+/// The window's pieces (streamed tiers; Note [Window slots], Note [Pass pieces]).
+struct window_shape {
+  std::size_t align = 1;  // a piece's alignment in elements: the granule or the home's
+  std::size_t piece = 0;  // elements per window slot: a power of two of `align`s
+  /// The chunk pool's classes: the slot's bytes and their halvings down to the granule.
+  std::vector<std::size_t> chunk_classes(std::size_t granule) const;
+};
+/// The window's shape for a tier of `traits`; a depth of 0 in `cfg` becomes the tier's (or
+/// what the window holds).  Throws invalid_argument when the window holds no piece.
+window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule);
+
 struct streamed_adamw::impl {
   std::mutex mu;
   std::shared_ptr<driver> drv;
@@ -109,8 +120,7 @@ struct streamed_adamw::impl {
   std::unique_ptr<home> hbm_home;      // the resident shards' (Note [Resident shards])
   detail::background_prune pruner;     // older checkpoint generations (Note [Checkpoint generations])
   std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
-  std::size_t piece = 0;               // elements per window slot (streamed tiers)
-  std::size_t piece_align = 1;  // a piece's alignment in elements: the granule or the home's (streamed tiers)
+  window_shape shape;                  // its pieces (streamed tiers)
   // The counts (with the shards' step counts in the shard table); set together by adopt().
   std::uint64_t step_count = 0;
   bool initialized = false;

@@ -66,6 +66,38 @@ const std::string k_pending = "a pending speculative step (commit_speculation or
 
 // ---- construction -------------------------------------------------------------------
 
+std::vector<std::size_t> window_shape::chunk_classes(std::size_t granule) const {
+  // The piece and its halvings down to the granule (a pass's pieces, Note [Pass pieces]).
+  std::vector<std::size_t> classes{piece * 4};
+  while (classes.back() / 2 >= granule && (classes.back() / 2) % granule == 0) classes.push_back(classes.back() / 2);
+  return classes;
+}
+
+window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule) {
+  window_shape w;
+  // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
+  w.align = std::max(granule, traits.piece_align) / 4;
+  // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
+  // if fewer (Note [Window slots]).
+  if (cfg.depth == 0)
+    cfg.depth = static_cast<int>(
+        std::clamp<std::size_t>(cfg.window_bytes / (12 * w.align), 1, static_cast<std::size_t>(traits.default_depth)));
+  // The window's piece: a power-of-two number of aligned units, the most that depth
+  // slots of three arrays fit in the window, so that it halves down to one unit (Note
+  // [Pass pieces]).
+  const std::size_t units = cfg.window_bytes / (12 * static_cast<std::size_t>(cfg.depth)) / w.align;
+  // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
+  const bool int8_file = cfg.moments == moment_format::int8 && cfg.home == tier::file;
+  DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(cfg.window_bytes) + " is too small: depth " +
+                             std::to_string(cfg.depth) + " needs at least " +
+                             std::to_string(12 * cfg.depth * w.align) + " bytes" +
+                             (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
+                                          "segments of the state file, so each slot of depth needs 12 MiB)"
+                                        : ""));
+  w.piece = std::bit_floor(units) * w.align;  // params
+  return w;
+}
+
 streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg) : impl_(std::make_unique<impl>()) {
   auto& self = *impl_;
   DFA_EXPECTS(drv != nullptr, "streamed_adamw: driver is null");
@@ -80,42 +112,20 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
               std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(self.cfg.home) +
                   " tier keeps all or none of its state in HBM)");
   const home_traits traits = traits_of(self.cfg.home, self.cfg.moments);
-  const std::size_t g = self.drv->granularity();
   if (traits.streamed) {
-    // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
-    self.piece_align = std::max(g, traits.piece_align) / 4;
-    // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
-    // if fewer (Note [Window slots]).
-    if (self.cfg.depth == 0)
-      self.cfg.depth = static_cast<int>(std::clamp<std::size_t>(self.cfg.window_bytes / (12 * self.piece_align), 1,
-                                                              static_cast<std::size_t>(traits.default_depth)));
-    // The window's piece: a power-of-two number of aligned units, the most that depth
-    // slots of three arrays fit in the window, so that it halves down to one unit (Note
-    // [Pass pieces]).
-    const std::size_t units = self.cfg.window_bytes / (12 * static_cast<std::size_t>(self.cfg.depth)) / self.piece_align;
-    // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
-    const bool int8_file = self.cfg.moments == moment_format::int8 && self.cfg.home == tier::file;
-    DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(self.cfg.window_bytes) + " is too small: depth " +
-                               std::to_string(self.cfg.depth) + " needs at least " +
-                               std::to_string(12 * self.cfg.depth * self.piece_align) + " bytes" +
-                               (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
-                                            "segments of the state file, so each slot of depth needs 12 MiB)"
-                                          : ""));
-    self.piece = std::bit_floor(units) * self.piece_align;  // params
+    self.shape = shape_window(self.cfg, traits, self.drv->granularity());
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
     // (resident chunks stay taken).
-    // Chunk classes: the piece and its halvings down to the granule (a pass's pieces,
-    // Note [Pass pieces]).
-    std::vector<std::size_t> classes{self.piece * 4};
-    while (classes.back() / 2 >= g && (classes.back() / 2) % g == 0) classes.push_back(classes.back() / 2);
     self.pool = std::make_shared<chunk_pool>(
-        self.drv, chunk_pool_config{classes, self.cfg.window_bytes + self.cfg.resident_bytes, self.cfg.window_bytes});
+        self.drv, chunk_pool_config{self.shape.chunk_classes(self.drv->granularity()),
+                                    self.cfg.window_bytes + self.cfg.resident_bytes, self.cfg.window_bytes});
   } else {
     self.pool = std::make_shared<chunk_pool>(self.drv);
   }
   self.mgr = std::make_unique<reservation_manager>(self.pool);
-  if (traits.streamed) self.slots = std::make_unique<window>(*self.mgr, static_cast<std::size_t>(self.cfg.depth), self.piece * 4);
+  if (traits.streamed)
+    self.slots = std::make_unique<window>(*self.mgr, static_cast<std::size_t>(self.cfg.depth), self.shape.piece * 4);
   self.comp = detail::make_compute(*self.drv);
   self.streams = std::make_unique<stream_set>(*self.drv);
   self.make_homes();
@@ -289,7 +299,7 @@ void streamed_adamw::end_state_write(bool publish) {
   self.close_write(publish);
 }
 
-std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
+std::size_t streamed_adamw::piece_elements() const { return impl_->shape.piece; }
 step_report streamed_adamw::last_report() const { return impl_->report; }
 reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
 
@@ -328,7 +338,7 @@ std::vector<piece_ref> streamed_adamw::impl::pieces(std::span<const void* const>
   for (std::size_t s = 0; s < shards.size(); ++s)
     selected[s] = !shards[s].resident && (grads.empty() || grads[s] != nullptr ||
                                           (!in_place() && !speculative && !shards[s].speculative));
-  return cut_pieces(shards, selected, piece, piece_align);
+  return cut_pieces(shards, selected, shape.piece, shape.align);
 }
 
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
@@ -352,7 +362,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.speculative = speculative;  // the home writes back into the second copy
   plan.moments_stored = moments_written;
   plan.depth = static_cast<std::size_t>(cfg.depth);
-  plan.window_piece = piece;
+  plan.window_piece = shape.piece;
   step_inputs step{grads, gts, {}};
   if (kind == pass_kind::step)
     for (std::size_t s = 0; s < shards.size(); ++s) step.scalars.push_back(scalars(s, grad_scale));
