@@ -23,10 +23,13 @@
 // Nothing below the facade calls it: what a lower layer learns (a resumed state file's
 // counts, a failed pass's progress) is a return value or a query.  progress.hpp reports
 // a long operation's progress to the user's callback and stderr.
+// The facade's own state is grouped by what it holds: the window's shape (window_shape),
+// a failed step's retry (step_retry), the open state write (open_state_write), the
+// counts (set together by adopt(); the shards' step counts and speculation flags are the
+// shard table's).
 // Limits: the facade's state is one struct, private to streamed_adamw and shared by its
-// files (streamed_adamw.cpp, resident.cpp, checkpoint.cpp); its counts change through
-// adopt(), a failed step's progress through step_retry, an open state write through
-// open_state_write, but the layers it holds are plain members.
+// files (streamed_adamw.cpp, resident.cpp, checkpoint.cpp); the layers it holds and its
+// counts are plain members that those files read.
 #pragma once
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/optimizer.hpp>
@@ -169,6 +172,11 @@ struct streamed_adamw::impl {
   /// the step writes a new copy of the state (file tier), which must carry the others
   /// (a speculative step does not: commit_speculation carries them).
   std::vector<piece_ref> pieces(std::span<const void* const> grads = {}, bool speculative = false) const;
+  /// Group g's hyper-parameters: set_group's, else cfg.adamw.
+  const adamw_params& hyper_of(int g) const {
+    auto it = groups.find(g);
+    return it == groups.end() ? cfg.adamw : it->second;
+  }
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   /// One pass of the window pipeline over every piece (window_pipeline.cpp); a failed one

@@ -217,8 +217,7 @@ void streamed_adamw::set_group(int g, const adamw_params& p) {
 }
 adamw_params streamed_adamw::group(int g) const {
   std::lock_guard lk(impl_->mu);
-  auto it = impl_->groups.find(g);
-  return it == impl_->groups.end() ? impl_->cfg.adamw : it->second;
+  return impl_->hyper_of(g);
 }
 std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
   std::lock_guard lk(impl_->mu);
@@ -342,8 +341,7 @@ std::vector<piece_ref> streamed_adamw::impl::pieces(std::span<const void* const>
 }
 
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
-  auto it = groups.find(shards[s].info.group);
-  const adamw_params& h = it == groups.end() ? cfg.adamw : it->second;
+  const adamw_params& h = hyper_of(shards[s].info.group);
   auto k = detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale,
                                 [this](float base, float e) { return comp->pow(base, e); });
   k.seed = detail::step_seed(shards[s].step + 1, s);
