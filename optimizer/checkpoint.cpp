@@ -389,15 +389,12 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
       ::close(fd);
       progress.report(done += es[s].numel);
     }
-  std::vector<std::uint64_t> steps;
-  for (const auto& e : es) steps.push_back(e.step);
-  if (store) store->commit_load(slot, {step, moments != 0, steps});
-  self.step_count = step;
-  for (std::size_t s = 0; s < count; ++s) self.shards[s].step = steps[s];
-  self.moments_written = moments != 0;
+  state_counts loaded{step, moments != 0, {}};
+  for (const auto& e : es) loaded.shard_steps.push_back(e.step);
+  if (store) store->commit_load(slot, loaded);
+  self.adopt(loaded);
   self.cfg.adamw = h;
-  self.initialized = true;
-  self.retry.step = 0;
+  self.retry.clear();
   self.sync_model(nullptr);
   self.drv->synchronize_stream(nullptr);
 }

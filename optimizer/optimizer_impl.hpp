@@ -23,8 +23,13 @@
 // Nothing below the facade calls it: what a lower layer learns (a resumed state file's
 // counts, a failed pass's progress) is a return value or a query.  progress.hpp reports
 // a long operation's progress to the user's callback and stderr.
-// Limits: the facade's state is one struct, private to streamed_adamw (its files read
-// and write it directly); resident.cpp and checkpoint.cpp are the facade's too.
+// The facade's own state is grouped by what it holds: the window's shape (window_shape),
+// a failed step's retry (step_retry), the open state write (open_state_write), the
+// counts (set together by adopt(); the shards' step counts and speculation flags are the
+// shard table's).
+// Limits: the facade's state is one struct, private to streamed_adamw and shared by its
+// files (streamed_adamw.cpp, resident.cpp, checkpoint.cpp); the layers it holds and its
+// counts are plain members that those files read.
 #pragma once
 #include <deferalloc/chunk_pool.hpp>
 #include <deferalloc/optimizer.hpp>
@@ -33,6 +38,8 @@
 #include <map>
 #include <mutex>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "home.hpp"
 #include "kernels/compute.hpp"
@@ -41,6 +48,66 @@
 #include "window.hpp"
 
 namespace deferalloc::optim {
+
+/// A step that failed part-way on an in-place tier (host, device), retried by a step()
+/// with the same gradients: what the retry skips.  Private so that a retry is only ever
+/// asked for by the number of the step it retries.
+class step_retry {
+ public:
+  /// Pieces (device tier: shards) that step number `next` skips: those its failed try
+  /// wrote back; 0 when `next` is not the failed step.
+  std::size_t skip(std::uint64_t next) const { return step_ == next ? pieces_done_ : 0; }
+  /// Step number `next`'s resident shards were enqueued by its failed try.
+  bool resident_stepped(std::uint64_t next) const { return step_ == next && resident_stepped_; }
+  void resident_enqueued() { resident_stepped_ = true; }
+  /// A pass (device tier: the loop over the shards) wrote back its first `pieces`.
+  void progressed(std::size_t pieces) { pieces_done_ = pieces; }
+  /// Step number `next` failed part-way: the next step() retries it.
+  void failed(std::uint64_t next) { step_ = next; }
+  bool pending() const { return step_ != 0; }
+  /// Nothing to retry (a step done, a committed store's failed step, new state).
+  void clear() { *this = step_retry{}; }
+
+ private:
+  std::uint64_t step_ = 0;         // the failed step's number, 0 = none
+  std::size_t pieces_done_ = 0;    // its pieces (device tier: shards) already written back
+  bool resident_stepped_ = false;  // its resident shards are enqueued
+};
+
+/// The state write open on the facade (Note [State writes] in home.cpp): whether one is
+/// open, who opened it and the counts it changes, restored if it is dropped.
+class open_state_write {
+ public:
+  bool open() const { return open_; }
+  /// Opened by write_state_range or set_shard_step itself, published by the next use.
+  bool implicit() const { return implicit_; }
+  void begin(bool implicit, state_counts before) {
+    open_ = true;
+    implicit_ = implicit;
+    before_ = std::move(before);
+  }
+  /// Closes it; returns the counts when it opened.
+  const state_counts& end() {
+    open_ = false;
+    return before_;
+  }
+
+ private:
+  bool open_ = false;
+  bool implicit_ = false;
+  state_counts before_;  // moments_written and the shards' step counts when it opened
+};
+
+/// The window's pieces (streamed tiers; Note [Window slots], Note [Pass pieces]).
+struct window_shape {
+  std::size_t align = 1;  // a piece's alignment in elements: the granule or the home's
+  std::size_t piece = 0;  // elements per window slot: a power of two of `align`s
+  /// The chunk pool's classes: the slot's bytes and their halvings down to the granule.
+  std::vector<std::size_t> chunk_classes(std::size_t granule) const;
+};
+/// The window's shape for a tier of `traits`; a depth of 0 in `cfg` becomes the tier's (or
+/// what the window holds).  Throws invalid_argument when the window holds no piece.
+window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule);
 
 struct streamed_adamw::impl {
   std::mutex mu;
@@ -56,26 +123,14 @@ struct streamed_adamw::impl {
   std::unique_ptr<home> hbm_home;      // the resident shards' (Note [Resident shards])
   detail::background_prune pruner;     // older checkpoint generations (Note [Checkpoint generations])
   std::map<int, adamw_params> groups;  // set_group; others use cfg.adamw
-  std::size_t piece = 0;               // elements per window slot (streamed tiers)
-  std::size_t piece_align = 1;  // a piece's alignment in elements: the granule or the home's (streamed tiers)
+  window_shape shape;                  // its pieces (streamed tiers)
+  // The counts (with the shards' step counts in the shard table); set together by adopt().
   std::uint64_t step_count = 0;
   bool initialized = false;
   bool moments_written = false;
-  /// A step that failed part-way (in place tiers), retried with the same gradients.
-  struct failed_step {
-    std::uint64_t step = 0;        // its step number, 0 = none
-    std::size_t pieces_done = 0;   // its pieces (device tier: shards) already written back
-    bool resident_stepped = false;  // its resident shards are enqueued (the retry skips them)
-  } retry;
+  step_retry retry;
   step_report report;
-  std::size_t speculating = 0;  // shards with shard::speculative set
-  /// The open state write (Note [State writes] in home.cpp).
-  struct open_write_state {
-    bool open = false;
-    bool implicit = false;        // opened by write_state_range itself, published by the next use
-    bool moments_before = false;  // moments_written when it opened (restored by an abort)
-    std::vector<std::uint64_t> steps_before;  // the shards' step counts then
-  } state_write;
+  open_state_write state_write;
 
   /// The tier's state is published by commits (file); else a step updates it in place:
   /// a step that failed part-way is retried from where it stopped, a checkpoint load
@@ -88,6 +143,11 @@ struct streamed_adamw::impl {
   void after(stream_t waiter, stream_t producer) { streams->after(waiter, producer); }
   /// The counts a commit publishes.
   state_counts counts() const { return {step_count, moments_written, shards.steps()}; }
+  /// The counts after a step of the shards `stepped` (one flag per shard).
+  state_counts counts_after_step(const std::vector<bool>& stepped) const;
+  /// The state is at `c` from now on (initialize(), a resumed state file, a loaded
+  /// checkpoint, a step done): the counts and the shards' step counts.
+  void adopt(const state_counts& c);
 
   /// Opens a state write (implicit: by write_state_range, published by settle_writes).
   void open_write(bool implicit);
@@ -112,6 +172,11 @@ struct streamed_adamw::impl {
   /// the step writes a new copy of the state (file tier), which must carry the others
   /// (a speculative step does not: commit_speculation carries them).
   std::vector<piece_ref> pieces(std::span<const void* const> grads = {}, bool speculative = false) const;
+  /// Group g's hyper-parameters: set_group's, else cfg.adamw.
+  const adamw_params& hyper_of(int g) const {
+    auto it = groups.find(g);
+    return it == groups.end() ? cfg.adamw : it->second;
+  }
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
   /// One pass of the window pipeline over every piece (window_pipeline.cpp); a failed one

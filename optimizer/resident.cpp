@@ -50,7 +50,7 @@ void streamed_adamw::impl::step_device_shards(std::span<const void* const> grads
     if ((all || shards[s].resident) && grads[s] != nullptr)
       comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], sh.param_type, gts[s], sh.numel},
                   scalars(s, grad_scale), exec());
-    if (all) retry.pieces_done = s + 1;
+    if (all) retry.progressed(s + 1);
   }
 }
 

@@ -14,6 +14,16 @@ void shard_table::mark_resident(std::size_t s) {
   infos_[s].resident = true;
 }
 
+void shard_table::mark_speculative(std::size_t s) {
+  if (!shards_[s].speculative) ++speculating_;
+  shards_[s].speculative = true;
+}
+
+void shard_table::end_speculation() {
+  for (auto& s : shards_) s.speculative = false;
+  speculating_ = 0;
+}
+
 void shard_table::set_param(std::size_t s, void* param) {
   // Both copies of the pointer, and nothing else: infos_[s] also carries `resident`.
   auto* bf16 = shards_[s].info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;

@@ -68,6 +68,12 @@ class shard_table {
   const std::vector<shard_info>& infos() const { return infos_; }
   /// Shard `s` is resident in HBM from now on (Note [Resident shards]).
   void mark_resident(std::size_t s);
+  /// Shard `s` was stepped speculatively (Note [Speculative steps]); until
+  /// end_speculation() its `speculative` flag is set and it counts in speculating().
+  void mark_speculative(std::size_t s);
+  /// The speculation is committed or discarded: no shard is speculative.
+  void end_speculation();
+  std::size_t speculating() const { return speculating_; }
   /// Shard `s`'s model parameter moves to `param` (both copies of the pointer).
   void set_param(std::size_t s, void* param);
 
@@ -80,6 +86,7 @@ class shard_table {
  private:
   std::vector<shard> shards_;
   std::vector<shard_info> infos_;
+  std::size_t speculating_ = 0;  // shards with `speculative` set
 };
 
 }  // namespace deferalloc::optim

@@ -66,6 +66,38 @@ const std::string k_pending = "a pending speculative step (commit_speculation or
 
 // ---- construction -------------------------------------------------------------------
 
+std::vector<std::size_t> window_shape::chunk_classes(std::size_t granule) const {
+  // The piece and its halvings down to the granule (a pass's pieces, Note [Pass pieces]).
+  std::vector<std::size_t> classes{piece * 4};
+  while (classes.back() / 2 >= granule && (classes.back() / 2) % granule == 0) classes.push_back(classes.back() / 2);
+  return classes;
+}
+
+window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule) {
+  window_shape w;
+  // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
+  w.align = std::max(granule, traits.piece_align) / 4;
+  // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
+  // if fewer (Note [Window slots]).
+  if (cfg.depth == 0)
+    cfg.depth = static_cast<int>(
+        std::clamp<std::size_t>(cfg.window_bytes / (12 * w.align), 1, static_cast<std::size_t>(traits.default_depth)));
+  // The window's piece: a power-of-two number of aligned units, the most that depth
+  // slots of three arrays fit in the window, so that it halves down to one unit (Note
+  // [Pass pieces]).
+  const std::size_t units = cfg.window_bytes / (12 * static_cast<std::size_t>(cfg.depth)) / w.align;
+  // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
+  const bool int8_file = cfg.moments == moment_format::int8 && cfg.home == tier::file;
+  DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(cfg.window_bytes) + " is too small: depth " +
+                             std::to_string(cfg.depth) + " needs at least " +
+                             std::to_string(12 * cfg.depth * w.align) + " bytes" +
+                             (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
+                                          "segments of the state file, so each slot of depth needs 12 MiB)"
+                                        : ""));
+  w.piece = std::bit_floor(units) * w.align;  // params
+  return w;
+}
+
 streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg) : impl_(std::make_unique<impl>()) {
   auto& self = *impl_;
   DFA_EXPECTS(drv != nullptr, "streamed_adamw: driver is null");
@@ -80,42 +112,20 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
               std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(self.cfg.home) +
                   " tier keeps all or none of its state in HBM)");
   const home_traits traits = traits_of(self.cfg.home, self.cfg.moments);
-  const std::size_t g = self.drv->granularity();
   if (traits.streamed) {
-    // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
-    self.piece_align = std::max(g, traits.piece_align) / 4;
-    // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
-    // if fewer (Note [Window slots]).
-    if (self.cfg.depth == 0)
-      self.cfg.depth = static_cast<int>(std::clamp<std::size_t>(self.cfg.window_bytes / (12 * self.piece_align), 1,
-                                                              static_cast<std::size_t>(traits.default_depth)));
-    // The window's piece: a power-of-two number of aligned units, the most that depth
-    // slots of three arrays fit in the window, so that it halves down to one unit (Note
-    // [Pass pieces]).
-    const std::size_t units = self.cfg.window_bytes / (12 * static_cast<std::size_t>(self.cfg.depth)) / self.piece_align;
-    // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
-    const bool int8_file = self.cfg.moments == moment_format::int8 && self.cfg.home == tier::file;
-    DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(self.cfg.window_bytes) + " is too small: depth " +
-                               std::to_string(self.cfg.depth) + " needs at least " +
-                               std::to_string(12 * self.cfg.depth * self.piece_align) + " bytes" +
-                               (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
-                                            "segments of the state file, so each slot of depth needs 12 MiB)"
-                                          : ""));
-    self.piece = std::bit_floor(units) * self.piece_align;  // params
+    self.shape = shape_window(self.cfg, traits, self.drv->granularity());
     // One chunk per array per slot (Note [Window slots]).  Budget: the window and the
     // resident shards (Note [Resident shards]); the cache holds the window's chunks only
     // (resident chunks stay taken).
-    // Chunk classes: the piece and its halvings down to the granule (a pass's pieces,
-    // Note [Pass pieces]).
-    std::vector<std::size_t> classes{self.piece * 4};
-    while (classes.back() / 2 >= g && (classes.back() / 2) % g == 0) classes.push_back(classes.back() / 2);
     self.pool = std::make_shared<chunk_pool>(
-        self.drv, chunk_pool_config{classes, self.cfg.window_bytes + self.cfg.resident_bytes, self.cfg.window_bytes});
+        self.drv, chunk_pool_config{self.shape.chunk_classes(self.drv->granularity()),
+                                    self.cfg.window_bytes + self.cfg.resident_bytes, self.cfg.window_bytes});
   } else {
     self.pool = std::make_shared<chunk_pool>(self.drv);
   }
   self.mgr = std::make_unique<reservation_manager>(self.pool);
-  if (traits.streamed) self.slots = std::make_unique<window>(*self.mgr, static_cast<std::size_t>(self.cfg.depth), self.piece * 4);
+  if (traits.streamed)
+    self.slots = std::make_unique<window>(*self.mgr, static_cast<std::size_t>(self.cfg.depth), self.shape.piece * 4);
   self.comp = detail::make_compute(*self.drv);
   self.streams = std::make_unique<stream_set>(*self.drv);
   self.make_homes();
@@ -126,7 +136,7 @@ streamed_adamw::~streamed_adamw() {
   auto& self = *impl_;
   try {
     // An open state write is published (implicit) or dropped (explicit, as the header says).
-    if (self.state_write.open) self.close_write(self.state_write.implicit);
+    if (self.state_write.open()) self.close_write(self.state_write.implicit());
   } catch (const std::exception& e) {
     deferalloc::detail::log(log_level::error, std::string("streamed_adamw: state write not published: ") + e.what());
   }
@@ -207,8 +217,7 @@ void streamed_adamw::set_group(int g, const adamw_params& p) {
 }
 adamw_params streamed_adamw::group(int g) const {
   std::lock_guard lk(impl_->mu);
-  auto it = impl_->groups.find(g);
-  return it == impl_->groups.end() ? impl_->cfg.adamw : it->second;
+  return impl_->hyper_of(g);
 }
 std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
   std::lock_guard lk(impl_->mu);
@@ -229,7 +238,7 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   self.refuse_if_speculating("set_shard_step");
   // The file tier publishes it with the state write under way, or with one of its own
   // (Note [State writes] in home.cpp); the others keep it in memory.
-  if (!self.state_write.open && !self.in_place()) self.open_write(true);
+  if (!self.state_write.open() && !self.in_place()) self.open_write(true);
   self.shards[s].step = step;
 }
 
@@ -244,21 +253,18 @@ void streamed_adamw::set_shard_param(std::size_t s, void* param) {
 
 void streamed_adamw::impl::open_write(bool implicit) {
   if (committed_store* store = tier_home->store()) store->begin_write();
-  state_write.open = true;
-  state_write.implicit = implicit;
-  state_write.moments_before = moments_written;
-  state_write.steps_before = shards.steps();
+  state_write.begin(implicit, counts());
 }
 
 void streamed_adamw::impl::close_write(bool publish) {
-  if (!state_write.open) return;
-  state_write.open = false;
+  if (!state_write.open()) return;
+  const state_counts before = state_write.end();
   // A write not published leaves the file tier's committed state, and so its counts;
   // the in-place tiers keep what was written.
   auto keep_old = [&] {
     if (in_place()) return;
-    moments_written = state_write.moments_before;
-    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = state_write.steps_before[s];
+    moments_written = before.moments_written;
+    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = before.shard_steps[s];
   };
   try {
     if (committed_store* store = tier_home->store()) store->end_write(publish, counts());
@@ -270,8 +276,8 @@ void streamed_adamw::impl::close_write(bool publish) {
 }
 
 void streamed_adamw::impl::settle_writes(const char* fn) {
-  if (!state_write.open) return;
-  DFA_EXPECTS(state_write.implicit, std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
+  if (!state_write.open()) return;
+  DFA_EXPECTS(state_write.implicit(), std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
   close_write(true);
 }
 
@@ -288,11 +294,11 @@ void streamed_adamw::begin_state_write() {
 void streamed_adamw::end_state_write(bool publish) {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
-  if (!self.state_write.open || self.state_write.implicit) return;
+  if (!self.state_write.open() || self.state_write.implicit()) return;
   self.close_write(publish);
 }
 
-std::size_t streamed_adamw::piece_elements() const { return impl_->piece; }
+std::size_t streamed_adamw::piece_elements() const { return impl_->shape.piece; }
 step_report streamed_adamw::last_report() const { return impl_->report; }
 reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
 
@@ -307,12 +313,20 @@ void streamed_adamw::impl::make_homes() {
 void streamed_adamw::impl::open_state() {
   committed_store* store = tier_home->store();
   if (!store) return;
-  if (auto resumed = store->open()) {
-    step_count = resumed->step;
-    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = resumed->shard_steps[s];
-    moments_written = resumed->moments_written;
-    initialized = true;
-  }
+  if (auto resumed = store->open()) adopt(*resumed);
+}
+
+state_counts streamed_adamw::impl::counts_after_step(const std::vector<bool>& stepped) const {
+  state_counts after{step_count + 1, true, shards.steps()};
+  for (std::size_t s = 0; s < shards.size(); ++s) after.shard_steps[s] += stepped[s];
+  return after;
+}
+
+void streamed_adamw::impl::adopt(const state_counts& c) {
+  step_count = c.step;
+  for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = c.shard_steps[s];
+  moments_written = c.moments_written;
+  initialized = true;
 }
 
 std::vector<piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads, bool speculative) const {
@@ -323,12 +337,11 @@ std::vector<piece_ref> streamed_adamw::impl::pieces(std::span<const void* const>
   for (std::size_t s = 0; s < shards.size(); ++s)
     selected[s] = !shards[s].resident && (grads.empty() || grads[s] != nullptr ||
                                           (!in_place() && !speculative && !shards[s].speculative));
-  return cut_pieces(shards, selected, piece, piece_align);
+  return cut_pieces(shards, selected, shape.piece, shape.align);
 }
 
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {
-  auto it = groups.find(shards[s].info.group);
-  const adamw_params& h = it == groups.end() ? cfg.adamw : it->second;
+  const adamw_params& h = hyper_of(shards[s].info.group);
   auto k = detail::make_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, shards[s].step + 1, grad_scale,
                                 [this](float base, float e) { return comp->pow(base, e); });
   k.seed = detail::step_seed(shards[s].step + 1, s);
@@ -347,7 +360,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.speculative = speculative;  // the home writes back into the second copy
   plan.moments_stored = moments_written;
   plan.depth = static_cast<std::size_t>(cfg.depth);
-  plan.window_piece = piece;
+  plan.window_piece = shape.piece;
   step_inputs step{grads, gts, {}};
   if (kind == pass_kind::step)
     for (std::size_t s = 0; s < shards.size(); ++s) step.scalars.push_back(scalars(s, grad_scale));
@@ -356,7 +369,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   try {
     pass.run(user, report);
   } catch (...) {
-    retry.pieces_done = pass.written();
+    retry.progressed(pass.written());
     throw;
   }
 }
@@ -373,6 +386,7 @@ void streamed_adamw::initialize(stream_t stream) {
                                         std::to_string(self.step_count) + " (call sync_model_params, not initialize)"
                                   : std::string("initialize: already initialized"),
               invalid_state);
+  const state_counts fresh{0, false, std::vector<std::uint64_t>(self.shards.size(), 0)};
   if (!self.streamed()) {
     auto t0 = clk::now();
     self.after(self.exec(), stream);
@@ -387,13 +401,9 @@ void streamed_adamw::initialize(stream_t stream) {
     self.init_device_shards(false);
     self.run_pass(pass_kind::init, {}, {}, 1.0f, stream, 0);
     self.drv->synchronize_stream(self.exec());
-    if (committed_store* store = self.tier_home->store())
-      store->commit(pass_kind::init, {0, false, std::vector<std::uint64_t>(self.shards.size(), 0)});
+    if (committed_store* store = self.tier_home->store()) store->commit(pass_kind::init, fresh);
   }
-  self.step_count = 0;
-  for (auto& s : self.shards) s.step = 0;
-  self.moments_written = false;
-  self.initialized = true;
+  self.adopt(fresh);
 }
 
 void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, float grad_scale, stream_t stream) {
@@ -417,7 +427,11 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   if (!self.in_place()) self.refuse_if_speculating("step");
 
   // An in-place step that failed part-way resumes where it stopped (same gradients).
-  const std::size_t skip = self.retry.step == self.step_count + 1 ? self.retry.pieces_done : 0;
+  const std::uint64_t next = self.step_count + 1;
+  const std::size_t skip = self.retry.skip(next);
+  std::vector<bool> stepped(self.shards.size());
+  for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = grads[s] != nullptr;
+  const state_counts after = self.counts_after_step(stepped);
   try {
     if (!self.streamed()) {
       auto t0 = clk::now();
@@ -430,23 +444,19 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     } else {
       // Resident shards first (the GPU steps them while the link streams the rest); a
       // retry of a failed step does not step them twice.
-      if (!(self.retry.step == self.step_count + 1 && self.retry.resident_stepped)) {
+      if (!self.retry.resident_stepped(next)) {
         self.after(self.exec(), stream);
         self.step_device_shards(grads, gts, grad_scale, 0, false);
-        self.retry.resident_stepped = true;
+        self.retry.resident_enqueued();
       }
       self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, skip);
-      if (committed_store* store = self.tier_home->store()) {
-        state_counts after{self.step_count + 1, true, self.shards.steps()};
-        for (std::size_t s = 0; s < self.shards.size(); ++s) after.shard_steps[s] += grads[s] != nullptr;
-        store->commit(pass_kind::step, after);
-      }
+      if (committed_store* store = self.tier_home->store()) store->commit(pass_kind::step, after);
       self.after(stream, self.exec());
     }
   } catch (...) {
     if (!self.in_place()) {
       // The commit record still names the previous step; make the BF16 params match it.
-      self.retry.step = 0;
+      self.retry.clear();
       try {
         self.sync_model(stream);
       } catch (const std::exception& e2) {
@@ -454,17 +464,12 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
                                 std::string("step failed and the BF16 params could not be restored: ") + e2.what());
       }
     } else {
-      self.retry.step = self.step_count + 1;
+      self.retry.failed(next);
     }
     throw;
   }
-  self.retry.step = 0;
-  self.retry.pieces_done = 0;
-  self.retry.resident_stepped = false;
-  self.moments_written = true;
-  ++self.step_count;
-  for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (grads[s] != nullptr) ++self.shards[s].step;
+  self.retry.clear();
+  self.adopt(after);
 }
 
 void streamed_adamw::impl::check_step(const char* fn, std::span<const void* const> grads,
@@ -484,8 +489,8 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
 }
 
 void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
-  DFA_EXPECTS(speculating == 0,
-              std::string(fn) + ": " + std::to_string(speculating) +
+  DFA_EXPECTS(shards.speculating() == 0,
+              std::string(fn) + ": " + std::to_string(shards.speculating()) +
                   " shard(s) have " + k_pending,
               invalid_state);
 }
@@ -538,7 +543,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
               std::string("step_speculative: the ") + to_string(self.cfg.home) +
                   " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
               invalid_state);
-  DFA_EXPECTS(self.retry.step == 0, "step_speculative: a failed step awaits its retry (step() with the same gradients)",
+  DFA_EXPECTS(!self.retry.pending(), "step_speculative: a failed step awaits its retry (step() with the same gradients)",
               invalid_state);
   for (std::size_t s = 0; s < self.shards.size(); ++s) {
     if (grads[s] == nullptr) continue;
@@ -556,17 +561,20 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
     self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, 0, true);
     self.after(stream, self.exec());
   } catch (...) {
-    self.retry.pieces_done = 0;  // the current copy is intact: nothing to resume
+    self.retry.clear();  // the current copy is intact: nothing to resume
     throw;
   }
   for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (grads[s] != nullptr) self.shards[s].speculative = true, ++self.speculating;
+    if (grads[s] != nullptr) self.shards.mark_speculative(s);
 }
 
 void streamed_adamw::commit_speculation() {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
-  if (self.speculating == 0) return;
+  if (self.shards.speculating() == 0) return;
+  std::vector<bool> stepped(self.shards.size());
+  for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = self.shards[s].speculative;
+  const state_counts after = self.counts_after_step(stepped);
   if (committed_store* store = self.tier_home->store()) {
     // File tier: the shards not stepped are carried into the new slot, then one commit
     // record publishes it.  A failure leaves the speculation pending (retry or discard).
@@ -575,31 +583,23 @@ void streamed_adamw::commit_speculation() {
     // (The carry touches no parameter or gradient: it is ordered after no user stream.)
     if (!self.pieces(none, false).empty()) self.run_pass(pass_kind::step, none, gts, 1.0f, self.exec(), 0);
     self.drv->synchronize_stream(self.exec());
-    state_counts after{self.step_count + 1, true, self.shards.steps()};
-    for (std::size_t s = 0; s < self.shards.size(); ++s) after.shard_steps[s] += self.shards[s].speculative;
     store->commit(pass_kind::step, after);
   }
   for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (self.shards[s].speculative) {
-      self.tier_home->speculation()->make_current(s);
-      self.shards[s].speculative = false;
-      ++self.shards[s].step;
-    }
-  self.speculating = 0;
-  self.moments_written = true;
-  ++self.step_count;
+    if (self.shards[s].speculative) self.tier_home->speculation()->make_current(s);
+  self.shards.end_speculation();
+  self.adopt(after);
 }
 
 void streamed_adamw::discard_speculation() {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
-  for (auto& s : self.shards) s.speculative = false;
-  self.speculating = 0;
+  self.shards.end_speculation();
 }
 
 std::size_t streamed_adamw::speculation_pending() const {
   std::lock_guard lk(impl_->mu);
-  return impl_->speculating;
+  return impl_->shards.speculating();
 }
 
 bool streamed_adamw::can_speculate(std::size_t s) const {
@@ -678,7 +678,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   if (n == 0) return;
   // The file tier writes only within a state write: one of its own when none is open,
   // published by the next call that uses the state (Note [State writes] in home.cpp).
-  if (!self.state_write.open && !self.in_place()) self.open_write(true);
+  if (!self.state_write.open() && !self.in_place()) self.open_write(true);
   self.home_of(shard).write(shard, a, offset, n, in);
   if (is_moment(a)) self.moments_written = true;
 }

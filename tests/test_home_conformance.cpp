@@ -21,6 +21,22 @@
 //  6. Speculation: a speculative step pass writes a second copy that reads do not see
 //     until it is made current (second_copy::make_current, and a committed store's
 //     commit of the step); made current, reads return it.
+//  7. An export pass (pass_kind::export_bf16) fetches main, as it is, into the window and
+//     writes nothing back: the state is unchanged whatever the window then holds
+//     (whatever retire() is called for; a file home's export names the active slot).
+//  8. drain() after a pass cut short (window_pipeline::fail: the streams synchronized,
+//     then drain; some pieces retired, one written back but not retired, reads ahead
+//     started, on the file home a write-back that failed): it waits for what the pass
+//     started and never throws; a committed store reads the state of its last commit, a
+//     home updated in place holds the new values in the pieces whose write-back was
+//     issued and the old ones elsewhere (the pieces a retried step skips); a speculative
+//     pass cut short leaves the current copy; and the home then runs a whole pass, whose
+//     write-back is what reads return.
+//  9. A committed store resumes its last commit: a second home opened on the same
+//     directory (optimizer_config::resume) is resumed(), its open() returns the counts
+//     of that commit, and it reads that commit's state; a state write ended unpublished
+//     (end_write(false)) and a step pass not committed are read neither by the home that
+//     made them nor by one opened after it.
 // Values of moments are on every format's grid (signed powers of two with a 1 in each
 // int8 block), so a round trip through BF16 or int8 is exact and compared bit for bit;
 // main is FP32 in every format and takes arbitrary values.
@@ -33,6 +49,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
+#include <stdexcept>
 #include <random>
 #include <string>
 #include <vector>
@@ -170,10 +188,20 @@ class HomeConformance : public testing::TestWithParam<home_case> {
   // One pass through the home's piece_mover with one piece in flight: fetch (main unless
   // init, the moments in a step when stored, else zeros), then `on_device(piece)`, then
   // write-back of the arrays the pass moves and retire.  Checks the bytes moved.
+  // With `cut`, the pass stops short as window_pipeline::fail stops a failed one: pieces
+  // before `cut` are retired, piece `cut` is written back but not retired, the read
+  // ahead of the piece after it is started; then the streams are synchronized and the
+  // mover drained.  Returns why the pass stopped (empty: it completed).
+  static constexpr std::size_t k_complete = ~std::size_t{0};
+  struct cut_short : std::runtime_error {
+    cut_short() : std::runtime_error("cut short") {}
+  };
   template <typename F>
-  void run_pass(pass_kind kind, bool moments_stored, bool speculative, F&& on_device) {
+  std::string run_pass(pass_kind kind, bool moments_stored, bool speculative, F&& on_device,
+                       std::size_t cut = k_complete) {
     piece_mover* mover = home_->mover();
-    ASSERT_NE(mover, nullptr);
+    EXPECT_NE(mover, nullptr);
+    if (!mover) return "no piece_mover";
     pass_plan plan;
     plan.kind = kind;
     plan.pieces = pieces();
@@ -186,28 +214,73 @@ class HomeConformance : public testing::TestWithParam<home_case> {
     for (const auto& p : plan.pieces) plan.window_piece = std::max(plan.window_piece, p.n);
     step_report report;
     mover->begin_pass(plan, report);
+    if (cut == k_complete) {
+      pass_pieces(plan, *mover, cut, on_device);
+      mover->end_pass();
+      return {};
+    }
+    std::string why;
+    try {
+      pass_pieces(plan, *mover, cut, on_device);
+      ADD_FAILURE() << "the pass was not cut short";
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    drv_->synchronize_stream(exec_);
+    mover->drain();
+    return why;
+  }
+
+  // run_pass's pieces, up to `cut` (throws cut_short there).
+  template <typename F>
+  void pass_pieces(const pass_plan& plan, piece_mover& mover, std::size_t cut, F& on_device) {
     for (std::size_t i = 0; i < plan.pieces.size(); ++i) {
       const piece_ref& p = plan.pieces[i];
-      mover->prefetch(i, p);
+      mover.prefetch(i, p);
+      if (i == cut && i + 1 < plan.pieces.size()) mover.prefetch(i + 1, plan.pieces[i + 1]);
       per_array<std::size_t> in{};
-      if (plan.fetch_main) in[state_array::main] = mover->to_device(i, p, state_array::main, slot_[state_array::main], exec_);
-      if (kind == pass_kind::step)
+      if (plan.fetch_main) in[state_array::main] = mover.to_device(i, p, state_array::main, slot_[state_array::main], exec_);
+      if (plan.kind == pass_kind::step)
         for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
-          if (moments_stored) in[a] = mover->to_device(i, p, a, slot_[a], exec_);
+          if (plan.moments_stored) in[a] = mover.to_device(i, p, a, slot_[a], exec_);
           else std::memset(slot_[a], 0, p.n * 4);
         }
       drv_->synchronize_stream(exec_);
       on_device(p);
-      for (state_array a : first_arrays(plan.arrays)) {
-        const std::size_t out = mover->from_device(i, p, a, slot_[a], exec_);
-        if (a == state_array::main) EXPECT_EQ(out, p.n * 4) << "main moves 4 bytes per element";
-        if (in[a] != 0) EXPECT_EQ(out, in[a]) << array_name(a) << " moves as many bytes each way";
-        EXPECT_GT(out, 0u);
-      }
+      if (plan.write_back)
+        for (state_array a : first_arrays(plan.arrays)) {
+          const std::size_t out = mover.from_device(i, p, a, slot_[a], exec_);
+          if (a == state_array::main) EXPECT_EQ(out, p.n * 4) << "main moves 4 bytes per element";
+          if (in[a] != 0) EXPECT_EQ(out, in[a]) << array_name(a) << " moves as many bytes each way";
+          EXPECT_GT(out, 0u);
+        }
+      if (i == cut) throw cut_short();
       drv_->synchronize_stream(exec_);
-      mover->retire(i, p);
+      mover.retire(i, p);
     }
-    mover->end_pass();
+  }
+
+  // Fills piece p's slots with seed `seed`'s values, moments in the window's layout
+  // (Note [Moment formats]): what a step computed.
+  void fill_window(const piece_ref& p, std::uint32_t seed) {
+    for (state_array a : k_state_arrays) {
+      std::vector<float> v(p.n);
+      for (std::size_t i = 0; i < p.n; ++i) v[i] = value(p.shard, a, p.e0 + i, seed);
+      if (is_moment(a) && cfg_.moments != moment_format::fp32)
+        optim::detail::encode_moments(cfg_.moments, a, slot_[a], p.n, 0, p.n, v.data());
+      else
+        std::memcpy(slot_[a], v.data(), p.n * 4);
+    }
+  }
+
+  // A second home on the same directory, as a new process opens it (the first one gone:
+  // the state file has one owner); returns its open().
+  std::optional<state_counts> reopen() {
+    home_.reset();
+    cfg_.resume = true;
+    home_ = make_home(cfg_.home, {*drv_, *mgr_, shards_, cfg_, exec_});
+    for (std::size_t s = 0; s < shards_.size(); ++s) home_->add_shard(shards_[s]);
+    return home_->store()->open();
   }
 
   std::shared_ptr<driver> drv_;
@@ -291,21 +364,107 @@ TEST_P(HomeConformance, SpeculativeCopyIsCurrentOnlyOnceMadeSo) {
   write_all(1);
   for (std::size_t s = 0; s < shards_.size(); ++s) copies->prepare(s);
   // The speculative step writes seed 3's values; the current copy still reads seed 1's.
-  run_pass(pass_kind::step, true, true, [&](const piece_ref& p) {
-    for (state_array a : k_state_arrays) {
-      std::vector<float> v(p.n);
-      for (std::size_t i = 0; i < p.n; ++i) v[i] = value(p.shard, a, p.e0 + i, 3);
-      // A moment in the window is in its format's layout (Note [Moment formats]).
-      if (is_moment(a) && cfg_.moments != moment_format::fp32)
-        optim::detail::encode_moments(cfg_.moments, a, slot_[a], p.n, 0, p.n, v.data());
-      else
-        std::memcpy(slot_[a], v.data(), p.n * 4);
-    }
-  });
+  run_pass(pass_kind::step, true, true, [&](const piece_ref& p) { fill_window(p, 3); });
   expect_all(1, "before the speculation is made current");
   for (std::size_t s = 0; s < shards_.size(); ++s) copies->make_current(s);
   if (committed_store* store = home_->store()) store->commit(pass_kind::step, counts(1, true));
   expect_all(3, "after the speculation is made current");
+}
+
+TEST_P(HomeConformance, ExportPassWritesNothingBack) {
+  if (!streamed()) GTEST_SKIP() << "the device home exports from HBM, without a pass";
+  initialize();
+  write_all(1);
+  std::size_t seen = 0;
+  run_pass(pass_kind::export_bf16, true, false, [&](const piece_ref& p) {
+    // Main as it is at home (the model's params are downcast from it) ...
+    for (std::size_t i = 0; i < p.n; ++i)
+      if (slot_[state_array::main][i] != value(p.shard, state_array::main, p.e0 + i, 1)) {
+        ADD_FAILURE() << "export: main of " << shards_.where(p) << " differs in the window at element " << p.e0 + i;
+        break;
+      }
+    seen += p.n;
+    fill_window(p, 4);  // ... and what the window holds afterwards is not the state
+  });
+  std::size_t total = 0;
+  for (std::size_t n : k_numel) total += n;
+  EXPECT_EQ(seen, total);
+  expect_all(1, "after an export pass");
+}
+
+TEST_P(HomeConformance, DrainAfterAPassCutShort) {
+  if (!streamed()) GTEST_SKIP() << "the device home moves no pieces";
+  initialize();
+  write_all(1);
+  committed_store* store = home_->store();
+  // The file home's first write-back of the pass fails; drain() meets the failed batch.
+  if (store) store->file().inject(optim::detail::file_store::fault_op::write, optim::detail::file_store::fault_kind::eio, 1);
+  // Pieces before `cut` retired, piece `cut` written back (coarse formats cut fewer pieces).
+  const auto ps = pieces();
+  ASSERT_GE(ps.size(), 2u);
+  const std::size_t cut = std::min<std::size_t>(2, ps.size() - 1);
+  const std::string why = run_pass(pass_kind::step, true, false, [&](const piece_ref& p) { fill_window(p, 3); }, cut);
+  if (store) {
+    // With one piece in flight the staging ring is two deep: piece 2's write-back waits
+    // for piece 0's write, and the pass stops there on its error.
+    if (cut == 2) EXPECT_NE(why.find("write"), std::string::npos) << "the pass stopped for another reason: " << why;
+    expect_all(1, "a committed store after a pass cut short");
+  } else {
+    // In place: the pieces whose write-back was issued hold the step's values.
+    for (std::size_t s = 0; s < shards_.size(); ++s)
+      for (state_array a : k_state_arrays) {
+        auto want = values(s, a, 1);
+        for (std::size_t j = 0; j <= cut; ++j)
+          if (ps[j].shard == s)
+            for (std::size_t i = ps[j].e0; i < ps[j].e0 + ps[j].n; ++i) want[i] = value(s, a, i, 3);
+        expect_state(s, a, want, "in place after a pass cut short");
+      }
+  }
+  // The home is usable: a whole pass's write-back is what reads return.
+  EXPECT_EQ(run_pass(pass_kind::step, true, false, [&](const piece_ref& p) { fill_window(p, 4); }), "");
+  if (store) store->commit(pass_kind::step, counts(1, true));
+  expect_all(4, "the pass after a drain");
+  // A speculative pass cut short leaves the current copy.
+  if (second_copy* copies = home_->speculation()) {
+    for (std::size_t s = 0; s < shards_.size(); ++s) copies->prepare(s);
+    run_pass(pass_kind::step, true, true, [&](const piece_ref& p) { fill_window(p, 5); }, cut);
+    expect_all(4, "the current copy after a speculative pass cut short");
+  }
+}
+
+TEST_P(HomeConformance, ResumeReadsTheLastCommit) {
+  if (!home_->store()) GTEST_SKIP() << "this home keeps its state in the process (nothing to resume)";
+  EXPECT_FALSE(home_->store()->resumed()) << "a fresh state file";
+  initialize();
+  write_all(1);
+  run_pass(pass_kind::step, true, false, [&](const piece_ref& p) { fill_window(p, 3); });
+  const state_counts committed{1, true, {7, 9}};
+  home_->store()->commit(pass_kind::step, committed);
+  const auto resumed = reopen();
+  ASSERT_TRUE(resumed.has_value()) << "a state file with a commit resumes";
+  EXPECT_TRUE(home_->store()->resumed());
+  EXPECT_EQ(resumed->step, committed.step);
+  EXPECT_EQ(resumed->moments_written, committed.moments_written);
+  EXPECT_EQ(resumed->shard_steps, committed.shard_steps);
+  expect_all(3, "resumed");
+}
+
+TEST_P(HomeConformance, UncommittedChangesAreNotResumed) {
+  committed_store* store = home_->store();
+  if (!store) GTEST_SKIP() << "this home keeps its state in the process (nothing to resume)";
+  initialize();
+  write_all(1);  // published: the last commit
+  store->begin_write();
+  for (std::size_t s = 0; s < shards_.size(); ++s)
+    for (state_array a : k_state_arrays) home_->write(s, a, 0, k_numel[s], values(s, a, 5).data());
+  store->end_write(false, counts(2, true));
+  expect_all(1, "after a state write not published");
+  run_pass(pass_kind::step, true, false, [&](const piece_ref& p) { fill_window(p, 6); });  // never committed
+  expect_all(1, "after a step pass not committed");
+  const auto resumed = reopen();
+  ASSERT_TRUE(resumed.has_value());
+  EXPECT_EQ(resumed->step, 0u) << "the last commit's step count";
+  expect_all(1, "resumed after changes not committed");
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryHome, HomeConformance,
