@@ -26,9 +26,9 @@
 // Limits: the facade's state is one struct, private to streamed_adamw (its files read
 // and write it directly); resident.cpp and checkpoint.cpp are the facade's too.
 #pragma once
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <map>
 #include <mutex>

@@ -9,8 +9,8 @@
 // (raw_enum_value) and converts with fill_from_int / keep_from_int.  The reservation
 // layer should call expect_valid() on entry (it is the C++ API's own check).
 #pragma once
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <cstring>
 #include <string>

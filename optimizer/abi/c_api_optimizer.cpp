@@ -8,11 +8,11 @@
 // dfa_optimizer_config or a settings string, both through the optimizer's settings table:
 // Note [Optimizer settings] in optimizer/settings.cpp), so any number can live in one
 // process (the host driver's tests build several).
-#include <deferalloc/context.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/context.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/optim/optimizer.hpp>
+#include <deferalloc/optim/optimizer_settings.hpp>
 #include <deferalloc/optimizer.h>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/optimizer_settings.hpp>
 
 #include <memory>
 #include <new>
