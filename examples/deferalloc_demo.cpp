@@ -8,7 +8,7 @@
 //    state's addresses are stable, its HBM never exceeds the window;
 // 4. prints a short table of what it measured.
 #include <deferalloc/deferalloc.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <chrono>
 #include <cstdio>

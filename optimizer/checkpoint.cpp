@@ -54,7 +54,7 @@
 // Limits: the checkpoint directory must be owned by this user; generations are kept one
 // at a time (plus the one being written, and the previous one until its background
 // removal ends); no compression.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>

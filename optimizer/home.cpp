@@ -1,6 +1,6 @@
 // The homes of the optimizer state, one class per tier: see Note [Homes] in home.hpp.
 // This file is the one place that names the tiers.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -26,8 +26,8 @@
 // Limits: a home is not thread-safe except read_chunk / write_chunk, which the
 // checkpoint's lanes call at once for different chunks.
 #pragma once
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <cstdint>
 #include <memory>

@@ -31,9 +31,9 @@
 // files (streamed_adamw.cpp, resident.cpp, checkpoint.cpp); the layers it holds and its
 // counts are plain members that those files read.
 #pragma once
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <map>
 #include <mutex>

@@ -1,7 +1,7 @@
 // Progress of a long operation (a pass, a checkpoint save or load): the user's
 // optimizer_config::on_progress, and a line on stderr when progress_line is set.
 #pragma once
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <chrono>
 #include <cstddef>

@@ -17,7 +17,7 @@
 // shards keep FP32 moments (they cost no link bytes).
 // Limits: host tier only; the chunk pool's budget is window + resident bytes; the choice
 // is made once (a later budget change needs a new optimizer).
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include "optimizer_impl.hpp"
 

@@ -1,7 +1,7 @@
 // The streamed optimizer's settings table: every key it reads from a settings text
 // (DEFERALLOC_CONF's grammar) is one row that sets an optimizer_config field.
-#include <deferalloc/errors.hpp>
-#include <deferalloc/optimizer_settings.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/optim/optimizer_settings.hpp>
 
 #include <map>
 #include <string>

@@ -2,8 +2,8 @@
 // optimizer_impl.hpp): what the optimizer knows of each registered shard, and the state
 // arrays' order.
 #pragma once
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <array>
 #include <cstdint>

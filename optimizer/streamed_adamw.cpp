@@ -1,8 +1,8 @@
 // The streamed optimizer's facade: construction, queries, initialize / step / sync and
 // state ranges, over the layers of Note [Optimizer layers] (optimizer_impl.hpp).
-#include <deferalloc/errors.hpp>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <algorithm>
 #include <bit>

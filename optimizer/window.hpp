@@ -3,8 +3,8 @@
 // once and backed while a pass runs (Note [Window slots] in window_pipeline.cpp), and the
 // three streams a pass runs on with the events that order them.
 #pragma once
-#include <deferalloc/driver.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <cstddef>
 #include <span>

@@ -63,7 +63,7 @@
 // tier was not measured deeper than 3.  benchmarks/optimizer/pass_shapes.py measures a
 // model's shapes against the duplex copy bound at each depth; its figures and those of
 // bench_overlap per depth are in docs/BENCHMARKS.md ("Why depth").
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 #include <chrono>

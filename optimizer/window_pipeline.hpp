@@ -2,9 +2,9 @@
 // optimizer_impl.hpp): one pass drives its pieces through fetch -> compute -> write back
 // over a home's piece_mover (Note [Window pipeline] in window_pipeline.cpp).
 #pragma once
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/driver.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <optional>
 #include <span>

@@ -2,7 +2,7 @@
 // sizes, initial BF16 params and per-step gradients derived from seeds, an optimizer on
 // it, and its full state (FP32 main and moments, BF16 params) for bit-exact comparison.
 #pragma once
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <cstdio>
 #include <cstring>

@@ -18,7 +18,9 @@
    optimizer's keys (Note [Keys other libraries own]).
 7. include/deferalloc/ holds the installed API only: every header there is one of the entry
    headers users include (PUBLIC_ENTRIES) or is included by one, directly or not.  An internal
-   header lives beside its code (the fault driver in allocator/core/driver/).
+   header lives beside its code (the fault driver in allocator/core/driver/).  Its top level
+   holds the C ABIs and the C++ umbrella only (TOP_LEVEL); the C++ headers sit in the folder of
+   their layer (core/, caching/, optim/, distributed/, torch/), whose rank rule 2 checks.
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -56,6 +58,15 @@ LAYERS = [
     ("allocator/torch", 7),      #        LibTorch
     ("optimizer/abi", 7),        #        the optimizer's C ABI
     ("python/deferalloc", 7),    #        Python
+]
+# The public C++ headers: one folder per layer, at its layer's rank (the C ABIs and the C++ umbrella
+# at the top of include/deferalloc/ are the public headers' 0 above).
+LAYERS += [
+    ("include/deferalloc/core", 0),
+    ("include/deferalloc/caching", 2),
+    ("include/deferalloc/optim", 3),  # its value types reach the kernels
+    ("include/deferalloc/distributed", 6),
+    ("include/deferalloc/torch", 7),
 ]
 # Where a quoted include that is not beside its file is looked up (the CMake targets'
 # private include directories and the internal targets deferalloc_log / deferalloc_abi_guard /
@@ -198,9 +209,11 @@ def readme_length(root):
         if n > README_LINES else []
 
 
-# The headers a user includes (README.md and docs/*.md name them); keep in step with the docs.
-PUBLIC_ENTRIES = ["deferalloc.h", "deferalloc.hpp", "caching_allocator.hpp", "optimizer.h", "optimizer.hpp",
-                  "optimizer_settings.hpp", "distributed.hpp", "torch.hpp"]
+# The headers a user includes (README.md and docs/*.md name them; paths under include/deferalloc/);
+# keep in step with the docs.  TOP_LEVEL: the only headers directly in include/deferalloc/.
+TOP_LEVEL = ["deferalloc.h", "optimizer.h", "deferalloc.hpp"]
+PUBLIC_ENTRIES = TOP_LEVEL + ["caching/caching_allocator.hpp", "optim/optimizer.hpp", "optim/optimizer_settings.hpp",
+                              "distributed/distributed.hpp", "torch/torch.hpp"]
 PUBLIC_INCLUDE = re.compile(r'^\s*#\s*include\s*<deferalloc/([^>]+)>', re.M)
 
 
@@ -209,7 +222,8 @@ def internal_headers(root):
     top = os.path.join(root, "include", "deferalloc")
     if not os.path.isdir(top):
         return []
-    headers = sorted(n for n in os.listdir(top) if n.endswith((".h", ".hpp")))
+    headers = sorted(os.path.relpath(os.path.join(d, n), top).replace(os.sep, "/")
+                     for d, _, names in os.walk(top) for n in names if n.endswith((".h", ".hpp")))
     reached, todo = set(), [h for h in PUBLIC_ENTRIES if h in headers]
     while todo:
         h = todo.pop()
@@ -220,7 +234,12 @@ def internal_headers(root):
             todo += [d for d in PUBLIC_INCLUDE.findall(f.read()) if d in headers]
     return [f"include/deferalloc/{h}: no public header includes it and it is not an entry header: an internal "
             f"header belongs beside its code (or add it to PUBLIC_ENTRIES and document it)"
-            for h in headers if h not in reached]
+            for h in headers if h not in reached] + \
+           [f"include/deferalloc/{h}: only the C ABIs and the C++ umbrella ({', '.join(TOP_LEVEL)}) sit at the "
+            f"top level: a C++ header goes in the folder of its layer (core/, caching/, optim/, ...)"
+            for h in headers if "/" not in h and h not in TOP_LEVEL] + \
+           [f"tests/layout_check.py: PUBLIC_ENTRIES names include/deferalloc/{h}, which does not exist"
+            for h in PUBLIC_ENTRIES if h not in headers]
 
 
 ALLOCATOR_TABLE, OPTIMIZER_TABLE = "allocator/core/config.cpp", "optimizer/settings.cpp"
@@ -310,9 +329,12 @@ def self_test():
                                '/* measured\n   2026-12-01 */ int y = 0x5061b2f0;  // 5.9604644775390625e-08\n')
         put("python/deferalloc/d.py", '"""Docstring.\n\nAt b64ed16 it ran."""\nx = "2026-12-01"  # code\n# on 2026-11-30\n')
         put("README.md", "line\n" * (README_LINES + 1))
-        put("include/deferalloc/deferalloc.hpp", "#include <deferalloc/driver.hpp>\n")
-        put("include/deferalloc/driver.hpp", "int d;\n")
-        put("include/deferalloc/fault_driver.hpp", "#include <deferalloc/driver.hpp>\n")
+        put("include/deferalloc/deferalloc.hpp",
+            "#include <deferalloc/core/driver.hpp>\n#include <deferalloc/stray.hpp>\n")
+        put("include/deferalloc/stray.hpp", "int s;\n")
+        put("include/deferalloc/core/driver.hpp", "#include <deferalloc/caching/caching_allocator.hpp>\n")
+        put("include/deferalloc/core/fault_driver.hpp", "#include <deferalloc/core/driver.hpp>\n")
+        put("include/deferalloc/caching/caching_allocator.hpp", "int c;\n")
         put(ALLOCATOR_TABLE, 'const row k_table[] = {\n    {"driver", "name",\n    {"tier", "name",\n};\n')
         problems, _, _ = check(t)
         assert any(p.startswith(f"{OPTIMIZER_TABLE}: no settings table") for p in problems), problems
@@ -335,7 +357,16 @@ def self_test():
                          "python/deferalloc/d.py:3 commit id b64ed16", "python/deferalloc/d.py:5 date 2026-11-30"], marks
         assert any(p.startswith(f"README.md has {README_LINES + 1} lines") for p in problems), problems
         internal = [p.split(":")[0] for p in problems if "not an entry header" in p]
-        assert internal == ["include/deferalloc/fault_driver.hpp"], internal
+        assert internal == ["include/deferalloc/core/fault_driver.hpp"], internal
+        # include/ also: a C++ header at its top level, a public core header including a caching one,
+        # entry headers that do not exist.
+        top = [p.split(":")[0] for p in problems if "top level" in p]
+        assert top == ["include/deferalloc/stray.hpp"], top
+        climbs = "include/deferalloc/core/driver.hpp (layer include/deferalloc/core) includes deferalloc/caching/"
+        assert any(p.startswith(climbs + "caching_allocator.hpp of the higher layer") for p in problems), problems
+        missing = sorted(p.split("/")[-1].split(",")[0] for p in problems if p.endswith("does not exist"))
+        assert missing == ["deferalloc.h", "distributed.hpp", "optimizer.h", "optimizer.hpp", "optimizer_settings.hpp",
+                           "torch.hpp"], missing
         owned = [p for p in problems if "settings table" in p]
         assert owned == [f"{ALLOCATOR_TABLE}: the optimizer's key 'tier' is a row of the allocator's settings table: "
                          f"it belongs to {OPTIMIZER_TABLE} (the allocator only names it)"], owned

@@ -3,7 +3,7 @@
 // (the host driver counts its chunks; the CUDA driver answers cuMemGetInfo), and the
 // process's resident set.
 #pragma once
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // docs/SETTINGS.md's tables against the settings tables of the code: each library's table
 // is documented under its own heading, row by row, in table order.
 #pragma once
-#include <deferalloc/config.hpp>
+#include <deferalloc/core/config.hpp>
 #include <gtest/gtest.h>
 
 #include <fstream>

@@ -3,7 +3,7 @@
 // returning memory, the memory fraction and OOM accounting, statistics with PyTorch's
 // keys, tags (pause/resume with and without host backup, resident blocks, pooled
 // chunks at resume) and every misuse as a typed error that changes nothing.
-#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
 
 #include <algorithm>
 #include <bit>

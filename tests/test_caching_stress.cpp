@@ -11,7 +11,7 @@
 // calls are reached and at least DFA_STRESS_SECONDS (default 3; the lead runs 600 on a
 // GPU) have passed (Note [Stress runs end on counts]); tests/tsan runs the same file under
 // ThreadSanitizer on the host driver.
-#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
 
 #include <chrono>
 #include <cstdlib>

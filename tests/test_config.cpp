@@ -1,6 +1,6 @@
 // The settings grammar (PYTORCH_CUDA_ALLOC_CONF's) and its errors.
-#include <deferalloc/config.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <gtest/gtest.h>
 
 #include <algorithm>

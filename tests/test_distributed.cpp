@@ -11,8 +11,8 @@
 // rank ends with the same params; a checkpoint continues bit-identically and refuses
 // another world size; the flat buffers survive deregister -> release -> restore ->
 // register between steps (pause/resume) with identical results and no hang.
-#include <deferalloc/distributed.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/distributed/distributed.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <condition_variable>
 #include <filesystem>

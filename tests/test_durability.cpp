@@ -4,7 +4,7 @@
 // intact committed step, never silently to other state or to step 0; bad input (null
 // pointers, foreign-owned files, symlinks) is refused with a named error before
 // anything changes.
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>

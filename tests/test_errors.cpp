@@ -1,5 +1,5 @@
-// The one exception <-> dfa_status mapping (include/deferalloc/errors.hpp).
-#include <deferalloc/errors.hpp>
+// The one exception <-> dfa_status mapping (include/deferalloc/core/errors.hpp).
+#include <deferalloc/core/errors.hpp>
 
 #include <gtest/gtest.h>
 

@@ -40,10 +40,10 @@
 // Values of moments are on every format's grid (signed powers of two with a 1 in each
 // int8 block), so a round trip through BF16 or int8 is exact and compared bit for bit;
 // main is FP32 in every format and takes arbitrary values.
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/driver.hpp>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 #include <gtest/gtest.h>
 
 #include <cstdlib>

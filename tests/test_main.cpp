@@ -1,7 +1,7 @@
 // GoogleTest main for the suites parameterised over drivers: with DFA_TEST_DRIVER=cuda
 // on a machine without a usable device it prints why and exits 77, which ctest shows
 // as "Skipped" (SKIP_RETURN_CODE), never as passed.
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 #include <gtest/gtest.h>
 
 #include <cstdio>

@@ -2,7 +2,7 @@
 // the CUDA kernels).  Tiers must agree bit for bit, match a double-precision
 // reference, keep the HBM peak under the window, survive I/O and memory faults with
 // the previous step intact, resume after a crash, and checkpoint exactly.
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
 

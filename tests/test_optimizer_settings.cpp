@@ -2,9 +2,9 @@
 // (dfa_optimizer_config): the allocator's list of the keys it does not own equals this
 // table, docs/SETTINGS.md documents it, and the struct, the string and DEFERALLOC_CONF's
 // grammar give the same optimizer.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/optim/optimizer_settings.hpp>
 #include <deferalloc/optimizer.h>
-#include <deferalloc/optimizer_settings.hpp>
 #include <gtest/gtest.h>
 
 #include <cstdint>

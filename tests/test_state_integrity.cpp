@@ -3,7 +3,7 @@
 // state; checkpoint generation names cannot lose a checkpoint; one optimizer per state
 // file; permission errors say so.  The kill tests are in test_durability.cpp.
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>

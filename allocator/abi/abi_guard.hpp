@@ -3,8 +3,8 @@
 // sets the library's thread-local message "<call>: <cause>".  Nothing throws past it.
 // Internal header, shared by allocator/abi/c_api.cpp and optimizer/abi/c_api_optimizer.cpp.
 #pragma once
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
 
 #include <cstring>
 #include <new>

@@ -1,8 +1,8 @@
 // The C ABI of the caching allocator: PyTorch's allocator interface (dfa_malloc / dfa_free
 // and the hooks), tags, statistics and memory snapshots.
-#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
 
 #include <algorithm>
 #include <memory>

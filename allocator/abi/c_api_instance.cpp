@@ -7,8 +7,8 @@
 // process_state.cpp); a shared mutex lets calls run concurrently while init/shutdown are
 // exclusive.  The other entry points: c_api_reservations.cpp (the reservation calls and
 // DLPack) and c_api_caching.cpp (PyTorch's allocator interface, tags, statistics).
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
 
 #include <memory>
 #include <mutex>

@@ -3,8 +3,8 @@
 // They act only on the reservations the ABI handed out (Note [Reservations of the ABI] in
 // process_state.cpp); on the host driver a touch of released memory is reported by name
 // (Note [Released-memory faults] in fault_report.hpp).
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
 
 #include <cstdint>
 #include <memory>

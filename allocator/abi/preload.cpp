@@ -25,9 +25,9 @@
 // them from our pool would break both.  So PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
 // and expandable_segments:True (cuMemCreate/cuMemMap directly) bypass this library, and
 // it says so at start.  Programs that link cudart statically are not interposed.
-#include <deferalloc/config.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>

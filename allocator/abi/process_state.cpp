@@ -3,7 +3,7 @@
 // handed out (Note [Reservations of the ABI]), the thread-local messages.  Created once
 // and never destroyed (Note [Process lifetime]).  The entry points are c_api_instance.cpp,
 // c_api_reservations.cpp and c_api_caching.cpp.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <cstdlib>
 #include <cstring>

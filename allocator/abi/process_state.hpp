@@ -1,10 +1,10 @@
 // The C ABI's process-wide state and the helpers its entry points share (internal; defined
 // in process_state.cpp, Note [Process lifetime] and Note [Reservations of the ABI] there).
 #pragma once
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/context.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/context.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -9,8 +9,8 @@
 // See Note [Caching allocator] in caching_allocator.cpp; the records it holds (streams,
 // segments, groups, tags, statistics) are records.hpp, blocks and bins blocks.hpp.
 #pragma once
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 #include <atomic>

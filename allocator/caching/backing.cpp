@@ -2,8 +2,8 @@
 // of the manager; its granules are materialized in growth steps (Note [Growth steps] in
 // caching_allocator.cpp) and given back only as whole free chunks (release_whole_chunks),
 // so memory under a live block never moves.
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 #include <bit>

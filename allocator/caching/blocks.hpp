@@ -7,8 +7,8 @@
 // just freed is the next one handed out.  The pointer map is open addressing with
 // linear probing and backward-shift deletion (no tombstones, no node allocations).
 #pragma once
-#include <deferalloc/driver.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <array>
 #include <bit>

@@ -69,8 +69,8 @@
 // chunk with a live block stays backed until the block is freed (at most max_chunk per
 // side of a block); chunks shared by a resident block and other blocks of a tag stay
 // backed at pause; blocks of different streams next to each other are not coalesced.
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 

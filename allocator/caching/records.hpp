@@ -1,7 +1,7 @@
 // The records the caching allocator keeps besides its blocks (blocks.hpp): per stream,
 // per segment, per group (small, large, a tag's), per tag, trace events and statistics.
 #pragma once
-#include <deferalloc/caching_allocator.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
 
 #include <array>
 #include <memory>

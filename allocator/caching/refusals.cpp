@@ -2,8 +2,8 @@
 // the same text: "deferalloc refused <N> bytes (<human>)[ in tag 'T']: <reason>. Fix:
 // <what to do>."  The C ABI keeps it for dfa_last_refusal (PyTorch's allocator
 // interface drops our message: the Python face shows it as an exception note).
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <string>
 

@@ -18,8 +18,8 @@
 // 8 s on the H200 machine, the copy 0.3 s), so they are kept for the next pause up to
 // pinned_pool's cache_limit (pinned_cache_mb, a quarter of RAM by default) and freed by
 // empty_cache and trim.
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 

@@ -5,8 +5,8 @@
 // interprets the allocator's keys through its table (Note [Settings table]), passes over
 // the keys other libraries of the package own (Note [Keys other libraries own]) and rejects
 // unknown ones with the list of valid keys.
-#include <deferalloc/config.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <atomic>
 #include <charconv>

@@ -1,6 +1,6 @@
 // context: wires driver -> chunk pool -> reservation manager from settings.
-#include <deferalloc/context.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/context.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include "log.hpp"
 

@@ -1,5 +1,5 @@
-// The one mapping between exceptions and dfa_status codes (include/deferalloc/errors.hpp).
-#include <deferalloc/errors.hpp>
+// The one mapping between exceptions and dfa_status codes (include/deferalloc/core/errors.hpp).
+#include <deferalloc/core/errors.hpp>
 
 #include <new>
 

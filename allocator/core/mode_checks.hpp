@@ -10,8 +10,8 @@
 // enumerators' bits, so the ABI reads their raw integer (raw_enum_value in abi_guard.hpp),
 // converts it to the scoped enum and leaves the range check to that layer.
 #pragma once
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <string>
 #include <string_view>

@@ -1,8 +1,8 @@
 // Pinned host buffer cache: exact-size free lists (sizes rounded to 64 KiB).
 // A buffer larger than asked is never handed out, so a small backup cannot pin a
 // large buffer for long.  Limits: one mutex.
-#include <deferalloc/errors.hpp>
-#include <deferalloc/pinned_pool.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/pinned_pool.hpp>
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-// The LibTorch face: deferred tensors and install().  See include/deferalloc/torch.hpp.
+// The LibTorch face: deferred tensors and install().  See include/deferalloc/torch/torch.hpp.
 //
 // Approach: everything goes through the C ABI, so C++ and Python (ctypes) share the one
 // process-wide instance.  A deferred tensor is at::for_blob over the reservation's
@@ -6,9 +6,9 @@
 // CUDAPluggableAllocator on dfa_malloc/dfa_free, sets the hooks and swaps it in after
 // checking that the native allocator has not been initialized (PyTorch's own check would
 // only say "Can't swap an already initialized allocator").
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/torch.hpp>
+#include <deferalloc/torch/torch.hpp>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>

@@ -12,8 +12,8 @@
 #include <benchmark/benchmark.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/context.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/context.hpp>
 #include <torch/torch.h>
 
 #include <memory>

@@ -23,9 +23,9 @@
 // Prints one table (each figure the best of --reps runs); ratios are dd time / our time
 // (>= 0.8 is the target).  With --json, also writes the figures (schema 1: benchmark,
 // schema, device, command, results[name, value, unit, baseline], extra).
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 #include <fcntl.h>
 #include <unistd.h>
 

@@ -10,9 +10,9 @@
 // DFA_BENCH_DEVICE_MPARAMS (1000); file tier under DFA_BENCH_DIR (default /tmp).
 // Counters: gparams_per_s (work), gbps (baselines), peak_state_hbm (bytes, host tier:
 // cuMemGetInfo sampled after every piece of init and steps), window.
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 #include <fcntl.h>
 #include <unistd.h>
 

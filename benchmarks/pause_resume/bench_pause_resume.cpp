@@ -3,8 +3,8 @@
 // same 1,000 pieces in the same run.  Prints a table and RESULT lines; exit 77 without
 // a GPU, 1 when a contents check fails.
 //   bench_pause_resume [total_GiB=16] [count=1000] [reps=5]
-#include <deferalloc/caching_allocator.hpp>
-#include <deferalloc/context.hpp>
+#include <deferalloc/caching/caching_allocator.hpp>
+#include <deferalloc/core/context.hpp>
 
 #include <cuda_runtime_api.h>
 

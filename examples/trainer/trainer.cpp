@@ -14,8 +14,8 @@
 // Output: a progress line per step (loss, tokens/s, HBM in use and peak), and a final
 // "RESULT" line per rank; --dump writes the whole BF16 model (rank 0) for comparisons.
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/distributed.hpp>
-#include <deferalloc/torch.hpp>
+#include <deferalloc/distributed/distributed.hpp>
+#include <deferalloc/torch/torch.hpp>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

@@ -114,7 +114,7 @@ DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
 /* CUDAPluggableAllocator's alloc: a block of `size` bytes usable on `stream`, or NULL
  * with dfa_last_error() set.  Inside a tagged region (dfa_tag_begin) the block belongs
  * to the tag.  size 0 gives NULL without an error (PyTorch's empty tensors).
- * Cost: cached: one mutex, no driver call; see caching_allocator.hpp. */
+ * Cost: cached: one mutex, no driver call; see deferalloc/caching/caching_allocator.hpp. */
 DFA_C_API void* dfa_malloc(size_t size, int device, void* stream);
 /* Why the calling thread's last dfa_malloc returned NULL: "deferalloc refused <N> bytes
  * (<size>)[ in tag 'T']: <reason>. Fix: <what to do>." (also logged at warn), or the

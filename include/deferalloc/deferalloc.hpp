@@ -1,9 +1,9 @@
 // The C++ API in one include.
 #pragma once
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/config.hpp>
-#include <deferalloc/context.hpp>
-#include <deferalloc/driver.hpp>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/pinned_pool.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/context.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/pinned_pool.hpp>
+#include <deferalloc/core/reservations.hpp>

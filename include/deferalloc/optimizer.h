@@ -1,5 +1,5 @@
-/* deferalloc optimizer C ABI: the streamed AdamW engine (optimizer.hpp) for callers in
- * C, Python (ctypes) or any other language.  In libdeferalloc_optimizer.so.
+/* deferalloc optimizer C ABI: the streamed AdamW engine (deferalloc/optim/optimizer.hpp) for
+ * callers in C, Python (ctypes) or any other language.  In libdeferalloc_optimizer.so.
  *
  * Conventions of deferalloc.h: every function returns a dfa_status; on failure
  * dfa_opt_last_error() gives a thread-local message naming the call and the cause
@@ -110,7 +110,7 @@ DFA_C_API dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream);
  * updated in place; `stream` waits for them.  Streamed tiers return when the state is home. */
 DFA_C_API dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, size_t n, const int* grad_dtypes,
                                   float scale, void* stream);
-/* A speculative step (host and file tiers; optimizer.hpp step_speculative): as dfa_opt_step,
+/* A speculative step (host and file tiers; optim/optimizer.hpp step_speculative): as dfa_opt_step,
  * but the stepped shards' new state goes into a second pinned copy (allocated at a shard's
  * first speculative step: 2x its pinned host memory; file tier: the inactive slot, and the
  * commit carries the shards not stepped and writes one commit record) and becomes their state only at
@@ -150,7 +150,7 @@ DFA_C_API dfa_status dfa_opt_end_state_write(dfa_optimizer* o, int publish);
 /* Points a shard at new parameter memory of the same size and type (the model's storage
  * was replaced); the state is unchanged. */
 DFA_C_API dfa_status dfa_opt_set_shard_param(dfa_optimizer* o, size_t shard, void* param);
-/* The engine's own checkpoint (a directory; see optimizer.hpp). */
+/* The engine's own checkpoint (a directory; see optim/optimizer.hpp). */
 DFA_C_API dfa_status dfa_opt_save_checkpoint(dfa_optimizer* o, const char* dir);
 DFA_C_API dfa_status dfa_opt_load_checkpoint(dfa_optimizer* o, const char* dir);
 /* fn NULL removes the callback. */

@@ -10,11 +10,11 @@
 // process (the host driver's tests build several).  Arguments: null pointers, struct_size
 // and the config's enums are checked here, the rest by streamed_adamw (Note [Arguments
 // are checked where they enter] in docs/DESIGN.md).
-#include <deferalloc/context.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/context.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/optim/optimizer.hpp>
+#include <deferalloc/optim/optimizer_settings.hpp>
 #include <deferalloc/optimizer.h>
-#include <deferalloc/optimizer.hpp>
-#include <deferalloc/optimizer_settings.hpp>
 
 #include <memory>
 #include <new>

@@ -27,10 +27,10 @@
 //
 // Limits: one flat buffer (one dtype) per model; the gradient buffer's non-owned blocks
 // are garbage after a step (zero them before the next backward, as Megatron does).
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/distributed.hpp>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
+#include <deferalloc/distributed/distributed.hpp>
 
 #include <algorithm>
 #include <chrono>

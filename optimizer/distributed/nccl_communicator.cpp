@@ -13,8 +13,8 @@
 //
 // Every NCCL return code is checked; a failure throws cuda_error naming the call, NCCL's
 // error string and its last-error text.  Destruction never throws (logged).
-#include <deferalloc/distributed.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/distributed/distributed.hpp>
 
 #include <dlfcn.h>
 #include <nccl.h>

@@ -34,7 +34,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include <deferalloc/optimizer_types.hpp>
+#include <deferalloc/optim/optimizer_types.hpp>
 
 #if defined(__CUDACC__)
 #define DFA_HD __host__ __device__ __forceinline__

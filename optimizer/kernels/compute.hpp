@@ -1,7 +1,7 @@
 // The compute backend of the optimizer: the CUDA kernels on the CUDA driver, their CPU
 // twin (same arithmetic, adamw_math.hpp) on the host driver.
 #pragma once
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 
 #include <memory>
 

@@ -1,9 +1,9 @@
 // The CPU twin of the optimizer kernels (host driver): the same per-element arithmetic
 // as the CUDA kernel (adamw_math.hpp), so CI exercises the whole optimizer and the
 // GPU results can be checked against it bit for bit.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include "compute.hpp"
 

@@ -8,7 +8,7 @@
 // otherwise.  The arithmetic is adamw_math.hpp's, with explicit rounding, so the
 // results equal the CPU twin's bit for bit.
 #include <cuda_runtime.h>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <cstring>
 #include <mutex>

@@ -1,5 +1,5 @@
 // Built instead of compute_cuda.cu when DEFERALLOC_WITH_CUDA_KERNELS is OFF.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include "compute.hpp"
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <vector>
 
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include "moment_format.hpp"
 

@@ -10,7 +10,7 @@
 // l, l+32, ..., and the block's new scales are warp-shuffle maxima, exact and
 // independent of order).
 #include <cuda_runtime.h>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <algorithm>
 #include <string>

@@ -100,7 +100,7 @@
 #include "file_util.hpp"
 #include "../kernels/moment_format.hpp"
 
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/file.h>

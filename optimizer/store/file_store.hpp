@@ -1,8 +1,8 @@
 // The file tier: one state file per rank, two slots of state (FP32 main params, the
 // moments in their format) and a commit record.  See Note [File tier] in file_store.cpp.
 #pragma once
-#include <deferalloc/export.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/core/export.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <atomic>
 #include <condition_variable>

@@ -2,7 +2,7 @@
 // checkpoint: directory and owner checks, aligned buffers for O_DIRECT, files written
 // whole (exclusive 0600, fsync), and checkpoint generations.  Internal.
 #pragma once
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>

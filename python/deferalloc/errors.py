@@ -1,6 +1,6 @@
 """Exceptions of the Python face: one class per dfa_status, all DeferallocError.
 
-The mirror of include/deferalloc/errors.hpp: status_of() there maps each C++ class to
+The mirror of include/deferalloc/core/errors.hpp: status_of() there maps each C++ class to
 the status whose class is here (InvalidArgument <-> invalid_argument, NoDevice <->
 no_device, ..., InternalError <-> any other exception), throw_status() maps back.
 

@@ -1,7 +1,7 @@
 // deferalloc::distributed from an installed tree: a world of one (local communicator)
 // on the host driver takes one step.
 #include <deferalloc/deferalloc.hpp>
-#include <deferalloc/distributed.hpp>
+#include <deferalloc/distributed/distributed.hpp>
 
 #include <cstdint>
 #include <cstdio>

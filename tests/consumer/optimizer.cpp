@@ -1,6 +1,6 @@
 // deferalloc::optimizer from an installed tree: one streamed AdamW step on the host driver.
 #include <deferalloc/deferalloc.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <cstdint>
 #include <cstdio>

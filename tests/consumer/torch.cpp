@@ -1,6 +1,6 @@
 // deferalloc::torch from an installed tree: a deferred tensor (CPU on the host driver,
 // from DEFERALLOC_CONF) keeps its address and contents through release and restore.
-#include <deferalloc/torch.hpp>
+#include <deferalloc/torch/torch.hpp>
 
 #include <cstdio>
 

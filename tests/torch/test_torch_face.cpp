@@ -1,9 +1,9 @@
 // The LibTorch face on the host driver (CPU tensors, no GPU; ctest label torch):
 // deferred tensors keep their data_ptr across cycles, restore their contents, free
 // their reservation with the last reference, and reject bad input.
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/torch.hpp>
+#include <deferalloc/torch/torch.hpp>
 #include <gtest/gtest.h>
 
 using namespace deferalloc;

@@ -7,9 +7,9 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
+#include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/torch.hpp>
+#include <deferalloc/torch/torch.hpp>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

@@ -1,8 +1,8 @@
 // install() without a GPU (ctest label torch): the swap works once, and a second call
 // is an invalid_state error that says so.  (After the native allocator was initialized
 // it must fail too: tests/torch/test_torch_gpu.cpp checks that on the GPU.)
-#include <deferalloc/errors.hpp>
-#include <deferalloc/torch.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/torch/torch.hpp>
 #include <gtest/gtest.h>
 
 TEST(torch_install, installs_once) {

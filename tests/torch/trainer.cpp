@@ -3,7 +3,7 @@
 // hex.  `trainer install` calls deferalloc::torch::install() first; `trainer native`
 // uses PyTorch's allocator.  Exit 77 without a GPU.
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/torch.hpp>
+#include <deferalloc/torch/torch.hpp>
 #include <torch/torch.h>
 
 #include <cmath>

@@ -15,8 +15,8 @@
 //
 // Limits: one device per driver object; peer access not set (a chunk is mapped by
 // this device only; peers import it through NCCL).
-#include <deferalloc/driver.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include "log.hpp"
 

@@ -2,7 +2,7 @@
 //
 // Counting lives in vmm_ops' non-virtual public functions, so every implementation and
 // wrapper is counted the same way.
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 
 namespace deferalloc {
 

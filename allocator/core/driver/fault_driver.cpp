@@ -3,7 +3,7 @@
 // It arms a countdown per primitive: the call that brings it to zero throws instead of
 // reaching the inner driver, which lets the tests fail every driver call site of
 // materialize/release/reserve in turn.
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include "core/driver/fault_driver.hpp"
 

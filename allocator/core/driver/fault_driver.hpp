@@ -4,7 +4,7 @@
 // primitive (or copy), so the tests fail every driver call site of materialize / release /
 // reserve in turn.  Exported from libdeferalloc for the test programs.
 #pragma once
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 
 #include <array>
 #include <atomic>

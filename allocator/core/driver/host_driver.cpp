@@ -14,9 +14,9 @@
 //
 // Limits: streams and events are trivial (every copy completes on return); the
 // capacity is a byte budget on created chunks, not the machine's real memory.
-#include <deferalloc/config.hpp>
-#include <deferalloc/driver.hpp>
-#include <deferalloc/errors.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/errors.hpp>
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,8 +1,8 @@
 // Internal logging to stderr, filtered by the level from the settings.
 #pragma once
-#include <deferalloc/config.hpp>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/export.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/export.hpp>
 
 #include <mutex>
 #include <string>

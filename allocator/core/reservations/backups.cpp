@@ -1,8 +1,8 @@
 // Backups: the pinned buffers that hold released contents, dropped when their granules
 // are restored or discarded, and retired to the pinned pool in stream order
 // (Note [Deferred reservations] in reservations.cpp, its Limits).
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include "core/reservations/state.hpp"
 #include "log.hpp"

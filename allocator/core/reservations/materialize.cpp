@@ -1,7 +1,7 @@
 // materialize: the chunks for the unbacked runs of a batch of ranges, mapped, made
 // accessible and filled (Note [Deferred reservations] in reservations.cpp).
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include "core/mode_checks.hpp"
 #include "core/reservations/state.hpp"

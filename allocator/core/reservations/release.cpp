@@ -1,8 +1,8 @@
 // release: unback a batch of ranges, their contents backed up or discarded; and
 // release_whole_chunks, which never splits (Note [Deferred reservations] in
 // reservations.cpp).
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include "core/mode_checks.hpp"
 #include "core/reservations/state.hpp"

@@ -42,8 +42,8 @@
 // The manager's operations live in this folder, one file each: reservations.cpp (life,
 // reserve / free, validation, queries), materialize.cpp, release.cpp, split.cpp, backups.cpp;
 // its state is state.hpp.
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <bit>
 

@@ -1,6 +1,6 @@
 // Splitting a chunk that a release cuts through (Note [Splitting chunks]).
-#include <deferalloc/errors.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include "core/reservations/state.hpp"
 #include "log.hpp"

@@ -3,7 +3,7 @@
 // the files of this folder, one per operation (Note [Deferred reservations] in
 // reservations.cpp).
 #pragma once
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <algorithm>
 #include <map>

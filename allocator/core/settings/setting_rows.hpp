@@ -4,9 +4,9 @@
 // deferalloc_setting_rows target), not installed; to_uint and scalar are exported from
 // libdeferalloc for the optimizer's library.
 #pragma once
-#include <deferalloc/config.hpp>
-#include <deferalloc/errors.hpp>
-#include <deferalloc/export.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/errors.hpp>
+#include <deferalloc/core/export.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -6,8 +6,8 @@
 // (allocator/abi/abi_guard.hpp), the LibTorch face and, mirrored class for class,
 // python/deferalloc/errors.py use it.
 #pragma once
+#include <deferalloc/core/export.hpp>
 #include <deferalloc/deferalloc.h>
-#include <deferalloc/export.hpp>
 
 #include <exception>
 #include <stdexcept>

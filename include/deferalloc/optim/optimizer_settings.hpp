@@ -1,10 +1,10 @@
 // The streamed optimizer's settings: its own table of DEFERALLOC_CONF keys (tier,
 // window_mb, ...; Note [Optimizer settings] in optimizer/settings.cpp), which sets
-// optimizer_config, beside the allocator's table (config.hpp) for the driver.
+// optimizer_config, beside the allocator's table (core/config.hpp) for the driver.
 #pragma once
-#include <deferalloc/config.hpp>
-#include <deferalloc/export.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/export.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <string>
 #include <string_view>

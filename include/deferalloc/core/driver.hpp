@@ -16,7 +16,7 @@
 // The counting is vmm_ops' non-virtual public functions (rmm's allocate / do_allocate
 // pattern), so the statistics live in one place; budgets are the chunk pool's.
 #pragma once
-#include <deferalloc/export.hpp>
+#include <deferalloc/core/export.hpp>
 
 #include <array>
 #include <atomic>

@@ -7,7 +7,7 @@
 // chunks given back beyond it go back to the driver at once.  A byte budget bounds
 // the chunks alive (taken + cached); trim() gives cached chunks back to the driver.
 #pragma once
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 
 #include <cstddef>
 #include <limits>

@@ -8,8 +8,8 @@
 //
 // On the host driver (no GPU) tensors live on the CPU: the same code is tested in CI.
 #pragma once
-#include <deferalloc/export.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/export.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <ATen/ATen.h>
 

@@ -16,8 +16,8 @@
 //    resumed at the same addresses, chunks coming back from the pool;
 //  - statistics with PyTorch's key names.
 #pragma once
-#include <deferalloc/config.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -30,7 +30,7 @@
 
 namespace deferalloc {
 
-// caching_allocator_config is in config.hpp: its knobs are settings (DEFERALLOC_CONF).
+// caching_allocator_config is in core/config.hpp: its knobs are settings (DEFERALLOC_CONF).
 
 /// Per-thread tagged region of one allocator: allocations made on this thread while
 /// the object lives belong to `tag`.  Regions nest (the innermost wins).

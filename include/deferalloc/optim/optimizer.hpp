@@ -4,9 +4,9 @@
 // window, with their contents streamed from their home tier.  See
 // Note [Window pipeline] in optimizer/window_pipeline.cpp.
 #pragma once
-#include <deferalloc/driver.hpp>
-#include <deferalloc/export.hpp>
-#include <deferalloc/optimizer_types.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/export.hpp>
+#include <deferalloc/optim/optimizer_types.hpp>
 
 #include <cstddef>
 #include <cstdint>

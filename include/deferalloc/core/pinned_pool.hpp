@@ -6,7 +6,7 @@
 // pinned_cache_mb, a quarter of RAM by default): buffers given back beyond it are freed at
 // once (See Note [Physical memory policy] in allocator/core/chunk_pool.cpp).
 #pragma once
-#include <deferalloc/driver.hpp>
+#include <deferalloc/core/driver.hpp>
 
 #include <cstddef>
 #include <map>

@@ -2,8 +2,8 @@
 // chunks only between materialize and release.  See Note [Deferred reservations]
 // in allocator/core/reservations/reservations.cpp.
 #pragma once
-#include <deferalloc/chunk_pool.hpp>
-#include <deferalloc/pinned_pool.hpp>
+#include <deferalloc/core/chunk_pool.hpp>
+#include <deferalloc/core/pinned_pool.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -1,8 +1,8 @@
 // A driver, a chunk pool and a reservation manager built from settings: what the
 // C ABI, the demo and the benchmarks use.  Any number can live in one process.
 #pragma once
-#include <deferalloc/config.hpp>
-#include <deferalloc/reservations.hpp>
+#include <deferalloc/core/config.hpp>
+#include <deferalloc/core/reservations.hpp>
 
 #include <memory>
 

@@ -1,11 +1,11 @@
 // Settings: one parser for the PYTORCH_CUDA_ALLOC_CONF grammar,
 //   key:value,key:[v1,v2],...
 // read from DEFERALLOC_CONF by the C ABI and the preload library, and the allocator's
-// settings table (the optimizer's keys are its own: deferalloc/optimizer_settings.hpp).
+// settings table (the optimizer's keys are its own: deferalloc/optim/optimizer_settings.hpp).
 // An unknown key or a bad value is an error that lists the valid keys.
 #pragma once
-#include <deferalloc/driver.hpp>
-#include <deferalloc/export.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/export.hpp>
 
 #include <cstddef>
 #include <map>

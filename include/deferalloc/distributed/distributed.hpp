@@ -10,9 +10,9 @@
 //   step on the shard -> all-gather(BF16 params).
 // NCCL is opened at run time (libnccl.so.2), as libcuda is: the library loads without it.
 #pragma once
-#include <deferalloc/driver.hpp>
-#include <deferalloc/export.hpp>
-#include <deferalloc/optimizer.hpp>
+#include <deferalloc/core/driver.hpp>
+#include <deferalloc/core/export.hpp>
+#include <deferalloc/optim/optimizer.hpp>
 
 #include <array>
 #include <cstddef>
