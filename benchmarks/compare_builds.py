@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two builds' figures side by side: the "before" and "after" of a change that must not move them.
 
-    compare_builds.py BEFORE.json AFTER.json [BEFORE2.json AFTER2.json ...] [--tolerance 0.05]
+    compare_builds.py BEFORE.json AFTER.json [BEFORE2.json AFTER2.json ...] [--tolerance 0.05] [--json OUT]
 
 Each file is in the one schema (benchmarks/bench_json.py).  For every result of the same name in
 a pair, the change is after / before for rates (GB/s, Gparams/s, ...) and before / after for times
@@ -10,6 +10,12 @@ are marked; a result present on one side only is listed.  Where a file was measu
 (the same name given again in a later pair), the median of its changes is used, so that
 interleaved repetitions of before and after average the machine's drift out.  Exit 0 always:
 this is a report (scripts/gpu_round.sh compare prints it last).
+
+Beside each change stands the builds' own spread over their runs ((max - min) / median of one
+build's values, the wider of the two builds): where that spread is wider than the tolerance, the machine's noise hides a change
+of that size and more runs (or longer ones) are needed before the row says anything; such rows
+are marked "noise" rather than "outside".  --json writes the rows in the one schema
+(benchmarks/bench_json.py) as benchmark "compare_builds", unit "x", with the spreads in extra.
 """
 from __future__ import annotations
 
@@ -37,14 +43,23 @@ def changes(before: dict, after: dict) -> dict:
     return out
 
 
+def own_spread(v: list[float]) -> float:
+    """(max - min) / median of one build's runs of a figure (0 for a single run)."""
+    m = statistics.median(v)
+    return (max(v) - min(v)) / m if len(v) > 1 and m else 0.0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", help="BEFORE AFTER pairs")
     ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--json", help="write the rows in the one schema (benchmark compare_builds)")
+    ap.add_argument("--device", default="", help="the device named in --json's document")
     a = ap.parse_args(argv)
     if len(a.files) % 2:
         ap.error("files come in BEFORE AFTER pairs")
     per_bench: dict[str, dict[str, list[float]]] = {}
+    values: dict[tuple[str, str], tuple[list[float], list[float]]] = {}  # (before's, after's)
     units: dict[tuple[str, str], str] = {}
     alone: list[str] = []
     for i in range(0, len(a.files), 2):
@@ -55,20 +70,41 @@ def main(argv=None) -> int:
         for name, c in changes(before, after).items():
             per_bench.setdefault(bn, {}).setdefault(name, []).append(c)
             units[(bn, name)] = before[name]["unit"]
+            vb, va = values.setdefault((bn, name), ([], []))
+            vb.append(before[name]["value"])
+            va.append(after[name]["value"])
         alone += [f"{bn}: {n} (before only)" for n in before if n not in after]
         alone += [f"{bn}: {n} (after only)" for n in after if n not in before]
-    outside = 0
-    print(f"{'benchmark':<20} {'result':<58} {'unit':<10} {'after vs before':>15}  runs")
+    outside = noisy = 0
+    rows_out = []
+    print(f"{'benchmark':<20} {'result':<54} {'unit':<9} {'after vs before':>15}  {'runs':>4}  own spread")
     for bench, rows in per_bench.items():
         for name, cs in rows.items():
             c = statistics.median(cs)
-            mark = "" if abs(c - 1) <= a.tolerance else "  <-- outside"
-            outside += bool(mark)
-            print(f"{bench:<20} {name[:58]:<58} {units[(bench, name)]:<10} {c:>14.3f}x  {len(cs)}{mark}")
+            spread = max(own_spread(v) for v in values[(bench, name)])
+            mark = ""
+            if abs(c - 1) > a.tolerance:
+                mark = "  <-- noise" if spread > a.tolerance else "  <-- outside"
+            outside += mark == "  <-- outside"
+            noisy += mark == "  <-- noise"
+            print(f"{bench:<20} {name[:54]:<54} {units[(bench, name)]:<9} {c:>14.3f}x  {len(cs):>4}  "
+                  f"{100 * spread:>6.1f}%{mark}")
+            rows_out.append({"name": f"{bench}: {name}", "value": c, "unit": "x", "baseline": None,
+                             "runs": len(cs), "own_spread": spread})
     for line in sorted(set(alone)):
         print("  " + line)
     n = sum(len(r) for r in per_bench.values())
-    print(f"compare_builds: {n} results, {outside} outside 1 +- {a.tolerance:g} (above 1: the after build is faster)")
+    print(f"compare_builds: {n} results, {outside} outside 1 +- {a.tolerance:g}, {noisy} more outside it where a "
+          f"build's own spread is wider (above 1: the after build is faster)")
+    if a.json:
+        doc = {"benchmark": "compare_builds", "schema": 1, "device": a.device,
+               "command": "benchmarks/compare_builds.py " + " ".join(a.files),
+               "results": [{k: r[k] for k in ("name", "value", "unit", "baseline")} for r in rows_out],
+               "extra": {"tolerance": a.tolerance,
+                         "runs": {r["name"]: r["runs"] for r in rows_out},
+                         "own_spread": {r["name"]: r["own_spread"] for r in rows_out}}}
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
     return 0
 
 

@@ -248,7 +248,8 @@ if has compare; then
         done
         pack
       done
-      python3 benchmarks/compare_builds.py "${pairs[@]}" > "$L/compare.txt" 2>&1
+      python3 benchmarks/compare_builds.py "${pairs[@]}" --json "$R/compare_builds.json" --device "${gpu:-GPU}" \
+        > "$L/compare.txt" 2>&1
       row compare "$(tail -1 "$L/compare.txt")"
       cat "$L/compare.txt"
     else
