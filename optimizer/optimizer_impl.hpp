@@ -179,8 +179,8 @@ struct streamed_adamw::impl {
   }
   /// Shard s's scalars for its next step.
   detail::adamw_scalars scalars(std::size_t s, float grad_scale) const;
-  /// One pass of the window pipeline over every piece (window_pipeline.cpp); a failed one
-  /// leaves retry.pieces_done at the pieces it wrote back.
+  /// One pass of the window pipeline over every piece (window_pipeline.cpp); a failed plain
+  /// step pass records the pieces it wrote back in `retry` (step_retry::progressed).
   void run_pass(pass_kind kind, std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                 stream_t user, std::size_t skip, bool speculative = false);
   /// Shard `s`'s home.

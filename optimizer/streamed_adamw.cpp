@@ -369,7 +369,9 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   try {
     pass.run(user, report);
   } catch (...) {
-    retry.progressed(pass.written());
+    // Only a plain step's pass is what a retry resumes; an export or init pass writes no
+    // state back, and a speculative one writes the second copy.
+    if (kind == pass_kind::step && !speculative) retry.progressed(pass.written());
     throw;
   }
 }

@@ -548,6 +548,27 @@ TEST(optimizer, host_tier_step_retried_after_a_fault_completes_exactly) {
   expect_same(r.state(), two, "retried step");
 }
 
+// A failed sync_model_params (the export pass) between a failed step and its retry
+// leaves the retry's progress alone: the retry skips the pieces the failed step wrote
+// back, no more and no fewer (an export pass writes no state back).
+TEST(optimizer, host_tier_retry_survives_a_failed_export_pass) {
+  auto f = std::make_shared<fault_driver>(make_driver());
+  const problem p = make_problem(f->granularity(), 2);
+  run r(f, p, config_for(tier::host));
+  r.opt->initialize();
+  r.step(0);
+  f->fail_nth_copy(13);  // as in host_tier_step_retried_after_a_fault_completes_exactly
+  r.load_grads(1);
+  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+  f->fail_nth_copy(1);  // the export pass's first fetch of main
+  EXPECT_THROW(r.opt->sync_model_params(), cuda_error);
+  EXPECT_EQ(f->fired(), 2u);
+  EXPECT_EQ(r.opt->steps(), 1u);
+  r.opt->step(r.grads, grad_type::bf16, p.scale(1));
+  f->synchronize_stream(nullptr);
+  expect_same(r.state(), cpu_twin(p, 2), "retried step after a failed export pass");
+}
+
 // Note [Speculative steps]: a speculative step then commit is the plain step, bit for
 // bit; a discard leaves state and step counts as they were, and the redo that follows
 // (speculative or plain) rewrites the BF16 params; several pending steps over disjoint
