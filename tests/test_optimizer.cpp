@@ -519,17 +519,24 @@ TEST(optimizer, out_of_memory_during_a_step_keeps_the_previous_step) {
 }
 
 // Host tier: in place; a failed step retried with the same gradients completes exactly.
+namespace {
+// Initializes r, steps once, then fails its second step part-way: the 13th copy from there
+// (the gradients' uploads, then six per piece: three arrays each way) fails after the
+// pass's first piece was written back.
+void fail_second_step(run& r, fault_driver& f, const problem& p) {
+  r.opt->initialize();
+  r.step(0);
+  f.fail_nth_copy(13);
+  r.load_grads(1);
+  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+}
+}  // namespace
+
 TEST(optimizer, host_tier_step_retried_after_a_fault_completes_exactly) {
   auto f = std::make_shared<fault_driver>(make_driver());
   const problem p = make_problem(f->granularity(), 2);
   run r(f, p, config_for(tier::host));
-  r.opt->initialize();
-  r.step(0);
-  // The 13th copy from here (the gradients' uploads, then six per piece: three arrays
-  // each way) fails part-way through the pass, after its first piece was written back.
-  f->fail_nth_copy(13);
-  r.load_grads(1);
-  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+  fail_second_step(r, *f, p);
   EXPECT_EQ(f->fired(), 1u);
   EXPECT_EQ(r.opt->steps(), 1u);
   // In place: the pieces written back before the fault already hold step 2's values, the
@@ -555,11 +562,7 @@ TEST(optimizer, host_tier_retry_survives_a_failed_export_pass) {
   auto f = std::make_shared<fault_driver>(make_driver());
   const problem p = make_problem(f->granularity(), 2);
   run r(f, p, config_for(tier::host));
-  r.opt->initialize();
-  r.step(0);
-  f->fail_nth_copy(13);  // as in host_tier_step_retried_after_a_fault_completes_exactly
-  r.load_grads(1);
-  EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+  fail_second_step(r, *f, p);
   f->fail_nth_copy(1);  // the export pass's first fetch of main
   EXPECT_THROW(r.opt->sync_model_params(), cuda_error);
   EXPECT_EQ(f->fired(), 2u);
