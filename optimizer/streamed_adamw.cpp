@@ -111,6 +111,10 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   DFA_EXPECTS(self.cfg.resident_bytes == 0 || self.cfg.home == tier::host,
               std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(self.cfg.home) +
                   " tier keeps all or none of its state in HBM)");
+  // Every check of the config comes before anything is built (a refused config costs no
+  // streams, window or file).
+  DFA_EXPECTS(self.cfg.home != tier::file || !self.cfg.directory.empty(),
+              "streamed_adamw: the file tier needs a directory");
   const home_traits traits = traits_of(self.cfg.home, self.cfg.moments);
   if (traits.streamed) {
     self.shape = shape_window(self.cfg, traits, self.drv->granularity());
