@@ -61,9 +61,17 @@ run() {  # name, timeout seconds, command...
 }
 if has build; then
   prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+  # ctest's test_megatron_gpu runs on the newest megatron-core of .whl/megatron/ (unpacked apart
+  # from /tmp/site, so that the megatron step's per-version runs see only their own).
+  mc_path=${site:-}
+  newest=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
+  if [ -n "$newest" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+       --target /tmp/site-mc "$newest" > "$L/megatron-wheel.log" 2>&1; then
+    mc_path=/tmp/site-mc
+  fi
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
         -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON="$(command -v python3)" \
-        ${site:+-DDEFERALLOC_MEGATRON_PATH=$site} \
+        ${mc_path:+-DDEFERALLOC_MEGATRON_PATH=$mc_path} \
         > "$L/configure.log" 2>&1 || { tail -30 "$L/configure.log"; exit 1; }
   # DFA_BUILD_TARGETS: build only these (a short call), e.g. "bench_checkpoint".
   if ! cmake --build $B -j"$(nproc)" ${DFA_BUILD_TARGETS:+--target $DFA_BUILD_TARGETS} > "$L/build.log" 2>&1; then
