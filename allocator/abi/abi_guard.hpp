@@ -50,4 +50,13 @@ long long raw_enum_value(const E& e) noexcept {
   return static_cast<long long>(v);
 }
 
+/// A C enumeration value as the C++ scoped enum `To`, converted without a range check: the
+/// C++ call that takes it refuses a value that names no enumerator (Note [Arguments are
+/// checked where they enter] in docs/DESIGN.md).
+template <typename To, typename From>
+To enum_from_c(const From& e) noexcept {
+  static_assert(std::is_enum_v<To>);
+  return static_cast<To>(raw_enum_value(e));
+}
+
 }  // namespace deferalloc::detail

@@ -138,7 +138,7 @@ dfa_status dfa_tag_end(void) {
 
 dfa_status dfa_tag_pause(const char* tag, dfa_keep keep, void* stream) {
   return guard("dfa_tag_pause", [&] {
-    const auto k = static_cast<keep_mode>(detail::raw_enum_value(keep));  // range-checked by pause
+    const auto k = detail::enum_from_c<keep_mode>(keep);  // range-checked by pause
     const std::vector<std::string>& tags = thread_tags();
     if (!tags.empty())
       throw invalid_state("called inside the tagged region '" + tags.back() + "' (dfa_tag_end first)");

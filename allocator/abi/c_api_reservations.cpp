@@ -66,7 +66,7 @@ dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
 dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
   return guard("dfa_materialize", [&] {
     // Range-checked by materialize (Note [Enum values from callers]).
-    const auto f = static_cast<fill_mode>(detail::raw_enum_value(fill));
+    const auto f = detail::enum_from_c<fill_mode>(fill);
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
@@ -76,7 +76,7 @@ dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_
 
 dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream) {
   return guard("dfa_release", [&] {
-    const auto k = static_cast<keep_mode>(detail::raw_enum_value(keep));  // range-checked by release
+    const auto k = detail::enum_from_c<keep_mode>(keep);  // range-checked by release
     std::shared_lock<std::shared_mutex> lk;
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);

@@ -7,7 +7,7 @@
 // it names an enumerator.  The reservation layer calls expect_valid() on entry (the C++
 // API's own check, Note [Arguments are checked where they enter] in docs/DESIGN.md); the
 // C ABI's dfa_fill / dfa_keep are unscoped C enums whose valid range is only their
-// enumerators' bits, so the ABI reads their raw integer (raw_enum_value in abi_guard.hpp),
+// enumerators' bits, so the ABI reads their raw integer (enum_from_c in abi_guard.hpp),
 // converts it to the scoped enum and leaves the range check to that layer.
 #pragma once
 #include <deferalloc/core/errors.hpp>

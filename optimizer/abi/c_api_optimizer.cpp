@@ -43,7 +43,7 @@ dfa_status guard(const char* call, F&& body) noexcept {
 }
 
 using deferalloc::detail::need;
-using deferalloc::detail::raw_enum_value;
+using deferalloc::detail::enum_from_c;
 
 streamed_adamw& opt_of(dfa_optimizer* o) {
   need(o, "the optimizer");
@@ -119,10 +119,6 @@ dfa_optimizer* create(engine_settings e) {
   return h.release();
 }
 
-// A dfa_dtype as value_type: the C++ call refuses a value that names no type (add_shard,
-// step: Note [Arguments are checked where they enter] in docs/DESIGN.md).
-value_type dtype_of(dfa_dtype t) { return static_cast<value_type>(raw_enum_value(t)); }
-
 // The gradients' types of a step call (grad_dtypes null: each shard's parameter type);
 // the step checks their number and values.
 std::vector<value_type> grad_types(const streamed_adamw& opt, const void* const* grads, std::size_t n,
@@ -191,7 +187,7 @@ dfa_status dfa_opt_add_shard(dfa_optimizer* o, void* param, size_t numel, dfa_dt
                              size_t* index) {
   return guard("dfa_opt_add_shard", [&] {
     auto& opt = opt_of(o);
-    const std::size_t i = opt.add_shard(param, numel, dtype_of(dtype), group, name ? name : "");
+    const std::size_t i = opt.add_shard(param, numel, enum_from_c<value_type>(dtype), group, name ? name : "");
     if (index) *index = i;
   });
 }
@@ -253,14 +249,14 @@ dfa_status dfa_opt_sync_model_params(dfa_optimizer* o, void* stream) {
 
 dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n, float* out) {
   return guard("dfa_opt_read_state", [&] {
-    opt_of(o).read_state_range(shard, static_cast<state_array>(raw_enum_value(a)), offset, n, out);
+    opt_of(o).read_state_range(shard, enum_from_c<state_array>(a), offset, n, out);
   });
 }
 
 dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
                                const float* in) {
   return guard("dfa_opt_write_state", [&] {
-    opt_of(o).write_state_range(shard, static_cast<state_array>(raw_enum_value(a)), offset, n, in);
+    opt_of(o).write_state_range(shard, enum_from_c<state_array>(a), offset, n, in);
   });
 }
 
