@@ -151,6 +151,10 @@ struct streamed_adamw::impl {
 
   /// Opens a state write (implicit: by write_state_range, published by settle_writes).
   void open_write(bool implicit);
+  /// Before a write of the state (a range, a shard's step): the file tier writes only
+  /// within a state write, one of its own (implicit) when none is open, published by the
+  /// next call that uses the state (Note [State writes] in home.cpp); in-place tiers need none.
+  void ensure_state_write();
   /// Ends the open state write: published, or dropped (the file tier's counts restored).
   void close_write(bool publish);
   /// Before a call that reads, steps or saves the state: publishes an implicit write,

@@ -240,9 +240,9 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   self.open_state();
   DFA_EXPECTS(self.initialized, no_state, invalid_state);
   self.refuse_if_speculating("set_shard_step");
-  // The file tier publishes it with the state write under way, or with one of its own
-  // (Note [State writes] in home.cpp); the others keep it in memory.
-  if (!self.state_write.open() && !self.in_place()) self.open_write(true);
+  // The file tier publishes it with the state write under way, or with one of its own;
+  // the others keep it in memory.
+  self.ensure_state_write();
   self.shards[s].step = step;
 }
 
@@ -258,6 +258,10 @@ void streamed_adamw::set_shard_param(std::size_t s, void* param) {
 void streamed_adamw::impl::open_write(bool implicit) {
   if (committed_store* store = tier_home->store()) store->begin_write();
   state_write.begin(implicit, counts());
+}
+
+void streamed_adamw::impl::ensure_state_write() {
+  if (!state_write.open() && !in_place()) open_write(true);
 }
 
 void streamed_adamw::impl::close_write(bool publish) {
@@ -682,9 +686,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   check_range("write_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
-  // The file tier writes only within a state write: one of its own when none is open,
-  // published by the next call that uses the state (Note [State writes] in home.cpp).
-  if (!self.state_write.open() && !self.in_place()) self.open_write(true);
+  self.ensure_state_write();
   self.home_of(shard).write(shard, a, offset, n, in);
   if (is_moment(a)) self.moments_written = true;
 }
