@@ -287,6 +287,17 @@ def _group_key(g: Mapping, where: str) -> tuple:
     return key
 
 
+def _setting(text: str, key: str) -> str | None:
+    """The value of ``key`` in settings text ("key:value,..."), the last one where it is
+    given more than once (as the engine reads it); None where it is not given."""
+    value = None
+    for kv in text.split(","):
+        k, sep, v = kv.partition(":")
+        if sep and k.strip() == key:
+            value = v.strip()
+    return value
+
+
 def _whole_mb(name: str, v) -> int | None:
     """A size in MiB as the int the settings text takes (a whole float converts; None stays
     None).  Its range is the engine's to check (Note [Arguments are checked where they
@@ -512,7 +523,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def _with_rank(text: str) -> str:
         """The settings with this process's rank in the default process group (the file
         tier's file name, log lines), unless they name one."""
-        if any(kv.strip().startswith("rank:") for kv in text.split(",")):
+        if _setting(text, "rank") is not None:
             return text
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
@@ -524,15 +535,10 @@ class StreamedAdamW(torch.optim.Optimizer):
         """``overwrite`` is never passed down: the file the settings name is refused here.
         No directory: the engine refuses the file tier (Note [Arguments are checked where
         they enter] in docs/DESIGN.md)."""
-        rank, directory = 0, None
-        for kv in text.split(","):
-            if kv.strip().startswith("rank:"):
-                rank = int(kv.split(":", 1)[1])
-            elif kv.strip().startswith("directory:"):
-                directory = kv.split(":", 1)[1].strip()
+        directory = _setting(text, "directory")
         if not directory:
             return
-        path = os.path.join(directory, f"deferalloc-rank{rank}.state")
+        path = os.path.join(directory, f"deferalloc-rank{int(_setting(text, 'rank') or 0)}.state")
         if os.path.exists(path):
             raise InvalidStateError(f"StreamedAdamW: {path} holds optimizer state already: pass resume=True to "
                                     f"continue from it, or overwrite=True to replace it")
