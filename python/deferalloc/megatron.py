@@ -167,7 +167,7 @@ import torch
 
 from . import deferred_empty
 from . import _native
-from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW
+from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _checked_step
 
 _load = _native.optimizer
 _check = _native.optimizer.check
@@ -260,15 +260,17 @@ class StreamedMegatronAdamW(StreamedAdamW):
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
             raise InvalidArgumentError("StreamedMegatronAdamW.load_state_dict: the parameter groups do not match")
+        # The steps are checked before anything changes: a bad one (2.5, -1, NaN) is refused
+        # with the optimizer as it was, never truncated.
+        saved = state_dict.get("state", {})
+        steps = [(p, _checked_step(saved[pid]["step"], f"StreamedMegatronAdamW.load_state_dict: state {pid}"))
+                 for g, o in zip(groups, self.param_groups) for pid, p in zip(g["params"], o["params"])
+                 if "step" in saved.get(pid, {})]
         self._settled()
         torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": groups})
         self._ensure_initialized()
-        saved = state_dict.get("state", {})
-        for g, o in zip(groups, self.param_groups):
-            for pid, p in zip(g["params"], o["params"]):
-                st = saved.get(pid)
-                if st is not None and "step" in st:
-                    self.set_shard_step(p, int(float(st["step"])))
+        for p, step in steps:
+            self.set_shard_step(p, step)
         self._pushed = [None] * len(self.param_groups)
         self._push_groups()
         self._refresh_steps()
@@ -511,7 +513,7 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
         streamed.write_shard(p, {"param": old if old in replaced and not kept(old) else None,
                                  "exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq")})
         if "step" in st:
-            streamed.set_shard_step(p, int(float(st["step"])))
+            streamed.set_shard_step(p, _checked_step(st["step"], "stream_optimizer_state"))
     streamed._refresh_steps()
 
     # Commit: Megatron's main-param objects become the handles, the old FP32 copies go.

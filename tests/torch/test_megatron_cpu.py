@@ -119,6 +119,20 @@ def in_process() -> None:
     except (InvalidArgumentError, AttributeError) as e:
         check(isinstance(e, InvalidArgumentError), f"a non-distributed optimizer is refused ({type(e).__name__})")
 
+    # A step that is not a whole number is refused by load_state_dict, the state as it was.
+    before = train_gpt.state_digest(optimizer)
+    sd = inner.state_dict()
+    pid = next(iter(sd["state"]))
+    steps = [int(st["step"]) for st in sd["state"].values()]
+    bad = {**sd, "state": {**sd["state"], pid: {**sd["state"][pid], "step": torch.tensor(2.5)}}}
+    try:
+        inner.load_state_dict(bad)
+        check(False, "load_state_dict refuses step 2.5")
+    except InvalidArgumentError as e:
+        check("2.5" in str(e) and train_gpt.state_digest(optimizer) == before and
+              [int(st["step"]) for st in inner.state_dict()["state"].values()] == steps,
+              f"load_state_dict refuses step 2.5, the state unchanged ({e})")
+
     # A Megatron optimizer that already stepped hands its state over.
     args2 = train_gpt.parse_args(TINY + ["--steps", "2", "--seed", "7"])
     gpt2, ddp2, opt2, _ = train_gpt.build(args2)
