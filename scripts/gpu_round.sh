@@ -211,7 +211,9 @@ if has compare; then
   # drift hits both, in one call; benchmarks/compare_builds.py prints after / before per figure.
   # The before sources travel as an ignored file, carried with the call:
   #   mkdir -p .before && git archive -o .before/src.tar COMMIT      (run: carry [".before"])
-  # DFA_COMPARE_REPS (default 2) repetitions; DFA_COMPARE_OVERLAP_ARGS the bench_overlap parts
+  # DFA_COMPARE_REPS (default 2) repetitions; bench_reservations' VMM-bound rows spread 14-42%
+  # from run to run, so each of its runs is DFA_COMPARE_GB_REPS (default 5) repetitions in random
+  # order, read by their median (benchmarks/bench_json.py); DFA_COMPARE_OVERLAP_ARGS the bench_overlap parts
   # (default "--parts bound,split"; empty string: no bench_overlap).
   if [ ! -f .before/src.tar ]; then
     row compare "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
@@ -234,7 +236,8 @@ if has compare; then
           if [ $side = before ]; then src=$BS bld=$BB; else src=$PWD bld=$PWD/$B; fi
           for g in bench_reservations bench_optimizer; do
             case $g in
-              bench_reservations) extra=(--benchmark_min_time=0.3) ;;
+              bench_reservations) extra=(--benchmark_min_time=0.3 "--benchmark_repetitions=${DFA_COMPARE_GB_REPS:-5}"
+                                         --benchmark_enable_random_interleaving=true) ;;
               *) extra=("--benchmark_filter=BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused") ;;
             esac
             timeout 240 "$bld/benchmarks/$g" "${extra[@]}" --benchmark_out="$L/cmp-$side-$rep-$g.gb.json" \
