@@ -265,7 +265,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
         saved = state_dict.get("state", {})
         steps = [(p, _checked_step(saved[pid]["step"], f"StreamedMegatronAdamW.load_state_dict: state {pid}"))
                  for g, o in zip(groups, self.param_groups) for pid, p in zip(g["params"], o["params"])
-                 if "step" in saved.get(pid, {})]
+                 if "step" in (saved.get(pid) or {})]
         self._settled()
         torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": groups})
         self._ensure_initialized()
