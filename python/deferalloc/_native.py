@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import threading
 from typing import Callable
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from . import _logging
-from .errors import DeferallocError, NoDevice, from_status
+from .errors import DeferallocError, InvalidArgument, NoDevice, from_status
 
 
 class Library:
@@ -204,3 +205,22 @@ def stream_ptr(stream, device: torch.device):
     if isinstance(stream, torch.cuda.Stream):
         return ctypes.c_void_p(stream.cuda_stream)
     return ctypes.c_void_p(int(stream))
+
+
+# Steps are whole numbers that a double (and so torch's float step tensors) holds exactly.
+MAX_STEP = 1 << 53
+
+
+def checked_step(v, where: str) -> int:
+    """A step count from outside (a state dict, ``opt.state[p]``, Megatron's checkpoint): a whole
+    number in [0, 2**53), as a number or a one-element tensor; anything else raises
+    InvalidArgument naming `where`."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise InvalidArgument(f"{where}: step is a tensor of {v.numel()} elements (one expected)")
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidArgument(f"{where}: step {v!r} is not a number")
+    if not (math.isfinite(v) and v == int(v) and 0 <= v < MAX_STEP):
+        raise InvalidArgument(f"{where}: step {v!r} is not a whole number in [0, 2**53)")
+    return int(v)

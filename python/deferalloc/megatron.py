@@ -167,7 +167,7 @@ import torch
 
 from . import deferred_empty
 from . import _native
-from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, _checked_step
+from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW
 
 _load = _native.optimizer
 _check = _native.optimizer.check
@@ -263,7 +263,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
         # The steps are checked before anything changes: a bad one (2.5, -1, NaN) is refused
         # with the optimizer as it was, never truncated.
         saved = state_dict.get("state", {})
-        steps = [(p, _checked_step(saved[pid]["step"], f"StreamedMegatronAdamW.load_state_dict: state {pid}"))
+        steps = [(p, _native.checked_step(saved[pid]["step"], f"StreamedMegatronAdamW.load_state_dict: state {pid}"))
                  for g, o in zip(groups, self.param_groups) for pid, p in zip(g["params"], o["params"])
                  if "step" in (saved.get(pid) or {})]
         self._settled()
@@ -513,7 +513,7 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
         streamed.write_shard(p, {"param": old if old in replaced and not kept(old) else None,
                                  "exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq")})
         if "step" in st:
-            streamed.set_shard_step(p, _checked_step(st["step"], "stream_optimizer_state"))
+            streamed.set_shard_step(p, _native.checked_step(st["step"], "stream_optimizer_state"))
     streamed._refresh_steps()
 
     # Commit: Megatron's main-param objects become the handles, the old FP32 copies go.

@@ -72,7 +72,6 @@ _DTYPE = _native.DTYPE_CODES
 _stream_ptr = _native.stream_ptr
 _ARRAYS = {"main_param": 0, "exp_avg": 1, "exp_avg_sq": 2}
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "main_param")
-_MAX_STEP = 1 << 53  # steps are whole numbers a double (and so torch's float step tensors) holds exactly
 _STATE_BYTES = {"fp32": 12.0, "bf16": 8.0, "int8": 6.125}  # per element held, by moment_dtype (optimizer.hpp)
 _logger = logging.getLogger("deferalloc")
 
@@ -244,19 +243,6 @@ class _EngineState(MutableMapping):
 
 
 # ---- checks of values from outside (state dicts, opt.state assignments) ------------------------
-
-def _checked_step(v, where: str) -> int:
-    """A step count: a whole number in [0, 2**53) (a number or a one-element tensor)."""
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise InvalidArgumentError(f"{where}: step is a tensor of {v.numel()} elements (one expected)")
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidArgumentError(f"{where}: step {v!r} is not a number")
-    if not (math.isfinite(v) and v == int(v) and 0 <= v < _MAX_STEP):
-        raise InvalidArgumentError(f"{where}: step {v!r} is not a whole number in [0, 2**53)")
-    return int(v)
-
 
 def _group_key(g: Mapping, where: str) -> tuple:
     """(lr, beta1, beta2, eps, weight_decay) of a param group, checked as the engine and
@@ -811,7 +797,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             raise InvalidArgumentError(f"{where}: no {', '.join(missing)}")
         out: dict = {}
         if "step" in st:
-            out["step"] = _checked_step(st["step"], where)
+            out["step"] = _native.checked_step(st["step"], where)
         for key, a in _ARRAYS.items():
             if key in st:
                 out[a] = self._local_values(p, st[key], key, where)
