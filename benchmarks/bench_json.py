@@ -11,7 +11,7 @@ everything else, baseline / value for times, i.e. how many times faster).  ``ext
 benchmarks/plot.py reads ``extra.notes`` (a list of paragraphs, shown under the table) and
 ``extra.transcribed`` (a string: the figures were copied by hand, not written by a program).
 
-    bench_json.py convert GBENCH.json --out OUT.json [--command "..."]
+    bench_json.py convert GBENCH.json --out OUT.json [--command "..."] [--device D] [--name N]
 
 turns the output of a Google Benchmark program (``--benchmark_out=X --benchmark_out_format=json``
 of bench_reservations, bench_optimizer, bench_allocation) into this schema: the figures
@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import sys
 
 SCHEMA = 1
@@ -213,15 +214,40 @@ def _rows(data: dict) -> dict:
     return rows
 
 
-def from_gbench(data: dict, command: str | None = None) -> dict:
-    rows = _rows(data)
-    ctx = data.get("context", {})
-    program = os.path.basename(ctx.get("executable", "")) or None
+def _results(rows: dict) -> list[dict]:
     results = []
     for f in (_reservations, _optimizer, _allocation):
         results += f(rows)
-    if not results:
-        results = _generic(rows)
+    return results or _generic(rows)
+
+
+def _repetition_spread(data: dict) -> dict:
+    """{result name: (max - min) / median over the repetitions} of a run with
+    --benchmark_repetitions: the figures computed from each repetition's rows alone (a row run
+    once serves every repetition), so that one run says how far its own figure wanders."""
+    ok = [b for b in data.get("benchmarks", []) if not b.get("error_occurred") and b.get("run_type") != "aggregate"]
+    n = max((b.get("repetitions", 1) for b in ok), default=1)
+    if n < 2:
+        return {}
+    values: dict[str, list[float]] = {}
+    for k in range(n):
+        rows = {b["run_name"] if "run_name" in b else b["name"]: b for b in ok
+                if b.get("repetitions", 1) == 1 or b.get("repetition_index") == k}
+        for r in _results(rows):
+            values.setdefault(r["name"], []).append(r["value"])
+    out = {}
+    for name, v in values.items():
+        m = statistics.median(v)
+        if len(v) == n and m:
+            out[name] = (max(v) - min(v)) / abs(m)
+    return out
+
+
+def from_gbench(data: dict, command: str | None = None, name: str | None = None) -> dict:
+    rows = _rows(data)
+    ctx = data.get("context", {})
+    program = name or os.path.basename(ctx.get("executable", "")) or None
+    results = _results(rows)
     if program is None:
         program = ("bench_reservations" if _find(rows, "BM_materialize_release") else
                    "bench_optimizer" if _find(rows, "BM_tier/") else
@@ -230,6 +256,9 @@ def from_gbench(data: dict, command: str | None = None) -> dict:
                                 if k in ctx}}
     if "transcribed" in ctx:
         extra["transcribed"] = ctx["transcribed"]
+    spread = _repetition_spread(data)
+    if spread:
+        extra["repetition_spread"] = spread
     device = ctx.get("device") or ctx.get("host_name") or "unknown"
     return document(program, results, device, command or ctx.get("command") or program, extra)
 
@@ -242,6 +271,7 @@ def main(argv: list[str]) -> int:
     c.add_argument("--out", required=True)
     c.add_argument("--command", help="the command that ran the benchmark (default: its context)")
     c.add_argument("--device", help="the device it ran on (default: the context's host_name)")
+    c.add_argument("--name", help="the benchmark's name (default: the program's), e.g. for a run on another driver")
     v = sub.add_parser("validate", help="check files against schema 1")
     v.add_argument("files", nargs="+")
     a = ap.parse_args(argv)
@@ -259,7 +289,7 @@ def main(argv: list[str]) -> int:
     if not data.get("benchmarks"):
         print(f"bench_json: no benchmarks in {a.gbench}")
         return 1
-    doc = from_gbench(data, a.command)
+    doc = from_gbench(data, a.command, a.name)
     if a.device:
         doc["device"] = a.device
     write(a.out, doc["benchmark"], doc["results"], doc["device"], doc["command"], doc["extra"])

@@ -5,16 +5,18 @@
 
 Each file is in the one schema (benchmarks/bench_json.py).  For every result of the same name in
 a pair, the change is after / before for rates (GB/s, Gparams/s, ...) and before / after for times
-(s, ms, us, ns): above 1 the after build is faster.  Rows whose change lies outside 1 +- tolerance
+(s, ms, us, ns) and instruction counts: above 1 the after build is faster.  Rows whose change lies outside 1 +- tolerance
 are marked; a result present on one side only is listed.  Where a file was measured more than once
 (the same name given again in a later pair), the median of its changes is used, so that
 interleaved repetitions of before and after average the machine's drift out.  Exit 0 always:
 this is a report (scripts/gpu_round.sh compare prints it last).
 
-Beside each change stands the builds' own spread over their runs ((max - min) / median of one
-build's values, the wider of the two builds): where that spread is wider than the tolerance, the machine's noise hides a change
-of that size and more runs (or longer ones) are needed before the row says anything; such rows
-are marked "noise" rather than "outside".  --json writes the rows in the one schema
+Beside each change stands the builds' own spread: (max - min) / median of one build's values over
+its runs, or within one run over its repetitions (a file converted from a run with
+--benchmark_repetitions carries them in extra.repetition_spread), the widest of these.  Where
+that spread is wider than the tolerance, the machine's noise hides a change of that size and more
+runs (or longer ones) are needed before the row says anything; such rows are marked "noise"
+rather than "outside".  --json writes the rows in the one schema
 (benchmarks/bench_json.py) as benchmark "compare_builds", unit "x", with the spreads in extra.
 """
 from __future__ import annotations
@@ -25,12 +27,15 @@ import statistics
 import sys
 
 TIMES = {"s", "ms", "us", "ns"}
+LOWER_IS_BETTER = TIMES | {"instructions"}  # counted by benchmarks/reservations/count_instructions.py
 
 
-def load(path: str) -> dict:
+def load(path: str) -> tuple[str, dict, dict]:
+    """(benchmark, results by name, repetition spread by name) of one file."""
     with open(path) as f:
         doc = json.load(f)
-    return doc.get("benchmark", path), {r["name"]: r for r in doc.get("results", [])}
+    return (doc.get("benchmark", path), {r["name"]: r for r in doc.get("results", [])},
+            doc.get("extra", {}).get("repetition_spread", {}))
 
 
 def changes(before: dict, after: dict) -> dict:
@@ -39,7 +44,7 @@ def changes(before: dict, after: dict) -> dict:
         a = after.get(name)
         if a is None or not b["value"] or not a["value"]:
             continue
-        out[name] = (b["value"] / a["value"]) if b["unit"] in TIMES else (a["value"] / b["value"])
+        out[name] = (b["value"] / a["value"]) if b["unit"] in LOWER_IS_BETTER else (a["value"] / b["value"])
     return out
 
 
@@ -61,9 +66,10 @@ def main(argv=None) -> int:
     per_bench: dict[str, dict[str, list[float]]] = {}
     values: dict[tuple[str, str], tuple[list[float], list[float]]] = {}  # (before's, after's)
     units: dict[tuple[str, str], str] = {}
+    within: dict[tuple[str, str], float] = {}  # the widest spread inside one run
     alone: list[str] = []
     for i in range(0, len(a.files), 2):
-        (bn, before), (an, after) = load(a.files[i]), load(a.files[i + 1])
+        (bn, before, sb), (an, after, sa) = load(a.files[i]), load(a.files[i + 1])
         if bn != an:
             print(f"compare_builds: {a.files[i]} is {bn}, {a.files[i + 1]} is {an}: not a pair", file=sys.stderr)
             return 2
@@ -73,6 +79,7 @@ def main(argv=None) -> int:
             vb, va = values.setdefault((bn, name), ([], []))
             vb.append(before[name]["value"])
             va.append(after[name]["value"])
+            within[(bn, name)] = max(within.get((bn, name), 0.0), sb.get(name, 0.0), sa.get(name, 0.0))
         alone += [f"{bn}: {n} (before only)" for n in before if n not in after]
         alone += [f"{bn}: {n} (after only)" for n in after if n not in before]
     outside = noisy = 0
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
     for bench, rows in per_bench.items():
         for name, cs in rows.items():
             c = statistics.median(cs)
-            spread = max(own_spread(v) for v in values[(bench, name)])
+            spread = max([own_spread(v) for v in values[(bench, name)]] + [within[(bench, name)]])
             mark = ""
             if abs(c - 1) > a.tolerance:
                 mark = "  <-- noise" if spread > a.tolerance else "  <-- outside"

@@ -207,16 +207,25 @@ if has stress_wait; then
 fi
 if has compare; then
   # A change that must not move the figures (a refactor): the same benchmarks on a build of the
-  # "before" sources and on this tree, interleaved (before, after, before, after ...) so that
-  # drift hits both, in one call; benchmarks/compare_builds.py prints after / before per figure.
+  # "before" sources and on this tree, in one call, each benchmark's before and after runs side by
+  # side (the order alternating from one repetition to the next) so that drift hits both;
+  # benchmarks/compare_builds.py prints after / before per figure.
   # The before sources travel as an ignored file, carried with the call:
   #   mkdir -p .before && git archive -o .before/src.tar COMMIT      (run: carry [".before"])
-  # DFA_COMPARE_REPS (default 2) repetitions; bench_reservations' VMM-bound rows spread 14-42%
-  # from run to run, so each of its runs is DFA_COMPARE_GB_REPS (default 5) repetitions in random
-  # order, read by their median (benchmarks/bench_json.py); DFA_COMPARE_OVERLAP_ARGS the bench_overlap parts
-  # (default "--parts bound,split"; empty string: no bench_overlap).
+  # DFA_COMPARE_REPS (default 2) repetitions of DFA_COMPARE_BENCHES (default all three:
+  # bench_reservations bench_optimizer bench_overlap; bench_reservations_host is bench_reservations
+  # on the host driver, with no GPU visible); bench_reservations' VMM-bound rows spread
+  # 14-42% from run to run, so each of its runs is DFA_COMPARE_GB_REPS (default 5) repetitions in
+  # random order, read by their median (benchmarks/bench_json.py); DFA_COMPARE_OVERLAP_ARGS the
+  # bench_overlap parts (default "--parts bound,split"); DFA_COMPARE_FIRST_REP numbers the
+  # first repetition (a later call goes on from there, and so alternates the order).  A pair is
+  # started only when it can end before DFA_COMPARE_DEADLINE seconds from the script's start
+  # (default 570, a call being 600): a call then ends with what it measured instead of being cut.
   if [ ! -f .before/src.tar ]; then
     row compare "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
+  elif [ ! -x "$B/benchmarks/bench_reservations" ] || [ ! -x "$B/benchmarks/bench_optimizer" ]; then
+    # The machine went back since the build (30 s idle) or the build left the benchmarks out.
+    row compare "no after build in $B (run with build, its targets including bench_reservations bench_optimizer)"
   else
     BS=/tmp/dfa-before-src BB=${DFA_BEFORE_BUILD_DIR:-/tmp/dfa-before-build}
     rm -rf $BS && mkdir -p $BS && tar -C $BS -xf .before/src.tar
@@ -226,43 +235,67 @@ if has compare; then
          -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/before-configure.log" 2>&1 &&
        cmake --build $BB -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
          > "$L/before-build.log" 2>&1; then
-      row "compare: before build" ok
+      row "compare: before build" "ok $SECONDS s"
       mkdir -p "$R/compare"
       gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
       oargs=${DFA_COMPARE_OVERLAP_ARGS-"--parts bound,split"}
-      pairs=()
-      for rep in $(seq "${DFA_COMPARE_REPS:-2}"); do
-        for side in before after; do
-          if [ $side = before ]; then src=$BS bld=$BB; else src=$PWD bld=$PWD/$B; fi
-          for g in bench_reservations bench_optimizer; do
-            case $g in
-              bench_reservations) extra=(--benchmark_min_time=0.3 "--benchmark_repetitions=${DFA_COMPARE_GB_REPS:-5}"
-                                         --benchmark_enable_random_interleaving=true) ;;
-              *) extra=("--benchmark_filter=BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused") ;;
-            esac
-            timeout 240 "$bld/benchmarks/$g" "${extra[@]}" --benchmark_out="$L/cmp-$side-$rep-$g.gb.json" \
-              --benchmark_out_format=json > "$L/cmp-$side-$rep-$g.log" 2>&1 &&
-              python3 benchmarks/bench_json.py convert "$L/cmp-$side-$rep-$g.gb.json" \
-                --out "$R/compare/$side-$rep-$g.json" --device "${gpu:-GPU}" --command "$g ($side)" > /dev/null
+      read -r -a benches <<< "${DFA_COMPARE_BENCHES:-bench_reservations bench_optimizer bench_overlap}"
+      deadline=${DFA_COMPARE_DEADLINE:-570}
+      # Seconds one run takes on the H200 (bench_reservations at 5 repetitions), replaced by the
+      # last run's own time once one ran.
+      declare -A took=([bench_reservations]=140 [bench_reservations_host]=60 [bench_optimizer]=50 [bench_overlap]=70)
+      cmp_run() {  # side, rep, benchmark
+        local side=$1 rep=$2 g=$3 src bld extra
+        if [ "$side" = before ]; then src=$BS bld=$BB; else src=$PWD bld=$PWD/$B; fi
+        if [ "$g" = bench_overlap ]; then
+          # shellcheck disable=SC2086
+          DEFERALLOC_LIB=$bld/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$bld/optimizer/libdeferalloc_optimizer.so \
+            PYTHONPATH=$src/python${site:+:$site} CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 300 \
+            python3 "$src/benchmarks/optimizer/bench_overlap.py" --out "$L/cmp-$side-$rep-overlap" \
+            --json "$R/compare/$side-$rep-bench_overlap.json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1
+          return
+        fi
+        local prog=$g env=() device=${gpu:-GPU}
+        case $g in
+          bench_reservations) extra=(--benchmark_min_time=0.3 "--benchmark_repetitions=${DFA_COMPARE_GB_REPS:-5}"
+                                     --benchmark_enable_random_interleaving=true) ;;
+          # The library's own share of the VMM-bound rows: the same program with no GPU visible runs
+          # on the host driver, whose map and create cost little and vary little.
+          bench_reservations_host) prog=bench_reservations env=(CUDA_VISIBLE_DEVICES=) device="$(nproc) CPUs of the GPU machine, host driver"
+                                   extra=("--benchmark_filter=BM_materialize_release|BM_per_granule" --benchmark_min_time=0.3
+                                          --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true) ;;
+          *) extra=("--benchmark_filter=BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused") ;;
+        esac
+        env "${env[@]}" timeout 240 "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="$L/cmp-$side-$rep-$g.gb.json" \
+          --benchmark_out_format=json > "$L/cmp-$side-$rep-$g.log" 2>&1 &&
+          python3 benchmarks/bench_json.py convert "$L/cmp-$side-$rep-$g.gb.json" --name "$g" \
+            --out "$R/compare/$side-$rep-$g.json" --device "$device" --command "$prog ${env[*]} ($side)" > /dev/null
+      }
+      pairs=() skipped=()
+      first=${DFA_COMPARE_FIRST_REP:-1}
+      for rep in $(seq "$first" $((first + ${DFA_COMPARE_REPS:-2} - 1))); do
+        if [ $((rep % 2)) -eq 1 ]; then sides=(before after); else sides=(after before); fi
+        for g in "${benches[@]}"; do
+          if [ "$g" = bench_overlap ] && [ -z "$oargs" ]; then continue; fi
+          if [ $((SECONDS + 2 * ${took[$g]:-120})) -gt "$deadline" ]; then skipped+=("$g#$rep"); continue; fi
+          for side in "${sides[@]}"; do
+            s0=$SECONDS; cmp_run "$side" "$rep" "$g"; took[$g]=$((SECONDS - s0))
           done
-          if [ -n "$oargs" ]; then
-            # shellcheck disable=SC2086
-            DEFERALLOC_LIB=$bld/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$bld/optimizer/libdeferalloc_optimizer.so \
-              PYTHONPATH=$src/python${site:+:$site} CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 300 \
-              python3 "$src/benchmarks/optimizer/bench_overlap.py" --out "$L/cmp-$side-$rep-overlap" \
-              --json "$R/compare/$side-$rep-bench_overlap.json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1
-          fi
-        done
-        for g in bench_reservations bench_optimizer bench_overlap; do
           [ -f "$R/compare/before-$rep-$g.json" ] && [ -f "$R/compare/after-$rep-$g.json" ] &&
             pairs+=("$R/compare/before-$rep-$g.json" "$R/compare/after-$rep-$g.json")
+          pack
         done
-        pack
       done
-      python3 benchmarks/compare_builds.py "${pairs[@]}" --json "$R/compare_builds.json" --device "${gpu:-GPU}" \
-        > "$L/compare.txt" 2>&1
-      row compare "$(tail -1 "$L/compare.txt")"
-      cat "$L/compare.txt"
+      [ ${#skipped[@]} -gt 0 ] && row "compare: not started" "${skipped[*]} (deadline ${deadline} s)"
+      if [ ${#pairs[@]} -eq 0 ]; then
+        row compare "no pair measured (logs: cmp-*.log)"
+      else
+        python3 benchmarks/compare_builds.py "${pairs[@]}" --json "$R/compare_builds.json" --device "${gpu:-GPU}" \
+          > "$L/compare.txt" 2>&1
+        n=$((${#pairs[@]} / 2)); [ "$n" -eq 1 ] && w=pair || w=pairs
+        row compare "$n $w | $(tail -1 "$L/compare.txt")"
+        cat "$L/compare.txt"
+      fi
     else
       row "compare: before build" "FAILED (logs: before-configure.log, before-build.log)"
     fi

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The before/after comparison's tools on synthetic Google Benchmark output (no GPU, no torch):
+benchmarks/bench_json.py convert reads a repeated row by its median and records how far its
+repetitions spread; benchmarks/compare_builds.py calls a change "noise" when that spread is wider
+than the tolerance and "outside" when it is not."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MR64 = "BM_materialize_release/reservations:64/warm:1/batch:0/real_time"
+PG64 = "BM_per_granule_baseline/reservations:64/real_time"
+failures = []
+
+
+def check(what: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {what}{': ' + detail if detail else ''}")
+    if not ok:
+        failures.append(what)
+
+
+def gbench(rows: dict[str, list[float]]) -> dict:
+    """Google Benchmark JSON: each row's bytes_per_second per repetition (one value: run once)."""
+    out = []
+    for name, values in rows.items():
+        n = len(values)
+        for k, v in enumerate(values):
+            b = {"name": name, "run_name": name, "run_type": "iteration", "real_time": 1.0, "time_unit": "ms",
+                 "bytes_per_second": v}
+            if n > 1:
+                b.update(repetitions=n, repetition_index=k)
+            out.append(b)
+        if n > 1:
+            for agg, v in (("mean", sum(values) / n), ("median", sorted(values)[n // 2])):
+                out.append({"name": f"{name}_{agg}", "run_name": name, "run_type": "aggregate",
+                            "aggregate_name": agg, "repetitions": n, "real_time": 1.0, "time_unit": "ms",
+                            "bytes_per_second": v})
+    return {"context": {"host_name": "test"}, "benchmarks": out}
+
+
+def convert(tmp: str, tag: str, rows: dict, *extra: str) -> dict:
+    src, dst = os.path.join(tmp, f"{tag}.gb.json"), os.path.join(tmp, f"{tag}.json")
+    with open(src, "w") as f:
+        json.dump(gbench(rows), f)
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "convert", src, "--out", dst,
+                    *extra], check=True, stdout=subprocess.DEVNULL)
+    with open(dst) as f:
+        return json.load(f)
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        # Three repetitions of ours (10, 12, 20 GB/s), the baseline steady at 5 GB/s.
+        before = convert(tmp, "before", {MR64: [10e9, 20e9, 12e9], PG64: [5e9, 5e9, 5e9]},
+                         "--name", "bench_reservations_host")
+        values = {r["name"]: r["value"] for r in before["results"]}
+        check("--name names the benchmark", before["benchmark"] == "bench_reservations_host", before["benchmark"])
+        check("a repeated row is its median", abs(values.get("64 reservations, warm", 0) - 12.0) < 1e-9,
+              str(values.get("64 reservations, warm")))
+        spread = before["extra"].get("repetition_spread", {})
+        check("the repetitions' spread is recorded", abs(spread.get("64 reservations, warm", 0) - 10 / 12) < 1e-9,
+              str(spread))
+        check("a steady row spreads 0", spread.get("per-granule VMM, 64 reservations") == 0.0, str(spread))
+        once = convert(tmp, "once", {MR64: [11e9], PG64: [5e9]})
+        check("a row run once is its value, with no spread recorded",
+              once["results"][0]["value"] == 11.0 and "repetition_spread" not in once["extra"], json.dumps(once)[:200])
+        # After: ours and the baseline 10% faster; ours within its repetitions' spread, the baseline not.
+        convert(tmp, "after", {MR64: [11e9, 13.2e9, 13.2e9], PG64: [5.5e9, 5.5e9, 5.5e9]},
+                        "--name", "bench_reservations_host")
+        cmp = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare_builds.py"),
+                              os.path.join(tmp, "before.json"), os.path.join(tmp, "after.json"),
+                              "--json", os.path.join(tmp, "cmp.json")],
+                             check=True, capture_output=True, text=True).stdout
+        ours = next((ln for ln in cmp.splitlines() if "64 reservations, warm" in ln), "")
+        base = next((ln for ln in cmp.splitlines() if "per-granule VMM, 64" in ln), "")
+        check("a change inside the run's own spread is noise", ours.endswith("<-- noise"), ours)
+        check("a change outside a steady row's spread is outside", base.endswith("<-- outside"), base)
+        with open(os.path.join(tmp, "cmp.json")) as f:
+            doc = json.load(f)
+        own = doc["extra"]["own_spread"]
+        check("compare_builds' JSON carries the spread within the run",
+              abs(own.get("bench_reservations_host: 64 reservations, warm", 0) - 10 / 12) < 1e-9, str(own))
+    print(f"{len(failures)} failed" if failures else "all passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
