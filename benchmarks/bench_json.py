@@ -224,7 +224,8 @@ def _results(rows: dict) -> list[dict]:
 def _repetition_spread(data: dict) -> dict:
     """{result name: (max - min) / median over the repetitions} of a run with
     --benchmark_repetitions: the figures computed from each repetition's rows alone (a row run
-    once serves every repetition), so that one run says how far its own figure wanders."""
+    once serves every repetition; a repetition that failed is left out, two are enough), so that
+    one run says how far its own figure wanders."""
     ok = [b for b in data.get("benchmarks", []) if not b.get("error_occurred") and b.get("run_type") != "aggregate"]
     n = max((b.get("repetitions", 1) for b in ok), default=1)
     if n < 2:
@@ -238,7 +239,7 @@ def _repetition_spread(data: dict) -> dict:
     out = {}
     for name, v in values.items():
         m = statistics.median(v)
-        if len(v) == n and m:
+        if len(v) >= 2 and m:
             out[name] = (max(v) - min(v)) / abs(m)
     return out
 

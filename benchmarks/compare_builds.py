@@ -13,10 +13,10 @@ this is a report (scripts/gpu_round.sh compare prints it last).
 
 Beside each change stands the builds' own spread: (max - min) / median of one build's values over
 its runs, or within one run over its repetitions (a file converted from a run with
---benchmark_repetitions carries them in extra.repetition_spread), the widest of these.  Where
-that spread is wider than the tolerance, the machine's noise hides a change of that size and more
-runs (or longer ones) are needed before the row says anything; such rows are marked "noise"
-rather than "outside".  --json writes the rows in the one schema
+--benchmark_repetitions carries them in extra.repetition_spread), the widest of these.  A change
+outside the tolerance but inside that spread is marked "noise" (the machine's noise could make
+it: more runs, or longer ones, are needed before the row says anything), one outside both
+"outside". A file without repetitions counts as spreading 0.  --json writes the rows in the one schema
 (benchmarks/bench_json.py) as benchmark "compare_builds", unit "x", with the spreads in extra.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             spread = max([own_spread(v) for v in values[(bench, name)]] + [within[(bench, name)]])
             mark = ""
             if abs(c - 1) > a.tolerance:
-                mark = "  <-- noise" if spread > a.tolerance else "  <-- outside"
+                mark = "  <-- noise" if abs(c - 1) <= spread else "  <-- outside"
             outside += mark == "  <-- outside"
             noisy += mark == "  <-- noise"
             print(f"{bench:<20} {name[:54]:<54} {units[(bench, name)]:<9} {c:>14.3f}x  {len(cs):>4}  "
@@ -101,8 +101,8 @@ def main(argv=None) -> int:
     for line in sorted(set(alone)):
         print("  " + line)
     n = sum(len(r) for r in per_bench.values())
-    print(f"compare_builds: {n} results, {outside} outside 1 +- {a.tolerance:g}, {noisy} more outside it where a "
-          f"build's own spread is wider (above 1: the after build is faster)")
+    print(f"compare_builds: {n} results, {outside} outside 1 +- {a.tolerance:g}, {noisy} more outside it but inside "
+          f"a build's own spread (above 1: the after build is faster)")
     if a.json:
         doc = {"benchmark": "compare_builds", "schema": 1, "device": a.device,
                "command": "benchmarks/compare_builds.py " + " ".join(a.files),

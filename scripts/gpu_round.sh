@@ -223,6 +223,10 @@ if has compare; then
   # (default 570, a call being 600): a call then ends with what it measured instead of being cut.
   if [ ! -f .before/src.tar ]; then
     row compare "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
+  elif bad=$(for g in ${DFA_COMPARE_BENCHES:-}; do
+               case $g in bench_reservations|bench_reservations_host|bench_optimizer|bench_overlap) ;; *) echo "$g" ;; esac
+             done) && [ -n "$bad" ]; then
+    row compare "unknown in DFA_COMPARE_BENCHES: $bad (bench_reservations bench_reservations_host bench_optimizer bench_overlap)"
   elif [ ! -x "$B/benchmarks/bench_reservations" ] || [ ! -x "$B/benchmarks/bench_optimizer" ]; then
     # The machine went back since the build (30 s idle) or the build left the benchmarks out.
     row compare "no after build in $B (run with build, its targets including bench_reservations bench_optimizer)"
@@ -230,20 +234,22 @@ if has compare; then
     BS=/tmp/dfa-before-src BB=${DFA_BEFORE_BUILD_DIR:-/tmp/dfa-before-build}
     rm -rf $BS && mkdir -p $BS && tar -C $BS -xf .before/src.tar
     prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+    b0=$SECONDS
     if cmake -S $BS -B $BB -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
          -DDEFERALLOC_BUILD_BENCHMARKS=ON -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON \
          -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/before-configure.log" 2>&1 &&
        cmake --build $BB -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
          > "$L/before-build.log" 2>&1; then
-      row "compare: before build" "ok $SECONDS s"
+      row "compare: before build" "ok $((SECONDS - b0)) s"
       mkdir -p "$R/compare"
       gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
       oargs=${DFA_COMPARE_OVERLAP_ARGS-"--parts bound,split"}
       read -r -a benches <<< "${DFA_COMPARE_BENCHES:-bench_reservations bench_optimizer bench_overlap}"
       deadline=${DFA_COMPARE_DEADLINE:-570}
-      # Seconds one run takes on the H200 (bench_reservations at 5 repetitions), replaced by the
-      # last run's own time once one ran.
-      declare -A took=([bench_reservations]=140 [bench_reservations_host]=60 [bench_optimizer]=50 [bench_overlap]=70)
+      # Seconds one run takes on the H200 (bench_reservations: about 28 s a repetition), raised to
+      # a run's own time when one that succeeded took longer.
+      declare -A took=([bench_reservations]=$((28 * ${DFA_COMPARE_GB_REPS:-5})) [bench_reservations_host]=60
+                       [bench_optimizer]=50 [bench_overlap]=70)
       cmp_run() {  # side, rep, benchmark
         local side=$1 rep=$2 g=$3 src bld extra
         if [ "$side" = before ]; then src=$BS bld=$BB; else src=$PWD bld=$PWD/$B; fi
@@ -252,7 +258,8 @@ if has compare; then
           DEFERALLOC_LIB=$bld/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$bld/optimizer/libdeferalloc_optimizer.so \
             PYTHONPATH=$src/python${site:+:$site} CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 300 \
             python3 "$src/benchmarks/optimizer/bench_overlap.py" --out "$L/cmp-$side-$rep-overlap" \
-            --json "$R/compare/$side-$rep-bench_overlap.json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1
+            --json "$R/compare/$side-$rep-bench_overlap.json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1 ||
+            { rm -f "$R/compare/$side-$rep-bench_overlap.json"; return 1; }  # a part failed: no pair
           return
         fi
         local prog=$g env=() device=${gpu:-GPU}
@@ -269,7 +276,7 @@ if has compare; then
         env "${env[@]}" timeout 240 "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="$L/cmp-$side-$rep-$g.gb.json" \
           --benchmark_out_format=json > "$L/cmp-$side-$rep-$g.log" 2>&1 &&
           python3 benchmarks/bench_json.py convert "$L/cmp-$side-$rep-$g.gb.json" --name "$g" \
-            --out "$R/compare/$side-$rep-$g.json" --device "$device" --command "$prog ${env[*]} ($side)" > /dev/null
+            --out "$R/compare/$side-$rep-$g.json" --device "$device" --command "$prog${env:+ ${env[*]}} ($side)" > /dev/null
       }
       pairs=() skipped=()
       first=${DFA_COMPARE_FIRST_REP:-1}
@@ -279,7 +286,8 @@ if has compare; then
           if [ "$g" = bench_overlap ] && [ -z "$oargs" ]; then continue; fi
           if [ $((SECONDS + 2 * ${took[$g]:-120})) -gt "$deadline" ]; then skipped+=("$g#$rep"); continue; fi
           for side in "${sides[@]}"; do
-            s0=$SECONDS; cmp_run "$side" "$rep" "$g"; took[$g]=$((SECONDS - s0))
+            s0=$SECONDS
+            if cmp_run "$side" "$rep" "$g" && [ $((SECONDS - s0)) -gt "${took[$g]}" ]; then took[$g]=$((SECONDS - s0)); fi
           done
           [ -f "$R/compare/before-$rep-$g.json" ] && [ -f "$R/compare/after-$rep-$g.json" ] &&
             pairs+=("$R/compare/before-$rep-$g.json" "$R/compare/after-$rep-$g.json")

@@ -23,22 +23,25 @@ def check(what: str, ok: bool, detail: str = "") -> None:
         failures.append(what)
 
 
-def gbench(rows: dict[str, list[float]]) -> dict:
-    """Google Benchmark JSON: each row's bytes_per_second per repetition (one value: run once)."""
+def gbench(rows: dict[str, list[float | None]]) -> dict:
+    """Google Benchmark JSON: each row's bytes_per_second per repetition (one value: run once;
+    None: that repetition failed).  The aggregates carry a repetition index too, so that only
+    their run_type keeps them out of the repetitions."""
     out = []
     for name, values in rows.items():
         n = len(values)
         for k, v in enumerate(values):
-            b = {"name": name, "run_name": name, "run_type": "iteration", "real_time": 1.0, "time_unit": "ms",
-                 "bytes_per_second": v}
+            b = {"name": name, "run_name": name, "run_type": "iteration", "real_time": 1.0, "time_unit": "ms"}
+            b.update({"error_occurred": True, "error_message": "failed"} if v is None else {"bytes_per_second": v})
             if n > 1:
                 b.update(repetitions=n, repetition_index=k)
             out.append(b)
+        ran = sorted(v for v in values if v is not None)
         if n > 1:
-            for agg, v in (("mean", sum(values) / n), ("median", sorted(values)[n // 2])):
+            for agg, v in (("mean", 1e12), ("median", ran[len(ran) // 2])):
                 out.append({"name": f"{name}_{agg}", "run_name": name, "run_type": "aggregate",
-                            "aggregate_name": agg, "repetitions": n, "real_time": 1.0, "time_unit": "ms",
-                            "bytes_per_second": v})
+                            "aggregate_name": agg, "repetitions": n, "repetition_index": 0, "real_time": 1.0,
+                            "time_unit": "ms", "bytes_per_second": v})
     return {"context": {"host_name": "test"}, "benchmarks": out}
 
 
@@ -65,6 +68,10 @@ def main() -> int:
         check("the repetitions' spread is recorded", abs(spread.get("64 reservations, warm", 0) - 10 / 12) < 1e-9,
               str(spread))
         check("a steady row spreads 0", spread.get("per-granule VMM, 64 reservations") == 0.0, str(spread))
+        failed = convert(tmp, "failed", {MR64: [10e9, None, 15e9], PG64: [5e9, 5e9, 5e9]})
+        check("a failed repetition is left out of the spread",
+              abs(failed["extra"].get("repetition_spread", {}).get("64 reservations, warm", 0) - 5 / 12.5) < 1e-9,
+              str(failed["extra"].get("repetition_spread")))
         once = convert(tmp, "once", {MR64: [11e9], PG64: [5e9]})
         check("a row run once is its value, with no spread recorded",
               once["results"][0]["value"] == 11.0 and "repetition_spread" not in once["extra"], json.dumps(once)[:200])
@@ -79,6 +86,17 @@ def main() -> int:
         base = next((ln for ln in cmp.splitlines() if "per-granule VMM, 64" in ln), "")
         check("a change inside the run's own spread is noise", ours.endswith("<-- noise"), ours)
         check("a change outside a steady row's spread is outside", base.endswith("<-- outside"), base)
+        # Instruction counts: fewer is faster; a change wider than the spread is outside.
+        for tag, value in (("ib", 100.0), ("ia", 90.0)):
+            with open(os.path.join(tmp, f"{tag}.json"), "w") as f:
+                json.dump({"benchmark": "bench_reservations_instructions", "schema": 1, "device": "t", "command": "t",
+                           "results": [{"name": "materialize", "value": value, "unit": "instructions",
+                                        "baseline": None}], "extra": {}}, f)
+        ins = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare_builds.py"),
+                              os.path.join(tmp, "ib.json"), os.path.join(tmp, "ia.json")],
+                             check=True, capture_output=True, text=True).stdout
+        row = next((ln for ln in ins.splitlines() if "materialize" in ln), "")
+        check("fewer instructions after is faster (1.111x), outside", "1.111x" in row and row.endswith("<-- outside"), row)
         with open(os.path.join(tmp, "cmp.json")) as f:
             doc = json.load(f)
         own = doc["extra"]["own_spread"]
