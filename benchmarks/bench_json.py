@@ -203,14 +203,17 @@ def _generic(rows: dict) -> list[dict]:
     return out
 
 
-def _rows(data: dict) -> dict:
+def _rows(data: dict, repetition: int | None = None) -> dict:
     """Google Benchmark's rows by name.  A benchmark run repeated (--benchmark_repetitions) is
     its median aggregate, under the run's own name: the median of several short runs is what a
-    noisy figure (the VMM-bound rows) can be compared by."""
+    noisy figure (the VMM-bound rows) can be compared by.  With `repetition`, a repeated
+    benchmark is instead its row of that repetition (absent if that one failed)."""
     ok = [b for b in data.get("benchmarks", []) if not b.get("error_occurred")]
-    rows = {b["name"]: b for b in ok if b.get("run_type") != "aggregate"}
-    rows.update({b["run_name"]: b for b in ok
-                 if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median"})
+    rows = {b["name"]: b for b in ok if b.get("run_type") != "aggregate" and
+            (repetition is None or b.get("repetitions", 1) == 1 or b.get("repetition_index") == repetition)}
+    if repetition is None:
+        rows.update({b["run_name"]: b for b in ok
+                     if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median"})
     return rows
 
 
@@ -226,15 +229,12 @@ def _repetition_spread(data: dict) -> dict:
     --benchmark_repetitions: the figures computed from each repetition's rows alone (a row run
     once serves every repetition; a repetition that failed is left out, two are enough), so that
     one run says how far its own figure wanders."""
-    ok = [b for b in data.get("benchmarks", []) if not b.get("error_occurred") and b.get("run_type") != "aggregate"]
-    n = max((b.get("repetitions", 1) for b in ok), default=1)
+    n = max((b.get("repetitions", 1) for b in data.get("benchmarks", [])), default=1)
     if n < 2:
         return {}
     values: dict[str, list[float]] = {}
     for k in range(n):
-        rows = {b["run_name"] if "run_name" in b else b["name"]: b for b in ok
-                if b.get("repetitions", 1) == 1 or b.get("repetition_index") == k}
-        for r in _results(rows):
+        for r in _results(_rows(data, k)):
             values.setdefault(r["name"], []).append(r["value"])
     out = {}
     for name, v in values.items():

@@ -31,6 +31,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build ctest tms optim megatron overlap ckpt stress bench)
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 B=${DFA_BUILD_DIR:-build-gpu}
+# bench_optimizer's rows of a round (bench) and of a before/after comparison (compare).
+optbench_filter=${DFA_OPTBENCH_FILTER:-BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused}
 summary=()
 : > "$OUT/summary.txt"
 row() { summary+=("$(printf '%-28s %s' "$1" "$2")"); printf '%-28s %s\n' "$1" "$2" >> "$OUT/summary.txt"; echo "== $1: $2"; pack; }
@@ -271,7 +273,7 @@ if has compare; then
           bench_reservations_host) prog=bench_reservations env=(CUDA_VISIBLE_DEVICES=) device="$(nproc) CPUs of the GPU machine, host driver"
                                    extra=("--benchmark_filter=BM_materialize_release|BM_per_granule" --benchmark_min_time=0.3
                                           --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true) ;;
-          *) extra=("--benchmark_filter=BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused") ;;
+          *) extra=("--benchmark_filter=$optbench_filter") ;;
         esac
         env "${env[@]}" timeout 240 "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="$L/cmp-$side-$rep-$g.gb.json" \
           --benchmark_out_format=json > "$L/cmp-$side-$rep-$g.log" 2>&1 &&
@@ -314,7 +316,7 @@ if has bench; then
   # bound and torch's fused AdamW, random allocations against PyTorch's caching allocator.
   declare -A bcmd=(
     [bench_reservations]="$B/benchmarks/bench_reservations --benchmark_min_time=0.3"
-    [bench_optimizer]="$B/benchmarks/bench_optimizer --benchmark_filter=${DFA_OPTBENCH_FILTER:-BM_pinned_duplex|BM_tier/host|BM_tier/device|BM_torch_fused}"
+    [bench_optimizer]="$B/benchmarks/bench_optimizer --benchmark_filter=$optbench_filter"
     [bench_allocation]="$B/benchmarks/bench_allocation --benchmark_min_time=0.3")
   mkdir -p "$R/gbench"
   gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
