@@ -11,11 +11,20 @@ everything else, baseline / value for times, i.e. how many times faster).  ``ext
 benchmarks/plot.py reads ``extra.notes`` (a list of paragraphs, shown under the table) and
 ``extra.transcribed`` (a string: the figures were copied by hand, not written by a program).
 
-    bench_json.py convert GBENCH.json --out OUT.json [--command "..."] [--device D] [--name N]
+    bench_json.py convert GBENCH.json [GBENCH2.json ...] --out OUT.json [--command "..."] [--device D] [--name N]
 
 turns the output of a Google Benchmark program (``--benchmark_out=X --benchmark_out_format=json``
 of bench_reservations, bench_optimizer, bench_allocation) into this schema: the figures
-benchmarks/report.py prints, each against the baseline or bound measured in the same run.
+benchmarks/report.py prints, each against the baseline or bound measured in the same run.  A
+repeated benchmark is read by its median, and ``extra.repetition_spread`` records how far its
+repetitions spread; several files (one program run as separate processes) are read as one run
+whose repetitions are all of theirs.
+
+    bench_json.py missed RUN.json
+
+prints the checks (``extra.checks``: check, value, target, ok, perf) a run failed and exits 0
+when its figures stand, i.e. every failed check is a performance target (a before/after
+comparison keeps such a run: scripts/gpu_round.sh compare).
 """
 from __future__ import annotations
 
@@ -244,6 +253,35 @@ def _repetition_spread(data: dict) -> dict:
     return out
 
 
+def merge(runs: list[dict]) -> dict:
+    """Several runs of one program (separate processes) as one run whose repetitions are all of
+    theirs: each benchmark's rows renumbered across the runs, its median aggregate recomputed
+    (each numeric field's median, as Google Benchmark's own), so that the figure is the median
+    over every repetition and the spread counts how far processes differ, not only repetitions
+    inside one process."""
+    if len(runs) == 1:
+        return runs[0]
+    reps: dict[str, list[dict]] = {}
+    for data in runs:
+        for b in data.get("benchmarks", []):
+            if b.get("run_type") != "aggregate":
+                reps.setdefault(b["run_name"], []).append(b)
+    out = []
+    for run_name, rows in reps.items():
+        for k, b in enumerate(rows):
+            out.append(dict(b, repetitions=len(rows), repetition_index=k))
+        ran = [b for b in rows if not b.get("error_occurred")]
+        if not ran:
+            continue
+        med = dict(ran[0], name=f"{run_name}_median", run_type="aggregate", aggregate_name="median",
+                   repetitions=len(rows), repetition_index=0)
+        for key, v in ran[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("repetitions", "repetition_index"):
+                med[key] = statistics.median(b.get(key, v) for b in ran)
+        out.append(med)
+    return dict(runs[0], benchmarks=out)
+
+
 def from_gbench(data: dict, command: str | None = None, name: str | None = None) -> dict:
     rows = _rows(data)
     ctx = data.get("context", {})
@@ -264,18 +302,42 @@ def from_gbench(data: dict, command: str | None = None, name: str | None = None)
     return document(program, results, device, command or ctx.get("command") or program, extra)
 
 
+def missed(doc: dict) -> tuple[bool, list[str]]:
+    """The checks (extra.checks) a run failed, and whether its figures still stand: they do when
+    every failed check is a performance target (perf), as bench_overlap marks them; a failed
+    correctness check, a part cut short, or a check without the mark (a script older than the
+    mark) leaves the run unmeasured."""
+    failed = [c for c in doc.get("extra", {}).get("checks", []) if c.get("ok") is False]
+    names = [f"{c.get('check')} {c.get('value')}{'' if c.get('perf') else ' (not a performance target)'}"
+             for c in failed]
+    return all(c.get("perf") is True for c in failed), names
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    c = sub.add_parser("convert", help="Google Benchmark JSON -> schema 1")
-    c.add_argument("gbench")
+    c = sub.add_parser("convert", help="Google Benchmark JSON -> schema 1 (several: one program's runs in "
+                       "separate processes, read as one run)")
+    c.add_argument("gbench", nargs="+")
     c.add_argument("--out", required=True)
     c.add_argument("--command", help="the command that ran the benchmark (default: its context)")
     c.add_argument("--device", help="the device it ran on (default: the context's host_name)")
     c.add_argument("--name", help="the benchmark's name (default: the program's), e.g. for a run on another driver")
     v = sub.add_parser("validate", help="check files against schema 1")
     v.add_argument("files", nargs="+")
+    m = sub.add_parser("missed", help="the checks a run failed, on one line; exit 0 when its figures stand "
+                       "(only performance targets missed), 1 when not")
+    m.add_argument("file")
     a = ap.parse_args(argv)
+    if a.what == "missed":
+        try:
+            with open(a.file) as f:
+                stands, names = missed(json.load(f))
+        except (OSError, ValueError) as e:
+            print(f"no figures ({type(e).__name__}: {getattr(e, 'strerror', None) or e})")
+            return 1
+        print("; ".join(names) or "none")
+        return 0 if stands else 1
     if a.what == "validate":
         bad = 0
         for p in a.files:
@@ -285,12 +347,14 @@ def main(argv: list[str]) -> int:
                 print(f"{p}: {e}")
             bad += bool(errors)
         return 1 if bad else 0
-    with open(a.gbench) as f:
-        data = json.load(f)
-    if not data.get("benchmarks"):
-        print(f"bench_json: no benchmarks in {a.gbench}")
-        return 1
-    doc = from_gbench(data, a.command, a.name)
+    runs = []
+    for p in a.gbench:
+        with open(p) as f:
+            runs.append(json.load(f))
+        if not runs[-1].get("benchmarks"):
+            print(f"bench_json: no benchmarks in {p}")
+            return 1
+    doc = from_gbench(merge(runs), a.command, a.name)
     if a.device:
         doc["device"] = a.device
     write(a.out, doc["benchmark"], doc["results"], doc["device"], doc["command"], doc["extra"])

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The before/after comparison's tools on synthetic Google Benchmark output (no GPU, no torch):
 benchmarks/bench_json.py convert reads a repeated row by its median and records how far its
-repetitions spread; benchmarks/compare_builds.py calls a change "noise" when that spread is wider
-than the tolerance and "outside" when it is not."""
+repetitions spread (over several processes' runs too); benchmarks/compare_builds.py calls a change "noise" when that spread is wider
+than the tolerance and "outside" when it is not; bench_json.py missed keeps a run that missed only
+performance targets."""
 from __future__ import annotations
 
 import json
@@ -45,11 +46,12 @@ def gbench(rows: dict[str, list[float | None]]) -> dict:
     return {"context": {"host_name": "test"}, "benchmarks": out}
 
 
-def convert(tmp: str, tag: str, rows: dict, *extra: str) -> dict:
+def convert(tmp: str, tag: str, rows: dict, *extra: str, more: tuple[str, ...] = ()) -> dict:
+    """bench_json.py convert of these rows (with `more`: further processes' Google Benchmark files)."""
     src, dst = os.path.join(tmp, f"{tag}.gb.json"), os.path.join(tmp, f"{tag}.json")
     with open(src, "w") as f:
         json.dump(gbench(rows), f)
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "convert", src, "--out", dst,
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "convert", src, *more, "--out", dst,
                     *extra], check=True, stdout=subprocess.DEVNULL)
     with open(dst) as f:
         return json.load(f)
@@ -72,6 +74,17 @@ def main() -> int:
         check("a failed repetition is left out of the spread",
               abs(failed["extra"].get("repetition_spread", {}).get("64 reservations, warm", 0) - 5 / 12.5) < 1e-9,
               str(failed["extra"].get("repetition_spread")))
+        # Two processes' runs read as one: the median and the spread over all their repetitions.
+        with open(os.path.join(tmp, "proc2.gb.json"), "w") as f:
+            json.dump(gbench({MR64: [20e9, 22e9], PG64: [5e9, 5e9]}), f)
+        procs = convert(tmp, "proc1", {MR64: [10e9, 12e9], PG64: [5e9, 5e9]},
+                        more=(os.path.join(tmp, "proc2.gb.json"),))
+        pv = {r["name"]: r["value"] for r in procs["results"]}
+        check("several processes' runs: the median over all their repetitions",
+              abs(pv.get("64 reservations, warm", 0) - 16.0) < 1e-9, str(pv.get("64 reservations, warm")))
+        check("several processes' runs: the spread between the processes counts",
+              abs(procs["extra"].get("repetition_spread", {}).get("64 reservations, warm", 0) - 12 / 16) < 1e-9,
+              str(procs["extra"].get("repetition_spread")))
         once = convert(tmp, "once", {MR64: [11e9], PG64: [5e9]})
         check("a row run once is its value, with no spread recorded",
               once["results"][0]["value"] == 11.0 and "repetition_spread" not in once["extra"], json.dumps(once)[:200])
@@ -102,6 +115,30 @@ def main() -> int:
         own = doc["extra"]["own_spread"]
         check("compare_builds' JSON carries the spread within the run",
               abs(own.get("bench_reservations_host: 64 reservations, warm", 0) - 10 / 12) < 1e-9, str(own))
+        # bench_json.py missed: a run that missed only performance targets keeps its figures.
+        def missed(tag: str, checks: list[dict]) -> tuple[int, str]:
+            path = os.path.join(tmp, f"{tag}.json")
+            with open(path, "w") as f:
+                json.dump({"benchmark": "bench_overlap", "schema": 1, "device": "t", "command": "t", "results": [],
+                           "extra": {"checks": checks}}, f)
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed", path],
+                               capture_output=True, text=True)
+            return r.returncode, r.stdout.strip()
+        ok = dict(check="losses bit-identical", value="yes", target="yes", ok=True, perf=False)
+        slow = dict(check="overlap / resident", value="1.10x", target="<= 1.1x", ok=False, perf=True)
+        wrong = dict(check="losses bit-identical", value="no", target="yes", ok=False, perf=False)
+        unmarked = dict(check="overlap / resident", value="1.10x", target="<= 1.1x", ok=False)
+        rc, out = missed("perf", [ok, slow])
+        check("a run that missed only a performance target stands, naming it", rc == 0 and "1.10x" in out, out)
+        rc, out = missed("wrong", [wrong, slow])
+        check("a failed correctness check leaves the run unmeasured", rc == 1 and "not a performance target" in out, out)
+        rc, out = missed("unmarked", [unmarked])
+        check("a failed check without the perf mark leaves the run unmeasured", rc == 1, out)
+        rc, out = missed("clean", [ok])
+        check("a run with no failed check stands", rc == 0 and out == "none", out)
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed",
+                            os.path.join(tmp, "never-written.json")], capture_output=True, text=True)
+        check("a run that wrote no JSON has no figures", r.returncode == 1 and "no figures" in r.stdout, r.stdout)
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0
 
