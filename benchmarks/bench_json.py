@@ -20,11 +20,12 @@ repeated benchmark is read by its median, and ``extra.repetition_spread`` record
 repetitions spread; several files (one program run as separate processes) are read as one run
 whose repetitions are all of theirs.
 
-    bench_json.py missed RUN.json
+    bench_json.py missed RUN.json [--marks OTHER.json]
 
 prints the checks (``extra.checks``: check, value, target, ok, perf) a run failed and exits 0
 when its figures stand, i.e. every failed check is a performance target (a before/after
-comparison keeps such a run: scripts/gpu_round.sh compare).
+comparison keeps such a run: scripts/gpu_round.sh compare); a check without the mark takes the
+other build's (--marks).
 """
 from __future__ import annotations
 
@@ -256,28 +257,29 @@ def _repetition_spread(data: dict) -> dict:
 def merge(runs: list[dict]) -> dict:
     """Several runs of one program (separate processes) as one run whose repetitions are all of
     theirs: each benchmark's rows renumbered across the runs, its median aggregate recomputed
-    (each numeric field's median, as Google Benchmark's own), so that the figure is the median
-    over every repetition and the spread counts how far processes differ, not only repetitions
-    inside one process."""
+    (each numeric field's median over the rows that have it, as Google Benchmark's own), so that
+    the figure is the median over every repetition and the spread counts how far processes
+    differ, not only repetitions inside one process.  An odd count of rows keeps the median a
+    value some repetition measured."""
     if len(runs) == 1:
         return runs[0]
     reps: dict[str, list[dict]] = {}
     for data in runs:
         for b in data.get("benchmarks", []):
             if b.get("run_type") != "aggregate":
-                reps.setdefault(b["run_name"], []).append(b)
+                reps.setdefault(b.get("run_name", b["name"]), []).append(b)
     out = []
     for run_name, rows in reps.items():
         for k, b in enumerate(rows):
-            out.append(dict(b, repetitions=len(rows), repetition_index=k))
+            out.append(dict(b, run_name=run_name, repetitions=len(rows), repetition_index=k))
         ran = [b for b in rows if not b.get("error_occurred")]
         if not ran:
             continue
-        med = dict(ran[0], name=f"{run_name}_median", run_type="aggregate", aggregate_name="median",
-                   repetitions=len(rows), repetition_index=0)
-        for key, v in ran[0].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("repetitions", "repetition_index"):
-                med[key] = statistics.median(b.get(key, v) for b in ran)
+        med = dict(ran[0], name=f"{run_name}_median", run_name=run_name, run_type="aggregate",
+                   aggregate_name="median", repetitions=len(rows), repetition_index=0)
+        for key in {k for b in ran for k, v in b.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"repetitions", "repetition_index"}:
+            med[key] = statistics.median(b[key] for b in ran if isinstance(b.get(key), (int, float)))
         out.append(med)
     return dict(runs[0], benchmarks=out)
 
@@ -302,15 +304,19 @@ def from_gbench(data: dict, command: str | None = None, name: str | None = None)
     return document(program, results, device, command or ctx.get("command") or program, extra)
 
 
-def missed(doc: dict) -> tuple[bool, list[str]]:
+def missed(doc: dict, marks: dict | None = None) -> tuple[bool, list[str]]:
     """The checks (extra.checks) a run failed, and whether its figures still stand: they do when
-    every failed check is a performance target (perf), as bench_overlap marks them; a failed
-    correctness check, a part cut short, or a check without the mark (a script older than the
-    mark) leaves the run unmeasured."""
-    failed = [c for c in doc.get("extra", {}).get("checks", []) if c.get("ok") is False]
-    names = [f"{c.get('check')} {c.get('value')}{'' if c.get('perf') else ' (not a performance target)'}"
+    every failed check is a performance target (perf), as bench_overlap marks them.  A check
+    without the mark (a script older than the mark) takes it from `marks`, the other build's run
+    of the same benchmark, where a check of that name has one.  A failed correctness check or a
+    part cut short leaves the run unmeasured."""
+    other = {c.get("check"): c.get("perf") for c in (marks or {}).get("extra", {}).get("checks", [])}
+    failed = [dict(c, perf=c["perf"] if "perf" in c else other.get(c.get("check")))
+              for c in doc.get("extra", {}).get("checks", []) if c.get("ok") is False]
+    names = [f"{c.get('check')} {c.get('value')}" +
+             ("" if c["perf"] else " (not a performance target)" if c["perf"] is False else " (unmarked)")
              for c in failed]
-    return all(c.get("perf") is True for c in failed), names
+    return all(c["perf"] is True for c in failed), names
 
 
 def main(argv: list[str]) -> int:
@@ -328,14 +334,25 @@ def main(argv: list[str]) -> int:
     m = sub.add_parser("missed", help="the checks a run failed, on one line; exit 0 when its figures stand "
                        "(only performance targets missed), 1 when not")
     m.add_argument("file")
+    m.add_argument("--marks", help="the other build's run: the perf marks of checks this run has none for")
     a = ap.parse_args(argv)
     if a.what == "missed":
+        def load(path):
+            with open(path) as f:
+                doc = json.load(f)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            return doc
         try:
-            with open(a.file) as f:
-                stands, names = missed(json.load(f))
+            doc = load(a.file)
         except (OSError, ValueError) as e:
             print(f"no figures ({type(e).__name__}: {getattr(e, 'strerror', None) or e})")
             return 1
+        try:
+            marks = load(a.marks) if a.marks else None
+        except (OSError, ValueError):
+            marks = None  # no marks to borrow: the run stands on its own
+        stands, names = missed(doc, marks)
         print("; ".join(names) or "none")
         return 0 if stands else 1
     if a.what == "validate":

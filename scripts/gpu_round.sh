@@ -72,12 +72,12 @@ if has build; then
        --target /tmp/site-mc "$newest" > "$L/megatron-wheel.log" 2>&1; then
     mc_path=/tmp/site-mc
   fi
-  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
+  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DDEFERALLOC_BUILD_BENCHMARKS=ON \
         -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON -DDEFERALLOC_PYTHON="$(command -v python3)" \
         ${mc_path:+-DDEFERALLOC_MEGATRON_PATH=$mc_path} \
         > "$L/configure.log" 2>&1 || { tail -30 "$L/configure.log"; exit 1; }
   # DFA_BUILD_TARGETS: build only these (a short call), e.g. "bench_checkpoint".
-  if ! cmake --build $B -j"$(nproc)" ${DFA_BUILD_TARGETS:+--target $DFA_BUILD_TARGETS} > "$L/build.log" 2>&1; then
+  if ! cmake --build "$B" -j"$(nproc)" ${DFA_BUILD_TARGETS:+--target $DFA_BUILD_TARGETS} > "$L/build.log" 2>&1; then
     grep -E "error" "$L/build.log" | head -30; exit 1
   fi
   row build ok
@@ -106,11 +106,11 @@ if has ctest; then
   [ -n "${DFA_DEADLINE:-}" ] && [ $((DFA_DEADLINE - SECONDS)) -lt "$cap" ] && cap=$((DFA_DEADLINE - SECONDS))
   ngpu=$(grep -c . "$L/gpu.txt")
   if [ "$ngpu" -ge 2 ] && [ -z "${DFA_CTEST_NOSHARD:-}" ]; then
-    ctest --test-dir $B "${sel[@]}" -N > "$L/ctest-list.txt" 2>&1
+    ctest --test-dir "$B" "${sel[@]}" -N > "$L/ctest-list.txt" 2>&1
     mapfile -t shard < <(python3 scripts/ctest_shards.py "$L/ctest-list.txt" 2)
     for k in 0 1; do
       [ -n "${shard[$k]:-}" ] || continue
-      ( CUDA_VISIBLE_DEVICES=$k timeout "$cap" ctest --test-dir $B -R "${shard[$k]}" \
+      ( CUDA_VISIBLE_DEVICES=$k timeout "$cap" ctest --test-dir "$B" -R "${shard[$k]}" \
           --timeout 600 -j1 -V > "$L/ctest-gpu$k.log" 2>&1 ) &
     done
     wait
@@ -119,7 +119,7 @@ if has ctest; then
       [ -f "$L/ctest-gpu$k.log" ] && row "ctest ${sel[*]} (GPU $k)" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu$k.log" | tail -1)"
     done
   else
-    timeout "$cap" ctest --test-dir $B "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
+    timeout "$cap" ctest --test-dir "$B" "${sel[@]}" --timeout 600 -j1 -V > "$L/ctest-gpu.log" 2>&1
     row "ctest ${sel[*]}" "$(grep -E 'tests passed|tests failed' "$L/ctest-gpu.log" | tail -1)"
   fi
   grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -60
@@ -128,7 +128,7 @@ if has multi; then
   # Two GPUs (issue 17): ctest -L multigpu (test_distributed.nccl2, trainer_acceptance_ws2),
   # with NCCL's INFO output to see whether ncclCommRegister registers the VMM buffers.
   # test_megatron_dp2 (also labelled multigpu) runs in its own step, megatron_dp2.
-  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG run ctest_multigpu 540 ctest --test-dir $B -L multigpu -E test_megatron_dp2 \
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG run ctest_multigpu 540 ctest --test-dir "$B" -L multigpu -E test_megatron_dp2 \
     --timeout 600 -j1 -V
   grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest_multigpu.log" | sed 's/^ *//'
   grep -hiE "regist" "$L/ctest_multigpu.log" | sed 's/^[0-9]*: //' | sort | uniq -c | sort -rn | head -12 > "$L/nccl_registration.txt"
@@ -136,7 +136,7 @@ if has multi; then
 fi
 if has tms; then
   tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
-  run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build $B ${tms:+--tms-wheel $tms} \
+  run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build "$B" ${tms:+--tms-wheel $tms} \
     --json "$R/bench_tms.json"
   tail -14 "$L/bench_tms.log"
 fi
@@ -183,21 +183,21 @@ if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
     --json "$R/bench_overlap.json" --budget-s $((osecs - 30)) ${DFA_OVERLAP_ARGS:-}
   tail -28 "$L/overlap.log"
 fi
-if has ckpt && [ -x $B/benchmarks/bench_checkpoint ]; then
+if has ckpt && [ -x "$B"/benchmarks/bench_checkpoint ]; then
   # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
-  run ckpt_host "${DFA_CKPT_SECONDS:-200}" $B/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
+  run ckpt_host "${DFA_CKPT_SECONDS:-200}" "$B"/benchmarks/bench_checkpoint --driver cuda --tier host --gb 3 --dir /tmp \
     --json "$R/bench_checkpoint_host.json"
   tail -11 "$L/ckpt_host.log"
-  run ckpt_file "${DFA_CKPT_SECONDS:-240}" $B/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
+  run ckpt_file "${DFA_CKPT_SECONDS:-240}" "$B"/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
     --json "$R/bench_checkpoint_file.json"
   tail -11 "$L/ckpt_file.log"
 fi
 if has stress; then
   secs=${DFA_STRESS_SECONDS:-60}
   # Both at once on the one GPU (more contention, half the wall time).
-  ( DFA_TEST_DRIVER=cuda DFA_STRESS_SECONDS=$secs timeout $((secs + 120)) $B/tests/test_caching_stress \
+  ( DFA_TEST_DRIVER=cuda DFA_STRESS_SECONDS=$secs timeout $((secs + 120)) "$B"/tests/test_caching_stress \
       > "$L/stress_caching.log" 2>&1; echo $? > "$L/stress_caching.rc" ) &
-  DEFERALLOC_CONF=driver:cuda DFA_STRESS_SECONDS=$secs run stress_c_api $((secs + 120)) $B/tests/test_c_api_stress
+  DEFERALLOC_CONF=driver:cuda DFA_STRESS_SECONDS=$secs run stress_c_api $((secs + 120)) "$B"/tests/test_c_api_stress
   wait
   row stress_caching "rc=$(cat "$L/stress_caching.rc") | $(grep -v '^\s*$' "$L/stress_caching.log" | tail -1 | cut -c1-90)"
 fi
@@ -253,50 +253,61 @@ if has compare; then
       # a run's own time when one that succeeded took longer.
       declare -A took=([bench_reservations]=$((28 * ${DFA_COMPARE_GB_REPS:-5})) [bench_reservations_host]=60
                        [bench_optimizer]=50 [bench_overlap]=70)
-      cmp_run() {  # side, rep, benchmark
+      # cmp_run side rep benchmark: 0 measured, 1 failed (a row says so), 2 bench_overlap exited
+      # nonzero with its JSON written (judged once both sides ran: kept_or_dropped).
+      cmp_run() {
         local side=$1 rep=$2 g=$3 src bld extra
         if [ "$side" = before ]; then src=$BS bld=$BB; else src=$PWD bld=$B; fi
         if [ "$g" = bench_overlap ]; then
-          local json=$R/compare/$side-$rep-bench_overlap.json why
+          local json=$R/compare/$side-$rep-bench_overlap.json
           # shellcheck disable=SC2086
           DEFERALLOC_LIB=$bld/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$bld/optimizer/libdeferalloc_optimizer.so \
             PYTHONPATH=$src/python${site:+:$site} CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 300 \
             python3 "$src/benchmarks/optimizer/bench_overlap.py" --out "$L/cmp-$side-$rep-overlap" \
-            --json "$json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1 && return
-          # A run that missed only performance targets was measured: its figures are kept.  A
-          # failed correctness check or part makes no pair.
-          if why=$(python3 benchmarks/bench_json.py missed "$json"); then
-            row "compare: $side-$rep $g" "figures kept, targets missed: $why"
-            return
-          fi
-          rm -f "$json"
-          row "compare: $side-$rep $g" "failed, no pair: $why (cmp-$side-$rep-overlap.log)"
+            --json "$json" $oargs > "$L/cmp-$side-$rep-overlap.log" 2>&1 && return 0
+          [ -f "$json" ] && return 2
+          row "compare: $side-$rep $g" "failed, no pair: no JSON written (cmp-$side-$rep-overlap.log)"
           return 1
         fi
-        local prog=$g env=() device=${gpu:-GPU} procs=1 k gbs=() ok=1
+        local prog=$g env=() device=${gpu:-GPU} procs=1 k gbs=() ok=1 log=$L/cmp-$side-$rep-$g.log
         case $g in
           bench_reservations) extra=(--benchmark_min_time=0.3 "--benchmark_repetitions=${DFA_COMPARE_GB_REPS:-5}"
                                      --benchmark_enable_random_interleaving=true) ;;
           # The library's own share of the VMM-bound rows: the same program with no GPU visible runs
           # on the host driver, whose map and create cost little.  Its figures fall in modes about
-          # 2x apart from one process to the next (either build), so it runs as three processes
-          # read as one (bench_json.py convert): their spread is then the build's own.
-          bench_reservations_host) prog=bench_reservations env=(CUDA_VISIBLE_DEVICES=) procs=3
+          # 2x apart from one process to the next (either build), so it runs as five processes
+          # read as one (bench_json.py convert; an odd count keeps the median a measured value):
+          # their spread is then the build's own.
+          bench_reservations_host) prog=bench_reservations env=(CUDA_VISIBLE_DEVICES=) procs=5
                                    device="$(nproc) CPUs of the GPU machine, host driver"
-                                   extra=("--benchmark_filter=BM_materialize_release|BM_per_granule" --benchmark_min_time=0.3
-                                          --benchmark_repetitions=2 --benchmark_enable_random_interleaving=true) ;;
+                                   extra=("--benchmark_filter=BM_materialize_release|BM_per_granule" --benchmark_min_time=0.3) ;;
           *) extra=("--benchmark_filter=$optbench_filter") ;;
         esac
         for k in $(seq "$procs"); do
           gbs+=("$L/cmp-$side-$rep-$g.p$k.gb.json")
-          env "${env[@]}" timeout 240 "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="${gbs[-1]}" \
-            --benchmark_out_format=json >> "$L/cmp-$side-$rep-$g.log" 2>&1 || { ok=0; break; }
+          env "${env[@]}" timeout 60 "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="${gbs[-1]}" \
+            --benchmark_out_format=json >> "$log" 2>&1 || { ok=0; break; }
         done
         [ $ok = 1 ] && python3 benchmarks/bench_json.py convert "${gbs[@]}" --name "$g" \
-            --out "$R/compare/$side-$rep-$g.json" --device "$device" --command "$prog${env:+ ${env[*]}} ($side)" > /dev/null &&
-          return
+            --out "$R/compare/$side-$rep-$g.json" --device "$device" --command "$prog${env:+ ${env[*]}} ($side)" \
+            > /dev/null 2>> "$log" && return 0
         row "compare: $side-$rep $g" "failed, no pair (cmp-$side-$rep-$g.log)"
         return 1
+      }
+      # A bench_overlap run that exited nonzero keeps its figures when it missed only performance
+      # targets (bench_json.py missed; a check the before build's older script left unmarked takes
+      # the after run's mark); a failed correctness check, a part cut short, or a nonzero exit
+      # with no failed check makes no pair.
+      kept_or_dropped() {  # side rep benchmark
+        local json=$R/compare/$1-$2-$3.json other why
+        if [ "$1" = before ]; then other=after; else other=before; fi
+        if why=$(python3 benchmarks/bench_json.py missed "$json" --marks "$R/compare/$other-$2-$3.json") &&
+           [ "$why" != none ]; then
+          row "compare: $1-$2 $3" "figures kept, targets missed: $why"
+        else
+          rm -f "$json"
+          row "compare: $1-$2 $3" "failed, no pair: ${why/#none/exited nonzero with no failed check} (cmp-$1-$2-overlap.log)"
+        fi
       }
       pairs=() skipped=()
       first=${DFA_COMPARE_FIRST_REP:-1}
@@ -305,10 +316,16 @@ if has compare; then
         for g in "${benches[@]}"; do
           if [ "$g" = bench_overlap ] && [ -z "$oargs" ]; then continue; fi
           if [ $((SECONDS + 2 * ${took[$g]:-120})) -gt "$deadline" ]; then skipped+=("$g#$rep"); continue; fi
+          judge=()
           for side in "${sides[@]}"; do
             s0=$SECONDS
-            if cmp_run "$side" "$rep" "$g" && [ $((SECONDS - s0)) -gt "${took[$g]}" ]; then took[$g]=$((SECONDS - s0)); fi
+            cmp_run "$side" "$rep" "$g"
+            case $? in
+              0) [ $((SECONDS - s0)) -gt "${took[$g]}" ] && took[$g]=$((SECONDS - s0)) ;;
+              2) judge+=("$side") ;;
+            esac
           done
+          for side in "${judge[@]}"; do kept_or_dropped "$side" "$rep" "$g"; done
           [ -f "$R/compare/before-$rep-$g.json" ] && [ -f "$R/compare/after-$rep-$g.json" ] &&
             pairs+=("$R/compare/before-$rep-$g.json" "$R/compare/after-$rep-$g.json")
           pack

@@ -3,7 +3,7 @@
 benchmarks/bench_json.py convert reads a repeated row by its median and records how far its
 repetitions spread (over several processes' runs too); benchmarks/compare_builds.py calls a change "noise" when that spread is wider
 than the tolerance and "outside" when it is not; bench_json.py missed keeps a run that missed only
-performance targets."""
+performance targets; given a bench_overlap JSON, that its checks carry the marks."""
 from __future__ import annotations
 
 import json
@@ -85,6 +85,16 @@ def main() -> int:
         check("several processes' runs: the spread between the processes counts",
               abs(procs["extra"].get("repetition_spread", {}).get("64 reservations, warm", 0) - 12 / 16) < 1e-9,
               str(procs["extra"].get("repetition_spread")))
+        # A repetition that failed in one process is left out; a row that only one process ran
+        # is the median of its own rows.
+        with open(os.path.join(tmp, "proc4.gb.json"), "w") as f:
+            json.dump(gbench({MR64: [None, 30e9]}), f)
+        odd = convert(tmp, "proc3", {MR64: [10e9, 12e9], PG64: [5e9, 7e9]}, more=(os.path.join(tmp, "proc4.gb.json"),))
+        ov = {r["name"]: r["value"] for r in odd["results"]}
+        check("several processes: a failed repetition is left out of the median",
+              abs(ov.get("64 reservations, warm", 0) - 12.0) < 1e-9, str(ov))
+        check("several processes: a row run by one of them is that one's median",
+              abs(ov.get("per-granule VMM, 64 reservations", 0) - 6.0) < 1e-9, str(ov))
         once = convert(tmp, "once", {MR64: [11e9], PG64: [5e9]})
         check("a row run once is its value, with no spread recorded",
               once["results"][0]["value"] == 11.0 and "repetition_spread" not in once["extra"], json.dumps(once)[:200])
@@ -116,14 +126,14 @@ def main() -> int:
         check("compare_builds' JSON carries the spread within the run",
               abs(own.get("bench_reservations_host: 64 reservations, warm", 0) - 10 / 12) < 1e-9, str(own))
         # bench_json.py missed: a run that missed only performance targets keeps its figures.
-        def missed(tag: str, checks: list[dict]) -> tuple[int, str]:
+        def missed(tag: str, checks: list[dict], *extra: str) -> tuple[int, str]:
             path = os.path.join(tmp, f"{tag}.json")
             with open(path, "w") as f:
                 json.dump({"benchmark": "bench_overlap", "schema": 1, "device": "t", "command": "t", "results": [],
                            "extra": {"checks": checks}}, f)
-            r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed", path],
-                               capture_output=True, text=True)
-            return r.returncode, r.stdout.strip()
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed", path,
+                                *extra], capture_output=True, text=True)
+            return r.returncode, (r.stdout + r.stderr).strip()
         ok = dict(check="losses bit-identical", value="yes", target="yes", ok=True, perf=False)
         slow = dict(check="overlap / resident", value="1.10x", target="<= 1.1x", ok=False, perf=True)
         wrong = dict(check="losses bit-identical", value="no", target="yes", ok=False, perf=False)
@@ -133,12 +143,33 @@ def main() -> int:
         rc, out = missed("wrong", [wrong, slow])
         check("a failed correctness check leaves the run unmeasured", rc == 1 and "not a performance target" in out, out)
         rc, out = missed("unmarked", [unmarked])
-        check("a failed check without the perf mark leaves the run unmeasured", rc == 1, out)
+        check("a failed check without the perf mark leaves the run unmeasured", rc == 1 and "(unmarked)" in out, out)
+        missed("marked", [ok, slow])
+        rc, out = missed("unmarked-borrowing", [unmarked], "--marks", os.path.join(tmp, "marked.json"))
+        check("an unmarked check takes the other build's mark of the same check (--marks)", rc == 0 and "1.10x" in out,
+              out)
+        rc, out = missed("unmarked-no-such", [unmarked], "--marks", os.path.join(tmp, "never-written.json"))
+        check("--marks without a file: the run stands on its own marks", rc == 1 and "(unmarked)" in out, out)
+        with open(os.path.join(tmp, "list.json"), "w") as f:
+            json.dump([1, 2], f)
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed",
+                            os.path.join(tmp, "list.json")], capture_output=True, text=True)
+        check("a JSON that is not a run's document has no figures", r.returncode == 1 and "no figures" in r.stdout,
+              r.stdout + r.stderr)
         rc, out = missed("clean", [ok])
         check("a run with no failed check stands", rc == 0 and out == "none", out)
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed",
                             os.path.join(tmp, "never-written.json")], capture_output=True, text=True)
         check("a run that wrote no JSON has no figures", r.returncode == 1 and "no figures" in r.stdout, r.stdout)
+    if len(sys.argv) > 1:  # a bench_overlap JSON (the bench_overlap_smoke test's): its checks carry the marks
+        with open(sys.argv[1]) as f:
+            checks = {c["check"]: c for c in json.load(f)["extra"]["checks"]}
+        marked = {name: c.get("perf") for name, c in checks.items()}
+        check("bench_overlap marks its performance targets perf",
+              marked.get("host+overlap iteration / resident") is True, str(marked))
+        check("bench_overlap marks its correctness checks not perf",
+              any(n.startswith("losses") for n in marked) and
+              all(v is False for n, v in marked.items() if n.startswith("losses")), str(marked))
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0
 
