@@ -17,7 +17,7 @@
 # (schema of benchmarks/bench_json.py: unpack into docs/data/<date>/ and run
 # benchmarks/plot.py), their PNGs and the raw Google Benchmark JSON under gbench/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 L=$(mktemp -d)  # logs
@@ -269,7 +269,7 @@ if has compare; then
           row "compare: $side-$rep $g" "failed, no pair: no JSON written (cmp-$side-$rep-overlap.log)"
           return 1
         fi
-        local prog=$g env=() device=${gpu:-GPU} procs=1 k gbs=() ok=1 log=$L/cmp-$side-$rep-$g.log
+        local prog=$g env=() device=${gpu:-GPU} procs=1 tmo=240 k gbs=() ok=1 log=$L/cmp-$side-$rep-$g.log
         case $g in
           bench_reservations) extra=(--benchmark_min_time=0.3 "--benchmark_repetitions=${DFA_COMPARE_GB_REPS:-5}"
                                      --benchmark_enable_random_interleaving=true) ;;
@@ -278,14 +278,14 @@ if has compare; then
           # 2x apart from one process to the next (either build), so it runs as five processes
           # read as one (bench_json.py convert; an odd count keeps the median a measured value):
           # their spread is then the build's own.
-          bench_reservations_host) prog=bench_reservations env=(CUDA_VISIBLE_DEVICES=) procs=5
+          bench_reservations_host) prog=bench_reservations env=(CUDA_VISIBLE_DEVICES=) procs=5 tmo=60
                                    device="$(nproc) CPUs of the GPU machine, host driver"
                                    extra=("--benchmark_filter=BM_materialize_release|BM_per_granule" --benchmark_min_time=0.3) ;;
           *) extra=("--benchmark_filter=$optbench_filter") ;;
         esac
         for k in $(seq "$procs"); do
           gbs+=("$L/cmp-$side-$rep-$g.p$k.gb.json")
-          env "${env[@]}" timeout 60 "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="${gbs[-1]}" \
+          env "${env[@]}" timeout "$tmo" "$bld/benchmarks/$prog" "${extra[@]}" --benchmark_out="${gbs[-1]}" \
             --benchmark_out_format=json >> "$log" 2>&1 || { ok=0; break; }
         done
         [ $ok = 1 ] && python3 benchmarks/bench_json.py convert "${gbs[@]}" --name "$g" \
