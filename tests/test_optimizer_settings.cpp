@@ -8,10 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "common.hpp"
 #include "settings_doc.hpp"
 
 namespace {
@@ -198,6 +200,138 @@ TEST(optimizer_settings, the_struct_and_the_string_step_alike) {
   EXPECT_LT(sa.bytes_to_device, 12 * n) << "bf16 moments move fewer than 12 bytes per element";
   EXPECT_EQ(dfa_opt_destroy(a), DFA_SUCCESS);
   EXPECT_EQ(dfa_opt_destroy(b), DFA_SUCCESS);
+}
+
+// Note [Applying a settings text to the typed config] in optimizer/abi/c_api_optimizer.cpp.
+struct applied {
+  dfa_status status;
+  std::string rest;
+  std::size_t needed;
+};
+
+bool same(const dfa_optimizer_config& a, const dfa_optimizer_config& b) {
+  return a.struct_size == b.struct_size && a.driver == b.driver && a.device == b.device &&
+         a.allocator_settings == b.allocator_settings && a.tier == b.tier && a.directory == b.directory &&
+         a.window_mb == b.window_mb && a.depth == b.depth && a.resume == b.resume && a.rank == b.rank &&
+         a.io_threads == b.io_threads && a.io_request_mb == b.io_request_mb && a.keep_window == b.keep_window &&
+         a.resident_mb == b.resident_mb && a.moments == b.moments && a.progress_line == b.progress_line;
+}
+
+applied apply(dfa_optimizer_config& c, const char* text) {
+  std::vector<char> rest(4096, 'x');
+  std::size_t needed = 0;
+  const dfa_status st = dfa_opt_config_apply_text(&c, text, rest.data(), rest.size(), &needed);
+  return {st, st == DFA_SUCCESS ? std::string(rest.data()) : std::string(), needed};
+}
+
+TEST(optimizer_settings, apply_text_sets_fields_and_hands_back_the_allocators_keys) {
+  dfa_optimizer_config c = initialized();
+  const applied a = apply(c,
+                          "driver:host,device:3,tier:file,directory:/tmp/a b,window_mb:2,depth:3,resume:1,rank:2,"
+                          "io_threads:4,io_request_mb:16,keep_window:5,resident_mb:8,moments:int8,progress_line:1,"
+                          "log_level:error,host_granularity_kb:64,chunk_classes_mb:[2, 32]");
+  ASSERT_EQ(a.status, DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_EQ(c.driver, DFA_DRIVER_HOST);
+  EXPECT_EQ(c.device, 3);
+  EXPECT_EQ(c.tier, DFA_TIER_FILE);
+  ASSERT_NE(c.directory, nullptr);
+  EXPECT_STREQ(c.directory, "/tmp/a b");
+  EXPECT_EQ(c.window_mb, 2u);
+  EXPECT_EQ(c.depth, 3);
+  EXPECT_EQ(c.resume, 1);
+  EXPECT_EQ(c.rank, 2);
+  EXPECT_EQ(c.io_threads, 4);
+  EXPECT_EQ(c.io_request_mb, 16u);
+  EXPECT_EQ(c.keep_window, 1);
+  EXPECT_EQ(c.resident_mb, 8u);
+  EXPECT_EQ(c.moments, DFA_MOMENTS_INT8);
+  EXPECT_EQ(c.progress_line, 1);
+  EXPECT_EQ(c.allocator_settings, nullptr) << "the caller sets it from the rests";
+  EXPECT_EQ(a.rest, "chunk_classes_mb:[2,32],host_granularity_kb:64,log_level:error");
+  EXPECT_EQ(a.needed, a.rest.size() + 1);
+
+  // Later texts override earlier ones key by key; nothing: nothing changes.
+  const dfa_optimizer_config before = c;
+  const applied none = apply(c, nullptr);
+  ASSERT_EQ(none.status, DFA_SUCCESS);
+  EXPECT_EQ(none.rest, "");
+  EXPECT_EQ(none.needed, 1u);
+  EXPECT_EQ(apply(c, "").status, DFA_SUCCESS);
+  EXPECT_TRUE(same(c, before));
+  ASSERT_EQ(apply(c, "depth:5").status, DFA_SUCCESS);
+  EXPECT_EQ(c.depth, 5);
+  EXPECT_EQ(c.window_mb, 2u);
+}
+
+TEST(optimizer_settings, apply_text_errors_leave_the_config_unchanged) {
+  dfa_optimizer_config c = initialized();
+  const dfa_optimizer_config before = c;
+  struct bad {
+    const char* text;
+    const char* says;
+  };
+  for (const bad& b : {bad{"window_mb:3,colour:blue", "unknown key 'colour'"}, bad{"tier:host,depth:-1", "depth"},
+                       bad{"tier:disk", "disk"}, bad{"device:1024", "device"}, bad{"host_granularity_kb:12", "host_granularity_kb"},
+                       bad{"window_mb:3,log_level", "missing ':'"}}) {
+    EXPECT_EQ(apply(c, b.text).status, DFA_ERROR_INVALID_ARGUMENT) << b.text;
+    const std::string w = dfa_opt_last_error();
+    EXPECT_NE(w.find("dfa_opt_config_apply_text: "), std::string::npos) << w;
+    EXPECT_NE(w.find(b.says), std::string::npos) << b.text << ": " << w;
+    EXPECT_TRUE(same(c, before)) << b.text;
+  }
+  // The unknown key's message is dfa_opt_create's: both tables' keys.
+  (void)apply(c, "colour:blue");
+  const std::string w = dfa_opt_last_error();
+  EXPECT_NE(w.find(settings_keys()), std::string::npos) << w;
+  for (const std::string& k : table_keys()) EXPECT_NE(w.find(k), std::string::npos) << k << ": " << w;
+
+  // A rest buffer too small (or none): the size it needs, the config untouched.
+  const char* text = "tier:device,log_level:info,pool_cache_mb:32";
+  const std::size_t want = std::string("log_level:info,pool_cache_mb:32").size() + 1;
+  std::size_t needed = 0;
+  EXPECT_EQ(dfa_opt_config_apply_text(&c, text, nullptr, 0, &needed), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(needed, want);
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("rest buffer too small: " + std::to_string(want) + " bytes needed"),
+            std::string::npos) << dfa_opt_last_error();
+  std::vector<char> small(want - 1, 'x');
+  needed = 0;
+  EXPECT_EQ(dfa_opt_config_apply_text(&c, text, small.data(), small.size(), &needed), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(needed, want);
+  EXPECT_TRUE(same(c, before));
+  EXPECT_EQ(std::string(small.begin(), small.end()), std::string(want - 1, 'x')) << "nothing written";
+  std::vector<char> exact(want);
+  ASSERT_EQ(dfa_opt_config_apply_text(&c, text, exact.data(), exact.size(), &needed), DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_STREQ(exact.data(), "log_level:info,pool_cache_mb:32");
+  EXPECT_EQ(c.tier, DFA_TIER_DEVICE);
+  EXPECT_EQ(dfa_opt_config_apply_text(&c, text, exact.data(), exact.size(), nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_opt_config_apply_text(nullptr, text, exact.data(), exact.size(), &needed), DFA_ERROR_INVALID_ARGUMENT);
+}
+
+// The Python face's order: DEFERALLOC_CONF's text, typed fields (never parsed), settings=,
+// then create with the rests joined.  A directory holding ",tier:host" stays a directory.
+TEST(optimizer_settings, a_typed_directory_with_a_comma_reaches_the_engine_unchanged) {
+  const dfa_test::temp_dir tmp;
+  const std::string dir = tmp.path + "/x,tier:host";
+  std::filesystem::create_directories(dir);
+  dfa_optimizer_config c = initialized();
+  const applied env = apply(c, "driver:host,host_granularity_kb:64,tier:file");
+  ASSERT_EQ(env.status, DFA_SUCCESS) << dfa_opt_last_error();
+  c.directory = dir.c_str();
+  c.window_mb = 1;
+  const applied kw = apply(c, "log_level:error,depth:2");
+  ASSERT_EQ(kw.status, DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_EQ(c.tier, DFA_TIER_FILE);
+  EXPECT_EQ(c.directory, dir.c_str());
+  const std::string joined = env.rest + "," + kw.rest + ",";  // empty items are allowed
+  c.allocator_settings = joined.c_str();
+  dfa_optimizer* o = nullptr;
+  ASSERT_EQ(dfa_opt_create_with_config(&c, &o), DFA_SUCCESS) << dfa_opt_last_error();
+  std::vector<float> p(1000, 0.5f);
+  EXPECT_EQ(dfa_opt_add_shard(o, p.data(), p.size(), DFA_DTYPE_FP32, 0, nullptr, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_opt_initialize(o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_TRUE(std::filesystem::exists(dir + "/deferalloc-rank0.state")) << "the file tier, in the directory with the comma";
+  EXPECT_FALSE(std::filesystem::exists(tmp.path + "/x")) << "nothing split the directory's name";
+  EXPECT_EQ(dfa_opt_destroy(o), DFA_SUCCESS);
 }
 
 }  // namespace

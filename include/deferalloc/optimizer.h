@@ -80,6 +80,17 @@ typedef struct dfa_optimizer_config {
 
 /* Fills *c with the defaults (those of docs/SETTINGS.md); c->struct_size must be set first. */
 DFA_C_API dfa_status dfa_opt_config_init(dfa_optimizer_config* c);
+/* Applies settings text in DEFERALLOC_CONF's grammar ("key:value,..."; NULL or "": nothing)
+ * onto an initialized *c: the optimizer's keys and driver / device set their fields (each
+ * through its key's row: the ranges and messages of dfa_opt_create; a directory so set is
+ * an interned copy valid for the process's life); every other key must be one of the
+ * allocator's (unknown: INVALID_ARGUMENT listing the valid keys) and is written to `rest`
+ * as "key:value" joined by ',' (NUL-terminated), for allocator_settings.  *needed gets the
+ * bytes rest needs, NUL included; rest NULL or cap < *needed: INVALID_ARGUMENT ("rest
+ * buffer too small: N bytes needed").  On any error *c is unchanged.  Typed fields set
+ * between two calls are never parsed (a directory may hold a comma). */
+DFA_C_API dfa_status dfa_opt_config_apply_text(dfa_optimizer_config* c, const char* text, char* rest, size_t cap,
+                                               size_t* needed);
 /* Creates an optimizer from a filled config (dfa_opt_config_init, then the fields to change).
  * Bad values: INVALID_ARGUMENT naming the field's key and its range.  Cost: a driver and
  * three streams. */

@@ -16,9 +16,13 @@
 #include <deferalloc/optim/optimizer_settings.hpp>
 #include <deferalloc/optimizer.h>
 
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -108,6 +112,67 @@ engine_settings from_config(const dfa_optimizer_config* c) {
   return e;
 }
 
+// Note [Applying a settings text to the typed config]
+// Rationale: a face that takes settings from several places (DEFERALLOC_CONF, keyword
+// arguments, a settings= text) must merge them in one order without splitting any text
+// itself: a value given as a typed field (a directory with a comma) is never parsed, and
+// a key is checked by its table's row wherever it comes from.
+// Approach: dfa_opt_config_apply_text parses the text once; each optimizer key goes
+// through its row into a scratch optimizer_config and that one field is copied into the
+// struct; driver and device go through the allocator's rows; every other key is checked
+// by the allocator's table (its value too) and handed back as "key:value" text for
+// allocator_settings.  The struct is changed only when the whole text is good.
+// Limits: a directory set by text is an interned copy that lives as long as the process
+// (the struct holds a const char*); a face sets it once or a few times.
+const char* interned(const std::string& s) {
+  static std::mutex m;
+  static std::set<std::string> strings;  // nodes never move: c_str() stays valid
+  std::lock_guard lock(m);
+  return strings.insert(s).first->c_str();
+}
+
+// One optimizer key's field of the struct, from a scratch config its row has set.
+void copy_field(dfa_optimizer_config& c, const std::string& key, const optimizer_config& oc) {
+  if (key == "tier") c.tier = static_cast<int>(oc.home);
+  else if (key == "directory") c.directory = interned(oc.directory);
+  else if (key == "window_mb") c.window_mb = oc.window_bytes >> 20;
+  else if (key == "depth") c.depth = oc.depth;
+  else if (key == "resume") c.resume = oc.resume ? 1 : 0;
+  else if (key == "rank") c.rank = oc.rank;
+  else if (key == "io_threads") c.io_threads = oc.io_threads;
+  else if (key == "io_request_mb") c.io_request_mb = oc.io_request_bytes >> 20;
+  else if (key == "keep_window") c.keep_window = oc.keep_window ? 1 : 0;
+  else if (key == "resident_mb") c.resident_mb = oc.resident_bytes >> 20;
+  else if (key == "moments") c.moments = static_cast<int>(oc.moments);
+  else if (key == "progress_line") c.progress_line = oc.progress_line ? 1 : 0;
+  else throw invalid_argument("dfa_opt_config_apply_text: no field for the optimizer key '" + key + "'");
+}
+
+std::string as_text(const std::string& key, const config_value& v) {
+  std::string out = key + ":";
+  if (!v.is_list) return out + v.items.at(0);
+  out += "[";
+  for (std::size_t i = 0; i < v.items.size(); ++i) out += (i ? "," : "") + v.items[i];
+  return out + "]";
+}
+
+// The struct after `text`, and the allocator's keys of `text` as text.
+std::string apply_text(dfa_optimizer_config& c, std::string_view text) {
+  std::string rest;
+  for (const auto& [key, v] : parse_config_text(text)) {
+    optimizer_config scratch;
+    if (apply_optimizer_setting(scratch, key, v)) {
+      copy_field(c, key, scratch);
+      continue;
+    }
+    const settings s = settings_from({{key, v}});  // checks the key and its value
+    if (key == "driver") c.driver = static_cast<int>(s.driver);
+    else if (key == "device") c.device = s.device;
+    else rest += (rest.empty() ? "" : ",") + as_text(key, v);
+  }
+  return rest;
+}
+
 dfa_optimizer* create(engine_settings e) {
   auto h = std::make_unique<dfa_optimizer>();
   dfa_optimizer* raw = h.get();
@@ -158,6 +223,21 @@ dfa_status dfa_opt_config_init(dfa_optimizer_config* c) {
     c->resident_mb = d.resident_bytes >> 20;
     c->moments = static_cast<int>(d.moments);
     c->progress_line = d.progress_line;
+  });
+}
+
+dfa_status dfa_opt_config_apply_text(dfa_optimizer_config* c, const char* text, char* rest, size_t cap,
+                                     size_t* needed) {
+  return guard("dfa_opt_config_apply_text", [&] {
+    need_known_size(c);
+    need(needed, "needed");
+    dfa_optimizer_config next = *c;
+    const std::string r = apply_text(next, text ? text : "");
+    *needed = r.size() + 1;
+    if (rest == nullptr || cap < r.size() + 1)
+      throw invalid_argument("rest buffer too small: " + std::to_string(r.size() + 1) + " bytes needed");
+    std::memcpy(rest, r.c_str(), r.size() + 1);
+    *c = next;
   });
 }
 
