@@ -22,6 +22,13 @@
    holds the C ABIs and the C++ umbrella only (TOP_LEVEL); the C++ headers sit in the folder of
    their layer (core/, caching/, optim/, distributed/, torch/), whose rank rule 2 checks.
 
+8. Python modules keep their private names: no module of python/deferalloc/ imports another's
+   private name (``from .optim import _x``) or reaches one through an object (``opt._params``,
+   ``super()._read``, a subclass's ``self._x`` of its base class in another module) where the
+   name is defined by another of the package's modules and not by its own.  They reach each
+   other through public methods and documented hooks; the optimizer's C ABI has one caller,
+   ``deferalloc._engine``.
+
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
 import io
@@ -274,6 +281,52 @@ def settings_owners(root):
     return found
 
 
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_private_names(tree):
+    """The private names a module defines: its functions, classes, assigned names and
+    attributes (``self._x = ...``, ``cls._x``), and its slots."""
+    import ast
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.alias):
+            out.add(node.asname or node.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            out.add(node.value)  # __slots__ entries, getattr(x, "_name") defaults
+    return {n for n in out if _private(n)}
+
+
+def private_crossings(texts):
+    """Rule 8: (module, line, name) of each use of another module's private name."""
+    import ast
+    mods = {rel: ast.parse(text) for rel, text in texts
+            if rel.startswith("python/deferalloc/") and rel.endswith(".py")}
+    modules = {os.path.splitext(os.path.basename(rel))[0] for rel in mods}  # private modules are the package's own
+    defined = {rel: _defined_private_names(tree) - modules for rel, tree in mods.items()}
+    problems = []
+    for rel, tree in mods.items():
+        others = set().union(*(d for r, d in defined.items() if r != rel)) if len(defined) > 1 else set()
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                names = [(a.name, "imports") for a in node.names if _private(a.name) and a.name not in modules]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _private(node.attr):
+                if node.attr not in defined[rel] and node.attr in others:
+                    names = [(node.attr, "reaches")]
+            for name, how in names:
+                problems.append(f"{rel}:{node.lineno}: {how} the private name {name} of another module of the "
+                                f"package (use a public method or a documented hook)")
+    return problems
+
+
 def check(root):
     problems = []
     files = list(library_files(root))
@@ -303,6 +356,7 @@ def check(root):
         if 3 * n > lines:
             problems.append(f"{folder}/ holds {n} of the library's {lines} lines (more than a third)")
     problems += repeated_runs(texts)
+    problems += private_crossings(texts)
     problems += readme_length(root)
     problems += settings_owners(root)
     problems += internal_headers(root)
@@ -336,6 +390,8 @@ def self_test():
         put("include/deferalloc/core/fault_driver.hpp", "#include <deferalloc/core/driver.hpp>\n")
         put("include/deferalloc/caching/caching_allocator.hpp", "int c;\n")
         put(ALLOCATOR_TABLE, 'const row k_table[] = {\n    {"driver", "name",\n    {"tier", "name",\n};\n')
+        put("python/deferalloc/e.py", "class A:\n    def __init__(self):\n        self._hidden = 1\n")
+        put("python/deferalloc/f.py", "from .e import A, _g\n\n\ndef peek(a):\n    return a._hidden\n")
         problems, _, _ = check(t)
         assert any(p.startswith(f"{OPTIMIZER_TABLE}: no settings table") for p in problems), problems
         put(OPTIMIZER_TABLE, 'const row k_table[] = {\n    {"tier", "name", 0,\n    {"depth", "integer",\n};\n')
@@ -356,6 +412,9 @@ def self_test():
         assert marks == ["optimizer/c.cpp:1 commit id 5061b2f", "optimizer/c.cpp:4 date 2026-12-01",
                          "python/deferalloc/d.py:3 commit id b64ed16", "python/deferalloc/d.py:5 date 2026-11-30"], marks
         assert any(p.startswith(f"README.md has {README_LINES + 1} lines") for p in problems), problems
+        crossings = sorted(p.split(": ")[0] + " " + p.split("private name ")[1].split(" ")[0]
+                           for p in problems if "private name" in p)
+        assert crossings == ["python/deferalloc/f.py:1 _g", "python/deferalloc/f.py:5 _hidden"], crossings
         internal = [p.split(":")[0] for p in problems if "not an entry header" in p]
         assert internal == ["include/deferalloc/core/fault_driver.hpp"], internal
         # include/ also: a C++ header at its top level, a public core header including a caching one,

@@ -1,11 +1,10 @@
-"""The package's two native libraries through ctypes: one loader, one binding of each.
+"""The package's native libraries through ctypes: the loader, and the allocator's binding.
 
-``allocator`` is libdeferalloc (the allocator's C ABI, ``include/deferalloc/deferalloc.h``);
-``optimizer`` is libdeferalloc_optimizer (the optimizer's, ``include/deferalloc/optimizer.h``).
-Each is opened once, on first use, with every entry point's signature set;
-``<library>.check(status, call)`` raises the package's exception for a failed status with that
-library's thread-local message.  ``deferalloc`` (the allocator face), ``deferalloc.optim``,
-``deferalloc.overlap`` and ``deferalloc.megatron`` all call the libraries through here.
+``Library`` opens a library once, on first use, with every entry point's signature set;
+``<library>.check(status, call)`` raises the package's exception for a failed status with
+that library's thread-local message.  ``allocator`` is libdeferalloc (the allocator's C ABI,
+``include/deferalloc/deferalloc.h``), which the allocator face (``deferalloc``) calls; the
+optimizer's library and every call of it live in ``deferalloc._engine``.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from typing import Callable
 import torch
 
 from . import _logging
-from .errors import DeferallocError, InvalidArgument, NoDevice, from_status
+from .errors import DeferallocError, InvalidArgument, from_status
 
 
 class Library:
@@ -113,86 +112,6 @@ def _allocator_signatures() -> dict:
 
 # The library's messages go to logging.getLogger("deferalloc") once it is open.
 allocator = Library(library_path, _allocator_signatures, "dfa_last_error", on_load=_logging.install)
-
-
-# ---- libdeferalloc_optimizer ----------------------------------------------------------------
-
-class AdamwParams(ctypes.Structure):
-    """dfa_adamw_params."""
-    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
-                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double)]
-
-
-class OptimizerStats(ctypes.Structure):
-    """dfa_opt_stats."""
-    _fields_ = [("steps", ctypes.c_uint64), ("shards", ctypes.c_size_t), ("piece_elements", ctypes.c_size_t),
-                ("seconds", ctypes.c_double), ("params", ctypes.c_size_t), ("pieces", ctypes.c_size_t),
-                ("bytes_to_device", ctypes.c_size_t), ("bytes_from_device", ctypes.c_size_t),
-                ("peak_backed_bytes", ctypes.c_size_t), ("map_seconds", ctypes.c_double),
-                ("retire_seconds", ctypes.c_double), ("io_wait_seconds", ctypes.c_double)]
-
-
-# dfa_progress_fn: phase, done, total, seconds, user.
-PROGRESS_FN = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_double,
-                               ctypes.c_void_p)
-
-
-def optimizer_library_path() -> str:
-    """$DEFERALLOC_OPTIMIZER_LIB, else libdeferalloc_optimizer.so beside libdeferalloc.so, else the linker's search."""
-    env = os.environ.get("DEFERALLOC_OPTIMIZER_LIB")
-    if env:
-        return env
-    try:
-        base = library_path()
-    except DeferallocError:
-        base = None
-    if base and os.path.sep in base:
-        d = os.path.dirname(base)
-        for cand in (os.path.join(d, "libdeferalloc_optimizer.so"),
-                     os.path.join(d, "..", "optimizer", "libdeferalloc_optimizer.so")):
-            if os.path.exists(cand):
-                return os.path.normpath(cand)
-    found = ctypes.util.find_library("deferalloc_optimizer")
-    if found is None:
-        raise NoDevice("libdeferalloc_optimizer.so not found: set DEFERALLOC_OPTIMIZER_LIB to its path")
-    return found
-
-
-def _optimizer_signatures() -> dict:
-    c = ctypes
-    P = c.c_void_p
-    return {
-        "dfa_opt_last_error": (c.c_char_p, []),
-        "dfa_opt_create": (c.c_int, [c.c_char_p, c.POINTER(P)]),
-        "dfa_opt_destroy": (c.c_int, [P]),
-        "dfa_opt_add_shard": (c.c_int, [P, P, c.c_size_t, c.c_int, c.c_int, c.c_char_p, c.POINTER(c.c_size_t)]),
-        "dfa_opt_set_group": (c.c_int, [P, c.c_int, c.POINTER(AdamwParams)]),
-        "dfa_opt_initialize": (c.c_int, [P, P]),
-        "dfa_opt_step": (c.c_int, [P, c.POINTER(P), c.c_size_t, c.POINTER(c.c_int), c.c_float, P]),
-        "dfa_opt_step_speculative": (c.c_int, [P, c.POINTER(P), c.c_size_t, c.POINTER(c.c_int), c.c_float, P]),
-        "dfa_opt_commit_speculation": (c.c_int, [P]),
-        "dfa_opt_discard_speculation": (c.c_int, [P]),
-        "dfa_opt_speculation_pending": (c.c_int, [P, c.POINTER(c.c_size_t)]),
-        "dfa_opt_can_speculate": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_int)]),
-        "dfa_opt_sync_model_params": (c.c_int, [P, P]),
-        "dfa_opt_read_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
-        "dfa_opt_write_state": (c.c_int, [P, c.c_size_t, c.c_int, c.c_size_t, c.c_size_t, P]),
-        "dfa_opt_get_shard_step": (c.c_int, [P, c.c_size_t, c.POINTER(c.c_uint64)]),
-        "dfa_opt_set_shard_step": (c.c_int, [P, c.c_size_t, c.c_uint64]),
-        "dfa_opt_begin_state_write": (c.c_int, [P]),
-        "dfa_opt_end_state_write": (c.c_int, [P, c.c_int]),
-        "dfa_opt_set_shard_param": (c.c_int, [P, c.c_size_t, P]),
-        "dfa_opt_save_checkpoint": (c.c_int, [P, c.c_char_p]),
-        "dfa_opt_load_checkpoint": (c.c_int, [P, c.c_char_p]),
-        "dfa_opt_set_progress": (c.c_int, [P, PROGRESS_FN, P]),
-        "dfa_opt_get_stats": (c.c_int, [P, c.POINTER(OptimizerStats)]),
-    }
-
-
-optimizer = Library(optimizer_library_path, _optimizer_signatures, "dfa_opt_last_error")
-
-# dfa_dtype of the parameter and gradient types the optimizer takes.
-DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
 def stream_ptr(stream, device: torch.device):

@@ -168,9 +168,6 @@ import torch
 from . import deferred_empty
 from . import _native
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW
-
-_load = _native.optimizer
-_check = _native.optimizer.check
 from .overlap import BackwardOverlap
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
@@ -204,7 +201,8 @@ _ADAPTERS = {a.version: a for a in (
     _Adapter("0.19.2", _fp8_grouped_or_nvfp4),
 )}
 TESTED_VERSIONS = tuple(_ADAPTERS)
-_STATE_KEYS = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
+_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # Megatron's names of the state arrays
+_ENGINE_KEYS = {"param": "main_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 class StreamedMegatronAdamW(StreamedAdamW):
@@ -219,7 +217,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
     initialised optimizer and allocates no placeholder state on the GPU when it loads.
     """
 
-    _state_view = False  # self.state holds each handle's step, for Megatron (see state_dict)
+    state_view = False  # self.state holds each handle's step, for Megatron (see state_dict)
     backward_step = None  # the _BackwardStep stepping this optimizer inside Megatron's backward
 
     def __init__(self, params: Iterable, targets: dict[torch.Tensor, torch.Tensor], *,
@@ -234,16 +232,16 @@ class StreamedMegatronAdamW(StreamedAdamW):
         if self.backward_step is not None:  # Note [The step inside Megatron's backward]
             return self.backward_step.end_iteration()
         # See Note [The window and torch's cache].
-        if self.release_torch_cache and self._device.type == "cuda":
+        if self.release_torch_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return super().step(closure)
 
-    def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
+    def engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
         return self._targets.get(p, p)
 
     def _refresh_steps(self) -> None:
-        for p, i in self._shard_of.items():
-            self.state[p] = {"step": torch.tensor(float(self._shard_step(i)) if self._initialized else 0.0)}
+        for p in self.held_params:
+            self.state[p] = {"step": torch.tensor(float(self.shard_step(p)))}
 
     def _settled(self) -> None:
         """Waits for the steps inside backward still in flight (the state is read or written)."""
@@ -268,37 +266,22 @@ class StreamedMegatronAdamW(StreamedAdamW):
                  if "step" in (saved.get(pid) or {})]
         self._settled()
         torch.optim.Optimizer.load_state_dict(self, {"state": {}, "param_groups": groups})
-        self._ensure_initialized()
+        self.initialize_state()
         for p, step in steps:
             self.set_shard_step(p, step)
-        self._pushed = [None] * len(self.param_groups)
-        self._push_groups()
+        self.sync_hyperparameters()
         self._refresh_steps()
-
-    def set_shard_step(self, p: torch.Tensor, step: int) -> None:
-        """PyTorch's per-parameter ``step`` of handle ``p``."""
-        _check(_load().dfa_opt_set_shard_step(self._handle, self._shard_of[p], int(step)), "dfa_opt_set_shard_step")
 
     def read_shard(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Main param, exp_avg and exp_avg_sq of handle ``p`` as FP32 CPU tensors (read now)."""
-        self._ensure_initialized()
         self._settled()
-        i = self._shard_of[p]
-        return {k: self._read(i, a, p) for k, a in _STATE_KEYS.items()}
+        st = self.read_shard_state(p)
+        return {k: st[_ENGINE_KEYS[k]] for k in _STATE_KEYS}
 
     def write_shard(self, p: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
         """Writes those of main param / exp_avg / exp_avg_sq that ``tensors`` holds."""
-        self._ensure_initialized()
         self._settled()
-        i = self._shard_of[p]
-        for k, a in _STATE_KEYS.items():
-            t = tensors.get(k)
-            if t is None:
-                continue
-            if t.numel() != p.numel():
-                raise InvalidArgumentError(f"StreamedMegatronAdamW: {k} has {t.numel()} elements, the shard "
-                                              f"{p.numel()}")
-            self._write(i, a, t.detach().cpu().float())
+        self.write_shard_state(p, {_ENGINE_KEYS[k]: t for k, t in tensors.items() if k in _STATE_KEYS})
 
 
 # ---- the call ------------------------------------------------------------------------------
@@ -505,7 +488,7 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
                                      release_torch_cache=release_torch_cache)
     # main = float(model shard), window by window; the moments start at zero.  An optimizer
     # that already stepped (or loaded) hands over its state.
-    streamed._ensure_initialized()
+    streamed.initialize_state()
     for old, st in inner.state.items():
         if not st:
             continue
@@ -583,7 +566,7 @@ def _copy_model_params_to_main_params(self, state_dict=None):
 
 def _init_optimizer_states_with_dummy_values(self):
     # The engine's state exists from stream_optimizer_state on; nothing to allocate.
-    self.optimizer._ensure_initialized()
+    self.optimizer.initialize_state()
 
 
 def _bind(dopt) -> None:
@@ -683,7 +666,7 @@ class _BackwardStep(BackwardOverlap):
     step inside Megatron's backward]).  One per DistributedOptimizer; ``stats()`` as
     BackwardOverlap's."""
 
-    _own_norms = False  # Megatron computes the norm and clips; clip_grad_norm reports whether it fired
+    own_norms = False  # Megatron computes the norm and clips; clip_grad_norm reports whether it fired
 
     def __init__(self, dopt, clip_policy: str):
         self.dopt = dopt
@@ -697,7 +680,7 @@ class _BackwardStep(BackwardOverlap):
         clip = dopt.config.clip_grad if dopt.config.clip_grad > 0.0 else None
         super().__init__(dopt.optimizer, None, max_grad_norm=clip, clip_policy=clip_policy,
                          buckets=[[h for h, _, _ in pairs] for _, pairs in self._groups])
-        self._wait_in_forward = True  # each bucket group's param all-gather waits for its own bucket
+        self.wait_in_forward = True  # each bucket group's param all-gather waits for its own bucket
         self.norm = None  # this iteration's total grad norm as Megatron computed it (None: not seen)
         self.norm_owner = dopt  # the object whose grad_norms_by_group (0.19) goes with it
         self._queued: dict[int, int] = {}  # bucket -> the iteration it was queued in
@@ -716,7 +699,7 @@ class _BackwardStep(BackwardOverlap):
     @classmethod
     def attach(cls, dopt, clip_policy: str) -> "_BackwardStep":
         self = cls(dopt, clip_policy)
-        for (bg, pairs), b in zip(self._groups, self._buckets):
+        for (bg, pairs), b in zip(self._groups, self.buckets):
             self._wrap_bucket_group(bg, pairs, b)
         chunks_done = set()
         for chunk in dopt.model_chunks:
@@ -733,7 +716,7 @@ class _BackwardStep(BackwardOverlap):
         def prepare_grads(opt, *a, **k):
             # Megatron's step reads and clips the grads the bucket passes read: none runs
             # meanwhile (the queued ones resume, or are dropped, at the inner step).
-            self._pause()
+            self.pause_worker()
             return type(opt).prepare_grads(opt, *a, **k)
         dopt.prepare_grads = types.MethodType(prepare_grads, dopt)
 
@@ -751,7 +734,7 @@ class _BackwardStep(BackwardOverlap):
         def prepare(handle):
             # The worker: the reduce-scatter's end (GPU: the side stream waits for it), then
             # the shards' main grads as Megatron's _copy_model_grads_to_main_grads makes them.
-            ctx = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+            ctx = torch.cuda.stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
             with ctx, torch.no_grad():
                 if handle is not None:
                     handle.wait()
@@ -761,32 +744,32 @@ class _BackwardStep(BackwardOverlap):
 
         def grads_reduced(*a, **k):
             start_grad_sync(*a, **k)
-            if self._queued.get(b.index) == self._gen:
+            if self._queued.get(b.index) == self.iteration:
                 return  # (Megatron's first batch calls it again)
-            self._queued[b.index] = self._gen
+            self._queued[b.index] = self.iteration
             handle = bg.grad_reduce_handle
-            self._ready(b, b.params, lambda: prepare(handle))
+            self.bucket_ready(b, b.params, lambda: prepare(handle))
 
         def params_gathered(*a, **k):
-            self._wait([b])
+            self.wait_buckets([b])
             return start_param_sync(*a, **k)
 
         bg.start_grad_sync = grads_reduced
         bg.start_param_sync = params_gathered
 
     def synchronize(self) -> None:
-        self._resume()  # (a step Megatron left after prepare_grads: nothing stays paused)
+        self.resume_worker()  # (a step Megatron left after prepare_grads: nothing stays paused)
         super().synchronize()
 
-    def _complete(self, b) -> None:
+    def complete_bucket(self, b) -> None:
         # A bucket group whose grad sync was not started through Megatron's hook: stepped
         # with the main grads Megatron prepared.
-        if self._queued.get(b.index) == self._gen:
+        if self._queued.get(b.index) == self.iteration:
             return
-        self._queued[b.index] = self._gen
+        self._queued[b.index] = self.iteration
         params = [p for p in b.params if p.grad is not None]
         if params:
-            self._ready(b, params)
+            self.bucket_ready(b, params)
 
     def _megatron_clipped(self) -> bool:
         """Whether Megatron clipped this iteration's grads: its rule (clip_grad_by_total_norm_fp32:
@@ -801,12 +784,12 @@ class _BackwardStep(BackwardOverlap):
 
     def end_iteration(self) -> None:
         """The inner optimizer's step: Megatron has prepared (and clipped) the main grads."""
-        self._resume()
+        self.resume_worker()
         if self.max_grad_norm is None:
-            self._end(None)
+            self.finish_iteration(None)
             return
         fired = self._megatron_clipped()
-        self._end(lambda: self._settle(fired, None))
+        self.finish_iteration(lambda: self.settle(fired, None))
 
 
 def save_engine_checkpoint(optimizer, directory: str) -> None:

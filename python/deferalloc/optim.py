@@ -30,8 +30,6 @@ See docs/OPTIM.md for checkpoints (torch.save, DCP), FSDP2, AMP and torch.compil
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -44,8 +42,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _native
-from ._native import AdamwParams as _AdamwParams, OptimizerStats as _Stats, PROGRESS_FN as _PROGRESS
-from ._native import optimizer_library_path
+from ._engine import STATE_ARRAYS as _ARRAYS, DTYPE_CODES as _DTYPE, Engine, EngineConfig, GradBatch
+from ._engine import optimizer_library_path
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState, IoError,
                      NoDevice, OutOfMemory)
 
@@ -68,9 +66,7 @@ CorruptDataError = CorruptData
 
 # ---- the library ---------------------------------------------------------------------------
 
-_DTYPE = _native.DTYPE_CODES
 _stream_ptr = _native.stream_ptr
-_ARRAYS = {"main_param": 0, "exp_avg": 1, "exp_avg_sq": 2}
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "main_param")
 _STATE_BYTES = {"fp32": 12.0, "bf16": 8.0, "int8": 6.125}  # per element held, by moment_dtype (optimizer.hpp)
 _logger = logging.getLogger("deferalloc")
@@ -90,9 +86,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 # refusal of a parameter another one holds (Note [Parameter storage under the optimizer]).
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
-# The optimizer's C ABI (deferalloc._native: the package's one loader of its libraries).
-_load = _native.optimizer        # libdeferalloc_optimizer with its signatures set, opened on first call
-_check = _native.optimizer.check  # a failed dfa_status -> the package's exception
+
+def live_optimizers() -> list:
+    """Every StreamedAdamW alive now (deferalloc.memory_snapshot() lists their stats)."""
+    return list(_LIVE)
 
 
 # ---- opt.state, the torch way ----------------------------------------------------------------
@@ -260,38 +257,36 @@ def _group_key(g: Mapping, where: str) -> tuple:
         raise InvalidArgumentError(f"{where}: Adam with L2 weight decay (decoupled_weight_decay=False), not AdamW")
     betas = g["betas"]
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-        raise InvalidArgumentError(f"{where}: betas must be two numbers, got {betas!r}")
+        raise InvalidArgumentError(f"{where}: betas={betas!r} (two numbers, (beta1, beta2), expected)")
     try:
         key = (float(g["lr"]), float(betas[0]), float(betas[1]), float(g["eps"]), float(g["weight_decay"]))
     except (TypeError, ValueError, RuntimeError) as e:
         raise InvalidArgumentError(f"{where}: a hyper-parameter is not a number ({e})") from None
     lr, b1, b2, eps, wd = key
-    for ok, what in ((math.isfinite(lr) and lr >= 0, f"learning rate {lr}"), (0 <= b1 < 1, f"beta1 {b1}"),
-                     (0 <= b2 < 1, f"beta2 {b2}"), (eps >= 0, f"eps {eps}"), (wd >= 0, f"weight_decay {wd}")):
+    for ok, what in ((math.isfinite(lr) and lr >= 0, f"lr={g['lr']!r} (a finite number >= 0 expected)"),
+                     (0 <= b1 < 1 and 0 <= b2 < 1, f"betas={tuple(betas)!r} (each in [0, 1) expected)"),
+                     (eps >= 0, f"eps={g['eps']!r} (>= 0 expected)"),
+                     (wd >= 0, f"weight_decay={g['weight_decay']!r} (>= 0 expected)")):
         if not ok:
-            raise InvalidArgumentError(f"{where}: invalid {what}")
+            raise InvalidArgumentError(f"{where}: {what}")
     return key
 
 
-def _setting(text: str, key: str) -> str | None:
-    """The value of ``key`` in settings text ("key:value,..."), the last one where it is
-    given more than once (as the engine reads it); None where it is not given."""
-    value = None
-    for kv in text.split(","):
-        k, sep, v = kv.partition(":")
-        if sep and k.strip() == key:
-            value = v.strip()
+def _choice(name: str, value, choices: tuple) -> str:
+    """A named option (tier, moment_dtype) checked against its choices, naming the argument."""
+    if value not in choices:
+        raise InvalidArgumentError(f"StreamedAdamW: {name}={value!r} ({', '.join(choices)} expected)")
     return value
 
 
 def _whole_mb(name: str, v) -> int | None:
-    """A size in MiB as the int the settings text takes (a whole float converts; None stays
-    None).  Its range is the engine's to check (Note [Arguments are checked where they
-    enter] in docs/DESIGN.md)."""
+    """A size in MiB as the typed field takes it (a whole float converts; None stays None);
+    its upper bound is the engine's to check (Note [Arguments are checked where they enter]
+    in docs/DESIGN.md)."""
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
-        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB expected)")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
+        raise InvalidArgumentError(f"StreamedAdamW: {name}={v!r} (a whole number of MiB >= 0 expected)")
     return int(v)
 
 
@@ -413,7 +408,6 @@ class StreamedAdamW(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler: sets grad_scale / found_inf (see step)
-    _state_view = True  # opt.state reads through the engine (a subclass may keep torch's dict)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
@@ -433,7 +427,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=True)
-        self._handle = None
+        self._engine = None
         super().__init__(params, defaults)
         held = [p for g in self.param_groups for p in g["params"] if self._holds(p) and _local(p).numel() > 0]
         if not held:
@@ -454,27 +448,16 @@ class StreamedAdamW(torch.optim.Optimizer):
             if self._device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self._device)
                 resident_mb = max(0, (free - total // 10) // (1 << 20) - window_mb)
-        driver = (f"driver:cuda,device:{self._device.index or 0}" if self._device.type == "cuda" else "driver:host")
-        text = ",".join(t for t in (os.environ.get("DEFERALLOC_CONF", ""), driver, f"tier:{tier}",
-                                    f"window_mb:{window_mb}", f"depth:{int(depth)}" if depth is not None else "",
-                                    f"resume:{int(bool(resume))}", f"directory:{directory}" if directory else "",
-                                    f"moments:{moment_dtype}" if moment_dtype != "fp32" else "",
-                                    f"resident_mb:{int(resident_mb)}" if resident_mb else "",
-                                    settings or "") if t)
-        text = self._with_rank(text)
-        if tier == "file" and not resume and not overwrite:
-            self._refuse_existing_state_file(text)
-        lib = _load()
-        h = ctypes.c_void_p()
-        _check(lib.dfa_opt_create(text.encode(), ctypes.byref(h)), "dfa_opt_create")
-        self._handle = h
-        self._finalizer = weakref.finalize(self, lib.dfa_opt_destroy, h)
-        self._progress_cb = None
+        config = self._engine_config(tier=tier, directory=directory, window_mb=window_mb, depth=depth,
+                                     resume=resume, moment_dtype=moment_dtype, resident_mb=resident_mb,
+                                     settings=settings)
+        if config.field("tier") == "file" and not config.field("resume") and not overwrite:
+            self._refuse_existing_state_file(config)
+        self._engine = Engine(config)
         if progress is True:
             progress = _ProgressToLogger()
         if progress:
-            self._progress_cb = _PROGRESS(lambda ph, d, t, s, _u: progress(ph.decode(), d, t, s))
-            _check(lib.dfa_opt_set_progress(h, self._progress_cb, None), "dfa_opt_set_progress")
+            self._engine.set_progress(progress)
         self._shard_of: dict[torch.Tensor, int] = {}
         self._params: list[torch.Tensor] = []  # held parameters, in shard order
         self._trainable: list[torch.Tensor] = []  # held ones and empty local shards, in group order
@@ -485,10 +468,11 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._overlaps: "weakref.WeakSet" = weakref.WeakSet()  # BackwardOverlaps stepping it (Note [Overlap steps settle first])
         self._initialized = False
         self._python_seconds = 0.0
+        self._lock = threading.RLock()  # one engine call sequence at a time (steps, the lazy start)
         for gi, g in enumerate(self.param_groups):
             self._register(gi, g["params"])
         self._push_groups()
-        if self._state_view:
+        if self.state_view:
             self.state = _EngineState(self)
         if resume:
             self._resume()
@@ -505,34 +489,49 @@ class StreamedAdamW(torch.optim.Optimizer):
     def _has_state_slot(self, p) -> bool:
         return p in self._shard_of or p in self._empty
 
-    @staticmethod
-    def _with_rank(text: str) -> str:
-        """The settings with this process's rank in the default process group (the file
-        tier's file name, log lines), unless they name one."""
-        if _setting(text, "rank") is not None:
-            return text
+    def _engine_config(self, *, tier, directory, window_mb, depth, resume, moment_dtype, resident_mb,
+                       settings) -> EngineConfig:
+        """The engine's typed options (Note [Options reach the engine typed] in _engine.py): this
+        process's rank in the default process group (the state file's name), then
+        DEFERALLOC_CONF, then the arguments and the parameters' device, then ``settings``."""
+        config = EngineConfig()
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
-            return f"{text},rank:{dist.get_rank()}"
-        return text
+            config.set(rank=dist.get_rank())
+        config.apply_text(os.environ.get("DEFERALLOC_CONF", ""), "DEFERALLOC_CONF")
+        if self._device.type == "cpu" and config.field("driver") == "cuda":
+            raise NoDeviceError("StreamedAdamW: DEFERALLOC_CONF sets driver:cuda, but the parameters are on the CPU "
+                                "(the host driver steps CPU tensors): move the model to a GPU, or drop driver:cuda")
+        config.set(driver="cuda" if self._device.type == "cuda" else "host", device=self._device.index or 0,
+                   tier=_choice("tier", tier, ("device", "host", "file")), directory=directory,
+                   window_mb=window_mb, depth=depth, resume=resume,
+                   moments=_choice("moment_dtype", moment_dtype, ("fp32", "bf16", "int8")), resident_mb=resident_mb)
+        config.apply_text(settings, f"StreamedAdamW(settings={settings!r})")
+        return config
 
     @staticmethod
-    def _refuse_existing_state_file(text: str) -> None:
+    def _refuse_existing_state_file(config: EngineConfig) -> None:
         """``overwrite`` is never passed down: the file the settings name is refused here.
         No directory: the engine refuses the file tier (Note [Arguments are checked where
         they enter] in docs/DESIGN.md)."""
-        directory = _setting(text, "directory")
+        directory = config.field("directory")
         if not directory:
             return
-        path = os.path.join(directory, f"deferalloc-rank{int(_setting(text, 'rank') or 0)}.state")
+        path = os.path.join(directory, f"deferalloc-rank{config.field('rank')}.state")
         if os.path.exists(path):
             raise InvalidStateError(f"StreamedAdamW: {path} holds optimizer state already: pass resume=True to "
                                     f"continue from it, or overwrite=True to replace it")
 
     def _register(self, gi: int, params: list[torch.Tensor]) -> None:
         """Gives the engine group ``gi``'s held parameters (before its state exists)."""
-        lib = _load()
-        self._refuse_shared_params([p for p in params if self._holds(p) and _local(p).numel() > 0])
+        held = [p for p in params if self._holds(p) and _local(p).numel() > 0]
+        self._refuse_shared_params(held)
+        for k, p in enumerate(held):  # every check before the engine is given any of them
+            t = self.engine_tensor(p)
+            if t.numel() != _local(p).numel() or t.dtype not in _DTYPE or not t.is_contiguous():
+                raise InvalidArgumentError(f"StreamedAdamW: the engine tensor of group{gi}.param"
+                                           f"{len(self._params) + k} has {t.numel()} {t.dtype} elements "
+                                           f"(contiguous, {_local(p).numel()} expected)")
         for p in params:
             if not self._holds(p):
                 self._unheld.append(p)
@@ -541,29 +540,26 @@ class StreamedAdamW(torch.optim.Optimizer):
             if _local(p).numel() == 0:
                 self._empty[p] = 0
                 continue
-            name = f"group{gi}.param{len(self._params)}"
-            t = self._engine_tensor(p)
-            if t.numel() != _local(p).numel() or t.dtype not in _DTYPE or not t.is_contiguous():
-                raise InvalidArgumentError(f"StreamedAdamW: the engine tensor of {name} has {t.numel()} "
-                                           f"{t.dtype} elements (contiguous, {_local(p).numel()} expected)")
-            _check(lib.dfa_opt_add_shard(self._handle, ctypes.c_void_p(t.data_ptr()), t.numel(), _DTYPE[t.dtype], gi,
-                                         name.encode(), None), "dfa_opt_add_shard")
+            t = self.engine_tensor(p)
+            self._engine.add_shard(t.data_ptr(), t.numel(), t.dtype, gi, f"group{gi}.param{len(self._params)}")
             self._shard_of[p] = len(self._params)
             self._params.append(p)
             self._bound.append((t.data_ptr(), t.dtype, t.numel()))
         self._pushed.append(None)
         n = len(self._params)
         self._numels = [(p, _local(p).numel()) for p in self._params]
-        self._grad_ptrs = (ctypes.c_void_p * n)()
-        self._grad_types = (ctypes.c_int * n)()
+        self._grads = GradBatch(n)
 
-    def _refuse_shared_params(self, new: list[torch.Tensor]) -> None:
+    def _refuse_shared_params(self, new: list[torch.Tensor], when: str | None = None) -> None:
         """Note [Parameter storage under the optimizer]: no two parameters (of this one, the
-        ``new`` ones it is about to hold, or a live StreamedAdamW's) share bytes."""
-        spans = [(_span(self._engine_tensor(p)), i, self) for i, p in enumerate([*self._params, *new])]
+        ``new`` ones it is about to hold, or a live StreamedAdamW's) share bytes.  ``when``:
+        a change after construction (InvalidStateError naming it) rather than an argument."""
+        error = InvalidArgumentError if when is None else InvalidStateError
+        suffix = "" if when is None else f" ({when})"
+        spans = [(_span(self.engine_tensor(p)), i, self) for i, p in enumerate([*self._params, *new])]
         for other in list(_LIVE):
-            if other is not self and getattr(other, "_handle", None) is not None:
-                spans += [(_span(other._engine_tensor(p)), i, other) for i, p in enumerate(getattr(other, "_params", ()))]
+            if other is not self and getattr(other, "_engine", None) is not None:
+                spans += [(_span(other.engine_tensor(p)), i, other) for i, p in enumerate(getattr(other, "_params", ()))]
         spans.sort(key=lambda x: (str(x[0][0]), x[0][1]))
         cur = None  # the span reaching furthest so far (on its device)
         for b, j, ob in spans:
@@ -575,33 +571,32 @@ class StreamedAdamW(torch.optim.Optimizer):
                 cur = (b, j, ob)
             if oa is self or ob is self:
                 if oa is ob:
-                    raise InvalidArgumentError(f"StreamedAdamW: parameters {i} and {j} overlap in memory (views of "
-                                               f"one storage); each would keep its own state and overwrite the other")
+                    raise error(f"StreamedAdamW: parameters {i} and {j} overlap in memory{suffix} (views of one "
+                                f"storage); each would keep its own state and overwrite the other")
                 mine, theirs = (i, j) if oa is self else (j, i)
-                raise InvalidArgumentError(f"StreamedAdamW: parameter {mine} is already held by another live "
-                                           f"StreamedAdamW (its parameter {theirs} shares its memory); one optimizer "
-                                           f"per parameter (delete the other first)")
+                raise error(f"StreamedAdamW: parameter {mine} is already held by another live StreamedAdamW{suffix} "
+                            f"(its parameter {theirs} shares its memory); one optimizer per parameter (delete the "
+                            f"other first)")
 
     def _quiesce(self) -> None:
         """Note [Overlap steps settle first]: waits for the bucket steps of every
         BackwardOverlap over this optimizer (not on an overlap's own worker)."""
         for ov in list(getattr(self, "_overlaps", ())):
-            if threading.current_thread() is not ov._worker:
-                ov.synchronize()
+            ov.synchronize()  # (returns at once on the overlap's own worker)
 
     def _follow_params(self, hold: list | None = None, shards: set | None = None) -> None:
         """Note [Parameter storage under the optimizer]: follows replaced storages of the
         same dtype and numel, refuses other changes.  ``hold`` gets, for each shard of
         ``shards``, a tensor holding the storage the engine is bound to from here on (a
         storage replaced during the step that follows stays alive until ``hold`` goes)."""
-        lib = None
+        moved = []
         for i, p in enumerate(self._params):
-            t = self._engine_tensor(p)
+            t = self.engine_tensor(p)
             if hold is not None and i in shards:
                 t = t.detach()  # one snapshot: p.data may be replaced by another thread
                 hold.append(t)
             ptr, dtype, numel = self._bound[i]
-            if t.data_ptr() == ptr and t.dtype == dtype and t.numel() == numel:
+            if t.data_ptr() == ptr and t.dtype == dtype and t.numel() == numel and t.is_contiguous():
                 continue
             if t.dtype != dtype or t.numel() != numel:
                 raise InvalidStateError(
@@ -610,32 +605,18 @@ class StreamedAdamW(torch.optim.Optimizer):
                     f"old parameters: build a new StreamedAdamW after converting the model (load_state_dict carries "
                     f"the state over)")
             if not t.is_contiguous():
-                raise InvalidStateError(f"StreamedAdamW: parameter {i}'s new storage is not contiguous")
-            lib = lib or _load()
-            _check(lib.dfa_opt_set_shard_param(self._handle, i, ctypes.c_void_p(t.data_ptr())),
-                   "dfa_opt_set_shard_param")
-            self._bound[i] = (t.data_ptr(), dtype, numel)
-
-    @contextlib.contextmanager
-    def _state_write(self):
-        """Groups the state writes in it into one publish (the file tier commits them at
-        once: a kill leaves the old state or the new; Note [State writes] in
-        optimizer/home.cpp); an exception drops them on the file tier."""
-        lib = _load()
-        _check(lib.dfa_opt_begin_state_write(self._handle), "dfa_opt_begin_state_write")
-        try:
-            yield
-        except BaseException:
-            lib.dfa_opt_end_state_write(self._handle, 0)
-            raise
-        _check(lib.dfa_opt_end_state_write(self._handle, 1), "dfa_opt_end_state_write")
-
-    def _engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        """The tensor the engine updates in place for parameter ``p``: ``p`` itself (its
-        local shard for a DTensor); a subclass may name another of the same size
-        (deferalloc.megatron: a BF16 model shard for an FP32 main-param handle that holds
-        no memory)."""
-        return _local(p)
+                raise InvalidStateError(
+                    f"StreamedAdamW: parameter {i} is no longer contiguous (p.data = p.data.t()?): its elements "
+                    f"would no longer be in its gradient's order; assign a contiguous tensor (p.data = "
+                    f"x.contiguous())")
+            moved.append((i, t))
+        if moved:
+            # A new storage may be another held parameter's (p1.data = p0.data): refused
+            # before the engine is pointed at it.
+            self._refuse_shared_params([], when="after a parameter's storage was replaced")
+            for i, t in moved:
+                self._engine.set_shard_param(i, t.data_ptr())
+                self._bound[i] = (t.data_ptr(), t.dtype, t.numel())
 
     def __getstate__(self):
         raise TypeError("StreamedAdamW cannot be pickled or copied (copy.deepcopy, torch.save(opt)): its state "
@@ -650,7 +631,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         once, for the parameters it holds then; a parameter that becomes trainable later
         needs a new optimizer (``state_dict`` / ``load_state_dict`` carry the rest over)."""
         self._quiesce()
-        if getattr(self, "_handle", None) is not None and self._initialized:
+        if getattr(self, "_engine", None) is not None and self._initialized:
             raise InvalidStateError("StreamedAdamW.add_param_group: the state exists already (created at the first "
                                     "step, load_state_dict or resume) and its parameters are fixed; build a new "
                                     "optimizer with every parameter that will train and load_state_dict into it")
@@ -660,36 +641,40 @@ class StreamedAdamW(torch.optim.Optimizer):
                 raise InvalidArgumentError(f"StreamedAdamW: {why}=True is not supported (torch._fused_adamw_'s "
                                            f"plain AdamW only)")
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for p in group["params"]:
-            if not p.requires_grad and isinstance(p, torch.nn.Parameter):
-                continue  # frozen: never held, so any dtype or layout
-            t = _local(p)
-            if t.dtype not in _DTYPE:
-                raise InvalidArgumentError(f"StreamedAdamW: parameter dtype {t.dtype} (bfloat16, float16 or "
-                                           f"float32 expected)")
-            if not t.is_contiguous():
-                raise InvalidArgumentError("StreamedAdamW: parameters must be contiguous")
-            if p.numel() == 0:
-                raise InvalidArgumentError("StreamedAdamW: an empty parameter")
-        if getattr(self, "_handle", None) is not None:
-            if any(self._holds(p) and p.device != self._device for p in group["params"]):
-                raise InvalidArgumentError(f"StreamedAdamW.add_param_group: parameters not on {self._device}")
-            self._register(len(self.param_groups) - 1, group["params"])
+        try:  # all or nothing: a refused group is not kept
+            gi = len(self.param_groups) - 1
+            group = self.param_groups[gi]
+            _group_key(group, f"StreamedAdamW: param group {gi}")
+            for p in group["params"]:
+                if not p.requires_grad and isinstance(p, torch.nn.Parameter):
+                    continue  # frozen: never held, so any dtype or layout
+                t = _local(p)
+                if t.dtype not in _DTYPE:
+                    raise InvalidArgumentError(f"StreamedAdamW: parameter dtype {t.dtype} (bfloat16, float16 or "
+                                               f"float32 expected)")
+                if not t.is_contiguous():
+                    raise InvalidArgumentError("StreamedAdamW: parameters must be contiguous")
+                if p.numel() == 0:
+                    raise InvalidArgumentError("StreamedAdamW: an empty parameter")
+            if getattr(self, "_engine", None) is not None:
+                if any(self._holds(p) and p.device != self._device for p in group["params"]):
+                    raise InvalidArgumentError(f"StreamedAdamW.add_param_group: parameters not on {self._device}")
+                self._register(gi, group["params"])
+        except BaseException:
+            self.param_groups.pop()
+            raise
 
     def _group_keys(self) -> list[tuple]:
         """Each group's hyper-parameters as the engine takes them (lr, beta1, beta2, eps,
-        weight_decay), a snapshot."""
-        return [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                 float(g["weight_decay"])) for g in self.param_groups]
+        weight_decay), a snapshot, checked (a scheduler or the user may have set them)."""
+        return [_group_key(g, f"StreamedAdamW: param group {gi}") for gi, g in enumerate(self.param_groups)]
 
     def _push_groups(self, keys: list[tuple] | None = None) -> None:
         """Gives the engine the groups' hyper-parameters (``keys``: a snapshot of
         ``_group_keys()``; default: the current ones) where they changed."""
-        lib = _load()
         for gi, key in enumerate(self._group_keys() if keys is None else keys):
             if key != self._pushed[gi]:
-                _check(lib.dfa_opt_set_group(self._handle, gi, ctypes.byref(_AdamwParams(*key))), "dfa_opt_set_group")
+                self._engine.set_group(gi, key)
                 self._pushed[gi] = key
 
     # ---- state ---------------------------------------------------------------------------------
@@ -699,17 +684,9 @@ class StreamedAdamW(torch.optim.Optimizer):
         # are written from its main params; without one, the state starts at the first step.
         self._follow_params()
         try:
-            self._ensure_initialized()
+            self.initialize_state()
         except InvalidStateError:
-            _check(_load().dfa_opt_sync_model_params(self._handle, _stream_ptr(self._stream, self._device)),
-                   "dfa_opt_sync_model_params")
-            self._initialized = True
-
-    def _ensure_initialized(self) -> None:
-        if not self._initialized:
-            self._follow_params()
-            _check(_load().dfa_opt_initialize(self._handle, _stream_ptr(self._stream, self._device)),
-                   "dfa_opt_initialize")
+            self._engine.sync_model_params(_stream_ptr(self._stream, self._device))
             self._initialized = True
 
     def sync_main_from_params(self) -> None:
@@ -719,41 +696,25 @@ class StreamedAdamW(torch.optim.Optimizer):
         if not self._initialized:
             return
         for p, i in self._shard_of.items():
-            self._write(i, 0, self._engine_tensor(p).detach().cpu().float())
-
-    def _read(self, shard: int, array: int, p: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(_local(p).shape, dtype=torch.float32)
-        _check(_load().dfa_opt_read_state(self._handle, shard, array, 0, out.numel(), ctypes.c_void_p(out.data_ptr())),
-               "dfa_opt_read_state")
-        return out
-
-    def _write(self, shard: int, array: int, t: torch.Tensor) -> None:
-        t = t.detach().to("cpu", torch.float32).contiguous()
-        _check(_load().dfa_opt_write_state(self._handle, shard, array, 0, t.numel(), ctypes.c_void_p(t.data_ptr())),
-               "dfa_opt_write_state")
-
-    def _shard_step(self, shard: int) -> int:
-        v = ctypes.c_uint64()
-        _check(_load().dfa_opt_get_shard_step(self._handle, shard, ctypes.byref(v)), "dfa_opt_get_shard_step")
-        return v.value
+            self._engine.write(i, 0, self.engine_tensor(p).detach().cpu().float())
 
     def _stepped(self, p: torch.Tensor) -> bool:
         """Whether held parameter ``p`` has state (torch's sense: stepped, or loaded)."""
         self._quiesce()
         if p in self._empty:
             return self._empty[p] > 0
-        return self._initialized and self._shard_step(self._shard_of[p]) > 0
+        return self._initialized and self._engine.shard_step(self._shard_of[p]) > 0
 
     def _state_value(self, p: torch.Tensor, key: str) -> torch.Tensor:
         """One state item of held parameter ``p``, read from the engine now."""
         self._quiesce()
         if key == "step":
-            step = self._empty[p] if p in self._empty else self._shard_step(self._shard_of[p])
+            step = self._empty[p] if p in self._empty else self._engine.shard_step(self._shard_of[p])
             return torch.tensor(float(step), dtype=torch.float32)
         if p in self._empty:
             t = torch.empty(_local(p).shape, dtype=torch.float32)
         else:
-            t = self._read(self._shard_of[p], _ARRAYS[key], p)
+            t = self._engine.read(self._shard_of[p], _ARRAYS[key], _local(p).shape)
         if _DTensor is not None and isinstance(p, _DTensor):
             # A DTensor over the CPU tensor, on the parameter's mesh, made as FSDP2 makes its
             # CPU-offloaded parameters (DTensor.from_local would copy it to the mesh's device).
@@ -802,7 +763,12 @@ class StreamedAdamW(torch.optim.Optimizer):
             if key in st:
                 out[a] = self._local_values(p, st[key], key, where)
             elif key == "main_param" and not partial:
-                out[a] = self._engine_tensor(p).detach().cpu().float()
+                out[a] = self.engine_tensor(p).detach().cpu().float()
+        if out.get("step") == 0 and any(a in out and bool(out[a].any()) for a in (1, 2)):
+            # The engine keeps state from the first step on: step 0 means "not stepped",
+            # and moments that were set would vanish from state_dict() unseen.
+            raise InvalidArgumentError(f"{where}: step 0 with non-zero exp_avg / exp_avg_sq (a parameter that "
+                                       f"was never stepped has zero moments): give its step count, or zero moments")
         return out
 
     def _apply_state(self, p: torch.Tensor, st: dict) -> None:
@@ -813,16 +779,16 @@ class StreamedAdamW(torch.optim.Optimizer):
         i = self._shard_of[p]
         for a, t in st.items():
             if a != "step":
-                self._write(i, a, t)
+                self._engine.write(i, a, t)
         if "step" in st:
-            _check(_load().dfa_opt_set_shard_step(self._handle, i, st["step"]), "dfa_opt_set_shard_step")
+            self._engine.set_shard_step(i, st["step"])
 
     def _write_state_values(self, p: torch.Tensor, values: Mapping, where: str) -> None:
         """opt.state assignments: checked, then written through."""
         self._quiesce()
         st = self._checked_state(p, values, where, partial=True)
         self._refuse_while_speculating(where)
-        self._ensure_initialized()
+        self.initialize_state()
         self._apply_state(p, st)
 
     def _refuse_while_speculating(self, where: str) -> None:
@@ -880,14 +846,14 @@ class StreamedAdamW(torch.optim.Optimizer):
                     continue
                 if st is None:  # never stepped: fresh state from the parameter
                     fresh = {"step": 0, 1: torch.zeros(_local(p).shape), 2: torch.zeros(_local(p).shape),
-                             0: self._engine_tensor(p).detach().cpu().float()}
+                             0: self.engine_tensor(p).detach().cpu().float()}
                     writes.append((p, fresh))
                 else:
                     writes.append((p, self._checked_state(p, st, f"{where}: parameter {pid!r}")))
         self._refuse_while_speculating(where)
         # Everything is checked: from here on only the engine's own failures (I/O) can stop it.
-        self._ensure_initialized()
-        with self._state_write():  # one publish: a kill leaves the old state or the new
+        self.initialize_state()
+        with self._engine.state_write():  # one publish: a kill leaves the old state or the new (Note [State writes])
             for p, st in writes:
                 self._apply_state(p, st)
         # The hyper-parameters change only once the state is in (a failed write keeps both).
@@ -923,7 +889,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                 loss = closure()
         scale = self._amp_scale()
         if scale is not None:
-            self._engine_step(_load().dfa_opt_step, "dfa_opt_step", scale)
+            self._engine_step(scale)
             for p in self._empty:
                 if p.grad is not None:
                     self._empty[p] += 1
@@ -944,77 +910,186 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_speculative(self) -> None:
-        """``step()``, but the new state of the stepped parameters is kept aside (host tier):
-        ``commit_speculation()`` makes it the state (and advances their ``step``),
-        ``discard_speculation()`` drops it, leaving state and steps as they were; the
-        parameters keep the speculative values until they are stepped again.  The first
-        speculative step of a parameter allocates a second pinned copy of its state (2x its
-        host memory).  Refused
-        (InvalidStateError) for other tiers, resident parameters (``can_speculate``) and
-        parameters already pending.  See Note [Speculative steps] in optimizer/streamed_adamw.cpp."""
+        """``step()``, but the new state of the stepped parameters is kept aside (host and
+        file tiers): ``commit_speculation()`` makes it the state (and advances their
+        ``step``), ``discard_speculation()`` drops it, leaving state and steps as they were.
+        The first speculative step of a parameter allocates a second pinned copy of its
+        state (2x its host memory).  Refused (InvalidStateError) for the device tier,
+        resident parameters (``can_speculate``) and parameters already pending.  See Note
+        [Speculative steps] in optimizer/streamed_adamw.cpp."""
         self._quiesce()
-        self._engine_step(_load().dfa_opt_step_speculative, "dfa_opt_step_speculative")
+        self._engine_step(1.0, speculative=True)
 
     def commit_speculation(self) -> None:
-        _check(_load().dfa_opt_commit_speculation(self._handle), "dfa_opt_commit_speculation")
+        self._engine.commit_speculation()
 
     def discard_speculation(self) -> None:
-        _check(_load().dfa_opt_discard_speculation(self._handle), "dfa_opt_discard_speculation")
+        self._engine.discard_speculation()
 
     def speculation_pending(self) -> int:
         """Parameters stepped speculatively and neither committed nor discarded."""
-        v = ctypes.c_size_t()
-        _check(_load().dfa_opt_speculation_pending(self._handle, ctypes.byref(v)), "dfa_opt_speculation_pending")
-        return v.value
+        return self._engine.speculation_pending()
 
     def can_speculate(self, p: torch.Tensor) -> bool:
-        """Whether ``step_speculative`` can step ``p`` (host tier, not resident; initializes
-        the state, which picks the resident parameters)."""
-        self._ensure_initialized()
-        return self._can_speculate(self._shard_of[p])
+        """Whether ``step_speculative`` can step ``p`` (host or file tier, not resident;
+        initializes the state, which picks the resident parameters)."""
+        self.initialize_state()
+        return self._engine.can_speculate(self._shard_of[p])
 
-    def _can_speculate(self, shard: int) -> bool:
-        v = ctypes.c_int()
-        _check(_load().dfa_opt_can_speculate(self._handle, shard, ctypes.byref(v)), "dfa_opt_can_speculate")
-        return bool(v.value)
-
-    def _engine_step(self, fn, call: str, scale: float = 1.0) -> None:
-        """One engine step call over every held parameter's ``.grad`` (None: skipped; a
-        DTensor's local shard), each multiplied by ``scale``."""
-        t0 = time.perf_counter()
-        self._ensure_initialized()
-        self._follow_params()
-        self._push_groups()
-        keep = []
-        ptrs, types, dtypes = self._grad_ptrs, self._grad_types, _DTYPE
+    def _check_grad(self, i: int, g: torch.Tensor, n: int) -> None:
         # torch checks a .grad's size, dtype and device against its parameter on assignment;
         # what remains to check per step is cheap (see Note [ctypes, not an extension]).
-        for i, (p, n) in enumerate(self._numels):
-            g = p.grad
-            if g is None:
-                ptrs[i] = None
+        if g.dtype not in _DTYPE or g.is_sparse or g.numel() != n:
+            raise InvalidArgumentError(f"StreamedAdamW: the gradient of parameter {i} is "
+                                       f"{'sparse' if g.is_sparse else f'{g.dtype}, {g.numel()} elements'} "
+                                       f"(dense bfloat16 / float16 / float32 of {n} elements expected)")
+
+    def _engine_step(self, scale: float, speculative: bool = False) -> None:
+        """One engine step over every held parameter's ``.grad`` (None: skipped; a
+        DTensor's local shard), each multiplied by ``scale``."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self.initialize_state()
+            self._follow_params()
+            self._push_groups()
+            grads = self._grads
+            for i, (p, n) in enumerate(self._numels):
+                g = p.grad
+                if g is None:
+                    grads.skip(i)
+                    continue
+                g = _local(g)
+                self._check_grad(i, g, n)
+                grads.set(i, g)
+            for p in self._unheld:
+                if p.grad is not None and _local(p.grad).numel() > 0:
+                    raise InvalidStateError("StreamedAdamW: a parameter that had requires_grad=False when the "
+                                            "optimizer was built has a gradient: frozen parameters get no state; "
+                                            "build the optimizer again (load_state_dict carries the state over)")
+            stream = _stream_ptr(self._stream, self._device)
+            t1 = time.perf_counter()
+            try:
+                self._engine.step(grads, scale, stream, speculative)
+            finally:
+                grads.release()
+            self._python_seconds = t1 - t0
+
+    # ---- hooks for deferalloc.overlap and subclasses ----------------------------------------------
+    # Note [StreamedAdamW's hooks]
+    # Rationale: deferalloc.overlap steps buckets of parameters on its own thread, and
+    # deferalloc.megatron's subclass holds handles whose engine tensor is another tensor;
+    # both go through these documented members, never through the optimizer's private ones.
+    # Approach: read-only views (device, held_params, state_initialized), the state of one
+    # held parameter as plain FP32 CPU tensors (read_shard_state / write_shard_state, step
+    # counts), the hyper-parameters as snapshots, and step_grads, one engine pass over given
+    # gradients.  A subclass may override engine_tensor and set state_view = False.
+    # Limits: step_grads and the shard-state calls do not wait for overlaps (an overlap's
+    # worker calls them): outside one, call synchronize() on the overlaps first.
+
+    state_view = True  # opt.state reads through the engine (False: a subclass keeps torch's dict)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the held parameters (cuda or cpu)."""
+        return self._device
+
+    @property
+    def held_params(self) -> tuple:
+        """The parameters the engine holds (frozen and empty ones not), in its shard order."""
+        return tuple(self._params)
+
+    @property
+    def state_initialized(self) -> bool:
+        """Whether the engine's state exists (first step, load, or resume)."""
+        return self._initialized
+
+    def initialize_state(self) -> None:
+        """Creates the engine's state from the parameters' values now, unless it exists."""
+        if self._initialized:
+            return
+        with self._lock:  # two threads' first steps: one initialize
+            if not self._initialized:
+                self._follow_params()
+                self._engine.initialize(_stream_ptr(self._stream, self._device))
+                self._initialized = True
+
+    def hyperparameters(self) -> list[tuple]:
+        """Each group's (lr, beta1, beta2, eps, weight_decay) as the engine takes them, now."""
+        return self._group_keys()
+
+    def sync_hyperparameters(self) -> None:
+        """Gives the engine every group's hyper-parameters again."""
+        self._pushed = [None] * len(self.param_groups)
+        self._push_groups()
+
+    def engine_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the engine updates in place for parameter ``p``: ``p`` itself (its
+        local shard for a DTensor); a subclass may name another of the same size
+        (deferalloc.megatron: a BF16 model shard for an FP32 main-param handle that holds
+        no memory)."""
+        return _local(p)
+
+    def shard_step(self, p: torch.Tensor) -> int:
+        """The engine's step count of held parameter ``p`` (0 before its state exists)."""
+        return self._engine.shard_step(self._shard_of[p]) if self._initialized else 0
+
+    def set_shard_step(self, p: torch.Tensor, step: int) -> None:
+        """Sets held parameter ``p``'s step count (creates the state first)."""
+        self.initialize_state()
+        self._engine.set_shard_step(self._shard_of[p], _native.checked_step(step, "set_shard_step"))
+
+    def read_shard_state(self, p: torch.Tensor) -> dict:
+        """Held parameter ``p``'s step (int) and its main_param, exp_avg and exp_avg_sq as FP32
+        CPU tensors of its local shape, read now (creates the state first)."""
+        self.initialize_state()
+        i, shape = self._shard_of[p], _local(p).shape
+        return {"step": self._engine.shard_step(i), **{k: self._engine.read(i, a, shape) for k, a in _ARRAYS.items()}}
+
+    def write_shard_state(self, p: torch.Tensor, state: Mapping) -> None:
+        """Writes the items of ``state`` (step, main_param, exp_avg, exp_avg_sq; any subset)
+        into held parameter ``p``'s state; sizes are checked, values are not."""
+        self.initialize_state()
+        i, n = self._shard_of[p], _local(p).numel()
+        for k, a in _ARRAYS.items():
+            t = state.get(k)
+            if t is None:
                 continue
-            g = _local(g)
-            t = dtypes.get(g.dtype)
-            if t is None or g.is_sparse or g.numel() != n:
-                raise InvalidArgumentError(f"StreamedAdamW: the gradient of parameter {i} is "
-                                              f"{'sparse' if g.is_sparse else f'{g.dtype}, {g.numel()} elements'} "
-                                              f"(dense bfloat16 / float16 / float32 of {n} elements expected)")
-            if not g.is_contiguous():
-                g = g.contiguous()
-                keep.append(g)
-            ptrs[i] = g.data_ptr()
-            types[i] = t
-        for p in self._unheld:
-            if p.grad is not None and _local(p.grad).numel() > 0:
-                raise InvalidStateError("StreamedAdamW: a parameter that had requires_grad=False when the optimizer "
-                                        "was built has a gradient: frozen parameters get no state; build the "
-                                        "optimizer again (load_state_dict carries the state over)")
-        stream = _stream_ptr(self._stream, self._device)
-        t1 = time.perf_counter()
-        _check(fn(self._handle, ptrs, len(self._params), types, scale, stream), call)
-        self._python_seconds = t1 - t0
-        del keep
+            if t.numel() != n:
+                raise InvalidArgumentError(f"StreamedAdamW: {k} has {t.numel()} elements, the parameter {n}")
+            self._engine.write(i, a, t)
+        if state.get("step") is not None:
+            self._engine.set_shard_step(i, _native.checked_step(state["step"], "write_shard_state"))
+
+    def attach_overlap(self, overlap) -> None:
+        """Registers an object whose ``synchronize()`` every call that reads or writes the
+        state or the parameters waits for first (Note [Overlap steps settle first])."""
+        self._overlaps.add(overlap)
+
+    def detach_overlap(self, overlap) -> None:
+        self._overlaps.discard(overlap)
+
+    def step_grads(self, grads: list, *, speculative=frozenset(), hyperparameters: list | None = None,
+                   stream=None) -> None:
+        """One engine pass over ``grads``, (held parameter, dense gradient) pairs: those whose
+        parameter is in ``speculative`` by the engine's speculative step, the others by a plain
+        step; ``hyperparameters`` a ``hyperparameters()`` snapshot (default: now); ordered
+        after ``stream`` (default: the optimizer's).  Storage replaced under the optimizer is
+        followed, and what the pass writes is held alive until it returns (Note [Overlap
+        steps settle first])."""
+        with self._lock:
+            keep: list = []
+            self._follow_params(hold=keep, shards={self._shard_of[p] for p, _ in grads})
+            n = len(self._params)
+            spec, plain = GradBatch(n), GradBatch(n)
+            for p, g in grads:
+                (spec if p in speculative else plain).set(self._shard_of[p], g)
+            self._push_groups(hyperparameters)
+            s = _stream_ptr(stream if stream is not None else self._stream, self._device)
+            if spec.used:
+                self._engine.step(spec, 1.0, s, speculative=True)
+            if plain.used:
+                self._engine.step(plain, 1.0, s)
+            del keep
 
     # ---- the engine's own paths ----------------------------------------------------------------
 
@@ -1022,17 +1097,16 @@ class StreamedAdamW(torch.optim.Optimizer):
         """The engine's checkpoint (fast path: raw FP32 files + a checksummed manifest).
         One step count for all parameters (use state_dict() when some were skipped)."""
         self._quiesce()
-        self._ensure_initialized()
-        _check(_load().dfa_opt_save_checkpoint(self._handle, directory.encode()), "dfa_opt_save_checkpoint")
+        self.initialize_state()
+        self._engine.save_checkpoint(directory)
 
     def load_checkpoint(self, directory: str) -> None:
         """Loads save_checkpoint's directory and writes the parameters from the main params."""
         self._quiesce()
         self._follow_params()
-        _check(_load().dfa_opt_load_checkpoint(self._handle, directory.encode()), "dfa_opt_load_checkpoint")
+        self._engine.load_checkpoint(directory)
         self._initialized = True
-        self._pushed = [None] * len(self.param_groups)
-        self._push_groups()
+        self.sync_hyperparameters()
 
     def stats(self) -> dict[str, float]:
         """The last pass (initialize or step): seconds, bytes each way, peak state HBM
@@ -1040,9 +1114,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         python_seconds, the Python side of the last step() before the engine call;
         state_params, the elements the engine holds state for (frozen parameters none),
         and state_bytes, their state's bytes on the tier (12 per element with FP32 moments)."""
-        st = _Stats()
-        _check(_load().dfa_opt_get_stats(self._handle, ctypes.byref(st)), "dfa_opt_get_stats")
-        out = {name: getattr(st, name) for name, _ in _Stats._fields_}
+        out = self._engine.stats()
         out["python_seconds"] = self._python_seconds
         out["state_params"] = sum(n for _, n in self._numels)
         out["state_bytes"] = int(out["state_params"] * _STATE_BYTES.get(self._moment_dtype, 12.0))

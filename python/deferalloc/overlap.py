@@ -99,7 +99,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -107,12 +106,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from . import _native
-from ._native import DTYPE_CODES as _DTYPE, stream_ptr as _stream_ptr
 from .optim import StreamedAdamW
-
-_load = _native.optimizer
-_check = _native.optimizer.check
 
 __all__ = ["BackwardOverlap", "overlap_with_backward"]
 
@@ -165,7 +159,7 @@ class BackwardOverlap:
 
     # Clipping's norm is computed here from the gradients as they become final
     # (deferalloc.megatron's subclass takes Megatron's own instead).
-    _own_norms = True
+    own_norms = True
 
     def __init__(self, opt: StreamedAdamW, model: torch.nn.Module | None = None, *, bucket_mb: int = 256,
                  max_grad_norm: float | None = None, wait_in_forward: bool = True, engine_speculation: bool = True,
@@ -184,7 +178,7 @@ class BackwardOverlap:
         if self._coalesce < 0:
             raise ValueError(f"BackwardOverlap: coalesce {coalesce!r} (a bool or a number of buckets)")
         self.coalesce = coalesce
-        self._speculable: list[bool] | None = None  # per shard: the engine keeps its state (after init)
+        self._speculable: dict | None = None  # per held parameter: the engine keeps its state (after init)
         # (bucket index, start, end) in time.perf_counter() seconds of each bucket's step
         # (-1: a commit) while ``trace`` is True (benchmark timelines; the engine's streamed
         # step returns when its state is home, so the host clock brackets it).
@@ -194,13 +188,13 @@ class BackwardOverlap:
         self.clip_policy = clip_policy
         self._fired = collections.deque(maxlen=max(1, clip_history))  # recent iterations: clipping fired
         self._speculate = clip_policy == "speculate"  # this iteration's mode (clipping)
-        cuda = opt._device.type == "cuda"
-        self._side = torch.cuda.Stream(opt._device) if cuda else None
+        cuda = opt.device.type == "cuda"
+        self._side = torch.cuda.Stream(opt.device) if cuda else None
         # Buckets in reverse registration order, or the caller's (then no gradient hooks:
         # the caller queues a bucket through _ready when its gradients are final).
         self._buckets: list[_Bucket] = []
         cur, size = [], 0
-        for p in (reversed(opt._params) if buckets is None else ()):
+        for p in (reversed(opt.held_params) if buckets is None else ()):
             cur.append(p)
             size += p.numel() * 4
             if size >= bucket_mb << 20:
@@ -223,25 +217,52 @@ class BackwardOverlap:
         self._accumulating = False
         self._error: BaseException | None = None
         self._failed: set[int] = set()  # iterations with a failed bucket step (their commit discards)
-        self._kept: dict[int, tuple] = {}  # shard -> (step, main, exp_avg, exp_avg_sq) before this iteration
+        self._kept: dict = {}  # parameter -> its read_shard_state() before this iteration
         self._norm: dict[torch.Tensor, torch.Tensor] = {}  # this iteration's gradient norms (clipping)
         self._held: list[tuple[_Bucket, list]] = []  # complete buckets waiting for the clip coefficient
         self._stepped: list[tuple[_Bucket, list]] = []  # buckets queued this iteration (a redo queues them again)
         self._counts = {"buckets": 0, "passes": 0, "speculative_steps": 0, "speculations": 0, "redos": 0,
                         "switches": 0, "commits": 0, "kept_copies": 0}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._params] if buckets is None else []
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad) for p in opt.held_params]
+                       if buckets is None else [])
         if model is not None and wait_in_forward:
             for m in model.modules():
                 own = [p for p in m.parameters(recurse=False) if p in self._bucket_of]
                 if own:
                     bs = list({self._bucket_of[p].index: self._bucket_of[p] for p in own}.values())
-                    self._hooks.append(m.register_forward_pre_hook(lambda _m, _a, bs=bs: self._wait(bs)))
-        self._wait_in_forward = model is not None and wait_in_forward
+                    self._hooks.append(m.register_forward_pre_hook(lambda _m, _a, bs=bs: self.wait_buckets(bs)))
+        self.wait_in_forward = model is not None and wait_in_forward
         if model is not None:  # Note [Overlap steps settle first] in optim.py
             self._hooks.append(model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize()))
-        opt._overlaps.add(self)
+        opt.attach_overlap(self)
         self._worker = threading.Thread(target=self._run, name="deferalloc-overlap", daemon=True)
         self._worker.start()
+
+    # ---- for drivers of the buckets other than torch's gradient hooks ------------------------
+    # Note [Driving a BackwardOverlap]
+    # Rationale: deferalloc.megatron steps Megatron's bucket groups as its reduce-scatters end;
+    # it drives this class through these documented members, not its private state.
+    # Approach: ``buckets`` (each with ``index`` and ``params``), ``side_stream`` and
+    # ``iteration`` are read-only; ``bucket_ready`` queues a bucket, ``wait_buckets`` waits
+    # for buckets' steps, ``pause_worker`` / ``resume_worker`` hold the worker between items,
+    # ``finish_iteration(settle)`` ends an iteration and ``settle(fired, clip)`` keeps or
+    # redoes a clipping speculation.  A subclass may override ``complete_bucket`` (a bucket
+    # whose gradients are final at step()) and set ``own_norms = False`` (the driver clips).
+    # Limits: one driver per overlap; the gradient hooks are off when ``buckets`` is given.
+
+    @property
+    def buckets(self) -> tuple:
+        return tuple(self._buckets)
+
+    @property
+    def side_stream(self):
+        """The CUDA stream the bucket steps run on (None on the CPU)."""
+        return self._side
+
+    @property
+    def iteration(self) -> int:
+        """The iteration being stepped (counts ``step()`` calls)."""
+        return self._gen
 
     # ---- hooks ---------------------------------------------------------------------------------
 
@@ -263,9 +284,9 @@ class BackwardOverlap:
             b.ready.add(id(p))
             full = len(b.ready) == len(b.params)
         if full:
-            self._complete(b)
+            self.complete_bucket(b)
 
-    def _complete(self, b: _Bucket) -> None:
+    def complete_bucket(self, b: _Bucket) -> None:
         """Bucket ``b``'s gradients are final: its norms (clipping), then queued, or held
         for the clip coefficient."""
         with self._lock:
@@ -275,20 +296,19 @@ class BackwardOverlap:
             b.ready = set()
         if not ready:
             return
-        if self.max_grad_norm is not None and self._own_norms:
+        if self.max_grad_norm is not None and self.own_norms:
             with torch.no_grad():
                 for p, n in zip(ready, _norms([p.grad for p in ready])):
                     self._norm[p] = n
-        self._ready(b, ready)
+        self.bucket_ready(b, ready)
 
-    def _ready(self, b: _Bucket, params: list, prepare=None) -> None:
+    def bucket_ready(self, b: _Bucket, params: list, prepare=None) -> None:
         """Bucket ``b``'s ``params`` have final gradients (``prepare``: the worker makes them
         final, and returns them as (param, grad), before stepping): queued, or held for the
         clip coefficient (they are then read from ``.grad`` when it is known)."""
-        self.opt._ensure_initialized()  # the state starts from the parameters' values at the first step
+        self.opt.initialize_state()  # the state starts from the parameters' values at the first step
         if self._speculable is None:  # (initialize picks the resident shards)
-            self._speculable = [self.engine_speculation and self.opt._can_speculate(i)
-                                for i in range(len(self.opt._params))]
+            self._speculable = {p: self.engine_speculation and self.opt.can_speculate(p) for p in self.opt.held_params}
         if self.max_grad_norm is not None and not self._speculate:
             self._held.append((b, params))
             return
@@ -300,10 +320,10 @@ class BackwardOverlap:
         ev = None
         if self._side is not None:
             ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.opt._device))
+            ev.record(torch.cuda.current_stream(self.opt.device))
         self._stepped.append((b, params))
         grads = [] if prepare is not None else [(p, p.grad) for p in params]
-        self._put(_Item(self._gen, 0, b, grads, ev, self.opt._group_keys(), speculative, prepare))
+        self._put(_Item(self._gen, 0, b, grads, ev, self.opt.hyperparameters(), speculative, prepare))
 
     def _put(self, item: _Item) -> None:
         with self._cv:
@@ -312,23 +332,23 @@ class BackwardOverlap:
             self._pending.append(item)
             self._cv.notify_all()
 
-    def _pause(self) -> None:
+    def pause_worker(self) -> None:
         """The worker finishes the item it is on and takes nothing new until _resume()."""
         with self._cv:
             self._paused = True
             while self._busy:
                 self._cv.wait()
 
-    def _resume(self) -> None:
+    def resume_worker(self) -> None:
         with self._cv:
             self._paused = False
             self._cv.notify_all()
 
-    def _wait(self, buckets: list[_Bucket]) -> None:
+    def wait_buckets(self, buckets: list[_Bucket]) -> None:
         for b in buckets:
             b.idle.wait()
             if b.event is not None:
-                torch.cuda.current_stream(self.opt._device).wait_event(b.event)
+                torch.cuda.current_stream(self.opt.device).wait_event(b.event)
         self._raise()
 
     # ---- the worker ----------------------------------------------------------------------------
@@ -402,15 +422,12 @@ class BackwardOverlap:
     def _commit(self, gen: int) -> None:
         """Iteration ``gen``'s commit; one whose bucket step failed is discarded instead (its
         kept copies written back): the state stays the previous step's."""
-        lib = _load()
         if gen in self._failed:
             self._failed.discard(gen)
             self._restore()
             return
-        n = ctypes.c_size_t()
-        _check(lib.dfa_opt_speculation_pending(self.opt._handle, ctypes.byref(n)), "dfa_opt_speculation_pending")
-        if n.value:
-            _check(lib.dfa_opt_commit_speculation(self.opt._handle), "dfa_opt_commit_speculation")
+        if self.opt.speculation_pending():
+            self.opt.commit_speculation()
             self._counts["commits"] += 1
         self._kept.clear()
 
@@ -418,52 +435,29 @@ class BackwardOverlap:
         """One engine pass over the items' gradients.  The engine's speculative step for the
         shards it can keep when the items speculate (clipping) or on the file tier; the
         others plainly, their state copied out first when the items speculate."""
-        opt, lib = self.opt, _load()
+        opt = self.opt
         for x in items:
             if x.prepare is not None:
                 x.grads = x.prepare()
-        # Storage replaced under the optimizer (Note [Parameter storage under the optimizer]);
-        # ``keep`` holds what the engine writes in this pass (Note [Overlap steps settle first]).
-        keep = []
-        opt._follow_params(hold=keep, shards={opt._shard_of[p] for x in items for p, _ in x.grads})
         speculative = items[0].speculative
         use_engine = speculative or self._commit_tier
-        n = len(opt._params)
-        plain = (ctypes.c_void_p * n)()
-        spec = (ctypes.c_void_p * n)()
-        types = (ctypes.c_int * n)()
-        calls = set()
+        grads, spec = [], set()
         for x in items:
             for p, g in x.grads:
-                i = opt._shard_of[p]
-                if not g.is_contiguous():
-                    g = g.contiguous()
-                    keep.append(g)
-                types[i] = _DTYPE[g.dtype]
-                if use_engine and self._speculable[i]:
-                    spec[i] = g.data_ptr()
-                    calls.add("spec")
-                    continue
-                if speculative and i not in self._kept:
-                    self._kept[i] = (opt._shard_step(i), *(opt._read(i, a, p) for a in range(3)))
+                grads.append((p, g))
+                if use_engine and self._speculable[p]:
+                    spec.add(p)
+                elif speculative and p not in self._kept:
+                    self._kept[p] = opt.read_shard_state(p)
                     self._counts["kept_copies"] += 1
-                plain[i] = g.data_ptr()
-                calls.add("plain")
-        opt._push_groups(items[-1].groups)
-        stream = None
         if self._side is not None:
             for x in items:
                 self._side.wait_event(x.event)
-            stream = _stream_ptr(self._side, opt._device)
-        if "spec" in calls:
-            _check(lib.dfa_opt_step_speculative(opt._handle, spec, n, types, 1.0, stream), "dfa_opt_step_speculative")
-        if "plain" in calls:
-            _check(lib.dfa_opt_step(opt._handle, plain, n, types, 1.0, stream), "dfa_opt_step")
+        opt.step_grads(grads, speculative=spec, hyperparameters=items[-1].groups, stream=self._side)
         self._counts["passes"] += 1
         self._counts["buckets"] += len(items)
         if speculative:
             self._counts["speculative_steps"] += len(items)
-        del keep
 
     # ---- the user's side -----------------------------------------------------------------------
 
@@ -474,11 +468,14 @@ class BackwardOverlap:
 
     def synchronize(self) -> None:
         """Waits until every queued bucket is stepped and committed (the current stream
-        waits for them)."""
+        waits for them); on the overlap's own worker (a state access from a bucket step)
+        it returns at once."""
+        if threading.current_thread() is getattr(self, "_worker", None):
+            return
         with self._cv:
             while self._pending or self._busy:
                 self._cv.wait()
-        self._wait(self._buckets)
+        self.wait_buckets(self._buckets)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -486,16 +483,16 @@ class BackwardOverlap:
         gradient are skipped, as by ``opt.step()``), settles clipping, queues the commit
         and returns; with a model and ``wait_in_forward`` the next forward waits per
         module, else this waits."""
-        self._end(self._settle_clipping if self.max_grad_norm is not None else None)
+        self.finish_iteration(self._settle_clipping if self.max_grad_norm is not None else None)
 
-    def _end(self, settle) -> None:
+    def finish_iteration(self, settle) -> None:
         """step() with ``settle`` (or None: no clipping) deciding the clip coefficient."""
         if self._accumulating:
             raise RuntimeError("BackwardOverlap.step() inside accumulating()")
         self._raise()
-        self.opt._ensure_initialized()
+        self.opt.initialize_state()
         for b in self._buckets:
-            self._complete(b)
+            self.complete_bucket(b)
         try:
             if settle is not None:
                 settle()
@@ -504,19 +501,16 @@ class BackwardOverlap:
             self._norm.clear()
             self._put(_Item(self._gen, 0))  # the commit
             self._gen += 1
-        if not self._wait_in_forward:
+        if not self.wait_in_forward:
             self.synchronize()
         self._raise()
 
     def _restore(self) -> None:
         """Every shard stepped this iteration back to its state before it: the engine's
         speculation discarded, the kept copies written back."""
-        opt, lib = self.opt, _load()
-        _check(lib.dfa_opt_discard_speculation(opt._handle), "dfa_opt_discard_speculation")
-        for i, (step, *arrays) in self._kept.items():
-            for a, t in enumerate(arrays):
-                opt._write(i, a, t)
-            _check(lib.dfa_opt_set_shard_step(opt._handle, i, step), "dfa_opt_set_shard_step")
+        self.opt.discard_speculation()
+        for p, st in self._kept.items():
+            self.opt.write_shard_state(p, st)
         self._kept.clear()
 
     def _total_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -532,15 +526,15 @@ class BackwardOverlap:
         return torch.linalg.vector_norm(torch.stack([self._norm[params[i]].to(first) for i in order]), 2.0)
 
     def _settle_clipping(self) -> None:
-        params = [p for p in self.opt._params if p.grad is not None]
+        params = [p for p in self.opt.held_params if p.grad is not None]
         if not params:
             return
         total = self._total_norm(params)
         coef = self.max_grad_norm / (total + 1e-6)
         fired = not bool(coef >= 1.0)  # else torch multiplies by exactly 1.0: no change (NaN: fired)
-        self._settle(fired, lambda: torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total))
+        self.settle(fired, lambda: torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total))
 
-    def _settle(self, fired: bool, clip) -> None:
+    def settle(self, fired: bool, clip) -> None:
         """Speculation kept (commit) or discarded and redone, once whether clipping
         ``fired`` is known; ``clip()`` clips the gradients in place (None: already clipped
         by the caller, which must not have changed any gradient when it did not fire)."""
@@ -590,7 +584,7 @@ class BackwardOverlap:
         finally:
             for h in self._hooks:
                 h.remove()
-            self.opt._overlaps.discard(self)
+            self.opt.detach_overlap(self)
             with self._cv:
                 self._stop = True
                 self._cv.notify_all()

@@ -71,7 +71,7 @@ def in_process() -> None:
           "deferred_main_params restored Tensor.clone and Megatron's classmethod")
     check(all(mp.main_param is h for g, hs in zip(dopt.model_float16_groups, dopt.shard_fp32_from_float16_groups)
               for mp, h in zip(g, hs)), "model_param.main_param is the handle")
-    shards = [inner._engine_tensor(h) for h in handles]
+    shards = [inner.engine_tensor(h) for h in handles]
     ref = ReferenceAdamW(shards)
     group_of = [g for g in inner.param_groups for _ in g["params"]]
     exact = True

@@ -273,9 +273,11 @@ class Errors(unittest.TestCase):
             self.assertIsInstance(cm.exception, deferalloc.DeferallocError)
 
     def test_invalid_hyper_parameters(self):
-        for kw, word in ((dict(lr=-1.0), "learning rate"), (dict(betas=(1.0, 0.9)), "beta1"),
-                         (dict(betas=(0.9, -0.1)), "beta2"), (dict(eps=-1e-8), "eps"),
-                         (dict(weight_decay=-0.1), "weight_decay"), (dict(lr=float("nan")), "learning rate")):
+        # Each message names the argument as the user passed it.
+        for kw, word in ((dict(lr=-1.0), "lr=-1.0"), (dict(betas=(1.0, 0.9)), "betas=(1.0, 0.9)"),
+                         (dict(betas=(0.9, -0.1)), "betas=(0.9, -0.1)"), (dict(eps=-1e-8), "eps=-1e-08"),
+                         (dict(weight_decay=-0.1), "weight_decay=-0.1"), (dict(lr=float("nan")), "lr=nan"),
+                         (dict(betas=(0.9, 0.99, 0.5)), "betas=(0.9, 0.99, 0.5)"), (dict(betas=(0.9,)), "betas=(0.9,)")):
             with self.assertRaises(optim.InvalidArgumentError) as cm:
                 optim.StreamedAdamW(make_params(), **kw)
             self.assertIn(word, str(cm.exception))

@@ -15,6 +15,7 @@ import unittest
 
 import torch
 
+import deferalloc._engine
 from deferalloc import optim
 from deferalloc.overlap import overlap_with_backward
 
@@ -129,7 +130,7 @@ class Overlap(unittest.TestCase):
                     opt.zero_grad(set_to_none=True)
                     sched.step()
             got = opt.state_dict()["state"]
-            steps = [float(opt.state[p]["step"]) for p in opt._params]
+            steps = [float(opt.state[p]["step"]) for p in opt.held_params]
             weights = m.state_dict()
         finally:
             ov.remove()
@@ -137,7 +138,7 @@ class Overlap(unittest.TestCase):
         for i in want:
             for k in ("main_param", "exp_avg", "exp_avg_sq", "step"):
                 self.assertTrue(torch.equal(got[i][k], want[i][k]), f"{i} {k}")
-        self.assertEqual(steps, [2.0] * len(opt._params))
+        self.assertEqual(steps, [2.0] * len(opt.held_params))
         for (n, p) in plain[0].named_parameters():
             self.assertTrue(torch.equal(weights[n], p.detach()), n)
 
@@ -175,8 +176,8 @@ class Overlap(unittest.TestCase):
         # The inputs grow with t: the first steps' norms are below max_norm, later ones above.
         plain = train(6, "plain", max_norm=1.0)
         reads = []
-        real_read = optim.StreamedAdamW._read
-        optim.StreamedAdamW._read = lambda self, *a: reads.append(a[0]) or real_read(self, *a)
+        real_read = deferalloc._engine.Engine.read  # every read of the engine's state arrays
+        deferalloc._engine.Engine.read = lambda self, *a: reads.append(a[0]) or real_read(self, *a)
         try:
             spec = dict(clip_policy="speculate")
             got = train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=spec)  # the engine keeps the state
@@ -184,7 +185,7 @@ class Overlap(unittest.TestCase):
             old = train(6, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(engine_speculation=False, **spec))
             copy_reads = len(reads)
         finally:
-            optim.StreamedAdamW._read = real_read
+            deferalloc._engine.Engine.read = real_read
         for ov in (got, old):
             self.same(plain, ov)
             self.assertGreater(ov[3]["redos"], 0, "no step needed clipping: the test does not test the redo")
@@ -203,14 +204,13 @@ class Overlap(unittest.TestCase):
             got = train(5, "overlap", max_norm=1.0, bucket_mb=0, ov_kw=dict(clip_policy="speculate"), **kw)
             self.same(plain, got)
             self.assertGreater(got[3]["redos"], 0, kw)
-            n = len(list(got[0].parameters()))
-            resident = sum(not got[1]._can_speculate(i) for i in range(n))
+            resident = sum(not got[1].can_speculate(p) for p in got[1].held_params)
             # Resident shards are copied out at each speculative step of theirs (a redo
             # drops the buckets still queued): at most once per step.
             self.assertLessEqual(got[3]["kept_copies"], 5 * resident, kw)
             self.assertEqual(got[3]["kept_copies"] > 0, resident > 0, kw)
             if "resident_mb" in kw:
-                self.assertTrue(0 < resident < n, f"resident_mb={RESIDENT_MB} should make some parameters resident")
+                self.assertTrue(0 < resident < len(got[1].held_params), f"resident_mb={RESIDENT_MB} should make some parameters resident")
 
     def test_clipping_never_always_every_other_iteration(self):
         # The inputs' scale sets the gradient norm: 1 stays under max_norm 1e3 and 1e3

@@ -219,14 +219,16 @@ class MemoryYouCanSee(unittest.TestCase):
     """Issue 29 (refusals, snapshots) and issue 31 item 7 (tag names) on the host driver."""
 
     def test_tag_names_with_control_characters_are_refused(self):
-        for bad, code in (("a\nb", "0x0a"), ("x\0y", "0x00"), ("t\tab", "0x09")):
+        for bad, code in (("a\nb", "U+000A"), ("x\0y", "U+0000"), ("t\tab", "U+0009"), ("l\u2028s", "U+2028"),
+                          ("p\u2029s", "U+2029"), ("n\x85l", "U+0085")):
             for enter in (lambda: dfa.region(bad).__enter__(), lambda: dfa.tag(bad).__enter__(),
                           lambda: dfa.pause(bad), lambda: dfa.resume(bad), lambda: dfa.is_paused(bad)):
                 with self.assertRaises(dfa.InvalidArgument) as e:
                     enter()
                 self.assertEqual(str(e.exception),
                                  f"the tag {bad!r} contains the control character {code} at offset 1; a tag name is "
-                                 "printable text (a newline would split the list of tags, a NUL cut the name)")
+                                 "printable text (a line break would split the list of tags and the memory "
+                                 "snapshot, a NUL cut the name)")
         self.assertNotIn("x", dfa.tags(), "a NUL must not alias the tag before it")
         for t in dfa.tags():
             self.assertTrue(t.isprintable(), t)
