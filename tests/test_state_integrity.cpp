@@ -622,3 +622,42 @@ TEST(state_integrity, fp32_state_files_keep_header_format_3) {
     EXPECT_EQ(m.opt->shard_step(0), 2u) << to_string(mf);
   }
 }
+
+// ---- the state file removed under a running optimizer ---------------------------------
+
+// `rm` of the state file, `rm -rf` of its directory, or another file renamed over it:
+// the next commit raises io_error naming the path (never steps into an unlinked inode
+// that a resume cannot find); save_checkpoint still reads the held state.
+TEST(state_integrity, a_removed_or_replaced_state_file_is_noticed_at_the_next_commit) {
+  const auto& ref = reference<8>();
+  for (const char* how : {"rm", "rm -rf", "replace"}) {
+    SCOPED_TRACE(how);
+    temp_dir base;
+    const std::string dir = base.path + "/state", ck = base.path + "/ck";
+    const std::string path = dir + "/deferalloc-rank0.state";
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+    m.step(0);
+    m.step(1);
+    if (std::string(how) == "rm") fs::remove(path);
+    if (std::string(how) == "rm -rf") fs::remove_all(dir);
+    if (std::string(how) == "replace") {
+      spit(path + ".other", {'x'});
+      fs::rename(path + ".other", path);
+    }
+    try {
+      m.step(2);
+      ADD_FAILURE() << "a step after the state file was removed raised nothing";
+    } catch (const io_error& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find(path), std::string::npos) << w;
+      EXPECT_NE(w.find("removed or replaced while this optimizer held it"), std::string::npos) << w;
+      EXPECT_NE(w.find("not durable"), std::string::npos) << w;
+    }
+    EXPECT_THROW(m.step(2), io_error) << "the second step after the removal";
+    m.opt->save_checkpoint(ck);  // the held state: the steps are kept through a checkpoint
+    model r(host(), config(tier::host, {}, false));
+    r.opt->load_checkpoint(ck);
+    EXPECT_TRUE(r.snapshot() == ref[2]);
+  }
+}
