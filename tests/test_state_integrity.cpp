@@ -661,3 +661,29 @@ TEST(state_integrity, a_removed_or_replaced_state_file_is_noticed_at_the_next_co
     EXPECT_TRUE(r.snapshot() == ref[2]);
   }
 }
+
+// ---- checkpoint generations: only the saver's spelling ---------------------------------
+
+// A foreign gen-007 (a user's directory) is no generation: the load takes gen-1, the
+// next save is gen-2, the prune never touches gen-007 or its file.
+TEST(state_integrity, a_foreign_gen_007_is_not_generation_7) {
+  temp_dir base;
+  const std::string ck = base.path + "/ck";
+  fs::create_directories(ck + "/gen-007");
+  spit(ck + "/gen-007/notes.txt", {'m', 'i', 'n', 'e'});
+  fs::create_directory(ck + "/gen-01.tmp");
+  model m(host(), config(tier::host, {}, false));
+  m.opt->initialize();
+  for (std::uint64_t t = 0; t < 2; ++t) {
+    m.step(t);
+    m.opt->save_checkpoint(ck);
+    optim::detail::wait_checkpoint_prune(*m.opt);
+    EXPECT_TRUE(fs::is_directory(ck + "/gen-" + std::to_string(t + 1))) << "numbered from gen-007";
+    model r(host(), config(tier::host, {}, false));
+    r.opt->load_checkpoint(ck);
+    EXPECT_TRUE(r.snapshot() == reference<8>()[t + 1]) << "not the newest generation";
+  }
+  EXPECT_FALSE(fs::exists(ck + "/gen-1"));
+  EXPECT_TRUE(fs::exists(ck + "/gen-007/notes.txt")) << "the prune removed a user's directory";
+  EXPECT_TRUE(fs::exists(ck + "/gen-01.tmp"));
+}

@@ -157,7 +157,10 @@ inline std::string read_text_file(const std::string& path, const std::string& wh
 // (a number the loader rejects) and prune the last good generation; an unreadable
 // directory restarted the numbering at gen-1; a symlinked newest generation was
 // skipped for an older one.
-// Approach: numbers have at most k_generation_digits digits, read and written alike.
+// Approach: numbers have at most k_generation_digits digits, read and written alike,
+// and only the saver's spelling is a generation: `gen-` and a decimal number without
+// leading zeros (gen-007 is not generation 7: a load does not read it, a save does not
+// number from it, a prune never removes it).
 // A save numbers from the complete generations only (gen-<N> directories, not
 // symlinks): unfinished ones (gen-<N>.tmp) and foreign entries never raise the number;
 // a killed save's gen-<N>.tmp of the number a save takes is removed first.  A listing
@@ -176,12 +179,14 @@ struct generations {
   std::string newest_problem;         // why newest_name is no generation ("" when it is newest_complete)
 };
 
-/// True when `name` is gen-<N> or gen-<N>.tmp (`tmp` says which).
+/// True when `name` is gen-<N> or gen-<N>.tmp (`tmp` says which), N as the saver
+/// writes it (no leading zeros).
 inline bool parse_generation(const std::string& name, std::uint64_t& n, bool& tmp) {
   if (name.rfind("gen-", 0) != 0) return false;
   tmp = name.size() > 8 && name.compare(name.size() - 4, 4, ".tmp") == 0;
   const std::string digits = name.substr(4, name.size() - 4 - (tmp ? 4 : 0));
-  if (digits.empty() || digits.size() > k_generation_digits || digits.find_first_not_of("0123456789") != std::string::npos)
+  if (digits.empty() || digits.size() > k_generation_digits || digits.find_first_not_of("0123456789") != std::string::npos ||
+      digits[0] == '0')  // only the saver's spelling: gen-007 is someone else's
     return false;
   n = std::stoull(digits);
   return n > 0;
