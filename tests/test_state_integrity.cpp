@@ -3,6 +3,7 @@
 // state; checkpoint generation names cannot lose a checkpoint; one optimizer per state
 // file; permission errors say so.  The kill tests are in test_durability.cpp.
 #include <deferalloc/deferalloc.h>
+#include <deferalloc/optimizer.h>
 #include <deferalloc/optim/optimizer.hpp>
 #include <signal.h>
 #include <sys/resource.h>
@@ -686,4 +687,50 @@ TEST(state_integrity, a_foreign_gen_007_is_not_generation_7) {
   EXPECT_FALSE(fs::exists(ck + "/gen-1"));
   EXPECT_TRUE(fs::exists(ck + "/gen-007/notes.txt")) << "the prune removed a user's directory";
   EXPECT_TRUE(fs::exists(ck + "/gen-01.tmp"));
+}
+
+// ---- the file tier's directory ---------------------------------------------------------
+
+// A missing directory is refused at construction, before any step, and never created;
+// a directory where the state file cannot be made says so.
+TEST(state_integrity, file_tier_directory_messages) {
+  temp_dir base;
+  const std::string missing = base.path + "/nope";
+  auto cfg = config(tier::host, {}, false);
+  cfg.home = tier::file;
+  cfg.directory = missing;
+  const std::string e = error_of([&] { streamed_adamw o(host(), cfg); });
+  EXPECT_NE(e.find("directory " + missing + " does not exist (create it first)"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(missing));
+  dfa_optimizer* h = nullptr;
+  EXPECT_EQ(dfa_opt_create(("driver:host,host_granularity_kb:64,tier:file,window_mb:8,directory:" + missing).c_str(), &h),
+            DFA_ERROR_IO);
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("does not exist (create it first)"), std::string::npos)
+      << dfa_opt_last_error();
+  EXPECT_EQ(h, nullptr);
+  if (::geteuid() == 0 && fs::is_directory("/proc")) {  // root: /proc passes the owner check
+    cfg.directory = "/proc";
+    const std::string p = error_of([&] {
+      model m(host(), cfg);
+      m.opt->initialize();
+    });
+    EXPECT_NE(p.find("cannot create the state file in /proc: "), std::string::npos) << p;
+    EXPECT_EQ(p.find(".lock:"), std::string::npos) << p;
+  }
+  // Unprivileged, a directory without write permission.
+  const std::string ro = base.path + "/ro";
+  fs::create_directory(ro);
+  EXPECT_EQ(as_unprivileged(base.path, [&] {
+              ::chmod(ro.c_str(), 0500);
+              auto c2 = cfg;
+              c2.directory = ro;
+              model m(host(), c2);
+              const std::string p = error_of([&] { m.opt->initialize(); });
+              if (p.find("cannot create the state file in " + ro + ": Permission denied") == std::string::npos) {
+                std::fprintf(stderr, "%s\n", p.c_str());
+                return false;
+              }
+              return true;
+            }),
+            0);
 }

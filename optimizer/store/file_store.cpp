@@ -193,7 +193,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
   if (format_ != moment_format::fp32 && format_ != moment_format::bf16 && format_ != moment_format::int8)
     throw invalid_argument("file tier: unknown moment format " + std::to_string(static_cast<int>(format_)));
-  check_dir(dir, "file tier");
+  check_dir(dir, "file tier", false);
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
   try {
@@ -304,7 +304,12 @@ void file_store::lock_owner() {
   auto& l = locks();
   std::unique_lock reg(l.mu);
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
+  if (lock_fd_ < 0) {
+    const int e = errno;
+    if (::lstat(lock_path.c_str(), &st) == 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(e));
+    // The first file made in the directory: say that the state file cannot be made.
+    throw io_error("file tier: cannot create the state file in " + dir_ + ": " + errtext(e) + " (creating " + lock_path + ")");
+  }
   l.fds.push_back({lock_fd_, this});
   reg.unlock();
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -334,6 +339,8 @@ static int open_checked(const std::string& path, int flags, bool& direct, const 
     fd = ::open(path.c_str(), flags, 0600);
     deferalloc::detail::log(log_level::info, "file tier: " + dir + " does not support O_DIRECT; using buffered I/O");
   }
+  if (fd < 0 && (flags & O_CREAT))
+    throw io_error("file tier: cannot create the state file in " + dir + ": " + std::strerror(errno) + " (" + path + ")");
   if (fd < 0) throw io_error("file tier: cannot open " + path + ": " + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {

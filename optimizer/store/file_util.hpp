@@ -22,13 +22,17 @@
 
 namespace deferalloc::optim::detail {
 
-/// Creates `dir` (0700) unless it exists, then refuses it unless it is a directory
-/// owned by this user and not a symbolic link.  @throws io_error naming `what` and dir
-inline void check_dir(const std::string& dir, const std::string& what) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+/// Creates `dir` (0700) unless it exists (or, without `create`, refuses a missing one),
+/// then refuses it unless it is a directory owned by this user and not a symbolic link.
+/// @throws io_error naming `what` and dir
+inline void check_dir(const std::string& dir, const std::string& what, bool create = true) {
+  if (create && ::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     throw io_error(what + ": cannot create " + dir + ": " + std::strerror(errno));
   struct stat st {};
-  if (::lstat(dir.c_str(), &st) != 0) throw io_error(what + ": cannot stat " + dir + ": " + std::strerror(errno));
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) throw io_error(what + ": directory " + dir + " does not exist (create it first)");
+    throw io_error(what + ": cannot stat " + dir + ": " + std::strerror(errno));
+  }
   if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + dir + " is a symbolic link; refusing to follow it");
   if (!S_ISDIR(st.st_mode)) throw io_error(what + ": " + dir + " is not a directory");
   if (st.st_uid != ::geteuid())
