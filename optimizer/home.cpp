@@ -230,7 +230,11 @@ class file_home final : public home, public piece_mover, public second_copy, pub
  public:
   explicit file_home(const home_context& ctx)
       : home(traits_of(tier::file, ctx.cfg.moments)),
-        drv_(ctx.drv), shards_(ctx.shards), cfg_(ctx.cfg), format_(ctx.cfg.moments) {}
+        drv_(ctx.drv), shards_(ctx.shards), cfg_(ctx.cfg), format_(ctx.cfg.moments) {
+    // At construction, before any step: a missing directory is a typo or an unmounted
+    // disk, never created (open() checks it again).
+    detail::check_dir(cfg_.directory, "file tier", false);
+  }
   ~file_home() override { free_staging(); }
 
   piece_mover* mover() override { return this; }

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -29,7 +30,9 @@ inline std::vector<std::uint16_t> bf16_values(std::size_t n, std::uint64_t seed,
 /// Three shards, one spanning several 64 KiB pieces, odd tails.
 inline std::vector<std::size_t> shard_sizes() { return {3 * 16384 + 7, 16384 + 5001, 5001}; }
 
+/// The file tier's directory is created here (the optimizer refuses a missing one).
 inline deferalloc::optim::optimizer_config config(deferalloc::optim::tier t, const std::string& dir, bool resume) {
+  if (t == deferalloc::optim::tier::file && !dir.empty()) std::filesystem::create_directories(dir);
   deferalloc::optim::optimizer_config c;
   c.home = t;
   c.directory = dir;

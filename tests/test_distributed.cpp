@@ -118,6 +118,7 @@ struct rank_run {
   rank_run(std::shared_ptr<driver> d, std::shared_ptr<communicator> c, std::size_t numel, tier t,
            const std::string& dir, float max_norm)
       : drv(std::move(d)), comm(std::move(c)), s(drv) {
+    if (t == tier::file) std::filesystem::create_directories(dir);  // the file tier refuses a missing one
     lay = distributed_adamw::layout_for(numel, *comm, 256);
     pid = s.mgr->reserve(lay.padded_numel * 2);
     gid = s.mgr->reserve(lay.padded_numel * 2);

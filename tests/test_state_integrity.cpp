@@ -3,6 +3,7 @@
 // state; checkpoint generation names cannot lose a checkpoint; one optimizer per state
 // file; permission errors say so.  The kill tests are in test_durability.cpp.
 #include <deferalloc/deferalloc.h>
+#include <deferalloc/optimizer.h>
 #include <deferalloc/optim/optimizer.hpp>
 #include <signal.h>
 #include <sys/resource.h>
@@ -621,4 +622,115 @@ TEST(state_integrity, fp32_state_files_keep_header_format_3) {
     EXPECT_TRUE(m.opt->resumed()) << to_string(mf);
     EXPECT_EQ(m.opt->shard_step(0), 2u) << to_string(mf);
   }
+}
+
+// ---- the state file removed under a running optimizer ---------------------------------
+
+// `rm` of the state file, `rm -rf` of its directory, or another file renamed over it:
+// the next commit raises io_error naming the path (never steps into an unlinked inode
+// that a resume cannot find); save_checkpoint still reads the held state.
+TEST(state_integrity, a_removed_or_replaced_state_file_is_noticed_at_the_next_commit) {
+  const auto& ref = reference<8>();
+  for (const char* how : {"rm", "rm -rf", "replace"}) {
+    SCOPED_TRACE(how);
+    temp_dir base;
+    const std::string dir = base.path + "/state", ck = base.path + "/ck";
+    const std::string path = dir + "/deferalloc-rank0.state";
+    model m(host(), config(tier::file, dir, false));
+    m.opt->initialize();
+    m.step(0);
+    m.step(1);
+    if (std::string(how) == "rm") fs::remove(path);
+    if (std::string(how) == "rm -rf") fs::remove_all(dir);
+    if (std::string(how) == "replace") {
+      spit(path + ".other", {'x'});
+      fs::rename(path + ".other", path);
+    }
+    try {
+      m.step(2);
+      ADD_FAILURE() << "a step after the state file was removed raised nothing";
+    } catch (const io_error& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find(path), std::string::npos) << w;
+      EXPECT_NE(w.find("removed or replaced while this optimizer held it"), std::string::npos) << w;
+      EXPECT_NE(w.find("not durable"), std::string::npos) << w;
+    }
+    EXPECT_THROW(m.step(2), io_error) << "the second step after the removal";
+    m.opt->save_checkpoint(ck);  // the held state: the steps are kept through a checkpoint
+    model r(host(), config(tier::host, {}, false));
+    r.opt->load_checkpoint(ck);
+    EXPECT_TRUE(r.snapshot() == ref[2]);
+  }
+}
+
+// ---- checkpoint generations: only the saver's spelling ---------------------------------
+
+// A foreign gen-007 (a user's directory) is no generation: the load takes gen-1, the
+// next save is gen-2, the prune never touches gen-007 or its file.
+TEST(state_integrity, a_foreign_gen_007_is_not_generation_7) {
+  temp_dir base;
+  const std::string ck = base.path + "/ck";
+  fs::create_directories(ck + "/gen-007");
+  spit(ck + "/gen-007/notes.txt", {'m', 'i', 'n', 'e'});
+  fs::create_directory(ck + "/gen-01.tmp");
+  model m(host(), config(tier::host, {}, false));
+  m.opt->initialize();
+  for (std::uint64_t t = 0; t < 2; ++t) {
+    m.step(t);
+    m.opt->save_checkpoint(ck);
+    optim::detail::wait_checkpoint_prune(*m.opt);
+    EXPECT_TRUE(fs::is_directory(ck + "/gen-" + std::to_string(t + 1))) << "numbered from gen-007";
+    model r(host(), config(tier::host, {}, false));
+    r.opt->load_checkpoint(ck);
+    EXPECT_TRUE(r.snapshot() == reference<8>()[t + 1]) << "not the newest generation";
+  }
+  EXPECT_FALSE(fs::exists(ck + "/gen-1"));
+  EXPECT_TRUE(fs::exists(ck + "/gen-007/notes.txt")) << "the prune removed a user's directory";
+  EXPECT_TRUE(fs::exists(ck + "/gen-01.tmp"));
+}
+
+// ---- the file tier's directory ---------------------------------------------------------
+
+// A missing directory is refused at construction, before any step, and never created;
+// a directory where the state file cannot be made says so.
+TEST(state_integrity, file_tier_directory_messages) {
+  temp_dir base;
+  const std::string missing = base.path + "/nope";
+  auto cfg = config(tier::host, {}, false);
+  cfg.home = tier::file;
+  cfg.directory = missing;
+  const std::string e = error_of([&] { streamed_adamw o(host(), cfg); });
+  EXPECT_NE(e.find("directory " + missing + " does not exist (create it first)"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(missing));
+  dfa_optimizer* h = nullptr;
+  EXPECT_EQ(dfa_opt_create(("driver:host,host_granularity_kb:64,tier:file,window_mb:8,directory:" + missing).c_str(), &h),
+            DFA_ERROR_IO);
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("does not exist (create it first)"), std::string::npos)
+      << dfa_opt_last_error();
+  EXPECT_EQ(h, nullptr);
+  if (::geteuid() == 0 && fs::is_directory("/proc")) {  // root: /proc passes the owner check
+    cfg.directory = "/proc";
+    const std::string p = error_of([&] {
+      model m(host(), cfg);
+      m.opt->initialize();
+    });
+    EXPECT_NE(p.find("cannot create the state file in /proc: "), std::string::npos) << p;
+    EXPECT_EQ(p.find(".lock:"), std::string::npos) << p;
+  }
+  // Unprivileged, a directory without write permission.
+  const std::string ro = base.path + "/ro";
+  fs::create_directory(ro);
+  EXPECT_EQ(as_unprivileged(base.path, [&] {
+              ::chmod(ro.c_str(), 0500);
+              auto c2 = cfg;
+              c2.directory = ro;
+              model m(host(), c2);
+              const std::string p = error_of([&] { m.opt->initialize(); });
+              if (p.find("cannot create the state file in " + ro + ": Permission denied") == std::string::npos) {
+                std::fprintf(stderr, "%s\n", p.c_str());
+                return false;
+              }
+              return true;
+            }),
+            0);
 }

@@ -215,6 +215,7 @@ int main(int argc, char** argv) {
   optimizer_config cfg;
   cfg.home = parse_tier(tier_name);
   cfg.directory = root + "/state";
+  fs::create_directories(cfg.directory);  // the file tier refuses a missing directory
   cfg.window_bytes = std::size_t{384} << 20;
   const bool file_tier = cfg.home == tier::file;
 
@@ -293,6 +294,7 @@ int main(int argc, char** argv) {
     optimizer_config cfg_b = cfg;
     cfg_b.directory = root + "/state-b";
     fs::remove_all(cfg_b.directory, ec);
+    fs::create_directories(cfg_b.directory);
     setup b(drv, numel, cfg_b);
     for (int holding = 0; holding < 2; ++holding) {
       drop_cache(ck);

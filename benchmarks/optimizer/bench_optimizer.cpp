@@ -14,6 +14,7 @@
 #include <deferalloc/core/reservations.hpp>
 #include <deferalloc/optim/optimizer.hpp>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -82,6 +83,7 @@ void BM_tier(benchmark::State& st, tier t, std::size_t params) {
   optimizer_config cfg;
   cfg.home = t;
   cfg.directory = bench_dir() + "/dfa-bench-state";
+  ::mkdir(cfg.directory.c_str(), 0700);  // the file tier refuses a missing directory
   cfg.window_bytes = env_size("DFA_BENCH_WINDOW_MB", 512) << 20;
   cfg.depth = static_cast<int>(env_size("DFA_BENCH_DEPTH", 3));
   std::size_t free0 = 0, peak = 0;

@@ -193,7 +193,7 @@ file_store::file_store(const std::string& dir, int rank, const std::vector<std::
   if (threads < 1) throw invalid_argument("file tier: io_threads must be at least 1");
   if (format_ != moment_format::fp32 && format_ != moment_format::bf16 && format_ != moment_format::int8)
     throw invalid_argument("file tier: unknown moment format " + std::to_string(static_cast<int>(format_)));
-  check_dir(dir, "file tier");
+  check_dir(dir, "file tier", false);
   path_ = dir + "/deferalloc-rank" + std::to_string(rank) + ".state";
   tmp_path_ = path_ + ".new";
   try {
@@ -304,7 +304,12 @@ void file_store::lock_owner() {
   auto& l = locks();
   std::unique_lock reg(l.mu);
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (lock_fd_ < 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(errno));
+  if (lock_fd_ < 0) {
+    const int e = errno;
+    if (::lstat(lock_path.c_str(), &st) == 0) throw io_error("file tier: cannot open " + lock_path + ": " + errtext(e));
+    // The first file made in the directory: say that the state file cannot be made.
+    throw io_error("file tier: cannot create the state file in " + dir_ + ": " + errtext(e) + " (creating " + lock_path + ")");
+  }
   l.fds.push_back({lock_fd_, this});
   reg.unlock();
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -334,6 +339,8 @@ static int open_checked(const std::string& path, int flags, bool& direct, const 
     fd = ::open(path.c_str(), flags, 0600);
     deferalloc::detail::log(log_level::info, "file tier: " + dir + " does not support O_DIRECT; using buffered I/O");
   }
+  if (fd < 0 && (flags & O_CREAT))
+    throw io_error("file tier: cannot create the state file in " + dir + ": " + std::strerror(errno) + " (" + path + ")");
   if (fd < 0) throw io_error("file tier: cannot open " + path + ": " + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
@@ -444,6 +451,34 @@ void file_store::open_existing() {
 }
 
 file_store::~file_store() { shut_down(); }
+
+// Note [State file removed]
+//
+// Rationale: the state file open, an `rm` of it (or `rm -rf` of its directory) leaves the
+// optimizer writing into an unlinked inode: its steps and commits succeed, and a resume
+// finds no file and starts fresh, every step since lost without an error.
+// Approach: every commit (so every step, init, state write and checkpoint load) first
+// checks that the path (the final name, or <name>.new before the first commit) still
+// names the open file: stat(path) and fstat(fd) agree on st_dev and st_ino.  Otherwise
+// io_error naming the path, the last durable step and why, before anything is written.
+// save_checkpoint is not refused: it reads the held file, whose data is intact, so a
+// checkpoint is the way to keep the steps.
+// Limits: a removal between the check and the commit's last fdatasync is noticed by the
+// next commit; a file renamed away and back is not noticed.  Cost: one stat and one
+// fstat per commit.
+void file_store::check_path(const std::string& what) const {
+  const std::string& p = published_ ? path_ : tmp_path_;
+  struct stat named {}, held {};
+  const bool gone = ::stat(p.c_str(), &named) != 0;
+  const int e = errno;
+  if (::fstat(fd_, &held) != 0) throw io_error("file tier: cannot fstat " + p + ": " + errtext(errno));
+  if (!gone && named.st_dev == held.st_dev && named.st_ino == held.st_ino) return;
+  throw io_error("file tier: the state file " + p + " was removed or replaced while this optimizer held it (" +
+                 (gone ? "stat: " + errtext(e) : std::string("another file is at its path now")) + "); " + what +
+                 " is refused: the steps since the last commit are not durable, and a resume would not find that "
+                 "commit (step " + std::to_string(step_) + ") there; save_checkpoint still reads the held state, so a "
+                 "checkpoint keeps it");
+}
 
 void file_store::refuse_in_child(const std::string& what) const {
   if (::getpid() != owner_pid_)
@@ -655,6 +690,7 @@ void file_store::commit(std::uint64_t step, int slot, bool moments_written, std:
                                                              " step counts for " + std::to_string(shard_steps_.size()) +
                                                              " shards", invalid_state);
   refuse_in_child("the commit of step " + std::to_string(step));
+  check_path("the commit of step " + std::to_string(step));
   const fault_kind f = take_fault(fault_op::commit);
   if (f == fault_kind::crash) ::_exit(86);
   if (f != fault_kind::none) throw io_error("commit of step " + std::to_string(step) + " to " + path_ + " failed: " + errtext(EIO));

@@ -107,6 +107,11 @@ class file_store {
   /// inactive slot after writes to it, or the active one when only step counts change
   /// (its data and checksum table are then rewritten with the same bytes).
   void commit(std::uint64_t step, int slot, bool moments_written, std::span<const std::uint64_t> shard_steps);
+  /// Refuses to go on when the state file's path no longer names the open file (removed
+  /// or replaced while this store held it: Note [State file removed]); `what` names the
+  /// refused operation.  commit() calls it first.  Cost: one stat and one fstat.
+  /// @throws io_error naming the path and the last durable step
+  void check_path(const std::string& what) const;
 
   void inject(fault_op op, fault_kind kind, std::uint64_t nth);
 

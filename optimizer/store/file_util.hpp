@@ -22,13 +22,17 @@
 
 namespace deferalloc::optim::detail {
 
-/// Creates `dir` (0700) unless it exists, then refuses it unless it is a directory
-/// owned by this user and not a symbolic link.  @throws io_error naming `what` and dir
-inline void check_dir(const std::string& dir, const std::string& what) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+/// Creates `dir` (0700) unless it exists (or, without `create`, refuses a missing one),
+/// then refuses it unless it is a directory owned by this user and not a symbolic link.
+/// @throws io_error naming `what` and dir
+inline void check_dir(const std::string& dir, const std::string& what, bool create = true) {
+  if (create && ::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     throw io_error(what + ": cannot create " + dir + ": " + std::strerror(errno));
   struct stat st {};
-  if (::lstat(dir.c_str(), &st) != 0) throw io_error(what + ": cannot stat " + dir + ": " + std::strerror(errno));
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) throw io_error(what + ": directory " + dir + " does not exist (create it first)");
+    throw io_error(what + ": cannot stat " + dir + ": " + std::strerror(errno));
+  }
   if (S_ISLNK(st.st_mode)) throw io_error(what + ": " + dir + " is a symbolic link; refusing to follow it");
   if (!S_ISDIR(st.st_mode)) throw io_error(what + ": " + dir + " is not a directory");
   if (st.st_uid != ::geteuid())
@@ -157,7 +161,10 @@ inline std::string read_text_file(const std::string& path, const std::string& wh
 // (a number the loader rejects) and prune the last good generation; an unreadable
 // directory restarted the numbering at gen-1; a symlinked newest generation was
 // skipped for an older one.
-// Approach: numbers have at most k_generation_digits digits, read and written alike.
+// Approach: numbers have at most k_generation_digits digits, read and written alike,
+// and only the saver's spelling is a generation: `gen-` and a decimal number without
+// leading zeros (gen-007 is not generation 7: a load does not read it, a save does not
+// number from it, a prune never removes it).
 // A save numbers from the complete generations only (gen-<N> directories, not
 // symlinks): unfinished ones (gen-<N>.tmp) and foreign entries never raise the number;
 // a killed save's gen-<N>.tmp of the number a save takes is removed first.  A listing
@@ -176,12 +183,14 @@ struct generations {
   std::string newest_problem;         // why newest_name is no generation ("" when it is newest_complete)
 };
 
-/// True when `name` is gen-<N> or gen-<N>.tmp (`tmp` says which).
+/// True when `name` is gen-<N> or gen-<N>.tmp (`tmp` says which), N as the saver
+/// writes it (no leading zeros).
 inline bool parse_generation(const std::string& name, std::uint64_t& n, bool& tmp) {
   if (name.rfind("gen-", 0) != 0) return false;
   tmp = name.size() > 8 && name.compare(name.size() - 4, 4, ".tmp") == 0;
   const std::string digits = name.substr(4, name.size() - 4 - (tmp ? 4 : 0));
-  if (digits.empty() || digits.size() > k_generation_digits || digits.find_first_not_of("0123456789") != std::string::npos)
+  if (digits.empty() || digits.size() > k_generation_digits || digits.find_first_not_of("0123456789") != std::string::npos ||
+      digits[0] == '0')  // only the saver's spelling: gen-007 is someone else's
     return false;
   n = std::stoull(digits);
   return n > 0;
