@@ -24,18 +24,18 @@ segment& caching_allocator::impl::add_segment(group& grp, std::size_t min_bytes)
     seg->size = bytes;
     seg->backed.assign(bytes / g, 0);
     seg->grp = &grp;
-    block* b = new_block();
+    block* b = spare.take();
     b->addr = seg->base;
     b->size = bytes;
     b->seg = seg.get();
-    b->owner = &fresh;
+    b->owner = streams.fresh();
     seg->first = b;
-    grp.bins_of(&fresh).b.insert(b);
+    grp.bins_of(streams.fresh()).b.insert(b);
     grp.segments.push_back(std::move(seg));
   } catch (...) {
     if (seg->first != nullptr) {
-      grp.bins_of(&fresh).b.remove(seg->first);
-      recycle(seg->first);
+      grp.bins_of(streams.fresh()).b.remove(seg->first);
+      spare.give(seg->first);
     }
     mgr.free(seg->id);
     throw;
@@ -91,7 +91,7 @@ void caching_allocator::impl::ensure_backed(block* b, stream_t stream) {
     mgr.materialize(runs, fill_mode::undefined, stream);
   }
   for (std::size_t i = first; i < grow_end; ++i) s.backed[i] = 1;
-  if (history_max != 0) record_runs(trace_action::segment_map, s, runs);
+  if (history.on()) record_runs(trace_action::segment_map, s, runs);
   b->backed = true;
   missing += grow_end - end;
   note_backed(*s.grp, static_cast<std::int64_t>(missing * g));
@@ -137,7 +137,7 @@ void caching_allocator::impl::mark_unbacked(segment& s, const std::vector<range>
       bytes += static_cast<std::int64_t>(g);
     }
   if (bytes != 0) {
-    if (history_max != 0) record_runs(trace_action::segment_unmap, s, rs);
+    if (history.on()) record_runs(trace_action::segment_unmap, s, rs);
     for (block* b = s.first; b != nullptr; b = b->next)
       if (b->backed)
         for (std::size_t i = first_granule(b); i < end_granule(b); ++i)
@@ -199,7 +199,7 @@ void caching_allocator::impl::drop_segment_if_unused(segment* seg) noexcept {
   for (block* b = seg->first; b != nullptr;) {
     block* n = b->next;
     grp.bins_of(b->owner).b.remove(b);
-    recycle(b);
+    spare.give(b);
     b = n;
   }
   seg->first = nullptr;

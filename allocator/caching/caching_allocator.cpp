@@ -82,7 +82,7 @@ namespace deferalloc {
 
 void caching_allocator::impl::split(block* b, std::size_t size, owner_bins& home) {
   if (b->size - size < k_block_unit) return;
-  block* r = new_block();
+  block* r = spare.take();
   r->addr = b->addr + size;
   r->size = b->size - size;
   r->seg = b->seg;
@@ -100,15 +100,15 @@ void caching_allocator::impl::split(block* b, std::size_t size, owner_bins& home
 void caching_allocator::impl::poll(stream_state* s) {
   if (s->event != nullptr && drv.query(s->event)) {
     s->safe_gen = std::max(s->safe_gen, s->event_gen + 1);
-    give_event(s->event);
+    free_events.give(s->event);
     s->event = nullptr;
   }
   if (s->event == nullptr && s->dirty) {
-    event_t e = take_event();
+    event_t e = free_events.take();
     try {
       drv.record(e, s->stream);
     } catch (...) {
-      give_event(e);
+      free_events.give(e);
       throw;
     }
     s->event = e;
@@ -121,7 +121,7 @@ void caching_allocator::impl::poll(stream_state* s) {
     // record + query, 2 us, per pair); this way each stream keeps its own blocks.
     if (!drv.asynchronous() && drv.query(e)) {  // the host driver completes at once
       s->safe_gen = s->event_gen + 1;
-      give_event(e);
+      free_events.give(e);
       s->event = nullptr;
     }
   }
@@ -156,7 +156,7 @@ block* caching_allocator::impl::take(group& grp, stream_state* s, std::size_t si
       return b;
     }
   }
-  owner_bins& fr = grp.bins_of(&fresh);
+  owner_bins& fr = grp.bins_of(streams.fresh());
   block* b = fr.b.find(size);
   if (b == nullptr) {
     added = &add_segment(grp, size);
@@ -174,7 +174,7 @@ block* caching_allocator::impl::absorb_next(block* l) noexcept {
   if (r->next != nullptr) r->next->prev = l;
   l->free_gen = std::max(l->free_gen, r->free_gen);
   l->backed = l->backed && r->backed;
-  recycle(r);
+  spare.give(r);
   return l;
 }
 
@@ -200,7 +200,7 @@ void caching_allocator::impl::free_block(block* b) {
 }
 
 void caching_allocator::impl::finish_free(block* b) {
-  if (history_max != 0) record(trace_action::free_completed, b->addr, b->size, b->owner->stream, b->seg->grp);
+  if (history.on()) record(trace_action::free_completed, b->addr, b->size, b->owner->stream, b->seg->grp);
   stat_set::sub(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
   stat_set::sub(st.active, b->small, 1);
   free_block(b);
@@ -221,7 +221,7 @@ void caching_allocator::impl::process_pending(bool wait) {
       ++i;
       continue;
     }
-    for (event_t e : pf.events) give_event(e);
+    for (event_t e : pf.events) free_events.give(e);
     block* b = pf.b;
     pending[i] = std::move(pending.back());
     pending.pop_back();
@@ -260,110 +260,124 @@ block* caching_allocator::impl::find_containing(std::uintptr_t p) const {
 
 // ---- construction ---------------------------------------------------------------------
 
-caching_allocator::caching_allocator(reservation_manager& mgr, caching_allocator_config cfg)
-    : mgr_(mgr), impl_(std::make_unique<impl>(mgr, cfg)) {
+caching_allocator::impl::impl(reservation_manager& m, const caching_allocator_config& c)
+    : mgr(m), drv(m.drv()), cfg(c), free_events(m.drv()) {
   DFA_EXPECTS(cfg.memory_fraction > 0.0 && cfg.memory_fraction <= 1.0,
               "caching_allocator: memory_fraction must be in (0, 1], got " + std::to_string(cfg.memory_fraction));
   DFA_EXPECTS(cfg.small_size >= k_block_unit && cfg.small_size <= (std::size_t{1} << 30),
               "caching_allocator: small_size must be in [512 B, 1 GiB]");
-  impl& d = *impl_;
-  d.g = mgr.granularity();
-  d.total = mgr.drv().get_memory_info().total_bytes;
-  d.limit = static_cast<std::size_t>(static_cast<double>(d.total) * cfg.memory_fraction);
-  d.segment_reserve = cfg.segment_reserve != 0 ? cfg.segment_reserve : 2 * d.total;
-  d.segment_reserve = (d.segment_reserve + d.g - 1) / d.g * d.g;
-  d.fresh.fresh = true;
-  d.small_grp.name = "small";
-  d.small_grp.small = true;
-  d.large_grp.name = "large";
-  d.large_grp.index = 1;
+  g = mgr.granularity();
+  total = drv.get_memory_info().total_bytes;
+  limit = static_cast<std::size_t>(static_cast<double>(total) * cfg.memory_fraction);
+  segment_reserve = cfg.segment_reserve != 0 ? cfg.segment_reserve : 2 * total;
+  segment_reserve = (segment_reserve + g - 1) / g * g;
+  small_grp.name = "small";
+  small_grp.small = true;
+  large_grp.name = "large";
+  large_grp.index = 1;
 }
 
-caching_allocator::~caching_allocator() {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  if (d.allocated.size() != 0)
-    detail::log(log_level::warn, "caching_allocator destroyed with " + std::to_string(d.allocated.size()) +
+caching_allocator::impl::~impl() {
+  log_after_unlock lk(mu);
+  if (allocated.size() != 0)
+    detail::log(log_level::warn, "caching_allocator destroyed with " + std::to_string(allocated.size()) +
                                      " blocks still allocated (their memory is released)");
   try {
-    d.process_pending(true);
+    process_pending(true);
   } catch (...) {
     detail::log_current("~caching_allocator: finishing pending frees");
   }
-  for (auto& s : d.streams)
+  for (auto& s : streams)
     if (s->event != nullptr) {
       try {
-        d.drv.synchronize(s->event);
+        drv.synchronize(s->event);
       } catch (...) {
         detail::log_current("~caching_allocator: waiting for a stream's event");
       }
-      d.drv.destroy_event(s->event);
+      drv.destroy_event(s->event);
     }
-  for (auto& pf : d.pending)
-    for (event_t e : pf.events) d.drv.destroy_event(e);
-  d.free_group(d.small_grp);
-  d.free_group(d.large_grp);
-  for (auto& t : d.tags) d.free_group(*t->grp);
-  for (block* b : d.spare) delete b;
-  for (event_t e : d.free_events) d.drv.destroy_event(e);
-  erase_regions_of(this);
+  for (auto& pf : pending)
+    for (event_t e : pf.events) drv.destroy_event(e);
+  free_group(small_grp);
+  free_group(large_grp);
+  for (auto& t : tags) free_group(*t->grp);
 }
+
+// ---- the public class: it forwards (Note [Allocator state] in allocator_state.hpp) ----
+
+caching_allocator::caching_allocator(reservation_manager& mgr, caching_allocator_config cfg)
+    : mgr_(mgr), impl_(std::make_unique<impl>(mgr, cfg)) {}
+caching_allocator::~caching_allocator() { erase_regions_of(this); }
+void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
+  return impl_->allocate(bytes, stream, region_tag(this));
+}
+void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag) {
+  return impl_->allocate(bytes, stream, tag);
+}
+void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream) {
+  impl_->deallocate(ptr, bytes, stream);
+}
+void caching_allocator::record_stream(void* ptr, stream_t stream) { impl_->record_stream(ptr, stream); }
+std::size_t caching_allocator::empty_cache() { return impl_->empty_cache(); }
+void caching_allocator::set_memory_fraction(double fraction) { impl_->set_memory_fraction(fraction); }
+caching_allocator_config caching_allocator::config() const { return impl_->config(); }
+double caching_allocator::memory_fraction() const { return impl_->memory_fraction(); }
+bool caching_allocator::owns(const void* ptr) const { return impl_->owns(ptr); }
+void* caching_allocator::base_allocation(const void* ptr, std::size_t* size) const {
+  return impl_->base_allocation(ptr, size);
+}
+std::size_t caching_allocator::allocation_size(const void* ptr) const { return impl_->allocation_size(ptr); }
 
 // ---- allocate / deallocate ------------------------------------------------------------
 
-void* caching_allocator::allocate(std::size_t bytes, stream_t stream) {
-  return allocate(bytes, stream, region_tag(this));
-}
-
-void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag) {
-  impl& d = *impl_;
+void* caching_allocator::impl::allocate(std::size_t bytes, stream_t stream, tag_id tag) {
   if (bytes == 0 || bytes > k_max_request) {
-    log_after_unlock lk(d.mu);
-    throw d.refuse<invalid_argument>(bytes, nullptr, bytes == 0 ? "the size is zero" : "the size is above 64 TiB, the most one request may ask",
-                                     "check how the size is computed (a negative size cast to unsigned?)");
+    log_after_unlock lk(mu);
+    throw refuse<invalid_argument>(bytes, nullptr, bytes == 0 ? "the size is zero" : "the size is above 64 TiB, the most one request may ask",
+                                   "check how the size is computed (a negative size cast to unsigned?)");
   }
   const std::size_t size = (bytes + k_block_unit - 1) / k_block_unit * k_block_unit;
-  log_after_unlock lk(d.mu);
-  if (!d.pending.empty()) d.process_pending(false);
-  group* grp = size <= d.cfg.small_size ? &d.small_grp : &d.large_grp;
+  log_after_unlock lk(mu);
+  if (!pending.empty()) process_pending(false);
+  group* grp = size <= cfg.small_size ? &small_grp : &large_grp;
   if (tag != tag_id::none) {
-    tag_state* t = d.tag_of(tag);
+    tag_state* t = tags.tag_of(tag);
     if (t->paused)
-      throw d.refuse<invalid_state>(bytes, t, "the tag '" + t->name + "' is paused (pause gave its memory back)",
-                                    "resume('" + t->name + "') before allocating in it, or allocate outside its region");
+      throw refuse<invalid_state>(bytes, t, "the tag '" + t->name + "' is paused (pause gave its memory back)",
+                                  "resume('" + t->name + "') before allocating in it, or allocate outside its region");
     grp = t->grp.get();
   }
-  stream_state* s = d.state_of(stream);
+  stream_state* s = streams.state_of(stream);
   block* b = nullptr;
   // A failed request leaves nothing behind: the block goes back to the bins and a
   // segment added for it (address space and bookkeeping) is freed again.
   auto undo = [&] {
     if (b != nullptr) {
       b->owner = s;
-      d.free_block(b);
+      free_block(b);
       b = nullptr;
     }
-    if (d.added != nullptr) d.drop_segment_if_unused(d.added);
-    d.added = nullptr;
+    if (added != nullptr) drop_segment_if_unused(added);
+    added = nullptr;
   };
-  d.fraction_refused = false;
+  fraction_refused = false;
   for (int attempt = 0;; ++attempt) {
-    d.added = nullptr;
+    added = nullptr;
     try {
-      b = d.take(*grp, s, size);
-      d.ensure_backed(b, stream);
-      d.seg_use(b->seg, stream);
-      d.added = nullptr;
+      b = take(*grp, s, size);
+      ensure_backed(b, stream);
+      seg_use(b->seg, stream);
+      added = nullptr;
       break;
     } catch (const out_of_memory& e) {
       undo();
       if (attempt == 1) {
-        ++d.st.num_ooms;
-        throw d.refuse_oom(bytes, size, grp->tag, e.what(), stream);
+        ++st.num_ooms;
+        throw refuse_oom(bytes, size, grp->tag, e.what(), stream);
       }
-      ++d.st.num_alloc_retries;
-      d.fraction_refused = false;
-      d.free_cached();
+      ++st.num_alloc_retries;
+      fraction_refused = false;
+      free_cached();
     } catch (...) {
       undo();
       throw;
@@ -372,36 +386,35 @@ void* caching_allocator::allocate(std::size_t bytes, stream_t stream, tag_id tag
   b->allocated = true;
   b->owner = s;
   b->requested = bytes;
-  b->small = size <= d.cfg.small_size;
-  d.allocated.insert(b->addr, b);
-  stat_set::add(d.st.allocation, b->small, 1);
-  stat_set::add(d.st.active, b->small, 1);
-  stat_set::add(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
-  stat_set::add(d.st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
-  stat_set::add(d.st.requested_bytes, b->small, static_cast<std::int64_t>(bytes));
-  if (d.history_max != 0) d.record(trace_action::alloc, b->addr, b->size, stream, grp);
+  b->small = size <= cfg.small_size;
+  allocated.insert(b->addr, b);
+  stat_set::add(st.allocation, b->small, 1);
+  stat_set::add(st.active, b->small, 1);
+  stat_set::add(st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::add(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::add(st.requested_bytes, b->small, static_cast<std::int64_t>(bytes));
+  if (history.on()) record(trace_action::alloc, b->addr, b->size, stream, grp);
   return reinterpret_cast<void*>(b->addr);
 }
 
-void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream) {
-  impl& d = *impl_;
+void caching_allocator::impl::deallocate(void* ptr, std::size_t bytes, stream_t stream) {
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  log_after_unlock lk(d.mu);
-  block* b = d.allocated.find(p);
+  log_after_unlock lk(mu);
+  block* b = allocated.find(p);
   if (b == nullptr)
     throw invalid_argument("deallocate: pointer " + hex(p) + " was not returned by this allocator (or is already freed)");
   if (bytes != 0 && bytes != b->requested && bytes != b->size)
     throw invalid_argument("deallocate: pointer " + hex(p) + " was allocated with " + std::to_string(b->requested) +
                            " bytes, not " + std::to_string(bytes));
-  stream_state* s = d.state_of(stream);
+  stream_state* s = streams.state_of(stream);
   if (b->users == nullptr && b->owner == s) {  // the common case: no other stream to wait for
-    if (d.history_max != 0) d.record(trace_action::free_requested, b->addr, b->size, stream, b->seg->grp);
-    d.allocated.erase(p);
-    stat_set::sub(d.st.allocation, b->small, 1);
-    stat_set::sub(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
-    stat_set::sub(d.st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
+    if (history.on()) record(trace_action::free_requested, b->addr, b->size, stream, b->seg->grp);
+    allocated.erase(p);
+    stat_set::sub(st.allocation, b->small, 1);
+    stat_set::sub(st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
+    stat_set::sub(st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
     b->allocated = false;
-    d.finish_free(b);
+    finish_free(b);
     return;
   }
   std::vector<stream_t> others;
@@ -410,83 +423,80 @@ void caching_allocator::deallocate(void* ptr, std::size_t bytes, stream_t stream
       if (u != stream) others.push_back(u);
   if (b->owner != s) {
     others.push_back(b->owner->stream);
-    d.seg_use(b->seg, stream);
+    seg_use(b->seg, stream);
   }
   std::vector<event_t> events;
   try {
     for (stream_t u : others) {
-      events.push_back(d.take_event());
-      d.drv.record(events.back(), u);
+      events.push_back(free_events.take());
+      drv.record(events.back(), u);
     }
-    if (!events.empty()) d.pending.reserve(d.pending.size() + 1);
+    if (!events.empty()) pending.reserve(pending.size() + 1);
   } catch (...) {
-    for (event_t e : events) d.give_event(e);
+    for (event_t e : events) free_events.give(e);
     throw;
   }
-  if (d.history_max != 0) d.record(trace_action::free_requested, b->addr, b->size, stream, b->seg->grp);
-  d.allocated.erase(p);
-  stat_set::sub(d.st.allocation, b->small, 1);
-  stat_set::sub(d.st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
-  stat_set::sub(d.st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
+  if (history.on()) record(trace_action::free_requested, b->addr, b->size, stream, b->seg->grp);
+  allocated.erase(p);
+  stat_set::sub(st.allocation, b->small, 1);
+  stat_set::sub(st.allocated_bytes, b->small, static_cast<std::int64_t>(b->size));
+  stat_set::sub(st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
   b->owner = s;
   b->allocated = false;
   if (events.empty()) {
-    d.finish_free(b);
+    finish_free(b);
   } else {
     b->pending = true;
-    d.pending.push_back({b, std::move(events)});
+    pending.push_back({b, std::move(events)});
   }
 }
 
-void caching_allocator::record_stream(void* ptr, stream_t stream) {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  block* b = d.allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (b == nullptr) b = d.find_containing(reinterpret_cast<std::uintptr_t>(ptr));
+void caching_allocator::impl::record_stream(void* ptr, stream_t stream) {
+  log_after_unlock lk(mu);
+  block* b = allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (b == nullptr) b = find_containing(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr)
     throw invalid_argument("record_stream: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
                            " is not an allocation of this allocator");
   if (b->owner->stream == stream) return;
   if (b->users == nullptr) b->users = new std::vector<stream_t>();
   if (std::find(b->users->begin(), b->users->end(), stream) == b->users->end()) b->users->push_back(stream);
-  d.seg_use(b->seg, stream);
+  seg_use(b->seg, stream);
 }
 
 // ---- cache ------------------------------------------------------------------------------
 
-std::size_t caching_allocator::empty_cache() {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  return d.free_cached();
+std::size_t caching_allocator::impl::empty_cache() {
+  log_after_unlock lk(mu);
+  return free_cached();
 }
 
-void caching_allocator::set_memory_fraction(double fraction) {
+void caching_allocator::impl::set_memory_fraction(double fraction) {
   DFA_EXPECTS(fraction > 0.0 && fraction <= 1.0,
               "set_memory_fraction: fraction must be in (0, 1], got " + std::to_string(fraction));
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  d.cfg.memory_fraction = fraction;
-  d.limit = static_cast<std::size_t>(static_cast<double>(d.total) * fraction);
+  log_after_unlock lk(mu);
+  cfg.memory_fraction = fraction;
+  limit = static_cast<std::size_t>(static_cast<double>(total) * fraction);
 }
 
-caching_allocator_config caching_allocator::config() const {
-  log_after_unlock lk(impl_->mu);
-  return impl_->cfg;
+caching_allocator_config caching_allocator::impl::config() const {
+  log_after_unlock lk(mu);
+  return cfg;
 }
 
-double caching_allocator::memory_fraction() const {
-  log_after_unlock lk(impl_->mu);
-  return impl_->cfg.memory_fraction;
+double caching_allocator::impl::memory_fraction() const {
+  log_after_unlock lk(mu);
+  return cfg.memory_fraction;
 }
 
-bool caching_allocator::owns(const void* ptr) const {
-  log_after_unlock lk(impl_->mu);
-  return impl_->find_containing(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
+bool caching_allocator::impl::owns(const void* ptr) const {
+  log_after_unlock lk(mu);
+  return find_containing(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
 }
 
-void* caching_allocator::base_allocation(const void* ptr, std::size_t* size) const {
-  log_after_unlock lk(impl_->mu);
-  block* b = impl_->find_containing(reinterpret_cast<std::uintptr_t>(ptr));
+void* caching_allocator::impl::base_allocation(const void* ptr, std::size_t* size) const {
+  log_after_unlock lk(mu);
+  block* b = find_containing(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr)
     throw invalid_argument("base_allocation: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
                            " is not inside an allocation of this allocator");
@@ -494,9 +504,9 @@ void* caching_allocator::base_allocation(const void* ptr, std::size_t* size) con
   return reinterpret_cast<void*>(b->addr);
 }
 
-std::size_t caching_allocator::allocation_size(const void* ptr) const {
-  log_after_unlock lk(impl_->mu);
-  block* b = impl_->allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
+std::size_t caching_allocator::impl::allocation_size(const void* ptr) const {
+  log_after_unlock lk(mu);
+  block* b = allocated.find(reinterpret_cast<std::uintptr_t>(ptr));
   return b == nullptr ? 0 : b->size;
 }
 

@@ -47,13 +47,7 @@ void caching_allocator::impl::record(trace_action a, std::uintptr_t addr, std::s
   e.group = grp != nullptr ? grp->index : -1;
   e.aux = aux;
   try {
-    if (history.size() < history_max) {
-      history.push_back(e);
-      history_next = history.size() % history_max;
-    } else {
-      history[history_next] = e;
-      history_next = (history_next + 1) % history_max;
-    }
+    history.push(e);
   } catch (...) {  // no memory for the event: the trace loses it, the allocator goes on
   }
 }
@@ -63,23 +57,16 @@ void caching_allocator::impl::record_runs(trace_action a, const segment& seg, co
     if (r.id == seg.id) record(a, seg.base + r.offset, r.length, nullptr, seg.grp);
 }
 
-void caching_allocator::record_history(std::size_t max_entries) {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  if (max_entries == 0 || max_entries != d.history_max) {
-    d.history.clear();
-    d.history.shrink_to_fit();
-    d.history_next = 0;
-  }
-  d.history_max = max_entries;
+void caching_allocator::impl::record_history(std::size_t max_entries) {
+  log_after_unlock lk(mu);
+  history.set_max(max_entries);
 }
 
-std::string caching_allocator::snapshot_text() const {
-  const impl& d = *impl_;
-  log_after_unlock lk(d.mu);
+std::string caching_allocator::impl::snapshot_text() const {
+  log_after_unlock lk(mu);
   std::string out;
   char line[256];
-  std::snprintf(line, sizeof line, "A %zu %zu %zu %" PRId64 "\n", d.g, d.limit, d.reserved, d.refusals);
+  std::snprintf(line, sizeof line, "A %zu %zu %zu %" PRId64 "\n", g, limit, reserved, refusals);
   out += line;
   auto stream_no = [](stream_t s) { return static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(s.get())); };
   auto put_group = [&](const group& grp) {
@@ -100,7 +87,7 @@ std::string caching_allocator::snapshot_text() const {
         }
         std::size_t j = i;
         while (j < s->backed.size() && s->backed[j]) ++j;
-        std::snprintf(line, sizeof line, "R %zu %zu\n", i * d.g, (j - i) * d.g);
+        std::snprintf(line, sizeof line, "R %zu %zu\n", i * g, (j - i) * g);
         out += line;
         i = j;
       }
@@ -120,19 +107,20 @@ std::string caching_allocator::snapshot_text() const {
             out += line;
           }
   };
-  put_group(d.small_grp);
-  put_group(d.large_grp);
-  for (const auto& t : d.tags) put_group(*t->grp);
+  put_group(small_grp);
+  put_group(large_grp);
+  for (const auto& t : tags) put_group(*t->grp);
   const char* names[] = {"alloc", "free_requested", "free_completed", "segment_map", "segment_unmap", "oom"};
-  const std::size_t n = d.history.size();
-  const std::size_t start = n < d.history_max ? 0 : d.history_next;
-  for (std::size_t k = 0; k < n; ++k) {
-    const trace_event& e = d.history[(start + k) % n];
+  for (std::size_t k = 0; k < history.size(); ++k) {
+    const trace_event& e = history.at(k);
     std::snprintf(line, sizeof line, "E %s %" PRIuPTR " %zu %llu %" PRId64 " %d %zu\n", names[static_cast<int>(e.action)],
                   e.addr, e.size, stream_no(e.stream), e.time_us, e.group, e.aux);
     out += line;
   }
   return out;
 }
+
+void caching_allocator::record_history(std::size_t max_entries) { impl_->record_history(max_entries); }
+std::string caching_allocator::snapshot_text() const { return impl_->snapshot_text(); }
 
 }  // namespace deferalloc

@@ -67,21 +67,19 @@ void caching_allocator::check_tag_name(std::string_view call, std::string_view t
   }
 }
 
-tag_id caching_allocator::register_tag(std::string_view tag) {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
+tag_id caching_allocator::impl::register_tag(std::string_view tag) {
+  log_after_unlock lk(mu);
   // A known tag's name was checked when it was registered: the C ABI's tagged malloc,
   // which looks its tag up each time, pays for the check once.
-  if (tag_state* t = d.find_tag(tag)) return d.id_of(t);
+  if (tag_state* t = tags.find(tag)) return tags.id_of(t);
   check_tag_name("register_tag", tag);
   auto t = std::make_unique<tag_state>();
   t->name = std::string(tag);
   t->grp = std::make_unique<group>();
   t->grp->name = t->name;
-  t->grp->index = static_cast<int>(d.tags.size()) + 2;
+  t->grp->index = tags.next_group_index();
   t->grp->tag = t.get();
-  d.tags.push_back(std::move(t));
-  return static_cast<tag_id>(d.tags.size());
+  return tags.add(std::move(t));
 }
 
 tag_scope::tag_scope(caching_allocator& a, std::string_view tag) : a_(a) { a_.begin_tag(tag); }
@@ -113,8 +111,12 @@ void caching_allocator::end_tag() {
 std::string caching_allocator::current_tag() const {
   const tag_id id = region_tag(this);
   if (id == tag_id::none) return std::string();
-  log_after_unlock lk(impl_->mu);
-  return impl_->tag_of(id)->name;
+  return impl_->tag_name(id);
+}
+
+std::string caching_allocator::impl::tag_name(tag_id id) const {
+  log_after_unlock lk(mu);
+  return tags.tag_of(id)->name;
 }
 
 // ---- pause / resume -----------------------------------------------------------------------
@@ -124,90 +126,91 @@ void caching_allocator::pause(std::string_view tag, keep_mode keep, stream_t str
   if (region_tag(this) != tag_id::none)
     throw invalid_state("pause('" + std::string(tag) + "'): called inside the tagged region '" + current_tag() +
                         "' (leave the region first)");
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  tag_state* t = d.find_tag(tag);
+  impl_->pause(tag, keep, stream);
+}
+
+void caching_allocator::impl::pause(std::string_view tag, keep_mode keep, stream_t stream) {
+  log_after_unlock lk(mu);
+  tag_state* t = tags.find(tag);
   if (t == nullptr) throw invalid_argument("pause: unknown tag '" + std::string(tag) + "'");
   if (t->paused) throw invalid_state("pause: tag '" + t->name + "' is already paused");
-  d.process_pending(false);
+  process_pending(false);
 
   // Step 1: whole free chunks, discarded.
   std::vector<range> runs;
   for (auto& s : t->grp->segments) {
-    impl::granule_plan p = d.plan(*s);
+    granule_plan p = plan(*s);
     runs.insert(runs.end(), p.free_runs.begin(), p.free_runs.end());
   }
   if (!runs.empty()) {
-    const std::vector<range> done = d.mgr.release_whole_chunks(runs, keep_mode::discard, stream);
-    for (auto& s : t->grp->segments) d.mark_unbacked(*s, done);
+    const std::vector<range> done = mgr.release_whole_chunks(runs, keep_mode::discard, stream);
+    for (auto& s : t->grp->segments) mark_unbacked(*s, done);
   }
   // Step 2: every chunk under no resident block, with the caller's keep mode.
   runs.clear();
   for (auto& s : t->grp->segments) {
-    impl::granule_plan p = d.plan(*s);
+    granule_plan p = plan(*s);
     runs.insert(runs.end(), p.unpinned_runs.begin(), p.unpinned_runs.end());
   }
   std::vector<range> saved;
   if (!runs.empty()) {
-    saved = d.mgr.release_whole_chunks(runs, keep, stream);
-    for (auto& s : t->grp->segments) d.mark_unbacked(*s, saved);
+    saved = mgr.release_whole_chunks(runs, keep, stream);
+    for (auto& s : t->grp->segments) mark_unbacked(*s, saved);
   }
   t->saved = std::move(saved);
   t->keep = keep;
   t->paused = true;
 }
 
-void caching_allocator::resume(std::string_view tag, stream_t stream) {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  tag_state* t = d.find_tag(tag);
+void caching_allocator::impl::resume(std::string_view tag, stream_t stream) {
+  log_after_unlock lk(mu);
+  tag_state* t = tags.find(tag);
   if (t == nullptr) throw invalid_argument("resume: unknown tag '" + std::string(tag) + "'");
   if (!t->paused) throw invalid_state("resume: tag '" + t->name + "' is not paused");
   std::size_t bytes = 0;
   for (const range& r : t->saved) bytes += r.length;
-  if (d.reserved + bytes > d.limit) d.free_cached();
-  if (d.reserved + bytes > d.limit)
+  if (reserved + bytes > limit) free_cached();
+  if (reserved + bytes > limit)
     throw out_of_memory("resume('" + t->name + "'): " + std::to_string(bytes) + " bytes would exceed the memory fraction (" +
-                        std::to_string(d.reserved) + " of " + std::to_string(d.limit) + " bytes backed)");
+                        std::to_string(reserved) + " of " + std::to_string(limit) + " bytes backed)");
   if (!t->saved.empty()) {
     const fill_mode fill = t->keep == keep_mode::host ? fill_mode::restore : fill_mode::undefined;
     try {
-      d.mgr.materialize(t->saved, fill, stream);
+      mgr.materialize(t->saved, fill, stream);
     } catch (const out_of_memory&) {
-      ++d.st.num_alloc_retries;
-      d.free_cached();
-      d.mgr.materialize(t->saved, fill, stream);
+      ++st.num_alloc_retries;
+      free_cached();
+      mgr.materialize(t->saved, fill, stream);
     }
   }
   for (auto& s : t->grp->segments) {
     std::int64_t added = 0;
     for (const range& r : t->saved) {
       if (r.id != s->id) continue;
-      for (std::size_t i = r.offset / d.g; i < (r.offset + r.length) / d.g; ++i) {
+      for (std::size_t i = r.offset / g; i < (r.offset + r.length) / g; ++i) {
         s->backed[i] = 1;
-        added += static_cast<std::int64_t>(d.g);
+        added += static_cast<std::int64_t>(g);
       }
     }
-    if (d.history_max != 0) d.record_runs(trace_action::segment_map, *s, t->saved);
-    if (added != 0) d.note_backed(*t->grp, added);
-    d.seg_use(s.get(), stream);
+    if (history.on()) record_runs(trace_action::segment_map, *s, t->saved);
+    if (added != 0) note_backed(*t->grp, added);
+    seg_use(s.get(), stream);
   }
-  d.st.num_device_alloc += static_cast<std::int64_t>(t->saved.size());
+  st.num_device_alloc += static_cast<std::int64_t>(t->saved.size());
   t->saved.clear();
   t->paused = false;
 }
 
-bool caching_allocator::is_paused(std::string_view tag) const {
-  log_after_unlock lk(impl_->mu);
-  tag_state* t = impl_->find_tag(tag);
+bool caching_allocator::impl::is_paused(std::string_view tag) const {
+  log_after_unlock lk(mu);
+  tag_state* t = tags.find(tag);
   if (t == nullptr) throw invalid_argument("is_paused: unknown tag '" + std::string(tag) + "'");
   return t->paused;
 }
 
-void caching_allocator::set_resident(void* ptr, bool resident) {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  block* b = d.find_containing(reinterpret_cast<std::uintptr_t>(ptr));
+void caching_allocator::impl::set_resident(void* ptr, bool resident) {
+  log_after_unlock lk(mu);
+  block* b = find_containing(reinterpret_cast<std::uintptr_t>(ptr));
   if (b == nullptr)
     throw invalid_argument("set_resident: pointer " + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
                            " is not an allocation of this allocator");
@@ -216,19 +219,18 @@ void caching_allocator::set_resident(void* ptr, bool resident) {
   b->resident = resident;
 }
 
-std::vector<std::string> caching_allocator::tags() const {
-  log_after_unlock lk(impl_->mu);
+std::vector<std::string> caching_allocator::impl::tag_names() const {
+  log_after_unlock lk(mu);
   std::vector<std::string> out;
-  for (auto& t : impl_->tags) out.push_back(t->name);
+  for (auto& t : tags) out.push_back(t->name);
   return out;
 }
 
 // ---- statistics ---------------------------------------------------------------------------
 
-std::map<std::string, std::int64_t> caching_allocator::stats() const {
-  const impl& d = *impl_;
+std::map<std::string, std::int64_t> caching_allocator::impl::stats() const {
   std::map<std::string, std::int64_t> m;
-  log_after_unlock lk(d.mu);
+  log_after_unlock lk(mu);
   const char* pools[3] = {"all", "small_pool", "large_pool"};
   auto put = [&](const char* name, const stat_array& a) {
     for (int p = 0; p < 3; ++p) {
@@ -239,51 +241,51 @@ std::map<std::string, std::int64_t> caching_allocator::stats() const {
       m[k + "freed"] = a[p].freed;
     }
   };
-  put("allocation", d.st.allocation);
-  put("segment", d.st.segment);
-  put("active", d.st.active);
-  put("allocated_bytes", d.st.allocated_bytes);
-  put("reserved_bytes", d.st.reserved_bytes);
-  put("active_bytes", d.st.active_bytes);
-  put("requested_bytes", d.st.requested_bytes);
-  m["num_alloc_retries"] = d.st.num_alloc_retries;
-  m["num_ooms"] = d.st.num_ooms;
-  m["num_sync_all_streams"] = d.st.num_sync_all_streams;
-  m["num_device_alloc"] = d.st.num_device_alloc;
-  m["num_device_free"] = d.st.num_device_free;
+  put("allocation", st.allocation);
+  put("segment", st.segment);
+  put("active", st.active);
+  put("allocated_bytes", st.allocated_bytes);
+  put("reserved_bytes", st.reserved_bytes);
+  put("active_bytes", st.active_bytes);
+  put("requested_bytes", st.requested_bytes);
+  m["num_alloc_retries"] = st.num_alloc_retries;
+  m["num_ooms"] = st.num_ooms;
+  m["num_sync_all_streams"] = st.num_sync_all_streams;
+  m["num_device_alloc"] = st.num_device_alloc;
+  m["num_device_free"] = st.num_device_free;
   m["max_split_size"] = -1;
 
   std::int64_t address = 0, paused_tags = 0, paused_bytes = 0;
   auto seg_bytes = [&](const group& grp) {
     for (auto& s : grp.segments) address += static_cast<std::int64_t>(s->size);
   };
-  seg_bytes(d.small_grp);
-  seg_bytes(d.large_grp);
-  for (auto& t : d.tags) {
+  seg_bytes(small_grp);
+  seg_bytes(large_grp);
+  for (auto& t : tags) {
     seg_bytes(*t->grp);
     if (t->paused) {
       ++paused_tags;
       for (const range& r : t->saved) paused_bytes += static_cast<std::int64_t>(r.length);
     }
   }
-  const reservation_stats rs = d.mgr.stats();
+  const reservation_stats rs = mgr.stats();
   m["deferalloc.address_bytes"] = address;
-  m["deferalloc.backed_bytes"] = static_cast<std::int64_t>(d.reserved);
-  m["deferalloc.memory_limit_bytes"] = static_cast<std::int64_t>(d.limit);
-  m["deferalloc.tags"] = static_cast<std::int64_t>(d.tags.size());
+  m["deferalloc.backed_bytes"] = static_cast<std::int64_t>(reserved);
+  m["deferalloc.memory_limit_bytes"] = static_cast<std::int64_t>(limit);
+  m["deferalloc.tags"] = static_cast<std::int64_t>(tags.size());
   m["deferalloc.paused_tags"] = paused_tags;
   m["deferalloc.paused_bytes"] = paused_bytes;
-  m["deferalloc.pending_frees"] = static_cast<std::int64_t>(d.pending.size());
-  m["deferalloc.streams"] = static_cast<std::int64_t>(d.streams.size());
-  m["deferalloc.cross_stream_reuses"] = d.st.cross_stream_reuses;
-  m["deferalloc.stream_events"] = d.st.stream_events;
+  m["deferalloc.pending_frees"] = static_cast<std::int64_t>(pending.size());
+  m["deferalloc.streams"] = static_cast<std::int64_t>(streams.size());
+  m["deferalloc.cross_stream_reuses"] = st.cross_stream_reuses;
+  m["deferalloc.stream_events"] = st.stream_events;
   m["deferalloc.manager.reserved_bytes"] = static_cast<std::int64_t>(rs.reserved_bytes);
   m["deferalloc.manager.backed_bytes"] = static_cast<std::int64_t>(rs.backed_bytes);
   m["deferalloc.manager.backup_bytes"] = static_cast<std::int64_t>(rs.backup_bytes);
   m["deferalloc.pool.alive_bytes"] = static_cast<std::int64_t>(rs.pool.alive_bytes);
   m["deferalloc.pool.cached_bytes"] = static_cast<std::int64_t>(rs.pool.cached_bytes);
   m["deferalloc.pool.cache_limit_bytes"] = static_cast<std::int64_t>(
-      std::min<std::size_t>(d.mgr.pool().cache_limit(), std::numeric_limits<std::int64_t>::max()));
+      std::min<std::size_t>(mgr.pool().cache_limit(), std::numeric_limits<std::int64_t>::max()));
   m["deferalloc.manager.splits"] = static_cast<std::int64_t>(rs.splits);
   m["deferalloc.pool.chunks_created"] = static_cast<std::int64_t>(rs.pool.chunks_created);
   m["deferalloc.pool.chunks_reused"] = static_cast<std::int64_t>(rs.pool.chunks_reused);
@@ -301,23 +303,32 @@ std::int64_t caching_allocator::stat(std::string_view key) const {
   return it->second;
 }
 
-void caching_allocator::reset_peak_stats() {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  for (stat_array* a : {&d.st.allocation, &d.st.segment, &d.st.active, &d.st.allocated_bytes, &d.st.reserved_bytes,
-                        &d.st.active_bytes, &d.st.requested_bytes})
+void caching_allocator::impl::reset_peak_stats() {
+  log_after_unlock lk(mu);
+  for (stat_array* a : {&st.allocation, &st.segment, &st.active, &st.allocated_bytes, &st.reserved_bytes,
+                        &st.active_bytes, &st.requested_bytes})
     for (auto& s : *a) s.peak = s.current;
 }
 
-void caching_allocator::reset_accumulated_stats() {
-  impl& d = *impl_;
-  log_after_unlock lk(d.mu);
-  for (stat_array* a : {&d.st.allocation, &d.st.segment, &d.st.active, &d.st.allocated_bytes, &d.st.reserved_bytes,
-                        &d.st.active_bytes, &d.st.requested_bytes})
+void caching_allocator::impl::reset_accumulated_stats() {
+  log_after_unlock lk(mu);
+  for (stat_array* a : {&st.allocation, &st.segment, &st.active, &st.allocated_bytes, &st.reserved_bytes,
+                        &st.active_bytes, &st.requested_bytes})
     for (auto& s : *a) s.allocated = s.freed = 0;
-  d.st.num_alloc_retries = d.st.num_ooms = d.st.num_sync_all_streams = 0;
-  d.st.num_device_alloc = d.st.num_device_free = 0;
-  d.st.cross_stream_reuses = d.st.stream_events = 0;
+  st.num_alloc_retries = st.num_ooms = st.num_sync_all_streams = 0;
+  st.num_device_alloc = st.num_device_free = 0;
+  st.cross_stream_reuses = st.stream_events = 0;
 }
+
+// ---- the public class: it forwards (Note [Allocator state] in allocator_state.hpp) ----
+
+tag_id caching_allocator::register_tag(std::string_view tag) { return impl_->register_tag(tag); }
+void caching_allocator::resume(std::string_view tag, stream_t stream) { impl_->resume(tag, stream); }
+bool caching_allocator::is_paused(std::string_view tag) const { return impl_->is_paused(tag); }
+void caching_allocator::set_resident(void* ptr, bool resident) { impl_->set_resident(ptr, resident); }
+std::vector<std::string> caching_allocator::tags() const { return impl_->tag_names(); }
+std::map<std::string, std::int64_t> caching_allocator::stats() const { return impl_->stats(); }
+void caching_allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
+void caching_allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
 
 }  // namespace deferalloc

@@ -48,7 +48,7 @@ out_of_memory caching_allocator::impl::refuse_oom(std::size_t bytes, std::size_t
              std::to_string(st.allocated_bytes[pool_all].current) + " of them allocated";
     fix = "free tensors, pause a tag (deferalloc.pause), or make the other users of the device give memory back";
   }
-  if (history_max != 0) record(trace_action::oom, 0, bytes, stream, nullptr, dev_free);
+  if (history.on()) record(trace_action::oom, 0, bytes, stream, nullptr, dev_free);
   return refuse<out_of_memory>(bytes, t, fraction_refused ? reason : reason + " (" + cause + ")", fix);
 }
 

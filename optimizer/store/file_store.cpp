@@ -98,7 +98,7 @@
 // resume then takes the step before it (intact, verified) and logs a warning.
 #include "file_store.hpp"
 #include "file_util.hpp"
-#include "../kernels/moment_format.hpp"
+#include "kernels/moment_format.hpp"
 
 #include <deferalloc/core/errors.hpp>
 #include <fcntl.h>

@@ -15,24 +15,24 @@ using detail::gaps;
 
 // The classes that fit at `pos` inside [pos, end), at most `max_class`, largest first
 // (the granularity when none does).
-std::vector<std::size_t> reservation_manager::classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const {
+std::vector<std::size_t> reservation_manager::impl::classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const {
   std::vector<std::size_t> fit;
-  const auto& classes = impl_->pool_->classes();
+  const auto& classes = pool_->classes();
   for (auto it = classes.rbegin(); it != classes.rend(); ++it)
     if (*it <= max_class && pos % *it == 0 && pos + *it <= end) fit.push_back(*it);
-  if (fit.empty()) fit.push_back(impl_->granularity_);
+  if (fit.empty()) fit.push_back(granularity_);
   return fit;
 }
 
 // Covers [pos, end) with cached chunks only (at each position the largest cached class
 // that fits), all or none: appends to `out` and returns true, or leaves `out` as it
 // was.  No driver call.
-bool reservation_manager::reuse_cached(std::size_t pos, std::size_t end, std::vector<std::pair<std::size_t, chunk>>& out) {
+bool reservation_manager::impl::reuse_cached(std::size_t pos, std::size_t end, placed_chunks& out) {
   const std::size_t mark = out.size();
   while (pos < end) {
-    auto ch = impl_->pool_->try_reuse(classes_at(pos, end, end - pos));
+    auto ch = pool_->try_reuse(classes_at(pos, end, end - pos));
     if (!ch) {
-      for (std::size_t i = mark; i < out.size(); ++i) impl_->pool_->give_back(out[i].second);
+      for (std::size_t i = mark; i < out.size(); ++i) pool_->give_back(out[i].second);
       out.resize(mark);
       return false;
     }
@@ -50,19 +50,19 @@ bool reservation_manager::reuse_cached(std::size_t pos, std::size_t end, std::ve
 // only when they cover a whole piece, so one small cached chunk never breaks a large
 // range into many small pieces.  Appends to `out`; returns false when even a granule
 // could not be had (what was appended stays there).
-bool reservation_manager::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
-                                         std::vector<std::pair<std::size_t, chunk>>& out) {
-  const auto& classes = impl_->pool_->classes();
+bool reservation_manager::impl::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
+                                         placed_chunks& out) {
+  const auto& classes = pool_->classes();
   while (pos < end) {
     const std::size_t c = classes_at(pos, end, max_class).front();
     if (reuse_cached(pos, pos + c, out)) {
       pos += c;
       continue;
     }
-    if (auto ch = impl_->pool_->try_acquire(c)) {
+    if (auto ch = pool_->try_acquire(c)) {
       out.emplace_back(pos, *ch);
     } else {
-      if (c == impl_->granularity_) return false;
+      if (c == granularity_) return false;
       auto smaller = std::prev(std::lower_bound(classes.begin(), classes.end(), c));
       if (!acquire_pieces(pos, pos + c, *smaller, out)) return false;
     }
@@ -72,29 +72,29 @@ bool reservation_manager::acquire_pieces(std::size_t pos, std::size_t end, std::
 }
 
 // Chunks for every run (begin, end): all or none.  @throws out_of_memory
-std::vector<std::pair<std::size_t, chunk>> reservation_manager::plan_chunks(
+reservation_manager::impl::placed_chunks reservation_manager::impl::plan_chunks(
     const std::vector<std::pair<std::size_t, std::size_t>>& runs) {
-  std::vector<std::pair<std::size_t, chunk>> out;
+  placed_chunks out;
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool ok = true;
     try {
       for (const auto& [b, e] : runs)
-        if (!(ok = acquire_pieces(b, e, impl_->pool_->classes().back(), out))) break;
+        if (!(ok = acquire_pieces(b, e, pool_->classes().back(), out))) break;
     } catch (...) {
-      for (auto& [pos, c] : out) impl_->pool_->give_back(c);
+      for (auto& [pos, c] : out) pool_->give_back(c);
       throw;
     }
     if (ok) return out;
-    for (auto& [pos, c] : out) impl_->pool_->give_back(c);
+    for (auto& [pos, c] : out) pool_->give_back(c);
     out.clear();
-    if (attempt == 0) impl_->pool_->trim();
+    if (attempt == 0) pool_->trim();
   }
   std::size_t want = 0;
   for (const auto& [b, e] : runs) want += e - b;
-  const pool_stats ps = impl_->pool_->stats();
+  const pool_stats ps = pool_->stats();
   std::string dev;
   try {
-    auto mi = impl_->drv_->get_memory_info();
+    auto mi = drv_->get_memory_info();
     dev = ", device free " + std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes);
   } catch (...) {
     detail::log_current("out-of-memory report: device memory info", log_level::warn);
@@ -106,30 +106,33 @@ std::vector<std::pair<std::size_t, chunk>> reservation_manager::plan_chunks(
 
 // ---- materialize --------------------------------------------------------------------
 
-void reservation_manager::materialize(reservation_id id, std::size_t offset, std::size_t length, fill_mode fill,
-                                      stream_t stream) {
-  range r{id, offset, length};
-  materialize(std::span<const range>(&r, 1), fill, stream);
+// An unbacked run of one reservation; `parts` are its pieces of the ranges asked for.
+// Chunks are planned per part, so that no chunk crosses a boundary of the ranges (a later
+// release of one range then never splits); set_access and fills go per run.
+struct reservation_manager::impl::run {
+  reservation* r;
+  std::size_t begin, end;
+  std::vector<std::pair<std::size_t, std::size_t>> parts;
+};
+
+void reservation_manager::impl::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  expect_valid(fill, "materialize");
+  detail::log_after_unlock lk(mu_);
+  reap_retired(false);
+  const std::vector<run> runs = unbacked_runs(resolve(ranges), fill);
+  if (runs.empty()) return;  // already backed: a no-op
+  std::vector<placed_chunks> pieces = chunks_for(runs);
+  map_and_fill(runs, pieces, fill, stream);
+  commit_backed(runs, pieces, stream);
 }
 
-void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
-  expect_valid(fill, "materialize");
-  detail::log_after_unlock lk(impl_->mu_);
-  reap_retired(false);
-  const std::size_t g = impl_->granularity_;
-  std::vector<work_item> ws = resolve(ranges);
-
-  // Unbacked runs, per reservation; `parts` are the pieces of the ranges asked for.
-  // Chunks are planned per part, so that no chunk crosses a boundary of the ranges (a
-  // later release of one range then never splits); set_access and fills go per run.
-  struct run {
-    reservation* r;
-    std::size_t begin, end;
-    std::vector<std::pair<std::size_t, std::size_t>> parts;
-  };
+// The unbacked runs of a batch, per reservation.  @throws invalid_state (restore of a
+// granule without backup)
+std::vector<reservation_manager::impl::run> reservation_manager::impl::unbacked_runs(const std::vector<work_item>& ws,
+                                                                                    fill_mode fill) const {
   std::vector<run> runs;
   for (const auto& w : ws) {
-    auto& r = *static_cast<reservation*>(w.r);
+    reservation& r = *w.r;
     for (const auto& [b, e] : gaps(r.chunks, w.begin, w.end)) {
       if (fill == fill_mode::restore) {
         const std::size_t miss = r.first_unsaved(b, e);
@@ -142,79 +145,89 @@ void reservation_manager::materialize(std::span<const range> ranges, fill_mode f
       runs.back().parts.emplace_back(b, e);
     }
   }
-  if (runs.empty()) return;  // already backed: a no-op
+  return runs;
+}
 
-  // Chunks for all runs (offsets are per reservation, so plan run by run but all-or-nothing).
-  std::vector<std::vector<std::pair<std::size_t, chunk>>> pieces(runs.size());
-  auto give_back_all = [&] {
-    for (auto& ps : pieces)
-      for (auto& [pos, c] : ps) impl_->pool_->give_back(c);
-  };
+// Chunks for all runs (offsets are per reservation, so planned run by run but all or
+// nothing).  @throws out_of_memory
+std::vector<reservation_manager::impl::placed_chunks> reservation_manager::impl::chunks_for(const std::vector<run>& runs) {
+  std::vector<placed_chunks> pieces(runs.size());
   try {
     for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks(runs[i].parts);
   } catch (...) {
-    give_back_all();
+    for (auto& ps : pieces)
+      for (auto& [pos, c] : ps) pool_->give_back(c);
     throw;
   }
+  return pieces;
+}
 
-  // Map, then one set_access per run.
+// Maps the chunks, one set_access per run, then the fill.  On failure every mapping is
+// removed and the chunks go back to the pool.
+void reservation_manager::impl::map_and_fill(const std::vector<run>& runs, const std::vector<placed_chunks>& pieces,
+                                             fill_mode fill, stream_t stream) {
   std::vector<std::pair<std::uintptr_t, std::size_t>> mapped;
-  auto unmap_all = [&] {
-    for (auto& [va, n] : mapped) unmap_quietly(va, n);
-  };
   try {
     for (std::size_t i = 0; i < runs.size(); ++i)
       for (auto& [pos, c] : pieces[i]) {
-        impl_->drv_->map(runs[i].r->base + pos, c.bytes, c.handle);
+        drv_->map(runs[i].r->base + pos, c.bytes, c.handle);
         mapped.emplace_back(runs[i].r->base + pos, c.bytes);
       }
-    for (const auto& rn : runs) impl_->drv_->set_access(rn.r->base + rn.begin, rn.end - rn.begin);
+    for (const auto& rn : runs) drv_->set_access(rn.r->base + rn.begin, rn.end - rn.begin);
     if (fill == fill_mode::zero) {
-      for (const auto& rn : runs) impl_->drv_->zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
+      for (const auto& rn : runs) drv_->zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
     } else if (fill == fill_mode::restore) {
-      for (const auto& rn : runs) {
-        reservation& r = *rn.r;
-        for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
-          const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
-          const backup_segment& seg = r.backups.at(it->second.segment);
-          impl_->drv_->copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset),
-                           e - b, impl_->copy_stream_);
-        }
-      }
-      std::vector<event_t> done{take_event()};
-      try {
-        impl_->drv_->record(done[0], impl_->copy_stream_);
-        impl_->drv_->stream_wait(stream, done[0]);
-      } catch (...) {
-        give_events(done);
-        throw;
-      }
-      give_events(done);
+      restore_into(runs, stream);
     }
   } catch (...) {
     try {  // copies may be in flight into the ranges we are about to unmap
-      impl_->drv_->synchronize_stream(impl_->copy_stream_);
-      impl_->drv_->synchronize_stream(stream);
+      drv_->synchronize_stream(copy_stream_);
+      drv_->synchronize_stream(stream);
     } catch (...) {
       detail::log_current("materialize rollback: waiting for copies");
     }
-    unmap_all();
-    give_back_all();
+    for (auto& [va, n] : mapped) unmap_quietly(va, n);
+    for (auto& ps : pieces)
+      for (auto& [pos, c] : ps) pool_->give_back(c);
     throw;
   }
+}
 
-  // Commit.  Backups restored (or overwritten) are dropped; their buffers go back to
-  // the pinned pool once the copies reading them are done.
-  std::vector<std::pair<void*, std::size_t>> unused;
+// Copies the backups of the runs back on the copy stream; `stream` waits for them.
+void reservation_manager::impl::restore_into(const std::vector<run>& runs, stream_t stream) {
+  for (const auto& rn : runs) {
+    reservation& r = *rn.r;
+    for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
+      const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
+      const backup_segment& seg = r.backups.at(it->second.segment);
+      drv_->copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset), e - b,
+                       copy_stream_);
+    }
+  }
+  std::vector<event_t> done{events_.take()};
+  try {
+    drv_->record(done[0], copy_stream_);
+    drv_->stream_wait(stream, done[0]);
+  } catch (...) {
+    events_.give(done);
+    throw;
+  }
+  events_.give(done);
+}
+
+// The commit.  Backups restored (or overwritten) are dropped; their buffers go back to
+// the pinned pool once the copies reading them are done.
+void reservation_manager::impl::commit_backed(const std::vector<run>& runs, std::vector<placed_chunks>& pieces,
+                                              stream_t stream) {
+  buffers unused;
   for (std::size_t i = 0; i < runs.size(); ++i) {
     reservation& r = *runs[i].r;
     for (auto& [pos, c] : pieces[i]) r.chunks.emplace(pos, c);
     drop_backup_granules(r, runs[i].begin, runs[i].end, unused);
-    r.backed_granules += (runs[i].end - runs[i].begin) / g;
-    impl_->backed_bytes_ += runs[i].end - runs[i].begin;
+    r.backed_granules += (runs[i].end - runs[i].begin) / granularity_;
+    counts_.backed(runs[i].end - runs[i].begin);
     r.use(stream);
   }
-  impl_->peak_backed_ = std::max(impl_->peak_backed_, impl_->backed_bytes_);
   retire_buffers(unused);
 }
 

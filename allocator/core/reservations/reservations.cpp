@@ -56,60 +56,99 @@ using detail::gaps;
 
 namespace {
 constexpr std::size_t k_max_reservation = std::size_t{1} << 48;  // 256 TiB: beyond any device's VA
+
+std::shared_ptr<chunk_pool> not_null(std::shared_ptr<chunk_pool> pool) {
+  DFA_EXPECTS(pool != nullptr, "reservation_manager: pool is null");
+  return pool;
+}
 }  // namespace
 
+// ---- the public class: it forwards to the state (Note [Allocator state]) ----------------
+
 reservation_manager::reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg)
-    : impl_(std::make_unique<impl>()) {
-  impl_->pool_ = std::move(pool);
-  DFA_EXPECTS(impl_->pool_ != nullptr, "reservation_manager: pool is null");
-  impl_->drv_ = impl_->pool_->driver_ptr();
-  impl_->granularity_ = impl_->drv_->granularity();
-  impl_->pinned_ = std::make_unique<pinned_pool>(impl_->drv_, cfg.pinned_cache);
-  impl_->copy_stream_ = impl_->drv_->create_stream();
+    : impl_(std::make_unique<impl>(std::move(pool), cfg)) {}
+reservation_manager::~reservation_manager() = default;
+
+reservation_id reservation_manager::reserve(std::size_t bytes) { return impl_->reserve(bytes); }
+void* reservation_manager::address(reservation_id id) const { return impl_->address(id); }
+void reservation_manager::materialize(reservation_id id, std::size_t offset, std::size_t length, fill_mode fill,
+                                      stream_t stream) {
+  const range r{id, offset, length};
+  impl_->materialize(std::span<const range>(&r, 1), fill, stream);
+}
+void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  impl_->materialize(ranges, fill, stream);
+}
+void reservation_manager::release(reservation_id id, std::size_t offset, std::size_t length, keep_mode keep,
+                                  stream_t stream) {
+  const range r{id, offset, length};
+  impl_->release(std::span<const range>(&r, 1), keep, stream, nullptr);
+}
+void reservation_manager::release(std::span<const range> ranges, keep_mode keep, stream_t stream) {
+  impl_->release(ranges, keep, stream, nullptr);
+}
+std::vector<range> reservation_manager::release_whole_chunks(std::span<const range> ranges, keep_mode keep,
+                                                             stream_t stream) {
+  return impl_->release_whole_chunks(ranges, keep, stream);
+}
+void reservation_manager::release_after(std::span<const range> ranges, keep_mode keep, event_t last_use) {
+  DFA_EXPECTS(last_use != nullptr, "release_after: last_use is null");
+  impl_->release(ranges, keep, nullptr, last_use);
+}
+void reservation_manager::record_stream(reservation_id id, stream_t stream) { impl_->record_stream(id, stream); }
+void reservation_manager::free(reservation_id id, stream_t stream) { impl_->free(id, stream); }
+bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::size_t length) const {
+  return impl_->is_backed(id, offset, length);
+}
+std::vector<range> reservation_manager::backed_ranges(reservation_id id) const { return impl_->backed_ranges(id); }
+std::vector<bool> reservation_manager::backed_granules(reservation_id id) const { return impl_->backed_granules(id); }
+reservation_info reservation_manager::info(reservation_id id) const { return impl_->info(id); }
+std::optional<reservation_id> reservation_manager::find(const void* ptr) const { return impl_->find(ptr); }
+reservation_stats reservation_manager::stats() const { return impl_->stats(); }
+void reservation_manager::reset_peak() noexcept { impl_->reset_peak(); }
+std::size_t reservation_manager::trim_backup_cache(std::size_t keep_bytes) { return impl_->trim_backup_cache(keep_bytes); }
+std::size_t reservation_manager::granularity() const { return impl_->granularity(); }
+chunk_pool& reservation_manager::pool() const { return impl_->pool(); }
+driver& reservation_manager::drv() const { return impl_->drv(); }
+
+// ---- life -----------------------------------------------------------------------------
+
+reservation_manager::impl::impl(std::shared_ptr<chunk_pool> pool, const reservation_manager_config& cfg)
+    : pool_(not_null(std::move(pool))),
+      drv_(pool_->driver_ptr()),
+      granularity_(drv_->granularity()),
+      pinned_(std::make_unique<pinned_pool>(drv_, cfg.pinned_cache)),
+      events_(*drv_) {
+  copy_stream_ = drv_->create_stream();
 }
 
-std::size_t reservation_manager::granularity() const { return impl_->granularity_; }
-chunk_pool& reservation_manager::pool() const { return *impl_->pool_; }
-driver& reservation_manager::drv() const { return *impl_->drv_; }
-
-reservation_manager::~reservation_manager() {
+reservation_manager::impl::~impl() {
   std::vector<reservation_id> ids;
   {
-    detail::log_after_unlock lk(impl_->mu_);
-    for (auto& [id, r] : impl_->reservations_) ids.push_back(id);
+    detail::log_after_unlock lk(mu_);
+    ids = table_.ids();
   }
   for (auto id : ids) {
     try {
-      free(id);
+      free(id, nullptr);
     } catch (const std::exception& e) {
       detail::log(log_level::error, std::string("reservation_manager: freeing reservation at destruction: ") + e.what());
     }
   }
   reap_retired(true);
   try {
-    impl_->drv_->synchronize_stream(impl_->copy_stream_);
-    if (impl_->scratch_ != 0) impl_->drv_->free_reservation(impl_->scratch_, impl_->scratch_bytes_);
+    drv_->synchronize_stream(copy_stream_);
+    if (scratch_ != 0) drv_->free_reservation(scratch_, scratch_bytes_);
   } catch (const std::exception& e) {
     detail::log(log_level::error, std::string("reservation_manager: ") + e.what());
   }
-  for (event_t e : impl_->free_events_) impl_->drv_->destroy_event(e);
-  impl_->drv_->destroy_stream(impl_->copy_stream_);
+  drv_->destroy_stream(copy_stream_);
 }
 
-reservation_manager::reservation& reservation_manager::get(reservation_id id) {
-  auto it = impl_->reservations_.find(id);
-  if (it == impl_->reservations_.end())
-    throw invalid_argument("unknown reservation " + std::to_string(id) + " (never reserved, or already freed)");
-  return *it->second;
-}
-const reservation_manager::reservation& reservation_manager::get(reservation_id id) const {
-  return const_cast<reservation_manager*>(this)->get(id);
-}
-
-std::pair<std::size_t, std::size_t> reservation_manager::clamp(const reservation& r, std::size_t offset,
-                                                               std::size_t length) const {
-  DFA_EXPECTS(offset % impl_->granularity_ == 0, "offset " + std::to_string(offset) + " is not a multiple of the granularity (" +
-                                              std::to_string(impl_->granularity_) + ")");
+std::pair<std::size_t, std::size_t> reservation_manager::impl::clamp(const reservation& r, std::size_t offset,
+                                                                     std::size_t length) const {
+  DFA_EXPECTS(offset % granularity_ == 0, "offset " + std::to_string(offset) + " is not a multiple of the granularity (" +
+                                              std::to_string(granularity_) + ")");
   DFA_EXPECTS(offset < r.padded, "offset " + std::to_string(offset) + " is outside the reservation of " +
                                      std::to_string(r.size) + " bytes");
   std::size_t end = 0;
@@ -121,41 +160,21 @@ std::pair<std::size_t, std::size_t> reservation_manager::clamp(const reservation
                                                  ") is outside the reservation of " + std::to_string(r.size) + " bytes");
     end = offset + length;
     if (end == r.size) end = r.padded;
-    DFA_EXPECTS(end % impl_->granularity_ == 0, "length " + std::to_string(length) +
+    DFA_EXPECTS(end % granularity_ == 0, "length " + std::to_string(length) +
                                              " does not end on a granule or at the reservation's end");
   }
   return {offset, end};
 }
 
-event_t reservation_manager::take_event() {
-  if (!impl_->free_events_.empty()) {
-    event_t e = impl_->free_events_.back();
-    impl_->free_events_.pop_back();
-    return e;
-  }
-  return impl_->drv_->create_event();
-}
-
-void reservation_manager::give_events(std::vector<event_t>& es) noexcept {
-  for (event_t e : es) {
-    try {
-      impl_->free_events_.push_back(e);
-    } catch (...) {
-      impl_->drv_->destroy_event(e);
-    }
-  }
-  es.clear();
-}
-
-void reservation_manager::unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept {
+void reservation_manager::impl::unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept {
   try {
-    impl_->drv_->unmap(va, bytes);
+    drv_->unmap(va, bytes);
   } catch (const std::exception& e) {
     detail::log(log_level::error, std::string("rollback: unmap failed, a chunk stays mapped: ") + e.what());
   }
 }
 
-std::vector<event_t> reservation_manager::record_users(const std::vector<reservation*>& rs, stream_t stream) {
+std::vector<event_t> reservation_manager::impl::record_users(const std::vector<reservation*>& rs, stream_t stream) {
   std::vector<stream_t> streams{stream};
   for (reservation* r : rs)
     for (stream_t s : r->streams)
@@ -163,11 +182,11 @@ std::vector<event_t> reservation_manager::record_users(const std::vector<reserva
   std::vector<event_t> events;
   try {
     for (stream_t s : streams) {
-      events.push_back(take_event());
-      impl_->drv_->record(events.back(), s);
+      events.push_back(events_.take());
+      drv_->record(events.back(), s);
     }
   } catch (...) {
-    give_events(events);
+    events_.give(events);
     throw;
   }
   return events;
@@ -175,54 +194,50 @@ std::vector<event_t> reservation_manager::record_users(const std::vector<reserva
 
 // ---- reserve / free -----------------------------------------------------------------
 
-reservation_id reservation_manager::reserve(std::size_t bytes) {
+reservation_id reservation_manager::impl::reserve(std::size_t bytes) {
   DFA_EXPECTS(bytes > 0, "reserve: size is zero");
   DFA_EXPECTS(bytes <= k_max_reservation, "reserve: size " + std::to_string(bytes) + " is absurd (limit 256 TiB)");
-  const std::size_t padded = (bytes + impl_->granularity_ - 1) / impl_->granularity_ * impl_->granularity_;
+  const std::size_t padded = (bytes + granularity_ - 1) / granularity_ * granularity_;
   // A power of two (the driver requires it), up to the largest chunk class.
-  const std::size_t align = std::max(impl_->granularity_, std::bit_floor(std::min(impl_->pool_->classes().back(), padded)));
-  detail::log_after_unlock lk(impl_->mu_);
+  const std::size_t align = std::max(granularity_, std::bit_floor(std::min(pool_->classes().back(), padded)));
+  detail::log_after_unlock lk(mu_);
   auto r = std::make_unique<reservation>();
-  r->base = impl_->drv_->reserve(padded, align);
-  r->id = impl_->next_id_++;
+  r->base = drv_->reserve(padded, align);
   r->size = bytes;
   r->padded = padded;
+  const std::uintptr_t base = r->base;
   try {
-    impl_->by_address_[r->base] = r->id;
-    reservation_id id = r->id;
-    impl_->reservations_[id] = std::move(r);
-    impl_->reserved_bytes_ += padded;
+    const reservation_id id = table_.add(std::move(r));
+    counts_.reserved(padded);
     return id;
   } catch (...) {
-    impl_->by_address_.erase(r->base);
-    impl_->drv_->free_reservation(r->base, padded);
+    drv_->free_reservation(base, padded);
     throw;
   }
 }
 
-void* reservation_manager::address(reservation_id id) const {
-  detail::log_after_unlock lk(impl_->mu_);
-  return reinterpret_cast<void*>(get(id).base);
+void* reservation_manager::impl::address(reservation_id id) const {
+  detail::log_after_unlock lk(mu_);
+  return reinterpret_cast<void*>(table_.get(id).base);
 }
 
-void reservation_manager::free(reservation_id id, stream_t stream) {
-  detail::log_after_unlock lk(impl_->mu_);
-  reservation& r = get(id);
+void reservation_manager::impl::free(reservation_id id, stream_t stream) {
+  detail::log_after_unlock lk(mu_);
+  reservation& r = table_.get(id);
   // Release everything (also drops backups) through the one release path.
   const range all{id, 0, whole};
   release_locked(std::span<const range>(&all, 1), keep_mode::discard, stream, nullptr);
-  impl_->drv_->free_reservation(r.base, r.padded);
-  impl_->reserved_bytes_ -= r.padded;
-  impl_->by_address_.erase(r.base);
-  impl_->reservations_.erase(id);
+  drv_->free_reservation(r.base, r.padded);
+  counts_.unreserved(r.padded);
+  table_.erase(r);
 }
 
 // Validates every range of a batch (known reservation, in bounds, aligned, no two
 // overlapping) and returns them as byte ranges, sorted.
-std::vector<reservation_manager::work_item> reservation_manager::resolve(std::span<const range> ranges) {
+std::vector<reservation_manager::work_item> reservation_manager::impl::resolve(std::span<const range> ranges) {
   std::vector<work_item> ws;
   for (const range& rg : ranges) {
-    reservation& r = get(rg.id);
+    reservation& r = table_.get(rg.id);
     auto [b, e] = clamp(r, rg.offset, rg.length);
     ws.push_back({&r, b, e});
   }
@@ -236,21 +251,21 @@ std::vector<reservation_manager::work_item> reservation_manager::resolve(std::sp
 
 // ---- queries ------------------------------------------------------------------------
 
-void reservation_manager::record_stream(reservation_id id, stream_t stream) {
-  detail::log_after_unlock lk(impl_->mu_);
-  get(id).use(stream);
+void reservation_manager::impl::record_stream(reservation_id id, stream_t stream) {
+  detail::log_after_unlock lk(mu_);
+  table_.get(id).use(stream);
 }
 
-bool reservation_manager::is_backed(reservation_id id, std::size_t offset, std::size_t length) const {
-  detail::log_after_unlock lk(impl_->mu_);
-  const reservation& r = get(id);
+bool reservation_manager::impl::is_backed(reservation_id id, std::size_t offset, std::size_t length) const {
+  detail::log_after_unlock lk(mu_);
+  const reservation& r = table_.get(id);
   auto [b, e] = clamp(r, offset, length);
   return gaps(r.chunks, b, e).empty();
 }
 
-std::vector<range> reservation_manager::backed_ranges(reservation_id id) const {
-  detail::log_after_unlock lk(impl_->mu_);
-  const reservation& r = get(id);
+std::vector<range> reservation_manager::impl::backed_ranges(reservation_id id) const {
+  detail::log_after_unlock lk(mu_);
+  const reservation& r = table_.get(id);
   std::vector<range> out;
   for (const auto& [pos, c] : r.chunks) {
     if (!out.empty() && out.back().offset + out.back().length == pos) out.back().length += c.bytes;
@@ -259,49 +274,42 @@ std::vector<range> reservation_manager::backed_ranges(reservation_id id) const {
   return out;
 }
 
-std::vector<bool> reservation_manager::backed_granules(reservation_id id) const {
-  detail::log_after_unlock lk(impl_->mu_);
-  const reservation& r = get(id);
-  std::vector<bool> out(r.padded / impl_->granularity_, false);
+std::vector<bool> reservation_manager::impl::backed_granules(reservation_id id) const {
+  detail::log_after_unlock lk(mu_);
+  const reservation& r = table_.get(id);
+  std::vector<bool> out(r.padded / granularity_, false);
   for (const auto& [pos, c] : r.chunks)
-    for (std::size_t i = pos / impl_->granularity_; i < (pos + c.bytes) / impl_->granularity_; ++i) out[i] = true;
+    for (std::size_t i = pos / granularity_; i < (pos + c.bytes) / granularity_; ++i) out[i] = true;
   return out;
 }
 
-reservation_info reservation_manager::info(reservation_id id) const {
-  detail::log_after_unlock lk(impl_->mu_);
-  const reservation& r = get(id);
-  return {r.id, r.base, r.size, r.padded, r.backed_granules * impl_->granularity_, r.saved_granules * impl_->granularity_};
+reservation_info reservation_manager::impl::info(reservation_id id) const {
+  detail::log_after_unlock lk(mu_);
+  const reservation& r = table_.get(id);
+  return {r.id, r.base, r.size, r.padded, r.backed_granules * granularity_, r.saved_granules * granularity_};
 }
 
-std::optional<reservation_id> reservation_manager::find(const void* ptr) const {
-  detail::log_after_unlock lk(impl_->mu_);
+std::optional<reservation_id> reservation_manager::impl::find(const void* ptr) const {
+  detail::log_after_unlock lk(mu_);
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = impl_->by_address_.upper_bound(p);
-  if (it == impl_->by_address_.begin()) return std::nullopt;
-  --it;
-  const reservation& r = get(it->second);
-  if (p >= r.base + r.padded) return std::nullopt;
-  return r.id;
+  const reservation* r = table_.holding(p);
+  if (r == nullptr) return std::nullopt;
+  return r->id;
 }
 
-reservation_stats reservation_manager::stats() const {
-  detail::log_after_unlock lk(impl_->mu_);
+reservation_stats reservation_manager::impl::stats() const {
+  detail::log_after_unlock lk(mu_);
   reservation_stats s;
-  s.reservations = impl_->reservations_.size();
-  s.reserved_bytes = impl_->reserved_bytes_;
-  s.backed_bytes = impl_->backed_bytes_;
-  s.peak_backed_bytes = impl_->peak_backed_;
-  s.backup_bytes = impl_->backup_bytes_;
-  s.splits = impl_->splits_;
-  s.pool = impl_->pool_->stats();
-  s.pinned = impl_->pinned_->stats();
+  s.reservations = table_.size();
+  counts_.fill(s);
+  s.pool = pool_->stats();
+  s.pinned = pinned_->stats();
   return s;
 }
 
-void reservation_manager::reset_peak() noexcept {
-  detail::log_after_unlock lk(impl_->mu_);
-  impl_->peak_backed_ = impl_->backed_bytes_;
+void reservation_manager::impl::reset_peak() noexcept {
+  detail::log_after_unlock lk(mu_);
+  counts_.reset_peak();
 }
 
 }  // namespace deferalloc

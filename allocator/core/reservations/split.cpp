@@ -25,7 +25,7 @@ namespace deferalloc {
 // caching allocator (empty_cache, the out-of-memory retry, pause) gives memory back with
 // release_whole_chunks, which releases only chunks that lie wholly inside its ranges and
 // so needs no new chunk (freeing cache works when memory is full) and moves nothing.
-void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t stream, event_t after) {
+void reservation_manager::impl::split_at(reservation& r, std::size_t cut, stream_t stream, event_t after) {
   auto it = r.chunks.upper_bound(cut);
   if (it == r.chunks.begin()) return;
   --it;
@@ -38,52 +38,52 @@ void reservation_manager::split_at(reservation& r, std::size_t cut, stream_t str
   bool old_unmapped = false;
   std::vector<event_t> users;
   try {
-    if (impl_->scratch_ == 0) {
-      impl_->scratch_bytes_ = impl_->pool_->classes().back();
-      impl_->scratch_ = impl_->drv_->reserve(impl_->scratch_bytes_, impl_->scratch_bytes_);
+    if (scratch_ == 0) {
+      scratch_bytes_ = pool_->classes().back();
+      scratch_ = drv_->reserve(scratch_bytes_, scratch_bytes_);
     }
     for (auto& [pos, c] : pieces) {
-      impl_->drv_->map(impl_->scratch_ + (pos - a), c.bytes, c.handle);
-      at_scratch.emplace_back(impl_->scratch_ + (pos - a), c.bytes);
+      drv_->map(scratch_ + (pos - a), c.bytes, c.handle);
+      at_scratch.emplace_back(scratch_ + (pos - a), c.bytes);
     }
-    impl_->drv_->set_access(impl_->scratch_, old.bytes);
+    drv_->set_access(scratch_, old.bytes);
     std::vector<reservation*> rs{&r};
     if (after == nullptr) users = record_users(rs, stream);
-    for (event_t e : users) impl_->drv_->stream_wait(impl_->copy_stream_, e);
-    if (after != nullptr) impl_->drv_->stream_wait(impl_->copy_stream_, after);
-    impl_->drv_->copy_async(reinterpret_cast<void*>(impl_->scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, impl_->copy_stream_);
-    impl_->drv_->synchronize_stream(impl_->copy_stream_);
-    give_events(users);
+    for (event_t e : users) drv_->stream_wait(copy_stream_, e);
+    if (after != nullptr) drv_->stream_wait(copy_stream_, after);
+    drv_->copy_async(reinterpret_cast<void*>(scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, copy_stream_);
+    drv_->synchronize_stream(copy_stream_);
+    events_.give(users);
     while (!at_scratch.empty()) {
-      impl_->drv_->unmap(at_scratch.back().first, at_scratch.back().second);
+      drv_->unmap(at_scratch.back().first, at_scratch.back().second);
       at_scratch.pop_back();
     }
-    impl_->drv_->unmap(r.base + a, old.bytes);
+    drv_->unmap(r.base + a, old.bytes);
     old_unmapped = true;
     for (auto& [pos, c] : pieces) {
-      impl_->drv_->map(r.base + pos, c.bytes, c.handle);
+      drv_->map(r.base + pos, c.bytes, c.handle);
       at_home.emplace_back(r.base + pos, c.bytes);
     }
-    impl_->drv_->set_access(r.base + a, old.bytes);
+    drv_->set_access(r.base + a, old.bytes);
   } catch (...) {
-    give_events(users);
+    events_.give(users);
     for (auto& [va, n] : at_scratch) unmap_quietly(va, n);
     for (auto& [va, n] : at_home) unmap_quietly(va, n);
     if (old_unmapped) {
       try {
-        impl_->drv_->map(r.base + a, old.bytes, old.handle);
-        impl_->drv_->set_access(r.base + a, old.bytes);
+        drv_->map(r.base + a, old.bytes, old.handle);
+        drv_->set_access(r.base + a, old.bytes);
       } catch (const std::exception& e) {
         detail::log(log_level::error, std::string("split rollback could not remap a chunk: ") + e.what());
       }
     }
-    for (auto& [pos, c] : pieces) impl_->pool_->give_back(c);
+    for (auto& [pos, c] : pieces) pool_->give_back(c);
     throw;
   }
   r.chunks.erase(it);
   for (auto& [pos, c] : pieces) r.chunks.emplace(pos, c);
-  impl_->pool_->give_back(old);
-  ++impl_->splits_;
+  pool_->give_back(old);
+  counts_.split();
 }
 
 }  // namespace deferalloc

@@ -163,7 +163,8 @@ class DFA_API caching_allocator {
   caching_allocator_config config() const;
 
  private:
-  struct impl;
+  // The state and the operations: allocator/caching/allocator_state.hpp.
+  class impl;
   reservation_manager& mgr_;
   std::unique_ptr<impl> impl_;
 };

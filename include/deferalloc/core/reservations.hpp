@@ -158,31 +158,14 @@ class DFA_API reservation_manager {
   driver& drv() const;
 
  private:
+  // The state and the operations (the reservations, their chunks and backups, the pool,
+  // the driver, events, statistics): allocator/core/reservations/state.hpp.
   struct backup_segment;
   struct reservation;
   struct work_item;
-  std::vector<work_item> resolve(std::span<const range> ranges);
-
-  reservation& get(reservation_id id);
-  const reservation& get(reservation_id id) const;
-  std::pair<std::size_t, std::size_t> clamp(const reservation& r, std::size_t offset, std::size_t length) const;
-  std::vector<std::size_t> classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const;
-  bool reuse_cached(std::size_t pos, std::size_t end, std::vector<std::pair<std::size_t, chunk>>& out);
-  bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, std::vector<std::pair<std::size_t, chunk>>& out);
-  std::vector<std::pair<std::size_t, chunk>> plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs);
-  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
-  void split_at(reservation& r, std::size_t cut, stream_t stream, event_t after);
-  event_t take_event();
-  void drop_backup_granules(reservation& r, std::size_t begin, std::size_t end,
-                            std::vector<std::pair<void*, std::size_t>>& unused);
-  void retire_buffers(std::vector<std::pair<void*, std::size_t>>& buffers) noexcept;
-  void reap_retired(bool wait) noexcept;
-  std::vector<event_t> record_users(const std::vector<reservation*>& rs, stream_t stream);
-  void give_events(std::vector<event_t>& es) noexcept;
-  void unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept;
-
-  // The state (pool, driver, the reservations, events, statistics): allocator/core/reservations/state.hpp.
-  struct impl;
+  class reservation_table;
+  class byte_counts;
+  class impl;
   std::unique_ptr<impl> impl_;
 };
 
