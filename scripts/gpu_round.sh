@@ -2,7 +2,7 @@
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
-#     [stress] [stress_bg] [stress_wait] [bench] [compare]
+#     [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair]
 #   (default: all but multi, diag, megatron_dp2 and compare: the two-GPU steps, the diagnostic and
 #   the before/after comparison).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
@@ -191,6 +191,33 @@ if has ckpt && [ -x "$B"/benchmarks/bench_checkpoint ]; then
   run ckpt_file "${DFA_CKPT_SECONDS:-240}" "$B"/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
     --json "$R/bench_checkpoint_file.json"
   tail -11 "$L/ckpt_file.log"
+fi
+if has fp32pair; then
+  # StreamedAdamW's host-tier step with FP32 parameters, the before build (.before/src.tar,
+  # carried as for compare; its libraries and Python package) and this tree's, alternating,
+  # DFA_FP32_REPS times each (default 2), one JSON line per run in $R/fp32pair.jsonl.
+  if [ ! -f .before/src.tar ]; then
+    row fp32pair "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
+  else
+    BS=/tmp/dfa-before-src BB=${DFA_BEFORE_BUILD_DIR:-/tmp/dfa-before-build}
+    if [ ! -f $BB/optimizer/libdeferalloc_optimizer.so ]; then
+      rm -rf $BS && mkdir -p $BS && tar -C $BS -xf .before/src.tar
+      cmake -S $BS -B $BB -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DDEFERALLOC_BUILD_TESTS=OFF -DDEFERALLOC_BUILD_BENCHMARKS=OFF -DDEFERALLOC_BUILD_EXAMPLES=OFF \
+        > "$L/before-configure.log" 2>&1 && cmake --build $BB -j"$(nproc)" --target deferalloc deferalloc_optimizer \
+        > "$L/before-build.log" 2>&1 || row fp32pair "before build failed (before-build.log)"
+    fi
+    for rep in $(seq 1 "${DFA_FP32_REPS:-2}"); do
+      if [ $((rep % 2)) -eq 1 ]; then sides=(before after); else sides=(after before); fi
+      for side in "${sides[@]}"; do
+        if [ "$side" = before ]; then src=$BS bld=$BB; else src=$PWD bld=$B; fi
+        DEFERALLOC_LIB=$bld/allocator/libdeferalloc.so DEFERALLOC_OPTIMIZER_LIB=$bld/optimizer/libdeferalloc_optimizer.so \
+          PYTHONPATH=$src/python timeout 240 python3 benchmarks/optimizer/bench_fp32_params.py \
+          ${DFA_FP32_ARGS:-} --label "$side-$rep" >> "$R/fp32pair.jsonl" 2>> "$L/fp32pair.log"
+        row "fp32pair $side-$rep" "$(tail -1 "$R/fp32pair.jsonl" | cut -c1-160)"
+      done
+    done
+  fi
 fi
 if has stress; then
   secs=${DFA_STRESS_SECONDS:-60}

@@ -33,12 +33,12 @@
    KNOWN_LONG ("path:name", name as the rule prints it) are reported as warnings, not
    failures, until they are split.
 
-8. Python modules keep their private names: no module of python/deferalloc/ imports another's
-   private name (``from .optim import _x``) or reaches one through an object (``opt._params``,
-   ``super()._read``, a subclass's ``self._x`` of its base class in another module) where the
-   name is defined by another of the package's modules and not by its own.  They reach each
-   other through public methods and documented hooks; the optimizer's C ABI has one caller,
-   ``deferalloc._engine``.
+10. Python modules keep their private names: no module of python/deferalloc/ imports another's
+    private name (``from .optim import _x``) or reaches one through an object (``opt._params``,
+    ``super()._read``, a subclass's ``self._x`` of its base class in another module) where the
+    name is defined by another of the package's modules and not by its own.  They reach each
+    other through public methods and documented hooks; the optimizer's C ABI has one caller,
+    ``deferalloc._engine``.
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -421,7 +421,7 @@ def _defined_private_names(tree):
 
 
 def private_crossings(texts):
-    """Rule 8: (module, line, name) of each use of another module's private name."""
+    """Rule 10: (module, line, name) of each use of another module's private name."""
     import ast
     mods = {rel: ast.parse(text) for rel, text in texts
             if rel.startswith("python/deferalloc/") and rel.endswith(".py")}
