@@ -175,8 +175,24 @@ bool streamed_adamw::impl::never_written(std::size_t s, state_array a) const {
 }
 
 void streamed_adamw::impl::read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) {
-  if (never_written(s, a)) std::memset(out, 0, n * 4);  // zero by construction
+  if (a == state_array::main && param_is_main(shards[s].info)) {
+    // While a speculative step is pending, the committed values: those it kept.
+    if (shards[s].speculative && s < saved_params.size() && saved_params[s]) std::memcpy(out, saved_params[s] + e0, n * 4);
+    else read_param(s, e0, n, out);
+  } else if (never_written(s, a)) std::memset(out, 0, n * 4);  // zero by construction
   else home_of(s).read(s, a, e0, n, out);
+}
+
+void streamed_adamw::impl::read_param(std::size_t s, std::size_t e0, std::size_t n, float* out) {
+  std::lock_guard lk(param_copy_mu);
+  drv->copy_async(out, static_cast<const float*>(shards[s].info.param) + e0, n * 4, exec());
+  drv->synchronize_stream(exec());
+}
+
+void streamed_adamw::impl::write_param(std::size_t s, std::size_t e0, std::size_t n, const float* in) {
+  std::lock_guard lk(param_copy_mu);
+  drv->copy_async(static_cast<float*>(shards[s].info.param) + e0, in, n * 4, exec());
+  drv->synchronize_stream(exec());
 }
 
 void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq) {
@@ -224,8 +240,11 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
         const std::size_t io = file_store::io_bytes(c.n);
         const unsigned char* src = buf;
         auto& h = self.home_of(s);  // a resident shard lives on the device tier
-        const float* host = h.host_array(s, c.a);
-        if (self.never_written(s, c.a)) {
+        const bool param = c.a == state_array::main && param_is_main(sh.info);  // the parameter is main
+        const float* host = param ? nullptr : h.host_array(s, c.a);
+        if (param) {
+          self.read_home(s, c.a, c.e0, c.n, reinterpret_cast<float*>(buf));
+        } else if (self.never_written(s, c.a)) {
           std::memset(buf, 0, c.n * 4);  // never written: zero by construction
         } else if (host) {
           host += c.e0;
@@ -334,7 +353,10 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   // One pass when nothing changes until the end (file tier: the inactive slot, committed
   // last; or no state yet); else verify first, then copy.  See Note [Checkpoint generations].
   committed_store* store = self.tier_home->store();
-  const bool in_place = !store && self.initialized;
+  // FP32 parameters are main and are written in place too: verified first.
+  bool params = false;
+  for (std::size_t s = 0; s < count; ++s) params = params || param_is_main(self.shards[s].info);
+  const bool in_place = !store && (self.initialized || params);
   const int slot = store ? store->load_slot() : 0;
   std::size_t done = 0, total = 0;
   for (std::size_t s = 0; s < count; ++s) total += (in_place ? 2 : 1) * es[s].numel;  // verified, then written
@@ -361,7 +383,10 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           // The pinned home takes the file's bytes as they are only when it holds FP32
           // (compressed moments are encoded by write_chunk(); a resident shard is on the device).
           auto& h = self.home_of(s);
-          float* home = h.host_array(s, c.a);
+          // Main of an FP32 parameter goes into the parameter (a committed store: into its
+          // durable copy, which the export at the end writes into the parameter).
+          const bool param = c.a == state_array::main && param_is_main(self.shards[s].info);
+          float* home = param ? nullptr : h.host_array(s, c.a);
           if (home) home += c.e0;
           if (pass == 1 && home && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
             // Nothing to keep (a fresh home, or all verified by the first pass): straight
@@ -375,7 +400,8 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
           detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
           sums[c.a][c.index] = checksum64(buf, io);
           if (pass == 0) return;
-          h.write_chunk(s, c.a, c.e0, c.n, buf, slot);
+          if (param && !store) self.write_param(s, c.e0, c.n, reinterpret_cast<const float*>(buf));
+          else h.write_chunk(s, c.a, c.e0, c.n, buf, slot);
         });
         if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         for (state_array a : k_state_arrays)

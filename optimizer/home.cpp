@@ -61,6 +61,7 @@ class device_home final : public home {
     const std::size_t len = resident_bytes(drv_, s.info.numel);
     std::vector<range> rs{{s.res[state_array::exp_avg], 0, len}, {s.res[state_array::exp_avg_sq], 0, len}};
     mgr_.materialize(rs, fill_mode::zero, exec_);
+    if (param_is_main(s.info)) return;  // main is the parameter: no HBM for it
     try {
       mgr_.materialize(s.res[state_array::main], 0, len, fill_mode::undefined, exec_);
     } catch (...) {
@@ -107,7 +108,7 @@ class host_home final : public home, public piece_mover, public second_copy {
 
   void add_shard(const shard& s) override {
     const std::size_t mb = detail::moment_bytes(format_, s.info.numel);
-    per_array<float*> h = alloc_copy(s.info.numel);
+    per_array<float*> h = alloc_copy(s.info);
     // Zero moments at home: a shard skipped by the first steps, or state loaded into
     // some shards only, reads zeros (PyTorch's initial moments), never garbage.
     // (Compressed: zero codes and zero scales decode to zero.)
@@ -129,12 +130,14 @@ class host_home final : public home, public piece_mover, public second_copy {
   }
 
   void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
+    held(s, a);
     if (is_moment(a) && compressed())
       detail::decode_moments(format_, a, homes_[s][a], shards_.numel(s), e0, n, out);
     else
       std::memcpy(out, homes_[s][a] + e0, n * 4);
   }
   void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, const float* in) override {
+    held(s, a);
     if (is_moment(a) && compressed())
       detail::encode_moments(format_, a, homes_[s][a], shards_.numel(s), e0, n, in);
     else
@@ -181,19 +184,29 @@ class host_home final : public home, public piece_mover, public second_copy {
   // -- second_copy.  It has the layout of the first; a speculative pass writes every byte
   // of it for the shards it steps (all three arrays, whole shards), so it needs no zeroing.
   void prepare(std::size_t s) override {
-    if (!spare_[s][state_array::main]) spare_[s] = alloc_copy(shards_.numel(s));
+    if (!spare_[s][state_array::exp_avg]) spare_[s] = alloc_copy(shards_[s].info);
   }
   void make_current(std::size_t s) override { std::swap(homes_[s], spare_[s]); }
 
  private:
   bool compressed() const { return format_ != moment_format::fp32; }
-  // Pinned memory for one copy of a shard's three arrays in the format's layout (all or
-  // nothing; contents undefined).
-  per_array<float*> alloc_copy(std::size_t numel) {
+  // The home holds no main of an FP32 parameter (Note [The parameter is the truth]).
+  void held(std::size_t s, state_array a) const {
+    DFA_EXPECTS(homes_[s][a] != nullptr,
+                "host tier: " + std::string(array_name(a)) + " of shard " + std::to_string(s) +
+                    " is not held at home (its FP32 parameter is its main)",
+                invalid_state);
+  }
+  // Pinned memory for one copy of a shard's arrays in the format's layout: the moments,
+  // and main unless the parameter is the main (all or nothing; contents undefined).
+  per_array<float*> alloc_copy(const shard_info& info) {
+    const std::size_t numel = info.numel;
     const std::size_t mb = detail::moment_bytes(format_, numel);
     per_array<float*> h{};
     try {
-      for (state_array a : k_state_arrays) h[a] = static_cast<float*>(drv_.host_alloc(is_moment(a) ? mb : numel * 4));
+      for (state_array a : k_state_arrays)
+        if (is_moment(a) || !param_is_main(info))
+          h[a] = static_cast<float*>(drv_.host_alloc(is_moment(a) ? mb : numel * 4));
     } catch (...) {
       for (float* p : h)
         if (p) drv_.host_free(p);
@@ -273,12 +286,14 @@ class file_home final : public home, public piece_mover, public second_copy, pub
   void prefetch(std::size_t j, const piece_ref& p) override {
     if (!plan_->fetch_main) return;
     for (state_array a : first_arrays(fetched_arrays()))
-      reads_[j] = file_->read(staging(false, j, a), file_->io_bytes(a, p.e0, p.n),
-                              file_->offset(read_slot_, p.shard, a, p.e0), "state of " + shards_.where(p), reads_[j]);
+      if (a != state_array::main || !steps_param(p))
+        reads_[j] = file_->read(staging(false, j, a), file_->io_bytes(a, p.e0, p.n),
+                                file_->offset(read_slot_, p.shard, a, p.e0), "state of " + shards_.where(p), reads_[j]);
   }
-  // Main first: waits for the piece's reads (all its arrays are one batch).
+  // The first array moved (main; a moment where the step reads the parameter) waits for
+  // the piece's reads (all its arrays are one batch).
   std::size_t to_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
-    if (a == state_array::main) {
+    if (a == (steps_param(p) ? state_array::exp_avg : state_array::main)) {
       const auto t = clk::now();
       reads_[i]->wait();
       report_->io_wait_seconds += since(t);
@@ -287,7 +302,8 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     drv_.copy_async(dev, staging(false, i, a), p.n * 4, s);
     return p.n * 4;
   }
-  // Main first: waits until the piece's staging buffer of the ring is drained.
+  // Main first: waits until the piece's staging buffer of the ring is drained.  (A step's
+  // main of an FP32 parameter comes from the parameter: the durable copy.)
   std::size_t from_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
     const std::size_t ring = 2 * plan_->depth;
     if (a == state_array::main && i >= plan_->skip + ring && writes_[i - ring]) {
@@ -453,8 +469,12 @@ class file_home final : public home, public piece_mover, public second_copy, pub
 
  private:
   bool compressed() const { return format_ != moment_format::fp32; }
-  // The arrays a pass reads ahead: all three for a step over stored moments, else main.
+  // The arrays a pass reads ahead: all three for a step over stored moments, else main;
+  // a step reads no main of an FP32 parameter (steps_param).
   int fetched_arrays() const { return plan_->kind == pass_kind::step && plan_->moments_stored ? 3 : 1; }
+  bool steps_param(const piece_ref& p) const {
+    return plan_->kind == pass_kind::step && param_is_main(shards_[p.shard].info);
+  }
   // Step counts only: a commit naming the active slot again.  (A state write is opened
   // on initialized state only: initialize() or a resume set the counts.)
   void publish_steps(const state_counts& counts) {
@@ -568,7 +588,8 @@ home_traits traits_of(tier t, moment_format moments) {
       return {.streamed = true,
               .piece_align = std::max(file_store::block, 4 * file_store::segment(moments)),
               .default_depth = 3,
-              .whole_arrays = true};
+              .whole_arrays = true,
+              .durable_params = true};
   }
   throw invalid_argument("streamed_adamw: unknown tier " + std::to_string(static_cast<int>(t)));
 }

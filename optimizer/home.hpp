@@ -62,6 +62,7 @@ struct pass_plan {
   bool moments_stored = false;  // the moments were ever written (else a step zeroes them on the device)
   std::size_t depth = 1;        // pieces in flight (the window's slots)
   std::size_t window_piece = 0;  // elements of a window slot (the largest piece)
+  bool durable_params = false;   // the home's home_traits::durable_params
 };
 
 /// What a home is built from: the lower layers and the shard table, which outlive it.
@@ -79,7 +80,13 @@ struct home_traits {
   std::size_t piece_align = 1;   // pieces start on multiples of these bytes (file: its checksum blocks)
   int default_depth = 8;         // pieces in flight when the configuration leaves depth at 0 (Note [Window slots])
   bool whole_arrays = false;     // state ranges are whole arrays only (file)
+  bool durable_params = false;   // keeps a copy of FP32 parameters as main (file: Note [The parameter is the truth])
 };
+
+/// An FP32 parameter is its shard's main (Note [The parameter is the truth] in
+/// streamed_adamw.cpp): steps read and write it in place, and a home holds none of its
+/// main but a durable copy (home_traits::durable_params).
+inline bool param_is_main(const shard_info& s) { return s.param_type == value_type::fp32; }
 
 class piece_mover;
 class second_copy;
@@ -97,7 +104,9 @@ class home {
   const home_traits& traits() const { return traits_; }
 
   /// Backs the state of shard `s` (its reservations made; the shard table may not hold
-  /// it yet), moments zero.  All or nothing.
+  /// it yet), moments zero; of main only where !param_is_main or durable_params.  All or
+  /// nothing.  read / write / chunks of a main the home does not hold are refused
+  /// (invalid_state): the optimizer reads and writes the parameter.
   virtual void add_shard(const shard& s) = 0;
   /// Frees what add_shard took for shard `s` (a resident shard leaving the host tier);
   /// nothing where add_shard took nothing.
@@ -132,7 +141,9 @@ class home {
 
 /// A home whose state streams through the window (Note [Window pipeline]).  Piece i is
 /// plan.pieces[i]; to_device / from_device enqueue its array `a` on `s` and return the
-/// bytes moved; they are called for main first.
+/// bytes moved; they are called for main first.  A step pass moves no main of a piece
+/// whose shard's parameter is its main (param_is_main) to the device; a home with
+/// durable_params takes its main from the parameter itself (`dev` is the parameter).
 class piece_mover {
  public:
   virtual ~piece_mover() = default;

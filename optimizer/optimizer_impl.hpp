@@ -131,6 +131,10 @@ struct streamed_adamw::impl {
   step_retry retry;
   step_report report;
   open_state_write state_write;
+  // Per shard: pinned host memory holding its FP32 parameter's values before a speculative
+  // step (null until its first; Note [The parameter is the truth]).
+  std::vector<float*> saved_params;
+  std::mutex param_copy_mu;  // read_param / write_param share exec (the checkpoint's lanes)
 
   /// The tier's state is published by commits (file); else a step updates it in place:
   /// a step that failed part-way is retried from where it stopped, a checkpoint load
@@ -175,7 +179,9 @@ struct streamed_adamw::impl {
   /// Every piece; with `grads` (a step), only those of shards with a gradient, unless
   /// the step writes a new copy of the state (file tier), which must carry the others
   /// (a speculative step does not: commit_speculation carries them).
-  std::vector<piece_ref> pieces(std::span<const void* const> grads = {}, bool speculative = false) const;
+  /// Init and export passes leave out the shards whose FP32 parameter is their main
+  /// unless the home keeps a durable copy of it (Note [The parameter is the truth]).
+  std::vector<piece_ref> pieces(pass_kind kind, std::span<const void* const> grads = {}, bool speculative = false) const;
   /// Group g's hyper-parameters: set_group's, else cfg.adamw.
   const adamw_params& hyper_of(int g) const {
     auto it = groups.find(g);
@@ -192,8 +198,16 @@ struct streamed_adamw::impl {
   /// A moment of a streamed home before the first step: zeros by construction, never
   /// stored (the pass zeroes it on the device; reads return zeros).
   bool never_written(std::size_t s, state_array a) const;
-  /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`.
+  /// Copies shard `s`'s array `a` (elements [e0, e0+n)) from its home to host memory `out`
+  /// (main of an FP32 parameter: the parameter).
   void read_home(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out);
+  /// Elements [e0, e0+n) of shard `s`'s FP32 parameter from / into host memory
+  /// (synchronous, after the work on exec; Note [The parameter is the truth]).
+  void read_param(std::size_t s, std::size_t e0, std::size_t n, float* out);
+  void write_param(std::size_t s, std::size_t e0, std::size_t n, const float* in);
+  /// A speculative step's FP32 parameters back to their values before it, for the first
+  /// `pieces` of `ps` (all: discard_speculation; a failed pass: those it kept).
+  void restore_params(const std::vector<piece_ref>& ps, std::size_t pieces);
   /// Note [Resident shards] (resident.cpp): picks and backs them at initialize(); the
   /// device-tier operations over resident shards (on exec; `all` also takes the shards
   /// of a device-tier optimizer).

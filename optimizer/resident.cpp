@@ -28,7 +28,8 @@ void streamed_adamw::impl::place_resident() {
   std::size_t left = cfg.resident_bytes;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     auto& s = shards[i];
-    const std::size_t bytes = 3 * resident_bytes(*drv, s.info.numel);  // what device_home::add_shard backs
+    const std::size_t arrays = param_is_main(s.info) ? 2 : 3;  // an FP32 parameter is its main
+    const std::size_t bytes = arrays * resident_bytes(*drv, s.info.numel);  // what device_home::add_shard backs
     if (bytes > left) continue;
     hbm_home->add_shard(s);  // backed whole, all or nothing
     left -= bytes;
@@ -39,7 +40,7 @@ void streamed_adamw::impl::place_resident() {
 
 void streamed_adamw::impl::init_device_shards(bool all) {
   for (auto& s : shards)
-    if (all || s.resident)
+    if ((all || s.resident) && !param_is_main(s.info))
       comp->upcast(s.info.param, s.info.param_type, s.info.main_param, s.info.numel, exec());
 }
 
@@ -56,7 +57,7 @@ void streamed_adamw::impl::step_device_shards(std::span<const void* const> grads
 
 void streamed_adamw::impl::sync_device_shards(bool all) {
   for (auto& s : shards)
-    if (all || s.resident)
+    if ((all || s.resident) && !param_is_main(s.info))
       comp->downcast(s.info.main_param, s.info.param, s.info.param_type, s.info.numel, exec());
 }
 

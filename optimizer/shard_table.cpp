@@ -25,11 +25,13 @@ void shard_table::end_speculation() {
 }
 
 void shard_table::set_param(std::size_t s, void* param) {
-  // Both copies of the pointer, and nothing else: infos_[s] also carries `resident`.
+  // Both copies of the pointer (and an FP32 parameter's main, itself), and nothing else:
+  // infos_[s] also carries `resident`.
   auto* bf16 = shards_[s].info.param_type == value_type::bf16 ? static_cast<std::uint16_t*>(param) : nullptr;
   for (shard_info* info : {&shards_[s].info, &infos_[s]}) {
     info->param = param;
     info->param_bf16 = bf16;
+    if (info->param_type == value_type::fp32) info->main_param = static_cast<float*>(param);  // its own main
   }
 }
 

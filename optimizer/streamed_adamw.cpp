@@ -149,6 +149,7 @@ streamed_adamw::~streamed_adamw() {
   } catch (const std::exception& e) {
     deferalloc::detail::log(log_level::error, std::string("streamed_adamw: ") + e.what());
   }
+  for (float* p : self.saved_params) self.drv->host_free(p);
   self.tier_home.reset();  // pinned homes, staging buffers, the state file
   self.hbm_home.reset();
   self.slots.reset();
@@ -188,7 +189,9 @@ std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type
     for (std::size_t a = 0; a < made; ++a) self.mgr->free(s.res[k_state_arrays[a]]);
     throw;
   }
-  s.info.main_param = static_cast<float*>(self.mgr->address(s.res[state_array::main]));
+  // An FP32 parameter is its own main (Note [The parameter is the truth]).
+  s.info.main_param = param_is_main(s.info) ? static_cast<float*>(param)
+                                            : static_cast<float*>(self.mgr->address(s.res[state_array::main]));
   s.info.exp_avg = static_cast<float*>(self.mgr->address(s.res[state_array::exp_avg]));
   s.info.exp_avg_sq = static_cast<float*>(self.mgr->address(s.res[state_array::exp_avg_sq]));
   return self.shards.add(std::move(s));
@@ -337,14 +340,17 @@ void streamed_adamw::impl::adopt(const state_counts& c) {
   initialized = true;
 }
 
-std::vector<piece_ref> streamed_adamw::impl::pieces(std::span<const void* const> grads, bool speculative) const {
+std::vector<piece_ref> streamed_adamw::impl::pieces(pass_kind kind, std::span<const void* const> grads,
+                                                    bool speculative) const {
   // A step that writes a new copy of the state (file tier) carries the shards it does not
   // step into it; a speculative one leaves that to commit_speculation, which carries those
   // not stepped speculatively (Note [Speculative steps]).
+  // An init or export pass has nothing to move for an FP32 parameter but its durable copy.
+  const bool durable = tier_home->traits().durable_params;
   std::vector<bool> selected(shards.size());
   for (std::size_t s = 0; s < shards.size(); ++s)
-    selected[s] = !shards[s].resident && (grads.empty() || grads[s] != nullptr ||
-                                          (!in_place() && !speculative && !shards[s].speculative));
+    selected[s] = !shards[s].resident && (kind == pass_kind::step || durable || !param_is_main(shards[s].info)) &&
+                  (grads.empty() || grads[s] != nullptr || (!in_place() && !speculative && !shards[s].speculative));
   return cut_pieces(shards, selected, shape.piece, shape.align);
 }
 
@@ -360,7 +366,11 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
                                     float grad_scale, stream_t user, std::size_t skip, bool speculative) {
   pass_plan plan;
   plan.kind = kind;
-  plan.pieces = pieces(grads, speculative);
+  plan.pieces = pieces(kind, grads, speculative);
+  if (plan.pieces.empty()) {  // (every shard resident, or FP32 parameters with nothing to move)
+    report = step_report{};
+    return;
+  }
   plan.skip = skip;
   plan.arrays = kind == pass_kind::step ? 3 : 1;
   plan.fetch_main = kind != pass_kind::init;
@@ -369,17 +379,29 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.moments_stored = moments_written;
   plan.depth = static_cast<std::size_t>(cfg.depth);
   plan.window_piece = shape.piece;
-  step_inputs step{grads, gts, {}};
+  plan.durable_params = tier_home->traits().durable_params;
+  step_inputs step{grads, gts, {}, {}};
+  if (speculative) step.saved_params = saved_params;
   if (kind == pass_kind::step)
     for (std::size_t s = 0; s < shards.size(); ++s) step.scalars.push_back(scalars(s, grad_scale));
+  const std::vector<piece_ref> ps = speculative ? plan.pieces : std::vector<piece_ref>{};
   window_pipeline pass({*drv, *comp, *pool, *streams, *slots, *tier_home->mover(), shards, cfg}, std::move(plan),
                        std::move(step));
   try {
     pass.run(user, report);
   } catch (...) {
     // Only a plain step's pass is what a retry resumes; an export or init pass writes no
-    // state back, and a speculative one writes the second copy.
+    // state back, and a speculative one writes the second copy (and FP32 parameters in
+    // place: those it kept go back).
     if (kind == pass_kind::step && !speculative) retry.progressed(pass.written());
+    if (speculative) {
+      try {
+        restore_params(ps, pass.fetched());
+      } catch (const std::exception& e) {
+        deferalloc::detail::log(log_level::error,
+                                std::string("step_speculative failed and FP32 parameters could not be restored: ") + e.what());
+      }
+    }
     throw;
   }
 }
@@ -505,6 +527,37 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
               invalid_state);
 }
 
+// Note [The parameter is the truth]
+//
+// Rationale: torch.optim.AdamW steps the parameter itself, so a user's edit of an FP32
+// weight between steps (`with torch.no_grad(): w.zero_()`, `load_state_dict`, an EMA
+// swap) is what the next step reads.  A separate FP32 main copy of an FP32 parameter
+// made the next step overwrite such an edit (the step read main and wrote it into the
+// parameter): silently different from AdamW, and 4 B/param each way for a copy equal to
+// the parameter.
+// Approach: a shard whose parameter is FP32 has no main of its own (param_is_main in
+// home.hpp): its main_param is the parameter.  A step pass fetches only its moments, runs
+// the same kernel with main pointing at the parameter (the kernel reads and writes each
+// element in place; the model output it writes is the same value) and writes back only
+// the moments: host tier 8 B/param in and 8 out; the device tier and resident shards
+// back no HBM for its main; initialize copies nothing and init / export passes leave it
+// out.  State ranges, read_state and checkpoints read and write the parameter as main.
+// The file tier keeps a durable copy (home_traits::durable_params): each committed step
+// (and the carry of a shard not stepped) writes the parameter as main into the new slot
+// (8 B in, 12 out per param; never read by a step), and a resume's sync_model_params
+// (an export pass, as for BF16) writes it back into the parameter.  A speculative step
+// writes the parameter in place, so it first keeps the old values: each piece's fetch
+// copies the parameter's piece (D2H on the H2D stream, before the kernel) into pinned
+// host memory of the shard's (impl::saved_params, allocated at its first speculative
+// step); discard_speculation and a failed speculative pass copy them back, and reads of
+// main while pending return them.  Cost: 4 B/param of pinned memory per shard ever
+// stepped speculatively and 4 B/param more D2H per speculative step.
+// Limits: a plain step on an in-place tier that fails between a piece's kernel and its
+// write-back leaves that piece's FP32 parameter stepped but its moments not (a retry
+// steps it again); a failed file-tier step restores FP32 parameters from the durable copy
+// of the last commit (an edit made since is lost); a file-tier state write that is
+// dropped leaves a written FP32 main in the parameter.
+
 // Note [Speculative steps]
 //
 // Rationale: a step overlapped with backward under gradient clipping (Note [Overlap with
@@ -520,9 +573,9 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 // the second copy (pass_plan::speculative; the window's slot logic is unchanged): the
 // current copy is the kept state, for free.  commit_speculation() swaps the two copies of
 // each pending shard (pointer swaps) and advances their step counts; discard_speculation()
-// forgets the second copy.  A redo is discard, clip, step again; it rewrites the BF16
-// parameters from the kept state, so the result is bit-identical to the clipped plain
-// step.  Everything else (state ranges, state_dict, save_checkpoint, sync_model_params)
+// forgets the second copy (and puts FP32 parameters back).  A redo is discard, clip, step
+// again; it rewrites the BF16 parameters from the kept state, so the result is
+// bit-identical to the clipped plain step.  Everything else (state ranges, state_dict, save_checkpoint, sync_model_params)
 // reads the current copy; writes of the state (write_state_range, set_shard_step,
 // load_checkpoint) are refused while a speculation is pending, and so is a step() of a
 // pending shard.
@@ -540,7 +593,10 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 // and the device tier keeps one copy; those are refused with invalid_state and the
 // caller keeps their state itself (overlap.py copies it out).  Host tier memory: the second copy doubles the pinned host
 // memory of the shards stepped speculatively (12 B/param more with fp32 moments), held
-// until the optimizer is destroyed.
+// until the optimizer is destroyed.  An FP32 parameter is its own main and is stepped in
+// place: its second copy holds the moments (8 B/param) and the kept parameter values
+// (4 B/param, copied D2H by the speculative step: Note [The parameter is the truth]),
+// which discard copies back, so a redo starts from the parameter as it was.
 
 void streamed_adamw::step_speculative(std::span<const void* const> grads, std::span<const value_type> gts,
                                       float grad_scale, stream_t stream) {
@@ -564,9 +620,15 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
                 which + "already has " + k_pending,
                 invalid_state);
   }
-  // The second copies before anything runs: running out of pinned memory changes nothing.
+  // The second copies (and the room for FP32 parameters' values) before anything runs:
+  // running out of pinned memory changes nothing.
+  self.saved_params.resize(self.shards.size(), nullptr);
   for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (grads[s] != nullptr) copies->prepare(s);
+    if (grads[s] != nullptr) {
+      copies->prepare(s);
+      if (param_is_main(self.shards[s].info) && !self.saved_params[s])
+        self.saved_params[s] = static_cast<float*>(self.drv->host_alloc(self.shards[s].info.numel * 4));
+    }
   try {
     self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, 0, true);
     self.after(stream, self.exec());
@@ -591,7 +653,7 @@ void streamed_adamw::commit_speculation() {
     const std::vector<const void*> none(self.shards.size(), nullptr);
     const std::vector<value_type> gts(self.shards.size(), value_type::fp32);
     // (The carry touches no parameter or gradient: it is ordered after no user stream.)
-    if (!self.pieces(none, false).empty()) self.run_pass(pass_kind::step, none, gts, 1.0f, self.exec(), 0);
+    if (!self.pieces(pass_kind::step, none, false).empty()) self.run_pass(pass_kind::step, none, gts, 1.0f, self.exec(), 0);
     self.drv->synchronize_stream(self.exec());
     store->commit(pass_kind::step, after);
   }
@@ -604,7 +666,22 @@ void streamed_adamw::commit_speculation() {
 void streamed_adamw::discard_speculation() {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
+  std::vector<piece_ref> whole;
+  for (std::size_t s = 0; s < self.shards.size(); ++s)
+    if (self.shards[s].speculative) whole.push_back({s, 0, self.shards[s].info.numel});
+  self.restore_params(whole, whole.size());
   self.shards.end_speculation();
+}
+
+void streamed_adamw::impl::restore_params(const std::vector<piece_ref>& ps, std::size_t pieces) {
+  bool any = false;
+  for (std::size_t j = 0; j < std::min(pieces, ps.size()); ++j) {
+    const piece_ref& p = ps[j];
+    if (!param_is_main(shards[p.shard].info) || p.shard >= saved_params.size() || !saved_params[p.shard]) continue;
+    drv->copy_async(static_cast<float*>(shards[p.shard].info.param) + p.e0, saved_params[p.shard] + p.e0, p.n * 4, exec());
+    any = true;
+  }
+  if (any) drv->synchronize_stream(exec());
 }
 
 std::size_t streamed_adamw::speculation_pending() const {
@@ -687,6 +764,11 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
   self.ensure_state_write();
+  // Main of an FP32 parameter is the parameter; the file tier also publishes its durable copy.
+  if (a == state_array::main && param_is_main(self.shards[shard].info)) {
+    self.write_param(shard, offset, n, in);
+    if (self.shards[shard].resident || !self.tier_home->traits().durable_params) return;
+  }
   self.home_of(shard).write(shard, a, offset, n, in);
   if (is_moment(a)) self.moments_written = true;
 }

@@ -8,7 +8,8 @@
 // physical memory the state takes.
 //
 // Approach
-//  - A piece is n elements of one shard, all three arrays; n is at most the largest
+//  - A piece is n elements of one shard, all three arrays (an FP32 parameter is its own
+//    main: its moments only, Note [The parameter is the truth]); n is at most the largest
 //    multiple of the granule (in floats) with depth * 12 * n <= window_bytes, and about a
 //    12th to 24th of the pass (Note [Pass pieces] below).  Piece i is moved and
 //    stepped in slot (i - skip) mod depth of the window (Note [Window slots]).
@@ -204,7 +205,20 @@ void window_pipeline::back_slots() {
 // Gives the window's chunks back to the pool (after the work on `s`).
 void window_pipeline::release_slots(stream_t s) { parts_.slots.release(s); }
 
-// H2D: main (all but init), the moments (step; zeros before they were ever written).
+// Whether piece p's step reads and writes its FP32 parameter as main (Note [The
+// parameter is the truth] in streamed_adamw.cpp).
+bool window_pipeline::steps_param(const piece_ref& p) const {
+  return plan_.kind == pass_kind::step && param_is_main(parts_.shards[p.shard].info);
+}
+
+// Piece p's model parameter on the device.
+char* window_pipeline::model_of(const piece_ref& p) const {
+  const auto& sh = parts_.shards[p.shard].info;
+  return static_cast<char*>(sh.param) + p.e0 * detail::value_bytes(sh.param_type);
+}
+
+// H2D: main (all but init; not of an FP32 parameter in a step), the moments (step; zeros
+// before they were ever written).  A speculative step keeps the FP32 parameter's values first.
 void window_pipeline::fetch(std::size_t i) {
   const auto& p = piece(i);
   const auto& dev = slot_of(i);
@@ -213,7 +227,16 @@ void window_pipeline::fetch(std::size_t i) {
   // The slot's previous piece is written back (retire() waited for it on the host; the
   // wait keeps the order on the device too).
   if (i >= plan_.skip + plan_.depth) drv.stream_wait(h2d, event(i - plan_.depth, 2));
-  if (plan_.fetch_main) report_->bytes_to_device += parts_.home.to_device(i, p, state_array::main, dev[state_array::main], h2d);
+  if (steps_param(p)) {
+    float* keep = p.shard < step_.saved_params.size() ? step_.saved_params[p.shard] : nullptr;
+    if (keep && step_.grads[p.shard] != nullptr) {
+      drv.copy_async(keep + p.e0, model_of(p), p.n * 4, h2d);
+      report_->bytes_from_device += p.n * 4;
+    }
+  } else if (plan_.fetch_main) {
+    report_->bytes_to_device += parts_.home.to_device(i, p, state_array::main, dev[state_array::main], h2d);
+  }
+  fetched_ = i + 1;
   if (plan_.kind == pass_kind::step)
     for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
       if (plan_.moments_stored) report_->bytes_to_device += parts_.home.to_device(i, p, a, dev[a], h2d);
@@ -229,7 +252,9 @@ void window_pipeline::compute(std::size_t i) {
   const stream_t exec = parts_.streams.exec();
   auto& comp = parts_.comp;
   parts_.drv.stream_wait(exec, event(i, 0));
-  char* model = static_cast<char*>(sh.param) + p.e0 * detail::value_bytes(sh.param_type);
+  char* model = model_of(p);
+  // An FP32 parameter is its own main: the kernel reads and writes it in place.
+  float* main = steps_param(p) ? reinterpret_cast<float*>(model) : dev[state_array::main];
   if (plan_.kind == pass_kind::init) {
     comp.upcast(model, sh.param_type, dev[state_array::main], p.n, exec);
   } else if (plan_.kind == pass_kind::export_bf16) {
@@ -239,12 +264,11 @@ void window_pipeline::compute(std::size_t i) {
     const char* grad = static_cast<const char*>(step_.grads[p.shard]) + p.e0 * detail::value_bytes(gt);
     const moment_format moments = parts_.cfg.moments;
     if (moments != moment_format::fp32)  // (host and file tiers: the optimizer checks)
-      comp.adamw_moments({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad,
-                          sh.param_type, gt, moments, p.n, p.e0},
+      comp.adamw_moments({main, dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad, sh.param_type, gt,
+                          moments, p.n, p.e0},
                          step_.scalars[p.shard], exec);
     else
-      comp.adamw({dev[state_array::main], dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad,
-                  sh.param_type, gt, p.n},
+      comp.adamw({main, dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad, sh.param_type, gt, p.n},
                  step_.scalars[p.shard], exec);
   }
   parts_.drv.record(event(i, 1), exec);
@@ -257,8 +281,14 @@ void window_pipeline::write_back(std::size_t i) {
   const stream_t d2h = parts_.streams.d2h();
   parts_.drv.stream_wait(d2h, event(i, 1));
   if (plan_.write_back)
-    for (state_array a : first_arrays(plan_.arrays))
-      report_->bytes_from_device += parts_.home.from_device(i, p, a, dev[a], d2h);
+    for (state_array a : first_arrays(plan_.arrays)) {
+      float* from = dev[a];
+      if (a == state_array::main && steps_param(p)) {
+        if (!plan_.durable_params) continue;  // the parameter is the state
+        from = reinterpret_cast<float*>(model_of(p));  // the durable copy
+      }
+      report_->bytes_from_device += parts_.home.from_device(i, p, a, from, d2h);
+    }
   parts_.drv.record(event(i, 2), d2h);
   write_back_issued_[i] = true;
 }

@@ -36,6 +36,9 @@ struct step_inputs {
   std::span<const void* const> grads;
   std::span<const value_type> grad_types;
   std::vector<detail::adamw_scalars> scalars;
+  /// A speculative step: per shard, host memory that takes its FP32 parameter's values
+  /// before the step (null: none; Note [The parameter is the truth]).
+  std::span<float* const> saved_params;
 };
 
 /// The pieces of a pass over the shards `selected` (Note [Pass pieces]): the window's
@@ -56,6 +59,9 @@ class window_pipeline {
   /// After a failed run: plan.skip plus the pieces after it whose write-back was issued,
   /// in order (a step retried with the same gradients skips them).
   std::size_t written() const;
+  /// After a failed run: the pieces whose fetch was issued (a speculative step kept their
+  /// FP32 parameters' values: step_inputs::saved_params).
+  std::size_t fetched() const { return fetched_; }
 
  private:
   std::size_t pieces() const { return plan_.pieces.size(); }
@@ -66,6 +72,8 @@ class window_pipeline {
   void prefetch(std::size_t j);
   void back_slots();
   void release_slots(stream_t s);
+  bool steps_param(const piece_ref& p) const;
+  char* model_of(const piece_ref& p) const;
   void fetch(std::size_t i);
   void compute(std::size_t i);
   void write_back(std::size_t i);
@@ -80,6 +88,7 @@ class window_pipeline {
   std::size_t params_ = 0, done_params_ = 0;  // the pass's parameters, and those retired
   std::size_t current_ = 0;                    // the piece being enqueued (for a failure's message)
   std::vector<bool> write_back_issued_;
+  std::size_t fetched_ = 0;  // pieces whose fetch was issued
 };
 
 }  // namespace deferalloc::optim

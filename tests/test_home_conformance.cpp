@@ -32,6 +32,13 @@
 //     issued and the old ones elsewhere (the pieces a retried step skips); a speculative
 //     pass cut short leaves the current copy; and the home then runs a whole pass, whose
 //     write-back is what reads return.
+// 10. An FP32 parameter is its shard's main (param_is_main; Note [The parameter is the
+//     truth]): the home holds no main of such a shard (the device home backs none, its
+//     main_param being the parameter; the host home refuses to read or write one), or a
+//     durable copy of it (traits().durable_params: file).  An init or export pass leaves
+//     the shard out unless durable; a step pass moves its moments only to the device and
+//     its moments back, and a durable home takes main from the parameter itself, which
+//     reads back as main once committed and after a resume.
 //  9. A committed store resumes its last commit: a second home opened on the same
 //     directory (optimizer_config::resume) is resumed(), its open() returns the counts
 //     of that commit, and it reads that commit's state; a state write ended unpublished
@@ -116,6 +123,12 @@ class HomeConformance : public testing::TestWithParam<home_case> {
       s.info.name = "shard" + std::to_string(shards_.size());
       for (state_array a : k_state_arrays) s.res[a] = mgr_->reserve(n * 4);
       s.info.main_param = static_cast<float*>(mgr_->address(s.res[state_array::main]));
+      if (fp32_param_ && shards_.size() == 1) {  // shard 1's FP32 parameter is its main (contract 10)
+        param_.assign(n, 0.0f);
+        s.info.param = param_.data();
+        s.info.param_type = value_type::fp32;
+        s.info.main_param = param_.data();
+      }
       s.info.exp_avg = static_cast<float*>(mgr_->address(s.res[state_array::exp_avg]));
       s.info.exp_avg_sq = static_cast<float*>(mgr_->address(s.res[state_array::exp_avg_sq]));
       home_->add_shard(s);
@@ -177,11 +190,12 @@ class HomeConformance : public testing::TestWithParam<home_case> {
 
   // The pieces of a pass: shards cut on the home's alignment (whole shards where it is
   // coarser), as the optimizer cuts them.
-  std::vector<piece_ref> pieces() const {
+  std::vector<piece_ref> pieces(pass_kind kind = pass_kind::step) const {
     const std::size_t align = std::max<std::size_t>(home_->traits().piece_align / 4, 16384);
     std::vector<piece_ref> out;
     for (std::size_t s = 0; s < shards_.size(); ++s)
-      for (std::size_t e0 = 0; e0 < k_numel[s]; e0 += align) out.push_back({s, e0, std::min(align, k_numel[s] - e0)});
+      if (kind == pass_kind::step || home_->traits().durable_params || !param_is_main(shards_[s].info))
+        for (std::size_t e0 = 0; e0 < k_numel[s]; e0 += align) out.push_back({s, e0, std::min(align, k_numel[s] - e0)});
     return out;
   }
 
@@ -204,7 +218,8 @@ class HomeConformance : public testing::TestWithParam<home_case> {
     if (!mover) return "no piece_mover";
     pass_plan plan;
     plan.kind = kind;
-    plan.pieces = pieces();
+    plan.pieces = pieces(kind);
+    plan.durable_params = home_->traits().durable_params;
     plan.arrays = kind == pass_kind::step ? 3 : 1;
     plan.fetch_main = kind != pass_kind::init;
     plan.write_back = kind != pass_kind::export_bf16;
@@ -239,7 +254,10 @@ class HomeConformance : public testing::TestWithParam<home_case> {
       mover.prefetch(i, p);
       if (i == cut && i + 1 < plan.pieces.size()) mover.prefetch(i + 1, plan.pieces[i + 1]);
       per_array<std::size_t> in{};
-      if (plan.fetch_main) in[state_array::main] = mover.to_device(i, p, state_array::main, slot_[state_array::main], exec_);
+      // A step reads and writes an FP32 parameter in place: its main is not fetched.
+      const bool param = plan.kind == pass_kind::step && param_is_main(shards_[p.shard].info);
+      if (plan.fetch_main && !param)
+        in[state_array::main] = mover.to_device(i, p, state_array::main, slot_[state_array::main], exec_);
       if (plan.kind == pass_kind::step)
         for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
           if (plan.moments_stored) in[a] = mover.to_device(i, p, a, slot_[a], exec_);
@@ -249,7 +267,12 @@ class HomeConformance : public testing::TestWithParam<home_case> {
       on_device(p);
       if (plan.write_back)
         for (state_array a : first_arrays(plan.arrays)) {
-          const std::size_t out = mover.from_device(i, p, a, slot_[a], exec_);
+          float* from = slot_[a];
+          if (a == state_array::main && param) {
+            if (!plan.durable_params) continue;
+            from = param_.data() + p.e0;  // the durable copy comes from the parameter
+          }
+          const std::size_t out = mover.from_device(i, p, a, from, exec_);
           if (a == state_array::main) EXPECT_EQ(out, p.n * 4) << "main moves 4 bytes per element";
           if (in[a] != 0) EXPECT_EQ(out, in[a]) << array_name(a) << " moves as many bytes each way";
           EXPECT_GT(out, 0u);
@@ -283,6 +306,8 @@ class HomeConformance : public testing::TestWithParam<home_case> {
     return home_->store()->open();
   }
 
+  bool fp32_param_ = false;   // shard 1's parameter is FP32 (contract 10)
+  std::vector<float> param_;  // its values
   std::shared_ptr<driver> drv_;
   std::shared_ptr<chunk_pool> pool_;
   std::unique_ptr<reservation_manager> mgr_;
@@ -466,6 +491,76 @@ TEST_P(HomeConformance, UncommittedChangesAreNotResumed) {
   EXPECT_EQ(resumed->step, 0u) << "the last commit's step count";
   expect_all(1, "resumed after changes not committed");
 }
+
+// Contract 10: shard 1's parameter is FP32.
+class HomeConformanceFp32Param : public HomeConformance {
+ protected:
+  void SetUp() override {
+    fp32_param_ = true;
+    HomeConformance::SetUp();
+  }
+  void set_param(std::uint32_t seed) { param_ = values(1, state_array::main, seed); }
+};
+
+TEST_P(HomeConformanceFp32Param, AnFp32ParameterIsItsShardsMain) {
+  const bool durable = GetParam().where == tier::file;
+  EXPECT_EQ(home_->traits().durable_params, durable) << "the file tier keeps a durable copy of FP32 parameters";
+  float probe[4];
+  if (GetParam().where == tier::host) {
+    EXPECT_EQ(home_->host_array(1, state_array::main), nullptr);
+    EXPECT_THROW(home_->read(1, state_array::main, 0, 4, probe), invalid_state) << "no main of an FP32 parameter at home";
+    EXPECT_THROW(home_->write(1, state_array::main, 0, 4, probe), invalid_state);
+  }
+  if (GetParam().where == tier::device) {
+    const reservation_info main = mgr_->info(shards_[1].res[state_array::main]);
+    EXPECT_EQ(main.backed_bytes, 0u) << "no HBM for the main of an FP32 parameter";
+    EXPECT_GT(mgr_->info(shards_[1].res[state_array::exp_avg]).backed_bytes, 0u);
+    set_param(2);
+    expect_state(1, state_array::main, values(1, state_array::main, 2), "the device home's main is the parameter");
+    return;
+  }
+  // Init: the durable home copies the parameter, the others leave the shard out.
+  set_param(0);
+  std::size_t seen = 0;
+  run_pass(pass_kind::init, false, false, [&](const piece_ref& p) {
+    if (p.shard == 1) ASSERT_TRUE(durable) << "an init pass moves an FP32 parameter only into a durable copy";
+    for (std::size_t i = 0; i < p.n; ++i) slot_[state_array::main][i] = value(p.shard, state_array::main, p.e0 + i);
+    seen += p.n;
+  });
+  EXPECT_EQ(seen, k_numel[0] + (durable ? k_numel[1] : 0));
+  committed_store* store = home_->store();
+  if (store) store->commit(pass_kind::init, counts(0, false));
+  if (durable) expect_state(1, state_array::main, values(1, state_array::main), "the durable copy after init");
+  // A step: the moments move both ways; main is the parameter (durable: its copy comes back).
+  if (store) store->begin_write();
+  for (std::size_t s = 0; s < shards_.size(); ++s)
+    for (state_array a : k_state_arrays)
+      if (s == 0 || is_moment(a)) home_->write(s, a, 0, k_numel[s], values(s, a, 1).data());
+  if (store) store->end_write(true, counts(0, true));
+  run_pass(pass_kind::step, true, false, [&](const piece_ref& p) {
+    fill_window(p, 3);
+    if (p.shard == 1)  // what the kernel wrote into the parameter
+      for (std::size_t i = 0; i < p.n; ++i) param_[p.e0 + i] = value(1, state_array::main, p.e0 + i, 3);
+  });
+  if (store) store->commit(pass_kind::step, counts(1, true));
+  for (state_array a : k_state_arrays) {
+    expect_state(0, a, values(0, a, 3), "the BF16 shard after a step");
+    if (is_moment(a) || durable) expect_state(1, a, values(1, a, 3), "the FP32 parameter's shard after a step");
+  }
+  if (!store) return;
+  // The durable copy is what a resume reads.
+  set_param(9);
+  ASSERT_TRUE(reopen().has_value());
+  for (state_array a : k_state_arrays) expect_state(1, a, values(1, a, 3), "resumed");
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryHome, HomeConformanceFp32Param,
+                         testing::Values(home_case{tier::device, moment_format::fp32},
+                                         home_case{tier::host, moment_format::fp32},
+                                         home_case{tier::host, moment_format::int8},
+                                         home_case{tier::file, moment_format::fp32},
+                                         home_case{tier::file, moment_format::bf16}),
+                         case_name);
 
 INSTANTIATE_TEST_SUITE_P(EveryHome, HomeConformance,
                          testing::Values(home_case{tier::device, moment_format::fp32},

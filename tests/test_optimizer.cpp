@@ -836,26 +836,35 @@ TEST(optimizer, checkpoint_continues_bit_identically_and_refuses_corruption) {
   }
 }
 
-// A process killed in the middle of a step resumes from the last committed step.
-TEST(optimizer, file_tier_resumes_after_a_crash) {
-  if (driver_name() != "host") GTEST_SKIP() << "fork() with a CUDA context is not supported; runs on the host driver";
-  auto d = make_driver();
-  const problem p = make_problem(d->granularity(), 3);
-  temp_dir dir;
+// Runs `steps` in a forked child, whose last step a file fault of kind `crash` kills;
+// returns once the child died so.
+template <typename F>
+void in_a_child_killed_mid_step(F&& steps) {
   const pid_t pid = ::fork();
   if (pid == 0) {
-    run r(d, p, config_for(tier::file, dir.path));
-    r.opt->initialize();
-    r.step(0);
-    r.step(1);
-    optim::detail::inject_file_fault(*r.opt, optim::detail::file_fault_op::write, optim::detail::file_fault_kind::crash, 5);
-    r.step(2);
+    steps();
     ::_exit(0);  // not reached: the fault kills the process mid-step
   }
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status));
   ASSERT_EQ(WEXITSTATUS(status), 86) << "the child was not killed mid-step";
+}
+
+// A process killed in the middle of a step resumes from the last committed step.
+TEST(optimizer, file_tier_resumes_after_a_crash) {
+  if (driver_name() != "host") GTEST_SKIP() << "fork() with a CUDA context is not supported; runs on the host driver";
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 3);
+  temp_dir dir;
+  ASSERT_NO_FATAL_FAILURE(in_a_child_killed_mid_step([&] {
+    run r(d, p, config_for(tier::file, dir.path));
+    r.opt->initialize();
+    r.step(0);
+    r.step(1);
+    optim::detail::inject_file_fault(*r.opt, optim::detail::file_fault_op::write, optim::detail::file_fault_kind::crash, 5);
+    r.step(2);
+  }));
   optimizer_config cfg = config_for(tier::file, dir.path);
   cfg.resume = true;
   run r(d, p, cfg);
@@ -867,6 +876,205 @@ TEST(optimizer, file_tier_resumes_after_a_crash) {
   EXPECT_THROW(r.opt->initialize(), invalid_state);
   r.step(2);
   expect_same(r.state(), cpu_twin(p, 3), "step after the resume");
+}
+
+// ---- Note [The parameter is the truth]: an FP32 parameter is its shard's main ----------
+
+// One FP32 parameter of several pieces (and its FP32 gradient) in device memory, its
+// optimizer, and a reference AdamW in float (the kernels' arithmetic) that sees what the
+// parameter holds.
+struct fp32_param {
+  fp32_param(std::shared_ptr<driver> d, tier t, const std::string& dir) : drv(d), bufs(d) {
+    const std::size_t base = d->granularity() / 4;
+    n = 13 * base + 1;
+    optimizer_config cfg = config_for(t, dir);
+    cfg.window_bytes = 3 * 12 * d->granularity();
+    cfg.adamw = hyper;
+    param = static_cast<float*>(bufs.alloc(n * 4));
+    grad = bufs.alloc(n * 4);
+    w = floats(1, 1.0f);
+    m.assign(n, 0.0f);
+    v.assign(n, 0.0f);
+    set(w);
+    opt = std::make_unique<streamed_adamw>(d, cfg);
+    opt->add_shard(param, n, value_type::fp32, 0, "w");
+  }
+  std::vector<float> floats(std::uint64_t seed, float scale) const {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.0f, scale);
+    std::vector<float> out(n);
+    for (auto& x : out) x = nd(rng);
+    return out;
+  }
+  static std::vector<std::uint8_t> bytes(const std::vector<float>& f) {
+    std::vector<std::uint8_t> b(f.size() * 4);
+    std::memcpy(b.data(), f.data(), b.size());
+    return b;
+  }
+  // The user writes the parameter (an edit outside the optimizer); the reference sees it.
+  void set(const std::vector<float>& values) {
+    upload(*drv, param, bytes(values));
+    w = values;
+  }
+  std::vector<float> now() const {
+    auto raw = download(*drv, param, n * 4);
+    std::vector<float> out(n);
+    std::memcpy(out.data(), raw.data(), n * 4);
+    return out;
+  }
+  // Step number `t`'s gradient, uploaded.
+  std::vector<float> gradient(int t) {
+    auto g = floats(100 + t, 0.1f);
+    upload(*drv, grad, bytes(g));
+    return g;
+  }
+  void reference_step(const std::vector<float>& g, float scale) {
+    const auto k = optim::detail::make_scalars(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, ++t,
+                                               scale, [this](float b, float e) { return optim::backend_pow(*drv, b, e); });
+    for (std::size_t i = 0; i < n; ++i) optim::detail::adamw_update(w[i], m[i], v[i], g[i], k);
+  }
+  void step(int k, float scale = 1.0f) {
+    const auto g = gradient(k);
+    const void* gs[1] = {grad};
+    opt->step(gs, std::vector<value_type>{value_type::fp32}, scale);
+    drv->synchronize_stream(nullptr);
+    reference_step(g, scale);
+  }
+  // The parameter, main, and the moments are the reference's, bit for bit.
+  void expect_reference(const std::string& what) {
+    EXPECT_EQ(now(), w) << what << ": the parameter";
+    std::vector<float> got_w(n), got_m(n), got_v(n);
+    opt->read_state(0, got_w.data(), got_m.data(), got_v.data());
+    EXPECT_EQ(got_w, w) << what << ": read_state(main) is the parameter";
+    EXPECT_EQ(got_m, m) << what << ": exp_avg";
+    EXPECT_EQ(got_v, v) << what << ": exp_avg_sq";
+  }
+  std::shared_ptr<driver> drv;
+  device_buffers bufs;
+  const adamw_params hyper{1e-2, 0.9, 0.95, 1e-8, 0.1};
+  std::size_t n = 0;
+  float* param = nullptr;
+  void* grad = nullptr;
+  std::vector<float> w, m, v;  // the reference
+  std::uint64_t t = 0;
+  std::unique_ptr<streamed_adamw> opt;
+};
+
+// A user's edit of an FP32 weight between steps (w.zero_(), load_state_dict, an EMA swap)
+// is what the next step reads, on every tier; write_state(main) writes the parameter; a
+// speculative step discarded puts the parameter back, so the redo starts from it;
+// checkpoints carry the parameter as main.
+TEST(optimizer, an_fp32_parameter_edited_between_steps_is_what_the_next_step_reads) {
+  auto d = make_driver();
+  temp_dir dir;
+  for (tier t : {tier::device, tier::host, tier::file}) {
+    SCOPED_TRACE(to_string(t));
+    const std::string sub = dir.path + "/" + to_string(t);
+    std::filesystem::create_directories(sub + "/ckpt");
+    fp32_param f(d, t, sub);
+    f.opt->initialize();
+    f.step(0);
+    f.step(1, 0.5f);
+    f.set(std::vector<float>(f.n, 0.0f));  // with torch.no_grad(): w.zero_()
+    f.step(2);
+    f.expect_reference("the step after w.zero_()");
+    const auto loaded = f.floats(7, 1.0f);
+    f.opt->write_state_range(0, state_array::main, 0, f.n, loaded.data());
+    f.w = loaded;
+    EXPECT_EQ(f.now(), loaded) << "write_state(main) writes the parameter";
+    f.step(3);
+    f.expect_reference("the step after write_state(main)");
+
+    f.opt->save_checkpoint(sub + "/ckpt");
+    const auto w3 = f.w, m3 = f.m, v3 = f.v;
+    const std::uint64_t t3 = f.t;
+    f.step(4);
+    f.opt->load_checkpoint(sub + "/ckpt");
+    f.w = w3, f.m = m3, f.v = v3, f.t = t3;
+    f.expect_reference("a checkpoint's main is the parameter");
+
+    if (t == tier::device) continue;
+    // A speculation (with the wrong scale) discarded: the parameter as it was; the redo
+    // starts from it.
+    f.set(std::vector<float>(f.n, 0.25f));
+    f.gradient(5);
+    const void* gs[1] = {f.grad};
+    const std::vector<value_type> gts{value_type::fp32};
+    f.opt->step_speculative(gs, gts, 2.0f);
+    d->synchronize_stream(nullptr);
+    EXPECT_NE(f.now(), f.w) << "the speculation stepped the parameter";
+    std::vector<float> pending(f.n);
+    f.opt->read_state_range(0, state_array::main, 0, f.n, pending.data());
+    EXPECT_EQ(pending, f.w) << "while pending, main reads the committed values";
+    f.opt->discard_speculation();
+    EXPECT_EQ(f.now(), f.w) << "discard puts the parameter back";
+    f.step(5);
+    f.expect_reference("the redo after a discarded speculation");
+    const auto g6 = f.gradient(6);
+    f.opt->step_speculative(gs, gts, 1.0f);
+    f.opt->commit_speculation();
+    d->synchronize_stream(nullptr);
+    f.reference_step(g6, 1.0f);
+    f.expect_reference("a committed speculation");
+  }
+}
+
+// The host tier moves an FP32 parameter's moments only (8 B in, 8 out per element); the
+// file tier also writes the parameter's durable copy (12 B out).
+TEST(optimizer, fp32_parameters_stream_only_their_moments) {
+  auto d = make_driver();
+  temp_dir dir;
+  for (tier t : {tier::host, tier::file}) {
+    SCOPED_TRACE(to_string(t));
+    fp32_param f(d, t, dir.path);
+    f.opt->initialize();
+    f.step(0);
+    const std::size_t out = t == tier::file ? 12 : 8;
+    EXPECT_EQ(f.opt->last_report().bytes_to_device, 0u) << "moments never written are zeroed on the device";
+    EXPECT_EQ(f.opt->last_report().bytes_from_device, out * f.n);
+    f.step(1);
+    EXPECT_EQ(f.opt->last_report().bytes_to_device, 8 * f.n);
+    EXPECT_EQ(f.opt->last_report().bytes_from_device, out * f.n);
+    f.expect_reference("after two steps");
+  }
+}
+
+// A file tier killed mid-step after an edit of an FP32 parameter resumes the edited and
+// stepped values (the durable copy of the last committed step).
+TEST(optimizer, file_tier_resumes_an_edited_fp32_parameter) {
+  if (driver_name() != "host") GTEST_SKIP() << "fork() with a CUDA context is not supported; runs on the host driver";
+  auto d = make_driver();
+  temp_dir dir;
+  ASSERT_NO_FATAL_FAILURE(in_a_child_killed_mid_step([&] {
+    fp32_param f(d, tier::file, dir.path);
+    f.opt->initialize();
+    f.step(0);
+    f.set(std::vector<float>(f.n, 0.5f));
+    f.step(1);
+    optim::detail::inject_file_fault(*f.opt, optim::detail::file_fault_op::write, optim::detail::file_fault_kind::crash, 2);
+    f.step(2);
+  }));
+  fp32_param ref(d, tier::host, dir.path);  // the reference of the same steps
+  ref.reference_step(ref.gradient(0), 1.0f);
+  ref.w.assign(ref.n, 0.5f);
+  ref.reference_step(ref.gradient(1), 1.0f);
+
+  fp32_param f(d, tier::host, dir.path);  // its optimizer replaced by the resuming one
+  optimizer_config cfg = config_for(tier::file, dir.path);
+  cfg.window_bytes = 3 * 12 * d->granularity();
+  cfg.adamw = f.hyper;
+  cfg.resume = true;
+  f.opt = std::make_unique<streamed_adamw>(d, cfg);
+  f.opt->add_shard(f.param, f.n, value_type::fp32, 0, "w");
+  f.set(std::vector<float>(f.n, 9.0f));  // the new process's parameter, before the resume
+  f.opt->sync_model_params();
+  d->synchronize_stream(nullptr);
+  EXPECT_TRUE(f.opt->resumed());
+  EXPECT_EQ(f.opt->steps(), 2u);
+  f.w = ref.w, f.m = ref.m, f.v = ref.v, f.t = ref.t;
+  f.expect_reference("resumed");
+  f.step(2);
+  f.expect_reference("the step after the resume");
 }
 
 TEST(optimizer, bad_input) {

@@ -112,8 +112,10 @@ DFA_C_API dfa_status dfa_opt_add_shard(dfa_optimizer* o, void* param, size_t num
 /* Sets group `group`'s hyper-parameters (any time between steps).  PyTorch's checks: finite
  * lr >= 0, 0 <= betas < 1, eps >= 0, weight_decay >= 0, else INVALID_ARGUMENT. */
 DFA_C_API dfa_status dfa_opt_set_group(dfa_optimizer* o, int group, const dfa_adamw_params* p);
-/* main = float(param) for every shard, written to the home tier; moments zero.  Waits for
- * `stream` first; synchronous. */
+/* main = float(param) for every BF16/FP16 shard, written to the home tier; moments zero.
+ * An FP32 parameter is its own main (a step reads and updates it in place, so an edit
+ * between steps is what the next step reads; the file tier keeps a durable copy that a
+ * resume writes back); nothing is copied.  Waits for `stream` first; synchronous. */
 DFA_C_API dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream);
 /* One AdamW step: grads[i] is shard i's gradient (NULL: skip shard i, its step count stays),
  * of type grad_dtypes[i] (grad_dtypes NULL: each shard's parameter type); each gradient is
@@ -126,8 +128,9 @@ DFA_C_API dfa_status dfa_opt_step(dfa_optimizer* o, const void* const* grads, si
  * first speculative step: 2x its pinned host memory; file tier: the inactive slot, and the
  * commit carries the shards not stepped and writes one commit record) and becomes their state only at
  * dfa_opt_commit_speculation (which advances their step counts); dfa_opt_discard_speculation
- * drops it, state and step counts unchanged (the model parameters keep the speculative
- * values: step again or dfa_opt_sync_model_params).  INVALID_STATE: the device tier, a
+ * drops it, state and step counts unchanged (BF16/FP16 model parameters keep the speculative
+ * values: step again or dfa_opt_sync_model_params; FP32 parameters are put back to their
+ * values before the speculative step, which kept them: 4 B/param of pinned memory).  INVALID_STATE: the device tier, a
  * shard with a gradient that is resident or already pending.  While one is pending,
  * dfa_opt_write_state, dfa_opt_set_shard_step, dfa_opt_load_checkpoint and a dfa_opt_step
  * of a pending shard are refused (INVALID_STATE); reads and saves see the committed state. */
@@ -140,10 +143,15 @@ DFA_C_API dfa_status dfa_opt_speculation_pending(dfa_optimizer* o, size_t* out);
 /* *out: 1 when shard `shard` can be stepped speculatively (a streamed host- or file-tier shard;
  * after dfa_opt_initialize, which picks the resident ones), else 0. */
 DFA_C_API dfa_status dfa_opt_can_speculate(dfa_optimizer* o, size_t shard, int* out);
-/* Writes float(main) into the model parameters of every shard; `stream` waits. */
+/* Writes main into the model parameters of every BF16/FP16 shard; `stream` waits.  FP32
+ * parameters are their own main: unchanged, except on the file tier, which writes its
+ * durable copy (the last committed step's values) into them (after a resume). */
 DFA_C_API dfa_status dfa_opt_sync_model_params(dfa_optimizer* o, void* stream);
 /* Copies elements [offset, offset + n) of a shard's state array to/from host memory
- * (synchronous).  The file tier takes whole arrays (offset 0, n = numel). */
+ * (synchronous).  The file tier takes whole arrays (offset 0, n = numel).  DFA_STATE_MAIN
+ * of an FP32 parameter is the parameter: a read returns its current values (while a
+ * speculative step is pending: the values before it), a write writes the parameter at once
+ * (file tier: and its durable copy, published with the write). */
 DFA_C_API dfa_status dfa_opt_read_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,
                                         float* out);
 DFA_C_API dfa_status dfa_opt_write_state(dfa_optimizer* o, size_t shard, dfa_state_array a, size_t offset, size_t n,

@@ -27,7 +27,9 @@ RESIDENT_MB = 8 if CUDA else 1  # some parameters resident, not all
 
 def model(seed=0):
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
+    # (Sized so that resident_mb=RESIDENT_MB holds some parameters, not all: an FP32
+    # parameter is its own main, so a resident one takes two arrays' granules.)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 128), torch.nn.GELU(),
                             torch.nn.Linear(128, 16))
     m[2].to(torch.bfloat16)  # mixed parameter types
     return m.to(DEVICE)

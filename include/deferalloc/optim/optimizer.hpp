@@ -125,7 +125,7 @@ struct shard_info {
   void* param = nullptr;                ///< the model's parameters (device), of type param_type
   value_type param_type = value_type::bf16;
   int group = 0;                        ///< its hyper-parameter group (set_group)
-  float* main_param = nullptr;          ///< stable device addresses of the FP32 state
+  float* main_param = nullptr;          ///< stable device addresses of the FP32 state (an FP32 parameter's main: the parameter)
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   bool resident = false;                ///< kept in HBM (optimizer_config::resident_bytes)
@@ -165,10 +165,11 @@ class DFA_API streamed_adamw {
   /// initialize().  Cost: three cuMemAddressReserve; device tier: 12 B/param of HBM.
   std::size_t add_shard(std::uint16_t* param_bf16, std::size_t numel, std::string name = {});
   /// The same for parameters of type `t` (BF16, FP16 or FP32) in hyper-parameter group
-  /// `group` (>= 0).  FP32 parameters are treated like the others: the FP32 main copy is
-  /// streamed state too and the parameter is written from it after each step (exact:
-  /// the two stay equal), so an FP32 parameter costs 4 more bytes per step each way
-  /// than "the main copy is the parameter" would.
+  /// `group` (>= 0).  An FP32 parameter is its own main (Note [The parameter is the truth]
+  /// in optimizer/streamed_adamw.cpp): a step reads it and writes the update into it, so
+  /// an edit between steps (w.zero_(), load_state_dict, an EMA swap) is what the next step
+  /// reads; the home keeps only its moments (host tier: 8 B/param each way per step), the
+  /// file tier also a durable copy (written by each step, read by a resume).
   std::size_t add_shard(void* param, std::size_t numel, value_type t, int group, std::string name = {});
 
   /// The hyper-parameters of group `g` (before or between steps).  Shards of a group
@@ -178,7 +179,8 @@ class DFA_API streamed_adamw {
 
   /// Direct-final initialization: main = float(param_bf16), written straight to the
   /// home tier window by window; the moments are zero by construction and never
-  /// copied.  Waits for `stream` first.  Synchronous.  File tier: commits step 0.
+  /// copied.  An FP32 parameter is its own main: nothing is copied (the file tier writes
+  /// its durable copy).  Waits for `stream` first.  Synchronous.  File tier: commits step 0.
   void initialize(stream_t stream = nullptr);
 
   /// One AdamW step over every shard.  `grads[i]` is shard i's gradient (device memory,
@@ -207,9 +209,13 @@ class DFA_API streamed_adamw {
   /// Keeping the previous state costs no copy; the second copy (2x the shard's pinned
   /// host memory) is allocated at a shard's first speculative step and kept.  Several
   /// speculative steps over disjoint shards may be pending at once.  Discard does not
-  /// restore the model parameters: step the shards again (the redo of a clipped step) or
-  /// call sync_model_params().  A failed speculative step leaves the state unchanged
-  /// (its shards are not pending; their parameters may be partly written: step again).
+  /// restore BF16/FP16 model parameters: step the shards again (the redo of a clipped
+  /// step) or call sync_model_params().  FP32 parameters (their own main) are restored by
+  /// discard, and by a failed speculative step, from the values the speculative step kept
+  /// (4 B/param of host memory per shard, and 4 B/param more D2H per speculative step);
+  /// while pending, reads of their main return those kept values.  A failed speculative
+  /// step leaves the state unchanged (its shards are not pending; their BF16/FP16
+  /// parameters may be partly written: step again).
   /// @throws invalid_state: the device tier, a shard with a gradient that is resident
   /// (can_speculate) or already pending, a failed step() awaiting its retry.
   void step_speculative(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale = 1.0f,
@@ -228,6 +234,8 @@ class DFA_API streamed_adamw {
 
   /// Writes BF16(main) into every shard's model parameters (after a resume or a
   /// checkpoint load: the model then matches the optimizer's state).  `stream` waits.
+  /// FP32 parameters are their own main: unchanged, except on the file tier, which writes
+  /// its durable copy (the last committed step's values) into them.
   void sync_model_params(stream_t stream = nullptr);
 
   /// Sum of squares of the gradients (for clipping), in double.  Synchronous.
@@ -247,7 +255,8 @@ class DFA_API streamed_adamw {
   std::size_t piece_elements() const;
   step_report last_report() const;
 
-  /// Copies a shard's state to host memory (any tier).  Null outputs are skipped.
+  /// Copies a shard's state to host memory (any tier).  Null outputs are skipped.  Main
+  /// of an FP32 parameter is the parameter's current values (read and write_state_range too).
   void read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq);
   /// Copies elements [offset, offset + n) of one state array of a shard to host memory
   /// `out`.  Synchronous; cost: a memcpy (host tier), a D2H copy (device tier), aligned
@@ -259,8 +268,10 @@ class DFA_API streamed_adamw {
   /// begin_state_write and end_state_write, by end_state_write; else with the writes that
   /// follow, by the next call that uses the state (a step, a read, a checkpoint save or
   /// load, sync_model_params, begin_state_write, the destructor); a kill before that
-  /// resumes the old state (Note [State writes] in optimizer/home.cpp).  Does not touch model parameters
-  /// (sync_model_params does).  @throws invalid_argument for a bad range, invalid_state
+  /// resumes the old state (Note [State writes] in optimizer/home.cpp).  Does not touch
+  /// BF16/FP16 model parameters (sync_model_params does); main of an FP32 parameter is
+  /// written into the parameter at once (file tier: and into the durable copy published
+  /// with the write; a write dropped leaves the parameter written).  @throws invalid_argument for a bad range, invalid_state
   /// while a speculative step is pending (commit or discard it first).
   void write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, const float* in);
   /// Steps taken by shard `s` (PyTorch's per-parameter `step`; the committed count while
@@ -296,8 +307,9 @@ class DFA_API streamed_adamw {
   /// @throws io_error (the directory is a symlink or another user's, a write fails)
   void save_checkpoint(const std::string& dir);
   /// Loads the newest complete generation in `dir` into the registered shards and writes
-  /// BF16(main) into their model params (done when it returns).  Reads each file once
-  /// (twice on the host and device tiers when they already hold state: verify, then copy).
+  /// BF16(main) into their model params (done when it returns; an FP32 parameter takes
+  /// the saved main itself).  Reads each file once (twice on the host and device tiers
+  /// when they already hold state or have FP32 parameters: verify, then copy).
   /// @throws io_error (no checkpoint), corrupt_data on a checksum failure or a mismatched
   /// layout (the message says which file, array and why); the optimizer's state is
   /// unchanged then; invalid_state while a speculative step is pending.
