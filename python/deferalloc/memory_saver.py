@@ -321,6 +321,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# Note [One routed pool per thread]
+# Rationale: PyTorch routes an allocation to the first pool whose filter matches, in the order
+# the pools began (beginAllocateToPool appends): a MemPool entered inside another one on the
+# same thread (a nested region, disable(), a graph captured inside a region) would never be
+# used, the outer pool taking the allocations.
+# Approach: the saver keeps a stack of routed pools per thread and routes only the top one:
+# entering suspends the outer pool (end + release, as torch.cuda.use_mem_pool leaves it) and
+# leaving routes it again (begin).  A capture suspends the region's pool, so its stream
+# filter takes the graph's allocations.
+# Limits: pools routed by other code (torch.cuda.use_mem_pool around a saver region) are not
+# suspended: the outer one keeps winning, as in PyTorch.
+def _begin_route(device: int, pool_id: tuple) -> None:
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool_id)
+
+
+def _end_route(device: int, pool_id: tuple) -> None:
+    torch._C._cuda_endAllocateToPool(device, pool_id)
+    torch._C._cuda_releasePool(device, pool_id)
+
+
 class _Impl:
     """The saver after first use: one hook mode, the tags it made, their pools."""
 
@@ -338,8 +358,8 @@ class _Impl:
         self.lock = threading.RLock()
         self.local = threading.local()   # .depth: regions open on this thread
         self.keeps: dict = {}            # tag -> set of keeps it holds
-        self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] (torch mode); kept for the process
-        self.native_pools: dict = {}     # (tag, keep, device) -> MemPool (preload mode)
+        self.pools: dict = {}            # (tag, keep, device) -> the region's MemPool, kept for the process (as TMS)
+        self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] of cuda_graph (torch mode)
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         if hook_mode == "preload":
@@ -382,40 +402,74 @@ class _Impl:
     def _device() -> int:
         return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
+    # routing: Note [One routed pool per thread]
+    @contextlib.contextmanager
+    def _route(self, pool):
+        """Allocations of this thread go to ``pool`` (None: to no pool of ours, PyTorch's
+        default or a capture's) until exit; the pool routed before is suspended meanwhile."""
+        stack = self.local.__dict__.setdefault("routes", [])
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            _end_route(*outer)
+        route = None if pool is None else (torch.cuda.current_device(), tuple(pool.id))
+        if route is not None:
+            _begin_route(*route)
+        stack.append(route)
+        try:
+            yield
+        finally:
+            stack.pop()
+            if route is not None:
+                _end_route(*route)
+            if outer is not None:
+                _begin_route(*outer)
+
+    def _pool(self, table: dict, key: tuple, make):
+        with self.lock:
+            pool = table.get(key)
+            if pool is None:
+                pool = table[key] = make()
+            return pool
+
     # region
     @contextlib.contextmanager
     def region(self, tag: str, keep: str):
+        if not torch.cuda.is_available():  # the host driver (tests): the tag only
+            if self.mode == "torch":
+                with _dfa.tag(self._itag(tag, keep)), self._in_region():
+                    self._note(tag, keep)
+                    yield
+                return
+            raise RuntimeError("hook_mode='preload' needs CUDA")
+        key = (tag, keep, self._device())
         if self.mode == "torch":
-            with _dfa.region(self._itag(tag, keep), keep=keep), self._in_region():
+            pool = self._pool(self.pools, key, _dfa.mem_pool)
+            with _dfa.tag(self._itag(tag, keep)), self._route(pool), self._in_region():
                 self._note(tag, keep)  # once deferalloc knows the tag
                 yield
             return
-        self._note(tag, keep)
-        key = (tag, keep, self._device())
+        pool = self._pool(self.pools, key, torch.cuda.MemPool)
         with self.lock:
-            pool = self.native_pools.get(key)
-            if pool is None:
-                pool = self.native_pools[key] = torch.cuda.MemPool()
-                self.pool_ids.setdefault((tag, keep), set()).add(tuple(pool.id))
-        with torch.cuda.use_mem_pool(pool), self._in_region():
+            self.pool_ids.setdefault((tag, keep), set()).add(tuple(pool.id))
+        self._note(tag, keep)
+        with self._route(pool), self._in_region():
             yield
 
     @contextlib.contextmanager
     def cuda_graph(self, graph, pool, stream, capture_error_mode: str, tag: str, keep: str):
+        if not torch.cuda.is_available():
+            raise RuntimeError("cuda_graph needs CUDA")
         if self.mode == "preload":
             self._note(tag, keep)
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
-                    self._in_region():
+            with self._route(None), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                      capture_error_mode=capture_error_mode), self._in_region():
                 yield
             with self.lock:
                 self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
             return
-        if not torch.cuda.is_available():
-            raise RuntimeError("cuda_graph needs CUDA")
-        itag, dev = self._itag(tag, keep), self._device()
-        key = (tag, keep, dev)
+        itag = self._itag(tag, keep)
         with self.lock:
-            mine = self.graph_pools.setdefault(key, [])
+            mine = self.graph_pools.setdefault((tag, keep, self._device()), [])
             if pool is None:
                 mp = _dfa.mem_pool()
                 mine.append(mp)
@@ -426,13 +480,12 @@ class _Impl:
                     f"same tag ({tag!r}, enable_cpu_backup={keep == 'host'}) is served by deferalloc (graph.pool() "
                     "of that graph); another pool's segments come from cudaMalloc and could not be paused. Pass "
                     "pool=None, or use hook_mode='preload'")
-        if self._depth() > 0:
-            raise RuntimeError("cuda_graph inside region() in hook_mode='torch': the region's pool would take the "
-                               "capture's allocations; capture outside the region (same tag is fine)")
-        with _dfa.tag(itag), torch.cuda.graph(graph, pool=pool, stream=stream,
-                                               capture_error_mode=capture_error_mode), self._in_region():
+        # The tag opens after capture_begin: torch.cuda.graph empties the caches first.
+        with self._route(None), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                 capture_error_mode=capture_error_mode), \
+                _dfa.tag(itag), self._in_region():
             self._note(tag, keep)
-            old = _capture_mode_exchange(2)  # relaxed on this thread: see the Note
+            old = _capture_mode_exchange(2)  # relaxed on this thread: Note [Two hook modes on deferalloc]
             try:
                 yield
             finally:
@@ -443,11 +496,13 @@ class _Impl:
         if self._depth() == 0 and not (self.mode == "preload" and self.init_enable):
             raise RuntimeError("disable() should be called only when the memory saver is active (inside region(), "
                                "or with TMS_INIT_ENABLE=1 in hook_mode='preload')")
+        if not torch.cuda.is_available():
+            raise RuntimeError("disable() needs CUDA")
         pool = torch.cuda.MemPool()  # PyTorch's own allocator: cudaMalloc, never paused
         depth = self._depth()
         self.local.depth = 0
         try:
-            with torch.cuda.use_mem_pool(pool):
+            with self._route(pool):
                 yield
         finally:
             self.local.depth = depth
@@ -517,15 +572,17 @@ class _Impl:
 
     # preload mode: the tag's segments are reservations of the preload library
     def _segments(self, t: str) -> list:
-        ids = set()
-        for keep in self.keeps[t]:
-            ids |= {(pid, keep) for pid in self.pool_ids.get((t, keep), ())}
-        by_pool = {pid: keep for pid, keep in ids}
+        """(address, keep, bytes) of every segment of the tag's pools (PyTorch's snapshot of
+        each pool; the default pool's segments picked out of the whole snapshot)."""
         out = []
-        for seg in torch.cuda.memory._snapshot()["segments"]:
-            pid = tuple(seg.get("segment_pool_id", (0, 0)))
-            if pid in by_pool:
-                out.append((seg["address"], by_pool[pid], seg["total_size"]))
+        for keep in sorted(self.keeps[t]):
+            for pid in sorted(self.pool_ids.get((t, keep), ())):
+                if pid == (0, 0):
+                    segs = [s for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)
+                            if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+                else:
+                    segs = torch.cuda.memory.memory_snapshot(pid, include_traces=False)
+                out += [(s["address"], keep, s["total_size"]) for s in segs]
         return out
 
     def _preload_pause(self, t: str) -> list:
