@@ -2,7 +2,8 @@
 
 Each hook mode runs in a process of its own (the mode is fixed at first use; "preload" runs
 with libdeferalloc_preload.so in LD_PRELOAD, beside $DEFERALLOC_LIB):
-* regions with CPU backup give back >= 99% of 4 GiB at pause (cuMemGetInfo) and come back
+* regions with CPU backup give back >= 99% of 4 GiB at pause (cuMemGetInfo; every "gives back"
+  allows for the chunks deferalloc may keep cached, pool_cache_mb, 64 MiB) and come back
   bit for bit at the same addresses; discard regions give back and are writable after resume;
 * a CUDA graph captured under cuda_graph(...) reading region tensors (weights): pause gives
   back the graph's private pool, resume maps it at the same addresses, replay is bit-identical
@@ -35,6 +36,16 @@ GIB, MIB = 1 << 30, 1 << 20
 MODE = None  # set by --mode
 
 
+def cache_bound() -> int:
+    """pool_cache_mb of DEFERALLOC_CONF, else the library's default (64 MiB): the physical
+    chunks a pause may leave cached in the process instead of giving them to the device."""
+    for item in os.environ.get("DEFERALLOC_CONF", "").split(","):
+        k, _, v = item.partition(":")
+        if k.strip() == "pool_cache_mb":
+            return int(v) * MIB
+    return 64 * MIB
+
+
 def free_hbm() -> int:
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
@@ -59,6 +70,10 @@ def intact(ts, base: float = 0.0) -> bool:
 class ModeSuite(unittest.TestCase):
     """One hook mode (MODE), in this process."""
 
+    def assertGaveBack(self, given: int, size: int, what: str = "") -> None:
+        """At least 99% of `size` back on the device, less what the chunk cache may keep."""
+        self.assertGreaterEqual(given, 0.99 * size - cache_bound(), what)
+
     def test_1_cpu_backup_round_trip(self):
         s = saver()
         with s.region("w", enable_cpu_backup=True):
@@ -69,11 +84,12 @@ class ModeSuite(unittest.TestCase):
         s.pause("w")
         given = free_hbm() - f1
         print(f"[{MODE}] cpu backup: pause gave back {given / GIB:.3f} GiB of {live / GIB:.3f}", flush=True)
-        self.assertGreaterEqual(given, 0.99 * live)
+        self.assertGaveBack(given, live)
         s.resume("w")
         self.assertEqual([t.data_ptr() for t in ts], ptrs)
         self.assertTrue(intact(ts))
-        self.assertLessEqual(abs(free_hbm() - f1), 64 * MIB)
+        # the chunk cache, and the pinned backup's page tables in the GPU's address space (2 MiB per GiB)
+        self.assertLessEqual(abs(free_hbm() - f1), cache_bound() + 16 * MIB)
 
     def test_2_discard(self):
         s = saver()
@@ -83,7 +99,7 @@ class ModeSuite(unittest.TestCase):
         s.pause("kv")
         given = free_hbm() - f1
         print(f"[{MODE}] discard: pause gave back {given / GIB:.3f} GiB of 2", flush=True)
-        self.assertGreaterEqual(given, 0.99 * 2 * GIB)
+        self.assertGaveBack(given, 2 * GIB)
         s.resume("kv")
         for i, t in enumerate(ts):
             t.fill_(i + 1)
@@ -126,8 +142,8 @@ class ModeSuite(unittest.TestCase):
             given_all = free_hbm() - f0
             print(f"[{MODE}] cycle {cycle}: graph gave back {given_graph / MIB:.0f} MiB of {graph_bytes / MIB:.0f}, "
                   f"graph + weights {given_all / MIB:.0f} MiB", flush=True)
-            self.assertGreaterEqual(given_graph, 0.99 * graph_bytes)
-            self.assertGreaterEqual(given_all, given_graph + 0.99 * 3 * n * 4)
+            self.assertGaveBack(given_graph, graph_bytes, "the graph's pool")
+            self.assertGaveBack(given_all, graph_bytes + 3 * n * 4, "the graph's pool and the weights")
             s.resume("gw")
             s.resume("graph")
             self.assertEqual(y.data_ptr(), y_ptr)
@@ -147,7 +163,7 @@ class ModeSuite(unittest.TestCase):
         saver().pause(tag)
         given = free_hbm() - f0
         print(f"[{MODE}] {what}: pause({tag!r}) gave back {given / MIB:.0f} MiB", flush=True)
-        self.assertGreaterEqual(given, 0.99 * paused)
+        self.assertGaveBack(given, paused)
         self.assertLess(given, paused + kept // 2)
 
     def test_4_disable_inside_a_region(self):
@@ -178,7 +194,7 @@ class ModeSuite(unittest.TestCase):
         import deferalloc as dfa
         s = saver()
         with s.region("il", enable_cpu_backup=True):
-            t = torch.arange(16 * MIB, dtype=torch.float32, device="cuda")
+            t = torch.arange(128 * MIB, dtype=torch.float32, device="cuda")  # 512 MiB
         ref = t.clone()
         ops = {
             "pause": lambda: s.pause("il"),
@@ -199,7 +215,7 @@ class ModeSuite(unittest.TestCase):
                 ops[op]()
                 if op == "pause":
                     paused = True
-                    self.assertGreaterEqual(free_hbm() - f0, 0.99 * t.nbytes, str(seq))
+                    self.assertGaveBack(free_hbm() - f0, t.nbytes, str(seq))
                 elif op == "resume":
                     paused = False
             if paused:
