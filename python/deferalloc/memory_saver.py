@@ -118,9 +118,12 @@ def _check_backend(backend, what: str) -> None:
 
 
 def _check_bool(value, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{what} must be a bool, not {type(value).__name__} ({value!r})")
-    return value
+    """A bool, or 0 / 1 (torch_memory_saver hands these to C as a C bool)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{what} must be a bool, not {type(value).__name__} ({value!r})")
 
 
 def _check_tag(tag, what: str = "tag") -> str:
@@ -304,7 +307,7 @@ class TorchMemorySaver:
             raise ValueError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
         if enable_disk_backup:
             raise NotImplementedError(_NO_DISK.format(what="enable_disk_backup=True"))
-        return "host" if enable_cpu_backup else "discard"
+        return "host" if _check_bool(enable_cpu_backup, "enable_cpu_backup") else "discard"
 
     def _ensure_initialized(self) -> "_Impl":
         impl = self._impl

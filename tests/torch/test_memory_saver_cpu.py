@@ -100,7 +100,7 @@ class Surface(unittest.TestCase):
             s.retain_cpu_backup = False
             self.assertFalse(s.retain_cpu_backup)
             with self.assertRaisesRegex(TypeError, "retain_cpu_backup must be a bool"):
-                s.retain_cpu_backup = 1
+                s.retain_cpu_backup = "no"
         with clean_env(TMS_RETAIN_CPU_BACKUP="0"):
             self.assertFalse(torch_saver().retain_cpu_backup)
         with clean_env(TMS_RETAIN_CPU_BACKUP="true"):
@@ -131,7 +131,15 @@ class Refusals(SaverCase):
         with self.assertRaisesRegex(ValueError, "tag must not be empty"):
             self.region("")
         with self.assertRaisesRegex(TypeError, "enable_cpu_backup must be a bool, not int"):
-            self.region("w", enable_cpu_backup=1)
+            self.region("w", enable_cpu_backup=2)
+        with self.assertRaisesRegex(TypeError, "enable_cpu_backup must be a bool, not str"):
+            self.region("w", enable_cpu_backup="yes")
+        self.region("w1", enable_cpu_backup=1)  # 0 / 1 as a C bool, as torch_memory_saver takes them
+        self.assertEqual(self.s._impl.keeps["w1"], {"host"})
+        with self.assertRaisesRegex(TypeError, "tag must be a string, not int"):
+            self.s.pause(3)
+        with self.assertRaisesRegex(TypeError, "tag must be a string, not bytes"):
+            self.s.resume(b"w")
         with self.assertRaisesRegex(ValueError, "cpu_backup_backend requires enable_cpu_backup=True"):
             self.region("w", cpu_backup_backend="pinned")
         with self.assertRaisesRegex(ValueError, r"cpu_backup_backend must be one of \['pinned', 'mmap'\], not 'x'"):
