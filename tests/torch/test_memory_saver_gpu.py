@@ -251,8 +251,12 @@ class ModeSuite(unittest.TestCase):
         s = saver()
         with s.region("r"):
             t = torch.ones(4, device="cuda")
+        self.assertTrue(s.enabled)
+        self.assertEqual(s.hook_mode, MODE)
         with self.assertRaises(NotImplementedError):
             s.get_cpu_backup(t)
+        with self.assertRaises(NotImplementedError):
+            s.set_disk_backup_dir("/tmp")
         with self.assertRaises(NotImplementedError):
             with s.region("r2", enable_disk_backup=True):
                 pass
@@ -336,11 +340,17 @@ class Proc:
 
 
 def mode_env(mode: str) -> dict:
+    from deferalloc.memory_saver import configure_subprocess
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if mode == "preload":
-        from deferalloc.memory_saver import preload_library_path
-        env["LD_PRELOAD"] = preload_library_path()
+        saved = os.environ.pop("LD_PRELOAD", None)
+        try:
+            with configure_subprocess():  # the public way: LD_PRELOAD for the processes started inside
+                env["LD_PRELOAD"] = os.environ["LD_PRELOAD"]
+        finally:
+            if saved is not None:
+                os.environ["LD_PRELOAD"] = saved
     return env
 
 
