@@ -13,9 +13,13 @@ deferalloc has both underneath: per-tag regions on MemPools whose segments come 
 caching allocator, and libdeferalloc_preload.so, whose cudaMalloc gives each PyTorch segment
 a reservation of its own.
 Approach:
-* "torch": ``region(tag, enable_cpu_backup)`` is ``deferalloc.region`` of an internal tag per
-  (tag, backup) ("tms.host/<tag>" keeps contents in pinned host memory, "tms.discard/<tag>"
-  drops them), so one TMS tag may hold both kinds as in TMS; ``pause(tag)`` pauses both.
+* "torch": ``region(tag, enable_cpu_backup)`` opens an internal deferalloc tag per (tag,
+  backup) ("tms.host/<tag>" keeps contents in pinned host memory, "tms.discard/<tag>" drops
+  them), so one TMS tag may hold both kinds as in TMS, and routes the thread's allocations to
+  a MemPool of that (tag, backup, device) whose segments come from deferalloc
+  (``deferalloc.mem_pool``), kept for the process as TMS keeps its pools; ``pause(tag)`` is
+  ``deferalloc.pause`` of both internal tags (the pool's cached segments are paused with the
+  rest).
   ``cuda_graph`` captures into a MemPool of its own (deferalloc's segments, the tag current):
   never the region's pool (PyTorch refuses to record one pool twice, and eager tensors
   handed a graph's freed blocks would be overwritten at replay).  deferalloc's allocator
