@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
-#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
+#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
 #     [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair]
-#   (default: all but multi, diag, megatron_dp2 and compare: the two-GPU steps, the diagnostic and
-#   the before/after comparison).
+#   (default: all but multi, diag, megatron_dp2, drop_in, compare and fp32pair: the two-GPU steps, the
+#   diagnostic, the torch_memory_saver drop-in's benchmark and the before/after comparisons).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -139,6 +139,14 @@ if has tms; then
   run bench_tms 420 python3 benchmarks/pause_resume/bench_tms.py --build "$B" ${tms:+--tms-wheel $tms} \
     --json "$R/bench_tms.json"
   tail -14 "$L/bench_tms.log"
+fi
+# deferalloc.memory_saver (torch_memory_saver's API) against torch_memory_saver 0.0.10: 8 GiB in
+# 512 tensors, both hook modes, CPU backup and discard (benchmarks/pause_resume/bench_drop_in.py).
+if has drop_in; then
+  tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
+  run bench_drop_in 420 python3 benchmarks/pause_resume/bench_drop_in.py --build "$B" ${tms:+--tms-wheel $tms} \
+    --json "$R/bench_drop_in.json"
+  tail -24 "$L/bench_drop_in.log"
 fi
 if has optim; then
   mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)

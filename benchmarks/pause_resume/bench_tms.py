@@ -213,17 +213,22 @@ def phase_tms(gib: int, wheel: str | None) -> dict:
 
 # ---- driver --------------------------------------------------------------------------------------
 
-def run_phase(name: str, args, env_extra: dict) -> dict | None:
+def run_phase(name: str, args, env_extra: dict, script: str = __file__) -> dict | None:
+    """`script --phase name` in a process of its own (bench_drop_in.py runs its phases here too)."""
     env = dict(os.environ)
     env.setdefault("DEFERALLOC_CONF", "driver:cuda")
     env["DEFERALLOC_LIB"] = os.path.join(args.build, "allocator", "libdeferalloc.so")
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra)
-    cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, "--gib", str(args.gib)]
+    cmd = [sys.executable, os.path.abspath(script), "--phase", name, "--gib", str(args.gib)]
     if args.tms_wheel:
         cmd += ["--tms-wheel", args.tms_wheel]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        print(f"phase {name} timed out after {args.timeout} s:\n{(e.stdout or b'')[-2000:]}", flush=True)
+        return None
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         print(f"phase {name} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}", flush=True)

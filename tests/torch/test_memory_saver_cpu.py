@@ -1,0 +1,325 @@
+"""deferalloc.memory_saver (torch_memory_saver's API) without a GPU (ctest label torch, the
+host driver): the API surface against torch_memory_saver 0.0.10's, argument checks and
+refusals with their messages, the TMS_* variables, hook modes, pause/resume bookkeeping of
+the torch hook mode on the host driver, configure_subprocess and the two opt-ins
+(install_as_torch_memory_saver, the shim on PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
+import inspect
+import os
+import subprocess
+import sys
+import types
+import unittest
+from unittest import mock
+
+import torch
+
+import deferalloc as dfa
+from deferalloc import memory_saver as ms
+
+# torch_memory_saver 0.0.10's public methods: name -> (parameter, default) after self.
+TMS_API = {
+    "region": [("tag", "default"), ("enable_cpu_backup", False), ("enable_disk_backup", False),
+               ("cpu_backup_backend", None)],
+    "cuda_graph": [("cuda_graph", inspect.Parameter.empty), ("pool", None), ("stream", None),
+                   ("capture_error_mode", "global"), ("tag", "default"), ("enable_cpu_backup", False),
+                   ("cpu_backup_backend", None)],
+    "disable": [],
+    "pause": [("tag", None)],
+    "resume": [("tag", None)],
+    "get_cpu_backup": [("x", inspect.Parameter.empty), ("zero_copy", False)],
+    "set_disk_backup_dir": [("path", inspect.Parameter.empty)],
+}
+TMS_ENV = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP", "TMS_INIT_CPU_BACKUP_BACKEND",
+           "TMS_RETAIN_CPU_BACKUP", "TMS_DISK_BACKUP_DIR", "TMS_DISK_BACKUP_CHUNK_MB")
+
+
+def clean_env(**kv):
+    """os.environ without the TMS_* variables and LD_PRELOAD, plus `kv`."""
+    env = {k: v for k, v in os.environ.items() if k not in TMS_ENV and k != "LD_PRELOAD"}
+    env.update(kv)
+    return mock.patch.dict(os.environ, env, clear=True)
+
+
+def torch_saver():
+    s = ms.TorchMemorySaver()
+    s.hook_mode = "torch"
+    return s
+
+
+class Surface(unittest.TestCase):
+    def test_public_names(self):
+        self.assertIsInstance(ms.torch_memory_saver, ms.TorchMemorySaver)
+        for name in ("TorchMemorySaver", "torch_memory_saver", "configure_subprocess"):
+            self.assertTrue(hasattr(ms, name), name)
+        for name, params in TMS_API.items():
+            sig = inspect.signature(getattr(ms.TorchMemorySaver, name))
+            got = [(p.name, p.default) for p in list(sig.parameters.values())[1:]]
+            self.assertEqual(got, params, name)
+        for prop in ("enabled", "hook_mode", "memory_margin_bytes", "retain_cpu_backup"):
+            self.assertIsInstance(inspect.getattr_static(ms.TorchMemorySaver, prop), property, prop)
+        self.assertTrue(ms.TorchMemorySaver().enabled)
+
+    def test_hook_mode_before_first_use_only(self):
+        s = ms.TorchMemorySaver()
+        self.assertEqual(s.hook_mode, "preload")  # TMS's default
+        with self.assertRaisesRegex(ValueError, r"hook_mode must be one of \['preload', 'torch'\], not 'cuda'"):
+            s.hook_mode = "cuda"
+        s.hook_mode = "torch"
+        with clean_env():
+            s.pause()  # first use
+        with self.assertRaisesRegex(RuntimeError, "cannot configure after initialization"):
+            s.hook_mode = "preload"
+
+    def test_preload_mode_needs_the_preload_library(self):
+        with clean_env():
+            with self.assertRaisesRegex(RuntimeError, r"needs libdeferalloc_preload\.so in LD_PRELOAD exactly once "
+                                                      r"\(found \[\].*configure_subprocess\(\).*hook_mode='torch'"):
+                ms.TorchMemorySaver().pause()
+        with clean_env(LD_PRELOAD="/x/libdeferalloc_preload.so:/y/libdeferalloc_preload.so"):
+            with self.assertRaisesRegex(RuntimeError, "exactly once"):
+                ms.TorchMemorySaver().pause()
+        with clean_env(LD_PRELOAD="/x/libfoo.so /x/libdeferalloc_preload.so"):
+            s = ms.TorchMemorySaver()
+            s.pause()   # nothing to pause
+            s.resume()
+            if not torch.cuda.is_available():
+                with self.assertRaisesRegex(RuntimeError, "hook_mode='preload' needs CUDA"):
+                    with s.region("w"):
+                        pass
+
+    def test_margin_and_retain(self):
+        with clean_env():
+            s = torch_saver()
+            with self.assertRaisesRegex(NotImplementedError, "Only setter is supported"):
+                s.memory_margin_bytes
+            s.memory_margin_bytes = 1 << 30
+            for bad, exc in ((1.5, TypeError), (True, TypeError), (-1, ValueError)):
+                with self.assertRaises(exc):
+                    s.memory_margin_bytes = bad
+            self.assertTrue(s.retain_cpu_backup)  # deferalloc keeps pinned backups (pinned_cache_mb)
+            s.retain_cpu_backup = False
+            self.assertFalse(s.retain_cpu_backup)
+            with self.assertRaisesRegex(TypeError, "retain_cpu_backup must be a bool"):
+                s.retain_cpu_backup = "no"
+        with clean_env(TMS_RETAIN_CPU_BACKUP="0"):
+            self.assertFalse(torch_saver().retain_cpu_backup)
+        with clean_env(TMS_RETAIN_CPU_BACKUP="true"):
+            self.assertTrue(torch_saver().retain_cpu_backup)
+
+
+class SaverCase(unittest.TestCase):
+    """A fresh saver in hook mode "torch", the TMS_* variables and LD_PRELOAD unset."""
+
+    def setUp(self):
+        self.env = clean_env()
+        self.env.start()
+        self.s = torch_saver()
+
+    def tearDown(self):
+        self.env.stop()
+
+
+class Refusals(SaverCase):
+
+    def region(self, *a, **k):
+        with self.s.region(*a, **k):
+            pass
+
+    def test_region_arguments(self):
+        with self.assertRaisesRegex(TypeError, "tag must be a string, not int"):
+            self.region(3)
+        with self.assertRaisesRegex(ValueError, "tag must not be empty"):
+            self.region("")
+        with self.assertRaisesRegex(TypeError, "enable_cpu_backup must be a bool, not int"):
+            self.region("w", enable_cpu_backup=2)
+        with self.assertRaisesRegex(TypeError, "enable_cpu_backup must be a bool, not str"):
+            self.region("w", enable_cpu_backup="yes")
+        self.region("w1", enable_cpu_backup=1)  # 0 / 1 as a C bool, as torch_memory_saver takes them
+        self.assertEqual(self.s._impl.keeps["w1"], {"host"})
+        with self.assertRaisesRegex(TypeError, "tag must be a string, not int"):
+            self.s.pause(3)
+        with self.assertRaisesRegex(TypeError, "tag must be a string, not bytes"):
+            self.s.resume(b"w")
+        with self.assertRaisesRegex(ValueError, "cpu_backup_backend requires enable_cpu_backup=True"):
+            self.region("w", cpu_backup_backend="pinned")
+        with self.assertRaisesRegex(ValueError, r"cpu_backup_backend must be one of \['pinned', 'mmap'\], not 'x'"):
+            self.region("w", enable_cpu_backup=True, cpu_backup_backend="x")
+        with self.assertRaisesRegex(NotImplementedError, "cpu_backup_backend='mmap': deferalloc keeps host backups "
+                                                         "in pinned memory only"):
+            self.region("w", enable_cpu_backup=True, cpu_backup_backend="mmap")
+        with self.assertRaisesRegex(ValueError, "mutually exclusive"):
+            self.region("w", enable_cpu_backup=True, enable_disk_backup=True)
+        with self.assertRaisesRegex(NotImplementedError, "enable_disk_backup=True: deferalloc has no disk backup for "
+                                                         "paused regions"):
+            self.region("w", enable_disk_backup=True)
+        self.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned")
+
+    def test_unsupported_calls_name_why(self):
+        with self.assertRaisesRegex(NotImplementedError, "get_cpu_backup: deferalloc's C ABI gives no access"):
+            self.s.get_cpu_backup(torch.zeros(4))
+        with self.assertRaisesRegex(TypeError, "x must be a torch.Tensor"):
+            self.s.get_cpu_backup([1])
+        with self.assertRaisesRegex(NotImplementedError, "set_disk_backup_dir: deferalloc has no disk backup"):
+            self.s.set_disk_backup_dir("/tmp/x")
+        with self.assertRaisesRegex(RuntimeError, r"disable\(\) should be called only when the memory saver is active"):
+            with self.s.disable():
+                pass
+
+    def test_cuda_graph_arguments(self):
+        with self.assertRaisesRegex(TypeError, "cuda_graph must be a torch.cuda.CUDAGraph, not object"):
+            with self.s.cuda_graph(object()):
+                pass
+        with self.assertRaisesRegex(NotImplementedError, "enable_disk_backup|mmap"):
+            with self.s.cuda_graph(object(), enable_cpu_backup=True, cpu_backup_backend="mmap"):
+                pass
+
+
+class Environment(unittest.TestCase):
+    def test_parsing(self):
+        with clean_env():
+            e = ms._env_settings()
+            self.assertEqual((e["init_enable"], e["init_cpu_backup"], e["retain_cpu_backup"], e["backend"]),
+                             (False, False, True, "pinned"))
+        with clean_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="TRUE", TMS_DISK_BACKUP_DIR="/d",
+                       TMS_DISK_BACKUP_CHUNK_MB="64", TMS_INIT_CPU_BACKUP_BACKEND="pinned"):
+            e = ms._env_settings()
+            self.assertEqual((e["init_enable"], e["init_cpu_backup"], e["disk_dir"], e["disk_chunk_mb"]),
+                             (True, True, "/d", 64))
+        for k, v, exc, msg in (
+                ("TMS_INIT_ENABLE", "maybe", ValueError, r"TMS_INIT_ENABLE='maybe' is not a boolean"),
+                ("TMS_DISK_BACKUP_CHUNK_MB", "x", ValueError, "not a positive whole number"),
+                ("TMS_DISK_BACKUP_CHUNK_MB", "0", ValueError, "not a positive whole number"),
+                ("TMS_INIT_CPU_BACKUP_BACKEND", "mmap", NotImplementedError, "TMS_INIT_CPU_BACKUP_BACKEND='mmap'"),
+                ("TMS_INIT_CPU_BACKUP_BACKEND", "cuda", ValueError, "must be one of"),
+                ("TMS_INIT_ENABLE_DISK_BACKUP", "1", NotImplementedError,
+                 "TMS_INIT_ENABLE_DISK_BACKUP=1: deferalloc has no disk backup")):
+            with clean_env(**{k: v}), self.subTest(k=k, v=v):
+                with self.assertRaisesRegex(exc, msg):
+                    ms._env_settings()
+                with self.assertRaisesRegex(exc, msg):
+                    torch_saver().pause()  # read at first use
+        with clean_env(TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_INIT_ENABLE_DISK_BACKUP="1"):
+            with self.assertRaisesRegex(ValueError, "mutually exclusive"):
+                ms._env_settings()
+
+    def test_init_enable(self):
+        with clean_env(TMS_INIT_ENABLE="1"):
+            with self.assertRaisesRegex(NotImplementedError, "TMS_INIT_ENABLE=1 makes every allocation.*"
+                                                             "hook_mode='preload' serves it"):
+                torch_saver().pause()
+        with clean_env(TMS_INIT_ENABLE="1", LD_PRELOAD="/b/libdeferalloc_preload.so"):
+            s = ms.TorchMemorySaver()
+            impl = s._ensure_initialized()
+            self.assertEqual(impl.keeps, {"default": {"discard"}})
+            self.assertEqual(impl.pool_ids, {("default", "discard"): {(0, 0)}})
+
+    def test_expandable_segments_refused(self):
+        with clean_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"):
+            with self.assertRaisesRegex(RuntimeError, "expandable_segments:True"):
+                torch_saver().pause()
+
+
+class TorchModeOnTheHostDriver(SaverCase):
+    """The bookkeeping of pause/resume (no device memory: the host driver opens the tags)."""
+
+    def test_pause_resume_every_order(self):
+        with self.s.region("w", enable_cpu_backup=True):
+            pass
+        with self.s.region("w"):
+            pass
+        with self.s.region("kv"):
+            pass
+        self.assertTrue({"tms.host/w", "tms.discard/w", "tms.discard/kv"} <= set(dfa.tags()))
+        self.s.pause("w")
+        self.assertTrue(dfa.is_paused("tms.host/w") and dfa.is_paused("tms.discard/w"))
+        self.assertFalse(dfa.is_paused("tms.discard/kv"))
+        with self.assertRaisesRegex(dfa.InvalidState, r"pause\('w'\): the tag is paused already"):
+            self.s.pause("w")
+        dfa.empty_cache()
+        self.s.pause()  # the rest: kv
+        self.assertTrue(dfa.is_paused("tms.discard/kv"))
+        self.s.pause()  # nothing left: no-op
+        self.s.resume("kv")
+        with self.assertRaisesRegex(dfa.InvalidState, r"resume\('kv'\): the tag is not paused"):
+            self.s.resume("kv")
+        dfa.empty_cache()
+        self.s.resume()
+        self.assertFalse(any(dfa.is_paused(t) for t in ("tms.host/w", "tms.discard/w", "tms.discard/kv")))
+        self.s.resume()  # nothing paused: no-op
+        self.s.pause("never-used")   # a tag with no allocations holds nothing (as torch_memory_saver)
+        self.s.resume("never-used")
+
+    def test_pause_inside_a_region_refused_and_nothing_paused(self):
+        with self.s.region("a"):
+            pass
+        with self.s.region("b"):
+            with self.assertRaises(dfa.InvalidState):
+                self.s.pause("a")
+        self.assertFalse(dfa.is_paused("tms.discard/a"))
+        self.s.pause("a")
+        self.s.resume("a")
+
+
+class ConfigureSubprocess(unittest.TestCase):
+    def test_ld_preload_set_and_restored(self):
+        lib = ms.preload_library_path()
+        self.assertEqual(os.path.basename(lib), "libdeferalloc_preload.so")
+        with clean_env():
+            with ms.configure_subprocess():
+                self.assertEqual(os.environ["LD_PRELOAD"], lib)
+            self.assertNotIn("LD_PRELOAD", os.environ)
+        with clean_env(LD_PRELOAD="/x/libother.so"):
+            with ms.configure_subprocess():
+                self.assertEqual(os.environ["LD_PRELOAD"], f"{lib}:/x/libother.so")
+                out = subprocess.run([sys.executable, "-c", "import os; print(os.environ['LD_PRELOAD'])"],
+                                     capture_output=True, text=True, env={**os.environ, "LD_PRELOAD": ""})
+                self.assertEqual(out.returncode, 0)
+            self.assertEqual(os.environ["LD_PRELOAD"], "/x/libother.so")
+
+
+class OptIn(unittest.TestCase):
+    CODE = ("import deferalloc.memory_saver as m{install}\n"
+            "from torch_memory_saver import torch_memory_saver, TorchMemorySaver, configure_subprocess\n"
+            "import torch_memory_saver as t\n"
+            "assert torch_memory_saver is m.torch_memory_saver and TorchMemorySaver is m.TorchMemorySaver\n"
+            "assert configure_subprocess is m.configure_subprocess and t is m\n"
+            "torch_memory_saver.hook_mode = 'torch'\n"
+            "with torch_memory_saver.region('w', enable_cpu_backup=True):\n"
+            "    pass\n"
+            "torch_memory_saver.pause('w'); torch_memory_saver.resume('w')\n"
+            "print('drop-in ok')\n")
+
+    def run_code(self, code, pythonpath):
+        env = {k: v for k, v in os.environ.items() if k not in TMS_ENV}
+        env["PYTHONPATH"] = pythonpath
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+    def test_install_as_torch_memory_saver(self):
+        r = self.run_code(self.CODE.format(install="; m.install_as_torch_memory_saver()"), os.environ["PYTHONPATH"])
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        self.assertIn("drop-in ok", r.stdout)
+
+    def test_shim_on_pythonpath(self):
+        r = self.run_code(self.CODE.format(install=""), ms.shim_path() + os.pathsep + os.environ["PYTHONPATH"])
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        self.assertIn("drop-in ok", r.stdout)
+
+    def test_install_refused_over_the_real_package(self):
+        real = types.ModuleType("torch_memory_saver")
+        real.__file__ = "/site/torch_memory_saver/__init__.py"
+        with mock.patch.dict(sys.modules, {"torch_memory_saver": real}):
+            with self.assertRaisesRegex(RuntimeError, "torch_memory_saver is imported already "
+                                                      r"\(/site/torch_memory_saver/__init__\.py\)"):
+                ms.install_as_torch_memory_saver()
+        with mock.patch.dict(sys.modules):
+            sys.modules.pop("torch_memory_saver", None)
+            self.assertIs(ms.install_as_torch_memory_saver(), ms)
+            self.assertIs(ms.install_as_torch_memory_saver(), ms)  # twice is fine
+            import torch_memory_saver
+            self.assertIs(torch_memory_saver.torch_memory_saver, ms.torch_memory_saver)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from unittest_main import run_tests
+    run_tests()
