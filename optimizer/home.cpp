@@ -42,7 +42,7 @@ namespace {
 
 // Copies `bytes` between `dev` and host memory `host` on `s` (to the device when
 // `to_device`); returns `bytes`.
-std::size_t copy_run(driver& drv, char* dev, char* host, std::size_t bytes, bool to_device, stream_t s) {
+std::size_t copy_run(stream_ops& drv, char* dev, char* host, std::size_t bytes, bool to_device, stream_t s) {
   if (to_device) drv.copy_async(dev, host, bytes, s);
   else drv.copy_async(host, dev, bytes, s);
   return bytes;

@@ -205,7 +205,7 @@ class committed_store {
 
 /// Bytes of one array of `numel` elements kept in HBM (device tier, resident shards):
 /// rounded up to the granule.
-inline std::size_t resident_bytes(const driver& drv, std::size_t numel) {
+inline std::size_t resident_bytes(const vmm_ops& drv, std::size_t numel) {
   const std::size_t g = drv.granularity();
   return (numel * 4 + g - 1) / g * g;
 }

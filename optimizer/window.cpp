@@ -4,7 +4,7 @@
 
 namespace deferalloc::optim {
 
-stream_set::stream_set(driver& drv) : drv_(drv) {
+stream_set::stream_set(stream_ops& drv) : drv_(drv) {
   h2d_ = drv_.create_stream();
   d2h_ = drv_.create_stream();
   exec_ = drv_.create_priority_stream();

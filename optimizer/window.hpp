@@ -19,7 +19,7 @@ namespace deferalloc::optim {
 /// and a ring of events over them.
 class stream_set {
  public:
-  explicit stream_set(driver& drv);
+  explicit stream_set(stream_ops& drv);
   ~stream_set();
   stream_set(const stream_set&) = delete;
   stream_set& operator=(const stream_set&) = delete;
@@ -36,7 +36,7 @@ class stream_set {
   void synchronize();
 
  private:
-  driver& drv_;
+  stream_ops& drv_;
   stream_t h2d_ = nullptr, d2h_ = nullptr, exec_ = nullptr;
   std::vector<event_t> events_;
 };

@@ -27,7 +27,8 @@
    optimizer/, Python in python/deferalloc/.  C++: with comments and literals blanked, a `{`
    at namespace or class scope whose head (the text since the last `;`, `{` or `}`) is a
    name, a parameter list and then only qualifiers, a trailing return type or a
-   constructor's initializer list opens a function; its length is the lines from that
+   constructor's initializer list opens a function (a brace right after a name in that list
+   is a member's initializer); its length is the lines from that
    `{` to its matching `}`, both included (lambdas and local classes count in their
    function).  Python: a def's lines, from `def` to its last line.  The functions in
    KNOWN_LONG ("path:name", name as the rule prints it) are reported as warnings, not
@@ -280,8 +281,13 @@ def cpp_functions(text):
             head = s[head_start:i]
             p = head.find("(")
             name = FUNCTION_NAME.search(head[:p]) if p > 0 and not SCOPE_HEAD.match(head) else None
+            tail = head[closing(head, p, "(", ")") + 1:] if name else ""
+            init_list = FUNCTION_TAIL.match(tail) if name else None
+            if init_list and init_list.group(3) and re.search(r"[\w>]\s*$", head):
+                i = closing(s, i, "{", "}") + 1  # a member's brace initializer in a constructor's list
+                continue
             if name and not CONTROL.search(head[:p]) and "=" not in head[:name.start()].replace("operator=", "") \
-                    and FUNCTION_TAIL.match(head[closing(head, p, "(", ")") + 1:]):
+                    and FUNCTION_TAIL.match(tail):
                 end = closing(s, i, "{", "}")
                 first = s.count("\n", 0, i) + 1
                 found.append((re.sub(r"\s+", "", name.group(1)), first, s.count("\n", i, end) + 1))
@@ -525,7 +531,7 @@ def self_test():
         put("optimizer/store/s.cpp", '#include "../kernels/k.hpp"\n#include "kernels/k.hpp"\n')
         lines = "".join(f"  if (x > {i}) {{ x += {i}; }}\n" for i in range(MAX_FUNCTION_LINES))
         put("allocator/core/long.cpp", "namespace deferalloc {\nstruct s {\n  int short_one() const { return 1; }\n};\n"
-                                       "int s_long(int x) noexcept {\n" + lines + "  return x;\n}\n}\n")
+                                       "s::s(int x) noexcept : a_{x}, b_(x) {\n" + lines + "  c_ = x;\n}\n}\n")
         put("optimizer/checkpoint.cpp", "int detail::read_checkpoint_files(int x) {\n" + lines + "}\n")
         put("python/deferalloc/long.py", "def f(x):\n" + "".join(f"    x += {i}\n" for i in range(MAX_FUNCTION_LINES)))
         problems, _, _ = check(t)
@@ -533,7 +539,7 @@ def self_test():
         assert sum("climbs out of its folder" in p for p in problems) == 1, problems
         long_ones = sorted(p for p in problems if "split it by step" in p)
         assert long_ones == [
-            f"allocator/core/long.cpp:5: s_long is {MAX_FUNCTION_LINES + 3} lines, more than {MAX_FUNCTION_LINES}: "
+            f"allocator/core/long.cpp:5: s::s is {MAX_FUNCTION_LINES + 3} lines, more than {MAX_FUNCTION_LINES}: "
             "split it by step into named functions",
             f"python/deferalloc/long.py:1: f is {MAX_FUNCTION_LINES + 1} lines, more than {MAX_FUNCTION_LINES}: "
             "split it by step into named functions",

@@ -221,7 +221,8 @@ class caching_allocator::impl {
 
  private:
   reservation_manager& mgr;
-  driver& drv;
+  vmm_ops& vmm;     // the device's memory (the limit, a refusal's numbers)
+  stream_ops& ops;  // events and waits: stream order
   caching_allocator_config cfg;
   std::size_t g = 0;
   std::size_t total = 0;

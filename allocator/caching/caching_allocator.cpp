@@ -98,7 +98,7 @@ void caching_allocator::impl::split(block* b, std::size_t size, owner_bins& home
 }
 
 void caching_allocator::impl::poll(stream_state* s) {
-  if (s->event != nullptr && drv.query(s->event)) {
+  if (s->event != nullptr && ops.query(s->event)) {
     s->safe_gen = std::max(s->safe_gen, s->event_gen + 1);
     free_events.give(s->event);
     s->event = nullptr;
@@ -106,7 +106,7 @@ void caching_allocator::impl::poll(stream_state* s) {
   if (s->event == nullptr && s->dirty) {
     event_t e = free_events.take();
     try {
-      drv.record(e, s->stream);
+      ops.record(e, s->stream);
     } catch (...) {
       free_events.give(e);
       throw;
@@ -119,7 +119,7 @@ void caching_allocator::impl::poll(stream_state* s) {
     // used at a later poll.  Querying now would let streams pass one block round and
     // round (each allocation stealing the block the previous stream just freed, a
     // record + query, 2 us, per pair); this way each stream keeps its own blocks.
-    if (!drv.asynchronous() && drv.query(e)) {  // the host driver completes at once
+    if (!ops.asynchronous() && ops.query(e)) {  // the host driver completes at once
       s->safe_gen = s->event_gen + 1;
       free_events.give(e);
       s->event = nullptr;
@@ -211,8 +211,8 @@ void caching_allocator::impl::process_pending(bool wait) {
     auto& pf = pending[i];
     bool done = true;
     for (event_t e : pf.events) {
-      if (wait) drv.synchronize(e);
-      else if (!drv.query(e)) {
+      if (wait) ops.synchronize(e);
+      else if (!ops.query(e)) {
         done = false;
         break;
       }
@@ -234,7 +234,7 @@ void caching_allocator::impl::sync_all() {
   for (auto& s : streams) {
     poll(s.get());
     if (s->event != nullptr) {
-      drv.synchronize(s->event);
+      ops.synchronize(s->event);
       poll(s.get());
     }
   }
@@ -261,13 +261,13 @@ block* caching_allocator::impl::find_containing(std::uintptr_t p) const {
 // ---- construction ---------------------------------------------------------------------
 
 caching_allocator::impl::impl(reservation_manager& m, const caching_allocator_config& c)
-    : mgr(m), drv(m.drv()), cfg(c), free_events(m.drv()) {
+    : mgr(m), vmm(m.drv()), ops(m.drv()), cfg(c), free_events(ops) {
   DFA_EXPECTS(cfg.memory_fraction > 0.0 && cfg.memory_fraction <= 1.0,
               "caching_allocator: memory_fraction must be in (0, 1], got " + std::to_string(cfg.memory_fraction));
   DFA_EXPECTS(cfg.small_size >= k_block_unit && cfg.small_size <= (std::size_t{1} << 30),
               "caching_allocator: small_size must be in [512 B, 1 GiB]");
   g = mgr.granularity();
-  total = drv.get_memory_info().total_bytes;
+  total = vmm.get_memory_info().total_bytes;
   limit = static_cast<std::size_t>(static_cast<double>(total) * cfg.memory_fraction);
   segment_reserve = cfg.segment_reserve != 0 ? cfg.segment_reserve : 2 * total;
   segment_reserve = (segment_reserve + g - 1) / g * g;
@@ -290,14 +290,14 @@ caching_allocator::impl::~impl() {
   for (auto& s : streams)
     if (s->event != nullptr) {
       try {
-        drv.synchronize(s->event);
+        ops.synchronize(s->event);
       } catch (...) {
         detail::log_current("~caching_allocator: waiting for a stream's event");
       }
-      drv.destroy_event(s->event);
+      ops.destroy_event(s->event);
     }
   for (auto& pf : pending)
-    for (event_t e : pf.events) drv.destroy_event(e);
+    for (event_t e : pf.events) ops.destroy_event(e);
   free_group(small_grp);
   free_group(large_grp);
   for (auto& t : tags) free_group(*t->grp);
@@ -429,7 +429,7 @@ void caching_allocator::impl::deallocate(void* ptr, std::size_t bytes, stream_t 
   try {
     for (stream_t u : others) {
       events.push_back(free_events.take());
-      drv.record(events.back(), u);
+      ops.record(events.back(), u);
     }
     if (!events.empty()) pending.reserve(pending.size() + 1);
   } catch (...) {

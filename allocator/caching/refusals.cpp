@@ -37,7 +37,7 @@ out_of_memory caching_allocator::impl::refuse_oom(std::size_t bytes, std::size_t
   } else {
     std::string dev = "the device's free memory is unknown";
     try {
-      const auto mi = drv.get_memory_info();
+      const auto mi = vmm.get_memory_info();
       dev_free = mi.free_bytes;
       dev = std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes) + " bytes (" +
             human_bytes(mi.free_bytes) + " of " + human_bytes(mi.total_bytes) + ") are free";

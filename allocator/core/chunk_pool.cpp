@@ -30,7 +30,7 @@ namespace deferalloc {
 chunk_pool::chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg)
     : drv_(std::move(drv)), granularity_(0), budget_(cfg.budget), cache_limit_(cfg.cache_limit) {
   DFA_EXPECTS(drv_ != nullptr, "chunk_pool: driver is null");
-  granularity_ = drv_->granularity();
+  granularity_ = vmm().granularity();
   classes_ = std::move(cfg.classes);
   if (classes_.empty())
     for (std::size_t c = granularity_; c <= (std::size_t{1} << 30); c *= 2) classes_.push_back(c);
@@ -63,7 +63,7 @@ std::optional<chunk> chunk_pool::take_locked(std::size_t bytes) {
   if (budget_ != 0 && stats_.alive_bytes + bytes > budget_) return std::nullopt;
   chunk c{0, bytes};
   try {
-    c.handle = drv_->create(bytes);
+    c.handle = vmm().create(bytes);
   } catch (const out_of_memory&) {
     return std::nullopt;
   }
@@ -106,7 +106,7 @@ void chunk_pool::give_back(const chunk& c) noexcept {
     cache_[c.bytes].push_back(c.handle);
   } catch (...) {  // no memory for the list: release the chunk instead of losing it
     try {
-      drv_->release(c.handle);
+      vmm().release(c.handle);
     } catch (...) {
       detail::log_current("chunk_pool::give_back: releasing a chunk");
     }
@@ -127,7 +127,7 @@ std::size_t chunk_pool::trim_locked(std::size_t keep_bytes) noexcept {
     auto& list = it->second;
     while (!list.empty() && stats_.cached_bytes > keep_bytes) {
       try {
-        drv_->release(list.back());
+        vmm().release(list.back());
       } catch (const std::exception& e) {
         detail::log(log_level::error, std::string("chunk_pool::trim: ") + e.what());
       }
@@ -149,7 +149,7 @@ std::size_t chunk_pool::trim(std::size_t keep_bytes) noexcept {
 pool_stats chunk_pool::stats() const {
   detail::log_after_unlock lk(mu_);
   pool_stats s = stats_;
-  s.driver_calls = drv_->call_counts();
+  s.driver_calls = vmm().call_counts();
   return s;
 }
 

@@ -10,9 +10,9 @@
 
 namespace deferalloc {
 
-pinned_pool::pinned_pool(std::shared_ptr<driver> drv, std::size_t cache_limit)
-    : drv_(std::move(drv)), cache_limit_(cache_limit) {
-  DFA_EXPECTS(drv_ != nullptr, "pinned_pool: driver is null");
+pinned_pool::pinned_pool(std::shared_ptr<vmm_ops> vmm, std::size_t cache_limit)
+    : vmm_(std::move(vmm)), cache_limit_(cache_limit) {
+  DFA_EXPECTS(vmm_ != nullptr, "pinned_pool: driver is null");
 }
 
 pinned_pool::~pinned_pool() {
@@ -35,10 +35,10 @@ void* pinned_pool::acquire(std::size_t bytes) {
   }
   void* p = nullptr;
   try {
-    p = drv_->host_alloc(n);
+    p = vmm_->host_alloc(n);
   } catch (const out_of_memory&) {
     if (trim_locked(0) == 0) throw;
-    p = drv_->host_alloc(n);
+    p = vmm_->host_alloc(n);
   }
   ++stats_.allocations;
   stats_.in_use_bytes += n;
@@ -52,14 +52,14 @@ void pinned_pool::give_back(void* p, std::size_t bytes) noexcept {
   std::lock_guard lk(mu_);
   stats_.in_use_bytes -= n;
   if (stats_.cached_bytes + n > cache_limit_) {
-    drv_->host_free(p);
+    vmm_->host_free(p);
     return;
   }
   try {
     cache_.emplace(n, p);
     stats_.cached_bytes += n;
   } catch (...) {
-    drv_->host_free(p);
+    vmm_->host_free(p);
   }
 }
 
@@ -67,7 +67,7 @@ std::size_t pinned_pool::trim_locked(std::size_t keep_bytes) noexcept {
   std::size_t freed = 0;
   while (!cache_.empty() && stats_.cached_bytes > keep_bytes) {
     auto it = std::prev(cache_.end());
-    drv_->host_free(it->second);
+    vmm_->host_free(it->second);
     stats_.cached_bytes -= it->first;
     freed += it->first;
     cache_.erase(it);

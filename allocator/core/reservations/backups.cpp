@@ -39,12 +39,12 @@ void reservation_manager::impl::retire_buffers(buffers& bufs) noexcept {
   event_t e = nullptr;
   try {
     e = events_.take();
-    drv_->record(e, copy_stream_);
+    streams_.record(e, copy_stream_);
     retired_.push_back({e, std::move(bufs)});
   } catch (const std::exception& ex) {
     if (e != nullptr) events_.give(e);
     try {
-      drv_->synchronize_stream(copy_stream_);
+      streams_.synchronize_stream(copy_stream_);
     } catch (const std::exception& ex2) {
       detail::log(log_level::error, std::string("reservation_manager: waiting for restores: ") + ex2.what());
     }
@@ -58,8 +58,8 @@ void reservation_manager::impl::reap_retired(bool wait) noexcept {
   for (std::size_t i = 0; i < retired_.size();) {
     bool done = false;
     try {
-      if (wait) drv_->synchronize(retired_[i].done);
-      done = wait || drv_->query(retired_[i].done);
+      if (wait) streams_.synchronize(retired_[i].done);
+      done = wait || streams_.query(retired_[i].done);
     } catch (const std::exception& e) {
       detail::log(log_level::error, std::string("reservation_manager: backup buffers: ") + e.what());
       done = wait;

@@ -94,7 +94,7 @@ reservation_manager::impl::placed_chunks reservation_manager::impl::plan_chunks(
   const pool_stats ps = pool_->stats();
   std::string dev;
   try {
-    auto mi = drv_->get_memory_info();
+    auto mi = vmm_.get_memory_info();
     dev = ", device free " + std::to_string(mi.free_bytes) + " of " + std::to_string(mi.total_bytes);
   } catch (...) {
     detail::log_current("out-of-memory report: device memory info", log_level::warn);
@@ -170,19 +170,19 @@ void reservation_manager::impl::map_and_fill(const std::vector<run>& runs, const
   try {
     for (std::size_t i = 0; i < runs.size(); ++i)
       for (auto& [pos, c] : pieces[i]) {
-        drv_->map(runs[i].r->base + pos, c.bytes, c.handle);
+        vmm_.map(runs[i].r->base + pos, c.bytes, c.handle);
         mapped.emplace_back(runs[i].r->base + pos, c.bytes);
       }
-    for (const auto& rn : runs) drv_->set_access(rn.r->base + rn.begin, rn.end - rn.begin);
+    for (const auto& rn : runs) vmm_.set_access(rn.r->base + rn.begin, rn.end - rn.begin);
     if (fill == fill_mode::zero) {
-      for (const auto& rn : runs) drv_->zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
+      for (const auto& rn : runs) streams_.zero_async(reinterpret_cast<void*>(rn.r->base + rn.begin), rn.end - rn.begin, stream);
     } else if (fill == fill_mode::restore) {
       restore_into(runs, stream);
     }
   } catch (...) {
     try {  // copies may be in flight into the ranges we are about to unmap
-      drv_->synchronize_stream(copy_stream_);
-      drv_->synchronize_stream(stream);
+      streams_.synchronize_stream(copy_stream_);
+      streams_.synchronize_stream(stream);
     } catch (...) {
       detail::log_current("materialize rollback: waiting for copies");
     }
@@ -200,14 +200,14 @@ void reservation_manager::impl::restore_into(const std::vector<run>& runs, strea
     for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
       const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
       const backup_segment& seg = r.backups.at(it->second.segment);
-      drv_->copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset), e - b,
+      streams_.copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset), e - b,
                        copy_stream_);
     }
   }
   std::vector<event_t> done{events_.take()};
   try {
-    drv_->record(done[0], copy_stream_);
-    drv_->stream_wait(stream, done[0]);
+    streams_.record(done[0], copy_stream_);
+    streams_.stream_wait(stream, done[0]);
   } catch (...) {
     events_.give(done);
     throw;

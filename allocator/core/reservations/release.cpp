@@ -81,18 +81,18 @@ void reservation_manager::impl::back_up_and_wait(release_plan& plan, keep_mode k
     std::vector<event_t> waits = users;
     if (after != nullptr) waits.push_back(after);
     if (keep == keep_mode::host) {
-      for (event_t e : waits) drv_->stream_wait(copy_stream_, e);
+      for (event_t e : waits) streams_.stream_wait(copy_stream_, e);
       for (auto& rn : plan.runs)
-        drv_->copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, copy_stream_);
-      drv_->synchronize_stream(copy_stream_);
+        streams_.copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, copy_stream_);
+      streams_.synchronize_stream(copy_stream_);
     } else {
-      for (event_t e : waits) drv_->synchronize(e);
+      for (event_t e : waits) streams_.synchronize(e);
     }
     events_.give(users);
   } catch (...) {
     events_.give(users);
     try {
-      drv_->synchronize_stream(copy_stream_);
+      streams_.synchronize_stream(copy_stream_);
     } catch (...) {
       detail::log_current("release rollback: waiting for backup copies");
     }
@@ -113,12 +113,12 @@ void reservation_manager::impl::unmap_chunks(release_plan& plan) {
   const auto& vs = plan.victims;
   std::size_t done = 0;
   try {
-    for (; done < vs.size(); ++done) drv_->unmap(vs[done].r->base + vs[done].pos, vs[done].c.bytes);
+    for (; done < vs.size(); ++done) vmm_.unmap(vs[done].r->base + vs[done].pos, vs[done].c.bytes);
   } catch (...) {
     try {
       for (std::size_t i = 0; i < done; ++i) {
-        drv_->map(vs[i].r->base + vs[i].pos, vs[i].c.bytes, vs[i].c.handle);
-        drv_->set_access(vs[i].r->base + vs[i].pos, vs[i].c.bytes);
+        vmm_.map(vs[i].r->base + vs[i].pos, vs[i].c.bytes, vs[i].c.handle);
+        vmm_.set_access(vs[i].r->base + vs[i].pos, vs[i].c.bytes);
       }
     } catch (const std::exception& e) {
       detail::log(log_level::error, std::string("release rollback could not remap a chunk: ") + e.what());

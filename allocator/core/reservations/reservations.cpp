@@ -116,10 +116,12 @@ driver& reservation_manager::drv() const { return impl_->drv(); }
 reservation_manager::impl::impl(std::shared_ptr<chunk_pool> pool, const reservation_manager_config& cfg)
     : pool_(not_null(std::move(pool))),
       drv_(pool_->driver_ptr()),
-      granularity_(drv_->granularity()),
+      vmm_(*drv_),
+      streams_(*drv_),
+      granularity_(vmm_.granularity()),
       pinned_(std::make_unique<pinned_pool>(drv_, cfg.pinned_cache)),
-      events_(*drv_) {
-  copy_stream_ = drv_->create_stream();
+      events_(streams_) {
+  copy_stream_ = streams_.create_stream();
 }
 
 reservation_manager::impl::~impl() {
@@ -137,12 +139,12 @@ reservation_manager::impl::~impl() {
   }
   reap_retired(true);
   try {
-    drv_->synchronize_stream(copy_stream_);
-    if (scratch_ != 0) drv_->free_reservation(scratch_, scratch_bytes_);
+    streams_.synchronize_stream(copy_stream_);
+    if (scratch_ != 0) vmm_.free_reservation(scratch_, scratch_bytes_);
   } catch (const std::exception& e) {
     detail::log(log_level::error, std::string("reservation_manager: ") + e.what());
   }
-  drv_->destroy_stream(copy_stream_);
+  streams_.destroy_stream(copy_stream_);
 }
 
 std::pair<std::size_t, std::size_t> reservation_manager::impl::clamp(const reservation& r, std::size_t offset,
@@ -168,7 +170,7 @@ std::pair<std::size_t, std::size_t> reservation_manager::impl::clamp(const reser
 
 void reservation_manager::impl::unmap_quietly(std::uintptr_t va, std::size_t bytes) noexcept {
   try {
-    drv_->unmap(va, bytes);
+    vmm_.unmap(va, bytes);
   } catch (const std::exception& e) {
     detail::log(log_level::error, std::string("rollback: unmap failed, a chunk stays mapped: ") + e.what());
   }
@@ -183,7 +185,7 @@ std::vector<event_t> reservation_manager::impl::record_users(const std::vector<r
   try {
     for (stream_t s : streams) {
       events.push_back(events_.take());
-      drv_->record(events.back(), s);
+      streams_.record(events.back(), s);
     }
   } catch (...) {
     events_.give(events);
@@ -202,7 +204,7 @@ reservation_id reservation_manager::impl::reserve(std::size_t bytes) {
   const std::size_t align = std::max(granularity_, std::bit_floor(std::min(pool_->classes().back(), padded)));
   detail::log_after_unlock lk(mu_);
   auto r = std::make_unique<reservation>();
-  r->base = drv_->reserve(padded, align);
+  r->base = vmm_.reserve(padded, align);
   r->size = bytes;
   r->padded = padded;
   const std::uintptr_t base = r->base;
@@ -211,7 +213,7 @@ reservation_id reservation_manager::impl::reserve(std::size_t bytes) {
     counts_.reserved(padded);
     return id;
   } catch (...) {
-    drv_->free_reservation(base, padded);
+    vmm_.free_reservation(base, padded);
     throw;
   }
 }
@@ -227,7 +229,7 @@ void reservation_manager::impl::free(reservation_id id, stream_t stream) {
   // Release everything (also drops backups) through the one release path.
   const range all{id, 0, whole};
   release_locked(std::span<const range>(&all, 1), keep_mode::discard, stream, nullptr);
-  drv_->free_reservation(r.base, r.padded);
+  vmm_.free_reservation(r.base, r.padded);
   counts_.unreserved(r.padded);
   table_.erase(r);
 }

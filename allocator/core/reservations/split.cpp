@@ -40,39 +40,39 @@ void reservation_manager::impl::split_at(reservation& r, std::size_t cut, stream
   try {
     if (scratch_ == 0) {
       scratch_bytes_ = pool_->classes().back();
-      scratch_ = drv_->reserve(scratch_bytes_, scratch_bytes_);
+      scratch_ = vmm_.reserve(scratch_bytes_, scratch_bytes_);
     }
     for (auto& [pos, c] : pieces) {
-      drv_->map(scratch_ + (pos - a), c.bytes, c.handle);
+      vmm_.map(scratch_ + (pos - a), c.bytes, c.handle);
       at_scratch.emplace_back(scratch_ + (pos - a), c.bytes);
     }
-    drv_->set_access(scratch_, old.bytes);
+    vmm_.set_access(scratch_, old.bytes);
     std::vector<reservation*> rs{&r};
     if (after == nullptr) users = record_users(rs, stream);
-    for (event_t e : users) drv_->stream_wait(copy_stream_, e);
-    if (after != nullptr) drv_->stream_wait(copy_stream_, after);
-    drv_->copy_async(reinterpret_cast<void*>(scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, copy_stream_);
-    drv_->synchronize_stream(copy_stream_);
+    for (event_t e : users) streams_.stream_wait(copy_stream_, e);
+    if (after != nullptr) streams_.stream_wait(copy_stream_, after);
+    streams_.copy_async(reinterpret_cast<void*>(scratch_), reinterpret_cast<const void*>(r.base + a), old.bytes, copy_stream_);
+    streams_.synchronize_stream(copy_stream_);
     events_.give(users);
     while (!at_scratch.empty()) {
-      drv_->unmap(at_scratch.back().first, at_scratch.back().second);
+      vmm_.unmap(at_scratch.back().first, at_scratch.back().second);
       at_scratch.pop_back();
     }
-    drv_->unmap(r.base + a, old.bytes);
+    vmm_.unmap(r.base + a, old.bytes);
     old_unmapped = true;
     for (auto& [pos, c] : pieces) {
-      drv_->map(r.base + pos, c.bytes, c.handle);
+      vmm_.map(r.base + pos, c.bytes, c.handle);
       at_home.emplace_back(r.base + pos, c.bytes);
     }
-    drv_->set_access(r.base + a, old.bytes);
+    vmm_.set_access(r.base + a, old.bytes);
   } catch (...) {
     events_.give(users);
     for (auto& [va, n] : at_scratch) unmap_quietly(va, n);
     for (auto& [va, n] : at_home) unmap_quietly(va, n);
     if (old_unmapped) {
       try {
-        drv_->map(r.base + a, old.bytes, old.handle);
-        drv_->set_access(r.base + a, old.bytes);
+        vmm_.map(r.base + a, old.bytes, old.handle);
+        vmm_.set_access(r.base + a, old.bytes);
       } catch (const std::exception& e) {
         detail::log(log_level::error, std::string("split rollback could not remap a chunk: ") + e.what());
       }

@@ -173,7 +173,8 @@ class reservation_manager::byte_counts {
 };
 
 // The manager's state and its operations, one file each in this folder (the public class
-// takes nothing but forwards: Note [Allocator state] in allocator/caching/allocator_state.hpp).
+// holds only a pointer to it and forwards: Note [Allocator state] in
+// allocator/caching/allocator_state.hpp).
 // Every operation takes the mutex; the private helpers run under it.
 class reservation_manager::impl {
  public:
@@ -243,7 +244,9 @@ class reservation_manager::impl {
   void reap_retired(bool wait) noexcept;
 
   std::shared_ptr<chunk_pool> pool_;
-  std::shared_ptr<driver> drv_;
+  std::shared_ptr<driver> drv_;  // the pool's: its two halves below are what the operations call
+  vmm_ops& vmm_;
+  stream_ops& streams_;
   std::size_t granularity_;
   std::unique_ptr<pinned_pool> pinned_;
   // Taken as log_after_unlock (Note [Logging outside locks] in log.hpp).

@@ -62,7 +62,9 @@ class DFA_API chunk_pool {
   chunk_pool(const chunk_pool&) = delete;
   chunk_pool& operator=(const chunk_pool&) = delete;
 
-  driver& drv() const { return *drv_; }
+  /// The half of the driver the pool calls (create, release, granularity, counts).
+  vmm_ops& vmm() const { return *drv_; }
+  /// The whole driver, which the pool carries for the reservation manager built on it.
   const std::shared_ptr<driver>& driver_ptr() const { return drv_; }
   std::size_t granularity() const { return granularity_; }
   /// The size classes, ascending.

@@ -4,8 +4,11 @@
 //               free/total memory; every primitive is counted (the statistics layer);
 //   stream_ops  the few stream/event/copy operations the layers above need to be
 //               stream-ordered (not counted).
-// A `driver` is both, plus what identifies it (name, kind, device): layers above take a
-// `driver&` and call either half through it.
+// A `driver` is both, plus what identifies it (name, kind, device).  A part that calls one
+// half takes that half (the chunk and pinned pools and the reservations' VMM calls take
+// vmm_ops, the event pool, the stream set and the device home stream_ops); the owners that
+// hand one driver on to the parts they build take the whole `driver` (chunk_pool,
+// streamed_adamw, the homes' context).
 //
 // Two real implementations: cuda_driver (libcuda resolved at run time) and
 // host_driver (the same semantics on host memory: PROT_NONE reservations, memfd

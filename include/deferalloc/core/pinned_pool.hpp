@@ -29,7 +29,7 @@ class DFA_API pinned_pool {
   static constexpr std::size_t default_cache_limit = std::size_t{64} << 20;
   /// `cache_limit`: bytes kept cached after give_back; 0 = nothing is cached,
   /// SIZE_MAX = no limit.
-  pinned_pool(std::shared_ptr<driver> drv, std::size_t cache_limit = default_cache_limit);
+  pinned_pool(std::shared_ptr<vmm_ops> vmm, std::size_t cache_limit = default_cache_limit);
   ~pinned_pool();
   pinned_pool(const pinned_pool&) = delete;
   pinned_pool& operator=(const pinned_pool&) = delete;
@@ -50,7 +50,7 @@ class DFA_API pinned_pool {
   static std::size_t round(std::size_t bytes) { return (bytes + 0xFFFF) & ~std::size_t{0xFFFF}; }
   std::size_t trim_locked(std::size_t keep_bytes) noexcept;
 
-  std::shared_ptr<driver> drv_;
+  std::shared_ptr<vmm_ops> vmm_;
   std::size_t cache_limit_;
   mutable std::mutex mu_;
   std::multimap<std::size_t, void*> cache_;
