@@ -135,6 +135,10 @@ struct streamed_adamw::impl {
   // step (null until its first; Note [The parameter is the truth]).
   std::vector<float*> saved_params;
   std::mutex param_copy_mu;  // read_param / write_param share exec (the checkpoint's lanes)
+  // Note [Edits of 16-bit parameters]: per shard, whether the backend's k_written slot
+  // holds the hash of its 16-bit parameter as the engine last wrote it; and the shards the
+  // last step checked, whose report is pending.
+  std::vector<char> edit_hashed, edit_checked;
 
   /// The tier's state is published by commits (file); else a step updates it in place:
   /// a step that failed part-way is retried from where it stopped, a checkpoint load
@@ -218,6 +222,21 @@ struct streamed_adamw::impl {
   void sync_device_shards(bool all);
   /// BF16(main) into the model parameters; `stream` waits for it.
   void sync_model(stream_t stream);
+  /// Note [Edits of 16-bit parameters] (streamed_adamw.cpp): hashes, on exec, the 16-bit
+  /// parameters of the shards in `which` (empty: all) as the engine left them.
+  void hash_written(std::span<const void* const> which = {});
+  /// Before a step of the shards with a gradient: hashes those with a hash of their last
+  /// write (after the work on exec) into edit_checked, whose kernels take an edited
+  /// parameter into main.
+  void check_edits(std::span<const void* const> grads);
+  /// Logs the shards whose parameter the last checked step found edited (reads the slots:
+  /// waits for exec).
+  void report_edits();
+  /// No hash is trusted (a step that failed part-way wrote some pieces).
+  void forget_edit_hashes() {
+    edit_hashed.assign(shards.size(), 0);
+    edit_checked.clear();
+  }
 };
 
 }  // namespace deferalloc::optim

@@ -48,6 +48,8 @@ void streamed_adamw::impl::step_device_shards(std::span<const void* const> grads
                                               float grad_scale, std::size_t first, bool all) {
   for (std::size_t s = first; s < shards.size(); ++s) {
     auto& sh = shards[s].info;
+    if ((all || shards[s].resident) && grads[s] != nullptr && s < edit_checked.size() && edit_checked[s])
+      comp->adopt_if_edited(s, sh.param, sh.param_type, sh.main_param, sh.numel, exec());
     if ((all || shards[s].resident) && grads[s] != nullptr)
       comp->adamw({sh.main_param, sh.exp_avg, sh.exp_avg_sq, sh.param, grads[s], sh.param_type, gts[s], sh.numel},
                   scalars(s, grad_scale), exec());

@@ -380,8 +380,9 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.depth = static_cast<std::size_t>(cfg.depth);
   plan.window_piece = shape.piece;
   plan.durable_params = tier_home->traits().durable_params;
-  step_inputs step{grads, gts, {}, {}};
+  step_inputs step{grads, gts, {}, {}, {}};
   if (speculative) step.saved_params = saved_params;
+  if (kind == pass_kind::step) step.edit_checks = edit_checked;
   if (kind == pass_kind::step)
     for (std::size_t s = 0; s < shards.size(); ++s) step.scalars.push_back(scalars(s, grad_scale));
   const std::vector<piece_ref> ps = speculative ? plan.pieces : std::vector<piece_ref>{};
@@ -435,6 +436,7 @@ void streamed_adamw::initialize(stream_t stream) {
     self.drv->synchronize_stream(self.exec());
     if (committed_store* store = self.tier_home->store()) store->commit(pass_kind::init, fresh);
   }
+  self.hash_written();
   self.adopt(fresh);
 }
 
@@ -458,6 +460,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   // speculative one in the new slot.
   if (!self.in_place()) self.refuse_if_speculating("step");
 
+  self.report_edits();  // the last step's (device tier: read now, not after its kernels)
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::uint64_t next = self.step_count + 1;
   const std::size_t skip = self.retry.skip(next);
@@ -465,9 +468,10 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = grads[s] != nullptr;
   const state_counts after = self.counts_after_step(stepped);
   try {
+    self.after(self.exec(), stream);
+    self.check_edits(grads);
     if (!self.streamed()) {
       auto t0 = clk::now();
-      self.after(self.exec(), stream);
       self.step_device_shards(grads, gts, grad_scale, skip, true);
       self.after(stream, self.exec());
       self.report = step_report{};
@@ -486,6 +490,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
       self.after(stream, self.exec());
     }
   } catch (...) {
+    self.forget_edit_hashes();  // some pieces may be written (sync_model hashes them again)
     if (!self.in_place()) {
       // The commit record still names the previous step; make the BF16 params match it.
       self.retry.clear();
@@ -501,6 +506,8 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     throw;
   }
   self.retry.clear();
+  if (self.streamed()) self.report_edits();  // (the pass waited for its kernels)
+  self.hash_written(grads);
   self.adopt(after);
 }
 
@@ -629,13 +636,19 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
       if (param_is_main(self.shards[s].info) && !self.saved_params[s])
         self.saved_params[s] = static_cast<float*>(self.drv->host_alloc(self.shards[s].info.numel * 4));
     }
+  self.report_edits();
   try {
+    self.after(self.exec(), stream);
+    self.check_edits(grads);
     self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, 0, true);
     self.after(stream, self.exec());
   } catch (...) {
     self.retry.clear();  // the current copy is intact: nothing to resume
+    self.forget_edit_hashes();
     throw;
   }
+  self.report_edits();
+  self.hash_written(grads);
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     if (grads[s] != nullptr) self.shards.mark_speculative(s);
 }
@@ -708,7 +721,70 @@ void streamed_adamw::impl::sync_model(stream_t stream) {
   after(exec(), stream);
   sync_device_shards(!streamed());
   if (streamed()) run_pass(pass_kind::export_bf16, {}, {}, 1.0f, stream, 0);
+  hash_written();  // the engine wrote every parameter
   after(stream, exec());
+}
+
+// Note [Edits of 16-bit parameters]
+//
+// Rationale: a BF16 or FP16 parameter keeps an FP32 main (the parameter is its rounding),
+// so an edit of the parameter outside the optimizer (w.zero_(), load_state_dict of the
+// model, an EMA swap) would be overwritten by the next step's BF16(main): silently
+// different from torch.optim.AdamW, which steps the parameter.
+// Approach: after the engine writes a 16-bit parameter (initialize, a step of its shard,
+// sync_model), a kernel hashes its bits into a 64-bit slot on the device (the wrapping
+// sum of a mix of each value and its index: edit_term in kernels/adamw_math.hpp; about
+// 2 B/param of HBM reads, far under 1% of a PCIe-bound step).  A step (plain or
+// speculative) of that shard hashes it again first, after the user's stream, and the
+// piece's kernel is preceded by one that, when the two differ, takes the parameter into
+// main element by element where it is not main's rounding (main = float(param)), and
+// marks the shard edited when it took one; all on the device, no wait.  An element the
+// edit left at main's rounding keeps main's bits, so loading a model's parameters saved
+// with the optimizer (param = round(main)) after its state changes nothing.  The host
+// reads the marks after a streamed pass (which waits for its kernels anyway), the device
+// tier's at its next step, and logs one warning line per edited shard.  The CPU twin
+// keeps the slots in host memory with the same arithmetic.
+// Limits: an element edited to main's rounding keeps main (the edit and main agree to the
+// parameter's precision).  A step that failed part-way forgets every hash (no check until
+// the shard is written again).  An edit made before a speculative step that is then
+// discarded is taken into the discarded copy only: the redo does not see it.  A 64-bit
+// sum of mixed terms can miss an edit only by a collision.
+void streamed_adamw::impl::hash_written(std::span<const void* const> which) {
+  if (edit_hashed.size() != shards.size()) {
+    comp->edit_slots(shards.size());
+    edit_hashed.assign(shards.size(), 0);
+  }
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (!param_is_main(shards[s].info) && (which.empty() || which[s] != nullptr)) {
+      comp->hash_param(s, detail::compute::k_written, shards[s].info.param, shards[s].info.numel, exec());
+      edit_hashed[s] = 1;
+    }
+}
+
+void streamed_adamw::impl::check_edits(std::span<const void* const> grads) {
+  edit_checked.assign(shards.size(), 0);
+  if (edit_hashed.size() != shards.size()) return;
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (grads[s] != nullptr && edit_hashed[s] && !param_is_main(shards[s].info)) {
+      comp->hash_param(s, detail::compute::k_now, shards[s].info.param, shards[s].info.numel, exec());
+      edit_checked[s] = 1;
+    }
+}
+
+void streamed_adamw::impl::report_edits() {
+  if (std::find(edit_checked.begin(), edit_checked.end(), 1) == edit_checked.end()) {
+    edit_checked.clear();
+    return;
+  }
+  const std::vector<std::uint64_t> slots = comp->read_edit_slots(exec());
+  for (std::size_t s = 0; s < edit_checked.size(); ++s)
+    if (edit_checked[s] && slots[s * detail::compute::k_edit_slots + detail::compute::k_edited] != 0)
+      deferalloc::detail::log(
+          log_level::warn, "step: shard " + std::to_string(s) + " ('" + shards[s].info.name + "'): its " +
+                               to_string(shards[s].info.param_type) +
+                               " parameter was changed outside the optimizer since the optimizer last wrote it; its "
+                               "FP32 main was taken from it (main = float(param) where they differ) before the step");
+  edit_checked.clear();
 }
 
 double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {

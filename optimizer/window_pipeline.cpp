@@ -262,6 +262,9 @@ void window_pipeline::compute(std::size_t i) {
   } else if (step_.grads[p.shard] != nullptr) {  // (file tier: a skipped shard's piece is carried over unchanged)
     const value_type gt = step_.grad_types[p.shard];
     const char* grad = static_cast<const char*>(step_.grads[p.shard]) + p.e0 * detail::value_bytes(gt);
+    // A 16-bit parameter edited outside the optimizer is taken into main first.
+    if (p.shard < step_.edit_checks.size() && step_.edit_checks[p.shard])
+      comp.adopt_if_edited(p.shard, model, sh.param_type, main, p.n, exec);
     const moment_format moments = parts_.cfg.moments;
     if (moments != moment_format::fp32)  // (host and file tiers: the optimizer checks)
       comp.adamw_moments({main, dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad, sh.param_type, gt,

@@ -39,6 +39,8 @@ struct step_inputs {
   /// A speculative step: per shard, host memory that takes its FP32 parameter's values
   /// before the step (null: none; Note [The parameter is the truth]).
   std::span<float* const> saved_params;
+  /// Per shard: its 16-bit parameter is checked for edits (Note [Edits of 16-bit parameters]).
+  std::span<const char> edit_checks;
 };
 
 /// The pieces of a pass over the shards `selected` (Note [Pass pieces]): the window's

@@ -10,6 +10,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+
+#include <deferalloc/deferalloc.h>
 
 #include "../optimizer/kernels/adamw_math.hpp"
 #include "../optimizer/store/file_store.hpp"
@@ -138,7 +141,8 @@ void expect_same(const result& a, const result& b, const std::string& what) {
 }
 
 // The CPU twin (same per-element arithmetic) in float, and a reference in double.
-result cpu_twin(const problem& p, int steps) {
+// `before(t, r)` runs before step t (a user's edit of the parameters).
+result cpu_twin(const problem& p, int steps, const std::function<void(int, result&)>& before = {}) {
   result r;
   for (std::size_t s = 0; s < p.sizes.size(); ++s) {
     r.main.emplace_back(p.sizes[s]);
@@ -148,6 +152,7 @@ result cpu_twin(const problem& p, int steps) {
     r.bf16.push_back(p.params[s]);
   }
   for (int t = 0; t < steps; ++t) {
+    if (before) before(t, r);
     const auto& h = p.hyper;
     // The bias corrections with the powf of the backend under test (the device's on CUDA).
     static const std::shared_ptr<driver> pow_driver = make_driver();
@@ -1075,6 +1080,63 @@ TEST(optimizer, file_tier_resumes_an_edited_fp32_parameter) {
   f.expect_reference("resumed");
   f.step(2);
   f.expect_reference("the step after the resume");
+}
+
+// Note [Edits of 16-bit parameters]: a BF16 parameter changed outside the optimizer
+// between steps is taken into its main (main = float(param) where param is not main's
+// rounding) by the next step, with one warning line naming the shard; the other shards
+// are untouched and nothing is logged without an edit.  Parameters loaded after the
+// optimizer's state (a model's state_dict saved with it) change nothing.
+TEST(optimizer, an_edited_bf16_parameter_is_taken_into_main_with_a_warning) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 3);
+  const std::uint16_t one = 0x3F80;  // BF16 1.0
+  const result want = cpu_twin(p, p.steps, [&](int t, result& r) {
+    if (t != 1) return;
+    for (std::size_t i = 0; i < p.sizes[1]; ++i)
+      if (optim::detail::to_bf16(r.main[1][i]) != one) r.main[1][i] = 1.0f;
+    r.bf16[1].assign(p.sizes[1], one);
+  });
+  temp_dir dir;
+  std::vector<std::string> lines;
+  const dfa_log_fn keep = [](int, const char* msg, void* user) { static_cast<std::vector<std::string>*>(user)->push_back(msg); };
+  ASSERT_EQ(dfa_set_log_callback(keep, &lines, 2), DFA_SUCCESS);
+  for (tier t : {tier::device, tier::host, tier::file}) {
+    SCOPED_TRACE(to_string(t));
+    lines.clear();
+    run r(d, p, config_for(t, dir.path + "/" + to_string(t)));
+    std::filesystem::create_directories(dir.path + "/" + to_string(t));
+    r.opt->initialize();
+    r.step(0);
+    upload(*d, r.params[1], run::as_bytes(std::vector<std::uint16_t>(p.sizes[1], one)));  // w.fill_(1)
+    r.step(1);
+    r.step(2);  // (the device tier reports at its next step)
+    expect_same(r.state(), want, "the edit taken into main");
+    ASSERT_EQ(lines.size(), 1u) << "one warning line";
+    EXPECT_NE(lines[0].find("shard 1 ('layer1')"), std::string::npos) << lines[0];
+    EXPECT_NE(lines[0].find("changed outside the optimizer"), std::string::npos) << lines[0];
+  }
+  // A fresh optimizer takes the state (write_state), then the model's parameters are
+  // loaded: the next steps are the first one's, bit for bit, with nothing logged.
+  lines.clear();
+  run a(d, p, config_for(tier::host)), b(d, p, config_for(tier::host));
+  a.opt->initialize();
+  a.step(0);
+  b.opt->initialize();
+  for (std::size_t s = 0; s < p.sizes.size(); ++s) {
+    std::vector<float> buf(p.sizes[s]);
+    for (state_array arr : {state_array::main, state_array::exp_avg, state_array::exp_avg_sq}) {
+      a.opt->read_state_range(s, arr, 0, buf.size(), buf.data());
+      b.opt->write_state_range(s, arr, 0, buf.size(), buf.data());
+    }
+    b.opt->set_shard_step(s, a.opt->shard_step(s));
+    upload(*d, b.params[s], download(*d, a.params[s], p.sizes[s] * 2));
+  }
+  a.step(1);
+  b.step(1);
+  expect_same(b.state(), a.state(), "parameters loaded after the state");
+  EXPECT_TRUE(lines.empty()) << lines[0];
+  dfa_set_log_callback(nullptr, nullptr, 0);
 }
 
 TEST(optimizer, bad_input) {

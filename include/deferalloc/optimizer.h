@@ -115,7 +115,9 @@ DFA_C_API dfa_status dfa_opt_set_group(dfa_optimizer* o, int group, const dfa_ad
 /* main = float(param) for every BF16/FP16 shard, written to the home tier; moments zero.
  * An FP32 parameter is its own main (a step reads and updates it in place, so an edit
  * between steps is what the next step reads; the file tier keeps a durable copy that a
- * resume writes back); nothing is copied.  Waits for `stream` first; synchronous. */
+ * resume writes back); nothing is copied.  A BF16/FP16 parameter edited outside the
+ * optimizer is taken into its main by its next step where it is not main's rounding (one
+ * warning line).  Waits for `stream` first; synchronous. */
 DFA_C_API dfa_status dfa_opt_initialize(dfa_optimizer* o, void* stream);
 /* One AdamW step: grads[i] is shard i's gradient (NULL: skip shard i, its step count stays),
  * of type grad_dtypes[i] (grad_dtypes NULL: each shard's parameter type); each gradient is

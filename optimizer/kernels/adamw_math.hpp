@@ -196,6 +196,22 @@ DFA_HD void store_from_float(void* a, value_type t, std::size_t i, float x) {
   else if (t == value_type::fp16) static_cast<std::uint16_t*>(a)[i] = to_fp16(x);
   else static_cast<float*>(a)[i] = x;
 }
+/// Element i's term of a 16-bit parameter's edit hash (Note [Edits of 16-bit parameters]
+/// in optimizer/streamed_adamw.cpp): the hash is the wrapping sum of the terms, so it does
+/// not depend on the order of the additions; a term mixes the bits with the index
+/// (splitmix64), so a changed value or two values swapped change the sum.
+DFA_HD std::uint64_t edit_term(std::uint16_t bits, std::size_t i) {
+  std::uint64_t z = (static_cast<std::uint64_t>(i) << 16 | bits) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+/// Whether element i of a 16-bit parameter of type `t` holds main's rounding (what a
+/// step writes into it).
+DFA_HD bool is_rounding_of(float main, const void* param, value_type t, std::size_t i) {
+  const std::uint16_t p = static_cast<const std::uint16_t*>(param)[i];
+  return (t == value_type::fp16 ? to_fp16(main) : to_bf16(main)) == p;
+}
 /// Element i of a gradient array, BF16 or FP32 (the kernels' fast paths).
 DFA_HD float load_grad(const void* g, bool bf16, std::size_t i) { return load_as_float(g, bf16 ? value_type::bf16 : value_type::fp32, i); }
 

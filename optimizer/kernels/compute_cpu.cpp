@@ -33,6 +33,26 @@ class cpu_compute final : public compute {
     }
     return s;
   }
+  void edit_slots(std::size_t shards) override { slots_.assign(shards * k_edit_slots, 0); }
+  void hash_param(std::size_t s, int which, const void* param, std::size_t n, stream_t) override {
+    std::uint64_t h = 0;
+    for (std::size_t i = 0; i < n; ++i) h += edit_term(static_cast<const std::uint16_t*>(param)[i], i);
+    slots_[s * k_edit_slots + which] = h;
+    if (which == k_now) slots_[s * k_edit_slots + k_edited] = 0;
+  }
+  void adopt_if_edited(std::size_t s, const void* param, value_type t, float* main, std::size_t n, stream_t) override {
+    std::uint64_t* h = slots_.data() + s * k_edit_slots;
+    if (h[k_written] == h[k_now]) return;
+    for (std::size_t i = 0; i < n; ++i)
+      if (!is_rounding_of(main[i], param, t, i)) {
+        main[i] = load_as_float(param, t, i);
+        h[k_edited] = 1;
+      }
+  }
+  std::vector<std::uint64_t> read_edit_slots(stream_t) override { return slots_; }
+
+ private:
+  std::vector<std::uint64_t> slots_;
 };
 
 }  // namespace

@@ -189,6 +189,28 @@ __global__ void pow_table(float base, std::uint64_t first, float* out, int n) {
 
 __global__ void pow_any(float base, float e, float* out) { *out = powf(base, e); }
 
+// Note [Edits of 16-bit parameters]: out += the edit terms of n 16-bit values (a warp's
+// sum, then one atomic add per warp; the sum wraps, so the order does not matter).
+__global__ void edit_hash(const std::uint16_t* p, std::size_t n, unsigned long long* out) {
+  unsigned long long h = 0;
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
+    h += edit_term(p[j], j);
+  for (int o = 16; o > 0; o /= 2) h += __shfl_down_sync(0xffffffffu, h, o);
+  if (threadIdx.x % 32 == 0) atomicAdd(out, h);
+}
+// When slots[k_written] != slots[k_now]: main = float(param) where param is not main's
+// rounding, and slots[k_edited] = 1 when an element was taken.
+__global__ void adopt_edit(const void* param, value_type t, float* main, std::size_t n, unsigned long long* slots) {
+  if (slots[compute::k_written] == slots[compute::k_now]) return;
+  bool took = false;
+  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
+    if (!is_rounding_of(main[j], param, t, j)) {
+      main[j] = load_as_float(param, t, j);
+      took = true;
+    }
+  if (took) slots[compute::k_edited] = 1;
+}
+
 bool aligned(const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
 
 class cuda_compute final : public compute {
@@ -200,6 +222,7 @@ class cuda_compute final : public compute {
   ~cuda_compute() override {
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (pow_dev_ != nullptr) cudaFree(pow_dev_);
+    if (edit_dev_ != nullptr) cudaFree(edit_dev_);
   }
 
   // The device's powf for integral steps, from a table per (base, block of k_pow_block
@@ -279,6 +302,41 @@ class cuda_compute final : public compute {
     return out;
   }
 
+  void edit_slots(std::size_t shards) override {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    if (edit_dev_ != nullptr) DFA_CUDA_TRY(cudaFree(edit_dev_));
+    edit_dev_ = nullptr;
+    edit_count_ = shards * k_edit_slots;
+    if (edit_count_ == 0) return;
+    DFA_CUDA_TRY(cudaMalloc(&edit_dev_, edit_count_ * sizeof(unsigned long long)));
+    DFA_CUDA_TRY(cudaMemset(edit_dev_, 0, edit_count_ * sizeof(unsigned long long)));
+  }
+  void hash_param(std::size_t s, int which, const void* param, std::size_t n, stream_t st) override {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    auto cs = static_cast<cudaStream_t>(st.get());
+    unsigned long long* out = edit_dev_ + s * k_edit_slots + which;
+    static_assert(k_edited == k_now + 1);  // k_now zeroes both
+    DFA_CUDA_TRY(cudaMemsetAsync(out, 0, (which == k_now ? 2 : 1) * sizeof *out, cs));
+    if (n == 0) return;
+    edit_hash<<<grid(n), k_threads, 0, cs>>>(static_cast<const std::uint16_t*>(param), n, out);
+    DFA_CUDA_CHECK_LAUNCH();
+  }
+  void adopt_if_edited(std::size_t s, const void* param, value_type t, float* main, std::size_t n, stream_t st) override {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    adopt_edit<<<grid(n == 0 ? 1 : n), k_threads, 0, static_cast<cudaStream_t>(st.get())>>>(param, t, main, n,
+                                                                                           edit_dev_ + s * k_edit_slots);
+    DFA_CUDA_CHECK_LAUNCH();
+  }
+  std::vector<std::uint64_t> read_edit_slots(stream_t st) override {
+    DFA_CUDA_TRY(cudaSetDevice(device_));
+    std::vector<std::uint64_t> out(edit_count_);
+    auto cs = static_cast<cudaStream_t>(st.get());
+    if (!out.empty())
+      DFA_CUDA_TRY(cudaMemcpyAsync(out.data(), edit_dev_, out.size() * 8, cudaMemcpyDeviceToHost, cs));
+    DFA_CUDA_TRY(cudaStreamSynchronize(cs));
+    return out;
+  }
+
  private:
   static constexpr int k_pow_block = 4096;
   float device_pow(float base, float e) {
@@ -326,6 +384,8 @@ class cuda_compute final : public compute {
   std::mutex pow_mu_;
   std::unordered_map<pow_key, std::vector<float>, pow_key_hash> pow_cache_;
   float* pow_dev_ = nullptr;
+  unsigned long long* edit_dev_ = nullptr;  // Note [Edits of 16-bit parameters]
+  std::size_t edit_count_ = 0;
 };
 
 }  // namespace

@@ -169,7 +169,10 @@ class DFA_API streamed_adamw {
   /// in optimizer/streamed_adamw.cpp): a step reads it and writes the update into it, so
   /// an edit between steps (w.zero_(), load_state_dict, an EMA swap) is what the next step
   /// reads; the home keeps only its moments (host tier: 8 B/param each way per step), the
-  /// file tier also a durable copy (written by each step, read by a resume).
+  /// file tier also a durable copy (written by each step, read by a resume).  A BF16 or
+  /// FP16 parameter edited outside the optimizer is taken into its main by its next step
+  /// where it differs from main's rounding, with a warning (Note [Edits of 16-bit
+  /// parameters] in optimizer/streamed_adamw.cpp).
   std::size_t add_shard(void* param, std::size_t numel, value_type t, int group, std::string name = {});
 
   /// The hyper-parameters of group `g` (before or between steps).  Shards of a group
