@@ -13,9 +13,9 @@ time, no build per torch version / Python ABI, and the engine's C ABI is already
 stable interface.  The cost is the Python side of ``step()``: one pass over the
 parameters to collect ``.grad`` pointers into a preallocated ctypes array and one call;
 measured per step by ``stats()["python_seconds"]``.
-Limits: gradients and parameters must be dense and contiguous; the state lives beside
-the parameters, so a model whose weights are replaced after the first step (outside
-``load_state_dict``) needs ``sync_main_from_params()``.
+Limits: gradients and parameters must be dense and contiguous.  An FP32 parameter is its
+own main copy (an edit between steps is what the next step reads); a BF16 / FP16 parameter
+edited outside the optimizer is taken into its main at the next step, with a warning.
 
 Example::
 
@@ -329,8 +329,9 @@ _PROGRESS_AFTER_S = 1.0
 # InvalidStateError naming the parameter, before the engine touches anything.  At
 # construction, the parameters' byte ranges must be disjoint from each other and from
 # those of every live StreamedAdamW (_LIVE), else InvalidArgumentError.
-# Limits: a storage replaced between two calls is followed at the next call only; a
-# replaced storage's values are not read (call sync_main_from_params() to take them).
+# Limits: a storage replaced between two calls is followed at the next call only; its
+# values are the next step's (an FP32 parameter is its own main; a 16-bit one's edit is
+# detected by the engine, Note [Edits of 16-bit parameters]).
 
 
 # Note [Overlap steps settle first]
