@@ -3,6 +3,7 @@
 #   python_logging   library messages reach logging.getLogger("deferalloc") (label torch).
 #   pip_install      scripts/pip_check.sh: `pip install .` into a fresh venv, then a deferred
 #                    tensor with no environment variable set (labels pip, torch).
+#   no_toolkit_build a build without the CUDA toolkit (scripts/no_toolkit_check.sh).
 #   readme_examples  the marked examples of README.md and the docs pages that hold examples
 #                    (scripts/readme_examples.py): Python ones
 #                    in that venv, C++ ones built against an install of this build tree, on
@@ -17,6 +18,11 @@ if(DFA_PYTHON3)
            --data ${PROJECT_SOURCE_DIR}/docs/data --template ${PROJECT_SOURCE_DIR}/docs/benchmarks.template.md
            --doc ${PROJECT_SOURCE_DIR}/docs/BENCHMARKS.md --img ${PROJECT_SOURCE_DIR}/docs/img)
 endif()
+# A build without the CUDA toolkit (scripts/no_toolkit_check.sh): configure, build the
+# libraries and the demo, run it; with torch also the README's CPU quick start and a step.
+add_test(NAME no_toolkit_build COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/no_toolkit_check.sh
+         ${PROJECT_BINARY_DIR}/no-toolkit ${DEFERALLOC_PYTHON})
+set_tests_properties(no_toolkit_build PROPERTIES TIMEOUT 900)
 if(NOT DEFERALLOC_WITH_TORCH)
   return()  # the Python face imports torch
 endif()
