@@ -35,6 +35,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -79,6 +80,12 @@ try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # a torch built without distributed
     _DTensor = None
+
+
+def _named_driver(conf: str):
+    """The driver a settings text names last (``driver:cuda``), or None."""
+    found = re.findall(r"(?:^|,)\s*driver\s*:\s*([A-Za-z]+)", conf)
+    return found[-1].lower() if found else None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -454,6 +461,9 @@ class StreamedAdamW(torch.optim.Optimizer):
             if self._device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self._device)
                 resident_mb = max(0, (free - total // 10) // (1 << 20) - window_mb)
+        if self._device.type == "cpu" and _named_driver(os.environ.get("DEFERALLOC_CONF", "")) == "cuda":
+            from . import driver_name
+            driver_name()  # NoDevice naming driver:cuda where there is no GPU (not a silent host step)
         driver = (f"driver:cuda,device:{self._device.index or 0}" if self._device.type == "cuda" else "driver:host")
         text = ",".join(t for t in (os.environ.get("DEFERALLOC_CONF", ""), driver, f"tier:{tier}",
                                     f"window_mb:{window_mb}", f"depth:{int(depth)}" if depth is not None else "",
