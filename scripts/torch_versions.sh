@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CPU torch suites against another torch than .venv's: a separate venv with that torch
 # (and numpy) from PyPI, then every ctest of label torch whose command is the Python
-# interpreter, without label gpu, run as ctest would run it (its command and environment,
-# read from `ctest --show-only=json-v1`) with the other venv's Python.
+# interpreter, without label gpu or pip (those use the pip-installed venv), run as ctest
+# would run it (its command and environment, read from `ctest --show-only=json-v1`) with the
+# other venv's Python.
 #   bash scripts/torch_versions.sh VERSION [VENV_DIR] [BUILD_DIR]
 #     VERSION    e.g. 2.6.0 (pyproject.toml's [torch] lower bound)
 #     VENV_DIR   default .venv-torch-VERSION (kept: a second run reuses it)
@@ -18,6 +19,7 @@ venv=${2:-.venv-torch-$version}
 build=${3:-build}
 pattern=${DFA_TORCH_TESTS:-.}
 exclude=${DFA_TORCH_EXCLUDE:-megatron}
+venv=$(realpath -m "$venv")
 [ -f "$build/CTestTestfile.cmake" ] || { echo "torch_versions.sh: $build is not a configured build (scripts/test.sh)" >&2; exit 2; }
 t0=$SECONDS
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
@@ -35,7 +37,7 @@ for t in tests:
     props = {p["name"]: p["value"] for p in t.get("properties", [])}
     labels = props.get("LABELS", [])
     cmd = t.get("command") or []
-    if "gpu" in labels or not cmd or "python" not in os.path.basename(cmd[0]):
+    if "gpu" in labels or "pip" in labels or not cmd or "python" not in os.path.basename(cmd[0]):
         continue
     if not re.search(pattern, t["name"]) or (exclude and re.search(exclude, t["name"])):
         continue

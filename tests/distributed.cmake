@@ -1,4 +1,4 @@
-# The distributed optimizer's tests (issue 5), when NCCL was found (optimizer/distributed/distributed.cmake).
+# The distributed optimizer's tests, when NCCL was found (optimizer/distributed/distributed.cmake).
 #   test_distributed.host      ranks as threads on host drivers (CI)
 #   test_distributed.cuda      one GPU, NCCL at world size 1        (label gpu)
 #   test_distributed.nccl2     two GPUs, one thread per GPU, NCCL    (label multigpu)

@@ -21,6 +21,10 @@
    header lives beside its code (the fault driver in allocator/core/driver/).  Its top level
    holds the C ABIs and the C++ umbrella only (TOP_LEVEL); the C++ headers sit in the folder of
    their layer (core/, caching/, optim/, distributed/, torch/), whose rank rule 2 checks.
+8. The user's pages and the build hold no run diaries either: docs/*.md (but docs/BENCHMARKS.md
+   and docs/benchmarks.template.md, where measured runs live), every file under examples/, and
+   every CMakeLists.txt and *.cmake hold no commit id, no date and no "issue N" (the history is
+   CHANGELOG.md's; a page says what holds, a test says what it checks).
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -198,6 +202,39 @@ def diary_marks(rel, text):
     return found
 
 
+ISSUE = re.compile(r"\b[Ii]ssues? #?[0-9]+")
+DIARY_FREE_EXT = (".md", ".py", ".cpp", ".hpp", ".h", ".txt", ".cmake", ".sh", ".in")
+
+
+def diary_pages(root):
+    """Rule 8: the files of the user's pages, the examples and the build that rule 4 does not read."""
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and not x.startswith("build") and x != "__pycache__"]
+        rel_dir = os.path.relpath(d, root).replace(os.sep, "/")
+        for n in sorted(names):
+            rel = n if rel_dir == "." else f"{rel_dir}/{n}"
+            if n == "CMakeLists.txt" or n.endswith(".cmake") or n.endswith(".cmake.in"):
+                yield rel
+            elif rel.startswith("examples/") and n.endswith(DIARY_FREE_EXT):
+                yield rel
+            elif rel_dir == "docs" and n.endswith(".md") and n not in ("BENCHMARKS.md", "benchmarks.template.md"):
+                yield rel
+
+
+def page_diaries(root):
+    """Rule 8: commit ids, dates and issue numbers in the pages, the examples and the build files."""
+    found = []
+    for rel in diary_pages(root):
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines, 1):
+            for what, rx in (("a commit id", COMMIT_ID), ("a date", DATE), ("an issue number", ISSUE)):
+                for m in rx.finditer(line):
+                    found.append(f"{rel}:{i}: {what} ({m.group(0)}): run diaries and history belong in "
+                                 "docs/BENCHMARKS.md or CHANGELOG.md; say what holds")
+    return found
+
+
 def readme_length(root):
     """Rule 5."""
     path = os.path.join(root, "README.md")
@@ -304,6 +341,7 @@ def check(root):
             problems.append(f"{folder}/ holds {n} of the library's {lines} lines (more than a third)")
     problems += repeated_runs(texts)
     problems += readme_length(root)
+    problems += page_diaries(root)
     problems += settings_owners(root)
     problems += internal_headers(root)
     return problems, lines, per_folder
@@ -312,8 +350,8 @@ def check(root):
 def self_test():
     """The checker must be able to fail: a climbing include (between folders and inside the allocator's
     core and the optimizer), a fat folder, a repeated run, diary marks,
-    a long README, an optimizer key in the allocator's settings table and an internal header under
-    include/ are found."""
+    a long README, an optimizer key in the allocator's settings table, an internal header under
+    include/ and diaries in the pages, examples and build files are found."""
     import tempfile
     with tempfile.TemporaryDirectory() as t:
         def put(rel, text):
@@ -367,6 +405,19 @@ def self_test():
         missing = sorted(p.split("/")[-1].split(",")[0] for p in problems if p.endswith("does not exist"))
         assert missing == ["deferalloc.h", "distributed.hpp", "optimizer.h", "optimizer.hpp", "optimizer_settings.hpp",
                            "torch.hpp"], missing
+        # Rule 8: the pages, the examples and the build files (not BENCHMARKS.md, not code lines only).
+        put("docs/OPTIM.md", "It used to advance (issue 12).\nMeasured at 5061b2f.\nSee issue #3.\n")
+        put("docs/BENCHMARKS.md", "At 5061b2f on 2026-12-01 (issue 12).\n")
+        put("docs/benchmarks.template.md", "At 5061b2f.\n")
+        put("examples/python/e.py", '"""Run on 2026-11-30."""\nx = 1  # see Issue 9\n')
+        put("tests/CMakeLists.txt", "# The distributed optimizer (issue 5).\nadd_test(NAME t COMMAND t)\n")
+        put("cmake/x.cmake", "set(dfa_deadbeef0 1)  # cafe123\n")
+        problems, _, _ = check(t)
+        pages = sorted(re.match(r"(\S+): an? (commit id|date|issue number) \(([^)]+)\)", p).group(1, 3)
+                       for p in problems if "run diaries and history" in p)
+        assert pages == [("cmake/x.cmake:1", "cafe123"), ("docs/OPTIM.md:1", "issue 12"), ("docs/OPTIM.md:2", "5061b2f"),
+                         ("docs/OPTIM.md:3", "issue #3"), ("examples/python/e.py:1", "2026-11-30"),
+                         ("examples/python/e.py:2", "Issue 9"), ("tests/CMakeLists.txt:1", "issue 5")], pages
         owned = [p for p in problems if "settings table" in p]
         assert owned == [f"{ALLOCATOR_TABLE}: the optimizer's key 'tier' is a row of the allocator's settings table: "
                          f"it belongs to {OPTIMIZER_TABLE} (the allocator only names it)"], owned

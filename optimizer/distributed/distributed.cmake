@@ -1,4 +1,4 @@
-# deferalloc::distributed — the ZeRO-1 distributed optimizer over NCCL (issue 5).
+# deferalloc::distributed — the ZeRO-1 distributed optimizer over NCCL.
 # Built only when nccl.h is found: the CUDA toolkit's include dir, $NCCL_HOME, or the
 # nvidia-nccl-cu13 wheel of python3 (DEFERALLOC_PYTHON).  libnccl.so.2 is opened at run
 # time (optimizer/distributed/nccl_communicator.cpp); the directory found here is its last fallback.
