@@ -22,6 +22,14 @@ serves everywhere) or `cuda` (exit 77, ctest's Skipped, without a GPU).  A fence
 no marker, or pages with no Python or no C++ example among them, fails the test; example
 names are file names, unique across the pages.
 An example whose Python module is missing (megatron-core) is skipped with the reason printed.
+
+--docstrings FILE...: the commands in each example program's module docstring run too, as
+written, from the repository root (`python` is --python, `torchrun` is --python -m
+torch.distributed.run, leading VAR=value words are the environment): a line that starts
+with `python ` or `torchrun ` (after VAR=value words; a trailing `\\` continues it; a
+trailing `# comment` is dropped).  One that names --cpu or --cpu-emulation runs on the host
+driver; any other needs a GPU and runs with --driver cuda only.  A docstring must not set
+DEFERALLOC_LIB (a pip user has no build tree).  Every command run is printed at the end.
 """
 import argparse
 import os
@@ -40,6 +48,57 @@ FRAGMENT = """#include <deferalloc/deferalloc.hpp>
 """
 # Python modules an excerpt needs beyond torch and deferalloc: skipped, said so, when missing.
 NEEDS = {"examples/megatron/": "megatron.core"}
+
+
+ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def docstring_commands(path):
+    """The commands of the module docstring of the program `path`: (line, env, argv, gpu)."""
+    import ast
+    doc = ast.get_docstring(ast.parse(open(path).read())) or ""
+    rel = os.path.relpath(os.path.abspath(path), ROOT)
+    out, lines, i = [], doc.splitlines(), 0
+    while i < len(lines):
+        start, text = i, lines[i].strip()
+        while text.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            text = text[:-1] + " " + lines[i].strip()
+        i += 1
+        text = text.split(" # ")[0].split("  #")[0].strip()
+        words = shell_words(text)
+        env = []
+        while words and ASSIGN.match(words[0]):
+            env.append(words.pop(0))
+        if not words or words[0] not in ("python", "torchrun") or len(words) < 2:
+            continue
+        where = f"{rel} docstring line {start + 1}"
+        if any(w.startswith("DEFERALLOC_LIB=") for w in env):
+            raise ValueError(f"{where}: sets DEFERALLOC_LIB (only a source build needs it; a pip user has none)")
+        gpu = not ({"--cpu", "--cpu-emulation"} & set(words))
+        out.append((where, env, words, gpu))
+    return out
+
+
+def shell_words(text):
+    """`text` split at blanks outside quotes and $( ... ) (enough for the docstrings' commands)."""
+    words, cur, depth, quote = [], "", 0, None
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "(" and text[i - 1:i] == "$":
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+        elif ch.isspace() and depth == 0:
+            if cur:
+                words.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    return words + ([cur] if cur else [])
 
 
 class Example:
@@ -154,10 +213,12 @@ def main(argv):
     ap.add_argument("--build", required=True, help="build tree to install for the C++ examples")
     ap.add_argument("--generator", default="Ninja")
     ap.add_argument("--driver", choices=("host", "cuda"), default="host")
+    ap.add_argument("--docstrings", nargs="*", default=[], help="example programs whose docstring commands run")
     a = ap.parse_args(argv)
     a.python, a.build, a.work = (os.path.abspath(p) for p in (a.python, a.build, a.work))
     try:
         every = [ex for page in a.readme for ex in examples(page)]
+        commands = [c for path in a.docstrings for c in docstring_commands(path)]
     except ValueError as e:
         print(f"readme_examples: {e}")
         return 1
@@ -217,8 +278,25 @@ def main(argv):
                 continue
             run([a.python, os.path.join(ROOT, ex.path), *ex.args[a.driver]], env=env, cwd=a.work)
         ran.append(ex.name)
-    print(f"readme_examples: {len(ran)} examples ran on the {a.driver} driver: {', '.join(ran)}"
-          + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    for where, cenv, words, gpu in commands:
+        if gpu and a.driver != "cuda":
+            print(f"readme_examples: {where} needs a GPU: not run on the {a.driver} driver: {' '.join(words)}")
+            continue
+        module = next((m for p, m in NEEDS.items() if where.startswith(p)), None)
+        if module and subprocess.run([a.python, "-c", f"import {module}"], env=env,
+                                     capture_output=True).returncode != 0:
+            print(f"readme_examples: {where} skipped: {module} is not importable by {a.python}")
+            skipped.append(where)
+            continue
+        line = " ".join(cenv + [a.python] + (["-m", "torch.distributed.run"] if words[0] == "torchrun" else [])
+                        + words[1:])
+        run(["bash", "-euo", "pipefail", "-c", line], env=env, cwd=ROOT)
+        ran.append(where)
+    print(f"readme_examples: {len(ran)} examples and commands ran on the {a.driver} driver:")
+    for name in ran:
+        print(f"  {name}")
+    if skipped:
+        print(f"readme_examples: skipped: {', '.join(skipped)}")
     return 0
 
 

@@ -33,13 +33,16 @@
    function).  Python: a def's lines, from `def` to its last line.  The functions in
    KNOWN_LONG ("path:name", name as the rule prints it) are reported as warnings, not
    failures, until they are split.
-
 10. Python modules keep their private names: no module of python/deferalloc/ imports another's
     private name (``from .optim import _x``) or reaches one through an object (``opt._params``,
     ``super()._read``, a subclass's ``self._x`` of its base class in another module) where the
     name is defined by another of the package's modules and not by its own.  They reach each
     other through public methods and documented hooks; the optimizer's C ABI has one caller,
     ``deferalloc._engine``.
+11. The user's pages and the build hold no run diaries either: docs/*.md (but docs/BENCHMARKS.md
+    and docs/benchmarks.template.md, where measured runs live), every file under examples/, and
+    every CMakeLists.txt and *.cmake hold no commit id, no date and no "issue N" (the history is
+    CHANGELOG.md's; a page says what holds, a test says what it checks).
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -327,6 +330,39 @@ def long_functions(rel, text):
     return out
 
 
+ISSUE = re.compile(r"\b[Ii]ssues? #?[0-9]+")
+DIARY_FREE_EXT = (".md", ".py", ".cpp", ".hpp", ".h", ".txt", ".cmake", ".sh", ".in")
+
+
+def diary_pages(root):
+    """Rule 11: the files of the user's pages, the examples and the build that rule 4 does not read."""
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and not x.startswith("build") and x != "__pycache__"]
+        rel_dir = os.path.relpath(d, root).replace(os.sep, "/")
+        for n in sorted(names):
+            rel = n if rel_dir == "." else f"{rel_dir}/{n}"
+            if n == "CMakeLists.txt" or n.endswith(".cmake") or n.endswith(".cmake.in"):
+                yield rel
+            elif rel.startswith("examples/") and n.endswith(DIARY_FREE_EXT):
+                yield rel
+            elif rel_dir == "docs" and n.endswith(".md") and n not in ("BENCHMARKS.md", "benchmarks.template.md"):
+                yield rel
+
+
+def page_diaries(root):
+    """Rule 11: commit ids, dates and issue numbers in the pages, the examples and the build files."""
+    found = []
+    for rel in diary_pages(root):
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines, 1):
+            for what, rx in (("a commit id", COMMIT_ID), ("a date", DATE), ("an issue number", ISSUE)):
+                for m in rx.finditer(line):
+                    found.append(f"{rel}:{i}: {what} ({m.group(0)}): run diaries and history belong in "
+                                 "docs/BENCHMARKS.md or CHANGELOG.md; say what holds")
+    return found
+
+
 def readme_length(root):
     """Rule 5."""
     path = os.path.join(root, "README.md")
@@ -483,6 +519,7 @@ def check(root):
     problems += repeated_runs(texts)
     problems += private_crossings(texts)
     problems += readme_length(root)
+    problems += page_diaries(root)
     problems += settings_owners(root)
     problems += internal_headers(root)
     known = {f"{m.group(1)}:{m.group(2)}" for m in (KNOWN_HIT.match(p) for p in problems) if m}
@@ -494,9 +531,9 @@ def check(root):
 def self_test():
     """The checker must be able to fail: a climbing include (between folders and inside the allocator's
     core and the optimizer), an include out of its folder, a long function (C++ and Python; one of
-    KNOWN_LONG only warns), a fat folder, a repeated run, diary marks,
-    a long README, an optimizer key in the allocator's settings table and an internal header under
-    include/ are found."""
+    KNOWN_LONG only warns), a fat folder, a repeated run, diary marks, a long README, an optimizer
+    key in the allocator's settings table, an internal header under include/, another module's
+    private names in Python and diaries in the pages, examples and build files are found."""
     import tempfile
     with tempfile.TemporaryDirectory() as t:
         def put(rel, text):
@@ -571,6 +608,19 @@ def self_test():
         missing = sorted(p.split("/")[-1].split(",")[0] for p in problems if p.endswith("does not exist"))
         assert missing == ["deferalloc.h", "distributed.hpp", "optimizer.h", "optimizer.hpp", "optimizer_settings.hpp",
                            "torch.hpp"], missing
+        # Rule 11: the pages, the examples and the build files (not BENCHMARKS.md, not code lines only).
+        put("docs/OPTIM.md", "It used to advance (issue 12).\nMeasured at 5061b2f.\nSee issue #3.\n")
+        put("docs/BENCHMARKS.md", "At 5061b2f on 2026-12-01 (issue 12).\n")
+        put("docs/benchmarks.template.md", "At 5061b2f.\n")
+        put("examples/python/e.py", '"""Run on 2026-11-30."""\nx = 1  # see Issue 9\n')
+        put("tests/CMakeLists.txt", "# The distributed optimizer (issue 5).\nadd_test(NAME t COMMAND t)\n")
+        put("cmake/x.cmake", "set(dfa_deadbeef0 1)  # cafe123\n")
+        problems, _, _ = check(t)
+        pages = sorted(re.match(r"(\S+): an? (commit id|date|issue number) \(([^)]+)\)", p).group(1, 3)
+                       for p in problems if "run diaries and history" in p)
+        assert pages == [("cmake/x.cmake:1", "cafe123"), ("docs/OPTIM.md:1", "issue 12"), ("docs/OPTIM.md:2", "5061b2f"),
+                         ("docs/OPTIM.md:3", "issue #3"), ("examples/python/e.py:1", "2026-11-30"),
+                         ("examples/python/e.py:2", "Issue 9"), ("tests/CMakeLists.txt:1", "issue 5")], pages
         owned = [p for p in problems if "settings table" in p]
         assert owned == [f"{ALLOCATOR_TABLE}: the optimizer's key 'tier' is a row of the allocator's settings table: "
                          f"it belongs to {OPTIMIZER_TABLE} (the allocator only names it)"], owned

@@ -22,8 +22,8 @@
 // Limits: cudaMallocAsync / cudaFreeAsync are not interposed: their memory belongs to
 // CUDA's stream-ordered pools, which PyTorch's cudaMallocAsync backend configures and
 // measures through pool attributes (cudaMemPoolSetAttribute, cudaMemPoolTrimTo); serving
-// them from our pool would break both.  So PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
-// and expandable_segments:True (cuMemCreate/cuMemMap directly) bypass this library, and
+// them from our pool would break both.  So backend:cudaMallocAsync and
+// expandable_segments:True in PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF (cuMemCreate/cuMemMap directly) bypass this library, and
 // it says so at start.  Programs that link cudart statically are not interposed.
 #include <deferalloc/core/config.hpp>
 #include <deferalloc/core/errors.hpp>
@@ -85,22 +85,26 @@ std::string lower(std::string s) {
   return s;
 }
 
-// Says at start which PyTorch settings bypass cudaMalloc.
+// Says at start which PyTorch settings bypass cudaMalloc.  PyTorch reads its allocator
+// settings from PYTORCH_ALLOC_CONF (the newer name) and PYTORCH_CUDA_ALLOC_CONF: both are
+// looked at, and the message names the variable that holds the setting.
 void warn_about_pytorch_conf() {
-  const char* env = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
-  if (env == nullptr) return;
-  std::string conf = lower(env);
-  conf.erase(std::remove_if(conf.begin(), conf.end(), [](unsigned char c) { return std::isspace(c); }), conf.end());
-  if (conf.find("expandable_segments:true") != std::string::npos)
-    std::fprintf(stderr,
-                 "[deferalloc preload] PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: PyTorch then maps its "
-                 "memory with cuMemCreate/cuMemMap itself and bypasses cudaMalloc, so deferalloc serves none of it. "
-                 "Remove that setting to let deferalloc serve PyTorch's segments.\n");
-  if (conf.find("backend:cudamallocasync") != std::string::npos)
-    std::fprintf(stderr,
-                 "[deferalloc preload] PYTORCH_CUDA_ALLOC_CONF has backend:cudaMallocAsync: PyTorch then allocates "
-                 "with cudaMallocAsync from CUDA's stream-ordered pools, which bypass cudaMalloc, so deferalloc serves "
-                 "none of it. Remove that setting to let deferalloc serve PyTorch's segments.\n");
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* env = std::getenv(name);
+    if (env == nullptr) continue;
+    std::string conf = lower(env);
+    conf.erase(std::remove_if(conf.begin(), conf.end(), [](unsigned char c) { return std::isspace(c); }), conf.end());
+    if (conf.find("expandable_segments:true") != std::string::npos)
+      std::fprintf(stderr,
+                   "[deferalloc preload] %s has expandable_segments:True: PyTorch then maps its "
+                   "memory with cuMemCreate/cuMemMap itself and bypasses cudaMalloc, so deferalloc serves none of it. "
+                   "Remove that setting to let deferalloc serve PyTorch's segments.\n", name);
+    if (conf.find("backend:cudamallocasync") != std::string::npos)
+      std::fprintf(stderr,
+                   "[deferalloc preload] %s has backend:cudaMallocAsync: PyTorch then allocates "
+                   "with cudaMallocAsync from CUDA's stream-ordered pools, which bypass cudaMalloc, so deferalloc "
+                   "serves none of it. Remove that setting to let deferalloc serve PyTorch's segments.\n", name);
+  }
 }
 
 // DEFERALLOC_CONF, parsed once (at load, or at a cudaMalloc that comes first); empty

@@ -4,11 +4,20 @@
 
 #include "log.hpp"
 
+#include <string>
+
 namespace deferalloc {
 
 std::shared_ptr<driver> make_driver(const settings& s) {
   switch (s.driver) {
-    case driver_kind::cuda: return make_cuda_driver(s.device, s.share);
+    case driver_kind::cuda:
+      try {
+        return make_cuda_driver(s.device, s.share);
+      } catch (const no_device& e) {  // asked for by name: say which setting, and the way out
+        throw no_device(std::string("driver:cuda is set (DEFERALLOC_CONF or the settings given) but there is no "
+                                    "usable CUDA device: ") + e.what() +
+                        "; driver:host (or driver:auto) runs on the host driver with CPU tensors");
+      }
     case driver_kind::host: return make_host_driver({s.host_granularity, s.host_capacity});
     case driver_kind::automatic:
     default:

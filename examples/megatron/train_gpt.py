@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 1 examples/megatron/train_gpt.py --deferalloc host
     torchrun --nproc-per-node 1 examples/megatron/train_gpt.py            # Megatron's own FP32 state
+    # no GPU: megatron-core's GPU paths on the CPU (--cpu-emulation), a small model
+    torchrun --nproc-per-node 1 examples/megatron/train_gpt.py --deferalloc host --cpu-emulation --steps 2 --layers 1 --hidden 32 --heads 4 --vocab 64 --seq 16 --batch 2
 
 Local layer spec (no Transformer Engine, no Apex), BF16 params under Float16Module, FP32
 gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed random token
@@ -38,8 +40,8 @@ compare across data-parallel sizes.  At N = 1 none of this changes anything.
 
 Note [HBM sampling]
 The sampler starts after ``--warmup-steps`` (1) steps, once torch.cuda.empty_cache() has
-given back what torch's allocator keeps cached but free, in every mode alike.  Why: in the
-H200 run at cbb5d71 (168 M params, sampling from step 1), HBM between steps beyond the
+given back what torch's allocator keeps cached but free, in every mode alike.  Why: in an
+H200 run of 168 M params sampling from step 1 (docs/BENCHMARKS.md), HBM between steps beyond the
 optimizer state was about 240 MiB higher in the deferalloc run (5471 MiB - 6 B/param) and
 in the HDO run (6101 - 10 B/param) than in Megatron's own (7155 - 18 B/param).  HDO holds no
 moments on the GPU either, so the engine is not the cause; the likely one is that Megatron's

@@ -6,10 +6,12 @@ parameters' ``to_local()``), streamed from pinned host memory; ``opt.state`` and
 ``torch.distributed.checkpoint`` saves a sharded checkpoint that loads at any world size.
 
     # CPU: two processes over gloo (no GPU)
-    DEFERALLOC_CONF=driver:host DEFERALLOC_LIB=build/allocator/libdeferalloc.so \\
-    DEFERALLOC_OPTIMIZER_LIB=build/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
-        python examples/python/fsdp2_train.py --cpu --world-size 2
-    # GPUs: torchrun --nproc-per-node 2 examples/python/fsdp2_train.py --checkpoint DIR  (NCCL, BF16)
+    DEFERALLOC_CONF=driver:host python examples/python/fsdp2_train.py --cpu --world-size 2
+    # GPUs: NCCL, BF16, the checkpoint in the folder given
+    torchrun --nproc-per-node 1 examples/python/fsdp2_train.py --checkpoint /tmp/deferalloc-fsdp2
+
+(With ``pip install .``; from a source build, prefix ``PYTHONPATH=python
+DEFERALLOC_LIB=build/allocator/libdeferalloc.so``.)
 
 --check: after the DCP save, every rank takes two more steps; then a fresh model and
 optimizer load the checkpoint (set_state_dict) and take the same two steps: the weights

@@ -6,10 +6,12 @@ checkpoints save ``optimizer.state_dict()`` and ``resume_from_checkpoint`` loads
 config (random init, nothing downloaded) on random tokens.
 
     # CPU, host driver (no GPU)
-    DEFERALLOC_CONF=driver:host DEFERALLOC_LIB=build/allocator/libdeferalloc.so \\
-    DEFERALLOC_OPTIMIZER_LIB=build/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
-        python examples/python/hf_trainer.py --cpu
-    # GPU: drop --cpu (and DEFERALLOC_CONF)
+    DEFERALLOC_CONF=driver:host python examples/python/hf_trainer.py --cpu
+    # GPU
+    python examples/python/hf_trainer.py
+
+(With ``pip install .``; from a source build, prefix ``PYTHONPATH=python
+DEFERALLOC_LIB=build/allocator/libdeferalloc.so``.)
 
 --check also resumes a second Trainer from the run's middle checkpoint and requires the
 final weights to be the uninterrupted run's, bit for bit.  Needs transformers and
@@ -52,7 +54,7 @@ def build(args):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    opt = StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, tier=args.tier, window_mb=4,
+    opt = StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, tier=args.tier, window_mb=8,
                         directory=args.directory, overwrite=args.tier == "file")
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=args.steps)
     return model, opt, sched

@@ -1,6 +1,6 @@
 """A memory snapshot of a Llama training step under deferalloc.install(), for PyTorch's viewer.
 
-    python examples/python/llama_memory_snapshot.py --out docs/img/memory [--size small] [--steps 2]
+    python examples/python/llama_memory_snapshot.py --out /tmp/deferalloc-memory --size small --steps 2
 
 Replaces PyTorch's CUDA allocator by deferalloc's (install), records the allocator's events
 (deferalloc.record_memory_history), trains a transformers Llama (BF16 weights, the

@@ -1,6 +1,9 @@
 """Plain PyTorch, no deferalloc import: a few AdamW steps of a small MLP on the GPU.
 
-    LD_PRELOAD=<deferalloc lib>/libdeferalloc_preload.so python examples/python/preload_train.py
+    LD_PRELOAD=$(python -c 'import deferalloc, os; print(os.path.dirname(deferalloc.__file__))')/lib/libdeferalloc_preload.so python examples/python/preload_train.py
+
+(The library inside the pip-installed package; from a source build,
+``build/allocator/libdeferalloc_preload.so``.)
 
 The "no code change" example of docs/PYTORCH.md (LD_PRELOAD): under LD_PRELOAD, PyTorch's native caching allocator
 takes its segments (cudaMalloc) from deferalloc.  The script checks that the preload library

@@ -8,11 +8,12 @@ rotary attention, SwiGLU MLP; same structure, fewer options).  Two parameter gro
 decay on matrices only) and a warm-up + cosine LR schedule, as a real recipe.
 
     # GPU
-    DEFERALLOC_LIB=build/allocator/libdeferalloc.so PYTHONPATH=python \\
-        python examples/python/train_llama.py --tier host --steps 50
+    python examples/python/train_llama.py --tier host --steps 50
     # CPU, host driver (no GPU needed), a tiny model
-    DEFERALLOC_CONF=driver:host DEFERALLOC_LIB=... PYTHONPATH=python \\
-        python examples/python/train_llama.py --cpu --tiny --steps 5
+    DEFERALLOC_CONF=driver:host python examples/python/train_llama.py --cpu --tiny --steps 5
+
+(With ``pip install .``; from a source build, prefix ``PYTHONPATH=python
+DEFERALLOC_LIB=build/allocator/libdeferalloc.so``.)
 
 --tier reference steps FP32 main params and moments kept resident with torch._fused_adamw_
 (the baseline StreamedAdamW matches bit for bit on the GPU).

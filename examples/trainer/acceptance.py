@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Acceptance checks of the distributed optimizer with the LibTorch trainer (issue 5).
+"""Acceptance checks of the distributed optimizer with the LibTorch trainer.
 
   acceptance.py --trainer PATH --world 2     # torchrun, two GPUs (ctest label multigpu)
   acceptance.py --trainer PATH --world 1     # torchrun, one GPU  (label gpu)

@@ -1,4 +1,4 @@
-// A LibTorch data-parallel trainer on deferalloc's distributed optimizer (issue 5).
+// A LibTorch data-parallel trainer on deferalloc's distributed optimizer.
 //
 //   torchrun --nproc-per-node=N --no-python ./trainer --state-tier host --steps 20
 //

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import operator
 import pickle
 import unicodedata
@@ -262,6 +263,28 @@ def tag(name: str) -> Iterator[None]:
         _check(_load().dfa_tag_end(), "dfa_tag_end")
 
 
+_no_gpu_said = False
+
+
+def _say_no_gpu_once() -> None:
+    """region() without a GPU: a warning, once (Note [Region without a GPU])."""
+    global _no_gpu_said
+    if not _no_gpu_said:
+        _no_gpu_said = True
+        logging.getLogger("deferalloc").warning(
+            "deferalloc.region(): there is no CUDA GPU (torch.cuda.is_available() is False), so PyTorch's "
+            "CPU tensors made inside are not deferalloc's and pause()/resume() leave them alone; only "
+            "tensors deferalloc makes (deferalloc.deferred_empty(..., device='cpu'), host driver) join the tag. "
+            "On the CPU, use deferred_empty with materialize / release.")
+
+
+# Note [Region without a GPU]
+# Rationale: on a CPU machine a region opens only the tag: PyTorch's CPU tensors made inside are
+# not deferalloc's, so pause() moves none of their memory, and a user trying an RL loop there
+# would see it "work" while nothing moved.  Approach: a warning, once per
+# process, not an error: the tag still applies to deferalloc's own tensors on the host driver
+# (the CPU tests use regions so), so the call is not wrong, only less than it looks.
+# install(), which has nothing to replace without CUDA, raises NoDevice instead.
 @contextlib.contextmanager
 def region(name: str, keep: str = "discard", device=None) -> Iterator[None]:
     """Tensors allocated inside belong to the tag ``name``: ``pause(name)`` gives their
@@ -279,6 +302,8 @@ def region(name: str, keep: str = "discard", device=None) -> Iterator[None]:
     _choice(keep, "region: keep", _KEEP)
     _region_keep[name] = keep
     _load().dfa_clear_last_refusal()
+    if not _installed and not torch.cuda.is_available():
+        _say_no_gpu_once()
     if _installed or not torch.cuda.is_available():
         with tag(name), _refusal_note():
             yield
@@ -560,6 +585,11 @@ def install():
     so existing tooling keeps working.  Raises RuntimeError if PyTorch's allocator is in use.
     """
     global _installed
+    if not torch.cuda.is_available():
+        raise NoDevice("deferalloc.install() replaces PyTorch's CUDA allocator, and there is no CUDA GPU here "
+                       "(torch.cuda.is_available() is False). On the CPU, deferalloc's own tensors serve: "
+                       "deferalloc.deferred_empty(..., device='cpu') with materialize / release (host driver), "
+                       "and deferalloc.optim.StreamedAdamW on CPU parameters.")
     alloc = pluggable_allocator()
     torch.cuda.memory.change_current_allocator(alloc)
     _installed = True
