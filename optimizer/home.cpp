@@ -258,8 +258,11 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     if (file_) return std::nullopt;
     std::vector<std::size_t> numel;
     for (auto& s : shards_) numel.push_back(s.info.numel);
+    // The packed arrays' images in pinned memory, copied as the staging buffers are.
+    file_store::host_memory pinned{[this](std::size_t n) { return drv_.host_alloc(n); },
+                                   [this](void* p) { drv_.host_free(p); }};
     file_ = std::make_unique<file_store>(cfg_.directory, cfg_.rank, numel, cfg_.resume, cfg_.io_threads,
-                                         cfg_.io_request_bytes, format_);
+                                         cfg_.io_request_bytes, format_, std::move(pinned));
     if (!file_->resumed()) return std::nullopt;
     return state_counts{file_->committed_step(), file_->moments_written(), file_->shard_steps()};
   }
@@ -285,21 +288,28 @@ class file_home final : public home, public piece_mover, public second_copy, pub
   }
   void prefetch(std::size_t j, const piece_ref& p) override {
     if (!plan_->fetch_main) return;
-    for (state_array a : first_arrays(fetched_arrays()))
-      if (a != state_array::main || !steps_param(p))
-        reads_[j] = file_->read(staging(false, j, a), file_->io_bytes(a, p.e0, p.n),
-                                file_->offset(read_slot_, p.shard, a, p.e0), "state of " + shards_.where(p), reads_[j]);
+    std::string what;
+    for (state_array a : first_arrays(fetched_arrays())) {
+      if (a == state_array::main && steps_param(p)) continue;  // the parameter is the main
+      if (file_->packed(read_slot_, p.shard, a)) continue;     // moved from memory (to_device)
+      if (what.empty()) what = "state of " + shards_.where(p);
+      reads_[j] = file_->read(staging(false, j, a), file_->io_bytes(a, p.e0, p.n),
+                              file_->offset(read_slot_, p.shard, a, p.e0), what, reads_[j]);
+    }
   }
   // The first array moved (main; a moment where the step reads the parameter) waits for
-  // the piece's reads (all its arrays are one batch).
+  // the piece's reads (all its arrays are one batch).  A packed array (Note [Packed arrays]
+  // in file_store.cpp) moves from the slot's packed area.
   std::size_t to_device(std::size_t i, const piece_ref& p, state_array a, float* dev, stream_t s) override {
-    if (a == (steps_param(p) ? state_array::exp_avg : state_array::main)) {
+    if (a == (steps_param(p) ? state_array::exp_avg : state_array::main) && reads_[i]) {
       const auto t = clk::now();
       reads_[i]->wait();
       report_->io_wait_seconds += since(t);
     }
-    if (is_moment(a) && compressed()) return move_moment(staging(false, i, a), p, dev, true, s);
-    drv_.copy_async(dev, staging(false, i, a), p.n * 4, s);
+    void* from = host_side(read_slot_, p, a);
+    if (!from) from = staging(false, i, a);
+    if (is_moment(a) && compressed()) return move_moment(from, p, dev, true, s);
+    drv_.copy_async(dev, from, p.n * 4, s);
     return p.n * 4;
   }
   // Main first: waits until the piece's staging buffer of the ring is drained.  (A step's
@@ -311,15 +321,21 @@ class file_home final : public home, public piece_mover, public second_copy, pub
       writes_[i - ring]->wait();
       report_->io_wait_seconds += since(t);
     }
-    if (is_moment(a) && compressed()) return move_moment(staging(true, i, a), p, dev, false, s);
-    drv_.copy_async(staging(true, i, a), dev, p.n * 4, s);
+    void* to = host_side(write_slot_, p, a);
+    if (!to) to = staging(true, i, a);
+    if (is_moment(a) && compressed()) return move_moment(to, p, dev, false, s);
+    drv_.copy_async(to, dev, p.n * 4, s);
     return p.n * 4;
   }
   void retire(std::size_t i, const piece_ref& p) override {
     if (!plan_->write_back) return;
-    for (state_array a : first_arrays(plan_->arrays))
+    std::string what;
+    for (state_array a : first_arrays(plan_->arrays)) {
+      if (file_->packed(write_slot_, p.shard, a)) continue;  // written by from_device, committed whole
+      if (what.empty()) what = "state of " + shards_.where(p);
       writes_[i] = file_->write(staging(true, i, a), file_->io_bytes(a, p.e0, p.n),
-                                file_->offset(write_slot_, p.shard, a, p.e0), "state of " + shards_.where(p), writes_[i]);
+                                file_->offset(write_slot_, p.shard, a, p.e0), what, writes_[i]);
+    }
   }
   void end_pass() override {
     for (auto& w : writes_)
@@ -469,6 +485,13 @@ class file_home final : public home, public piece_mover, public second_copy, pub
 
  private:
   bool compressed() const { return format_ != moment_format::fp32; }
+  // Piece p's array `a` in slot `slot`'s packed area (its bytes as stored), or null when
+  // the array is not packed.
+  void* host_side(int slot, const piece_ref& p, state_array a) const {
+    unsigned char* at = file_->packed(slot, p.shard, a);
+    if (!at) return nullptr;
+    return at + (a == state_array::main ? p.e0 * 4 : file_store::stored_bytes(format_, p.e0));
+  }
   // The arrays a pass reads ahead: all three for a step over stored moments, else main;
   // a step reads no main of an FP32 parameter (steps_param).
   int fetched_arrays() const { return plan_->kind == pass_kind::step && plan_->moments_stored ? 3 : 1; }

@@ -266,17 +266,28 @@ outcome resume_damaged(const std::string& dir, const std::string& what, std::uin
   }
 }
 
-// The layout of durability_model's state file (Note [File tier]).
+// The layout of durability_model's state file (Note [File tier], Note [Packed arrays]):
+// arrays under a block packed (8-byte aligned) at the slot's start, the others after
+// them on blocks of their own.
 struct file_layout {
   std::uint64_t slot_bytes = 0;
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> arrays;  // slot-relative [begin, end) of transferred bytes
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> arrays;  // slot-relative [begin, end) of stored bytes
   file_layout() {
     using fs_t = optim::detail::file_store;
-    for (std::size_t n : shard_sizes()) {
-      const std::uint64_t padded = (fs_t::io_bytes(n) + fs_t::block - 1) / fs_t::block * fs_t::block;
-      for (int a = 0; a < 3; ++a) arrays.push_back({slot_bytes + a * padded, slot_bytes + a * padded + fs_t::io_bytes(n)});
-      slot_bytes += 3 * padded;
-    }
+    auto blocks = [](std::uint64_t b) { return (b + fs_t::block - 1) / fs_t::block * fs_t::block; };
+    std::uint64_t packed = 0;
+    for (std::size_t n : shard_sizes())
+      for (int a = 0; a < 3 && n * 4 < fs_t::block; ++a) {
+        packed = (packed + 7) / 8 * 8;
+        arrays.push_back({packed, packed + n * 4});
+        packed += n * 4;
+      }
+    slot_bytes = blocks(packed);
+    for (std::size_t n : shard_sizes())
+      for (int a = 0; a < 3 && n * 4 >= fs_t::block; ++a) {
+        arrays.push_back({slot_bytes, slot_bytes + fs_t::io_bytes(n)});
+        slot_bytes += blocks(n * 4);
+      }
   }
 };
 

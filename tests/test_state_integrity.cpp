@@ -68,6 +68,13 @@ int as_unprivileged(const std::string& dir, const std::function<bool()>& fn) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+// Sets an environment variable for a scope (a test hook of the library).
+struct scoped_env {
+  scoped_env(const char* k, const char* v) : key(k) { ::setenv(k, v, 1); }
+  ~scoped_env() { ::unsetenv(key); }
+  const char* key;
+};
+
 }  // namespace
 
 // ---- 1: per-shard step counts -------------------------------------------------------
@@ -123,6 +130,7 @@ TEST(state_integrity, per_shard_steps_survive_resume_and_checkpoints) {
 // A state file of format 2 (one step count per file) and a checkpoint of format 2 still
 // load, every shard at the file's step; the file's next commit keeps per-shard counts.
 TEST(state_integrity, format_2_files_load_with_one_step_count) {
+  const scoped_env unpacked("DEFERALLOC_TEST_UNPACKED_STATE", "1");  // the layout of formats 2 to 4
   temp_dir base;
   const std::string dir = base.path + "/state", ck = base.path + "/ck";
   {
@@ -589,9 +597,10 @@ TEST(state_integrity, never_written_commit_record_is_not_damaged) {
   for (const auto& l : g_log) EXPECT_EQ(l.find("damaged"), std::string::npos) << l;
 }
 
-// FP32 moments keep header format 3, which a build that predates format 4 reads (a
-// format-4 header looks damaged to it: it would resume a step back); compressed moments
-// write format 4, which records their format.  Both resume here.
+// Files of the layout before packing keep their format: FP32 moments header format 3,
+// which a build that predates format 4 reads (a format-4 header looks damaged to it: it
+// would resume a step back); compressed moments format 4, which records their format.
+// New files are format 5 (packed), whatever the moments.  All resume here.
 TEST(state_integrity, fp32_state_files_keep_header_format_3) {
   temp_dir base;
   auto versions = [](const std::string& file) {
@@ -605,23 +614,96 @@ TEST(state_integrity, fp32_state_files_keep_header_format_3) {
     }
     return v;
   };
+  for (bool old : {true, false})
   for (moment_format mf : {moment_format::fp32, moment_format::bf16}) {
-    const std::string dir = base.path + "/" + to_string(mf);
+    SCOPED_TRACE(old ? "the layout before packing" : "packed");
+    const std::string dir = base.path + "/" + to_string(mf) + (old ? "-old" : "");
     auto cfg = config(tier::file, dir, false);
     cfg.moments = mf;
     {
+      std::unique_ptr<scoped_env> unpacked;
+      if (old) unpacked = std::make_unique<scoped_env>("DEFERALLOC_TEST_UNPACKED_STATE", "1");
       model m(host(), cfg);
       m.opt->initialize();
       m.step(0);
       m.step(1);
     }
-    const std::uint32_t want = mf == moment_format::fp32 ? 3 : 4;
+    const std::uint32_t want = !old ? 5 : mf == moment_format::fp32 ? 3 : 4;
     EXPECT_EQ(versions(dir + "/deferalloc-rank0.state"), (std::vector<std::uint32_t>{want, want})) << to_string(mf);
     cfg.resume = true;
-    model m(host(), cfg);
-    EXPECT_TRUE(m.opt->resumed()) << to_string(mf);
-    EXPECT_EQ(m.opt->shard_step(0), 2u) << to_string(mf);
+    {
+      model m(host(), cfg);
+      EXPECT_TRUE(m.opt->resumed()) << to_string(mf);
+      EXPECT_EQ(m.opt->shard_step(0), 2u) << to_string(mf);
+      m.step(2);
+      if (mf == moment_format::fp32) EXPECT_TRUE(m.snapshot() == reference<8>()[3]);
+    }
+    EXPECT_EQ(versions(dir + "/deferalloc-rank0.state"), (std::vector<std::uint32_t>{want, want}))
+        << to_string(mf) << ": a resumed file keeps its format";
   }
+}
+
+// ---- small arrays packed in the state file ---------------------------------------------
+
+// 10,000 parameters of 20 elements: the state file is two slots of state and the fixed
+// header (at most 1.1x), not a 64 KiB block per array (3.9 GB); a resume reads back
+// every array exactly (Note [Packed arrays]).  bench_small_params times the step.
+TEST(state_integrity, small_arrays_are_packed_in_the_state_file) {
+  constexpr std::size_t params = 10000, numel = 20, stride = 64;
+  temp_dir base;
+  const std::string dir = base.path + "/state";
+  auto d = host();
+  dfa_test::stack st(d);
+  auto buffer = [&](std::uint16_t value) {
+    auto id = st.mgr->reserve(params * stride);
+    st.mgr->materialize(id, 0, whole, fill_mode::zero);
+    auto* p = static_cast<char*>(st.mgr->address(id));
+    const std::vector<std::uint16_t> v(params * stride / 2, value);
+    d->copy_async(p, v.data(), v.size() * 2, nullptr);
+    d->synchronize_stream(nullptr);
+    return p;
+  };
+  char* p = buffer(0x3f80);  // bf16 1.0
+  char* g = buffer(0x3c23);  // bf16 0.01
+  std::vector<const void*> grads;
+  for (std::size_t i = 0; i < params; ++i) grads.push_back(g + i * stride);
+  auto cfg = config(tier::file, dir, false);
+  auto make = [&] {
+    auto o = std::make_unique<streamed_adamw>(d, cfg);
+    for (std::size_t i = 0; i < params; ++i)
+      o->add_shard(reinterpret_cast<std::uint16_t*>(p + i * stride), numel, "p" + std::to_string(i));
+    return o;
+  };
+  auto state_of = [&](streamed_adamw& o, std::size_t s) {
+    std::vector<float> v(3 * numel);
+    o.read_state(s, v.data(), v.data() + numel, v.data() + 2 * numel);
+    return v;
+  };
+  std::vector<std::vector<float>> want;
+  {
+    auto o = make();
+    o->initialize();
+    for (int t = 0; t < 3; ++t) {
+      grads[t] = t == 1 ? nullptr : g + t * stride;  // shard 1 is not stepped once
+      o->step(grads, grad_type::bf16);
+      grads[t] = g + t * stride;
+    }
+    for (std::size_t s : {std::size_t{0}, std::size_t{1}, params / 2, params - 1}) want.push_back(state_of(*o, s));
+  }
+  const std::uint64_t size = fs::file_size(dir + "/deferalloc-rank0.state");
+  const double state = 2.0 * params * numel * 12;  // two slots of main, exp_avg, exp_avg_sq
+  std::printf("state file: %llu bytes for two slots of %.0f bytes of state (%.3fx)\n",
+              static_cast<unsigned long long>(size), state / 2, size / (state + 2 * 4096));
+  EXPECT_LE(static_cast<double>(size), 1.1 * (state + 2 * 4096)) << "the small arrays are not packed";
+  cfg.resume = true;
+  auto o = make();
+  ASSERT_TRUE(o->resumed());
+  EXPECT_EQ(o->shard_step(0), 3u);
+  EXPECT_EQ(o->shard_step(1), 2u);
+  std::size_t k = 0;
+  for (std::size_t s : {std::size_t{0}, std::size_t{1}, params / 2, params - 1})
+    EXPECT_EQ(state_of(*o, s), want[k++]) << "shard " << s;
+  EXPECT_NE(want[0], want[1]) << "shard 1 was not stepped once";
 }
 
 // ---- the state file removed under a running optimizer ---------------------------------

@@ -8,7 +8,9 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -60,8 +62,15 @@ class file_store {
   /// @throws io_error (open, ownership, space), corrupt_data (another layout or format,
   ///         truncated, both commit records unreadable, a damaged checksum table),
   ///         invalid_argument (a file whose moments are in another format)
+  /// `host` allocates the packed areas' images (Note [Packed arrays]): pinned memory of
+  /// the optimizer's driver, so a pass copies them like staging buffers; unset, aligned
+  /// heap memory.
+  struct host_memory {
+    std::function<void*(std::size_t)> alloc;  // aligned to `align`
+    std::function<void(void*)> free;
+  };
   file_store(const std::string& dir, int rank, const std::vector<std::size_t>& numel, bool resume, int threads,
-             std::size_t request_bytes, moment_format format = moment_format::fp32);
+             std::size_t request_bytes, moment_format format = moment_format::fp32, host_memory host = {});
   ~file_store();
 
   const std::string& path() const { return path_; }
@@ -74,9 +83,9 @@ class file_store {
   bool moments_written() const { return moments_written_; }
   bool direct_io() const { return direct_; }
 
-  /// Byte offset of element `elem` of array `a` of shard `s` in slot `slot` (a shard's
-  /// arrays are stored main, exp_avg, exp_avg_sq, one after the other).  A moment's
-  /// `elem` is on a segment boundary (segment()).
+  /// Byte offset of element `elem` of array `a` of shard `s` in slot `slot` (Note
+  /// [Packed arrays]: a small array is packed with others at the slot's start, else on
+  /// whole blocks of its own).  A moment's `elem` is on a segment boundary (segment()).
   std::uint64_t offset(int slot, std::size_t s, state_array a, std::size_t elem) const;
   /// Bytes of `n` FP32 values rounded up to the I/O alignment.
   static std::size_t io_bytes(std::size_t n) { return (n * 4 + align - 1) / align * align; }
@@ -84,6 +93,11 @@ class file_store {
   /// boundary; the range a whole number of segments or up to the array's end).
   std::size_t io_bytes(state_array a, std::size_t e0, std::size_t n) const;
   moment_format format() const { return format_; }
+  /// Array `a` of shard `s` as slot `slot` stores it, in the slot's packed area in memory
+  /// (Note [Packed arrays]), or null when that array is not packed.  A pass reads and
+  /// writes a packed array there directly (no request); the next commit of the slot
+  /// writes it.  Not for a forked child (null there).
+  unsigned char* packed(int slot, std::size_t s, state_array a) const;
   /// Elements per segment of a moment array in format `f` (Note [File tier moments]): a
   /// request of a moment starts on one.
   static std::size_t segment(moment_format f);
@@ -96,7 +110,9 @@ class file_store {
   /// or up to the end of an array; `what` names the data for error messages.  Writes
   /// record each block's checksum for the next commit of that slot; reads verify each
   /// block against the committed table as it arrives (cost: one checksum64 pass over
-  /// the bytes, on the I/O threads).
+  /// the bytes, on the I/O threads).  A packed array's `off` is offset()'s, and `bytes`
+  /// io_bytes() of it: served here from the slot's packed area in memory, the bytes
+  /// past the array's end left out (a write) or zeros (a read).
   std::shared_ptr<io_batch> read(void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
                                  std::shared_ptr<io_batch> batch = nullptr);
   std::shared_ptr<io_batch> write(const void* buf, std::size_t bytes, std::uint64_t off, const std::string& what,
@@ -124,6 +140,20 @@ class file_store {
     std::string what;
     std::shared_ptr<io_batch> batch;
   };
+  // Where one array of a shard is in a slot (Note [Packed arrays]).
+  struct place {
+    std::uint64_t off = 0;    // from the slot's start
+    std::uint64_t bytes = 0;  // as stored
+    bool packed = false;
+  };
+  /// Lays the slots out for shards of `numel` elements, small arrays packed or (`pack`
+  /// false: formats 2 to 4) every array on blocks of its own; sizes the tables.
+  void set_layout(bool pack);
+  /// Allocates the packed areas' images; `read`: fills the active slot's from the file
+  /// and verifies it (both images then hold it).
+  void load_images(bool read);
+  /// A request inside a packed area, served from its image (with the test faults).
+  void run_packed(void* buf, std::size_t bytes, std::uint64_t off, bool write, const std::string& what);
   std::shared_ptr<io_batch> submit(void* buf, std::size_t bytes, std::uint64_t off, bool write, const std::string& what,
                                    std::shared_ptr<io_batch> batch);
   void worker();
@@ -159,6 +189,14 @@ class file_store {
   /// Where header copy `copy`'s per-shard step counts are (format 3).
   std::uint64_t steps_offset(int copy) const { return table_offset(2) + static_cast<std::uint64_t>(copy) * steps_bytes_; }
 
+  std::vector<std::size_t> numel_;  // per shard
+  std::vector<std::vector<place>> places_;  // per shard, per array (main, exp_avg, exp_avg_sq)
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> packed_spans_;  // [begin, end) of each packed array, by begin
+  std::uint64_t packed_bytes_ = 0;  // the packed area at the start of each slot, whole blocks
+  bool packed_layout_ = true;       // false: a file of format 2 to 4 (every array on blocks of its own)
+  unsigned char* image_[2] = {nullptr, nullptr};  // each slot's packed area, as in the file
+  host_memory host_;
+  void free_images() noexcept;
   std::string tmp_path_;
   std::string dir_;
   bool published_ = true;
@@ -179,9 +217,6 @@ class file_store {
   int slot_ = 0;
   bool moments_written_ = false;
   std::uint64_t layout_hash_ = 0;
-  std::vector<std::uint64_t> shard_base_;
-  std::vector<std::uint64_t> array_bytes_;   // per shard: the main array's bytes in a slot
-  std::vector<std::uint64_t> moment_bytes_;  // per shard: one moment array's bytes in a slot
   moment_format format_ = moment_format::fp32;
   std::uint64_t slot_bytes_ = 0;
   std::size_t request_bytes_;
