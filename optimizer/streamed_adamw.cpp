@@ -413,6 +413,7 @@ void streamed_adamw::initialize(stream_t stream) {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
   DFA_EXPECTS(!self.shards.empty(), "initialize: no shard registered", invalid_state);
+  self.refuse_in_child("initialize");
   self.open_state();
   DFA_EXPECTS(!self.initialized, self.tier_home->store() && self.tier_home->store()->resumed()
                                   ? "initialize: the file tier resumed committed state at step " +
@@ -519,12 +520,34 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
   DFA_EXPECTS(grads.size() == shards.size(),
               f + ": " + std::to_string(grads.size()) + " gradients for " + std::to_string(shards.size()) + " shards");
   DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
+  refuse_in_child(fn);
   DFA_EXPECTS(gts.size() == shards.size(), f + ": " + std::to_string(gts.size()) + " gradient types for " +
                                                std::to_string(shards.size()) + " shards");
   for (value_type t : gts)
     DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
                 f + ": unknown gradient type " + std::to_string(static_cast<int>(t)));
   DFA_EXPECTS(std::isfinite(grad_scale), f + ": grad_scale is not finite");
+}
+
+// Note [A forked child and device memory]
+// Rationale: the host driver's device memory is shared memory (memfd, MAP_SHARED), so a
+// process forked after the optimizer was built (a DataLoader worker) that steps a
+// device-tier optimizer, or the resident shards of a host-tier one, writes the parent's
+// state; the file tier already refuses a child (file_store::refuse_in_child).
+// Approach: the optimizer remembers the process that built it; initialize, a step, a
+// state write and a checkpoint load in another process are refused (invalid_state) when
+// any state lives in device memory.  On the CUDA driver a child cannot use the parent's
+// context anyway; the check costs a getpid.
+// Limits: reads are not refused (they change nothing); the host tier's pinned homes are
+// the child's own copy (copy-on-write) and stay usable there.
+void streamed_adamw::impl::refuse_in_child(const char* fn) const {
+  if (::getpid() == owner_pid) return;
+  bool resident = false;
+  for (const auto& s : shards) resident = resident || s.resident;
+  if (streamed() && !resident) return;
+  throw invalid_state(std::string(to_string(cfg.home)) + " tier: " +
+                      (streamed() ? "the resident shards' state" : "the state") + " in device memory belongs to process " +
+                      std::to_string(owner_pid) + "; a forked child cannot change it (" + fn + ")");
 }
 
 void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
@@ -836,6 +859,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   DFA_EXPECTS(self.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
   self.refuse_if_speculating("write_state_range");
+  self.refuse_in_child("write_state_range");
   check_range("write_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
