@@ -75,6 +75,7 @@ std::vector<std::size_t> window_shape::chunk_classes(std::size_t granule) const 
 
 window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule) {
   window_shape w;
+  const bool default_depth = cfg.depth == 0;
   // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
   w.align = std::max(granule, traits.piece_align) / 4;
   // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
@@ -88,12 +89,27 @@ window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std:
   const std::size_t units = cfg.window_bytes / (12 * static_cast<std::size_t>(cfg.depth)) / w.align;
   // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
   const bool int8_file = cfg.moments == moment_format::int8 && cfg.home == tier::file;
-  DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(cfg.window_bytes) + " is too small: depth " +
-                             std::to_string(cfg.depth) + " needs at least " +
-                             std::to_string(12 * cfg.depth * w.align) + " bytes" +
-                             (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
-                                          "segments of the state file, so each slot of depth needs 12 MiB)"
-                                        : ""));
+  if (units == 0) {
+    // Named as the user set it (window_mb, in MiB rounded up: what it must be at least;
+    // window_bytes, a C++ field, in bytes), depth only when set, else as the tier's default.
+    constexpr std::size_t mib = std::size_t{1} << 20;
+    const std::size_t depth = static_cast<std::size_t>(cfg.depth), need = 12 * depth * w.align;
+    const bool in_mb = cfg.window_bytes % mib == 0;
+    const std::string knob = in_mb ? "window_mb" : "window_bytes";
+    const std::string flight = depth == 1 ? "1 piece in flight needs" : std::to_string(depth) + " pieces in flight need";
+    const std::string hint = default_depth ? "raise " + knob + "; depth " + std::to_string(traits.default_depth) +
+                                                 ", the " + to_string(cfg.home) +
+                                                 " tier's default, takes as many pieces as it holds"
+                             : depth > 1 ? "raise " + knob + ", or lower depth"
+                                         : "raise " + knob;
+    throw invalid_argument("streamed_adamw: " + knob + " " + std::to_string(in_mb ? cfg.window_bytes / mib : cfg.window_bytes) +
+                           " is too small: " + flight + " at least " +
+                           (in_mb ? std::to_string((need + mib - 1) / mib) + " MiB" : std::to_string(need) + " bytes") +
+                           " (" + hint + ")" +
+                           (int8_file ? "; int8 moments on the file tier move pieces of 2^20 elements, whole "
+                                        "segments of the state file, so each piece in flight needs 12 MiB"
+                                      : ""));
+  }
   w.piece = std::bit_floor(units) * w.align;  // params
   return w;
 }

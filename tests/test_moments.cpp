@@ -598,7 +598,7 @@ TEST(moments, int8_file_tier_window_too_small_says_why) {
                         ",moments:int8";
   EXPECT_EQ(dfa_opt_create(t.c_str(), &o), DFA_ERROR_INVALID_ARGUMENT);
   const std::string e = dfa_opt_last_error();
-  EXPECT_NE(e.find("needs at least 12582912 bytes"), std::string::npos) << e;
+  EXPECT_NE(e.find("window_mb 8 is too small: 1 piece in flight needs at least 12 MiB"), std::string::npos) << e;
   EXPECT_NE(e.find("pieces of 2^20 elements"), std::string::npos) << e;
   if (o) dfa_opt_destroy(o);
 }

@@ -342,15 +342,17 @@ TEST(optimizer, depth_0_is_the_tiers_depth_or_what_the_window_holds) {
   c.depth = 0;
   c.window_bytes = g;
   EXPECT_THROW(streamed_adamw(d, c), invalid_argument);
-  // An explicit depth the window cannot hold: the error says how much it needs.
+  // An explicit depth the window cannot hold: the error says how much it needs, naming
+  // what was set (window_bytes, not whole MiB: in bytes).
   c.depth = 8;
   c.window_bytes = 12 * g;
   try {
     streamed_adamw o(d, c);
     ADD_FAILURE() << "depth 8 in a window of 4 slots";
   } catch (const invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("needs at least " + std::to_string(24 * g) + " bytes"), std::string::npos)
-        << e.what();
+    EXPECT_EQ(std::string(e.what()), "streamed_adamw: window_bytes " + std::to_string(12 * g) +
+                                         " is too small: 8 pieces in flight need at least " + std::to_string(24 * g) +
+                                         " bytes (raise window_bytes, or lower depth)");
   }
 }
 
