@@ -282,6 +282,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& self = *o.impl_;
   std::lock_guard lk(self.mu);
   self.refuse_if_speculating("load_checkpoint");
+  self.refuse_in_child("load_checkpoint");
   self.settle_writes("load_checkpoint");
   self.open_state();
   const std::string mpath = dir + "/manifest.txt";

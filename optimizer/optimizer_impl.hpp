@@ -41,6 +41,9 @@
 #include <utility>
 #include <vector>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include "home.hpp"
 #include "kernels/compute.hpp"
 #include "shard_table.hpp"
@@ -135,6 +138,7 @@ struct streamed_adamw::impl {
   // step (null until its first; Note [The parameter is the truth]).
   std::vector<float*> saved_params;
   std::mutex param_copy_mu;  // read_param / write_param share exec (the checkpoint's lanes)
+  pid_t owner_pid = ::getpid();  // the process that built it (Note [A forked child and device memory])
   // Note [Edits of 16-bit parameters]: per shard, whether the backend's k_written slot
   // holds the hash of its 16-bit parameter as the engine last wrote it; and the shards the
   // last step checked, whose report is pending.
@@ -174,6 +178,9 @@ struct streamed_adamw::impl {
                   float grad_scale) const;
   /// Refuses (invalid_state) a write of the state while a speculative step is pending.
   void refuse_if_speculating(const char* fn) const;
+  /// Refuses (invalid_state) a change of state kept in device memory (device tier,
+  /// resident shards) in a process forked from the one that built the optimizer.
+  void refuse_in_child(const char* fn) const;
 
   /// The homes of cfg.home (and of resident shards), over the layers below.
   void make_homes();

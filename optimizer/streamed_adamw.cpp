@@ -75,6 +75,7 @@ std::vector<std::size_t> window_shape::chunk_classes(std::size_t granule) const 
 
 window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule) {
   window_shape w;
+  const bool default_depth = cfg.depth == 0;
   // File tier: pieces are whole checksum blocks (see Note [File tier integrity]).
   w.align = std::max(granule, traits.piece_align) / 4;
   // depth 0: the tier's depth, or as many slots of one aligned unit as the window holds
@@ -88,12 +89,27 @@ window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std:
   const std::size_t units = cfg.window_bytes / (12 * static_cast<std::size_t>(cfg.depth)) / w.align;
   // int8 on the file tier: Note [File tier moments] in store/file_store.cpp.
   const bool int8_file = cfg.moments == moment_format::int8 && cfg.home == tier::file;
-  DFA_EXPECTS(units > 0, "streamed_adamw: window_bytes " + std::to_string(cfg.window_bytes) + " is too small: depth " +
-                             std::to_string(cfg.depth) + " needs at least " +
-                             std::to_string(12 * cfg.depth * w.align) + " bytes" +
-                             (int8_file ? " (int8 moments on the file tier move pieces of 2^20 elements, whole "
-                                          "segments of the state file, so each slot of depth needs 12 MiB)"
-                                        : ""));
+  if (units == 0) {
+    // Named as the user set it (window_mb, in MiB rounded up: what it must be at least;
+    // window_bytes, a C++ field, in bytes), depth only when set, else as the tier's default.
+    constexpr std::size_t mib = std::size_t{1} << 20;
+    const std::size_t depth = static_cast<std::size_t>(cfg.depth), need = 12 * depth * w.align;
+    const bool in_mb = cfg.window_bytes % mib == 0;
+    const std::string knob = in_mb ? "window_mb" : "window_bytes";
+    const std::string flight = depth == 1 ? "1 piece in flight needs" : std::to_string(depth) + " pieces in flight need";
+    const std::string hint = default_depth ? "raise " + knob + "; depth " + std::to_string(traits.default_depth) +
+                                                 ", the " + to_string(cfg.home) +
+                                                 " tier's default, takes as many pieces as it holds"
+                             : depth > 1 ? "raise " + knob + ", or lower depth"
+                                         : "raise " + knob;
+    throw invalid_argument("streamed_adamw: " + knob + " " + std::to_string(in_mb ? cfg.window_bytes / mib : cfg.window_bytes) +
+                           " is too small: " + flight + " at least " +
+                           (in_mb ? std::to_string((need + mib - 1) / mib) + " MiB" : std::to_string(need) + " bytes") +
+                           " (" + hint + ")" +
+                           (int8_file ? "; int8 moments on the file tier move pieces of 2^20 elements, whole "
+                                        "segments of the state file, so each piece in flight needs 12 MiB"
+                                      : ""));
+  }
   w.piece = std::bit_floor(units) * w.align;  // params
   return w;
 }
@@ -413,6 +429,7 @@ void streamed_adamw::initialize(stream_t stream) {
   auto& self = *impl_;
   std::lock_guard lk(self.mu);
   DFA_EXPECTS(!self.shards.empty(), "initialize: no shard registered", invalid_state);
+  self.refuse_in_child("initialize");
   self.open_state();
   DFA_EXPECTS(!self.initialized, self.tier_home->store() && self.tier_home->store()->resumed()
                                   ? "initialize: the file tier resumed committed state at step " +
@@ -519,12 +536,34 @@ void streamed_adamw::impl::check_step(const char* fn, std::span<const void* cons
   DFA_EXPECTS(grads.size() == shards.size(),
               f + ": " + std::to_string(grads.size()) + " gradients for " + std::to_string(shards.size()) + " shards");
   DFA_EXPECTS(initialized, f + ": call initialize() first", invalid_state);
+  refuse_in_child(fn);
   DFA_EXPECTS(gts.size() == shards.size(), f + ": " + std::to_string(gts.size()) + " gradient types for " +
                                                std::to_string(shards.size()) + " shards");
   for (value_type t : gts)
     DFA_EXPECTS(t == value_type::bf16 || t == value_type::fp16 || t == value_type::fp32,
                 f + ": unknown gradient type " + std::to_string(static_cast<int>(t)));
   DFA_EXPECTS(std::isfinite(grad_scale), f + ": grad_scale is not finite");
+}
+
+// Note [A forked child and device memory]
+// Rationale: the host driver's device memory is shared memory (memfd, MAP_SHARED), so a
+// process forked after the optimizer was built (a DataLoader worker) that steps a
+// device-tier optimizer, or the resident shards of a host-tier one, writes the parent's
+// state; the file tier already refuses a child (file_store::refuse_in_child).
+// Approach: the optimizer remembers the process that built it; initialize, a step, a
+// state write and a checkpoint load in another process are refused (invalid_state) when
+// any state lives in device memory.  On the CUDA driver a child cannot use the parent's
+// context anyway; the check costs a getpid.
+// Limits: reads are not refused (they change nothing); the host tier's pinned homes are
+// the child's own copy (copy-on-write) and stay usable there.
+void streamed_adamw::impl::refuse_in_child(const char* fn) const {
+  if (::getpid() == owner_pid) return;
+  bool resident = false;
+  for (const auto& s : shards) resident = resident || s.resident;
+  if (streamed() && !resident) return;
+  throw invalid_state(std::string(to_string(cfg.home)) + " tier: " +
+                      (streamed() ? "the resident shards' state" : "the state") + " in device memory belongs to process " +
+                      std::to_string(owner_pid) + "; a forked child cannot change it (" + fn + ")");
 }
 
 void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
@@ -836,6 +875,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
   DFA_EXPECTS(self.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
   self.refuse_if_speculating("write_state_range");
+  self.refuse_in_child("write_state_range");
   check_range("write_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;

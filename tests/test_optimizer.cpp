@@ -342,15 +342,17 @@ TEST(optimizer, depth_0_is_the_tiers_depth_or_what_the_window_holds) {
   c.depth = 0;
   c.window_bytes = g;
   EXPECT_THROW(streamed_adamw(d, c), invalid_argument);
-  // An explicit depth the window cannot hold: the error says how much it needs.
+  // An explicit depth the window cannot hold: the error says how much it needs, naming
+  // what was set (window_bytes, not whole MiB: in bytes).
   c.depth = 8;
   c.window_bytes = 12 * g;
   try {
     streamed_adamw o(d, c);
     ADD_FAILURE() << "depth 8 in a window of 4 slots";
   } catch (const invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("needs at least " + std::to_string(24 * g) + " bytes"), std::string::npos)
-        << e.what();
+    EXPECT_EQ(std::string(e.what()), "streamed_adamw: window_bytes " + std::to_string(12 * g) +
+                                         " is too small: 8 pieces in flight need at least " + std::to_string(24 * g) +
+                                         " bytes (raise window_bytes, or lower depth)");
   }
 }
 
@@ -1080,6 +1082,51 @@ TEST(optimizer, file_tier_resumes_an_edited_fp32_parameter) {
   f.expect_reference("resumed");
   f.step(2);
   f.expect_reference("the step after the resume");
+}
+
+// Note [A forked child and device memory]: the host driver's device memory is shared
+// with a forked child, so a child's step of a device-tier optimizer (or of resident
+// shards) would write the parent's state: refused, and the parent's state is unchanged.
+TEST(optimizer, a_forked_child_cannot_change_state_in_device_memory) {
+  if (driver_name() != "host") GTEST_SKIP() << "fork() with a CUDA context is not supported; runs on the host driver";
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 2);
+  optimizer_config resident = config_for(tier::host);
+  resident.resident_bytes = std::size_t{1} << 20;  // the small shards
+  for (const optimizer_config& cfg : {config_for(tier::device), resident}) {
+    SCOPED_TRACE(to_string(cfg.home));
+    run r(d, p, cfg);
+    r.opt->initialize();
+    r.step(0);
+    const result before = r.state();
+    r.load_grads(1);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // Exit status: bit 0 a step was not refused, bit 1 a state write, bit 2 a wrong message.
+      const std::string owner = "belongs to process " + std::to_string(::getppid()) + "; a forked child cannot change it";
+      int rc = 0;
+      try {
+        r.opt->step(r.grads, grad_type::bf16);
+        rc |= 1;
+      } catch (const invalid_state& e) {
+        if (std::string(e.what()).find(owner + " (step)") == std::string::npos) rc |= 4;
+      }
+      std::vector<float> zeros(p.sizes[2], 0.0f);
+      try {
+        r.opt->write_state_range(2, state_array::exp_avg, 0, zeros.size(), zeros.data());
+        rc |= 2;
+      } catch (const invalid_state& e) {
+        if (std::string(e.what()).find(owner + " (write_state_range)") == std::string::npos) rc |= 4;
+      }
+      ::_exit(rc);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "1: a step, 2: a state write not refused in the child; 4: another message";
+    expect_same(r.state(), before, "the parent's state after the child");
+    r.step(1);  // the parent steps on
+  }
 }
 
 // Note [Edits of 16-bit parameters]: a BF16 parameter changed outside the optimizer

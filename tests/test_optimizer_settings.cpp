@@ -334,4 +334,34 @@ TEST(optimizer_settings, a_typed_directory_with_a_comma_reaches_the_engine_uncha
   EXPECT_EQ(dfa_opt_destroy(o), DFA_SUCCESS);
 }
 
+// A window too small names what the user set (window_mb, depth when set) and what would
+// fit, in MiB; a depth left at 0 is named as the tier's default.
+TEST(optimizer_settings, a_window_too_small_names_what_the_user_set) {
+  const dfa_test::temp_dir tmp;
+  const std::string base = "driver:host,host_granularity_kb:2048,";  // pieces of 2 MiB granules: 6 MiB a slot
+  const std::string file = "tier:file,directory:" + tmp.path + ",";
+  struct bad {
+    std::string text;
+    const char* says;
+  };
+  const bad table[] = {
+      {base + "tier:host,window_mb:4,depth:1",
+       "window_mb 4 is too small: 1 piece in flight needs at least 6 MiB (raise window_mb)"},
+      {base + "tier:host,window_mb:8,depth:2",
+       "window_mb 8 is too small: 2 pieces in flight need at least 12 MiB (raise window_mb, or lower depth)"},
+      {base + "tier:host,window_mb:4",
+       "window_mb 4 is too small: 1 piece in flight needs at least 6 MiB (raise window_mb; depth 8, the host tier's "
+       "default, takes as many pieces as it holds)"},
+      {base + file + "window_mb:5",
+       "window_mb 5 is too small: 1 piece in flight needs at least 6 MiB (raise window_mb; depth 3, the file tier's "
+       "default, takes as many pieces as it holds)"},
+  };
+  for (const bad& b : table) {
+    dfa_optimizer* o = nullptr;
+    EXPECT_EQ(dfa_opt_create(b.text.c_str(), &o), DFA_ERROR_INVALID_ARGUMENT) << b.text;
+    EXPECT_EQ(std::string(dfa_opt_last_error()), std::string("dfa_opt_create: streamed_adamw: ") + b.says) << b.text;
+    EXPECT_EQ(o, nullptr);
+  }
+}
+
 }  // namespace
