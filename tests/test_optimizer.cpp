@@ -1151,8 +1151,8 @@ TEST(optimizer, an_edited_bf16_parameter_is_taken_into_main_with_a_warning) {
   for (tier t : {tier::device, tier::host, tier::file}) {
     SCOPED_TRACE(to_string(t));
     lines.clear();
-    run r(d, p, config_for(t, dir.path + "/" + to_string(t)));
     std::filesystem::create_directories(dir.path + "/" + to_string(t));
+    run r(d, p, config_for(t, dir.path + "/" + to_string(t)));
     r.opt->initialize();
     r.step(0);
     upload(*d, r.params[1], run::as_bytes(std::vector<std::uint16_t>(p.sizes[1], one)));  // w.fill_(1)
