@@ -68,7 +68,7 @@ CorruptDataError = CorruptData
 
 _stream_ptr = _native.stream_ptr
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "main_param")
-_STATE_BYTES = {"fp32": 12.0, "bf16": 8.0, "int8": 6.125}  # per element held, by moment_dtype (optimizer.hpp)
+_MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.125}  # both moments per element, by moment_dtype (optimizer.hpp)
 _logger = logging.getLogger("deferalloc")
 
 try:
@@ -455,6 +455,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         if config.field("tier") == "file" and not config.field("resume") and not overwrite:
             self._refuse_existing_state_file(config)
         self._engine = Engine(config)
+        self.tier, self._moment_dtype = config.field("tier"), config.field("moments")  # settings= may set them
         if progress is True:
             progress = _ProgressToLogger()
         if progress:
@@ -1114,9 +1115,14 @@ class StreamedAdamW(torch.optim.Optimizer):
         (physical memory behind the state, <= the window), host time split, and
         python_seconds, the Python side of the last step() before the engine call;
         state_params, the elements the engine holds state for (frozen parameters none),
-        and state_bytes, their state's bytes on the tier (12 per element with FP32 moments)."""
+        and state_bytes, their state's bytes on the tier (12 per element with FP32 moments, 8 for an
+        FP32 parameter, which is its own main, outside the file tier)."""
         out = self._engine.stats()
         out["python_seconds"] = self._python_seconds
         out["state_params"] = sum(n for _, n in self._numels)
-        out["state_bytes"] = int(out["state_params"] * _STATE_BYTES.get(self._moment_dtype, 12.0))
+        # The moments, and an FP32 main per element except where the parameter is its own main
+        # (an FP32 parameter; the file tier keeps a durable copy of it all the same).
+        moments = _MOMENT_BYTES[self._moment_dtype]
+        out["state_bytes"] = int(sum(n * (moments + (0 if self.tier != "file" and self.engine_tensor(p).dtype ==
+                                                      torch.float32 else 4)) for p, n in self._numels))
         return out

@@ -107,6 +107,14 @@ class TypedOptions(unittest.TestCase):
                 self.assertTrue(os.path.exists(os.path.join(d, "deferalloc-rank0.state")), os.listdir(d))
                 del opt
 
+    def test_the_tier_attribute_is_the_engine_s(self):
+        opt = optim.StreamedAdamW(params(), window_mb=2, tier="host", settings="tier:device")
+        self.assertEqual(opt.tier, "device")  # settings= comes last, and opt.tier says what runs
+        grads_for(opt.held_params, 0)
+        opt.step()
+        n = sum(p.numel() for p in opt.held_params)
+        self.assertEqual(opt.stats()["state_bytes"], 8 * n)  # FP32 parameters: their own main
+
     def test_settings_typos_name_the_argument(self):
         with self.assertRaisesRegex(optim.InvalidArgumentError, r"StreamedAdamW\(settings='windw_mb:4'\): .*windw_mb"):
             optim.StreamedAdamW(params(), settings="windw_mb:4")
