@@ -2,9 +2,10 @@
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
-#     [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair]
-#   (default: all but multi, diag, megatron_dp2, drop_in, compare and fp32pair: the two-GPU steps, the
-#   diagnostic, the torch_memory_saver drop-in's benchmark and the before/after comparisons).
+#     [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel]
+#   (default: all but multi, diag, megatron_dp2, drop_in, compare, fp32pair and wheel: the two-GPU
+#   steps, the diagnostic, the torch_memory_saver drop-in's benchmark, the before/after comparisons
+#   and the wheel's build and check).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -199,6 +200,17 @@ if has ckpt && [ -x "$B"/benchmarks/bench_checkpoint ]; then
   run ckpt_file "${DFA_CKPT_SECONDS:-240}" "$B"/benchmarks/bench_checkpoint --driver cuda --tier file --gb 2 --dir /tmp \
     --json "$R/bench_checkpoint_file.json"
   tail -11 "$L/ckpt_file.log"
+fi
+if has wheel; then
+  # The wheel built once here (pip wheel, offline: scikit-build-core from .whl/), installed into a
+  # fresh venv with no nvcc on PATH: quick start, a StreamedAdamW step, a region pause / resume.
+  rm -rf /tmp/dfa-dist && mkdir -p /tmp/dfa-dist
+  run wheel_build 420 python3 -m pip wheel . --no-deps --no-build-isolation --no-index -w /tmp/dfa-dist
+  w=$(ls /tmp/dfa-dist/deferalloc-*.whl 2>/dev/null | head -1)
+  if [ -n "$w" ]; then
+    run wheel_check 240 env PYTHONPATH= bash scripts/wheel_check.sh "$w" /tmp/dfa-wheel-check
+    tail -8 "$L/wheel_check.log"
+  fi
 fi
 if has fp32pair; then
   # StreamedAdamW's host-tier step with FP32 parameters, the before build (.before/src.tar,
