@@ -144,8 +144,9 @@ checkpoint format (dp_reshardable; fully_reshardable; dp_zero via save/load_para
 fully_sharded_model_space, ``sharded_state_dict``'s default, which 0.16.1's own
 dist-checkpointing rejects: "flattened_range is not supported") is built on them.  They are
 bound here to read the shard's three FP32 arrays from the tier into CPU tensors and to write
-them back, so Megatron's dist-checkpointing saves and loads real state, also at another
-data-parallel size (dp_reshardable and fully_reshardable, tested DP 1 -> 2 -> 1).  While a sharded state dict
+them back (FP32 whatever ``moment_dtype``: the engine decodes and encodes compressed moments,
+so a checkpoint loads into another format), so Megatron's dist-checkpointing saves and loads
+real state, also at another data-parallel size (dp_reshardable and fully_reshardable, tested DP 1 -> 2 -> 1).  While a sharded state dict
 is being built for loading, the read returns uninitialised CPU tensors of the right size
 instead (they are only load targets).  The inner optimizer's own ``state_dict`` carries the
 hyper-parameters and ``step`` (all Megatron keeps from it).  ``save_engine_checkpoint`` /
