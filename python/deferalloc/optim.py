@@ -308,6 +308,7 @@ def _whole_mb(name: str, v) -> int | None:
 # state is created, never again.  A member whose shards fit in less than its part leaves
 # the rest unused (the others do not take it).
 
+
 def resident_budgets(resident_mb, tier: str, window_mb: int | None, device: torch.device,
                      shares=(1,)) -> list[int | None]:
     """``resident_mb`` (whole MiB, None or "auto") split over optimizers on ``tier`` built
