@@ -46,7 +46,6 @@ def worker(argv: list[str]) -> int:
     import cpu_emulation
     import torch
     import train_gpt
-    from megatron.core import parallel_state
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", required=True)
@@ -59,6 +58,7 @@ def worker(argv: list[str]) -> int:
         if k == 0:
             train_gpt.setup(train_gpt.parse_args(MODEL + layout))
         else:  # the same processes, another model-parallel layout
+            from megatron.core import parallel_state  # (after setup's cpu_emulation.enable())
             parallel_state.destroy_model_parallel()
             parallel_state.initialize_model_parallel(*LAYOUTS[name][2])
             cpu_emulation.after_model_parallel_init()
