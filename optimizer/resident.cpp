@@ -15,8 +15,10 @@
 // The arithmetic is the same kernel's, so the split is bit-identical to all-streamed.
 // Compressed moments (Note [Moment formats]) apply to the streamed shards only; resident
 // shards keep FP32 moments (they cost no link bytes).
-// Limits: host tier only; the chunk pool's budget is window + resident bytes; the choice
-// is made once (a later budget change needs a new optimizer).
+// Limits: host tier only (the file tier refuses a budget: its resident shards would have to
+// be written to the state file at each commit, not implemented); the chunk pool's budget is
+// window + resident bytes; the choice is made once (a later budget change needs a new
+// optimizer).
 #include <deferalloc/core/errors.hpp>
 
 #include "optimizer_impl.hpp"

@@ -125,8 +125,10 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
               std::string("streamed_adamw: ") + to_string(self.cfg.moments) + " moments need the host or file tier (the " +
                   to_string(self.cfg.home) + " tier keeps fp32 moments)");
   DFA_EXPECTS(self.cfg.resident_bytes == 0 || self.cfg.home == tier::host,
-              std::string("streamed_adamw: resident_bytes needs the host tier (the ") + to_string(self.cfg.home) +
-                  " tier keeps all or none of its state in HBM)");
+              std::string("streamed_adamw: resident_mb (resident_bytes) needs the host tier: ") +
+                  (self.cfg.home == tier::file ? "resident shards on the file tier are not implemented (its state "
+                                                 "file commits every shard at each step)"
+                                               : "the device tier keeps all its state in HBM"));
   // Every check of the config comes before anything is built (a refused config costs no
   // streams, window or file).
   DFA_EXPECTS(self.cfg.home != tier::file || !self.cfg.directory.empty(),

@@ -74,6 +74,10 @@ def parse_args(argv=None):
     ap.add_argument("--deferalloc", choices=["off", "host", "file", "device"], default="off")
     ap.add_argument("--directory", help="file tier: the state directory")
     ap.add_argument("--window-mb", type=int, default=512)
+    ap.add_argument("--moment-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                    help="stream_optimizer_state(moment_dtype=): how the host and file tiers store the moments")
+    ap.add_argument("--resident-mb", type=lambda v: v if v == "auto" else int(v),
+                    help="stream_optimizer_state(resident_mb=): host tier, HBM (MiB or auto) for resident shards")
     ap.add_argument("--release-torch-cache", action="store_true",
                     help="stream_optimizer_state(release_torch_cache=True): empty torch's cache before each step")
     ap.add_argument("--overlap-grad-reduce", action="store_true",
@@ -336,7 +340,8 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                     window_mb=args.window_mb,
                                                     release_torch_cache=args.release_torch_cache,
                                                     step_in_backward=args.step_in_backward,
-                                                    clip_policy=args.clip_policy)
+                                                    clip_policy=args.clip_policy, moment_dtype=args.moment_dtype,
+                                                    resident_mb=args.resident_mb)
     import deferalloc.megatron
     # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
     # then the streamed engine: the two deferalloc lines of a Megatron script.
@@ -346,7 +351,9 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                           directory=args.directory, window_mb=args.window_mb,
                                                           release_torch_cache=args.release_torch_cache,
                                                           step_in_backward=args.step_in_backward,
-                                                          clip_policy=args.clip_policy)
+                                                          clip_policy=args.clip_policy,
+                                                          moment_dtype=args.moment_dtype,
+                                                          resident_mb=args.resident_mb)
     return optimizer, streamed
 
 

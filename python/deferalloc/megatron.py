@@ -144,8 +144,9 @@ checkpoint format (dp_reshardable; fully_reshardable; dp_zero via save/load_para
 fully_sharded_model_space, ``sharded_state_dict``'s default, which 0.16.1's own
 dist-checkpointing rejects: "flattened_range is not supported") is built on them.  They are
 bound here to read the shard's three FP32 arrays from the tier into CPU tensors and to write
-them back, so Megatron's dist-checkpointing saves and loads real state, also at another
-data-parallel size (dp_reshardable and fully_reshardable, tested DP 1 -> 2 -> 1).  While a sharded state dict
+them back (FP32 whatever ``moment_dtype``: the engine decodes and encodes compressed moments,
+so a checkpoint loads into another format), so Megatron's dist-checkpointing saves and loads
+real state, also at another data-parallel size (dp_reshardable and fully_reshardable, tested DP 1 -> 2 -> 1).  While a sharded state dict
 is being built for loading, the read returns uninitialised CPU tensors of the right size
 instead (they are only load targets).  The inner optimizer's own ``state_dict`` carries the
 hyper-parameters and ``step`` (all Megatron keeps from it).  ``save_engine_checkpoint`` /
@@ -167,7 +168,7 @@ import torch
 
 from . import deferred_empty
 from . import _native
-from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW
+from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, resident_budgets
 from .overlap import BackwardOverlap
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
@@ -432,7 +433,9 @@ def _megatron_handles(dopt) -> bool:
     return True
 
 
-def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch_cache, adapter):
+def _stream_one(dopt, engine: dict, release_torch_cache, adapter):
+    """``dopt``'s inner optimizer replaced by a StreamedMegatronAdamW with the options
+    ``engine`` (StreamedAdamW's keywords)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(dopt, DistributedOptimizer):
@@ -483,8 +486,7 @@ def _stream_one(dopt, tier, directory, window_mb, depth, settings, release_torch
         defaults["weight_decay"] = 0.0
         for g in new_groups:
             g["weight_decay"] = 0.0
-    streamed = StreamedMegatronAdamW(new_groups, targets, **defaults, tier=tier, directory=directory,
-                                     window_mb=window_mb, depth=depth, settings=settings,
+    streamed = StreamedMegatronAdamW(new_groups, targets, **defaults, **engine,
                                      release_torch_cache=release_torch_cache)
     # main = float(model shard), window by window; the moments start at zero.  An optimizer
     # that already stepped (or loaded) hands over its state.
@@ -582,7 +584,8 @@ def _bind(dopt) -> None:
 def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None = None, window_mb: int = 512,
                            *, depth: int | None = None, settings: str | None = None,
                            release_torch_cache: bool = False, step_in_backward: bool = False,
-                           clip_policy: str = "auto") -> list[StreamedMegatronAdamW]:
+                           clip_policy: str = "auto", moment_dtype: str = "fp32",
+                           resident_mb: int | str | None = None) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
     returns) into deferalloc's streamed engine.
@@ -596,8 +599,14 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     Args:
         tier: "host" (pinned host memory), "file" (``directory``; one sub-directory per
             DistributedOptimizer of a chain), or "device".
-        window_mb: HBM budget of the streamed state.
-        depth, settings: as ``deferalloc.optim.StreamedAdamW``.
+        window_mb: HBM budget of the streamed state (each DistributedOptimizer's own window).
+        depth, settings, moment_dtype: as ``deferalloc.optim.StreamedAdamW`` ("fp32", "bf16"
+            or "int8" moments on the host and file tiers; checkpoints hold FP32 values whatever
+            the format, so one saved with a format loads into another).
+        resident_mb: host tier: HBM (MiB, or "auto") for shards whose FP32 state stays in HBM,
+            as StreamedAdamW's; for a ChainedOptimizer the budget is shared by its
+            DistributedOptimizers in proportion to their shards' elements (Note
+            [resident_mb="auto"] in deferalloc/optim.py).
         release_torch_cache: torch.cuda.empty_cache() before each streamed step, so that the
             window takes HBM torch keeps cached but free (Note [The window and torch's cache]).
         step_in_backward: step each DDP bucket group's shards as soon as its grad
@@ -621,19 +630,32 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     chain = streamed_optimizers(optimizer)
     if step_in_backward:
         _refuse_backward_step(chain, clip_policy)
+    residents = _resident_budgets(chain, resident_mb, tier, window_mb)
     out = []
     for i, dopt in enumerate(chain):
         d = directory
         if directory and len(chain) > 1:
             d = os.path.join(directory, f"optimizer{i}")
             os.makedirs(d, exist_ok=True)
-        out.append(_stream_one(dopt, tier, d, window_mb, depth, settings, release_torch_cache, adapter))
+        engine = dict(tier=tier, directory=d, window_mb=window_mb, depth=depth, settings=settings,
+                      moment_dtype=moment_dtype, resident_mb=residents[i])
+        out.append(_stream_one(dopt, engine, release_torch_cache, adapter))
     gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if step_in_backward:
         _BackwardStep.attach_all(optimizer, chain, clip_policy)
     return out
+
+
+def _resident_budgets(chain, resident_mb, tier: str, window_mb: int) -> list:
+    """Each DistributedOptimizer's resident_mb: the chain shares one budget (Note
+    [resident_mb="auto"] in deferalloc/optim.py), by its shards' elements."""
+    shards = [[p for g in [*getattr(dopt, "shard_float16_groups", ()), *getattr(dopt, "shard_fp32_groups", ())]
+               for p in g] for dopt in chain]  # (what is no DistributedOptimizer is refused after)
+    some = next((p for s in shards for p in s), None)
+    device = some.device if some is not None else torch.device("cpu")
+    return resident_budgets(resident_mb, tier, window_mb, device, [sum(p.numel() for p in s) for s in shards])
 
 
 # ---- the step inside Megatron's backward ---------------------------------------------------

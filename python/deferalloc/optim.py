@@ -50,6 +50,7 @@ from .errors import (CorruptData, CudaError, DeferallocError, InternalError, Inv
 __all__ = [
     "StreamedAdamW", "OptimizerError", "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError",
     "CudaError", "NoDeviceError", "IOFailure", "CorruptDataError", "InternalError", "optimizer_library_path",
+    "resident_budgets",
 ]
 
 
@@ -290,6 +291,43 @@ def _whole_mb(name: str, v) -> int | None:
     return int(v)
 
 
+# Note [resident_mb="auto"]
+# Rationale: the resident shards' HBM (Note [Resident shards] in optimizer/resident.cpp) is
+# what the process does not need otherwise; a caller rarely knows that figure, and two
+# callers (StreamedAdamW, deferalloc.megatron for each DistributedOptimizer of a chain) must
+# not each take all of it.
+# Approach: one rule, resident_budgets(): "auto" is the device's free HBM at the call
+# (torch's cache counts as taken) less a tenth of the device (activations) and one window
+# per optimizer being built; 0 off CUDA and on the file and device tiers (only the host tier
+# has resident shards; the engine refuses a number on the others).  A number is that many
+# MiB.  The budget is shared by the optimizers built together, each getting its part in
+# proportion to the elements it holds (rounded down to whole MiB): StreamedAdamW is one
+# optimizer, a Megatron ChainedOptimizer (dense + expert DistributedOptimizers) one per
+# member.
+# Limits: measured once, at construction; the engine picks the resident shards when the
+# state is created, never again.  A member whose shards fit in less than its part leaves
+# the rest unused (the others do not take it).
+
+
+def resident_budgets(resident_mb, tier: str, window_mb: int | None, device: torch.device,
+                     shares=(1,)) -> list[int | None]:
+    """``resident_mb`` (whole MiB, None or "auto") split over optimizers on ``tier`` built
+    together whose held elements are ``shares``: each one's resident_mb (Note
+    [resident_mb="auto"]).
+    @throws InvalidArgumentError for a resident_mb that is not a whole number of MiB >= 0 or "auto"."""
+    if resident_mb == "auto":
+        mb = 0
+        if device.type == "cuda" and tier == "host":
+            free, total = torch.cuda.mem_get_info(device)
+            mb = max(0, (free - total // 10) // (1 << 20) - (window_mb or 0) * len(shares))
+    else:
+        mb = _whole_mb("resident_mb", resident_mb)
+    if mb is None:
+        return [None] * len(shares)
+    whole = sum(shares)
+    return [mb * n // whole if whole else 0 for n in shares]
+
+
 class _ProgressToLogger:
     """progress=True: the engine's progress_line lines through the ``deferalloc`` logger
     (INFO): the first after _PROGRESS_AFTER_S seconds of a pass, then one every 10 s, and
@@ -371,7 +409,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             resume); int8 on the file tier needs window_mb >= 12 * depth.
         resident_mb: host tier: HBM (MiB) for parameters whose FP32 state stays resident
             (taken in order while they fit; the rest stream), or "auto": the free HBM at
-            construction less the window and a tenth of the device (for activations).
+            construction less the window and a tenth of the device (for activations; Note
+            [resident_mb="auto"]).  The file tier refuses it (its state file holds every shard).
         window_mb: HBM budget of the streamed state (host and file tiers), whole MiB.
         depth: pieces in flight (3 overlaps fetch, step and write-back; more lets fetches run
             ahead over parameters of mixed sizes).  None: 8 on the host tier, 3 on the file
@@ -444,11 +483,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         self.tier = tier
         self._moment_dtype = moment_dtype
         self.main_param_in_state_dict = bool(main_param_in_state_dict)
-        if resident_mb == "auto":
-            resident_mb = 0
-            if self._device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self._device)
-                resident_mb = max(0, (free - total // 10) // (1 << 20) - window_mb)
+        (resident_mb,) = resident_budgets(resident_mb, tier, window_mb, self._device)
         config = self._engine_config(tier=tier, directory=directory, window_mb=window_mb, depth=depth,
                                      resume=resume, moment_dtype=moment_dtype, resident_mb=resident_mb,
                                      settings=settings)
