@@ -50,7 +50,7 @@ def run_torch(clip=None):
 def run_streamed(tier, overlap=False, clip=None):
     with tempfile.TemporaryDirectory() as tmp:
         m = model()
-        opt = optim.StreamedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, tier=tier, window_mb=4,
+        opt = optim.StreamedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, tier=tier, window_mb=64,
                                   directory=tmp if tier == "file" else None)
         ov = overlap_with_backward(m, opt, max_grad_norm=clip, clip_policy="speculate", bucket_mb=0) if overlap else None
         for t in range(STEPS):
