@@ -216,6 +216,11 @@ struct streamed_adamw::impl {
   /// (synchronous, after the work on exec; Note [The parameter is the truth]).
   void read_param(std::size_t s, std::size_t e0, std::size_t n, float* out);
   void write_param(std::size_t s, std::size_t e0, std::size_t n, const float* in);
+  /// A checkpoint load's step over shard `s`'s file at `path` (checkpoint.cpp): reads it,
+  /// verifies each array against `expect`, and with `copy` writes it into the home (in
+  /// `slot` for a committed store); `cached` reads through the page cache, else direct.
+  void read_shard_file(std::size_t s, const std::string& path, const per_array<std::uint64_t>& expect, bool copy,
+                       bool cached, int slot);
   /// A speculative step's FP32 parameters back to their values before it, for the first
   /// `pieces` of `ps` (all: discard_speculation; a failed pass: those it kept).
   void restore_params(const std::vector<piece_ref>& ps, std::size_t pieces);
