@@ -197,10 +197,9 @@ void streamed_adamw::impl::write_param(std::size_t s, std::size_t e0, std::size_
 
 void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(shard < self.shards.size(), "read_state: no shard " + std::to_string(shard));
-  DFA_EXPECTS(self.initialized, "read_state: no state yet", invalid_state);
-  self.settle_writes("read_state");
+  g.require("read_state", entry_needs::initialized | entry_needs::settled, "read_state: no state yet");
   const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
   for (state_array a : k_state_arrays)
     if (outs[a]) self.read_home(shard, a, 0, self.shards[shard].info.numel, outs[a]);
@@ -210,9 +209,7 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
 
 void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& self = *o.impl_;
-  std::lock_guard lk(self.mu);
-  DFA_EXPECTS(self.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  self.settle_writes("save_checkpoint");
+  streamed_adamw::impl::entry_guard g(self, "save_checkpoint", entry_needs::initialized | entry_needs::settled);
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << self.step_count << '\n';
@@ -434,11 +431,9 @@ void streamed_adamw::impl::read_shard_file(std::size_t s, const std::string& pat
 
 void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& self = *o.impl_;
-  std::lock_guard lk(self.mu);
-  self.refuse_if_speculating("load_checkpoint");
-  self.refuse_in_child("load_checkpoint");
-  self.settle_writes("load_checkpoint");
-  self.open_state();
+  streamed_adamw::impl::entry_guard g(self, "load_checkpoint", entry_needs::not_speculating | entry_needs::in_parent);
+  g.require("load_checkpoint", entry_needs::settled);
+  g.require("load_checkpoint", entry_needs::opened);
   const manifest man = parse_manifest(dir, self.shards);
   const auto& es = man.shards;
   // One pass when nothing changes until the end (file tier: the inactive slot, committed
@@ -474,7 +469,7 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
   DFA_EXPECTS(initialized(), "save_checkpoint: no state yet (initialize() first)", invalid_state);
   detail::check_dir(dir, "save_checkpoint");
   {
-    std::lock_guard lk(impl_->mu);
+    impl::entry_guard g(*impl_);
     impl_->pruner.wait();  // the previous save's (one prune at a time)
   }
   const std::uint64_t n = detail::next_generation(dir, "save_checkpoint");
@@ -492,20 +487,19 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
     std::filesystem::remove_all(tmp, ec);
     throw;
   }
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard g(*impl_);
   impl_->pruner.start(dir, n);
 }
 
 void detail::wait_checkpoint_prune(streamed_adamw& o) {
-  std::lock_guard lk(o.impl_->mu);
+  streamed_adamw::impl::entry_guard g(*o.impl_);
   o.impl_->pruner.wait();
 }
 
 void streamed_adamw::load_checkpoint(const std::string& dir) {
   DFA_EXPECTS(!dir.empty(), "load_checkpoint: directory is empty");
   {
-    std::lock_guard lk(impl_->mu);
-    impl_->refuse_if_speculating("load_checkpoint");  // before looking for a generation
+    impl::entry_guard g(*impl_, "load_checkpoint", entry_needs::not_speculating);  // before looking for a generation
   }
   detail::read_checkpoint_files(*this, detail::newest_generation(dir, "load_checkpoint"));
 }

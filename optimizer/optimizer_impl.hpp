@@ -38,6 +38,8 @@
 #include <map>
 #include <mutex>
 #include <span>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -111,6 +113,18 @@ struct window_shape {
 /// The window's shape for a tier of `traits`; a depth of 0 in `cfg` becomes the tier's (or
 /// what the window holds).  Throws invalid_argument when the window holds no piece.
 window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule);
+
+/// What an entry of the facade needs checked on entry (impl::entry_guard, Note [Entry guard]),
+/// in the order the checks run.
+struct entry_needs {
+  enum : unsigned {
+    opened = 1u,           // open_state(): a resumed state file's counts are read
+    initialized = 2u,      // state exists (else invalid_state, "<fn>: no state yet (initialize() first)")
+    settled = 4u,          // settle_writes(fn)
+    not_speculating = 8u,  // refuse_if_speculating(fn)
+    in_parent = 16u,       // refuse_in_child(fn)
+  };
+};
 
 struct streamed_adamw::impl {
   std::mutex mu;
@@ -249,6 +263,42 @@ struct streamed_adamw::impl {
     edit_hashed.assign(shards.size(), 0);
     edit_checked.clear();
   }
+
+  /// Note [Entry guard]
+  /// Rationale: every public entry of the facade takes the lock and checks the state it
+  /// needs (opened, initialized, no explicit state write open, no speculation pending, not a
+  /// forked child); written out in each, the preamble and its messages drifted.
+  /// Approach: an entry holds an entry_guard for its whole body (the lock), and asks it for
+  /// what it needs with require(fn, needs), which runs the checks of entry_needs in one
+  /// fixed order: open_state, initialized, settle_writes, refuse_if_speculating,
+  /// refuse_in_child.  An entry whose checks run in another order (or between its own
+  /// argument checks) calls require() more than once.  The messages are fn's, as the
+  /// checks themselves write them.
+  /// Limits: not on any hot path (once per call); checks that only one entry makes stay in it.
+  class entry_guard {
+   public:
+    explicit entry_guard(impl& self) : self_(self), lk_(self.mu) {}
+    entry_guard(impl& self, const char* fn, unsigned needs) : entry_guard(self) { require(fn, needs); }
+    entry_guard(const entry_guard&) = delete;
+    entry_guard& operator=(const entry_guard&) = delete;
+
+    /// The checks of `needs` (entry_needs) for entry `fn`, in their order; `no_state`
+    /// replaces the message of entry_needs::initialized.
+    void require(const char* fn, unsigned needs, std::string_view no_state = {}) const {
+      if (needs & entry_needs::opened) self_.open_state();
+      if (needs & entry_needs::initialized)
+        DFA_EXPECTS(self_.initialized,
+                    no_state.empty() ? std::string(fn) + ": no state yet (initialize() first)" : std::string(no_state),
+                    invalid_state);
+      if (needs & entry_needs::settled) self_.settle_writes(fn);
+      if (needs & entry_needs::not_speculating) self_.refuse_if_speculating(fn);
+      if (needs & entry_needs::in_parent) self_.refuse_in_child(fn);
+    }
+
+   private:
+    impl& self_;
+    std::lock_guard<std::mutex> lk_;
+  };
 };
 
 }  // namespace deferalloc::optim

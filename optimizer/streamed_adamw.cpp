@@ -179,7 +179,7 @@ std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t num
 
 std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type t, int group, std::string name) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(!self.initialized, "add_shard: shards must be registered before initialize()", invalid_state);
   DFA_EXPECTS(param != nullptr, "add_shard: the parameter pointer is null");
   DFA_EXPECTS(numel > 0, "add_shard: numel is zero");
@@ -219,8 +219,8 @@ std::uint64_t streamed_adamw::steps() const { return impl_->step_count; }
 bool streamed_adamw::initialized() const { return impl_->initialized; }
 bool streamed_adamw::resumed() const {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  if (!self.shards.empty()) self.open_state();  // opens the state file: a damaged one throws here
+  impl::entry_guard g(self);
+  if (!self.shards.empty()) g.require("resumed", entry_needs::opened);  // opens the state file: a damaged one throws here
   committed_store* store = self.tier_home->store();
   return store && store->resumed();
 }
@@ -228,37 +228,35 @@ const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->sh
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {
   validate(p);
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard guard(*impl_);
   impl_->cfg.adamw = p;
   for (auto& [g, h] : impl_->groups) h = p;
 }
 void streamed_adamw::set_group(int g, const adamw_params& p) {
   DFA_EXPECTS(g >= 0, "set_group: group " + std::to_string(g) + " is negative");
   validate(p);
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard guard(*impl_);
   impl_->groups[g] = p;
 }
 adamw_params streamed_adamw::group(int g) const {
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard guard(*impl_);
   return impl_->hyper_of(g);
 }
 std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard g(*impl_);
   DFA_EXPECTS(s < impl_->shards.size(), "shard_step: no shard " + std::to_string(s));
   return impl_->shards[s].step;
 }
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(s < self.shards.size(), "set_shard_step: no shard " + std::to_string(s));
   // A resumed file's counts are read first (else the resume would overwrite this one);
   // before any state the count would be reset by initialize(): refused, before a fresh
   // file tier creates its state file.
   const std::string no_state = "set_shard_step: no state yet (initialize() first, or a resumed state file)";
   DFA_EXPECTS(self.initialized || self.cfg.resume, no_state, invalid_state);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, no_state, invalid_state);
-  self.refuse_if_speculating("set_shard_step");
+  g.require("set_shard_step", entry_needs::opened | entry_needs::initialized | entry_needs::not_speculating, no_state);
   // The file tier publishes it with the state write under way, or with one of its own;
   // the others keep it in memory.
   self.ensure_state_write();
@@ -267,10 +265,10 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
 
 void streamed_adamw::set_shard_param(std::size_t s, void* param) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(s < self.shards.size(), "set_shard_param: no shard " + std::to_string(s));
   DFA_EXPECTS(param != nullptr, "set_shard_param: the parameter pointer is null");
-  self.refuse_if_speculating("set_shard_param");
+  g.require("set_shard_param", entry_needs::not_speculating);
   self.shards.set_param(s, param);
 }
 
@@ -310,17 +308,14 @@ void streamed_adamw::impl::settle_writes(const char* fn) {
 
 void streamed_adamw::begin_state_write() {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
-  self.settle_writes("begin_state_write");
-  self.refuse_if_speculating("begin_state_write");
+  impl::entry_guard g(self, "begin_state_write",
+                entry_needs::opened | entry_needs::initialized | entry_needs::settled | entry_needs::not_speculating);
   self.open_write(false);
 }
 
 void streamed_adamw::end_state_write(bool publish) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   if (!self.state_write.open() || self.state_write.implicit()) return;
   self.close_write(publish);
 }
@@ -427,10 +422,10 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
 
 void streamed_adamw::initialize(stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(!self.shards.empty(), "initialize: no shard registered", invalid_state);
-  self.refuse_in_child("initialize");
-  self.open_state();
+  g.require("initialize", entry_needs::in_parent);
+  g.require("initialize", entry_needs::opened);
   DFA_EXPECTS(!self.initialized, self.tier_home->store() && self.tier_home->store()->resumed()
                                   ? "initialize: the file tier resumed committed state at step " +
                                         std::to_string(self.step_count) + " (call sync_model_params, not initialize)"
@@ -465,9 +460,9 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
 void streamed_adamw::step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                           stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   self.check_step("step", grads, gts, grad_scale);
-  self.settle_writes("step");
+  g.require("step", entry_needs::settled);
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     DFA_EXPECTS(grads[s] == nullptr || !self.shards[s].speculative,
                 "step: shard " + std::to_string(s) + " ('" + self.shards[s].info.name +
@@ -647,9 +642,9 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 void streamed_adamw::step_speculative(std::span<const void* const> grads, std::span<const value_type> gts,
                                       float grad_scale, stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   self.check_step("step_speculative", grads, gts, grad_scale);
-  self.settle_writes("step_speculative");
+  g.require("step_speculative", entry_needs::settled);
   second_copy* copies = self.tier_home->speculation();
   DFA_EXPECTS(copies != nullptr,
               std::string("step_speculative: the ") + to_string(self.cfg.home) +
@@ -694,7 +689,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
 
 void streamed_adamw::commit_speculation() {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   if (self.shards.speculating() == 0) return;
   std::vector<bool> stepped(self.shards.size());
   for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = self.shards[s].speculative;
@@ -717,7 +712,7 @@ void streamed_adamw::commit_speculation() {
 
 void streamed_adamw::discard_speculation() {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   std::vector<piece_ref> whole;
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     if (self.shards[s].speculative) whole.push_back({s, 0, self.shards[s].info.numel});
@@ -737,22 +732,21 @@ void streamed_adamw::impl::restore_params(const std::vector<piece_ref>& ps, std:
 }
 
 std::size_t streamed_adamw::speculation_pending() const {
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard g(*impl_);
   return impl_->shards.speculating();
 }
 
 bool streamed_adamw::can_speculate(std::size_t s) const {
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard g(*impl_);
   DFA_EXPECTS(s < impl_->shards.size(), "can_speculate: no shard " + std::to_string(s));
   return impl_->tier_home->speculation() != nullptr && !impl_->shards[s].resident;
 }
 
 void streamed_adamw::sync_model_params(stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
-  self.settle_writes("sync_model_params");
+  impl::entry_guard g(self);
+  g.require("sync_model_params", entry_needs::opened | entry_needs::initialized | entry_needs::settled,
+            "sync_model_params: no state yet (initialize() or resume first)");
   self.sync_model(stream);
 }
 
@@ -828,7 +822,7 @@ void streamed_adamw::impl::report_edits() {
 
 double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(grads.size() == self.shards.size(), "grad_sq_norm: one gradient per shard expected");
   for (std::size_t s = 0; s < grads.size(); ++s)
     DFA_EXPECTS(grads[s] != nullptr, "grad_sq_norm: gradient of shard " + std::to_string(s) + " is null");
@@ -857,10 +851,7 @@ void check_range(const char* fn, std::size_t shards, std::size_t s, state_array 
 
 void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
-  self.settle_writes("read_state_range");
+  impl::entry_guard g(self, "read_state_range", entry_needs::opened | entry_needs::initialized | entry_needs::settled);
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
   check_range("read_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
@@ -870,12 +861,9 @@ void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::siz
 void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n,
                                        const float* in) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
+  impl::entry_guard g(self, "write_state_range", entry_needs::opened | entry_needs::initialized);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
-  self.refuse_if_speculating("write_state_range");
-  self.refuse_in_child("write_state_range");
+  g.require("write_state_range", entry_needs::not_speculating | entry_needs::in_parent);
   check_range("write_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
@@ -891,8 +879,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
 
 void detail::inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth) {
   auto& self = *o.impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
+  streamed_adamw::impl::entry_guard g(self, "inject_file_fault", entry_needs::opened);
   committed_store* store = self.tier_home->store();
   DFA_EXPECTS(store != nullptr, "inject_file_fault: the optimizer has no file tier", invalid_state);
   store->file().inject(op, kind, nth);
