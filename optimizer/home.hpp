@@ -14,7 +14,7 @@
 //    between its storage and the piece's slot on the pipeline's streams, with the tier's
 //    own waits (the file tier's reads ahead and its ring of staging buffers).
 //  - second_copy (host, file): a shard can be stepped into a second copy of its state
-//    that a commit makes current (Note [Speculative steps] in streamed_adamw.cpp).
+//    that a commit makes current (Note [Speculative steps] in speculation.cpp).
 //  - committed_store (file): the state lives outside the process and changes only by
 //    commits (a pass, a checkpoint load, a state write); without it a home updates in
 //    place.

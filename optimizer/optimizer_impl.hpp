@@ -1,5 +1,6 @@
 // The streamed_adamw facade's private state (streamed_adamw.cpp: construction, initialize
-// / step / sync, state ranges; resident.cpp; checkpoint.cpp), on top of the layers below.
+// / step / sync, state ranges; speculation.cpp; state_writes.cpp; resident.cpp;
+// checkpoint.cpp), on top of the layers below.
 //
 // Note [Optimizer layers]
 //
@@ -28,8 +29,9 @@
 // counts (set together by adopt(); the shards' step counts and speculation flags are the
 // shard table's).
 // Limits: the facade's state is one struct, private to streamed_adamw and shared by its
-// files (streamed_adamw.cpp, resident.cpp, checkpoint.cpp); the layers it holds and its
-// counts are plain members that those files read.
+// files (streamed_adamw.cpp, speculation.cpp, state_writes.cpp, resident.cpp,
+// checkpoint.cpp); the layers it holds and its counts are plain members that those
+// files read.
 #pragma once
 #include <deferalloc/core/chunk_pool.hpp>
 #include <deferalloc/core/reservations.hpp>
@@ -113,6 +115,9 @@ struct window_shape {
 /// The window's shape for a tier of `traits`; a depth of 0 in `cfg` becomes the tier's (or
 /// what the window holds).  Throws invalid_argument when the window holds no piece.
 window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule);
+
+/// What a call that would change a speculated shard's state is refused for.
+inline constexpr char k_pending[] = "a pending speculative step (commit_speculation or discard_speculation first)";
 
 /// What an entry of the facade needs checked on entry (impl::entry_guard, Note [Entry guard]),
 /// in the order the checks run.

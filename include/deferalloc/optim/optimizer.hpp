@@ -203,7 +203,7 @@ class DFA_API streamed_adamw {
             stream_t stream = nullptr);
 
   /// A speculative step (host and file tiers; Note [Speculative steps] in
-  /// optimizer/streamed_adamw.cpp): steps the shards with a gradient as step() does
+  /// optimizer/speculation.cpp): steps the shards with a gradient as step() does
   /// (same arithmetic, same BF16 parameters written), but writes their new state into a
   /// second pinned copy (file tier: the state file's inactive slot; commit carries the
   /// shards not stepped into it and writes one commit record; a plain step() is refused
