@@ -400,15 +400,15 @@ void streamed_adamw::impl::read_shard_file(std::size_t s, const std::string& pat
       // Main of an FP32 parameter goes into the parameter (a committed store: into its
       // durable copy, which the export at the end writes into the parameter).
       const bool param = c.a == state_array::main && param_is_main(shards[s].info);
-      float* home = param ? nullptr : h.host_array(s, c.a);
-      if (home) home += c.e0;
-      if (copy && home && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
+      float* pinned = param ? nullptr : h.host_array(s, c.a);
+      if (pinned) pinned += c.e0;
+      if (copy && pinned && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(pinned) % file_store::align == 0) {
         // Nothing to keep (a fresh home, or all verified by the first pass): straight
         // into the pinned home, no bounce and no copy.  A second pass reads from the
         // page cache and checks the bytes again (a page dropped in between is read
         // from the disk again, which must not return other bytes unnoticed).
-        detail::pread_all(fd, home, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
-        sums[c.a][c.index] = checksum64(home, io);
+        detail::pread_all(fd, pinned, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
+        sums[c.a][c.index] = checksum64(pinned, io);
         return;
       }
       detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);

@@ -13,8 +13,8 @@
 //     and flags, and the state arrays' order;
 //  2. the window and the streams (window.hpp): the slots a pass moves pieces through and
 //     their physical backing; the three streams and their events;
-//  3. the homes (home.hpp, home.cpp; Note [Homes]): where the state lives between
-//     passes, a narrow interface and optional capabilities;
+//  3. the homes (home.hpp, home.cpp, file_home.hpp/.cpp; Note [Homes]): where the state
+//     lives between passes, a narrow interface and optional capabilities;
 //  4. the window pipeline (window_pipeline.hpp/.cpp; Note [Window pipeline]): one pass,
 //     given its plan (pieces, what to move), its step's inputs (gradients, scalars) and
 //     the parts it runs on as data; its figures go into a step_report;
@@ -81,7 +81,7 @@ class step_retry {
   bool resident_stepped_ = false;  // its resident shards are enqueued
 };
 
-/// The state write open on the facade (Note [State writes] in home.cpp): whether one is
+/// The state write open on the facade (Note [State writes] in file_home.cpp): whether one is
 /// open, who opened it and the counts it changes, restored if it is dropped.
 class open_state_write {
  public:
@@ -184,7 +184,7 @@ struct streamed_adamw::impl {
   void open_write(bool implicit);
   /// Before a write of the state (a range, a shard's step): the file tier writes only
   /// within a state write, one of its own (implicit) when none is open, published by the
-  /// next call that uses the state (Note [State writes] in home.cpp); in-place tiers need none.
+  /// next call that uses the state (Note [State writes] in file_home.cpp); in-place tiers need none.
   void ensure_state_write();
   /// Ends the open state write: published, or dropped (the file tier's counts restored).
   void close_write(bool publish);

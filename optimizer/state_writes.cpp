@@ -1,4 +1,4 @@
-// State writes (Note [State writes] in home.cpp): a write of the state opened, ended,
+// State writes (Note [State writes] in file_home.cpp): a write of the state opened, ended,
 // and settled by the next call that uses the state, on the facade (layer 5.5, Note
 // [Optimizer layers]).
 #include <deferalloc/core/errors.hpp>

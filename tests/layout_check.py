@@ -74,6 +74,7 @@ LAYERS = [
     ("optimizer/window", 5.2),           #   the window's slots and the streams,
     ("optimizer/progress", 5.2),         #   progress reports,
     ("optimizer/home", 5.3),             #   the homes (tiers),
+    ("optimizer/file_home", 5.3),        #   the file tier's home, over the file store,
     ("optimizer/window_pipeline", 5.4),  #   the window pipeline,
     ("optimizer", 5.5),                  #   the streamed_adamw facade, resident shards, checkpoints
     ("optimizer/distributed", 6),  # the ZeRO-1 optimizer over NCCL
