@@ -197,10 +197,9 @@ void streamed_adamw::impl::write_param(std::size_t s, std::size_t e0, std::size_
 
 void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, float* exp_avg_sq) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(shard < self.shards.size(), "read_state: no shard " + std::to_string(shard));
-  DFA_EXPECTS(self.initialized, "read_state: no state yet", invalid_state);
-  self.settle_writes("read_state");
+  g.require("read_state", entry_needs::initialized | entry_needs::settled, "read_state: no state yet");
   const per_array<float*> outs{{main, exp_avg, exp_avg_sq}};
   for (state_array a : k_state_arrays)
     if (outs[a]) self.read_home(shard, a, 0, self.shards[shard].info.numel, outs[a]);
@@ -210,9 +209,7 @@ void streamed_adamw::read_state(std::size_t shard, float* main, float* exp_avg, 
 
 void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   auto& self = *o.impl_;
-  std::lock_guard lk(self.mu);
-  DFA_EXPECTS(self.initialized, "save_checkpoint: no state yet (initialize() first)", invalid_state);
-  self.settle_writes("save_checkpoint");
+  streamed_adamw::impl::entry_guard g(self, "save_checkpoint", entry_needs::initialized | entry_needs::settled);
   std::ostringstream m;
   m << k_header << ' ' << k_version << '\n';
   m << "step " << self.step_count << '\n';
@@ -278,14 +275,26 @@ void detail::write_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   write_new_file(dir + "/manifest.txt", [&](int fd, const std::string& path) { write_all(fd, all.data(), all.size(), path); });
 }
 
-void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
-  auto& self = *o.impl_;
-  std::lock_guard lk(self.mu);
-  self.refuse_if_speculating("load_checkpoint");
-  self.refuse_in_child("load_checkpoint");
-  self.settle_writes("load_checkpoint");
-  self.open_state();
-  const std::string mpath = dir + "/manifest.txt";
+namespace {
+
+// One shard's line of a manifest.
+struct manifest_entry {
+  std::size_t numel = 0;
+  std::string file;
+  per_array<std::uint64_t> sum;
+  std::uint64_t step = 0;  // the shard's step count (format 2: the checkpoint's)
+};
+
+// A checkpoint's manifest, parsed and checked against the optimizer's shards.
+struct manifest {
+  std::uint64_t step = 0;
+  bool moments_written = false;
+  adamw_params adamw{};
+  std::vector<manifest_entry> shards;
+};
+
+// The text of `mpath` without its end record, after checking the record's checksum.
+std::string verified_manifest_text(const std::string& mpath) {
   const std::string all = detail::read_text_file(mpath, "load_checkpoint");
   const auto endpos = all.rfind("end ");
   if (endpos == std::string::npos) throw corrupt_data("load_checkpoint: " + mpath + " is truncated (no end record)");
@@ -293,20 +302,54 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   std::snprintf(expect_end, sizeof expect_end, "end %016" PRIx64 "\n", checksum64(all.data(), endpos));
   if (all.compare(endpos, std::string::npos, expect_end) != 0)
     throw corrupt_data("load_checkpoint: " + mpath + " fails its checksum");
-  std::istringstream m(all.substr(0, endpos));
+  return all.substr(0, endpos);
+}
+
+// The shard lines of a manifest of format `version` (whose checkpoint step is `step`).
+std::vector<manifest_entry> parse_shard_lines(std::istream& m, int version, std::uint64_t step, const shard_table& shards,
+                                              const std::string& mpath) {
+  std::string word;
+  std::size_t count = 0;
+  m >> word >> count;
+  if (!m || count != shards.size())
+    throw corrupt_data("load_checkpoint: layout mismatch: the checkpoint has " + std::to_string(count) +
+                       " shards, this optimizer has " + std::to_string(shards.size()));
+  std::vector<manifest_entry> es(count);
+  for (std::size_t s = 0; s < count; ++s) {
+    std::size_t idx = 0;
+    std::string dtype, sums[3];
+    m >> word >> idx >> word >> es[s].numel >> word >> dtype >> word >> es[s].file >> word >> sums[0] >> word >> sums[1] >>
+        word >> sums[2];
+    es[s].step = step;
+    if (version == k_version) m >> word >> es[s].step;
+    if (!m || idx != s || dtype != "fp32" || (version == k_version && word != "step")) throw corrupt_data("load_checkpoint: " + mpath + ": bad shard record " + std::to_string(s));
+    if (es[s].numel != shards[s].info.numel)
+      throw corrupt_data("load_checkpoint: layout mismatch: checkpoint shard " + std::to_string(s) + " has " +
+                         std::to_string(es[s].numel) + " elements, this optimizer's shard " + std::to_string(s) + " ('" +
+                         shards[s].info.name + "') has " + std::to_string(shards[s].info.numel));
+    if (es[s].file.find('/') != std::string::npos) throw corrupt_data("load_checkpoint: bad file name in " + mpath);
+    for (state_array a : k_state_arrays) es[s].sum[a] = std::strtoull(sums[array_index(a)].c_str(), nullptr, 16);
+  }
+  return es;
+}
+
+// Parse step: dir/manifest.txt, its checksum verified, its layout checked against `shards`.
+manifest parse_manifest(const std::string& dir, const shard_table& shards) {
+  const std::string mpath = dir + "/manifest.txt";
+  std::istringstream m(verified_manifest_text(mpath));
   std::string word;
   int version = 0;
-  std::uint64_t step = 0;
   int moments = 0;
-  std::size_t count = 0, chunk_bytes = 0;
-  adamw_params h{};
+  std::size_t chunk_bytes = 0;
+  manifest out;
   std::string lr, b1, b2, eps, wd, k1, k2, k3, k4, k5;
   m >> word >> version;
   if (word != k_header) throw corrupt_data("load_checkpoint: " + mpath + " is not a deferalloc optimizer checkpoint");
   if (version != k_version && version != k_version_one_step)
     throw corrupt_data("load_checkpoint: " + mpath + " has format version " + std::to_string(version) + ", this build reads " +
                        std::to_string(k_version_one_step) + " and " + std::to_string(k_version));
-  m >> word >> step >> word >> moments;
+  m >> word >> out.step >> word >> moments;
+  out.moments_written = moments != 0;
   const auto before_format = m.tellg();
   std::string format = "fp32";  // a record of how the moments were stored; any format loads into any
   if (m >> word && word == "moment_format") m >> format;
@@ -317,110 +360,103 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
     throw corrupt_data("load_checkpoint: " + mpath + " names an unknown moment format '" + format + "'");
   }
   m >> word >> k1 >> lr >> k2 >> b1 >> k3 >> b2 >> k4 >> eps >> k5 >> wd;
-  h.lr = std::strtod(lr.c_str(), nullptr);
-  h.beta1 = std::strtod(b1.c_str(), nullptr);
-  h.beta2 = std::strtod(b2.c_str(), nullptr);
-  h.eps = std::strtod(eps.c_str(), nullptr);
-  h.weight_decay = std::strtod(wd.c_str(), nullptr);
+  out.adamw.lr = std::strtod(lr.c_str(), nullptr);
+  out.adamw.beta1 = std::strtod(b1.c_str(), nullptr);
+  out.adamw.beta2 = std::strtod(b2.c_str(), nullptr);
+  out.adamw.eps = std::strtod(eps.c_str(), nullptr);
+  out.adamw.weight_decay = std::strtod(wd.c_str(), nullptr);
   m >> word >> chunk_bytes;
   if (!m || word != "chunk_bytes" || chunk_bytes != k_chunk)
     throw corrupt_data("load_checkpoint: " + mpath + ": bad chunk_bytes record");
-  m >> word >> count;
-  if (!m || count != self.shards.size())
-    throw corrupt_data("load_checkpoint: layout mismatch: the checkpoint has " + std::to_string(count) +
-                       " shards, this optimizer has " + std::to_string(self.shards.size()));
-  struct entry {
-    std::size_t numel;
-    std::string file;
-    per_array<std::uint64_t> sum;
-    std::uint64_t step = 0;  // the shard's step count (format 2: the checkpoint's)
-  };
-  std::vector<entry> es(count);
-  for (std::size_t s = 0; s < count; ++s) {
-    std::size_t idx = 0;
-    std::string dtype, sums[3];
-    m >> word >> idx >> word >> es[s].numel >> word >> dtype >> word >> es[s].file >> word >> sums[0] >> word >> sums[1] >>
-        word >> sums[2];
-    es[s].step = step;
-    if (version == k_version) m >> word >> es[s].step;
-    if (!m || idx != s || dtype != "fp32" || (version == k_version && word != "step")) throw corrupt_data("load_checkpoint: " + mpath + ": bad shard record " + std::to_string(s));
-    if (es[s].numel != self.shards[s].info.numel)
-      throw corrupt_data("load_checkpoint: layout mismatch: checkpoint shard " + std::to_string(s) + " has " +
-                         std::to_string(es[s].numel) + " elements, this optimizer's shard " + std::to_string(s) + " ('" +
-                         self.shards[s].info.name + "') has " + std::to_string(self.shards[s].info.numel));
-    if (es[s].file.find('/') != std::string::npos) throw corrupt_data("load_checkpoint: bad file name in " + mpath);
-    for (state_array a : k_state_arrays) es[s].sum[a] = std::strtoull(sums[array_index(a)].c_str(), nullptr, 16);
+  out.shards = parse_shard_lines(m, version, out.step, shards, mpath);
+  return out;
+}
+
+}  // namespace
+
+void streamed_adamw::impl::read_shard_file(std::size_t s, const std::string& path, const per_array<std::uint64_t>& expect,
+                                           bool copy, bool cached, int slot) {
+  committed_store* store = tier_home->store();
+  const std::size_t numel = shards[s].info.numel;
+  // Two passes read through the page cache, so the second is served from memory
+  // where it fits; one pass reads direct.
+  const int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC;
+  int fd = cached ? ::open(path.c_str(), flags) : detail::open_direct(path, flags);
+  if (fd < 0) throw io_error("load_checkpoint: cannot open " + path + ": " + std::strerror(errno));
+  try {
+    const std::uint64_t array_bytes = file_store::io_bytes(numel);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != 3 * array_bytes)
+      throw corrupt_data("load_checkpoint: " + path + " has " + std::to_string(st.st_size) + " bytes, expected " +
+                         std::to_string(3 * array_bytes));
+    const auto cs = chunks_of(numel);
+    per_array<std::vector<std::uint64_t>> sums;
+    for (const auto& c : cs) sums[c.a].resize(c.index + 1);
+    for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
+      const std::size_t io = file_store::io_bytes(c.n);
+      // The pinned home takes the file's bytes as they are only when it holds FP32
+      // (compressed moments are encoded by write_chunk(); a resident shard is on the device).
+      auto& h = home_of(s);
+      // Main of an FP32 parameter goes into the parameter (a committed store: into its
+      // durable copy, which the export at the end writes into the parameter).
+      const bool param = c.a == state_array::main && param_is_main(shards[s].info);
+      float* pinned = param ? nullptr : h.host_array(s, c.a);
+      if (pinned) pinned += c.e0;
+      if (copy && pinned && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(pinned) % file_store::align == 0) {
+        // Nothing to keep (a fresh home, or all verified by the first pass): straight
+        // into the pinned home, no bounce and no copy.  A second pass reads from the
+        // page cache and checks the bytes again (a page dropped in between is read
+        // from the disk again, which must not return other bytes unnoticed).
+        detail::pread_all(fd, pinned, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
+        sums[c.a][c.index] = checksum64(pinned, io);
+        return;
+      }
+      detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
+      sums[c.a][c.index] = checksum64(buf, io);
+      if (!copy) return;
+      if (param && !store) write_param(s, c.e0, c.n, reinterpret_cast<const float*>(buf));
+      else h.write_chunk(s, c.a, c.e0, c.n, buf, slot);
+    });
+    if (cached && copy) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    for (state_array a : k_state_arrays)
+      if (fold(sums[a]) != expect[a])
+        throw corrupt_data("load_checkpoint: " + std::string(array_name(a)) + " of shard " + std::to_string(s) + " in " +
+                           path + " fails its checksum (the file is corrupt)");
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
+  ::close(fd);
+}
+
+void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
+  auto& self = *o.impl_;
+  streamed_adamw::impl::entry_guard g(self, "load_checkpoint", entry_needs::not_speculating | entry_needs::in_parent);
+  g.require("load_checkpoint", entry_needs::settled);
+  g.require("load_checkpoint", entry_needs::opened);
+  const manifest man = parse_manifest(dir, self.shards);
+  const auto& es = man.shards;
   // One pass when nothing changes until the end (file tier: the inactive slot, committed
-  // last; or no state yet); else verify first, then copy.  See Note [Checkpoint generations].
+  // last; or no state yet); else a verify pass, then a copy pass.  See Note [Checkpoint generations].
   committed_store* store = self.tier_home->store();
   // FP32 parameters are main and are written in place too: verified first.
   bool params = false;
-  for (std::size_t s = 0; s < count; ++s) params = params || param_is_main(self.shards[s].info);
+  for (std::size_t s = 0; s < es.size(); ++s) params = params || param_is_main(self.shards[s].info);
   const bool in_place = !store && (self.initialized || params);
   const int slot = store ? store->load_slot() : 0;
   std::size_t done = 0, total = 0;
-  for (std::size_t s = 0; s < count; ++s) total += (in_place ? 2 : 1) * es[s].numel;  // verified, then written
+  for (const auto& e : es) total += (in_place ? 2 : 1) * e.numel;  // verified, then written
   progress_meter progress(self.cfg, "checkpoint load", total);
   for (int pass = in_place ? 0 : 1; pass < 2; ++pass)
-    for (std::size_t s = 0; s < count; ++s) {
-      const std::string path = dir + "/" + es[s].file;
-      // Two passes read through the page cache, so the second is served from memory
-      // where it fits; one pass reads direct.
-      const int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC;
-      int fd = in_place ? ::open(path.c_str(), flags) : detail::open_direct(path, flags);
-      if (fd < 0) throw io_error("load_checkpoint: cannot open " + path + ": " + std::strerror(errno));
-      try {
-        const std::uint64_t array_bytes = file_store::io_bytes(es[s].numel);
-        struct stat st {};
-        if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) != 3 * array_bytes)
-          throw corrupt_data("load_checkpoint: " + path + " has " + std::to_string(st.st_size) + " bytes, expected " +
-                             std::to_string(3 * array_bytes));
-        const auto cs = chunks_of(es[s].numel);
-        per_array<std::vector<std::uint64_t>> sums;
-        for (const auto& c : cs) sums[c.a].resize(c.index + 1);
-        for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
-          const std::size_t io = file_store::io_bytes(c.n);
-          // The pinned home takes the file's bytes as they are only when it holds FP32
-          // (compressed moments are encoded by write_chunk(); a resident shard is on the device).
-          auto& h = self.home_of(s);
-          // Main of an FP32 parameter goes into the parameter (a committed store: into its
-          // durable copy, which the export at the end writes into the parameter).
-          const bool param = c.a == state_array::main && param_is_main(self.shards[s].info);
-          float* home = param ? nullptr : h.host_array(s, c.a);
-          if (home) home += c.e0;
-          if (pass == 1 && home && io == c.n * 4 && reinterpret_cast<std::uintptr_t>(home) % file_store::align == 0) {
-            // Nothing to keep (a fresh home, or all verified by the first pass): straight
-            // into the pinned home, no bounce and no copy.  A second pass reads from the
-            // page cache and checks the bytes again (a page dropped in between is read
-            // from the disk again, which must not return other bytes unnoticed).
-            detail::pread_all(fd, home, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
-            sums[c.a][c.index] = checksum64(home, io);
-            return;
-          }
-          detail::pread_all(fd, buf, io, array_index(c.a) * array_bytes + c.e0 * 4, path);
-          sums[c.a][c.index] = checksum64(buf, io);
-          if (pass == 0) return;
-          if (param && !store) self.write_param(s, c.e0, c.n, reinterpret_cast<const float*>(buf));
-          else h.write_chunk(s, c.a, c.e0, c.n, buf, slot);
-        });
-        if (in_place && pass == 1) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-        for (state_array a : k_state_arrays)
-          if (fold(sums[a]) != es[s].sum[a])
-            throw corrupt_data("load_checkpoint: " + std::string(array_name(a)) + " of shard " + std::to_string(s) + " in " +
-                               path + " fails its checksum (the file is corrupt)");
-      } catch (...) {
-        ::close(fd);
-        throw;
-      }
-      ::close(fd);
+    for (std::size_t s = 0; s < es.size(); ++s) {
+      self.read_shard_file(s, dir + "/" + es[s].file, es[s].sum, /*copy=*/pass == 1, /*cached=*/in_place, slot);
       progress.report(done += es[s].numel);
     }
-  state_counts loaded{step, moments != 0, {}};
+  state_counts loaded{man.step, man.moments_written, {}};
   for (const auto& e : es) loaded.shard_steps.push_back(e.step);
   if (store) store->commit_load(slot, loaded);
   self.adopt(loaded);
-  self.cfg.adamw = h;
+  self.cfg.adamw = man.adamw;
   self.retry.clear();
   self.sync_model(nullptr);
   self.drv->synchronize_stream(nullptr);
@@ -433,7 +469,7 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
   DFA_EXPECTS(initialized(), "save_checkpoint: no state yet (initialize() first)", invalid_state);
   detail::check_dir(dir, "save_checkpoint");
   {
-    std::lock_guard lk(impl_->mu);
+    impl::entry_guard g(*impl_);
     impl_->pruner.wait();  // the previous save's (one prune at a time)
   }
   const std::uint64_t n = detail::next_generation(dir, "save_checkpoint");
@@ -451,20 +487,19 @@ void streamed_adamw::save_checkpoint(const std::string& dir) {
     std::filesystem::remove_all(tmp, ec);
     throw;
   }
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard g(*impl_);
   impl_->pruner.start(dir, n);
 }
 
 void detail::wait_checkpoint_prune(streamed_adamw& o) {
-  std::lock_guard lk(o.impl_->mu);
+  streamed_adamw::impl::entry_guard g(*o.impl_);
   o.impl_->pruner.wait();
 }
 
 void streamed_adamw::load_checkpoint(const std::string& dir) {
   DFA_EXPECTS(!dir.empty(), "load_checkpoint: directory is empty");
   {
-    std::lock_guard lk(impl_->mu);
-    impl_->refuse_if_speculating("load_checkpoint");  // before looking for a generation
+    impl::entry_guard g(*impl_, "load_checkpoint", entry_needs::not_speculating);  // before looking for a generation
   }
   detail::read_checkpoint_files(*this, detail::newest_generation(dir, "load_checkpoint"));
 }

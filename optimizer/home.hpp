@@ -1,11 +1,13 @@
-// Homes: where a shard's state lives between passes, one class per tier (home.cpp).  The
+// Homes: where a shard's state lives between passes, one class per tier (home.cpp,
+// file_home.cpp).  The
 // optimizer's third layer (Note [Optimizer layers] in optimizer_impl.hpp).
 //
 // Note [Homes]
 //
 // Rationale: the three tiers differ in where a shard's state lives between passes, and in
 // nothing else: the pipeline, the kernels, state ranges and checkpoints are the same.
-// Approach: one home per tier (device_home, host_home, file_home in home.cpp, made by
+// Approach: one home per tier (device_home, host_home in home.cpp, file_home in
+// file_home.cpp over the file store and given only the file tier's settings, made by
 // make_home from the tier; resident shards of a host-tier optimizer have a device home of
 // their own).  Every home backs a shard's state and reads / writes ranges of it in host
 // memory (state ranges, checkpoints): the methods of `home`.  What only some tiers
@@ -14,7 +16,7 @@
 //    between its storage and the piece's slot on the pipeline's streams, with the tier's
 //    own waits (the file tier's reads ahead and its ring of staging buffers).
 //  - second_copy (host, file): a shard can be stepped into a second copy of its state
-//    that a commit makes current (Note [Speculative steps] in streamed_adamw.cpp).
+//    that a commit makes current (Note [Speculative steps] in speculation.cpp).
 //  - committed_store (file): the state lives outside the process and changes only by
 //    commits (a pass, a checkpoint load, a state write); without it a home updates in
 //    place.
@@ -195,13 +197,21 @@ class committed_store {
   /// commit_load publishes it with `counts`.
   virtual int load_slot() const = 0;
   virtual void commit_load(int slot, const state_counts& counts) = 0;
-  /// Note [State writes] (home.cpp): writes between begin_write and end_write(true) are
+  /// Note [State writes] (file_home.cpp): writes between begin_write and end_write(true) are
   /// published together with `counts` (the counts then); end_write(false) drops them.
   virtual void begin_write() = 0;
   virtual void end_write(bool publish, const state_counts& counts) = 0;
   /// The state file (fault injection in tests).
   virtual detail::file_store& file() = 0;
 };
+
+/// Copies `bytes` between `dev` and host memory `host` on `s` (to the device when
+/// `to_device`); returns `bytes`.  A piece_mover's copy of one run.
+inline std::size_t copy_run(stream_ops& drv, char* dev, char* host, std::size_t bytes, bool to_device, stream_t s) {
+  if (to_device) drv.copy_async(dev, host, bytes, s);
+  else drv.copy_async(host, dev, bytes, s);
+  return bytes;
+}
 
 /// Bytes of one array of `numel` elements kept in HBM (device tier, resident shards):
 /// rounded up to the granule.

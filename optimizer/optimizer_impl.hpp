@@ -1,5 +1,6 @@
 // The streamed_adamw facade's private state (streamed_adamw.cpp: construction, initialize
-// / step / sync, state ranges; resident.cpp; checkpoint.cpp), on top of the layers below.
+// / step / sync, state ranges; speculation.cpp; state_writes.cpp; resident.cpp;
+// checkpoint.cpp), on top of the layers below.
 //
 // Note [Optimizer layers]
 //
@@ -12,8 +13,8 @@
 //     and flags, and the state arrays' order;
 //  2. the window and the streams (window.hpp): the slots a pass moves pieces through and
 //     their physical backing; the three streams and their events;
-//  3. the homes (home.hpp, home.cpp; Note [Homes]): where the state lives between
-//     passes, a narrow interface and optional capabilities;
+//  3. the homes (home.hpp, home.cpp, file_home.hpp/.cpp; Note [Homes]): where the state
+//     lives between passes, a narrow interface and optional capabilities;
 //  4. the window pipeline (window_pipeline.hpp/.cpp; Note [Window pipeline]): one pass,
 //     given its plan (pieces, what to move), its step's inputs (gradients, scalars) and
 //     the parts it runs on as data; its figures go into a step_report;
@@ -28,8 +29,9 @@
 // counts (set together by adopt(); the shards' step counts and speculation flags are the
 // shard table's).
 // Limits: the facade's state is one struct, private to streamed_adamw and shared by its
-// files (streamed_adamw.cpp, resident.cpp, checkpoint.cpp); the layers it holds and its
-// counts are plain members that those files read.
+// files (streamed_adamw.cpp, speculation.cpp, state_writes.cpp, resident.cpp,
+// checkpoint.cpp); the layers it holds and its counts are plain members that those
+// files read.
 #pragma once
 #include <deferalloc/core/chunk_pool.hpp>
 #include <deferalloc/core/reservations.hpp>
@@ -38,6 +40,8 @@
 #include <map>
 #include <mutex>
 #include <span>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -77,7 +81,7 @@ class step_retry {
   bool resident_stepped_ = false;  // its resident shards are enqueued
 };
 
-/// The state write open on the facade (Note [State writes] in home.cpp): whether one is
+/// The state write open on the facade (Note [State writes] in file_home.cpp): whether one is
 /// open, who opened it and the counts it changes, restored if it is dropped.
 class open_state_write {
  public:
@@ -111,6 +115,21 @@ struct window_shape {
 /// The window's shape for a tier of `traits`; a depth of 0 in `cfg` becomes the tier's (or
 /// what the window holds).  Throws invalid_argument when the window holds no piece.
 window_shape shape_window(optimizer_config& cfg, const home_traits& traits, std::size_t granule);
+
+/// What a call that would change a speculated shard's state is refused for.
+inline constexpr char k_pending[] = "a pending speculative step (commit_speculation or discard_speculation first)";
+
+/// What an entry of the facade needs checked on entry (impl::entry_guard, Note [Entry guard]),
+/// in the order the checks run.
+struct entry_needs {
+  enum : unsigned {
+    opened = 1u,           // open_state(): a resumed state file's counts are read
+    initialized = 2u,      // state exists (else invalid_state, "<fn>: no state yet (initialize() first)")
+    settled = 4u,          // settle_writes(fn)
+    not_speculating = 8u,  // refuse_if_speculating(fn)
+    in_parent = 16u,       // refuse_in_child(fn)
+  };
+};
 
 struct streamed_adamw::impl {
   std::mutex mu;
@@ -165,7 +184,7 @@ struct streamed_adamw::impl {
   void open_write(bool implicit);
   /// Before a write of the state (a range, a shard's step): the file tier writes only
   /// within a state write, one of its own (implicit) when none is open, published by the
-  /// next call that uses the state (Note [State writes] in home.cpp); in-place tiers need none.
+  /// next call that uses the state (Note [State writes] in file_home.cpp); in-place tiers need none.
   void ensure_state_write();
   /// Ends the open state write: published, or dropped (the file tier's counts restored).
   void close_write(bool publish);
@@ -216,6 +235,11 @@ struct streamed_adamw::impl {
   /// (synchronous, after the work on exec; Note [The parameter is the truth]).
   void read_param(std::size_t s, std::size_t e0, std::size_t n, float* out);
   void write_param(std::size_t s, std::size_t e0, std::size_t n, const float* in);
+  /// A checkpoint load's step over shard `s`'s file at `path` (checkpoint.cpp): reads it,
+  /// verifies each array against `expect`, and with `copy` writes it into the home (in
+  /// `slot` for a committed store); `cached` reads through the page cache, else direct.
+  void read_shard_file(std::size_t s, const std::string& path, const per_array<std::uint64_t>& expect, bool copy,
+                       bool cached, int slot);
   /// A speculative step's FP32 parameters back to their values before it, for the first
   /// `pieces` of `ps` (all: discard_speculation; a failed pass: those it kept).
   void restore_params(const std::vector<piece_ref>& ps, std::size_t pieces);
@@ -244,6 +268,42 @@ struct streamed_adamw::impl {
     edit_hashed.assign(shards.size(), 0);
     edit_checked.clear();
   }
+
+  /// Note [Entry guard]
+  /// Rationale: every public entry of the facade takes the lock and checks the state it
+  /// needs (opened, initialized, no explicit state write open, no speculation pending, not a
+  /// forked child); written out in each, the preamble and its messages drifted.
+  /// Approach: an entry holds an entry_guard for its whole body (the lock), and asks it for
+  /// what it needs with require(fn, needs), which runs the checks of entry_needs in one
+  /// fixed order: open_state, initialized, settle_writes, refuse_if_speculating,
+  /// refuse_in_child.  An entry whose checks run in another order (or between its own
+  /// argument checks) calls require() more than once.  The messages are fn's, as the
+  /// checks themselves write them.
+  /// Limits: not on any hot path (once per call); checks that only one entry makes stay in it.
+  class entry_guard {
+   public:
+    explicit entry_guard(impl& self) : self_(self), lk_(self.mu) {}
+    entry_guard(impl& self, const char* fn, unsigned needs) : entry_guard(self) { require(fn, needs); }
+    entry_guard(const entry_guard&) = delete;
+    entry_guard& operator=(const entry_guard&) = delete;
+
+    /// The checks of `needs` (entry_needs) for entry `fn`, in their order; `no_state`
+    /// replaces the message of entry_needs::initialized.
+    void require(const char* fn, unsigned needs, std::string_view no_state = {}) const {
+      if (needs & entry_needs::opened) self_.open_state();
+      if (needs & entry_needs::initialized)
+        DFA_EXPECTS(self_.initialized,
+                    no_state.empty() ? std::string(fn) + ": no state yet (initialize() first)" : std::string(no_state),
+                    invalid_state);
+      if (needs & entry_needs::settled) self_.settle_writes(fn);
+      if (needs & entry_needs::not_speculating) self_.refuse_if_speculating(fn);
+      if (needs & entry_needs::in_parent) self_.refuse_in_child(fn);
+    }
+
+   private:
+    impl& self_;
+    std::lock_guard<std::mutex> lk_;
+  };
 };
 
 }  // namespace deferalloc::optim

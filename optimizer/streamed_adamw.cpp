@@ -1,5 +1,6 @@
 // The streamed optimizer's facade: construction, queries, initialize / step / sync and
-// state ranges, over the layers of Note [Optimizer layers] (optimizer_impl.hpp).
+// state ranges, over the layers of Note [Optimizer layers] (optimizer_impl.hpp); speculative
+// steps are in speculation.cpp, state writes in state_writes.cpp.
 #include <deferalloc/core/errors.hpp>
 #include <deferalloc/core/reservations.hpp>
 #include <deferalloc/optim/optimizer.hpp>
@@ -58,11 +59,6 @@ moment_format parse_moment_format(const std::string& s) {
 
 using clk = std::chrono::steady_clock;
 using detail::adamw_scalars;
-
-namespace {
-// What a call that would change a speculated shard's state is refused for.
-const std::string k_pending = "a pending speculative step (commit_speculation or discard_speculation first)";
-}  // namespace
 
 // ---- construction -------------------------------------------------------------------
 
@@ -181,7 +177,7 @@ std::size_t streamed_adamw::add_shard(std::uint16_t* param_bf16, std::size_t num
 
 std::size_t streamed_adamw::add_shard(void* param, std::size_t numel, value_type t, int group, std::string name) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(!self.initialized, "add_shard: shards must be registered before initialize()", invalid_state);
   DFA_EXPECTS(param != nullptr, "add_shard: the parameter pointer is null");
   DFA_EXPECTS(numel > 0, "add_shard: numel is zero");
@@ -221,8 +217,8 @@ std::uint64_t streamed_adamw::steps() const { return impl_->step_count; }
 bool streamed_adamw::initialized() const { return impl_->initialized; }
 bool streamed_adamw::resumed() const {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  if (!self.shards.empty()) self.open_state();  // opens the state file: a damaged one throws here
+  impl::entry_guard g(self);
+  if (!self.shards.empty()) g.require("resumed", entry_needs::opened);  // opens the state file: a damaged one throws here
   committed_store* store = self.tier_home->store();
   return store && store->resumed();
 }
@@ -230,37 +226,35 @@ const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->sh
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {
   validate(p);
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard guard(*impl_);
   impl_->cfg.adamw = p;
   for (auto& [g, h] : impl_->groups) h = p;
 }
 void streamed_adamw::set_group(int g, const adamw_params& p) {
   DFA_EXPECTS(g >= 0, "set_group: group " + std::to_string(g) + " is negative");
   validate(p);
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard guard(*impl_);
   impl_->groups[g] = p;
 }
 adamw_params streamed_adamw::group(int g) const {
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard guard(*impl_);
   return impl_->hyper_of(g);
 }
 std::uint64_t streamed_adamw::shard_step(std::size_t s) const {
-  std::lock_guard lk(impl_->mu);
+  impl::entry_guard g(*impl_);
   DFA_EXPECTS(s < impl_->shards.size(), "shard_step: no shard " + std::to_string(s));
   return impl_->shards[s].step;
 }
 void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(s < self.shards.size(), "set_shard_step: no shard " + std::to_string(s));
   // A resumed file's counts are read first (else the resume would overwrite this one);
   // before any state the count would be reset by initialize(): refused, before a fresh
   // file tier creates its state file.
   const std::string no_state = "set_shard_step: no state yet (initialize() first, or a resumed state file)";
   DFA_EXPECTS(self.initialized || self.cfg.resume, no_state, invalid_state);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, no_state, invalid_state);
-  self.refuse_if_speculating("set_shard_step");
+  g.require("set_shard_step", entry_needs::opened | entry_needs::initialized | entry_needs::not_speculating, no_state);
   // The file tier publishes it with the state write under way, or with one of its own;
   // the others keep it in memory.
   self.ensure_state_write();
@@ -269,62 +263,11 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
 
 void streamed_adamw::set_shard_param(std::size_t s, void* param) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(s < self.shards.size(), "set_shard_param: no shard " + std::to_string(s));
   DFA_EXPECTS(param != nullptr, "set_shard_param: the parameter pointer is null");
-  self.refuse_if_speculating("set_shard_param");
+  g.require("set_shard_param", entry_needs::not_speculating);
   self.shards.set_param(s, param);
-}
-
-void streamed_adamw::impl::open_write(bool implicit) {
-  if (committed_store* store = tier_home->store()) store->begin_write();
-  state_write.begin(implicit, counts());
-}
-
-void streamed_adamw::impl::ensure_state_write() {
-  if (!state_write.open() && !in_place()) open_write(true);
-}
-
-void streamed_adamw::impl::close_write(bool publish) {
-  if (!state_write.open()) return;
-  const state_counts before = state_write.end();
-  // A write not published leaves the file tier's committed state, and so its counts;
-  // the in-place tiers keep what was written.
-  auto keep_old = [&] {
-    if (in_place()) return;
-    moments_written = before.moments_written;
-    for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = before.shard_steps[s];
-  };
-  try {
-    if (committed_store* store = tier_home->store()) store->end_write(publish, counts());
-  } catch (...) {
-    keep_old();
-    throw;
-  }
-  if (!publish) keep_old();
-}
-
-void streamed_adamw::impl::settle_writes(const char* fn) {
-  if (!state_write.open()) return;
-  DFA_EXPECTS(state_write.implicit(), std::string(fn) + ": a state write is open (end_state_write first)", invalid_state);
-  close_write(true);
-}
-
-void streamed_adamw::begin_state_write() {
-  auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "begin_state_write: no state yet (initialize() first)", invalid_state);
-  self.settle_writes("begin_state_write");
-  self.refuse_if_speculating("begin_state_write");
-  self.open_write(false);
-}
-
-void streamed_adamw::end_state_write(bool publish) {
-  auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  if (!self.state_write.open() || self.state_write.implicit()) return;
-  self.close_write(publish);
 }
 
 std::size_t streamed_adamw::piece_elements() const { return impl_->shape.piece; }
@@ -429,10 +372,10 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
 
 void streamed_adamw::initialize(stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(!self.shards.empty(), "initialize: no shard registered", invalid_state);
-  self.refuse_in_child("initialize");
-  self.open_state();
+  g.require("initialize", entry_needs::in_parent);
+  g.require("initialize", entry_needs::opened);
   DFA_EXPECTS(!self.initialized, self.tier_home->store() && self.tier_home->store()->resumed()
                                   ? "initialize: the file tier resumed committed state at step " +
                                         std::to_string(self.step_count) + " (call sync_model_params, not initialize)"
@@ -467,9 +410,9 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
 void streamed_adamw::step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                           stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   self.check_step("step", grads, gts, grad_scale);
-  self.settle_writes("step");
+  g.require("step", entry_needs::settled);
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     DFA_EXPECTS(grads[s] == nullptr || !self.shards[s].speculative,
                 "step: shard " + std::to_string(s) + " ('" + self.shards[s].info.name +
@@ -568,13 +511,6 @@ void streamed_adamw::impl::refuse_in_child(const char* fn) const {
                       std::to_string(owner_pid) + "; a forked child cannot change it (" + fn + ")");
 }
 
-void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
-  DFA_EXPECTS(shards.speculating() == 0,
-              std::string(fn) + ": " + std::to_string(shards.speculating()) +
-                  " shard(s) have " + k_pending,
-              invalid_state);
-}
-
 // Note [The parameter is the truth]
 //
 // Rationale: torch.optim.AdamW steps the parameter itself, so a user's edit of an FP32
@@ -606,155 +542,11 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 // of the last commit (an edit made since is lost); a file-tier state write that is
 // dropped leaves a written FP32 main in the parameter.
 
-// Note [Speculative steps]
-//
-// Rationale: a step overlapped with backward under gradient clipping (Note [Overlap with
-// backward] in python/deferalloc/overlap.py) must step each bucket before the global
-// gradient norm is known, and step it again from the previous state when the norm says
-// the gradients are clipped.  Keeping that state by copying it out costs 12 B/param of
-// host memory bandwidth per iteration (4 s per step for 1.1 G params on the H200), even
-// when no redo happens.
-// Approach: the host home keeps a second pinned copy of a shard's three arrays (same
-// layout, compressed moments included), allocated at the shard's first speculative step.
-// step_speculative() runs the ordinary step pass (same pieces, kernels, scalars from the
-// committed step count, BF16 parameters written), except that the write-back lands in
-// the second copy (pass_plan::speculative; the window's slot logic is unchanged): the
-// current copy is the kept state, for free.  commit_speculation() swaps the two copies of
-// each pending shard (pointer swaps) and advances their step counts; discard_speculation()
-// forgets the second copy (and puts FP32 parameters back).  A redo is discard, clip, step
-// again; it rewrites the BF16 parameters from the kept state, so the result is
-// bit-identical to the clipped plain step.  Everything else (state ranges, state_dict, save_checkpoint, sync_model_params)
-// reads the current copy; writes of the state (write_state_range, set_shard_step,
-// load_checkpoint) are refused while a speculation is pending, and so is a step() of a
-// pending shard.
-// File tier: its step already writes a second copy, the inactive slot of the state file,
-// published by the commit record.  A speculative step writes its shards there and commits
-// nothing; commit_speculation() carries the shards that were not stepped into that slot
-// (a pass that reads and writes them unchanged) and writes one commit record, so several
-// bucket passes of a step overlapped with backward cost one commit and move each shard
-// once (a plain step per bucket would carry, and fsync, the whole state each time);
-// discard_speculation() leaves the active slot as it was.  A plain step() is refused
-// while a speculation is pending (it would carry the pending shards' committed state
-// over their new one).
-// Limits: host and file tiers, streamed shards only (can_speculate): resident shards are
-// stepped in place in HBM, where a second copy would take the HBM the budget gave them,
-// and the device tier keeps one copy; those are refused with invalid_state and the
-// caller keeps their state itself (overlap.py copies it out).  Host tier memory: the second copy doubles the pinned host
-// memory of the shards stepped speculatively (12 B/param more with fp32 moments), held
-// until the optimizer is destroyed.  An FP32 parameter is its own main and is stepped in
-// place: its second copy holds the moments (8 B/param) and the kept parameter values
-// (4 B/param, copied D2H by the speculative step: Note [The parameter is the truth]),
-// which discard copies back, so a redo starts from the parameter as it was.
-
-void streamed_adamw::step_speculative(std::span<const void* const> grads, std::span<const value_type> gts,
-                                      float grad_scale, stream_t stream) {
-  auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.check_step("step_speculative", grads, gts, grad_scale);
-  self.settle_writes("step_speculative");
-  second_copy* copies = self.tier_home->speculation();
-  DFA_EXPECTS(copies != nullptr,
-              std::string("step_speculative: the ") + to_string(self.cfg.home) +
-                  " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
-              invalid_state);
-  DFA_EXPECTS(!self.retry.pending(), "step_speculative: a failed step awaits its retry (step() with the same gradients)",
-              invalid_state);
-  for (std::size_t s = 0; s < self.shards.size(); ++s) {
-    if (grads[s] == nullptr) continue;
-    const std::string which = "step_speculative: shard " + std::to_string(s) + " ('" + self.shards[s].info.name + "') ";
-    DFA_EXPECTS(!self.shards[s].resident, which + "is resident in HBM and stepped in place (step it with step())",
-                invalid_state);
-    DFA_EXPECTS(!self.shards[s].speculative,
-                which + "already has " + k_pending,
-                invalid_state);
-  }
-  // The second copies (and the room for FP32 parameters' values) before anything runs:
-  // running out of pinned memory changes nothing.
-  self.saved_params.resize(self.shards.size(), nullptr);
-  for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (grads[s] != nullptr) {
-      copies->prepare(s);
-      if (param_is_main(self.shards[s].info) && !self.saved_params[s])
-        self.saved_params[s] = static_cast<float*>(self.drv->host_alloc(self.shards[s].info.numel * 4));
-    }
-  self.report_edits();
-  try {
-    self.after(self.exec(), stream);
-    self.check_edits(grads);
-    self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, 0, true);
-    self.after(stream, self.exec());
-  } catch (...) {
-    self.retry.clear();  // the current copy is intact: nothing to resume
-    self.forget_edit_hashes();
-    throw;
-  }
-  self.report_edits();
-  self.hash_written(grads);
-  for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (grads[s] != nullptr) self.shards.mark_speculative(s);
-}
-
-void streamed_adamw::commit_speculation() {
-  auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  if (self.shards.speculating() == 0) return;
-  std::vector<bool> stepped(self.shards.size());
-  for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = self.shards[s].speculative;
-  const state_counts after = self.counts_after_step(stepped);
-  if (committed_store* store = self.tier_home->store()) {
-    // File tier: the shards not stepped are carried into the new slot, then one commit
-    // record publishes it.  A failure leaves the speculation pending (retry or discard).
-    const std::vector<const void*> none(self.shards.size(), nullptr);
-    const std::vector<value_type> gts(self.shards.size(), value_type::fp32);
-    // (The carry touches no parameter or gradient: it is ordered after no user stream.)
-    if (!self.pieces(pass_kind::step, none, false).empty()) self.run_pass(pass_kind::step, none, gts, 1.0f, self.exec(), 0);
-    self.drv->synchronize_stream(self.exec());
-    store->commit(pass_kind::step, after);
-  }
-  for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (self.shards[s].speculative) self.tier_home->speculation()->make_current(s);
-  self.shards.end_speculation();
-  self.adopt(after);
-}
-
-void streamed_adamw::discard_speculation() {
-  auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  std::vector<piece_ref> whole;
-  for (std::size_t s = 0; s < self.shards.size(); ++s)
-    if (self.shards[s].speculative) whole.push_back({s, 0, self.shards[s].info.numel});
-  self.restore_params(whole, whole.size());
-  self.shards.end_speculation();
-}
-
-void streamed_adamw::impl::restore_params(const std::vector<piece_ref>& ps, std::size_t pieces) {
-  bool any = false;
-  for (std::size_t j = 0; j < std::min(pieces, ps.size()); ++j) {
-    const piece_ref& p = ps[j];
-    if (!param_is_main(shards[p.shard].info) || p.shard >= saved_params.size() || !saved_params[p.shard]) continue;
-    drv->copy_async(static_cast<float*>(shards[p.shard].info.param) + p.e0, saved_params[p.shard] + p.e0, p.n * 4, exec());
-    any = true;
-  }
-  if (any) drv->synchronize_stream(exec());
-}
-
-std::size_t streamed_adamw::speculation_pending() const {
-  std::lock_guard lk(impl_->mu);
-  return impl_->shards.speculating();
-}
-
-bool streamed_adamw::can_speculate(std::size_t s) const {
-  std::lock_guard lk(impl_->mu);
-  DFA_EXPECTS(s < impl_->shards.size(), "can_speculate: no shard " + std::to_string(s));
-  return impl_->tier_home->speculation() != nullptr && !impl_->shards[s].resident;
-}
-
 void streamed_adamw::sync_model_params(stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "sync_model_params: no state yet (initialize() or resume first)", invalid_state);
-  self.settle_writes("sync_model_params");
+  impl::entry_guard g(self);
+  g.require("sync_model_params", entry_needs::opened | entry_needs::initialized | entry_needs::settled,
+            "sync_model_params: no state yet (initialize() or resume first)");
   self.sync_model(stream);
 }
 
@@ -830,7 +622,7 @@ void streamed_adamw::impl::report_edits() {
 
 double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
+  impl::entry_guard g(self);
   DFA_EXPECTS(grads.size() == self.shards.size(), "grad_sq_norm: one gradient per shard expected");
   for (std::size_t s = 0; s < grads.size(); ++s)
     DFA_EXPECTS(grads[s] != nullptr, "grad_sq_norm: gradient of shard " + std::to_string(s) + " is null");
@@ -859,10 +651,7 @@ void check_range(const char* fn, std::size_t shards, std::size_t s, state_array 
 
 void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n, float* out) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "read_state_range: no state yet (initialize() first)", invalid_state);
-  self.settle_writes("read_state_range");
+  impl::entry_guard g(self, "read_state_range", entry_needs::opened | entry_needs::initialized | entry_needs::settled);
   DFA_EXPECTS(out != nullptr || n == 0, "read_state_range: out is null");
   check_range("read_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
@@ -872,12 +661,9 @@ void streamed_adamw::read_state_range(std::size_t shard, state_array a, std::siz
 void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::size_t offset, std::size_t n,
                                        const float* in) {
   auto& self = *impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
-  DFA_EXPECTS(self.initialized, "write_state_range: no state yet (initialize() first)", invalid_state);
+  impl::entry_guard g(self, "write_state_range", entry_needs::opened | entry_needs::initialized);
   DFA_EXPECTS(in != nullptr || n == 0, "write_state_range: in is null");
-  self.refuse_if_speculating("write_state_range");
-  self.refuse_in_child("write_state_range");
+  g.require("write_state_range", entry_needs::not_speculating | entry_needs::in_parent);
   check_range("write_state_range", self.shards.size(), shard, a, offset, n,
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
@@ -893,8 +679,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
 
 void detail::inject_file_fault(streamed_adamw& o, file_fault_op op, file_fault_kind kind, std::uint64_t nth) {
   auto& self = *o.impl_;
-  std::lock_guard lk(self.mu);
-  self.open_state();
+  streamed_adamw::impl::entry_guard g(self, "inject_file_fault", entry_needs::opened);
   committed_store* store = self.tier_home->store();
   DFA_EXPECTS(store != nullptr, "inject_file_fault: the optimizer has no file tier", invalid_state);
   store->file().inject(op, kind, nth);

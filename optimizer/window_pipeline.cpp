@@ -128,7 +128,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   report = step_report{};
   progress_.emplace(parts_.cfg, phase(), params_);
   parts_.pool.reset_peak();
-  parts_.home.begin_pass(plan_, report);
+  parts_.mover.begin_pass(plan_, report);
   // The kernels read what the user's stream produced (gradients, BF16 params).
   parts_.streams.after(parts_.streams.exec(), user);
   current_ = skip;
@@ -147,7 +147,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
       write_back(i);
     }
     for (std::size_t j = pieces() > depth ? std::max(skip, pieces() - depth) : skip; j < pieces(); ++j) retire(j);
-    parts_.home.end_pass();
+    parts_.mover.end_pass();
   } catch (...) {
     fail();
   }
@@ -186,7 +186,7 @@ const char* window_pipeline::phase() const {
 }
 
 void window_pipeline::prefetch(std::size_t j) {
-  if (j < pieces() && j >= plan_.skip) parts_.home.prefetch(j, piece(j));
+  if (j < pieces() && j >= plan_.skip) parts_.mover.prefetch(j, piece(j));
 }
 
 // Backs the slots the pass uses, for the arrays it moves and its largest piece (a pass
@@ -234,12 +234,12 @@ void window_pipeline::fetch(std::size_t i) {
       report_->bytes_from_device += p.n * 4;
     }
   } else if (plan_.fetch_main) {
-    report_->bytes_to_device += parts_.home.to_device(i, p, state_array::main, dev[state_array::main], h2d);
+    report_->bytes_to_device += parts_.mover.to_device(i, p, state_array::main, dev[state_array::main], h2d);
   }
   fetched_ = i + 1;
   if (plan_.kind == pass_kind::step)
     for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
-      if (plan_.moments_stored) report_->bytes_to_device += parts_.home.to_device(i, p, a, dev[a], h2d);
+      if (plan_.moments_stored) report_->bytes_to_device += parts_.mover.to_device(i, p, a, dev[a], h2d);
       else drv.zero_async(dev[a], p.n * 4, h2d);  // never written: zero by construction
     }
   drv.record(event(i, 0), h2d);
@@ -290,7 +290,7 @@ void window_pipeline::write_back(std::size_t i) {
         if (!plan_.durable_params) continue;  // the parameter is the state
         from = reinterpret_cast<float*>(model_of(p));  // the durable copy
       }
-      report_->bytes_from_device += parts_.home.from_device(i, p, a, from, d2h);
+      report_->bytes_from_device += parts_.mover.from_device(i, p, a, from, d2h);
     }
   parts_.drv.record(event(i, 2), d2h);
   write_back_issued_[i] = true;
@@ -302,7 +302,7 @@ void window_pipeline::retire(std::size_t i) {
   const auto t = clk::now();
   parts_.drv.synchronize(event(i, 2));
   report_->retire_seconds += since(t);
-  parts_.home.retire(i, p);
+  parts_.mover.retire(i, p);
   done_params_ += p.n;
   progress_->report(done_params_);
 }
@@ -314,7 +314,7 @@ void window_pipeline::fail() {
   } catch (...) {
     deferalloc::detail::log_current("streamed_adamw: draining the streams after a failed pass");
   }
-  parts_.home.drain();
+  parts_.mover.drain();
   try {
     release_slots(parts_.streams.d2h());
   } catch (...) {

@@ -25,7 +25,7 @@ struct pipeline_parts {
   chunk_pool& pool;  // the window's chunks
   stream_set& streams;
   window& slots;
-  piece_mover& home;
+  piece_mover& mover;  // the tier's home moves the pieces
   const shard_table& shards;
   const optimizer_config& cfg;  // the moments' format, keep_window, progress reports
 };

@@ -74,6 +74,7 @@ LAYERS = [
     ("optimizer/window", 5.2),           #   the window's slots and the streams,
     ("optimizer/progress", 5.2),         #   progress reports,
     ("optimizer/home", 5.3),             #   the homes (tiers),
+    ("optimizer/file_home", 5.3),        #   the file tier's home, over the file store,
     ("optimizer/window_pipeline", 5.4),  #   the window pipeline,
     ("optimizer", 5.5),                  #   the streamed_adamw facade, resident shards, checkpoints
     ("optimizer/distributed", 6),  # the ZeRO-1 optimizer over NCCL
@@ -101,9 +102,7 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 CLIMBING_INCLUDE = re.compile(r'^\s*#\s*include\s*"((?:[^"]*/)?\.\./[^"]*)"', re.M)
 MAX_FUNCTION_LINES = 100
 # Today's functions over MAX_FUNCTION_LINES outside allocator/: warnings until split.
-KNOWN_LONG = [
-    "optimizer/checkpoint.cpp:detail::read_checkpoint_files",
-]
+KNOWN_LONG = []
 
 
 def layer_of(rel):
@@ -571,7 +570,12 @@ def self_test():
                                        "s::s(int x) noexcept : a_{x}, b_(x) {\n" + lines + "  c_ = x;\n}\n}\n")
         put("optimizer/checkpoint.cpp", "int detail::read_checkpoint_files(int x) {\n" + lines + "}\n")
         put("python/deferalloc/long.py", "def f(x):\n" + "".join(f"    x += {i}\n" for i in range(MAX_FUNCTION_LINES)))
-        problems, _, _ = check(t)
+        saved_known = KNOWN_LONG[:]
+        KNOWN_LONG[:] = ["optimizer/checkpoint.cpp:detail::read_checkpoint_files"]  # the fixture's known long one
+        try:
+            problems, _, _ = check(t)
+        finally:
+            KNOWN_LONG[:] = saved_known
         assert any(p.startswith('optimizer/store/s.cpp: #include "../kernels/k.hpp" climbs') for p in problems), problems
         assert sum("climbs out of its folder" in p for p in problems) == 1, problems
         long_ones = sorted(p for p in problems if "split it by step" in p)

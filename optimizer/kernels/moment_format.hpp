@@ -246,10 +246,10 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k);
 /// The CUDA kernels of the same (moments_cuda.cu), on `stream` of `device`.
 void cuda_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k, void* stream, int device, int sms);
 /// Elements [e0, e0+n) of a moment array (`which`: exp_avg or exp_avg_sq) of `numel`
-/// elements in format `f` at `home`, decoded to FP32.
-void decode_moments(moment_format f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n, float* out);
+/// elements in format `f` at `stored`, decoded to FP32.
+void decode_moments(moment_format f, state_array which, const void* stored, std::size_t numel, std::size_t e0, std::size_t n, float* out);
 /// Encodes `in` into elements [e0, e0+n) of such an array; an int8 block only partly
 /// covered is decoded first and re-encoded with the new values (its scale may change).
-void encode_moments(moment_format f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n, const float* in);
+void encode_moments(moment_format f, state_array which, void* stored, std::size_t numel, std::size_t e0, std::size_t n, const float* in);
 
 }  // namespace deferalloc::optim::detail

@@ -53,14 +53,14 @@ void cpu_adamw_moments(const adamw_qpiece& p, const adamw_scalars& k) {
   }
 }
 
-void decode_moments(moment_format f, state_array which, const void* home, std::size_t numel, std::size_t e0, std::size_t n,
+void decode_moments(moment_format f, state_array which, const void* stored, std::size_t numel, std::size_t e0, std::size_t n,
                     float* out) {
   if (f == moment_format::bf16) {
-    const auto* h = static_cast<const std::uint16_t*>(home);
+    const auto* h = static_cast<const std::uint16_t*>(stored);
     for (std::size_t i = 0; i < n; ++i) out[i] = from_bf16(h[e0 + i]);
     return;
   }
-  void* a = const_cast<void*>(home);
+  void* a = const_cast<void*>(stored);
   const std::uint8_t* c = codes(a);
   const float* s = scales(a, numel);
   for (std::size_t i = 0; i < n; ++i) {
@@ -69,21 +69,21 @@ void decode_moments(moment_format f, state_array which, const void* home, std::s
   }
 }
 
-void encode_moments(moment_format f, state_array which, void* home, std::size_t numel, std::size_t e0, std::size_t n,
+void encode_moments(moment_format f, state_array which, void* stored, std::size_t numel, std::size_t e0, std::size_t n,
                     const float* in) {
   if (f == moment_format::bf16) {
-    auto* h = static_cast<std::uint16_t*>(home);
+    auto* h = static_cast<std::uint16_t*>(stored);
     for (std::size_t i = 0; i < n; ++i) h[e0 + i] = to_bf16(in[i]);
     return;
   }
   std::vector<float> x(k_qblock);
   for (std::size_t b = e0 / k_qblock; b * k_qblock < e0 + n; ++b) {
     const std::size_t b0 = b * k_qblock, len = std::min(k_qblock, numel - b0);
-    decode_moments(f, which, home, numel, b0, len, x.data());  // the block's elements outside [e0, e0+n)
+    decode_moments(f, which, stored, numel, b0, len, x.data());  // the block's elements outside [e0, e0+n)
     for (std::size_t i = std::max(b0, e0); i < std::min(b0 + len, e0 + n); ++i) x[i - b0] = in[i - e0];
     if (which == state_array::exp_avg_sq)
       for (std::size_t i = 0; i < len; ++i) x[i] = f_sqrt(x[i]);
-    encode_block(which == state_array::exp_avg ? 1 : 2, x.data(), len, codes(home) + b0, scales(home, numel) + b);
+    encode_block(which == state_array::exp_avg ? 1 : 2, x.data(), len, codes(stored) + b0, scales(stored, numel) + b);
   }
 }
 

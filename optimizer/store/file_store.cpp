@@ -18,7 +18,7 @@
 //    and a checksum of the header) and makes that durable.
 //  - every write of state goes to the inactive slot, whatever writes it: a step, a
 //    checkpoint load, write_state_range and load_state_dict (Note [State writes] in
-//    home.cpp), so one commit publishes it and a kill leaves the old state or the new.
+//    file_home.cpp), so one commit publishes it and a kill leaves the old state or the new.
 //    A commit that changes step counts only names the active slot again: its data and
 //    table are rewritten with the bytes they hold, and the step counts live with the
 //    header copy, so the other copy's commit stays intact.

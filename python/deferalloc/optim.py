@@ -953,7 +953,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         The first speculative step of a parameter allocates a second pinned copy of its
         state (2x its host memory).  Refused (InvalidStateError) for the device tier,
         resident parameters (``can_speculate``) and parameters already pending.  See Note
-        [Speculative steps] in optimizer/streamed_adamw.cpp."""
+        [Speculative steps] in optimizer/speculation.cpp."""
         self._quiesce()
         self._engine_step(1.0, speculative=True)
 

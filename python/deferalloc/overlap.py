@@ -35,7 +35,7 @@ Approach
    bucket of that iteration is left, and before any bucket of the next).  Host tier:
    pointer swaps; file tier: every bucket pass is a speculative step into the state
    file's inactive slot, and the commit carries the shards not stepped and writes one
-   commit record (Note [Speculative steps] in optimizer/streamed_adamw.cpp): a plain step
+   commit record (Note [Speculative steps] in optimizer/speculation.cpp): a plain step
    per bucket would carry, and fsync, the whole state once per bucket (with 17 buckets,
    17 times the plain step's I/O).  On the file tier the worker also takes every queued
    bucket whose gradients are done into one pass (``coalesce``), so reads run ahead

@@ -203,7 +203,7 @@ class DFA_API streamed_adamw {
             stream_t stream = nullptr);
 
   /// A speculative step (host and file tiers; Note [Speculative steps] in
-  /// optimizer/streamed_adamw.cpp): steps the shards with a gradient as step() does
+  /// optimizer/speculation.cpp): steps the shards with a gradient as step() does
   /// (same arithmetic, same BF16 parameters written), but writes their new state into a
   /// second pinned copy (file tier: the state file's inactive slot; commit carries the
   /// shards not stepped into it and writes one commit record; a plain step() is refused
@@ -271,7 +271,7 @@ class DFA_API streamed_adamw {
   /// begin_state_write and end_state_write, by end_state_write; else with the writes that
   /// follow, by the next call that uses the state (a step, a read, a checkpoint save or
   /// load, sync_model_params, begin_state_write, the destructor); a kill before that
-  /// resumes the old state (Note [State writes] in optimizer/home.cpp).  Does not touch
+  /// resumes the old state (Note [State writes] in optimizer/file_home.cpp).  Does not touch
   /// BF16/FP16 model parameters (sync_model_params does); main of an FP32 parameter is
   /// written into the parameter at once (file tier: and into the durable copy published
   /// with the write; a write dropped leaves the parameter written).  @throws invalid_argument for a bad range, invalid_state
