@@ -601,6 +601,8 @@ def engine_stats(streamed) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.directory:
+        os.makedirs(args.directory, exist_ok=True)  # the file tier's directory must exist
     setup(args)
     gpt, ddp, optimizer, streamed = build(args)
     device = torch.device("cpu") if args.cpu_emulation else torch.device("cuda", torch.cuda.current_device())
