@@ -43,6 +43,7 @@ import torch
 
 from . import _native
 from ._engine import STATE_ARRAYS as _ARRAYS, DTYPE_CODES as _DTYPE, Engine, EngineConfig, GradBatch
+from ._engine import MOMENTS, TIERS
 from ._engine import optimizer_library_path
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState, IoError,
                      NoDevice, OutOfMemory)
@@ -480,8 +481,6 @@ class StreamedAdamW(torch.optim.Optimizer):
         if self._device.type not in ("cuda", "cpu"):
             raise InvalidArgumentError(f"StreamedAdamW: parameters on {self._device} (cuda or cpu expected)")
         self._stream = stream
-        self.tier = tier
-        self._moment_dtype = moment_dtype
         self.main_param_in_state_dict = bool(main_param_in_state_dict)
         (resident_mb,) = resident_budgets(resident_mb, tier, window_mb, self._device)
         config = self._engine_config(tier=tier, directory=directory, window_mb=window_mb, depth=depth,
@@ -540,9 +539,9 @@ class StreamedAdamW(torch.optim.Optimizer):
             raise NoDeviceError("StreamedAdamW: DEFERALLOC_CONF sets driver:cuda, but the parameters are on the CPU "
                                 "(the host driver steps CPU tensors): move the model to a GPU, or drop driver:cuda")
         config.set(driver="cuda" if self._device.type == "cuda" else "host", device=self._device.index or 0,
-                   tier=_choice("tier", tier, ("device", "host", "file")), directory=directory,
+                   tier=_choice("tier", tier, tuple(TIERS)), directory=directory,
                    window_mb=window_mb, depth=depth, resume=resume,
-                   moments=_choice("moment_dtype", moment_dtype, ("fp32", "bf16", "int8")), resident_mb=resident_mb)
+                   moments=_choice("moment_dtype", moment_dtype, tuple(MOMENTS)), resident_mb=resident_mb)
         config.apply_text(settings, f"StreamedAdamW(settings={settings!r})")
         return config
 
