@@ -330,6 +330,21 @@ def sizes(B):
     return s
 
 
+def dd_note(dd):
+    """How the bound combines the read and the write, from the measured times."""
+    r = dd["at_once_over_sequential"]
+    if r >= 0.9:
+        kind = ("the disk serves about one direction at a time (both at once took "
+                f"{r:.2f}x the sum), so a step that reads and writes cannot beat the sum")
+    else:
+        kind = (f"the disk serves both directions at once (both at once took {r:.2f}x the sum of "
+                "write and read), so the bound is the time of both at once")
+    return (f"dd bound: write {size(dd['write_bytes'])} in {dd['write_s']:.2f} s, read "
+            f"{size(dd['read_bytes'])} in {dd['read_s']:.2f} s (sum {dd['sequential_s']:.2f} s), both at once "
+            f"{dd['at_once_s']:.2f} s; the bound is the faster of the two, {dd['bound_s']:.2f} s: {kind}. "
+            "The BF16 and int8 rows' bound is this one scaled by their bytes (the same disk rates).")
+
+
 def size(nbytes):
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
@@ -352,6 +367,7 @@ def summarize(B):
             nb = dd["write_bytes"] if key == "write_s" else dd["read_bytes"] if key == "read_s" else moved
             table.append((what, dd[key] * 1e3, nb / dd[key] / 1e9, None, None))
         how = "write then read" if dd["sequential_s"] <= dd["at_once_s"] else "at once"
+        B.extra.setdefault("notes", []).append(dd_note(dd))
         B.result("dd bound (the faster way)", dd["bound_s"] * 1e3, "ms")
         table.append((f"dd bound ({how}; at once / sum {dd['at_once_over_sequential']:.2f})", dd["bound_s"] * 1e3,
                       moved / dd["bound_s"] / 1e9, 1.0, None))
@@ -498,6 +514,7 @@ def main() -> int:
                     B.check("row dd", "not run: it measures the fp32 row's bytes", "runs", False)
                     continue
                 R["dd"] = dd_bound(B, R["fp32"]["bytes_read"], R["fp32"]["bytes_written"])
+                print(f"  {dd_note(R['dd'])}", flush=True)
             else:
                 R[key] = runs[key]()
             print("  " + json.dumps({k: v for k, v in R[key].items() if not isinstance(v, (list, dict))}), flush=True)
