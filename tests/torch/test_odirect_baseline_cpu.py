@@ -6,7 +6,10 @@ fused AdamW on FP32 copies, rounded.  Parameters span buckets (a tiny staging bu
 left without a gradient.  The file lives in a real directory (the build tree's) where one is
 writable, so that O_DIRECT is used where the file system has it; on tmpfs (/dev/shm) it falls
 back to buffered I/O with a reason, and gives the same results.  No GPU, no deferalloc build.
+With --device cuda (ctest test_odirect_baseline_gpu, label gpu; exit status 77 without a GPU)
+the same tests run on CUDA tensors: pinned staging, the fused CUDA kernel on both sides.
 """
+import argparse
 import errno
 import os
 import sys
@@ -18,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "optimizer"))
 from odirect_baseline import ALIGN, ODirectAdamW  # noqa: E402
 
+DEVICE = torch.device("cpu")  # --device
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SHAPES = [(3000,), (37, 111), (5,), (2048, 3)]  # spans buckets of 5120 elements
 STEPS = 4
@@ -25,7 +29,7 @@ STEPS = 4
 
 def params(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(DEVICE, dtype)) for s in SHAPES]
 
 
 def grads(step, skip=None):
@@ -41,7 +45,7 @@ def run_baseline(directory, dtype, staging=64 << 10, skip_at=None):
     opt = ODirectAdamW(ps, os.path.join(directory, "state.bin"), staging_bytes=staging, **HP)
     for t in range(STEPS):
         for p, gr in zip(ps, grads(t, 1 if t == skip_at else None)):
-            p.grad = None if gr is None else gr.to(dtype)
+            p.grad = None if gr is None else gr.to(DEVICE, dtype)
         opt.step()
     state = opt.read_state()
     info = dict(direct=opt.direct, reason=opt.reason, buckets=len(opt.buckets), file_bytes=opt.file_bytes)
@@ -55,7 +59,7 @@ def run_torch(dtype, skip_at=None, fused=True):
     opt = torch.optim.AdamW(mains, fused=fused, **HP)
     for t in range(STEPS):
         for p, gr in zip(mains, grads(t, 1 if t == skip_at else None)):
-            p.grad = None if gr is None else gr.to(dtype).float()
+            p.grad = None if gr is None else gr.to(DEVICE, dtype).float()
         opt.step()
     return mains, opt
 
@@ -80,13 +84,13 @@ class ODirectBaseline(unittest.TestCase):
         mains, ref = run_torch(dtype, skip_at=skip_at)
         for p, s, m in zip(ps, state, mains):
             rs = ref.state[m]
-            self.assertTrue(torch.equal(s["main_param"], m.detach()), "main params == torch fused AdamW")
-            self.assertTrue(torch.equal(s["exp_avg"], rs["exp_avg"]), "exp_avg == torch fused AdamW")
-            self.assertTrue(torch.equal(s["exp_avg_sq"], rs["exp_avg_sq"]), "exp_avg_sq == torch fused AdamW")
+            self.assertTrue(torch.equal(s["main_param"], m.detach().cpu()), "main params == torch fused AdamW")
+            self.assertTrue(torch.equal(s["exp_avg"], rs["exp_avg"].cpu()), "exp_avg == torch fused AdamW")
+            self.assertTrue(torch.equal(s["exp_avg_sq"], rs["exp_avg_sq"].cpu()), "exp_avg_sq == torch fused AdamW")
             self.assertTrue(torch.equal(p.detach(), m.detach().to(dtype)), "the parameter is its main, rounded")
         plain, _ = run_torch(dtype, skip_at=skip_at, fused=False)
         for s, m in zip(state, plain):
-            torch.testing.assert_close(s["main_param"], m.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(s["main_param"], m.detach().cpu(), rtol=1e-6, atol=1e-7)
         return info
 
     def test_fp32_params(self):
@@ -129,4 +133,11 @@ class ODirectBaseline(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    args, rest = ap.parse_known_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("SKIP: --device cuda without a GPU")
+        sys.exit(77)
+    DEVICE = torch.device(args.device)
+    unittest.main(verbosity=2, argv=sys.argv[:1] + rest)
