@@ -258,53 +258,60 @@ def _preallocate(path, nbytes):
         os.close(fd)
 
 
+def _chunks(nbytes, jobs):
+    """(offset, length) of `jobs` consecutive pieces of nbytes, each a multiple of ALIGN."""
+    step = -(-nbytes // jobs // ALIGN) * ALIGN
+    return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
+
+
+def _all_at_once(cmds):
+    """Wall seconds of the dd commands run side by side."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["dd", *c, "status=none"]) for c in cmds]
+    if any([p.wait() for p in procs]):
+        raise RuntimeError("dd failed: " + "; ".join(" ".join(c) for c in cmds))
+    return time.perf_counter() - t0
+
+
 def dd_bound(B, read_bytes, write_bytes):
     """Seconds of dd writing write_bytes (into a preallocated file, as the state file is,
     fsynced as a commit is) and reading read_bytes, with direct I/O: one after the other
-    and both at once.  The bound: the faster of the two."""
+    and both at once.  The bound: the faster of the two.  --dd-jobs N: each direction as N
+    dd processes on consecutive ranges (more requests in flight)."""
     a = B.a
     bs = (1 << 20) if a.smoke else (64 << 20)
     rb, wb = (-(-n // ALIGN) * ALIGN for n in (read_bytes, write_bytes))
     d = tempfile.mkdtemp(prefix="dfa-dd-", dir=a.dir)
     src, dst = os.path.join(d, "read"), os.path.join(d, "write")
-    oflag, iflag = ["oflag=direct"], ["iflag=direct,count_bytes"]
-    refused = None
+    direct, refused = "direct,", None
     try:
         try:
-            _dd(["if=/dev/zero", f"of={src}", f"bs={ALIGN}", "count=1", *oflag])
+            _dd(["if=/dev/zero", f"of={src}", f"bs={ALIGN}", "count=1", "oflag=direct"])
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
             refused = f"dd with oflag=direct failed in {a.dir} ({e}); buffered dd instead"
             print(f"  {refused}", flush=True)
-            oflag, iflag = [], ["iflag=count_bytes"]
+            direct = ""
 
-        def write(path):
-            _preallocate(path, wb)
-            return _dd(["if=/dev/zero", f"of={path}", f"bs={bs}", f"count={wb}", "iflag=count_bytes",
-                        "conv=notrunc,fsync", *oflag])
+        def writes(path, nbytes):
+            _preallocate(path, nbytes)
+            return [["if=/dev/zero", f"of={path}", f"bs={bs}", f"count={n}", f"seek={o}", "iflag=count_bytes",
+                     f"oflag={direct}seek_bytes", "conv=notrunc,fsync"] for o, n in _chunks(nbytes, a.dd_jobs)]
 
-        def read_cmd(path):
-            return ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={rb}", *iflag, "status=none"]
+        def reads(path):
+            return [[f"if={path}", "of=/dev/null", f"bs={bs}", f"count={n}", f"skip={o}",
+                     f"iflag={direct}count_bytes,skip_bytes"] for o, n in _chunks(rb, a.dd_jobs)]
 
-        write_s = write(src)
+        write_s = _all_at_once(writes(src, wb))
         if rb > wb:  # the source must hold what is read (not timed)
-            _dd(["if=/dev/zero", f"of={src}", f"bs={bs}", f"count={rb}", "iflag=count_bytes", *oflag])
-        t0 = time.perf_counter()
-        subprocess.run(read_cmd(src), check=True)
-        read_s = time.perf_counter() - t0
-        _preallocate(dst, wb)
-        t0 = time.perf_counter()
-        w = subprocess.Popen(["dd", "if=/dev/zero", f"of={dst}", f"bs={bs}", f"count={wb}", "iflag=count_bytes",
-                              "conv=notrunc,fsync", *oflag, "status=none"])
-        r = subprocess.Popen(read_cmd(src))
-        if w.wait() or r.wait():
-            raise RuntimeError("dd failed (both at once)")
-        at_once_s = time.perf_counter() - t0
+            _all_at_once(writes(src, rb))
+        read_s = _all_at_once(reads(src))
+        at_once_s = _all_at_once(writes(dst, wb) + reads(src))
     finally:
         shutil.rmtree(d, ignore_errors=True)
     seq = write_s + read_s
     return dict(read_bytes=rb, write_bytes=wb, write_s=write_s, read_s=read_s, sequential_s=seq,
                 at_once_s=at_once_s, bound_s=min(seq, at_once_s), at_once_over_sequential=at_once_s / seq,
-                direct=refused is None, refused=refused, bs=bs)
+                direct=refused is None, refused=refused, bs=bs, jobs=a.dd_jobs)
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -339,7 +346,8 @@ def dd_note(dd):
     else:
         kind = (f"the disk serves both directions at once (both at once took {r:.2f}x the sum of "
                 "write and read), so the bound is the time of both at once")
-    return (f"dd bound: write {size(dd['write_bytes'])} in {dd['write_s']:.2f} s, read "
+    jobs = "" if dd["jobs"] == 1 else f" ({dd['jobs']} dd processes each way)"
+    return (f"dd bound{jobs}: write {size(dd['write_bytes'])} in {dd['write_s']:.2f} s, read "
             f"{size(dd['read_bytes'])} in {dd['read_s']:.2f} s (sum {dd['sequential_s']:.2f} s), both at once "
             f"{dd['at_once_s']:.2f} s; the bound is the faster of the two, {dd['bound_s']:.2f} s: {kind}. "
             "The BF16 and int8 rows' bound is this one scaled by their bytes (the same disk rates).")
@@ -456,6 +464,8 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=None, help="the overlap's buckets (default 256; --smoke 1)")
     ap.add_argument("--staging-mb", type=int, default=None, help="the baseline's staging buffer (default 256; "
                     "--smoke 1)")
+    ap.add_argument("--dd-jobs", type=int, default=1, help="dd processes per direction, on consecutive ranges "
+                    "(default 1: one 64 MiB request in flight each way)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)} (dd needs fp32's bytes)")
     ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run: a row that would end "
                     "later is not run (the table and JSON still come)")
