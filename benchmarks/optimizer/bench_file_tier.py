@@ -117,7 +117,13 @@ def build_model(B):
     torch.manual_seed(0)
     dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[a.param_dtype]
     with torch.device(B.dev):
-        model = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(layers)]).to(dtype)
+        model = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(layers)])
+        # Weights of std 1/sqrt(h) keep the activations' scale through the stack, so that the
+        # gradients stay far above eps and each step moves the BF16 parameters by an ulp or so
+        # (the comparisons between rows then compare updates, not unchanged values).
+        for layer in model:
+            torch.nn.init.normal_(layer.weight, std=h ** -0.5)
+        model = model.to(dtype)
     g = torch.Generator(device=B.dev).manual_seed(1)
     x = torch.randn(a.tokens, h, generator=g, device=B.dev).to(dtype)
     init = [p.detach().clone() for p in model.parameters()]
@@ -143,6 +149,11 @@ def snapshot(B, model):
 
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def close(a, b):
+    """Within two BF16 ulps or so (the host driver's arithmetic against torch's CPU kernel)."""
+    return all(torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-5) for x, y in zip(a, b))
 
 
 def max_diff(a, b):
@@ -191,7 +202,8 @@ def run_streamed(B, name, moment_dtype="fp32", overlap=False):
         if ov is not None:
             ov.synchronize()
         iteration_s = (B.now() - t0) / a.steps
-        B.finals[name] = snapshot(B, model)
+        if moment_dtype == "fp32":  # (the rows compared)
+            B.finals[name] = snapshot(B, model)
         row = dict(iteration_ms=iteration_s * 1e3, state_bytes=opt.stats()["state_bytes"])
         if ov is not None:
             row["overlap_stats"] = ov.stats()
@@ -417,13 +429,16 @@ def summarize(B):
                 perf=True)
         B.check("baseline with direct I/O", "yes" if base["direct"] else base["direct_refused"], "yes",
                 base["direct"] or B.a.smoke)
+        changed = sum(not torch.equal(p, q) for p, q in zip(B.finals["fp32"], B.model[2]))
+        B.check("parameters changed by the steps (file tier fp32)", f"{changed} of {len(B.model[2])} tensors",
+                "all", changed == len(B.model[2]))
         ok = same(B.finals["fp32"], B.finals["baseline"])
         diff = max_diff(B.finals["fp32"], B.finals["baseline"])
         # Bit for bit on CUDA (torch's fused CUDA AdamW arithmetic); the host driver's CPU
         # arithmetic differs from torch's CPU kernel by a few ulp (docs/OPTIM.md).
         B.check("parameters: file tier fp32 == O_DIRECT baseline (torch fused AdamW)",
-                "bit-identical" if ok else f"max |diff| {diff:.3g}", "bit-identical" if B.cuda else "close",
-                ok if B.cuda else diff < 1e-2)
+                "bit-identical" if ok else f"max |diff| {diff:.3g}", "bit-identical" if B.cuda else "within rtol 1e-2",
+                ok if B.cuda else close(B.finals["fp32"], B.finals["baseline"]))
     for fmt, key in (("bf16", "bf16_speedup"), ("int8", "int8_speedup")):
         if fp32 and R.get(fmt):
             s = fp32["step_ms"] / R[fmt]["step_ms"]
