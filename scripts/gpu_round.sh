@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
-#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [optim] [diag] [megatron] [megatron_dp2] [overlap] [ckpt]
-#     [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel]
-#   (default: all but multi, diag, megatron_dp2, drop_in, compare, fp32pair and wheel: the two-GPU
-#   steps, the diagnostic, the torch_memory_saver drop-in's benchmark, the before/after comparisons
-#   and the wheel's build and check).
+#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [optim] [diag] [megatron] [megatron_dp2] [overlap]
+#     [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel]
+#   (default: all but multi, diag, megatron_dp2, drop_in, filetier, compare, fp32pair and wheel: the
+#   two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark, the file tier against
+#   the disk, the before/after comparisons and the wheel's build and check).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -191,6 +191,22 @@ if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap "$osecs" python3 benchmarks/optimizer/bench_overlap.py --out "$R" \
     --json "$R/bench_overlap.json" --budget-s $((osecs - 30)) ${DFA_OVERLAP_ARGS:-}
   tail -28 "$L/overlap.log"
+fi
+if has filetier; then
+  # The file tier against the disk (benchmarks/optimizer/bench_file_tier.py): dd with direct I/O
+  # on the step's bytes, the plain step with FP32 / BF16 / int8 moments, the overlap, and the
+  # synchronous O_DIRECT baseline, 0.5 G params (about 6 GB each way per step, a 12 GB state
+  # file) in DFA_FILETIER_DIR (default /tmp); about 3.5 minutes at 1.4 GB/s of disk.
+  # --budget-s leaves out the rows that would not end in time, so that the table and JSON come.
+  fsecs=${DFA_FILETIER_SECONDS:-300}
+  if [ ! -f "$DEFERALLOC_OPTIMIZER_LIB" ]; then
+    row filetier "FAILED: no build in $B (run with build)"
+  else
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 run filetier "$fsecs" python3 benchmarks/optimizer/bench_file_tier.py \
+      --dir "${DFA_FILETIER_DIR:-/tmp}" --json "$R/bench_file_tier.json" --budget-s $((fsecs - 30)) \
+      ${DFA_FILETIER_ARGS:-}
+    tail -40 "$L/filetier.log"
+  fi
 fi
 if has ckpt && [ -x "$B"/benchmarks/bench_checkpoint ]; then
   # Ratios against dd on the same disk: write/read for the host tier, a copy for the file tier.
