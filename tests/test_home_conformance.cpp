@@ -106,7 +106,7 @@ class HomeConformance : public testing::TestWithParam<home_case> {
   void SetUp() override {
     drv_ = make_host_driver({std::size_t{64} << 10, std::size_t{1} << 30});
     pool_ = std::make_shared<chunk_pool>(drv_);
-    mgr_ = std::make_unique<reservation_manager>(pool_);
+    mgr_ = std::make_unique<reservation_manager>(pool_, drv_);
     cfg_.home = GetParam().where;
     cfg_.moments = GetParam().moments;
     if (cfg_.home == tier::file) {

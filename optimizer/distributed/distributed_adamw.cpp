@@ -160,7 +160,7 @@ distributed_adamw::distributed_adamw(std::shared_ptr<driver> drv, std::shared_pt
   I.opt = std::make_unique<optim::streamed_adamw>(I.drv, std::move(oc));
   I.opt->add_shard(params + I.lay.begin, I.lay.shard, "rank" + std::to_string(I.lay.rank));
   I.pool = std::make_shared<chunk_pool>(I.drv);
-  I.mgr = std::make_unique<reservation_manager>(I.pool);
+  I.mgr = std::make_unique<reservation_manager>(I.pool, I.drv);
   const std::size_t bytes = std::max<std::size_t>(I.drv->granularity(), sizeof(double) * I.lay.world);
   I.scratch_id = I.mgr->reserve(bytes);
   I.mgr->materialize(I.scratch_id, 0, whole, fill_mode::zero, nullptr);
