@@ -277,7 +277,7 @@ reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
 // ---- the pipeline -------------------------------------------------------------------
 
 void streamed_adamw::impl::make_homes() {
-  const home_context ctx{*drv, *mgr, shards, cfg, exec()};
+  const home_context ctx{*drv, *drv, *mgr, shards, cfg, exec()};
   tier_home = make_home(cfg.home, ctx);
   hbm_home = make_home(tier::device, ctx);
 }

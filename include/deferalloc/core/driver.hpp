@@ -6,9 +6,10 @@
 //               stream-ordered (not counted).
 // A `driver` is both, plus what identifies it (name, kind, device).  A part that calls one
 // half takes that half: the chunk pool and the pinned pool a vmm_ops, the reservation
-// manager the pool's vmm_ops and a stream_ops, the event pool and the optimizer's stream
-// set a stream_ops.  The whole `driver` is taken where one object is handed on to parts
-// that call both halves (streamed_adamw, the homes' context, distributed_adamw, context).
+// manager the pool's vmm_ops and a stream_ops, the event pool, the optimizer's stream set,
+// window pass and homes their halves.  The whole `driver` is taken where one object is
+// handed on to parts that call both halves (streamed_adamw, distributed_adamw, the
+// communicators' factories, context) or its identity is read (the kernels' backend).
 // `driver` derives from its halves virtually, so a driver can be put together from one
 // implementation of each half (the fault-injecting driver is a fault_vmm and a
 // fault_streams).
