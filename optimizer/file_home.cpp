@@ -25,9 +25,9 @@ double since(clk::time_point t) { return std::chrono::duration<double>(clk::now(
 
 class file_home final : public home, public piece_mover, public second_copy, public committed_store {
  public:
-  file_home(driver& drv, const shard_table& shards, const file_home_settings& settings)
+  file_home(vmm_ops& vmm, stream_ops& streams, const shard_table& shards, const file_home_settings& settings)
       : home(traits_of(tier::file, settings.moments)),
-        drv_(drv), shards_(shards), settings_(settings), format_(settings.moments) {
+        vmm_(vmm), streams_(streams), shards_(shards), settings_(settings), format_(settings.moments) {
     // At construction, before any step: a missing directory is a typo or an unmounted
     // disk, never created (open() checks it again).
     detail::check_dir(settings_.directory, "file tier", false);
@@ -43,8 +43,8 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     std::vector<std::size_t> numel;
     for (auto& s : shards_) numel.push_back(s.info.numel);
     // The packed arrays' images in pinned memory, copied as the staging buffers are.
-    file_store::host_memory pinned{[this](std::size_t n) { return drv_.host_alloc(n); },
-                                   [this](void* p) { drv_.host_free(p); }};
+    file_store::host_memory pinned{[this](std::size_t n) { return vmm_.host_alloc(n); },
+                                   [this](void* p) { vmm_.host_free(p); }};
     file_ = std::make_unique<file_store>(settings_.directory, settings_.rank, numel, settings_.resume, settings_.io_threads,
                                          settings_.io_request_bytes, format_, std::move(pinned));
     if (!file_->resumed()) return std::nullopt;
@@ -89,7 +89,7 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     void* from = host_side(read_slot_, p, a);
     if (!from) from = staging(false, i, a);
     if (is_moment(a) && compressed()) return move_moment(from, p, dev, true, s);
-    drv_.copy_async(dev, from, p.n * 4, s);
+    streams_.copy_async(dev, from, p.n * 4, s);
     return p.n * 4;
   }
   // Main first: waits until the piece's staging buffer of the ring is drained.  (A step's
@@ -100,7 +100,7 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     void* to = host_side(write_slot_, p, a);
     if (!to) to = staging(true, i, a);
     if (is_moment(a) && compressed()) return move_moment(to, p, dev, false, s);
-    drv_.copy_async(to, dev, p.n * 4, s);
+    streams_.copy_async(to, dev, p.n * 4, s);
     return p.n * 4;
   }
   void retire(std::size_t i, const piece_ref& p) override {
@@ -299,11 +299,11 @@ class file_home final : public home, public piece_mover, public second_copy, pub
   std::size_t move_moment(void* stage, const piece_ref& p, float* dev, bool to_device, stream_t s) {
     char* st = static_cast<char*>(stage);
     char* d = reinterpret_cast<char*>(dev);
-    if (format_ == moment_format::bf16) return copy_run(drv_, d, st, 2 * p.n, to_device, s);
+    if (format_ == moment_format::bf16) return copy_run(streams_, d, st, 2 * p.n, to_device, s);
     std::size_t moved = 0;
     for_segments(p.e0, p.n, [&](std::size_t j, std::size_t r, std::uint64_t at) {
-      moved += copy_run(drv_, d + j, st + at, r, to_device, s) +
-               copy_run(drv_, d + detail::q_scales_offset(p.n) + 4 * (j / detail::k_qblock),
+      moved += copy_run(streams_, d + j, st + at, r, to_device, s) +
+               copy_run(streams_, d + detail::q_scales_offset(p.n) + 4 * (j / detail::k_qblock),
                         st + at + detail::q_scales_offset(r), 4 * detail::q_blocks(r), to_device, s);
     });
     return moved;
@@ -335,13 +335,13 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     ring.resize(2 * plan_->depth);
     for (auto& slot : ring)
       for (state_array a : first_arrays(arrays))
-        if (!slot[a]) slot[a] = drv_.host_alloc(file_store::io_bytes(plan_->window_piece));
+        if (!slot[a]) slot[a] = vmm_.host_alloc(file_store::io_bytes(plan_->window_piece));
   }
   void free_staging() noexcept {
     for (auto* ring : {&stage_in_, &stage_out_}) {
       for (auto& slot : *ring)
         for (void* p : slot)
-          if (p) drv_.host_free(p);
+          if (p) vmm_.host_free(p);
       ring->clear();
     }
   }
@@ -363,7 +363,8 @@ class file_home final : public home, public piece_mover, public second_copy, pub
     b.wait();
     report_->io_wait_seconds += since(t);
   }
-  driver& drv_;
+  vmm_ops& vmm_;          // pinned staging and images
+  stream_ops& streams_;   // copies
   const shard_table& shards_;
   const file_home_settings settings_;  // the state file's, read by open()
   const moment_format format_;
@@ -381,8 +382,9 @@ class file_home final : public home, public piece_mover, public second_copy, pub
 
 }  // namespace
 
-std::unique_ptr<home> make_file_home(driver& drv, const shard_table& shards, const file_home_settings& settings) {
-  return std::make_unique<file_home>(drv, shards, settings);
+std::unique_ptr<home> make_file_home(vmm_ops& vmm, stream_ops& streams, const shard_table& shards,
+                                     const file_home_settings& settings) {
+  return std::make_unique<file_home>(vmm, streams, shards, settings);
 }
 
 }  // namespace deferalloc::optim

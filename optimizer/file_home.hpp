@@ -20,6 +20,7 @@ struct file_home_settings {
 };
 
 /// The file tier's home over `shards` (checks that `settings.directory` exists).
-std::unique_ptr<home> make_file_home(driver& drv, const shard_table& shards, const file_home_settings& settings);
+std::unique_ptr<home> make_file_home(vmm_ops& vmm, stream_ops& streams, const shard_table& shards,
+                                     const file_home_settings& settings);
 
 }  // namespace deferalloc::optim

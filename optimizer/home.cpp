@@ -40,12 +40,12 @@ namespace {
 class device_home final : public home {
  public:
   explicit device_home(const home_context& ctx)
-      : home(traits_of(tier::device, ctx.cfg.moments)), drv_(ctx.drv), mgr_(ctx.mgr), shards_(ctx.shards), exec_(ctx.exec) {}
+      : home(traits_of(tier::device, ctx.cfg.moments)), vmm_(ctx.vmm), streams_(ctx.streams), mgr_(ctx.mgr), shards_(ctx.shards), exec_(ctx.exec) {}
 
   // Backed for its elements (rounded up to the granule): the moments zeroed, main left
   // for the initializer (an upcast).
   void add_shard(const shard& s) override {
-    const std::size_t len = resident_bytes(drv_, s.info.numel);
+    const std::size_t len = resident_bytes(vmm_, s.info.numel);
     std::vector<range> rs{{s.res[state_array::exp_avg], 0, len}, {s.res[state_array::exp_avg_sq], 0, len}};
     mgr_.materialize(rs, fill_mode::zero, exec_);
     if (param_is_main(s.info)) return;  // main is the parameter: no HBM for it
@@ -61,20 +61,21 @@ class device_home final : public home {
 
   void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
     std::lock_guard lk(mu_);
-    drv_.copy_async(out, shards_[s].device(a) + e0, n * 4, exec_);
-    drv_.synchronize_stream(exec_);
+    streams_.copy_async(out, shards_[s].device(a) + e0, n * 4, exec_);
+    streams_.synchronize_stream(exec_);
   }
   void write(std::size_t s, state_array a, std::size_t e0, std::size_t n, const float* in) override {
     std::lock_guard lk(mu_);
-    drv_.copy_async(shards_[s].device(a) + e0, in, n * 4, exec_);
-    drv_.synchronize_stream(exec_);
+    streams_.copy_async(shards_[s].device(a) + e0, in, n * 4, exec_);
+    streams_.synchronize_stream(exec_);
   }
   void write_chunk(std::size_t s, state_array a, std::size_t e0, std::size_t n, unsigned char* buf, int) override {
     write(s, a, e0, n, reinterpret_cast<const float*>(buf));
   }
 
  private:
-  driver& drv_;
+  vmm_ops& vmm_;          // pinned memory, the granule
+  stream_ops& streams_;   // copies
   reservation_manager& mgr_;
   const shard_table& shards_;
   stream_t exec_;
@@ -86,11 +87,11 @@ class device_home final : public home {
 class host_home final : public home, public piece_mover, public second_copy {
  public:
   explicit host_home(const home_context& ctx)
-      : home(traits_of(tier::host, ctx.cfg.moments)), drv_(ctx.drv), shards_(ctx.shards), format_(ctx.cfg.moments) {}
+      : home(traits_of(tier::host, ctx.cfg.moments)), vmm_(ctx.vmm), streams_(ctx.streams), shards_(ctx.shards), format_(ctx.cfg.moments) {}
   ~host_home() override {
     for (auto* v : {&homes_, &spare_})
       for (auto& h : *v)
-        for (float* p : h) drv_.host_free(p);
+        for (float* p : h) vmm_.host_free(p);
   }
 
   void add_shard(const shard& s) override {
@@ -106,14 +107,14 @@ class host_home final : public home, public piece_mover, public second_copy {
       spare_.emplace_back();  // (null until its first speculative step)
     } catch (...) {
       if (homes_.size() > spare_.size()) homes_.pop_back();
-      for (float* p : h) drv_.host_free(p);
+      for (float* p : h) vmm_.host_free(p);
       throw;
     }
   }
   void drop_shard(std::size_t s) noexcept override {
     for (auto* v : {&homes_, &spare_})
       for (float*& p : (*v)[s])
-        if (p) drv_.host_free(p), p = nullptr;
+        if (p) vmm_.host_free(p), p = nullptr;
   }
 
   void read(std::size_t s, state_array a, std::size_t e0, std::size_t n, float* out) override {
@@ -155,13 +156,13 @@ class host_home final : public home, public piece_mover, public second_copy {
   void prefetch(std::size_t, const piece_ref&) override {}
   std::size_t to_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {
     if (is_moment(a) && compressed()) return move_moment(homes_[p.shard][a], p, dev, true, s);
-    drv_.copy_async(dev, homes_[p.shard][a] + p.e0, p.n * 4, s);
+    streams_.copy_async(dev, homes_[p.shard][a] + p.e0, p.n * 4, s);
     return p.n * 4;
   }
   std::size_t from_device(std::size_t, const piece_ref& p, state_array a, float* dev, stream_t s) override {
     float* to = (speculative_ ? spare_ : homes_)[p.shard][a];
     if (is_moment(a) && compressed()) return move_moment(to, p, dev, false, s);
-    drv_.copy_async(to + p.e0, dev, p.n * 4, s);
+    streams_.copy_async(to + p.e0, dev, p.n * 4, s);
     return p.n * 4;
   }
   void retire(std::size_t, const piece_ref&) override {}
@@ -193,10 +194,10 @@ class host_home final : public home, public piece_mover, public second_copy {
     try {
       for (state_array a : k_state_arrays)
         if (is_moment(a) || !param_is_main(info))
-          h[a] = static_cast<float*>(drv_.host_alloc(is_moment(a) ? mb : numel * 4));
+          h[a] = static_cast<float*>(vmm_.host_alloc(is_moment(a) ? mb : numel * 4));
     } catch (...) {
       for (float* p : h)
-        if (p) drv_.host_free(p);
+        if (p) vmm_.host_free(p);
       throw;
     }
     return h;
@@ -206,17 +207,18 @@ class host_home final : public home, public piece_mover, public second_copy {
   std::size_t move_moment(float* array, const piece_ref& p, float* dev, bool to_device, stream_t s) {
     char* host = reinterpret_cast<char*>(array);
     char* d = reinterpret_cast<char*>(dev);
-    if (format_ == moment_format::bf16) return copy_run(drv_, d, host + 2 * p.e0, 2 * p.n, to_device, s);
+    if (format_ == moment_format::bf16) return copy_run(streams_, d, host + 2 * p.e0, 2 * p.n, to_device, s);
     // int8: the piece's codes, then its blocks' scales (pieces start on a block: the
     // piece size is a multiple of the granule, itself of 256 elements).
     const std::size_t numel = shards_.numel(p.shard);
-    return copy_run(drv_, d, host + p.e0, p.n, to_device, s) +
-           copy_run(drv_, d + detail::q_scales_offset(p.n),
+    return copy_run(streams_, d, host + p.e0, p.n, to_device, s) +
+           copy_run(streams_, d + detail::q_scales_offset(p.n),
                     host + detail::q_scales_offset(numel) + 4 * (p.e0 / detail::k_qblock), 4 * detail::q_blocks(p.n),
                     to_device, s);
   }
 
-  driver& drv_;
+  vmm_ops& vmm_;          // pinned memory, the granule
+  stream_ops& streams_;   // copies
   const shard_table& shards_;
   const moment_format format_;
   std::vector<per_array<float*>> homes_;  // per shard: the pinned home of each array
@@ -249,7 +251,7 @@ std::unique_ptr<home> make_home(tier t, const home_context& ctx) {
     case tier::device: return std::make_unique<device_home>(ctx);
     case tier::host: return std::make_unique<host_home>(ctx);
     case tier::file:
-      return make_file_home(ctx.drv, ctx.shards,
+      return make_file_home(ctx.vmm, ctx.streams, ctx.shards,
                             {.directory = ctx.cfg.directory,
                              .rank = ctx.cfg.rank,
                              .resume = ctx.cfg.resume,

@@ -69,7 +69,8 @@ struct pass_plan {
 
 /// What a home is built from: the lower layers and the shard table, which outlive it.
 struct home_context {
-  driver& drv;
+  vmm_ops& vmm;         // pinned host memory, the granule
+  stream_ops& streams;  // copies
   reservation_manager& mgr;
   const shard_table& shards;
   const optimizer_config& cfg;  // read at construction (tier, moment format, file settings)

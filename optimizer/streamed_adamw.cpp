@@ -141,7 +141,7 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   } else {
     self.pool = std::make_shared<chunk_pool>(self.drv);
   }
-  self.mgr = std::make_unique<reservation_manager>(self.pool);
+  self.mgr = std::make_unique<reservation_manager>(self.pool, self.drv);
   if (traits.streamed)
     self.slots = std::make_unique<window>(*self.mgr, static_cast<std::size_t>(self.cfg.depth), self.shape.piece * 4);
   self.comp = detail::make_compute(*self.drv);
@@ -277,7 +277,7 @@ reservation_manager& streamed_adamw::reservations() { return *impl_->mgr; }
 // ---- the pipeline -------------------------------------------------------------------
 
 void streamed_adamw::impl::make_homes() {
-  const home_context ctx{*drv, *mgr, shards, cfg, exec()};
+  const home_context ctx{*drv, *drv, *mgr, shards, cfg, exec()};
   tier_home = make_home(cfg.home, ctx);
   hbm_home = make_home(tier::device, ctx);
 }

@@ -194,7 +194,7 @@ void window_pipeline::prefetch(std::size_t j) {
 void window_pipeline::back_slots() {
   std::size_t longest = 0;
   for (std::size_t j = plan_.skip; j < pieces(); ++j) longest = std::max(longest, piece(j).n);
-  const std::size_t g = parts_.drv.granularity();
+  const std::size_t g = parts_.pool.granularity();
   const std::size_t need = (longest * 4 + g - 1) / g * g;
   const auto t = clk::now();
   if (parts_.slots.back(std::min(pieces() - plan_.skip, plan_.depth), first_arrays(plan_.arrays), need,
@@ -222,15 +222,15 @@ char* window_pipeline::model_of(const piece_ref& p) const {
 void window_pipeline::fetch(std::size_t i) {
   const auto& p = piece(i);
   const auto& dev = slot_of(i);
-  auto& drv = parts_.drv;
+  auto& ops = parts_.ops;
   const stream_t h2d = parts_.streams.h2d();
   // The slot's previous piece is written back (retire() waited for it on the host; the
   // wait keeps the order on the device too).
-  if (i >= plan_.skip + plan_.depth) drv.stream_wait(h2d, event(i - plan_.depth, 2));
+  if (i >= plan_.skip + plan_.depth) ops.stream_wait(h2d, event(i - plan_.depth, 2));
   if (steps_param(p)) {
     float* keep = p.shard < step_.saved_params.size() ? step_.saved_params[p.shard] : nullptr;
     if (keep && step_.grads[p.shard] != nullptr) {
-      drv.copy_async(keep + p.e0, model_of(p), p.n * 4, h2d);
+      ops.copy_async(keep + p.e0, model_of(p), p.n * 4, h2d);
       report_->bytes_from_device += p.n * 4;
     }
   } else if (plan_.fetch_main) {
@@ -240,9 +240,9 @@ void window_pipeline::fetch(std::size_t i) {
   if (plan_.kind == pass_kind::step)
     for (state_array a : {state_array::exp_avg, state_array::exp_avg_sq}) {
       if (plan_.moments_stored) report_->bytes_to_device += parts_.mover.to_device(i, p, a, dev[a], h2d);
-      else drv.zero_async(dev[a], p.n * 4, h2d);  // never written: zero by construction
+      else ops.zero_async(dev[a], p.n * 4, h2d);  // never written: zero by construction
     }
-  drv.record(event(i, 0), h2d);
+  ops.record(event(i, 0), h2d);
 }
 
 void window_pipeline::compute(std::size_t i) {
@@ -251,7 +251,7 @@ void window_pipeline::compute(std::size_t i) {
   const auto& dev = slot_of(i);
   const stream_t exec = parts_.streams.exec();
   auto& comp = parts_.comp;
-  parts_.drv.stream_wait(exec, event(i, 0));
+  parts_.ops.stream_wait(exec, event(i, 0));
   char* model = model_of(p);
   // An FP32 parameter is its own main: the kernel reads and writes it in place.
   float* main = steps_param(p) ? reinterpret_cast<float*>(model) : dev[state_array::main];
@@ -274,7 +274,7 @@ void window_pipeline::compute(std::size_t i) {
       comp.adamw({main, dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad, sh.param_type, gt, p.n},
                  step_.scalars[p.shard], exec);
   }
-  parts_.drv.record(event(i, 1), exec);
+  parts_.ops.record(event(i, 1), exec);
 }
 
 // D2H of the arrays the pass changed (none for an export).
@@ -282,7 +282,7 @@ void window_pipeline::write_back(std::size_t i) {
   const auto& p = piece(i);
   const auto& dev = slot_of(i);
   const stream_t d2h = parts_.streams.d2h();
-  parts_.drv.stream_wait(d2h, event(i, 1));
+  parts_.ops.stream_wait(d2h, event(i, 1));
   if (plan_.write_back)
     for (state_array a : first_arrays(plan_.arrays)) {
       float* from = dev[a];
@@ -292,7 +292,7 @@ void window_pipeline::write_back(std::size_t i) {
       }
       report_->bytes_from_device += parts_.mover.from_device(i, p, a, from, d2h);
     }
-  parts_.drv.record(event(i, 2), d2h);
+  parts_.ops.record(event(i, 2), d2h);
   write_back_issued_[i] = true;
 }
 
@@ -300,7 +300,7 @@ void window_pipeline::write_back(std::size_t i) {
 void window_pipeline::retire(std::size_t i) {
   const auto& p = piece(i);
   const auto t = clk::now();
-  parts_.drv.synchronize(event(i, 2));
+  parts_.ops.synchronize(event(i, 2));
   report_->retire_seconds += since(t);
   parts_.mover.retire(i, p);
   done_params_ += p.n;

@@ -20,7 +20,7 @@ namespace deferalloc::optim {
 
 /// What a pass runs on: the layers below it, which outlive it.
 struct pipeline_parts {
-  driver& drv;
+  stream_ops& ops;  // copies, events and waits
   detail::compute& comp;
   chunk_pool& pool;  // the window's chunks
   stream_set& streams;

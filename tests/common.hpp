@@ -79,7 +79,7 @@ struct temp_dir {
 struct stack {
   explicit stack(std::shared_ptr<deferalloc::driver> drv, deferalloc::chunk_pool_config pc = {})
       : drv(std::move(drv)), pool(std::make_shared<deferalloc::chunk_pool>(this->drv, std::move(pc))),
-        mgr(std::make_unique<deferalloc::reservation_manager>(pool)) {}
+        mgr(std::make_unique<deferalloc::reservation_manager>(pool, this->drv)) {}
   std::shared_ptr<deferalloc::driver> drv;
   std::shared_ptr<deferalloc::chunk_pool> pool;
   std::unique_ptr<deferalloc::reservation_manager> mgr;

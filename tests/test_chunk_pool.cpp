@@ -61,7 +61,7 @@ TEST(chunk_pool, non_power_of_two_classes_serve_reservations) {
   auto d = make_driver();
   const std::size_t g = d->granularity();
   auto pool = std::make_shared<chunk_pool>(d, chunk_pool_config{{28 * g}, 0});
-  reservation_manager m(pool);
+  reservation_manager m(pool, d);
   auto id = m.reserve(56 * g + 5);
   m.materialize(id, 0, whole, fill_mode::zero);
   EXPECT_TRUE(m.is_backed(id));

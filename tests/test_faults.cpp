@@ -169,3 +169,41 @@ TEST(faults, release_whole_chunks_with_backup) {
     EXPECT_FALSE(done.empty());
   });
 }
+
+// Each half of the driver is wrapped on its own: a pool on a fault_vmm and a manager whose
+// streams are a fault_streams (both over one driver).  A failed map and a failed backup
+// copy each leave the reservation as it was, and the same calls succeed afterwards.
+TEST(faults, each_half_wrapped_on_its_own) {
+  auto d = make_driver();
+  auto v = std::make_shared<fault_vmm>(d);
+  auto st = std::make_shared<fault_streams>(d);
+  reservation_manager m(std::make_shared<chunk_pool>(v), st);
+  const std::size_t g = v->granularity();
+  auto id = m.reserve(4 * g);
+  v->fail_nth(primitive::map, 1);
+  EXPECT_THROW(m.materialize(id, 0, whole, fill_mode::zero), cuda_error);
+  EXPECT_EQ(v->fired(), 1u);
+  EXPECT_TRUE(m.backed_ranges(id).empty());
+  m.materialize(id, 0, whole, fill_mode::undefined);
+  const auto data = random_bytes(4 * g, 7);
+  upload(*d, m.address(id), data);
+  st->fail_nth_copy(1);
+  EXPECT_THROW(m.release(id, 0, whole, keep_mode::host), cuda_error);  // the backup copy
+  EXPECT_EQ(st->fired(), 1u);
+  EXPECT_TRUE(m.is_backed(id));
+  EXPECT_EQ(m.info(id).backup_bytes, 0u);
+  EXPECT_EQ(download(*d, m.address(id), 4 * g), data);
+  m.release(id, 0, whole, keep_mode::host);
+  m.materialize(id, 0, whole, fill_mode::restore);
+  EXPECT_EQ(download(*d, m.address(id), 4 * g), data);
+  m.free(id);
+}
+
+// The pool's VMM half and the manager's streams serve one device: halves of two drivers
+// are refused.
+TEST(faults, halves_of_two_drivers_are_refused) {
+  auto a = make_driver();
+  auto b = std::make_shared<fault_driver>(a);  // a driver of its own over `a`
+  EXPECT_THROW(reservation_manager(std::make_shared<chunk_pool>(a), b), invalid_argument);
+  EXPECT_NO_THROW(reservation_manager(std::make_shared<chunk_pool>(b), b));
+}

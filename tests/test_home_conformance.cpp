@@ -106,7 +106,7 @@ class HomeConformance : public testing::TestWithParam<home_case> {
   void SetUp() override {
     drv_ = make_host_driver({std::size_t{64} << 10, std::size_t{1} << 30});
     pool_ = std::make_shared<chunk_pool>(drv_);
-    mgr_ = std::make_unique<reservation_manager>(pool_);
+    mgr_ = std::make_unique<reservation_manager>(pool_, drv_);
     cfg_.home = GetParam().where;
     cfg_.moments = GetParam().moments;
     if (cfg_.home == tier::file) {
@@ -116,7 +116,7 @@ class HomeConformance : public testing::TestWithParam<home_case> {
       cfg_.directory = dir_;
     }
     exec_ = drv_->create_stream();
-    home_ = make_home(cfg_.home, {*drv_, *mgr_, shards_, cfg_, exec_});
+    home_ = make_home(cfg_.home, {*drv_, *drv_, *mgr_, shards_, cfg_, exec_});
     for (std::size_t n : k_numel) {
       shard s;
       s.info.numel = n;
@@ -301,7 +301,7 @@ class HomeConformance : public testing::TestWithParam<home_case> {
   std::optional<state_counts> reopen() {
     home_.reset();
     cfg_.resume = true;
-    home_ = make_home(cfg_.home, {*drv_, *mgr_, shards_, cfg_, exec_});
+    home_ = make_home(cfg_.home, {*drv_, *drv_, *mgr_, shards_, cfg_, exec_});
     for (std::size_t s = 0; s < shards_.size(); ++s) home_->add_shard(shards_[s]);
     return home_->store()->open();
   }

@@ -320,7 +320,7 @@ TEST_F(reservations, physical_memory_held_stays_within_backed_plus_cache_bound) 
 // Pinned backups follow the same policy: after restores, at most the pinned bound stays.
 TEST_F(reservations, pinned_backups_above_the_bound_are_freed_after_restore) {
   stack p(make_driver());
-  auto mgr = std::make_unique<reservation_manager>(p.pool, reservation_manager_config{2 * g});
+  auto mgr = std::make_unique<reservation_manager>(p.pool, p.drv, reservation_manager_config{2 * g});
   std::vector<reservation_id> ids;
   for (int i = 0; i < 4; ++i) {
     ids.push_back(mgr->reserve(4 * g));

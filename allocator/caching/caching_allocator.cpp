@@ -261,7 +261,7 @@ block* caching_allocator::impl::find_containing(std::uintptr_t p) const {
 // ---- construction ---------------------------------------------------------------------
 
 caching_allocator::impl::impl(reservation_manager& m, const caching_allocator_config& c)
-    : mgr(m), vmm(m.drv()), ops(m.drv()), cfg(c), free_events(ops) {
+    : mgr(m), vmm(m.vmm()), ops(m.streams()), cfg(c), free_events(ops) {
   DFA_EXPECTS(cfg.memory_fraction > 0.0 && cfg.memory_fraction <= 1.0,
               "caching_allocator: memory_fraction must be in (0, 1], got " + std::to_string(cfg.memory_fraction));
   DFA_EXPECTS(cfg.small_size >= k_block_unit && cfg.small_size <= (std::size_t{1} << 30),

@@ -27,10 +27,10 @@
 
 namespace deferalloc {
 
-chunk_pool::chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg)
-    : drv_(std::move(drv)), granularity_(0), budget_(cfg.budget), cache_limit_(cfg.cache_limit) {
-  DFA_EXPECTS(drv_ != nullptr, "chunk_pool: driver is null");
-  granularity_ = vmm().granularity();
+chunk_pool::chunk_pool(std::shared_ptr<vmm_ops> vmm, chunk_pool_config cfg)
+    : vmm_(std::move(vmm)), granularity_(0), budget_(cfg.budget), cache_limit_(cfg.cache_limit) {
+  DFA_EXPECTS(vmm_ != nullptr, "chunk_pool: driver is null");
+  granularity_ = vmm_->granularity();
   classes_ = std::move(cfg.classes);
   if (classes_.empty())
     for (std::size_t c = granularity_; c <= (std::size_t{1} << 30); c *= 2) classes_.push_back(c);

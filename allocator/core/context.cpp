@@ -31,7 +31,7 @@ context::context(const settings& s) : config(s) {
   set_log_level(s.level);
   drv = make_driver(s);
   pool = std::make_shared<chunk_pool>(drv, chunk_pool_config{s.chunk_classes, s.pool_budget, s.pool_cache});
-  reservations = std::make_unique<reservation_manager>(pool, reservation_manager_config{s.pinned_cache});
+  reservations = std::make_unique<reservation_manager>(pool, drv, reservation_manager_config{s.pinned_cache});
 }
 
 }  // namespace deferalloc

@@ -160,7 +160,7 @@ std::string fs_type(const std::string& dir, bool options = false) {
 struct setup {
   setup(std::shared_ptr<driver> d, std::size_t numel, optimizer_config cfg) : drv(d) {
     pool = std::make_shared<chunk_pool>(d);
-    mgr = std::make_unique<reservation_manager>(pool);
+    mgr = std::make_unique<reservation_manager>(pool, d);
     opt = std::make_unique<streamed_adamw>(d, cfg);
     const std::size_t shard = std::size_t{256} << 20;
     for (std::size_t done = 0; done < numel; done += shard) {

@@ -204,7 +204,7 @@ void BM_first_touch(benchmark::State& st) {
   const std::size_t bytes = std::size_t{2} << 30;
   auto drv = make_cuda_driver(0);
   auto pool = std::make_shared<chunk_pool>(drv);
-  reservation_manager mgr(pool);
+  reservation_manager mgr(pool, drv);
   void* src = nullptr;
   DFA_BENCH_CUDA(cudaMalloc(&src, bytes));
   DFA_BENCH_CUDA(cudaMemset(src, 1, bytes));

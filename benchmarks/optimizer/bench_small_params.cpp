@@ -37,7 +37,7 @@ run measure(tier t, const std::string& dir, std::size_t params, std::size_t nume
   const std::size_t stride = (numel * 2 + 255) / 256 * 256;  // each param on its own 256 bytes
   auto drv = make_host_driver({std::size_t{64} << 10, std::size_t{1} << 30});
   auto pool = std::make_shared<chunk_pool>(drv);
-  reservation_manager mgr(pool);
+  reservation_manager mgr(pool, drv);
   auto buffer = [&](std::size_t bytes) {
     auto id = mgr.reserve(bytes);
     mgr.materialize(id, 0, whole, fill_mode::zero);

@@ -33,7 +33,7 @@ void add_driver_counters(benchmark::State& st, const driver_call_counts& before,
 struct bench_stack {
   explicit bench_stack(std::size_t n)
       : drv(make_bench_driver()), pool(std::make_shared<chunk_pool>(drv, chunk_pool_config{{}, 0, no_cache_limit})),
-        m(std::make_unique<reservation_manager>(pool, reservation_manager_config{no_cache_limit})),
+        m(std::make_unique<reservation_manager>(pool, drv, reservation_manager_config{no_cache_limit})),
         each(total_bytes() / n) {
     for (std::size_t i = 0; i < n; ++i) rs.push_back({m->reserve(each), 0, whole});
   }

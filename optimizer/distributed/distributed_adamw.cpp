@@ -80,23 +80,23 @@ communicator::~communicator() = default;
 namespace {
 class local_communicator final : public communicator {
  public:
-  explicit local_communicator(std::shared_ptr<driver> drv) : drv_(std::move(drv)) {
-    DFA_EXPECTS(drv_ != nullptr, "make_local_communicator: driver is null");
+  explicit local_communicator(std::shared_ptr<stream_ops> ops) : ops_(std::move(ops)) {
+    DFA_EXPECTS(ops_ != nullptr, "make_local_communicator: driver is null");
   }
   int rank() const override { return 0; }
   int world() const override { return 1; }
   void reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
-    if (send != recv) drv_->copy_async(recv, send, count * size_of(t), s);
+    if (send != recv) ops_->copy_async(recv, send, count * size_of(t), s);
   }
   void all_gather(const void* send, void* recv, std::size_t count, dtype t, stream_t s) override {
-    if (send != recv) drv_->copy_async(recv, send, count * size_of(t), s);
+    if (send != recv) ops_->copy_async(recv, send, count * size_of(t), s);
   }
   void* register_buffer(void*, std::size_t) override { return nullptr; }
   void deregister_buffer(void*) override {}
   std::string name() const override { return "local"; }
 
  private:
-  std::shared_ptr<driver> drv_;
+  std::shared_ptr<stream_ops> ops_;  // copies only
 };
 }  // namespace
 
@@ -160,7 +160,7 @@ distributed_adamw::distributed_adamw(std::shared_ptr<driver> drv, std::shared_pt
   I.opt = std::make_unique<optim::streamed_adamw>(I.drv, std::move(oc));
   I.opt->add_shard(params + I.lay.begin, I.lay.shard, "rank" + std::to_string(I.lay.rank));
   I.pool = std::make_shared<chunk_pool>(I.drv);
-  I.mgr = std::make_unique<reservation_manager>(I.pool);
+  I.mgr = std::make_unique<reservation_manager>(I.pool, I.drv);
   const std::size_t bytes = std::max<std::size_t>(I.drv->granularity(), sizeof(double) * I.lay.world);
   I.scratch_id = I.mgr->reserve(bytes);
   I.mgr->materialize(I.scratch_id, 0, whole, fill_mode::zero, nullptr);

@@ -61,12 +61,25 @@ std::shared_ptr<chunk_pool> not_null(std::shared_ptr<chunk_pool> pool) {
   DFA_EXPECTS(pool != nullptr, "reservation_manager: pool is null");
   return pool;
 }
+
+// The streams serve the pool's device: where both halves belong to whole drivers, the
+// same driver.
+std::shared_ptr<stream_ops> streams_of(const chunk_pool& pool, std::shared_ptr<stream_ops> streams) {
+  DFA_EXPECTS(streams != nullptr, "reservation_manager: stream_ops is null");
+  const auto* a = dynamic_cast<const driver*>(&pool.vmm());
+  const auto* b = dynamic_cast<const driver*>(streams.get());
+  DFA_EXPECTS(a == nullptr || b == nullptr || a == b,
+              "reservation_manager: the pool's driver (" + (a ? a->name() : std::string()) +
+                  ") and the stream_ops' driver (" + (b ? b->name() : std::string()) + ") are two drivers, not one");
+  return streams;
+}
 }  // namespace
 
 // ---- the public class: it forwards to the state (Note [Allocator state]) ----------------
 
-reservation_manager::reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg)
-    : impl_(std::make_unique<impl>(std::move(pool), cfg)) {}
+reservation_manager::reservation_manager(std::shared_ptr<chunk_pool> pool, std::shared_ptr<stream_ops> streams,
+                                         reservation_manager_config cfg)
+    : impl_(std::make_unique<impl>(std::move(pool), std::move(streams), cfg)) {}
 reservation_manager::~reservation_manager() = default;
 
 reservation_id reservation_manager::reserve(std::size_t bytes) { return impl_->reserve(bytes); }
@@ -109,17 +122,19 @@ void reservation_manager::reset_peak() noexcept { impl_->reset_peak(); }
 std::size_t reservation_manager::trim_backup_cache(std::size_t keep_bytes) { return impl_->trim_backup_cache(keep_bytes); }
 std::size_t reservation_manager::granularity() const { return impl_->granularity(); }
 chunk_pool& reservation_manager::pool() const { return impl_->pool(); }
-driver& reservation_manager::drv() const { return impl_->drv(); }
+vmm_ops& reservation_manager::vmm() const { return impl_->vmm(); }
+stream_ops& reservation_manager::streams() const { return impl_->streams(); }
 
 // ---- life -----------------------------------------------------------------------------
 
-reservation_manager::impl::impl(std::shared_ptr<chunk_pool> pool, const reservation_manager_config& cfg)
+reservation_manager::impl::impl(std::shared_ptr<chunk_pool> pool, std::shared_ptr<stream_ops> streams,
+                                const reservation_manager_config& cfg)
     : pool_(not_null(std::move(pool))),
-      drv_(pool_->driver_ptr()),
-      vmm_(*drv_),
-      streams_(*drv_),
+      streams_ptr_(streams_of(*pool_, std::move(streams))),
+      vmm_(pool_->vmm()),
+      streams_(*streams_ptr_),
       granularity_(vmm_.granularity()),
-      pinned_(std::make_unique<pinned_pool>(drv_, cfg.pinned_cache)),
+      pinned_(std::make_unique<pinned_pool>(pool_->vmm_ptr(), cfg.pinned_cache)),
       events_(streams_) {
   copy_stream_ = streams_.create_stream();
 }

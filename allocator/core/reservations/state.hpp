@@ -178,7 +178,7 @@ class reservation_manager::byte_counts {
 // Every operation takes the mutex; the private helpers run under it.
 class reservation_manager::impl {
  public:
-  impl(std::shared_ptr<chunk_pool> pool, const reservation_manager_config& cfg);
+  impl(std::shared_ptr<chunk_pool> pool, std::shared_ptr<stream_ops> streams, const reservation_manager_config& cfg);
   ~impl();
 
   // ---- reservations.cpp ----
@@ -204,7 +204,8 @@ class reservation_manager::impl {
 
   std::size_t granularity() const noexcept { return granularity_; }
   chunk_pool& pool() const noexcept { return *pool_; }
-  driver& drv() const noexcept { return *drv_; }
+  vmm_ops& vmm() const noexcept { return vmm_; }
+  stream_ops& streams() const noexcept { return streams_; }
 
  private:
   // A run of unbacked (materialize) or backed (release) granules of one reservation.
@@ -244,9 +245,9 @@ class reservation_manager::impl {
   void reap_retired(bool wait) noexcept;
 
   std::shared_ptr<chunk_pool> pool_;
-  std::shared_ptr<driver> drv_;  // the pool's: its two halves below are what the operations call
-  vmm_ops& vmm_;
-  stream_ops& streams_;
+  std::shared_ptr<stream_ops> streams_ptr_;
+  vmm_ops& vmm_;          // the pool's: the VMM primitives, pinned memory for backups
+  stream_ops& streams_;   // fills, backup copies, events and waits
   std::size_t granularity_;
   std::unique_ptr<pinned_pool> pinned_;
   // Taken as log_after_unlock (Note [Logging outside locks] in log.hpp).

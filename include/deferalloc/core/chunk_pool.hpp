@@ -56,16 +56,16 @@ struct pool_stats {
 class DFA_API chunk_pool {
  public:
   /// @throws invalid_argument for a class that is not a multiple of the granularity.
-  chunk_pool(std::shared_ptr<driver> drv, chunk_pool_config cfg = {});
+  chunk_pool(std::shared_ptr<vmm_ops> vmm, chunk_pool_config cfg = {});
   /// Releases every cached chunk.  Taken chunks belong to their users.
   ~chunk_pool();
   chunk_pool(const chunk_pool&) = delete;
   chunk_pool& operator=(const chunk_pool&) = delete;
 
   /// The half of the driver the pool calls (create, release, granularity, counts).
-  vmm_ops& vmm() const { return *drv_; }
-  /// The whole driver, which the pool carries for the reservation manager built on it.
-  const std::shared_ptr<driver>& driver_ptr() const { return drv_; }
+  vmm_ops& vmm() const { return *vmm_; }
+  /// The same, shared: the reservation manager built on the pool builds its pinned pool on it.
+  const std::shared_ptr<vmm_ops>& vmm_ptr() const { return vmm_; }
   std::size_t granularity() const { return granularity_; }
   /// The size classes, ascending.
   const std::vector<std::size_t>& classes() const { return classes_; }
@@ -99,7 +99,7 @@ class DFA_API chunk_pool {
   std::optional<chunk> take_locked(std::size_t bytes);
   std::size_t trim_locked(std::size_t keep_bytes) noexcept;
 
-  std::shared_ptr<driver> drv_;
+  std::shared_ptr<vmm_ops> vmm_;
   std::size_t granularity_;
   std::size_t budget_;
   std::size_t cache_limit_;

@@ -5,16 +5,20 @@
 //   stream_ops  the few stream/event/copy operations the layers above need to be
 //               stream-ordered (not counted).
 // A `driver` is both, plus what identifies it (name, kind, device).  A part that calls one
-// half takes that half (the chunk and pinned pools and the reservations' VMM calls take
-// vmm_ops, the event pool, the stream set and the device home stream_ops); the owners that
-// hand one driver on to the parts they build take the whole `driver` (chunk_pool,
-// streamed_adamw, the homes' context).
+// half takes that half: the chunk pool and the pinned pool a vmm_ops, the reservation
+// manager the pool's vmm_ops and a stream_ops, the event pool, the optimizer's stream set,
+// window pass and homes their halves.  The whole `driver` is taken where one object is
+// handed on to parts that call both halves (streamed_adamw, distributed_adamw, the
+// communicators' factories, context) or its identity is read (the kernels' backend).
+// `driver` derives from its halves virtually, so a driver can be put together from one
+// implementation of each half (the fault-injecting driver is a fault_vmm and a
+// fault_streams).
 //
 // Two real implementations: cuda_driver (libcuda resolved at run time) and
 // host_driver (the same semantics on host memory: PROT_NONE reservations, memfd
 // chunks, MAP_FIXED|MAP_SHARED mappings, mprotect for access).  A fault-injecting
-// wrapper for the tests fails the Nth call of a chosen primitive (internal:
-// allocator/core/driver/fault_driver.hpp).
+// wrapper of each half for the tests fails the Nth call of a chosen primitive or copy
+// (internal: allocator/core/driver/fault_driver.hpp).
 //
 // The counting is vmm_ops' non-virtual public functions (rmm's allocate / do_allocate
 // pattern), so the statistics live in one place; budgets are the chunk pool's.
@@ -194,8 +198,10 @@ class DFA_API stream_ops {
   stream_ops() = default;
 };
 
-/// One device's driver: its VMM primitives and its streams, and what it is.
-class DFA_API driver : public vmm_ops, public stream_ops {
+/// One device's driver: its VMM primitives and its streams, and what it is.  The halves are
+/// virtual bases: a class may take each half's overriders from a different base (one
+/// subobject of each half either way).
+class DFA_API driver : public virtual vmm_ops, public virtual stream_ops {
  public:
   ~driver() override;
 

@@ -68,14 +68,18 @@ struct reservation_manager_config {
   std::size_t pinned_cache = pinned_pool::default_cache_limit;
 };
 
-/// Owns reservations on one driver, backed from one chunk pool.  Thread-safe: every
+/// Owns reservations on one driver, backed from one chunk pool: the VMM primitives are the
+/// pool's vmm_ops, the fills, backup copies and waits go through a stream_ops of the same
+/// device (the same driver, where both are halves of one).  Thread-safe: every
 /// call takes one mutex.  Offsets and lengths are multiples of the granularity,
 /// except that a range may end at the reservation's size.  Host memory for the
 /// bookkeeping grows with the chunks mapped and the backup runs, not with the bytes
 /// reserved (reserving 16 TiB costs a few hundred bytes).
 class DFA_API reservation_manager {
  public:
-  explicit reservation_manager(std::shared_ptr<chunk_pool> pool, reservation_manager_config cfg = {});
+  /// @throws invalid_argument for a null pool or stream_ops, or halves of two drivers
+  reservation_manager(std::shared_ptr<chunk_pool> pool, std::shared_ptr<stream_ops> streams,
+                      reservation_manager_config cfg = {});
   /// Frees every reservation still alive (waiting for their streams), never throws.
   ~reservation_manager();
   reservation_manager(const reservation_manager&) = delete;
@@ -155,7 +159,10 @@ class DFA_API reservation_manager {
 
   std::size_t granularity() const;
   chunk_pool& pool() const;
-  driver& drv() const;
+  /// The pool's VMM half (the device's memory figures).
+  vmm_ops& vmm() const;
+  /// The stream half the manager was built with (events, waits).
+  stream_ops& streams() const;
 
  private:
   // The state and the operations (the reservations, their chunks and backups, the pool,
