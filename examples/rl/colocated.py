@@ -19,9 +19,9 @@ and the CUDA graph of its decode step in "kv" (discarded).  Each RL step:
   1. inference: wake (resume), load the published weights, generate (greedy), sleep (pause);
   2. trainer: wake, one Megatron step on the rollouts (a reward-weighted log-likelihood),
      publish its weights into shared host memory, sleep.
-The weights travel through one file in /dev/shm mapped by both processes (each parameter's
-bytes at an aligned offset; the trainer writes, the inference side copies them to the device
-in one transfer and converts there).  The trainer publishes once after it is built, so step
+The weights travel through one file in /dev/shm (the temporary directory when /dev/shm is too
+small) mapped by both processes (each parameter's bytes at an aligned offset; the trainer
+writes, the inference side copies them to the device in one transfer and converts there).  The trainer publishes once after it is built, so step
 1's rollouts come from the initial weights.
 
 ``--saver`` picks the memory saver: "deferalloc" (deferalloc.memory_saver, torch_memory_saver's
@@ -39,7 +39,7 @@ seconds, its work (load, generate; train, publish), the step's wall seconds and 
 spent in sleep + wake, the loss (as a float hex) and a digest of the rollouts; device memory
 (CUDA: cuMemGetInfo from the launcher) at each hand-off, when both sides sleep: each side's
 CUDA context measured as it started, what they hold beyond it together, and at the end what
-each holds alone (the inference side exits first).
+each holds asleep alone (the inference side exits first).
 """
 from __future__ import annotations
 
@@ -182,6 +182,20 @@ def release_cached() -> None:
         torch.cuda.empty_cache()
 
 
+def weights_file(name: str, nbytes: int) -> str:
+    """Where the weights are published: /dev/shm when it has room for them (a container's
+    is often 64 MiB, and a shared mapping past a full tmpfs faults), else the temporary
+    directory (a file in the page cache, mapped the same way)."""
+    import tempfile
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= nbytes + (64 << 20):
+            return os.path.join("/dev/shm", name)
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), name)
+
+
 def _map_weights(path: str, nbytes: int):
     """The published weights: ``path`` mapped shared, as uint8 (pinned where CUDA can)."""
     import torch
@@ -229,7 +243,7 @@ def trainer_main(conn, args) -> None:
         nbytes = p.numel() * p.element_size()
         layout.append((n, list(p.shape), str(p.dtype), offset, nbytes))
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    path = args.weights_path
+    path = weights_file(args.weights_name, offset)
     with open(path, "wb") as f:
         f.truncate(offset)
     flat = _map_weights(path, offset)
@@ -250,7 +264,8 @@ def trainer_main(conn, args) -> None:
         pos = torch.arange(probe.shape[1]).unsqueeze(0).expand(probe.shape[0], -1)
         logits = ddp(probe.to(device), pos.to(device), None)[:, -PROBE_POSITIONS:].float().cpu()
     slept = sleeper.sleep()
-    conn.send(("built", {"first_step": first, "layout": layout, "bytes": offset, "params": sum(p.numel() for _, p in params),
+    conn.send(("built", {"first_step": first, "layout": layout, "path": path, "bytes": offset,
+                         "params": sum(p.numel() for _, p in params),
                          "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist()}))
     while True:
         msg = conn.recv()
@@ -269,7 +284,9 @@ def trainer_main(conn, args) -> None:
             conn.send(("trained", t))
         elif msg[0] == "finish":
             sleeper.wake()
-            conn.send(("finished", {"final_digest": train_gpt.state_digest(optimizer)}))
+            final = train_gpt.state_digest(optimizer)
+            sleeper.sleep()
+            conn.send(("finished", {"final_digest": final}))
             conn.recv()  # the launcher's go: the inference side has exited
             del gpt, ddp, optimizer, streamed
             train_gpt.teardown()
@@ -339,8 +356,8 @@ def inference_main(conn, args) -> None:
     sleeper = Sleeper(args.saver, args.hook_mode)
     msg = conn.recv()
     assert msg[0] == "build", msg
-    _, layout, nbytes, probe_logits = msg
-    flat = _map_weights(args.weights_path, nbytes)
+    _, layout, path, nbytes, probe_logits = msg
+    flat = _map_weights(path, nbytes)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     cfg = rollout.hf_config(args.layers, args.hidden, args.heads, args.vocab, args.prompt_len + args.gen_len)
     with sleeper.region("weights"):
@@ -410,11 +427,15 @@ class DeviceMemory:
         return total - free
 
 
-def expect(conn, kind: str, proc):
-    """The next message of a child, which must be ``kind`` (an error raised with its text)."""
+def expect(conn, kind: str, proc, timeout_s: float = 600.0):
+    """The next message of a child, which must be ``kind`` (an error raised with its text, or
+    when the child exits or stays silent ``timeout_s``)."""
+    t0 = time.monotonic()
     while not conn.poll(1.0):
         if not proc.is_alive():
-            raise RuntimeError(f"the {kind!r} message never came: the child exited with {proc.exitcode}")
+            raise RuntimeError(f"the {kind!r} message never came: the {proc.name} process exited with {proc.exitcode}")
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"the {kind!r} message never came: the {proc.name} process was silent {timeout_s:.0f} s")
     msg = conn.recv()
     if msg[0] == "error":
         raise RuntimeError(msg[1])
@@ -431,8 +452,7 @@ def launch(args) -> dict:
         if not args.overwrite:
             raise SystemExit(f"colocated.py: {state} exists: pass --resume to continue from it, or --overwrite")
         os.remove(state)
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else args.directory
-    args.weights_path = os.path.join(shm, f"dfa_rl_weights_{os.getpid()}")
+    args.weights_name = f"dfa_rl_weights_{os.getpid()}"
     ctx = mp.get_context("spawn")
     mem = DeviceMemory(args.device == "cuda")
     cuda = args.device == "cuda"
@@ -454,13 +474,15 @@ def launch(args) -> dict:
             expect(parent, "ready", procs[role])
             report["memory"][f"{role}_context"] = mem.used() - u0
             u0 = mem.used()
+            if role == "trainer":
+                base_trainer = u0  # the launcher's and the trainer's contexts
         base = u0  # both contexts
         tr, inf = conns["trainer"], conns["inference"]
         tr.send(("build",))
         built = expect(tr, "built", procs["trainer"])[1]
         report["trainer_built"] = {k: v for k, v in built.items() if k not in ("layout", "probe_logits")}
-        report["memory"]["trainer_asleep_alone"] = mem.used() - base  # the inference side: its context only
-        inf.send(("build", built["layout"], built["bytes"], built["probe_logits"]))
+        report["memory"]["trainer_held_asleep_built"] = mem.used() - base  # the inference side: its context only
+        inf.send(("build", built["layout"], built["path"], built["bytes"], built["probe_logits"]))
         report["inference_built"] = expect(inf, "built", procs["inference"])[1]
         for step in range(built["first_step"], args.steps + 1):
             row = {"step": step}
@@ -486,14 +508,16 @@ def launch(args) -> dict:
                     p.join()
                 report["killed_after_step"] = step
                 return report
-        # The end: each side's footprint alone (the inference side exits first, asleep).
+        # The end: each side's footprint asleep, alone: the trainer reads its state's digest
+        # and sleeps again, then the inference side (asleep) exits.
         tr.send(("finish",))
         report["final_digest"] = expect(tr, "finished", procs["trainer"])[1]["final_digest"]
-        # (the trainer is awake now; the inference side asleep)
         before = mem.used()
         inf.send(("exit",))
         procs["inference"].join()
-        report["memory"]["inference_held_asleep"] = before - mem.used() - report["memory"]["inference_context"]
+        after = mem.used()
+        report["memory"]["inference_held_asleep"] = before - after - report["memory"]["inference_context"]
+        report["memory"]["trainer_held_asleep"] = after - base_trainer
         tr.send(("go",))
         procs["trainer"].join()
         if procs["trainer"].exitcode != 0 or procs["inference"].exitcode != 0:
@@ -504,8 +528,10 @@ def launch(args) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(args.weights_path)
+        import tempfile
+        for d in ("/dev/shm", tempfile.gettempdir()):  # wherever the trainer put it (weights_file)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(d, args.weights_name))
         report["t_start"] = t_start
     return report
 
