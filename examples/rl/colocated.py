@@ -284,10 +284,8 @@ def trainer_main(conn, args) -> None:
             conn.send(("trained", t))
         elif msg[0] == "finish":
             sleeper.wake()
-            final = train_gpt.state_digest(optimizer)
-            sleeper.sleep()
-            conn.send(("finished", {"final_digest": final}))
-            conn.recv()  # the launcher's go: the inference side has exited
+            conn.send(("finished", {"final_digest": train_gpt.state_digest(optimizer)}))
+            conn.recv()  # the launcher's go
             del gpt, ddp, optimizer, streamed
             train_gpt.teardown()
             return
@@ -508,16 +506,16 @@ def launch(args) -> dict:
                     p.join()
                 report["killed_after_step"] = step
                 return report
-        # The end: each side's footprint asleep, alone: the trainer reads its state's digest
-        # and sleeps again, then the inference side (asleep) exits.
-        tr.send(("finish",))
-        report["final_digest"] = expect(tr, "finished", procs["trainer"])[1]["final_digest"]
+        # The end: each side's footprint asleep, alone (both asleep since the last step; the
+        # inference side exits first), then the trainer's state digest.
         before = mem.used()
         inf.send(("exit",))
         procs["inference"].join()
         after = mem.used()
         report["memory"]["inference_held_asleep"] = before - after - report["memory"]["inference_context"]
         report["memory"]["trainer_held_asleep"] = after - base_trainer
+        tr.send(("finish",))
+        report["final_digest"] = expect(tr, "finished", procs["trainer"])[1]["final_digest"]
         tr.send(("go",))
         procs["trainer"].join()
         if procs["trainer"].exitcode != 0 or procs["inference"].exitcode != 0:
