@@ -80,7 +80,6 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--window-mb", type=int, default=64, help="the optimizer engine's window")
-    ap.add_argument("--role", choices=["trainer", "inference"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.hook_mode is None:
         args.hook_mode = "preload" if args.device == "cuda" else "torch"
@@ -458,7 +457,7 @@ def launch(args) -> dict:
     # stack's launcher starts its engine inside configure_subprocess().
     module = saver_module(args.saver) if cuda and args.hook_mode == "preload" else None
     env = module.configure_subprocess() if module is not None else contextlib.nullcontext()
-    report = {"args": {k: v for k, v in vars(args).items() if k != "role"}, "steps": [], "memory": {}}
+    report = {"args": dict(vars(args)), "steps": [], "memory": {}}
     procs, conns = {}, {}
     t_start = time.time()
     try:
