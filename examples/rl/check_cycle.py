@@ -69,10 +69,15 @@ def finish(started, wall: dict) -> dict | None:
         return json.load(f)
 
 
-def missing() -> str | None:
+def missing(device: str) -> str | None:
     """Why the cycle cannot run here (None: it can): megatron-core and transformers importable,
-    DFA_MEGATRON_CORE_DIR (the tests' megatron-core directory) present where it is set."""
+    DFA_MEGATRON_CORE_DIR (the tests' megatron-core directory) present where it is set, a GPU
+    for --device cuda."""
     import importlib.util
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            return "--device cuda: no CUDA device visible"
     where = os.environ.get("DFA_MEGATRON_CORE_DIR")
     if where and not os.path.isdir(os.path.join(where, "megatron", "core")):
         return f"no megatron-core in {where}; scripts/setup.sh unpacks the tested versions there"
@@ -104,7 +109,7 @@ def main() -> int:
     ap.add_argument("--json", help="every run's report and the checks")
     ap.add_argument("--png", help="the deferalloc run's last step as a timeline (plot_timeline.py)")
     args = ap.parse_args()
-    why = missing()
+    why = missing(args.device)
     if why:
         print(f"SKIP: {why}")
         return 77
