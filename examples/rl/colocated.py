@@ -110,7 +110,7 @@ class Sleeper:
     """One side's regions and its sleep / wake through a torch_memory_saver API (or none)."""
 
     def __init__(self, kind: str, hook_mode: str):
-        self.kind = kind
+        self.kind, self.hook_mode = kind, hook_mode
         self.saver = None
         if kind != "none":
             self.saver = saver_module(kind).torch_memory_saver
@@ -123,9 +123,11 @@ class Sleeper:
         return self.saver.region(tag, enable_cpu_backup=keep)
 
     def graph(self, tag: str):
-        """A context maker for the decode step's capture: the graph's memory in ``tag``."""
+        """A context maker for the decode step's capture: the graph's memory in ``tag``.
+        torch_memory_saver pauses a graph in its preload mode only (its cuda_graph asserts
+        it): in its torch mode the graph is captured plainly and its memory stays."""
         import torch
-        if self.saver is None:
+        if self.saver is None or (self.kind == "torch_memory_saver" and self.hook_mode == "torch"):
             return torch.cuda.graph
         return lambda g: self.saver.cuda_graph(g, tag=tag)
 
