@@ -70,6 +70,41 @@ def finish(started, wall: dict) -> dict | None:
         return json.load(f)
 
 
+def execute(args, cuda: bool, common: list, kill: int, work: str, runs: dict, wall: dict) -> None:
+    """Every run into ``runs``.  The CPU runs but the resumed one side by side (their
+    processes mostly wait); CUDA's one after another (one GPU, timed, its memory measured).
+    CUDA, where a saver's preload mode fails (said in the checks, the failure kept): the
+    deferalloc runs go on in deferalloc's torch mode; torch_memory_saver's run again in its
+    torch mode (no pauseable CUDA graph there)."""
+    dfa = ["--saver", "deferalloc"] + (["--hook-mode", args.hook_mode] if args.hook_mode else [])
+
+    def extra_of(name: str) -> list:
+        return {"deferalloc": dfa, "none": ["--saver", "none"], "killed": dfa + ["--kill-after-step", str(kill)],
+                "resumed": dfa + ["--resume"], "tms": ["--saver", "torch_memory_saver", "--hook-mode", "preload"]}[name]
+
+    names = ["deferalloc", "none", "killed", "resumed"] + (["tms"] if cuda and not args.no_tms else [])
+    pending = []
+    for name in names:
+        d = os.path.join(work, "killed" if name == "resumed" else name)
+        if not cuda and name != "resumed":
+            pending.append(start(name, common + extra_of(name) + ["--directory", d], work))
+            continue
+        for p in pending:
+            runs[p[0]] = finish(p, wall)
+        pending = []
+        runs[name] = finish(start(name, common + extra_of(name) + ["--directory", d], work), wall)
+        if runs[name] is None and cuda and name in ("deferalloc", "tms") and not (name == "deferalloc"
+                                                                                 and args.hook_mode):
+            print(f"{name}: its preload mode failed; its torch hook mode instead", flush=True)
+            runs[f"{name}_preload"] = None
+            if name == "deferalloc":
+                dfa = ["--saver", "deferalloc", "--hook-mode", "torch"]
+                extra = dfa
+            else:
+                extra = ["--saver", "torch_memory_saver", "--hook-mode", "torch"]
+            runs[name] = finish(start(name, common + extra + ["--directory", d + "_torch"], work), wall)
+
+
 def missing(device: str) -> str | None:
     """Why the cycle cannot run here (None: it can): megatron-core and transformers importable,
     DFA_MEGATRON_CORE_DIR (the tests' megatron-core directory) present where it is set, a GPU
@@ -123,30 +158,7 @@ def main() -> int:
     common = ["--device", args.device, "--steps", str(steps), *model]
     runs: dict = {}
     try:
-        dfa = ["--saver", "deferalloc"] + (["--hook-mode", args.hook_mode] if args.hook_mode else [])
-        plan = [("deferalloc", dfa), ("none", ["--saver", "none"]),
-                ("killed", dfa + ["--kill-after-step", str(kill)]), ("resumed", dfa + ["--resume"])]
-        if cuda and not args.no_tms:
-            plan.append(("tms", ["--saver", "torch_memory_saver", "--hook-mode", "preload"]))
-        # The CPU runs but the resumed one side by side (their processes mostly wait); CUDA's
-        # one after another (one GPU, timed, its memory measured).
-        pending = []
-        for name, extra in plan:
-            d = os.path.join(work, "killed" if name == "resumed" else name)
-            if not cuda and name != "resumed":
-                pending.append(start(name, common + extra + ["--directory", d], work))
-                continue
-            for p in pending:
-                runs[p[0]] = finish(p, wall)
-            pending = []
-            runs[name] = finish(start(name, common + extra + ["--directory", d], work), wall)
-            if name == "tms" and runs[name] is None:
-                # Its preload mode failed here: its torch mode (no pauseable CUDA graph in that
-                # mode), said in the table.
-                print("torch_memory_saver's preload mode failed: its hook_mode torch instead", flush=True)
-                extra = ["--saver", "torch_memory_saver", "--hook-mode", "torch"]
-                runs[name] = finish(start(name, common + extra + ["--directory", d + "_torch", "--overwrite"],
-                                          work), wall)
+        execute(args, cuda, common, kill, work, runs, wall)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = checks(runs, steps, kill, cuda, args.speedup)
