@@ -8,9 +8,10 @@ giving its memory back while the other works.
     DEFERALLOC_CONF=driver:host python examples/rl/colocated.py --device cpu --steps 3 --directory /tmp/rl
 
 Three processes: this launcher, the trainer and the inference side (torch.multiprocessing
-spawn, one pipe each).  The trainer is examples/megatron/train_gpt.py's GPTModel (local
-spec, BF16) under DistributedDataParallel with megatron-core's DistributedOptimizer, its
-main params deferred and its FP32 state on deferalloc's file tier (``--directory``); its
+spawn, one pipe each).  The trainer is examples/megatron/train_gpt.py's model (local spec,
+BF16; ``--model``: HybridModel of "*-" per GPT layer from megatron-core 0.19 on, else GPTModel)
+under DistributedDataParallel with megatron-core's DistributedOptimizer, its main params
+deferred and its FP32 state on deferalloc's file tier (``--directory``); its
 model, DDP buffers (params, grads) in the region "train" (kept: pinned host backup), its
 forward and backward in "train_act" (discarded).  The inference side is a Hugging Face GPT-2
 given the trainer's weights (rollout.py, Note [Megatron's GPT as a Hugging Face GPT-2]):
@@ -70,6 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from --directory's last committed step")
     ap.add_argument("--kill-after-step", type=int, default=0, help="SIGKILL both sides after this step")
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--model", choices=["auto", "gpt", "hybrid"], default="auto",
+                    help="the trainer's class (train_gpt.py's --model; auto: HybridModel from megatron-core 0.19 on)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
@@ -223,7 +226,7 @@ def trainer_main(conn, args) -> None:
     import train_gpt
     seq = args.prompt_len + args.gen_len - 1  # the training sequence: a rollout less its last token
     targs = train_gpt.parse_args(["--deferalloc", "file", "--directory", args.directory, "--window-mb",
-                                  str(args.window_mb), "--model", "gpt", "--layers", str(args.layers), "--hidden",
+                                  str(args.window_mb), "--model", args.model, "--layers", str(args.layers), "--hidden",
                                   str(args.hidden), "--heads", str(args.heads), "--vocab", str(args.vocab),
                                   "--seq", str(seq + 1), "--batch", str(args.batch), "--lr", str(args.lr),
                                   "--seed", str(args.seed)] + (["--cpu-emulation"] if args.device == "cpu" else []))
@@ -266,7 +269,7 @@ def trainer_main(conn, args) -> None:
         logits = ddp(probe.to(device), pos.to(device), None)[:, -PROBE_POSITIONS:].float().cpu()
     slept = sleeper.sleep()
     conn.send(("built", {"first_step": first, "layout": layout, "path": path, "bytes": offset,
-                         "params": sum(p.numel() for _, p in params),
+                         "params": sum(p.numel() for _, p in params), "model_class": type(gpt).__name__,
                          "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist()}))
     while True:
         msg = conn.recv()
@@ -361,7 +364,8 @@ def inference_main(conn, args) -> None:
     cfg = rollout.hf_config(args.layers, args.hidden, args.heads, args.vocab, args.prompt_len + args.gen_len)
     with sleeper.region("weights"):
         model = rollout.build_model(cfg, device)
-    mapping = rollout.megatron_to_hf(model, args.heads)
+    hybrid = any(name.startswith("decoder.final_norm.") for name, *_ in layout)  # HybridModel's names
+    mapping = rollout.megatron_to_hf(model, args.heads, hybrid=hybrid)
     with sleeper.region("kv"):
         gen = rollout.Generator(model, args.batch, args.prompt_len, args.gen_len)
         rollout.load_weights(mapping, layout, flat, device)

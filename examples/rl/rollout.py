@@ -7,7 +7,8 @@ Rationale: the trainer is megatron-core's GPTModel with its local layer spec (La
 learned absolute position embeddings, fused QKV with biases, exact GELU MLP of 4h, untied
 output layer); Hugging Face's GPT-2 is the same computation, so its config and modules take
 the trainer's weights with a layout change only.
-Approach: ``megatron_to_hf`` maps each Megatron parameter to its GPT-2 parameter.  Megatron's
+Approach: ``megatron_to_hf`` maps each Megatron parameter to its GPT-2 parameter (also for
+the HybridModel of train_gpt.py's local hybrid spec, the same layers under other names).  Megatron's
 ``linear_qkv`` holds, per head, [q; k; v] rows (heads x 3 x head_dim, hidden); GPT-2's
 ``c_attn`` is a Conv1D whose (hidden, 3 hidden) weight holds all q columns, then k, then v:
 the rows are regrouped and transposed.  The other Linear weights are transposed (Conv1D is
@@ -53,9 +54,11 @@ def build_model(config, device, dtype=torch.bfloat16):
     return model.eval().requires_grad_(False)
 
 
-def megatron_to_hf(model, heads: int) -> dict:
+def megatron_to_hf(model, heads: int, hybrid: bool = False) -> dict:
     """Megatron parameter name -> (GPT-2 parameter, converter(src) -> tensor of its shape)
-    (Note [Megatron's GPT as a Hugging Face GPT-2])."""
+    (Note [Megatron's GPT as a Hugging Face GPT-2]).  ``hybrid``: the trainer is a HybridModel
+    of pattern "*-" per GPT layer (examples/megatron/train_gpt.py's local hybrid spec): GPT
+    layer i is its attention layer 2i and its MLP layer 2i + 1, the final norm ``final_norm``."""
     t = model.transformer
     hidden = t.wte.weight.shape[1]
     hd = hidden // heads
@@ -74,24 +77,27 @@ def megatron_to_hf(model, heads: int) -> dict:
         b = x.view(heads, 3, hd)
         return torch.cat([b[:, i].reshape(hidden) for i in range(3)], 0)
 
+    final = "final_norm" if hybrid else "final_layernorm"
     out = {"embedding.word_embeddings.weight": (t.wte.weight, same),
            "embedding.position_embeddings.weight": (t.wpe.weight, same),
-           "decoder.final_layernorm.weight": (t.ln_f.weight, same),
-           "decoder.final_layernorm.bias": (t.ln_f.bias, same),
+           f"decoder.{final}.weight": (t.ln_f.weight, same),
+           f"decoder.{final}.bias": (t.ln_f.bias, same),
            "output_layer.weight": (model.lm_head.weight, same)}
     for i, blk in enumerate(t.h):
-        p = f"decoder.layers.{i}."
+        p = q = f"decoder.layers.{i}."  # the attention's and the MLP's prefixes
+        if hybrid:
+            p, q = f"decoder.layers.{2 * i}.", f"decoder.layers.{2 * i + 1}."
         out.update({
             p + "input_layernorm.weight": (blk.ln_1.weight, same), p + "input_layernorm.bias": (blk.ln_1.bias, same),
             p + "self_attention.linear_qkv.weight": (blk.attn.c_attn.weight, qkv_weight),
             p + "self_attention.linear_qkv.bias": (blk.attn.c_attn.bias, qkv_bias),
             p + "self_attention.linear_proj.weight": (blk.attn.c_proj.weight, transpose),
             p + "self_attention.linear_proj.bias": (blk.attn.c_proj.bias, same),
-            p + "pre_mlp_layernorm.weight": (blk.ln_2.weight, same), p + "pre_mlp_layernorm.bias": (blk.ln_2.bias, same),
-            p + "mlp.linear_fc1.weight": (blk.mlp.c_fc.weight, transpose),
-            p + "mlp.linear_fc1.bias": (blk.mlp.c_fc.bias, same),
-            p + "mlp.linear_fc2.weight": (blk.mlp.c_proj.weight, transpose),
-            p + "mlp.linear_fc2.bias": (blk.mlp.c_proj.bias, same)})
+            q + "pre_mlp_layernorm.weight": (blk.ln_2.weight, same), q + "pre_mlp_layernorm.bias": (blk.ln_2.bias, same),
+            q + "mlp.linear_fc1.weight": (blk.mlp.c_fc.weight, transpose),
+            q + "mlp.linear_fc1.bias": (blk.mlp.c_fc.bias, same),
+            q + "mlp.linear_fc2.weight": (blk.mlp.c_proj.weight, transpose),
+            q + "mlp.linear_fc2.bias": (blk.mlp.c_proj.bias, same)})
     return out
 
 
