@@ -39,7 +39,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 1 << 20
 HELD_LIMIT = 256 * MIB
-RUN_TIMEOUT = 900  # seconds for one colocated.py run (each of its messages: 600)
+# Seconds for one colocated.py run and for each of its sides' messages (building, a turn):
+# the CPU's are for a loaded 2-core CI machine; CUDA's let a hung run fail while the GPU
+# call has time for the others.
+RUN_TIMEOUT = {"cpu": 900, "cuda": 300}
+MESSAGE_TIMEOUT = {"cpu": 600, "cuda": 150}
 LOGIT_TOLERANCE = 0.05  # BF16 models computed by two implementations: relative to the largest logit
 MODELS = {"cpu": "--layers 2 --hidden 64 --heads 4 --vocab 128 --batch 4 --prompt-len 8 --gen-len 8 --window-mb 4",
           "cuda": "--layers 8 --hidden 1024 --heads 16 --vocab 16384 --batch 8 --prompt-len 128 --gen-len 128 "
@@ -49,14 +53,15 @@ MODELS = {"cpu": "--layers 2 --hidden 64 --heads 4 --vocab 128 --batch 4 --promp
 def start(name: str, argv: list[str], work: str):
     out = os.path.join(work, f"{name}.json")
     cmd = [sys.executable, os.path.join(HERE, "colocated.py"), *argv, "--json", out]
-    return (name, argv, out, time.perf_counter(),
+    timeout = RUN_TIMEOUT["cuda" if "cuda" in argv else "cpu"]
+    return (name, argv, out, time.perf_counter(), timeout,
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
 def finish(started, wall: dict) -> dict | None:
-    name, argv, out, t0, proc = started
+    name, argv, out, t0, timeout, proc = started
     try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
@@ -155,7 +160,8 @@ def main() -> int:
     model = (args.model_args or MODELS[args.device]).split()
     work = tempfile.mkdtemp(prefix="dfa_rl_")
     wall: dict = {}
-    common = ["--device", args.device, "--steps", str(steps), *model]
+    common = ["--device", args.device, "--steps", str(steps), "--message-timeout", str(MESSAGE_TIMEOUT[args.device]),
+              *model]
     runs: dict = {}
     try:
         execute(args, cuda, common, kill, work, runs, wall)

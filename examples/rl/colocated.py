@@ -71,6 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from --directory's last committed step")
     ap.add_argument("--kill-after-step", type=int, default=0, help="SIGKILL both sides after this step")
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--message-timeout", type=float, default=600.0,
+                    help="seconds a side may stay silent (building, a turn) before the run fails")
     ap.add_argument("--model", choices=["auto", "gpt", "hybrid"], default="auto",
                     help="the trainer's class (train_gpt.py's --model; auto: HybridModel from megatron-core 0.19 on)")
     ap.add_argument("--layers", type=int, default=2)
@@ -430,7 +432,7 @@ class DeviceMemory:
         return total - free
 
 
-def expect(conn, kind: str, proc, timeout_s: float = 600.0):
+def expect(conn, kind: str, proc, timeout_s: float):
     """The next message of a child, which must be ``kind`` (an error raised with its text, or
     when the child exits or stays silent ``timeout_s``)."""
     t0 = time.monotonic()
@@ -465,6 +467,7 @@ def launch(args) -> dict:
     env = module.configure_subprocess() if module is not None else contextlib.nullcontext()
     report = {"args": dict(vars(args)), "steps": [], "memory": {}}
     procs, conns = {}, {}
+    wait = args.message_timeout
     t_start = time.time()
     try:
         u0 = mem.used()
@@ -474,7 +477,7 @@ def launch(args) -> dict:
                 procs[role] = ctx.Process(target=child, args=(role, there, args), name=f"rl-{role}")
                 procs[role].start()
             conns[role] = parent
-            expect(parent, "ready", procs[role])
+            expect(parent, "ready", procs[role], wait)
             report["memory"][f"{role}_context"] = mem.used() - u0
             u0 = mem.used()
             if role == "trainer":
@@ -482,19 +485,19 @@ def launch(args) -> dict:
         base = u0  # both contexts
         tr, inf = conns["trainer"], conns["inference"]
         tr.send(("build",))
-        built = expect(tr, "built", procs["trainer"])[1]
+        built = expect(tr, "built", procs["trainer"], wait)[1]
         report["trainer_built"] = {k: v for k, v in built.items() if k not in ("layout", "probe_logits")}
         report["memory"]["trainer_held_asleep_built"] = mem.used() - base  # the inference side: its context only
         inf.send(("build", built["layout"], built["path"], built["bytes"], built["probe_logits"]))
-        report["inference_built"] = expect(inf, "built", procs["inference"])[1]
+        report["inference_built"] = expect(inf, "built", procs["inference"], wait)[1]
         for step in range(built["first_step"], args.steps + 1):
             row = {"step": step}
             t0 = time.perf_counter()
             inf.send(("generate", step))
-            _, ti, seqs = expect(inf, "generated", procs["inference"])
+            _, ti, seqs = expect(inf, "generated", procs["inference"], wait)
             row["held_both_asleep_after_inference"] = mem.used() - base
             tr.send(("train", step, seqs))
-            tt = expect(tr, "trained", procs["trainer"])[1]
+            tt = expect(tr, "trained", procs["trainer"], wait)[1]
             row["wall_s"] = time.perf_counter() - t0
             row["held_both_asleep_after_trainer"] = mem.used() - base
             row["inference"], row["trainer"] = ti, tt
@@ -520,7 +523,7 @@ def launch(args) -> dict:
         report["memory"]["inference_held_asleep"] = before - after - report["memory"]["inference_context"]
         report["memory"]["trainer_held_asleep"] = after - base_trainer
         tr.send(("finish",))
-        report["final_digest"] = expect(tr, "finished", procs["trainer"])[1]["final_digest"]
+        report["final_digest"] = expect(tr, "finished", procs["trainer"], wait)[1]["final_digest"]
         tr.send(("go",))
         procs["trainer"].join()
         if procs["trainer"].exitcode != 0 or procs["inference"].exitcode != 0:
