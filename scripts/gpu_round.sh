@@ -165,7 +165,7 @@ if has rl; then
   run rl 570 env CUBLAS_WORKSPACE_CONFIG=:4096:8 DEFERALLOC_CONF=driver:cuda \
     PYTHONPATH=${rl_path:+$rl_path:}$PYTHONPATH python3 examples/rl/check_cycle.py --device cuda \
     --json "$R/rl_cycle.json" --png "$R/rl_step.png" ${DFA_RL_ARGS:-}
-  tail -34 "$L/rl.log"
+  tail -48 "$L/rl.log"
 fi
 if has optim; then
   mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
