@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
-#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [optim] [diag] [megatron] [megatron_dp2] [overlap]
-#     [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel]
-#   (default: all but multi, diag, megatron_dp2, drop_in, filetier, compare, fp32pair and wheel: the
-#   two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark, the file tier against
-#   the disk, the before/after comparisons and the wheel's build and check).
+#   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
+#     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel]
+#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair and wheel:
+#   the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL cycle, the
+#   file tier against the disk, the before/after comparisons and the wheel's build and check).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -148,6 +148,24 @@ if has drop_in; then
   run bench_drop_in 420 python3 benchmarks/pause_resume/bench_drop_in.py --build "$B" ${tms:+--tms-wheel $tms} \
     --json "$R/bench_drop_in.json"
   tail -24 "$L/bench_drop_in.log"
+fi
+# The colocated RL cycle (examples/rl/check_cycle.py): a Megatron trainer (file tier) and a
+# Hugging Face rollout process (CUDA graph) on the GPU, 5 RL steps each with
+# deferalloc.memory_saver, with nobody sleeping, killed after step 3 + resumed, and with
+# torch_memory_saver 0.0.10 (the real package, /tmp/site); the newest megatron-core of
+# .whl/megatron/ (else the importable one).  About 3-4 minutes; the table last, the figures in
+# $R/rl_cycle.json and a step's timeline in $R/rl_step.png.
+if has rl; then
+  rl_path=
+  rl_mc=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
+  if [ -n "$rl_mc" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+       --target /tmp/site-rl "$rl_mc" > "$L/rl-wheel.log" 2>&1; then
+    rl_path=/tmp/site-rl
+  fi
+  run rl 570 env CUBLAS_WORKSPACE_CONFIG=:4096:8 DEFERALLOC_CONF=driver:cuda \
+    PYTHONPATH=${rl_path:+$rl_path:}$PYTHONPATH python3 examples/rl/check_cycle.py --device cuda \
+    --json "$R/rl_cycle.json" --png "$R/rl_step.png" ${DFA_RL_ARGS:-}
+  tail -48 "$L/rl.log"
 fi
 if has optim; then
   mc=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)

@@ -585,7 +585,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
                            *, depth: int | None = None, settings: str | None = None,
                            release_torch_cache: bool = False, step_in_backward: bool = False,
                            clip_policy: str = "auto", moment_dtype: str = "fp32",
-                           resident_mb: int | str | None = None) -> list[StreamedMegatronAdamW]:
+                           resident_mb: int | str | None = None, resume: bool = False) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
     returns) into deferalloc's streamed engine.
@@ -614,6 +614,10 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
             ``DistributedDataParallelConfig(overlap_grad_reduce=True)`` to overlap; Note [The
             step inside Megatron's backward]).  ``clip_policy``: "auto", "speculate" or
             "after", as ``deferalloc.overlap.BackwardOverlap`` (when Megatron clips).
+        resume: file tier: continue from the state files in ``directory`` (their last committed
+            step: main params, moments, step counts; the model params are written as
+            BF16(main)) instead of starting from the model; a missing state file starts fresh,
+            as StreamedAdamW(resume=True).  The model must be the one that wrote them.
 
     Returns the inner optimizers (one per DistributedOptimizer), for ``stats()``.
     Cost: one address reservation per DistributedOptimizer (none when it was built inside
@@ -638,7 +642,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
             d = os.path.join(directory, f"optimizer{i}")
             os.makedirs(d, exist_ok=True)
         engine = dict(tier=tier, directory=d, window_mb=window_mb, depth=depth, settings=settings,
-                      moment_dtype=moment_dtype, resident_mb=residents[i])
+                      moment_dtype=moment_dtype, resident_mb=residents[i], resume=resume)
         out.append(_stream_one(dopt, engine, release_torch_cache, adapter))
     gc.collect()  # the replaced torch optimizers and FP32 copies, should a cycle hold them
     if torch.cuda.is_available():
