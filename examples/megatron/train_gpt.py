@@ -85,8 +85,9 @@ def parse_args(argv=None):
     ap.add_argument("--overlap-param-gather", action="store_true",
                     help="DDP's and the optimizer's overlap_param_gather (param all-gathers in the next forward)")
     ap.add_argument("--bucket-size", type=int, help="DDP's bucket_size (parameters)")
-    ap.add_argument("--step-in-backward", action="store_true",
-                    help="--deferalloc: step each bucket group inside backward (needs --overlap-grad-reduce)")
+    ap.add_argument("--step-in-backward", nargs="?", const=True, default=False, choices=[True, "auto"],
+                    help="--deferalloc: step each bucket group inside backward (needs --overlap-grad-reduce); "
+                         "'auto': whichever of that and the plain step a few timed iterations find faster")
     ap.add_argument("--clip-policy", default="auto", choices=["auto", "speculate", "after"],
                     help="--step-in-backward: when to speculate on Megatron's clipping")
     ap.add_argument("--clip-grad", type=float, default=1.0, help="OptimizerConfig.clip_grad")

@@ -8,7 +8,8 @@ memory, a file, or HBM, streamed through a fixed HBM window at each step, and no
 steps.  Tested on megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (``TESTED_VERSIONS``; another
 version is refused at the call, see Note [megatron-core versions]).  With
 ``step_in_backward=True`` each DDP bucket group's shards are stepped inside Megatron's backward,
-as soon as its reduce-scatter has finished (Note [The step inside Megatron's backward]).
+as soon as its reduce-scatter has finished (Note [The step inside Megatron's backward]);
+``step_in_backward="auto"`` times both ways and keeps the faster (Note [Stepping aside]).
 
 Note [megatron-core versions]
 Rationale: the integration binds six DistributedOptimizer methods and reads its shard lists
@@ -137,6 +138,46 @@ distributed-optimizer instance.  Speculation on the host tier holds a second pin
 the state (12 B/param more pinned host memory).  Without ``overlap_grad_reduce`` the reduce-
 scatters (and so the steps) start at ``finish_grad_sync``, after backward.
 
+Note [Stepping aside]
+Rationale: whether stepping inside backward pays depends on the model, the buckets, the tier
+and the machine: bucket by bucket, each engine pass fills and drains its own pipeline and
+competes with backward for the GPU, and where that costs more than the overlap saves the
+plain step after backward is faster.  The user cannot know which beforehand, and both give
+the same bits, so the choice can be made per iteration from measurements.
+Approach: ``step_in_backward="auto"`` attaches everything ``True`` does, but each iteration is
+either inside backward (the hooks above queue the buckets) or plain (the wrapped Megatron
+methods pass straight through, the inner step is the plain streamed step); a ``_StepAside``
+shared by the chain's DistributedOptimizers picks it, at the end of Megatron's
+``optimizer.step()`` (wrapped), for the next iteration:
+ - warm-up: the first ``warmup`` (2) iterations plain (Megatron's first batch reduce-
+   scatters everything at ``finish_grad_sync``);
+ - a probe: ``run`` (3) iterations of the current mode, then ``run`` of the other; each is
+   timed from the previous optimizer step's end to its own, by the host clock
+   (``time.perf_counter``, the ``clock`` attribute) read after every step in flight and the
+   device are done (``synchronize()``, ``torch.cuda.synchronize()``: in probe iterations
+   only; an iteration outside a probe adds no synchronisation).  The first iteration of each
+   run is not timed (it carries the switch); each mode's time is the minimum of its other
+   ones (noise and one-time costs, as the allocation of the second pinned copy at the first
+   speculative iteration, only lengthen an iteration).  The faster mode is kept (a tie keeps
+   the plain step);
+ - a probe again every ``recheck`` (1000) iterations (0: never): the costs move with what
+   else shares the link and with how often clipping fires (a fired speculation is redone),
+   and a probe costs at most ``run`` iterations of the slower mode plus 2 * ``run`` + 1
+   synchronised step ends, a fraction of a percent of 1000 iterations.
+A switch (between two iterations) first waits for every bucket step and commit in flight
+and clears the recorded norm; the engine's state, step counts and the speculation are the
+same either way, so a run that switches gives the bits of either mode
+(test_megatron_step_aside).  ``backward_step.stats()["step_aside"]``: the mode, the last
+choice, the last probe's seconds per mode, iterations per mode, probes and switches; each
+new choice is logged once at INFO on the ``deferalloc`` logger.
+Limits: the choice is as good as the probe's iterations are typical (an iteration with a
+checkpoint save or evaluation inside a probe skews it); a mode whose advantage is under the
+noise of a few iterations may be chosen either way.  The timed interval ends with every
+step done, which is where the inside mode's iteration ends today (``zero_grad_buffer``
+waits for every step); a step that also overlapped the next forward would need the probe
+to time whole iterations some other way.  The refusals of ``step_in_backward=True`` apply
+("auto" may step inside backward).
+
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
 ``_get_main_param_and_optimizer_states`` and ``_set_main_param_and_optimizer_states``; every
@@ -158,8 +199,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import os
 import threading
+import time
 import types
 import warnings
 from typing import Any, Callable, Iterable, Iterator
@@ -230,7 +273,7 @@ class StreamedMegatronAdamW(StreamedAdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.backward_step is not None:  # Note [The step inside Megatron's backward]
+        if self.backward_step is not None and self.backward_step.active:  # Note [The step inside Megatron's backward]
             return self.backward_step.end_iteration()
         # See Note [The window and torch's cache].
         if self.release_torch_cache and self.device.type == "cuda":
@@ -583,7 +626,7 @@ def _bind(dopt) -> None:
 
 def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None = None, window_mb: int = 512,
                            *, depth: int | None = None, settings: str | None = None,
-                           release_torch_cache: bool = False, step_in_backward: bool = False,
+                           release_torch_cache: bool = False, step_in_backward: bool | str = False,
                            clip_policy: str = "auto", moment_dtype: str = "fp32",
                            resident_mb: int | str | None = None, resume: bool = False) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
@@ -612,8 +655,12 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         step_in_backward: step each DDP bucket group's shards as soon as its grad
             reduce-scatter has finished, during backward (needs
             ``DistributedDataParallelConfig(overlap_grad_reduce=True)`` to overlap; Note [The
-            step inside Megatron's backward]).  ``clip_policy``: "auto", "speculate" or
-            "after", as ``deferalloc.overlap.BackwardOverlap`` (when Megatron clips).
+            step inside Megatron's backward]).  True: always; False: never (the plain step);
+            "auto": times a few iterations in each mode after warm-up and keeps the faster,
+            timed again every ``recheck`` iterations (the policy's ``stats()`` under
+            ``backward_step.stats()["step_aside"]``; Note [Stepping aside]).  ``clip_policy``:
+            "auto", "speculate" or "after", as ``deferalloc.overlap.BackwardOverlap`` (when
+            Megatron clips).
         resume: file tier: continue from the state files in ``directory`` (their last committed
             step: main params, moments, step counts; the model params are written as
             BF16(main)) instead of starting from the model; a missing state file starts fresh,
@@ -632,6 +679,9 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     """
     adapter = _adapter()
     chain = streamed_optimizers(optimizer)
+    if step_in_backward not in (True, False, "auto"):
+        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: step_in_backward "
+                                   f"{step_in_backward!r} (True, False or \"auto\")")
     if step_in_backward:
         _refuse_backward_step(chain, clip_policy)
     residents = _resident_budgets(chain, resident_mb, tier, window_mb)
@@ -648,7 +698,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if step_in_backward:
-        _BackwardStep.attach_all(optimizer, chain, clip_policy)
+        _BackwardStep.attach_all(optimizer, chain, clip_policy, auto=step_in_backward == "auto")
     return out
 
 
@@ -693,6 +743,8 @@ class _BackwardStep(BackwardOverlap):
     BackwardOverlap's."""
 
     own_norms = False  # Megatron computes the norm and clips; clip_grad_norm reports whether it fired
+    active = True  # this iteration steps inside backward (False: Megatron's hooks pass through, the plain step)
+    aside = None  # the _StepAside choosing ``active`` (step_in_backward="auto")
 
     def __init__(self, dopt, clip_policy: str):
         self.dopt = dopt
@@ -712,8 +764,18 @@ class _BackwardStep(BackwardOverlap):
         self._queued: dict[int, int] = {}  # bucket -> the iteration it was queued in
 
     @classmethod
-    def attach_all(cls, optimizer, chain, clip_policy: str) -> None:
+    def attach_all(cls, optimizer, chain, clip_policy: str, auto: bool = False) -> None:
         steps = [cls.attach(dopt, clip_policy) for dopt in chain]
+        if auto:
+            aside = _StepAside(steps)
+            for st in steps:
+                st.aside = aside
+
+            def step(opt, *a, **k):
+                out = type(opt).step(opt, *a, **k)
+                aside.step_ended()
+                return out
+            optimizer.step = types.MethodType(step, optimizer)
         if optimizer is not chain[0]:  # a ChainedOptimizer: its step clips with get_grad_norm's norm
             def get_grad_norm(opt, *a, **k):
                 norm = type(opt).get_grad_norm(opt, *a, **k)
@@ -742,7 +804,8 @@ class _BackwardStep(BackwardOverlap):
         def prepare_grads(opt, *a, **k):
             # Megatron's step reads and clips the grads the bucket passes read: none runs
             # meanwhile (the queued ones resume, or are dropped, at the inner step).
-            self.pause_worker()
+            if self.active:
+                self.pause_worker()
             return type(opt).prepare_grads(opt, *a, **k)
         dopt.prepare_grads = types.MethodType(prepare_grads, dopt)
 
@@ -770,7 +833,7 @@ class _BackwardStep(BackwardOverlap):
 
         def grads_reduced(*a, **k):
             start_grad_sync(*a, **k)
-            if self._queued.get(b.index) == self.iteration:
+            if not self.active or self._queued.get(b.index) == self.iteration:
                 return  # (Megatron's first batch calls it again)
             self._queued[b.index] = self.iteration
             handle = bg.grad_reduce_handle
@@ -816,6 +879,103 @@ class _BackwardStep(BackwardOverlap):
             return
         fired = self._megatron_clipped()
         self.finish_iteration(lambda: self.settle(fired, None))
+
+    def stats(self) -> dict:
+        out = super().stats()
+        if self.aside is not None:
+            out["step_aside"] = self.aside.stats()
+        return out
+
+
+_log = logging.getLogger("deferalloc")
+
+
+class _StepAside:
+    """step_in_backward="auto": each iteration plain or inside backward, whichever the last
+    probe timed faster (Note [Stepping aside]).  One for all DistributedOptimizers of a
+    chain (they switch together).  ``clock``, ``warmup``, ``run`` and ``recheck`` may be set
+    before the first step."""
+
+    warmup = 2  # plain iterations before the first probe (Megatron's first batch differs)
+    run = 3  # iterations of each mode per probe; the first of a run (the switch) is not timed
+    recheck = 1000  # iterations in the chosen mode between probes (0: never probe again)
+
+    def __init__(self, steps: list, clock: Callable[[], float] = time.perf_counter):
+        self.steps = steps
+        self.clock = clock  # seconds; read after a device synchronisation, in probes only
+        self.mode = "plain"  # the mode of the iteration in progress
+        self.chosen = None  # the last probe's choice (None: no probe finished yet)
+        self.measured: dict[str, float] = {}  # the last probe's iteration seconds per mode
+        self.iterations = {"plain": 0, "inside": 0}
+        self.probes = 0
+        self.switches = 0
+        self._ended = 0  # optimizer steps ended
+        self._plan: list[str] | None = None  # the probe's modes, one per iteration
+        self._pos = 0
+        self._timed: dict[str, list[float]] = {}
+        self._mark = 0.0
+        self._next_probe: int | None = self.warmup
+        for st in steps:
+            st.active = False
+
+    def _synced_clock(self) -> float:
+        """The clock once every step in flight and the device's work are done."""
+        for st in self.steps:
+            st.synchronize()
+        if any(st.opt.device.type == "cuda" for st in self.steps):
+            torch.cuda.synchronize()
+        return self.clock()
+
+    def _set(self, mode: str) -> None:
+        """The next iteration's mode; a switch first waits for every step in flight."""
+        if mode != self.mode:
+            for st in self.steps:
+                st.synchronize()
+                st.norm = None
+                st.active = mode == "inside"
+            self.switches += 1
+        self.mode = mode
+
+    def step_ended(self) -> None:
+        """Megatron's optimizer step returned: times the iteration in a probe, picks the next mode."""
+        self.iterations[self.mode] += 1
+        self._ended += 1
+        if self._plan is None:
+            if self._ended != self._next_probe:
+                return
+            # A probe: ``run`` iterations of the current mode, then ``run`` of the other.
+            other = "plain" if self.mode == "inside" else "inside"
+            self._plan, self._pos = [self.mode] * self.run + [other] * self.run, 0
+            self._timed = {"plain": [], "inside": []}
+            self._mark = self._synced_clock()
+            self._set(self._plan[0])
+            return
+        now = self._synced_clock()
+        if self._pos % self.run:
+            self._timed[self._plan[self._pos]].append(now - self._mark)
+        self._mark = now
+        self._pos += 1
+        if self._pos < len(self._plan):
+            self._set(self._plan[self._pos])
+            return
+        self._plan = None
+        self.measured = {m: min(ts) for m, ts in self._timed.items() if ts}
+        best = "inside" if self.measured.get("inside", float("inf")) < self.measured.get("plain", float("inf")) \
+            else "plain"
+        self.probes += 1
+        self._next_probe = self._ended + self.recheck if self.recheck else None
+        if best != self.chosen:
+            _log.info("deferalloc.megatron: step_in_backward=\"auto\" steps %s (iteration %.4f s inside "
+                      "backward, %.4f s plain; probe %d, after step %d)",
+                      "inside backward" if best == "inside" else "plainly after backward",
+                      self.measured.get("inside", float("nan")), self.measured.get("plain", float("nan")),
+                      self.probes, self._ended)
+        self.chosen = best
+        self._set(best)
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "chosen": self.chosen, "measured_seconds": dict(self.measured),
+                "iterations": dict(self.iterations), "probes": self.probes, "switches": self.switches}
 
 
 def save_engine_checkpoint(optimizer, directory: str) -> None:

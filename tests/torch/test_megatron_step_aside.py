@@ -1,0 +1,150 @@
+"""deferalloc.megatron's ``step_in_backward="auto"`` (Note [Stepping aside]) on the CPU (gloo,
+cpu_emulation, deferalloc's host driver, one process).
+
+examples/megatron/train_gpt.py's model, DDP with ``overlap_grad_reduce`` and small buckets,
+Megatron's clipping never firing, 20 steps, built three times in one process: the plain step,
+the step always inside backward, and "auto" with a fake clock (the policy's ``clock``, set
+before the first step) that the test advances by the cost it gives the mode of each iteration:
+the inside mode cheaper until step 12, the plain mode cheaper after it, a probe every 4
+iterations after the first.  Checks:
+  1. the policy: plain through the warm-up (2 steps), a probe of 3 plain + 3 inside steps,
+     inside chosen (the faster), 4 steps inside, a probe (3 inside + 3 plain), plain chosen;
+     the times it measured are the fake clock's; one INFO line per choice;
+  2. bit-identity across the switches: every step's loss and every step's optimizer state
+     (read through the engine right after the step: main params, moments, step counts)
+     equal the plain run's and the always-inside run's;
+  3. the inside iterations really stepped inside backward (bucket passes, speculations);
+  4. an unknown ``step_in_backward`` is refused.
+Exit 0 / 1; 77 without megatron-core.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.join(HERE, "..", "..", "examples", "megatron")
+sys.path.insert(0, EXAMPLE)
+sys.path.insert(0, HERE)
+
+from megatron_runs import check, failures, in_child, require_megatron  # noqa: E402
+
+require_megatron()
+
+import torch  # noqa: E402
+
+MODEL = ["--cpu-emulation", "--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "16",
+         "--batch", "2", "--deferalloc", "host", "--overlap-grad-reduce", "--bucket-size", "3000",
+         "--clip-grad", "1000"]
+STEPS = 20
+# The mode of each step under the fake clock below (warm-up, probe, chosen, probe, chosen).
+EXPECTED = ["plain"] * 2 + ["plain"] * 3 + ["inside"] * 3 + ["inside"] * 4 + ["inside"] * 3 + ["plain"] * 3 + \
+    ["plain"] * 2
+
+
+def cost(step: int, mode: str) -> float:
+    """The fake clock's seconds for an iteration: inside backward cheaper up to step 12."""
+    inside_faster = step <= 12
+    return 1.0 if (mode == "inside") == inside_faster else 2.0
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        if "step_in_backward" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+def run(train_gpt, mode: str | bool, clock: FakeClock | None = None) -> dict:
+    import deferalloc.megatron as dm
+
+    extra = [] if mode is False else ["--step-in-backward"] if mode is True else ["--step-in-backward", "auto"]
+    args = train_gpt.parse_args(MODEL + extra + ["--steps", str(STEPS)])
+    gpt, ddp, optimizer, streamed = train_gpt.build(args)
+    inner = streamed[0]
+    aside = inner.backward_step.aside if inner.backward_step is not None else None
+    if clock is not None:
+        aside.clock = clock
+        aside.recheck = 4
+    out = {"losses": [], "digests": [], "steps": [], "modes": [], "optimizer": optimizer}
+    for step in range(1, STEPS + 1):
+        if aside is not None:
+            out["modes"].append(aside.mode)
+            clock.t += cost(step, aside.mode)
+        loss, _, _ = train_gpt.train_step(args, ddp, optimizer, step, torch.device("cpu"))
+        out["losses"].append(loss)
+        out["digests"].append(train_gpt.state_digest(optimizer))  # (reads through the engine)
+        out["steps"].append(sorted(int(st["step"]) for st in inner.state_dict()["state"].values()))
+    out["stats"] = inner.backward_step.stats() if inner.backward_step is not None else None
+    return out
+
+
+def in_process() -> None:
+    import train_gpt
+
+    import deferalloc.megatron as dm
+    from deferalloc.optim import InvalidArgumentError
+
+    train_gpt.setup(train_gpt.parse_args(MODEL))
+    log = Records()
+    logging.getLogger("deferalloc").addHandler(log)
+    logging.getLogger("deferalloc").setLevel(logging.INFO)
+    plain = run(train_gpt, False)
+    inside = run(train_gpt, True)
+    clock = FakeClock()
+    auto = run(train_gpt, "auto", clock)
+
+    st = auto["stats"]
+    aside = st["step_aside"]
+    print("auto:", st, flush=True)
+    check(auto["modes"] == EXPECTED, f"the modes step by step: {auto['modes']}")
+    check(aside["chosen"] == "plain" and aside["mode"] == "plain" and aside["probes"] == 2 and
+          aside["switches"] == 2 and aside["iterations"] == {"plain": EXPECTED.count("plain"),
+                                                             "inside": EXPECTED.count("inside")},
+          f"two probes, inside chosen then plain, two switches ({aside})")
+    check(aside["measured_seconds"] == {"plain": 1.0, "inside": 2.0},
+          f"the last probe's times are the fake clock's ({aside['measured_seconds']})")
+    check(len(log.lines) == 2 and "inside backward" in log.lines[0] and "plainly" in log.lines[1],
+          f"one INFO line per choice: {log.lines}")
+    check(st["buckets"] > 0 and st["speculations"] > 0 and st["commits"] == st["speculations"] and
+          st["redos"] == 0, "the inside iterations stepped bucket groups inside backward (speculated, committed)")
+    check(inside["stats"]["buckets"] > 0 and "step_aside" not in inside["stats"],
+          "step_in_backward=True: always inside, no policy")
+
+    check(plain["losses"] == inside["losses"] == auto["losses"], "losses: auto == plain == always inside")
+    check(plain["digests"] == inside["digests"] == auto["digests"],
+          "the state after every step (read through the engine, across both switches): auto == plain == inside")
+    check(plain["steps"] == auto["steps"] and auto["steps"][-1][0] == STEPS,
+          "the step counts in state_dict after every step: auto == plain")
+    differ = sum(a != b for a, b in zip(plain["digests"], plain["digests"][1:]))
+    check(differ == STEPS - 1, "the state changes at every step (the comparison can fail)")
+
+    try:
+        dm.stream_optimizer_state(plain["optimizer"], step_in_backward="sometimes")
+        check(False, "step_in_backward='sometimes' is refused")
+    except InvalidArgumentError as e:
+        check("sometimes" in str(e), f"step_in_backward='sometimes' is refused ({e})")
+    torch.distributed.destroy_process_group()
+
+
+def main() -> int:
+    os.environ.setdefault("MASTER_PORT", str(29900 + os.getpid() % 90))
+    in_child(in_process)
+    print(f"{len(failures)} failure(s)" if failures else "all step-aside checks passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
