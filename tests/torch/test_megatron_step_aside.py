@@ -14,7 +14,10 @@ iterations after the first.  Checks:
      (read through the engine right after the step: main params, moments, step counts)
      equal the plain run's and the always-inside run's;
   3. the inside iterations really stepped inside backward (bucket passes, speculations);
-  4. an unknown ``step_in_backward`` is refused.
+  4. the same switches with Megatron's clipping firing at every step and clip policy
+     "speculate" (every inside iteration's speculation discarded and redone): losses and
+     every step's state equal the plain run's;
+  5. an unknown ``step_in_backward`` is refused.
 Exit 0 / 1; 77 without megatron-core.
 """
 from __future__ import annotations
@@ -67,11 +70,9 @@ class Records(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-def run(train_gpt, mode: str | bool, clock: FakeClock | None = None) -> dict:
-    import deferalloc.megatron as dm
-
+def run(train_gpt, mode: str | bool, clock: FakeClock | None = None, more: tuple = ()) -> dict:
     extra = [] if mode is False else ["--step-in-backward"] if mode is True else ["--step-in-backward", "auto"]
-    args = train_gpt.parse_args(MODEL + extra + ["--steps", str(STEPS)])
+    args = train_gpt.parse_args(MODEL + extra + ["--steps", str(STEPS), *more])
     gpt, ddp, optimizer, streamed = train_gpt.build(args)
     inner = streamed[0]
     aside = inner.backward_step.aside if inner.backward_step is not None else None
@@ -130,6 +131,18 @@ def in_process() -> None:
           "the step counts in state_dict after every step: auto == plain")
     differ = sum(a != b for a, b in zip(plain["digests"], plain["digests"][1:]))
     check(differ == STEPS - 1, "the state changes at every step (the comparison can fail)")
+
+    fires = ("--clip-grad", "1.0", "--clip-policy", "speculate")  # (the tiny model's norm is about 1.7)
+    plain_c = run(train_gpt, False, more=fires)
+    auto_c = run(train_gpt, "auto", FakeClock(), more=fires)
+    st = auto_c["stats"]
+    print("auto, clipping fires:", st, flush=True)
+    inside_steps = EXPECTED.count("inside")
+    check(auto_c["modes"] == EXPECTED and st["speculations"] == inside_steps and st["redos"] == inside_steps and
+          st["commits"] == 0, "clipping firing, policy speculate: every inside iteration speculated and redone")
+    check(plain_c["losses"] == auto_c["losses"] and plain_c["digests"] == auto_c["digests"] and
+          plain_c["losses"] != plain["losses"],
+          "clipping firing: losses and every step's state, auto (switching) == plain (and they differ from unclipped)")
 
     try:
         dm.stream_optimizer_state(plain["optimizer"], step_in_backward="sometimes")
