@@ -2,7 +2,7 @@
 megatron-core version.
 
 Runs examples/megatron/train_gpt.py under torchrun (1 GPU, the model class the installed
-megatron-core recommends, local specs, BF16 params, DistributedOptimizer) seven times and checks:
+megatron-core recommends, local specs, BF16 params, DistributedOptimizer) eight times and checks:
   (a) Megatron's own run steps with torch.optim.AdamW(fused=True) (torch._fused_adamw_, the
       arithmetic the engine reproduces), and 20 steps give losses bit-identical with
       deferalloc (host and file tiers) to it (deterministic settings);
@@ -23,7 +23,12 @@ megatron-core recommends, local specs, BF16 params, DistributedOptimizer) seven 
       losses bit-identical to the plain timing run's, its counts of speculations and redos
       printed).  Both deferalloc timing runs use DDP overlap_grad_reduce and a clip_grad
       never reached (1e9), the resident and HDO runs Megatron's defaults of the example.  Targets (reported): step inside backward
-      <= 1.2x resident, HDO >= 2x deferalloc's iteration.
+      <= 1.2x resident, HDO >= 2x deferalloc's iteration;
+  (f) ``step_in_backward="auto"`` (Note [Stepping aside]) on the timing model, --auto-steps
+      steps with the same settings: its losses bit-identical to the plain timing run's for the
+      steps both ran, its choice and probe times printed, and the median of its iterations
+      after the probe (steps 9 on) <= 1.1x the faster of the plain and inside-backward runs'
+      (reported).
 The model is the one each megatron-core recommends (GPTModel; HybridModel from 0.19 on) at
 0.54 G params for every run (--model, --timing-model).  One megatron-core per invocation:
 --megatron-wheel installs that wheel alone into a directory of its own.
@@ -82,6 +87,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-at", type=int, default=10)
     ap.add_argument("--timing-steps", type=int, default=4, help="steps of the timing runs (the first is not timed)")
+    ap.add_argument("--auto-steps", type=int, default=14,
+                    help="steps of the step_in_backward='auto' timing run (f); 0: no such run")
     ap.add_argument("--window-mb", type=int, default=512)
     ap.add_argument("--model", default="--layers 8 --hidden 2048 --heads 16 --vocab 32768 --seq 512 --batch 2",
                     help="train_gpt.py's model options for (a), (b), (d), one string")
@@ -135,6 +142,9 @@ def main() -> int:
     runs["megatron-hdo-timing"] = run("megatron-hdo-timing", timing_model, timing + ["--hdo"])
     runs["deferalloc-backward-timing"] = run("deferalloc-backward-timing", timing_model, timing + unclipped + [
         "--deferalloc", "host", "--step-in-backward"])
+    if args.auto_steps:
+        runs["deferalloc-auto-timing"] = run("deferalloc-auto-timing", timing_model, [
+            "--steps", str(args.auto_steps), *unclipped, "--deferalloc", "host", "--step-in-backward", "auto"])
     # This process touches the GPU only now: cuMemGetInfo is device-wide.
     link = duplex_bandwidth(torch)
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
@@ -152,7 +162,7 @@ def main() -> int:
 
 def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     """The checks (what, value, ok: True / False / None for a figure shown beside them) and
-    the JSON results of the seven runs' summaries; ``link``: duplex bytes/s each way."""
+    the JSON results of the eight runs' summaries; ``link``: duplex bytes/s each way."""
     own, host, file_ = runs["megatron"], runs["deferalloc-host"], runs["deferalloc-file"]
     resumed, host_t, hdo_t = runs["deferalloc-host-resumed"], runs["deferalloc-host-timing"], runs["megatron-hdo-timing"]
     rows: list[tuple[str, str, bool | None]] = []
@@ -289,6 +299,26 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         check("iteration: HDO / deferalloc plain (>= 2)", f"{ratio:.2f}x", ratio >= 2, perf=True)
     if it["resident"] and it["deferalloc plain"]:
         check("  iteration: deferalloc plain / resident", f"{it['deferalloc plain'] / it['resident']:.2f}x", None)
+
+    # (f) step_in_backward="auto": 2 warm-up + 6 probe iterations, then the chosen mode.
+    auto_t = runs.get("deferalloc-auto-timing")
+    if args.auto_steps:
+        n = min(len(host_t["losses"]) if host_t else 0, args.auto_steps)
+        ok = bool(auto_t and host_t) and all(auto_t["losses"][k] == host_t["losses"][k] for k in host_t["losses"]
+                                             if int(k) <= n)
+        check(f"step_in_backward='auto': losses == deferalloc plain (steps 1-{n})",
+              "bit-identical" if ok else "differ / failed", ok)
+        aside = ((auto_t or {}).get("backward_step") or {}).get("step_aside")
+        check("  step_in_backward='auto': its choice", str(aside), None)
+        after = auto_t["step_seconds"][8:] if auto_t else []
+        best = min((v for v in (it["deferalloc plain"], it["step inside backward"]) if v), default=None)
+        if after and best:
+            ratio = statistics.median(after) / best
+            check("iteration: 'auto' after its probe / the faster of plain and inside (<= 1.1)",
+                  f"{statistics.median(after) * 1e3:.0f} ms, {ratio:.2f}x", ratio <= 1.1, perf=True)
+            figure("iteration_step_in_backward_auto", statistics.median(after) * 1e3, "ms")
+        elif args.auto_steps > 8:
+            check("iteration: 'auto' after its probe", "a timing run failed", False)
 
     # (d) checkpoint.
     ok = same_losses(resumed, host, args.save_at + 1) and resumed is not None \
