@@ -912,9 +912,10 @@ class _StepAside:
         self._ended = 0  # optimizer steps ended
         self._plan: list[str] | None = None  # the probe's modes, one per iteration
         self._pos = 0
+        self._len = self.run
         self._timed: dict[str, list[float]] = {}
         self._mark = 0.0
-        self._next_probe: int | None = self.warmup
+        self._next_probe: int | None = -1  # the step count whose end starts a probe (-1: warmup's; None: never)
         for st in steps:
             st.active = False
 
@@ -941,17 +942,19 @@ class _StepAside:
         self.iterations[self.mode] += 1
         self._ended += 1
         if self._plan is None:
-            if self._ended != self._next_probe:
+            due = max(1, self.warmup) if self._next_probe == -1 else self._next_probe
+            if self._ended != due:
                 return
             # A probe: ``run`` iterations of the current mode, then ``run`` of the other.
             other = "plain" if self.mode == "inside" else "inside"
-            self._plan, self._pos = [self.mode] * self.run + [other] * self.run, 0
+            self._len = max(2, self.run)  # (one untimed iteration per run, at least one timed)
+            self._plan, self._pos = [self.mode] * self._len + [other] * self._len, 0
             self._timed = {"plain": [], "inside": []}
             self._mark = self._synced_clock()
             self._set(self._plan[0])
             return
         now = self._synced_clock()
-        if self._pos % self.run:
+        if self._pos % self._len:
             self._timed[self._plan[self._pos]].append(now - self._mark)
         self._mark = now
         self._pos += 1
