@@ -339,6 +339,16 @@ def _sync() -> None:
 # filter takes the graph's allocations.
 # Limits: pools routed by other code (torch.cuda.use_mem_pool around a saver region) are not
 # suspended: the outer one keeps winning, as in PyTorch.
+# Note [A MemPool is deleted with no pool routed]
+# Rationale: deleting a torch.cuda.MemPool empties its cache, and PyTorch's allocator refuses to
+# empty a cache while any pool takes allocations (``captures_underway`` not empty: an internal
+# assert that aborts the process).  disable() inside a region leaves its own pool while the
+# region's pool is routed again.
+# Approach: the pool is kept (per thread) until this thread's last routed pool ends, then
+# dropped; outside every region it is dropped at once.
+# Limits: a pool routed on another thread at that moment (a region open there) still trips
+# PyTorch's assert; disable() pools of a thread that never leaves its outermost region are
+# kept until it does (their cached blocks with them).
 def _begin_route(device: int, pool_id: tuple) -> None:
     torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool_id)
 
@@ -430,6 +440,15 @@ class _Impl:
                 _end_route(*route)
             if outer is not None:
                 _begin_route(*outer)
+            if not stack:
+                # Note [A MemPool is deleted with no pool routed]
+                self.local.__dict__.pop("retired", None)
+
+    def _retire(self, pool) -> None:
+        """Keeps ``pool`` until no pool of this thread is routed (Note [A MemPool is deleted
+        with no pool routed]); with none routed the caller's reference is the last."""
+        if self.local.__dict__.get("routes"):
+            self.local.__dict__.setdefault("retired", []).append(pool)
 
     def _pool(self, table: dict, key: tuple, make):
         with self.lock:
@@ -513,6 +532,7 @@ class _Impl:
                 yield
         finally:
             self.local.depth = depth
+            self._retire(pool)
             del pool
 
     # pause / resume

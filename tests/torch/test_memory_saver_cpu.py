@@ -260,6 +260,50 @@ class TorchModeOnTheHostDriver(SaverCase):
         self.s.resume("a")
 
 
+class RoutingOrder(unittest.TestCase):
+    """PyTorch aborts the process when a MemPool is deleted (its cache emptied) while any pool
+    is routed (captures_underway): disable() inside a region must not delete its pool while the
+    region's pool is routed again (Note [A MemPool is deleted with no pool routed]).  PyTorch's
+    routing and MemPool are replaced by fakes that keep that rule as an assertion."""
+
+    def test_disable_pool_deleted_only_with_no_pool_routed(self):
+        routed = []
+        deleted = []
+
+        class FakePool:
+            count = 0
+
+            def __init__(self):
+                FakePool.count += 1
+                self.id = (7, FakePool.count)
+
+            def __del__(self):
+                deleted.append((self.id, list(routed)))
+
+        def begin(device, pool_id):
+            routed.append(pool_id)
+
+        def end(device, pool_id):
+            routed.remove(pool_id)
+
+        impl = ms._Impl("torch")
+        impl.local.depth = 1  # inside a region, as region() leaves it
+        with mock.patch.object(ms, "_begin_route", begin), mock.patch.object(ms, "_end_route", end), \
+                mock.patch.object(torch.cuda, "is_available", lambda: True), \
+                mock.patch.object(torch.cuda, "current_device", lambda: 0), \
+                mock.patch.object(torch.cuda, "MemPool", FakePool):
+            region_pool = FakePool()
+            with impl._route(region_pool):
+                with impl.disable():
+                    self.assertEqual(len(routed), 1)  # only the disable pool routed
+                self.assertEqual(routed, [region_pool.id])
+                self.assertEqual(deleted, [], "the disable pool was deleted while the region's pool is routed")
+            self.assertEqual(routed, [])
+            self.assertEqual(len(deleted), 1, "the disable pool outlived the region")
+            self.assertEqual(deleted[0][1], [], "the disable pool was deleted while a pool was routed")
+            impl.local.depth = 0
+
+
 class ConfigureSubprocess(unittest.TestCase):
     def test_ld_preload_set_and_restored(self):
         lib = ms.preload_library_path()
