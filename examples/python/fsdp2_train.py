@@ -145,6 +145,10 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--checkpoint", default=None, help="DCP directory (default: a temporary one)")
     args = ap.parse_args()
+    if args.cpu and torch.torch_version.TorchVersion(torch.__version__) < "2.7":
+        print(f"fsdp2_train: torch {torch.__version__}'s FSDP2 cannot run on the CPU (its CPU streams lack "
+              "record_event, added in torch 2.7); run it on a GPU or with torch >= 2.7", file=sys.stderr)
+        sys.exit(77)  # ctest: skipped
     if "RANK" in os.environ:  # under torchrun: every rank writes to one --checkpoint
         world = int(os.environ["WORLD_SIZE"])
         if world > 1 and not args.checkpoint:

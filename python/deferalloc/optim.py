@@ -30,6 +30,7 @@ See docs/OPTIM.md for checkpoints (torch.save, DCP), FSDP2, AMP and torch.compil
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -47,6 +48,13 @@ from ._engine import MOMENTS, TIERS
 from ._engine import optimizer_library_path
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState, IoError,
                      NoDevice, OutOfMemory)
+
+
+@functools.cache
+def _adamw_group_keys() -> frozenset:
+    """The keys of this torch's AdamW param groups (2.6's lack decoupled_weight_decay)."""
+    return frozenset(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).defaults)
+
 
 __all__ = [
     "StreamedAdamW", "OptimizerError", "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError",
@@ -466,8 +474,9 @@ class StreamedAdamW(torch.optim.Optimizer):
             raise InvalidArgumentError("StreamedAdamW: resume=True and overwrite=True contradict each other")
         # torch.optim.AdamW's keys, so that DCP finds every key of one in a checkpoint of the other.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
-                        decoupled_weight_decay=True)
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
+        if "decoupled_weight_decay" in _adamw_group_keys():
+            defaults["decoupled_weight_decay"] = True
         self._engine = None
         super().__init__(params, defaults)
         held = [p for g in self.param_groups for p in g["params"] if self._holds(p) and _local(p).numel() > 0]
