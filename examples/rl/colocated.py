@@ -40,7 +40,9 @@ seconds, its work (load, generate; train, publish), the step's wall seconds and 
 spent in sleep + wake, the loss (as a float hex) and a digest of the rollouts; device memory
 (CUDA: cuMemGetInfo from the launcher) at each hand-off, when both sides sleep: each side's
 CUDA context measured as it started, what they hold beyond it together, and at the end what
-each holds asleep alone (the inference side exits first).
+each holds asleep alone (the inference side exits first), itemised by owner (``held_items``:
+Sleeper.held, itemise).  A child that fails is reported with its traceback and the last
+phase it reached (exit_story).
 """
 from __future__ import annotations
 
@@ -136,6 +138,24 @@ class Sleeper:
             return torch.cuda.graph
         return lambda g: self.saver.cuda_graph(g, tag=tag)
 
+    def exit(self, conn) -> None:
+        """Note [Leaving with a saver]: the end of a side, awake (every region resumed).
+        torch_memory_saver's torch hook mode aborts the process (exit code 1, "only support
+        interesting region ... tms_torch_free") when its pluggable allocator frees a block
+        outside a region, which the interpreter's teardown does when it drops the region's
+        memory pool and the tensors still in it; its preload mode frees outside a region
+        through the real cudaFree, on addresses it mapped itself.  So with
+        torch_memory_saver the side announces its exit and leaves by os._exit(0) once its
+        work is reported (streams flushed): the driver takes the process's memory back.
+        deferalloc's saver frees a region's blocks wherever they are dropped, and its side
+        runs the ordinary teardown (which the tests exercise)."""
+        self.wake()
+        conn.send(("phase", "exit"))
+        if self.kind == "torch_memory_saver":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
     def _timed(self, fn) -> float:
         import torch
         if torch.cuda.is_available():
@@ -147,10 +167,45 @@ class Sleeper:
         return time.perf_counter() - t0
 
     def sleep(self) -> float:
+        """Note [What a sleep gives back]: the side's free blocks first, then its regions.
+        Megatron's grad sync and optimizer step run outside the regions (train_on says why):
+        the blocks they freed (FP32 grad copies, the norm's temporaries) stayed in torch's
+        cache, held through every sleep (about 1.3 GiB more than after building on the
+        68 M-parameter model).  torch.cuda.empty_cache() before the pause gives back every
+        free cached block of torch's default pool, while the side is awake (a block is freed
+        before its region is paused, never after: torch_memory_saver's preload mode cannot
+        free a paused allocation).  A live region's MemPool (the torch hook modes) keeps its
+        blocks; its pause gives them back.  Cost, in the timed sleep: a synchronisation and
+        a cudaFree per free segment, and cudaMalloc again in the next turn (in preload mode
+        the regions' free blocks too)."""
         if self.saver is None or self.asleep:
             return 0.0
         self.asleep = True
-        return self._timed(self.saver.pause)
+
+        def sleep():
+            release_cached()
+            self.saver.pause()
+        return self._timed(sleep)
+
+    def held(self) -> dict:
+        """What this process holds, by owner, for the report (Note [What a sleep gives
+        back]): torch's allocated and reserved bytes in all pools and in its default pool
+        (outside the regions in the torch hook modes; in preload mode the regions' segments
+        are in the default pool too, their memory given back while paused), and
+        deferalloc's backed and cached bytes (its saver only).  Empty on the CPU."""
+        import torch
+        if not torch.cuda.is_available():
+            return {}
+        out = {"torch_allocated": torch.cuda.memory_allocated(), "torch_reserved": torch.cuda.memory_reserved()}
+        default = [g for g in torch.cuda.memory_snapshot() if tuple(g.get("segment_pool_id", (0, 0))) == (0, 0)]
+        out["torch_default_pool_allocated"] = sum(g.get("allocated_size", 0) for g in default)
+        out["torch_default_pool_reserved"] = sum(g.get("total_size", 0) for g in default)
+        if self.kind == "deferalloc":
+            import deferalloc
+            st = deferalloc.memory_stats()
+            out["deferalloc_backed"] = st.get("deferalloc.backed_bytes", 0)
+            out["deferalloc_pool_cached"] = st.get("deferalloc.pool.cached_bytes", 0)
+        return out
 
     def wake(self) -> float:
         if self.saver is None or not self.asleep:
@@ -272,7 +327,8 @@ def trainer_main(conn, args) -> None:
     slept = sleeper.sleep()
     conn.send(("built", {"first_step": first, "layout": layout, "path": path, "bytes": offset,
                          "params": sum(p.numel() for _, p in params), "model_class": type(gpt).__name__,
-                         "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist()}))
+                         "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist(),
+                         "held": sleeper.held()}))
     while True:
         msg = conn.recv()
         if msg[0] == "train":
@@ -289,11 +345,14 @@ def trainer_main(conn, args) -> None:
             t["loss"] = float(loss).hex()
             conn.send(("trained", t))
         elif msg[0] == "finish":
+            held = sleeper.held()  # asleep, as the launcher measured it
             sleeper.wake()
-            conn.send(("finished", {"final_digest": train_gpt.state_digest(optimizer)}))
+            conn.send(("finished", {"final_digest": train_gpt.state_digest(optimizer), "held": held}))
             conn.recv()  # the launcher's go
+            conn.send(("phase", "teardown"))
             del gpt, ddp, optimizer, streamed
             train_gpt.teardown()
+            sleeper.exit(conn)
             return
 
 
@@ -399,11 +458,16 @@ def inference_main(conn, args) -> None:
             t["digest"] = digest(seqs)
             conn.send(("generated", t, seqs.tolist()))
         elif msg[0] == "exit":
+            conn.send(("held", sleeper.held()))  # asleep, as the launcher measured it
+            sleeper.wake()  # nothing of a region freed while it is paused
+            sleeper.exit(conn)
             return
 
 
 def child(role: str, conn, args) -> None:
     """The spawned process's entry: one role; an exception is sent to the launcher."""
+    import faulthandler
+    faulthandler.enable()  # a crash in native code prints the Python stacks on stderr
     try:
         (trainer_main if role == "trainer" else inference_main)(conn, args)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, then re-raised
@@ -438,7 +502,7 @@ def expect(conn, kind: str, proc, timeout_s: float):
     t0 = time.monotonic()
     while not conn.poll(1.0):
         if not proc.is_alive():
-            raise RuntimeError(f"the {kind!r} message never came: the {proc.name} process exited with {proc.exitcode}")
+            raise RuntimeError(f"the {kind!r} message never came: {exit_story(proc.name, proc, conn)}")
         if time.monotonic() - t0 > timeout_s:
             raise RuntimeError(f"the {kind!r} message never came: the {proc.name} process was silent {timeout_s:.0f} s")
     msg = conn.recv()
@@ -447,6 +511,56 @@ def expect(conn, kind: str, proc, timeout_s: float):
     if msg[0] != kind:
         raise RuntimeError(f"expected {kind!r}, got {msg[0]!r}")
     return msg
+
+
+def child_environment(args):
+    """A fresh context manager for starting one child: the saver's configure_subprocess()
+    (its LD_PRELOAD) in hook_mode "preload" on CUDA, as an RL stack's launcher starts its
+    engine, else nothing.  configure_subprocess() is a one-shot @contextmanager: each child
+    needs its own (entering one twice raises AttributeError), hence a function, not a value."""
+    if args.device == "cuda" and args.hook_mode == "preload" and args.saver != "none":
+        return saver_module(args.saver).configure_subprocess()
+    return contextlib.nullcontext()
+
+
+def start_child(ctx, role: str, conn, args):
+    """The ``role`` process started (spawn) inside its own child_environment()."""
+    with child_environment(args):
+        proc = ctx.Process(target=child, args=(role, conn, args), name=f"rl-{role}")
+        proc.start()
+    return proc
+
+
+def exit_story(role: str, proc, conn) -> str:
+    """Why a child exited as it did: its exit code, the last phase it announced and any
+    traceback it sent (the messages left in its pipe)."""
+    phase, errors = None, []
+    with contextlib.suppress(EOFError, OSError):
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg[0] == "phase":
+                phase = msg[1]
+            elif msg[0] == "error":
+                errors.append(msg[1])
+    text = f"{role}: exit code {proc.exitcode}, last phase {phase or '?'}"
+    return text + "".join(f"\n{e}" for e in errors)
+
+
+def itemise(memory: dict, items: dict) -> dict:
+    """Each side's held bytes asleep by owner (Sleeper.held), with "rest": what the launcher
+    measured beyond the side's context less torch's default pool and deferalloc's backed
+    bytes (CUDA's own: cuBLAS workspaces, NCCL's buffers, module loads; in preload mode the
+    regions' segments are counted in both, so the rest may be negative)."""
+    out = {}
+    for side, held in items.items():
+        if not held:
+            continue
+        measured = memory.get(f"{side}_held_asleep" if side != "trainer_built" else "trainer_held_asleep_built")
+        row = dict(held)
+        if measured is not None:
+            row["rest"] = measured - held["torch_default_pool_reserved"] - held.get("deferalloc_backed", 0)
+        out[side] = row
+    return out
 
 
 def launch(args) -> dict:
@@ -460,11 +574,6 @@ def launch(args) -> dict:
     args.weights_name = f"dfa_rl_weights_{os.getpid()}"
     ctx = mp.get_context("spawn")
     mem = DeviceMemory(args.device == "cuda")
-    cuda = args.device == "cuda"
-    # The children start with the saver's LD_PRELOAD (hook_mode "preload"), as an RL
-    # stack's launcher starts its engine inside configure_subprocess().
-    module = saver_module(args.saver) if cuda and args.hook_mode == "preload" else None
-    env = module.configure_subprocess() if module is not None else contextlib.nullcontext()
     report = {"args": dict(vars(args)), "steps": [], "memory": {}}
     procs, conns = {}, {}
     wait = args.message_timeout
@@ -473,9 +582,7 @@ def launch(args) -> dict:
         u0 = mem.used()
         for role in ("trainer", "inference"):
             parent, there = ctx.Pipe()
-            with env:
-                procs[role] = ctx.Process(target=child, args=(role, there, args), name=f"rl-{role}")
-                procs[role].start()
+            procs[role] = start_child(ctx, role, there, args)
             conns[role] = parent
             expect(parent, "ready", procs[role], wait)
             report["memory"][f"{role}_context"] = mem.used() - u0
@@ -518,17 +625,19 @@ def launch(args) -> dict:
         # inference side exits first), then the trainer's state digest.
         before = mem.used()
         inf.send(("exit",))
+        items = {"trainer_built": built["held"], "inference": expect(inf, "held", procs["inference"], wait)[1]}
         procs["inference"].join()
         after = mem.used()
         report["memory"]["inference_held_asleep"] = before - after - report["memory"]["inference_context"]
         report["memory"]["trainer_held_asleep"] = after - base_trainer
         tr.send(("finish",))
-        report["final_digest"] = expect(tr, "finished", procs["trainer"], wait)[1]["final_digest"]
+        finished = expect(tr, "finished", procs["trainer"], wait)[1]
+        report["final_digest"], items["trainer"] = finished["final_digest"], finished["held"]
+        report["held_items"] = itemise(report["memory"], items)
         tr.send(("go",))
         procs["trainer"].join()
         if procs["trainer"].exitcode != 0 or procs["inference"].exitcode != 0:
-            raise RuntimeError(f"exit codes: trainer {procs['trainer'].exitcode}, "
-                               f"inference {procs['inference'].exitcode}")
+            raise RuntimeError("; ".join(exit_story(role, procs[role], conns[role]) for role in procs))
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -565,6 +674,9 @@ def main(argv=None) -> int:
     m = report["memory"]
     if args.device == "cuda":
         print("memory (MiB): " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in m.items()), flush=True)
+    for side, row in report.get("held_items", {}).items():
+        print(f"memory held asleep, {side} (MiB): " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in row.items()),
+              flush=True)
     s = report["summary"]
     if s:
         print(f"mean of steps after the first: sleep+wake trainer {s['trainer_sleep_wake_s'] * 1e3:.1f} ms, "

@@ -241,16 +241,55 @@ class Generator:
         return seq.cpu()
 
 
+# Note [Cached decode against the uncached forward]
+# Rationale: the cached decode (one token per step, a CUDA graph on a GPU) and Hugging Face's
+# forward over the whole sequence compute the same logits with other GEMM shapes: on a GPU
+# in BF16 their reduction orders differ, the logits differ in the last bits and a greedy
+# argmax flips where two tokens nearly tie, after which the sequences part.  On the CPU they
+# have come out equal, token for token.
+# Approach: both, always: the exact comparison of the two greedy sequences
+# (``cached_equals_uncached``), and the cached sequence teacher-forced through one uncached
+# forward: at every generated position the cached token must be the uncached logits' argmax
+# or within DECODE_TOLERANCE x that position's largest |logit| (at least 1) of its maximum
+# (a near-tie).  DECODE_TOLERANCE = 0.02: BF16 keeps 8 significant bits (a rounding of 2^-9
+# relative per operation), compounded over the layers; the two implementations the
+# conversion check compares (Megatron's and Hugging Face's) differ by about 1% of the
+# largest logit, so a flip needs a gap of up to twice that.  A wrong cache or position
+# (the bugs the check is for) gives gaps of the logits' own scale.
+# Limits: tokens within the tolerance of a tie are not checked.
+DECODE_TOLERANCE = 0.02
+
+
+@torch.no_grad()
+def decode_agreement(model, seqs: torch.Tensor, prompt: int, tolerance: float = DECODE_TOLERANCE) -> dict:
+    """The cached decode's sequences ``seqs`` (batch, prompt + gen) teacher-forced through
+    one uncached forward (Note [Cached decode against the uncached forward]): per generated
+    position the gap between the uncached maximum logit and the cached token's, relative to
+    the position's largest |logit| (at least 1)."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=seqs[:, :-1].to(device)).logits[:, prompt - 1:].float().cpu()
+    chosen = seqs[:, prompt:]
+    top = logits.max(-1).values
+    gap = (top - logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)) / logits.abs().amax(-1).clamp(min=1.0)
+    return {"decode_positions": chosen.numel(),
+            "decode_argmax_differ": int((logits.argmax(-1) != chosen).sum().item()),
+            "decode_max_gap": gap.max().item(), "decode_tolerance": tolerance,
+            "decode_within_tolerance": bool((gap <= tolerance).all().item())}
+
+
 @torch.no_grad()
 def conversion_check(model, gen: Generator, tokens: torch.Tensor, megatron_logits: torch.Tensor) -> dict:
     """How the converted model agrees with the trainer: Hugging Face's logits for the first
     rows of the prompts ``tokens`` at their last positions against Megatron's
     (``megatron_logits``, rows x positions x vocabulary; BF16 models: close, not equal), and
-    the cached greedy decode against Hugging Face's uncached one (equal)."""
+    the cached greedy decode against Hugging Face's uncached forward (equal sequences, and
+    decode_agreement)."""
     rows, positions = megatron_logits.shape[:2]
     hf = model(input_ids=tokens[:rows].to(gen.device)).logits[:, -positions:].float().cpu()
     diff = (hf - megatron_logits).abs().max().item()
     prompts = tokens[:, :gen.prompt]
+    cached = gen.generate(prompts)
     return {"max_abs_logit_diff": diff, "max_abs_logit": megatron_logits.abs().max().item(),
             "argmax_agree": (hf.argmax(-1) == megatron_logits.argmax(-1)).float().mean().item(),
-            "cached_equals_uncached": bool(torch.equal(gen.generate(prompts), gen.reference(prompts)))}
+            "cached_equals_uncached": bool(torch.equal(cached, gen.reference(prompts))),
+            **decode_agreement(model, cached, gen.prompt)}
