@@ -248,7 +248,8 @@ if has wheel; then
     w=$(ls /tmp/dfa-dist/deferalloc-*.whl 2>/dev/null | head -1)
   fi
   if [ -n "$w" ]; then
-    run wheel_check 240 env PYTHONPATH= bash scripts/wheel_check.sh "$w" /tmp/dfa-wheel-check
+    # torch from the machine's Python (the device image keeps it in a venv, not the system's).
+    run wheel_check 240 env PYTHONPATH= bash scripts/wheel_check.sh "$w" /tmp/dfa-wheel-check "$(command -v python3)"
     tail -8 "$L/wheel_check.log"
   fi
 fi
