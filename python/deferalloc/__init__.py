@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import logging
 import operator
 import pickle
 import unicodedata
@@ -54,6 +53,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import _native, _snapshot
+from ._logging import logger as _log
 from .errors import (CorruptData, CudaError, DeferallocError, InternalError, InvalidArgument, InvalidState,
                      IoError, NoDevice, OutOfMemory)
 
@@ -271,7 +271,7 @@ def _say_no_gpu_once() -> None:
     global _no_gpu_said
     if not _no_gpu_said:
         _no_gpu_said = True
-        logging.getLogger("deferalloc").warning(
+        _log.warning(
             "deferalloc.region(): there is no CUDA GPU (torch.cuda.is_available() is False), so PyTorch's "
             "CPU tensors made inside are not deferalloc's and pause()/resume() leave them alone; only "
             "tensors deferalloc makes (deferalloc.deferred_empty(..., device='cpu'), host driver) join the tag. "

@@ -199,7 +199,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import logging
 import os
 import threading
 import time
@@ -211,6 +210,7 @@ import torch
 
 from . import deferred_empty
 from . import _native
+from ._logging import logger
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, resident_budgets
 from .overlap import BackwardOverlap
 
@@ -887,8 +887,6 @@ class _BackwardStep(BackwardOverlap):
         return out
 
 
-_log = logging.getLogger("deferalloc")
-
 
 class _StepAside:
     """step_in_backward="auto": each iteration plain or inside backward, whichever the last
@@ -968,7 +966,7 @@ class _StepAside:
         self.probes += 1
         self._next_probe = self._ended + self.recheck if self.recheck else None
         if best != self.chosen:
-            _log.info("deferalloc.megatron: step_in_backward=\"auto\" steps %s (iteration %.4f s inside "
+            logger.info("deferalloc.megatron: step_in_backward=\"auto\" steps %s (iteration %.4f s inside "
                       "backward, %.4f s plain; probe %d, after step %d)",
                       "inside backward" if best == "inside" else "plainly after backward",
                       self.measured.get("inside", float("nan")), self.measured.get("plain", float("nan")),

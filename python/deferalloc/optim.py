@@ -31,7 +31,6 @@ See docs/OPTIM.md for checkpoints (torch.save, DCP), FSDP2, AMP and torch.compil
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import threading
@@ -43,6 +42,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _native
+from ._logging import logger
 from ._engine import STATE_ARRAYS as _ARRAYS, DTYPE_CODES as _DTYPE, Engine, EngineConfig, GradBatch
 from ._engine import MOMENTS, TIERS
 from ._engine import optimizer_library_path
@@ -79,7 +79,6 @@ CorruptDataError = CorruptData
 _stream_ptr = _native.stream_ptr
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "main_param")
 _MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.125}  # both moments per element, by moment_dtype (optimizer.hpp)
-_logger = logging.getLogger("deferalloc")
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -352,7 +351,7 @@ class _ProgressToLogger:
         due = last < 0 or seconds - last > 10.0 or done == total
         if seconds > _PROGRESS_AFTER_S and due:
             self._pass = (phase, seconds)
-            _logger.info("%s %5.1f%%  %.2f Gparam/s", phase, 100.0 * done / max(total, 1),
+            logger.info("%s %5.1f%%  %.2f Gparam/s", phase, 100.0 * done / max(total, 1),
                          done / seconds / 1e9 if seconds > 0 else 0.0)
 
 
