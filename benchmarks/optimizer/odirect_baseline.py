@@ -67,7 +67,6 @@ class ODirectAdamW:
         self.device = self.params[0].device
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.fsync = fsync
-        self.steps = 0
         self.param_steps = [0] * len(self.params)
         cap = staging_bytes // 12 // ELEMENT_ALIGN * ELEMENT_ALIGN
         if cap == 0:
@@ -91,7 +90,6 @@ class ODirectAdamW:
             self.buckets.append((offset, pad, pieces))
             offset += 12 * pad
         self.file_bytes = offset
-        self.numel = sum(p.numel() for p in self.params)
         cuda = self.device.type == "cuda"
         self._owner, self.staging = aligned_buffer(self.staging_bytes, pin=cuda)
         self._staging32 = self.staging.view(torch.float32)
@@ -153,7 +151,6 @@ class ODirectAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        self.steps += 1
         beta1, beta2 = self.betas
         # Step counts per parameter, as torch's AdamW keeps them (one without a gradient is
         # not stepped); one device scalar per count (the kernel reads them only).
