@@ -195,10 +195,9 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
         rows.append((f"{name}: ran{mode}", "ok" if r else "failed", r is not None))
     d, n, k, res = (runs.get(x) for x in ("deferalloc", "none", "killed", "resumed"))
     if d:
-        slept = all(r[side][k] > 0 for r in d["steps"] for side in ("trainer", "inference")
-                    for k in ("sleep_s", "wake_s"))
+        slept = all(r[side][key] > 0 for r in d["steps"] for side in ("trainer", "inference")
+                    for key in ("sleep_s", "wake_s"))
         rows.append(("deferalloc: both sides slept and woke in every step", "yes" if slept else "no", slept))
-    if d:
         c = d["inference_built"]["conversion"]
         ok = c["cached_equals_uncached"]
         if not cuda:  # exact on the CPU

@@ -234,9 +234,9 @@ def _init_device(args) -> None:
 
 
 def release_cached() -> None:
-    """Once after building: the blocks building freed (the model's first copy of each
-    parameter before DDP's buffers took them, initialisation temporaries) given back, so
-    that no sleep backs up or keeps them."""
+    """After building and before each sleep: the blocks freed outside the regions (the
+    model's first copy of each parameter before DDP's buffers took them, initialisation
+    temporaries, the step's) given back, so that no sleep backs up or keeps them."""
     import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()

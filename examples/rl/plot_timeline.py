@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-# (side, phase, start key or None for "end - seconds", end key, seconds key)
+# side -> [(phase, end key, seconds key: the phase starts at end - seconds; None: at the previous phase's end)]
 PHASES = {"inference": [("wake", "t_wake_end", "wake_s"), ("load weights", "t_load_end", None),
                         ("generate", "t_generate_end", None), ("sleep", "t_sleep_end", "sleep_s")],
           "trainer": [("wake", "t_wake_end", "wake_s"), ("train", "t_train_end", None),
