@@ -62,6 +62,40 @@ TEST_F(c_api, reserve_materialize_release_free) {
   EXPECT_STREQ(dfa_last_error(), "");
 }
 
+// The batched calls: many whole reservations released with their contents kept and backed
+// again bit-exactly, one id that is not a reservation refusing the whole batch.
+TEST_F(c_api, release_and_materialize_many) {
+  size_t g = 0;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  constexpr int n = 5;
+  dfa_reservation rs[n]{};
+  void* ps[n]{};
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(dfa_reserve((i + 1) * g, &rs[i], &ps[i]), DFA_SUCCESS);
+    ASSERT_EQ(dfa_materialize(rs[i], 0, DFA_WHOLE, DFA_FILL_ZERO, nullptr), DFA_SUCCESS) << dfa_last_error();
+    std::memset(ps[i], 0x30 + i, (i + 1) * g);
+  }
+  ASSERT_EQ(dfa_release_many(rs, n, DFA_KEEP_HOST, nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_stats st{};
+  ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
+  EXPECT_EQ(st.backed_bytes, 0u);
+  ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(static_cast<unsigned char*>(ps[i])[0], 0x30 + i);
+    EXPECT_EQ(static_cast<unsigned char*>(ps[i])[(i + 1) * g - 1], 0x30 + i);
+  }
+  dfa_reservation bad[2] = {rs[0], rs[n - 1] + 1000};
+  EXPECT_EQ(dfa_release_many(bad, 2, DFA_KEEP_DISCARD, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  int backed = 0;
+  ASSERT_EQ(dfa_is_backed(rs[0], 0, DFA_WHOLE, &backed), DFA_SUCCESS);
+  EXPECT_EQ(backed, 1);  // nothing released
+  EXPECT_EQ(dfa_release_many(nullptr, 1, DFA_KEEP_DISCARD, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_release_many(nullptr, 0, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS);
+  ASSERT_EQ(dfa_release_many(rs, n, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+  for (int i = 0; i < n; ++i) ASSERT_EQ(dfa_free_reservation(rs[i], nullptr), DFA_SUCCESS);
+}
+
 TEST_F(c_api, bad_input_table) {
   size_t g = 0;
   ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);

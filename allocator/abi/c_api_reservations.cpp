@@ -37,6 +37,24 @@ extern "C" void dfa_dlpack_deleter(DLManagedTensor* t) {
   delete h;
 }
 
+// Runs `op(manager, ranges)` on the whole of each reservation of `rs` (every one handed out
+// by dfa_reserve), under the ABI's guard.
+template <class Op>
+dfa_status on_whole_reservations(const char* call, const dfa_reservation* rs, size_t n, Op op) {
+  return guard(call, [&] {
+    if (n != 0) need(rs, "rs");
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    std::vector<range> ws;
+    ws.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      expect_handed_out(m, rs[i]);
+      ws.push_back({rs[i], 0, whole});
+    }
+    op(m, ws);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -81,6 +99,18 @@ dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep
     auto& m = *instance(lk).reservations;
     expect_handed_out(m, r);
     m.release(r, offset, length, k, stream_t{stream});
+  });
+}
+
+dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, void* stream) {
+  return on_whole_reservations("dfa_release_many", rs, n, [&](reservation_manager& m, const std::vector<range>& ws) {
+    m.release(ws, detail::enum_from_c<keep_mode>(keep), stream_t{stream});
+  });
+}
+
+dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream) {
+  return on_whole_reservations("dfa_materialize_many", rs, n, [&](reservation_manager& m, const std::vector<range>& ws) {
+    m.materialize(ws, detail::enum_from_c<fill_mode>(fill), stream_t{stream});
   });
 }
 

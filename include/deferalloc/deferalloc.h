@@ -94,6 +94,10 @@ DFA_C_API dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t le
 /* Unbacks a range after the streams that used it; keeps contents in pinned host memory
  * with DFA_KEEP_HOST. */
 DFA_C_API dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream);
+/* dfa_release and dfa_materialize of `n` whole reservations in one call, all or nothing: a
+ * release enqueues every backup copy before its one host wait (one wait, not n). */
+DFA_C_API dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, void* stream);
+DFA_C_API dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream);
 /* Releases waits for `stream` too. */
 DFA_C_API dfa_status dfa_record_stream(dfa_reservation r, void* stream);
 /* Releases everything and frees the address range.  Unknown or freed: INVALID_ARGUMENT.

@@ -86,6 +86,8 @@ def _allocator_signatures() -> dict:
         "dfa_reserve": (c.c_int, [c.c_size_t, c.POINTER(c.c_uint64), c.POINTER(c.c_void_p)]),
         "dfa_materialize": (c.c_int, [c.c_uint64, c.c_size_t, c.c_size_t, c.c_int, c.c_void_p]),
         "dfa_release": (c.c_int, [c.c_uint64, c.c_size_t, c.c_size_t, c.c_int, c.c_void_p]),
+        "dfa_release_many": (c.c_int, [c.POINTER(c.c_uint64), c.c_size_t, c.c_int, c.c_void_p]),
+        "dfa_materialize_many": (c.c_int, [c.POINTER(c.c_uint64), c.c_size_t, c.c_int, c.c_void_p]),
         "dfa_record_stream": (c.c_int, [c.c_uint64, c.c_void_p]),
         "dfa_free_reservation": (c.c_int, [c.c_uint64, c.c_void_p]),
         "dfa_is_backed": (c.c_int, [c.c_uint64, c.c_size_t, c.c_size_t, c.POINTER(c.c_int)]),

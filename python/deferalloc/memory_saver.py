@@ -30,8 +30,8 @@ Approach:
   use, as TMS checks its own library).  ``region`` routes allocations to a native MemPool per
   (tag, backup, device); ``cuda_graph`` records the graph's private pool under the tag.  A
   pause finds the tag's pools' segments in PyTorch's snapshot, each one a reservation of the
-  preload library (dfa_find), and releases them (dfa_release, keep host or discard); resume
-  backs them again at the same addresses (dfa_materialize, restore or undefined).  With
+  preload library (dfa_find), and releases them (dfa_release_many, keep host or discard); resume
+  backs them again at the same addresses (dfa_materialize_many, restore or undefined).  With
   TMS_INIT_ENABLE=1, PyTorch's default pool belongs to the tag "default" too.
 Limits: memory that does not come through PyTorch's allocator (a library's own cudaMalloc)
 is not paused in either mode; allocating in a paused tag is the caller's error as in TMS
@@ -624,25 +624,33 @@ class _Impl:
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
-        done = []
-        try:
-            for addr, rid, keep, size in found:
-                _native.allocator.check(lib.dfa_release(rid, 0, _SIZE_MAX, _KEEPS.index(keep), stream), "dfa_release")
-                done.append((addr, rid, keep, size))
-        except BaseException:
-            self._preload_resume(done)  # all or nothing
-            raise
-        return done
+        for keep in sorted({k for _, _, k, _ in found}):  # one call per keep, all or nothing
+            ids = _ids([rid for _, rid, k, _ in found if k == keep])
+            try:
+                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
+                                        "dfa_release_many")
+            except BaseException:
+                self._preload_resume([f for f in found if f[2] < keep])
+                raise
+        return found
 
     def _preload_resume(self, paused: list) -> None:
         lib = _native.allocator()
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
+        live = []
         for addr, rid, keep, _ in paused:
             now = ctypes.c_uint64()
             if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
                 continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)
+            live.append((rid, keep))
+        for keep in sorted({k for _, k in live}):
+            ids = _ids([rid for rid, k in live if k == keep])
             fill = 2 if keep == "host" else 0  # restore / undefined
-            _native.allocator.check(lib.dfa_materialize(rid, 0, _SIZE_MAX, fill, stream), "dfa_materialize")
+            _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
+
+
+def _ids(rids: list):
+    return (ctypes.c_uint64 * len(rids))(*rids)
 
 
 torch_memory_saver = TorchMemorySaver()
