@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from deferalloc.optim import StreamedAdamW
@@ -49,9 +50,12 @@ def build(device: torch.device, dtype: torch.dtype, seed: int):
         model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 64), torch.nn.Linear(64, 172), torch.nn.GELU(),
                                     torch.nn.Linear(172, VOCAB)).to(device, dtype)
         layers = [model[1], model[3]]
+    # The mesh on the model's device type: without one, fully_shard picks CUDA whenever a GPU is
+    # visible, and a --cpu run on a GPU machine would shard onto cuda:0.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, window_mb=8)
     return model, opt
 
