@@ -2,10 +2,11 @@
 # One call on the GPU machine for this round's acceptance: build (with the machine's torch),
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
-#     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel]
-#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair and wheel:
+#     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel] [nccl]
+#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel and nccl:
 #   the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL cycle, the
-#   file tier against the disk, the before/after comparisons and the wheel's build and check).
+#   file tier against the disk, the before/after comparisons, the wheel's build and check, and the
+#   footprint of single-rank NCCL communicators).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -155,6 +156,10 @@ fi
 # torch_memory_saver 0.0.10 (the real package, /tmp/site); the newest megatron-core of
 # .whl/megatron/ (else the importable one).  About 3-4 minutes; the table last, the figures in
 # $R/rl_cycle.json and a step's timeline in $R/rl_step.png.
+if has nccl; then
+  # What single-rank NCCL communicators hold outside every allocator (the RL trainer's "rest").
+  run nccl 200 python3 benchmarks/pause_resume/nccl_footprint.py --json "$R/nccl_footprint.json"
+fi
 if has rl; then
   rl_path=
   rl_mc=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
