@@ -13,7 +13,7 @@ The document is the template (--template) with each `<!-- results: NAME -->` lin
 the tables of benchmark NAME: every result with its unit, the baseline it is compared with
 and the ratio (value / baseline; for times baseline / value, "x faster"), the file, device
 and command that produced it, the notes of the file, and a plot (matplotlib, written to
---img; plots no longer shown are removed from it).  A benchmark with data and no placeholder
+--img; its plots no longer shown, named by their data directory, are removed from it).  A benchmark with data and no placeholder
 goes to a last section; a placeholder with no data says so.  The output depends only on the JSON and the template.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import difflib
 import glob
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -207,7 +208,7 @@ def main(argv: list[str]) -> int:
                 print(f"plot: wrote {plot(p, d, a.img)}")
                 shown.add(image_name(p))
         for old in sorted(set(os.listdir(a.img)) - shown):  # plots of data a newer run replaced
-            if old.endswith(".png"):
+            if old.endswith(".png") and re.match(r"\d{4}-\d\d-\d\d", old):  # its own, not the docs' figures
                 os.remove(os.path.join(a.img, old))
                 print(f"plot: removed {os.path.join(a.img, old)} (no longer shown)")
     return 0

@@ -180,12 +180,46 @@ def main() -> int:
           f"wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "rl_cycle", "device": args.device, "runs": runs, "wall_seconds": wall,
-                       "checks": [{"what": w, "value": v, "ok": o} for w, v, o in rows]}, f, indent=1)
+            json.dump(document(runs, rows, wall, device_name(cuda)), f, indent=1)
     if args.png and runs.get("deferalloc"):
         import plot_timeline
         plot_timeline.plot(runs["deferalloc"], args.png, others={"torch_memory_saver": runs.get("tms")})
     return 1 if failed else 0
+
+
+def document(runs: dict, rows: list, wall: dict, device: str) -> dict:
+    """The run in benchmarks/bench_json.py's schema (benchmarks/plot.py renders it): each
+    saver's sleep + wake per step (the steps after the first: both sides, and each side),
+    the step and its share, and what each side held asleep beyond its context (and how much
+    of it no allocator holds); deferalloc's rows name torch_memory_saver's as baseline.
+    extra: the checks, every run's report, the wall seconds."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
+    import bench_json
+    label = {}
+    for key, name in (("tms", "torch_memory_saver 0.0.10"), ("deferalloc", "deferalloc.memory_saver")):
+        r = runs.get(key)
+        if r and "summary" in r:
+            label[key] = f"{name} (hook_mode {r['args']['hook_mode']})"
+    results = []
+    for key, who in label.items():
+        r, sm = runs[key], runs[key]["summary"]
+        base = label.get("tms") if key == "deferalloc" else None
+        results += [bench_json.result(f"{who}: trainer sleep + wake per step", 1e3 * sm["trainer_sleep_wake_s"], "ms"),
+                    bench_json.result(f"{who}: inference sleep + wake per step", 1e3 * sm["inference_sleep_wake_s"], "ms"),
+                    bench_json.result(f"{who}: sleep + wake per step", 1e3 * sm["sleep_wake_s"], "ms",
+                                      base and f"{base}: sleep + wake per step"),
+                    bench_json.result(f"{who}: RL step", 1e3 * sm["wall_s"], "ms", base and f"{base}: RL step"),
+                    bench_json.result(f"{who}: share of the step in sleep + wake", 100 * sm["share"], "%")]
+        for side in ("trainer", "inference"):
+            v = r.get("memory", {}).get(f"{side}_held_asleep")
+            if v is not None:
+                results.append(bench_json.result(f"{who}: {side} asleep, held beyond its CUDA context", v / MIB, "MiB"))
+            rest = r.get("held_items", {}).get(side, {}).get("rest")
+            if rest is not None:
+                results.append(bench_json.result(f"{who}: {side} asleep, of it held by no allocator", rest / MIB, "MiB"))
+    return bench_json.document("rl_cycle", results, device,
+                               extra={"checks": [{"what": w, "value": v, "ok": o} for w, v, o in rows],
+                                      "runs": runs, "wall_seconds": wall})
 
 
 def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> list:
@@ -263,15 +297,23 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
 
 def held_by(report: dict, side: str) -> str:
     """colocated.itemise's row for ``side``, short: torch's default pool (reserved /
-    allocated), deferalloc's backed bytes, the rest."""
+    allocated), deferalloc's backed and cached bytes, the rest."""
     h = report.get("held_items", {}).get(side)
     if not h:
         return ""
     text = (f" (torch outside regions {h['torch_default_pool_reserved'] / MIB:.0f} reserved / "
             f"{h['torch_default_pool_allocated'] / MIB:.0f} allocated")
     if "deferalloc_backed" in h:
-        text += f", deferalloc {h['deferalloc_backed'] / MIB:.0f}"
+        text += (f", deferalloc {h['deferalloc_backed'] / MIB:.0f} backed / "
+                 f"{h.get('deferalloc_pool_cached', 0) / MIB:.0f} cached")
     return text + (f", rest {h['rest'] / MIB:.0f})" if "rest" in h else ")")
+
+
+def device_name(cuda: bool) -> str:
+    if cuda:
+        import torch
+        return torch.cuda.get_device_name(0)
+    return "cpu"
 
 
 def launcher_environment() -> tuple:

@@ -548,8 +548,8 @@ def exit_story(role: str, proc, conn) -> str:
 
 def itemise(memory: dict, items: dict) -> dict:
     """Each side's held bytes asleep by owner (Sleeper.held), with "rest": what the launcher
-    measured beyond the side's context less torch's default pool and deferalloc's backed
-    bytes (CUDA's own: cuBLAS workspaces, NCCL's buffers, module loads; in preload mode the
+    measured beyond the side's context less torch's default pool and deferalloc's backed and
+    cached bytes (CUDA's own: cuBLAS workspaces, NCCL's buffers, module loads; in preload mode the
     regions' segments are counted in both, so the rest may be negative)."""
     out = {}
     for side, held in items.items():
@@ -558,7 +558,8 @@ def itemise(memory: dict, items: dict) -> dict:
         measured = memory.get(f"{side}_held_asleep" if side != "trainer_built" else "trainer_held_asleep_built")
         row = dict(held)
         if measured is not None:
-            row["rest"] = measured - held["torch_default_pool_reserved"] - held.get("deferalloc_backed", 0)
+            row["rest"] = (measured - held["torch_default_pool_reserved"] - held.get("deferalloc_backed", 0)
+                           - held.get("deferalloc_pool_cached", 0))
         out[side] = row
     return out
 
