@@ -209,7 +209,7 @@ if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
 fi
 if has overlap && [ -f benchmarks/optimizer/bench_overlap.py ]; then
   # --budget-s skips the modes that would not end in time, so that the table and JSON come
-  # (the default parts take two calls; DFA_OVERLAP_ARGS picks them).
+  # (DFA_OVERLAP_ARGS picks the parts; the file tier's figures are step filetier's).
   osecs=${DFA_OVERLAP_SECONDS:-420}
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run overlap "$osecs" python3 benchmarks/optimizer/bench_overlap.py --out "$R" \
     --json "$R/bench_overlap.json" --budget-s $((osecs - 30)) ${DFA_OVERLAP_ARGS:-}

@@ -35,7 +35,6 @@ ratio to the bound and to the baseline); exit status 1 when a check fails, 2 wit
       python3 benchmarks/optimizer/bench_file_tier.py --dir /tmp --json out/bench_file_tier.json
 """
 import argparse
-import gc
 import json
 import logging
 import os
@@ -51,7 +50,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench_json  # noqa: E402
+from bench_harness import BudgetSpent, Harness  # noqa: E402
 from odirect_baseline import ALIGN, ODirectAdamW  # noqa: E402
 
 ROWS = ("fp32", "dd", "baseline", "bf16", "int8", "overlap")
@@ -61,51 +60,18 @@ TARGETS = dict(file_vs_dd=0.9, file_vs_baseline=1.5, bf16_speedup=1.35, int8_spe
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-class BudgetSpent(Exception):
-    """--budget-s would be exceeded by the next row (its estimate: the longest row so far)."""
+class Bench(Harness):
+    estimate_what = "the longest row"  # estimate_s: the longest row so far
 
-
-class Bench:
     def __init__(self, a):
-        self.a = a
-        self.t_start = time.perf_counter()
-        self.longest_row_s = 0.0
-        self.cuda = not a.smoke
+        super().__init__(a, cuda=not a.smoke)
         self.dev = torch.device("cuda" if self.cuda else "cpu")
-        self.results, self.checks = [], []
         self.extra = {"smoke": a.smoke, "targets": TARGETS, "rows": {}, "engine_log": []}
         self.finals = {}  # row -> the parameters after its last step (the comparisons)
-
-    def result(self, name, value, unit, baseline=None):
-        self.results.append(dict(name=name, value=float(value), unit=unit, baseline=baseline))
-
-    def check(self, what, value, target="", ok=None, perf=False):
-        """A row of the checks; --smoke asserts only those that are not performance targets."""
-        if self.a.smoke and perf:
-            ok = None
-        self.checks.append(dict(check=what, value=value, target=target, ok=ok, perf=perf))
-        print(f"  {what}: {value} {target} {'' if ok is None else ('pass' if ok else 'FAIL')}", flush=True)
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
 
     def now(self):
         self.sync()
         return time.perf_counter()
-
-    def free(self):
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-
-    def budget(self, name):
-        b = self.a.budget_s
-        spent = time.perf_counter() - self.t_start
-        if b and spent + self.longest_row_s > b:
-            raise BudgetSpent(f"{name} not run: --budget-s {b:g} s would be exceeded ({spent:.0f} s spent, "
-                              f"the longest row took {self.longest_row_s:.0f} s)")
 
 
 # ---- the model: a stack of BF16 Linear layers -----------------------------------------------------
@@ -549,28 +515,24 @@ def main() -> int:
             traceback.print_exc()
             B.check(f"row {key}", f"{type(e).__name__}: {str(e)[:160]}", "runs", False)
         took = time.perf_counter() - t1
-        B.longest_row_s = max(B.longest_row_s, took)
+        B.estimate_s = max(B.estimate_s, took)
         B.extra.setdefault("row_seconds", {})[key] = took
         print(f"[{key}] {took:.0f} s", flush=True)
     table = summarize(B)
     device = torch.cuda.get_device_name() if B.cuda else "cpu (host driver)"
-    ok = all(c["ok"] is not False for c in B.checks)
     if a.json:
-        B.extra.update(checks=B.checks, passed=ok, seconds=time.perf_counter() - t0,
+        B.extra.update(seconds=time.perf_counter() - t0,
                        table=[dict(row=n, ms=ms, gbps=gb, bound_over_row=rb, baseline_over_row=rbase)
                               for n, ms, gb, rb, rbase in table])
-        bench_json.write(a.json, "bench_file_tier", B.results, device, extra=B.extra)
+        B.write_json(a.json, "bench_file_tier", device, B.extra)
     print(f"\n{device}, {time.perf_counter() - t0:.0f} s, directory {a.dir}")
-    print("| check | result | target | |\n|---|---|---|---|")
-    for c in B.checks:
-        verdict = "" if c["ok"] is None else "pass" if c["ok"] else "FAIL"
-        print(f"| {c['check']} | {c['value']} | {c['target']} | {verdict} |")
+    B.print_checks()
     print("\n| row | ms per step | GB/s (disk, both ways) | bound / row | x faster than the baseline |\n"
           "|---|---|---|---|---|")
     f = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
     for name, ms, gb, rb, rbase in table:
         print(f"| {name} | {ms:.0f} | {f(gb, '.2f')} | {f(rb, '.2f')} | {f(rbase, '.2f')} |")
-    return 0 if ok else 1
+    return 0 if B.passed() else 1
 
 
 if __name__ == "__main__":

@@ -18,19 +18,17 @@ rows into an existing bench_overlap.json, so the lead can call the parts one by 
           the overlap (clip_policy auto), losses bit-identical;
   accum:  4 micro-batches of --small-batch per step, accumulate-then-step against the
           overlap with accumulating(), losses bit-identical;
-  file:   dd with direct I/O writing and reading the file tier's bytes (at once: the
-          duplex bound of the disk; and one after the other), the file tier's plain step
-          and with the overlap (FP32 moments; BF16 / int8 where the file tier takes them),
-          at --small-batch;
   twin, curves: the compressed-moment kernels against their CPU twin; loss curves of a
           small Llama with fp32 / bf16 / int8 moments (issue 16; not in the default parts).
 
-Each mode: --warm + --iters iterations back to back (file tier: --file-warm +
---file-iters), then one traced iteration (timeline PNG); its optimizer and hooks are
-released after it (also when it fails) and the GPU memory is checked back at what it was
-(a failed check otherwise).  Prints a table last; exit status 1 when a check fails.
---budget-s S: a mode that would end past S seconds is not run (a failed check says so),
-so a run under a time limit still ends with its table and JSON.  --merge A.json (with
+The file tier against the disk (dd, compressed moments, the overlap, the O_DIRECT baseline) is
+benchmarks/optimizer/bench_file_tier.py's.
+
+Each mode: --warm + --iters iterations back to back, then one traced iteration (timeline
+PNG); its optimizer and hooks are released after it (also when it fails) and the GPU memory
+is checked back at what it was (a failed check otherwise).  Prints a table last; exit
+status 1 when a check fails.  --budget-s S: a mode that would end past S seconds is not run
+(a failed check says so), so a run under a time limit still ends with its table and JSON.  --merge A.json (with
 --parts '': no GPU needed) merges runs made separately.  --json PATH writes {"benchmark": "bench_overlap", "schema": 1, "device",
 "command", "results": [{"name", "value", "unit", "baseline"}], "extra": {...}}; PNGs go
 to --out.  --smoke: a tiny configuration on the CPU (host driver) that runs every part
@@ -39,21 +37,16 @@ but twin, asserting only the exactness checks (ctest).
     DEFERALLOC_LIB=build-gpu/allocator/libdeferalloc.so \\
     DEFERALLOC_OPTIMIZER_LIB=build-gpu/optimizer/libdeferalloc_optimizer.so PYTHONPATH=python \\
       python3 benchmarks/optimizer/bench_overlap.py --out $OUT --json $OUT/bench_overlap.json \\
-      --parts bound,split,small --file-dir /path/on/nvme
+      --parts bound,split,small
 
-On the H200 the whole table is two calls of under 4.5 minutes each (docs/OVERLAP.md):
+On the H200 the whole table is one call of under 4.5 minutes (docs/OVERLAP.md):
   --parts bound,split,small,clip,accum --budget-s 255     (about 3 minutes)
-  --parts bound,file --file-dir /path/on/nvme --budget-s 255
 """
 import argparse
-import gc
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -63,40 +56,23 @@ import torch  # noqa: E402
 from deferalloc import optim  # noqa: E402
 from deferalloc.overlap import overlap_with_backward  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_harness import BudgetSpent, Harness  # noqa: E402
+
 PCIE_BPS = 51e9  # duplex pinned copy each way on the H200 machine (issue 16), when not measured
 # Issue 28's acceptance: iteration / resident (clipping never and always fires), iteration
-# / max(fwd+bwd, transfer) where fwd+bwd is the shorter, the file tier's plain step / the
-# duplex dd bound, compressed moments' file-tier step speedups; issue 16's loss tolerances.
-TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.25, small_vs_bound=1.10, file_vs_dd=0.95,
-               file_bf16_speedup=1.4, file_int8_speedup=1.8, bf16_loss=0.5, int8_loss=1.0)
+# / max(fwd+bwd, transfer) where fwd+bwd is the shorter; issue 16's loss tolerances.  (The
+# file tier's marks are bench_file_tier.py's.)
+TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.25, small_vs_bound=1.10, bf16_loss=0.5,
+               int8_loss=1.0)
 
 
-class BudgetSpent(Exception):
-    """--budget-s would be exceeded by the next mode (its estimate: the last mode's time)."""
-
-
-class Bench:
+class Bench(Harness):
     def __init__(self, a):
-        self.a = a
-        self.t_start = time.perf_counter()
-        self.last_mode_s = 0.0
-        self.dev = torch.device("cpu" if a.smoke or not a.parts else "cuda")
-        self.cuda = self.dev.type == "cuda"
-        self.results, self.checks, self.extra = [], [], {"smoke": a.smoke, "targets": TARGETS}
-
-    # ---- reporting ------------------------------------------------------------------------
-    def result(self, name, value, unit, baseline=None):
-        self.results.append(dict(name=name, value=float(value), unit=unit, baseline=baseline))
-
-    def check(self, what, value, target="", ok=None, perf=False, in_smoke=None):
-        """A row of the table.  perf: a performance target, marked so that a run that missed
-        only such targets still counts as measured (benchmarks/bench_json.py missed).
-        in_smoke: whether --smoke asserts it (default: all but the performance targets)."""
-        asserted_in_smoke = not perf if in_smoke is None else in_smoke
-        if self.a.smoke and not asserted_in_smoke:
-            ok = None
-        self.checks.append(dict(check=what, value=value, target=target, ok=ok, perf=perf))
-        print(f"  {what}: {value} {target} {'' if ok is None else ('pass' if ok else 'FAIL')}", flush=True)
+        dev = torch.device("cpu" if a.smoke or not a.parts else "cuda")
+        super().__init__(a, cuda=dev.type == "cuda")
+        self.dev = dev
+        self.extra = {"smoke": a.smoke, "targets": TARGETS}
 
     # ---- clocks ---------------------------------------------------------------------------
     def mark(self):
@@ -114,16 +90,6 @@ class Bench:
         if self.cuda:
             torch.cuda.current_stream().synchronize()
         return time.perf_counter()
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def free(self):
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
     def memory(self):
         """(bytes the caching allocator has allocated, bytes in use on the device) once
@@ -151,16 +117,6 @@ class Bench:
             self.check(f"GPU memory released after {what}", f"{da / 2**20:+.0f} MiB allocated, {du / 2**20:+.0f} MiB "
                        "in use", f"<= +{torch_slack >> 20} MiB, +{device_slack >> 20} MiB", False)
         return ok
-
-    def budget(self, name):
-        """Raises BudgetSpent where mode ``name`` would end past --budget-s (estimated
-        from the last mode's time), so that a run under a time limit still ends with its
-        table and JSON instead of being killed."""
-        b = self.a.budget_s
-        if b and time.perf_counter() - self.t_start + self.last_mode_s > b:
-            raise BudgetSpent(f"{name} not run: --budget-s {b:g} s would be exceeded "
-                              f"({time.perf_counter() - self.t_start:.0f} s spent, the last mode took "
-                              f"{self.last_mode_s:.0f} s)")
 
     def opt_kw(self, tier="host"):
         """Engine settings: the window (kept between the passes of an overlapped step),
@@ -264,11 +220,9 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
     warm = a.warm if warm is None else warm
     restore(model, init)
     mem0 = B.memory()
-    directory = tempfile.mkdtemp(prefix="dfa-bench-", dir=a.file_dir) if tier == "file" else None
     opt = ov = None
     try:
-        opt = optim.StreamedAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, directory=directory,
-                                  **B.opt_kw(tier), **kw)
+        opt = optim.StreamedAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **B.opt_kw(tier), **kw)
         ov = (overlap_with_backward(model, opt, bucket_mb=a.bucket_mb,
                                     max_grad_norm=clip(0) if clip else None, **(ov_kw or {}))
               if overlap else None)
@@ -340,8 +294,6 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
             model.zero_grad(set_to_none=True)
             opt = ov = None
             B.free()
-            if directory:
-                shutil.rmtree(directory, ignore_errors=True)
     # One clock for every part of the split (events on the GPU), so that the parts add up:
     # a median of the forward plus a median of the backward could exceed the mean iteration.
     starts = [fb[0][0] for fb, _ in marks] + [end]
@@ -353,7 +305,7 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
           f"visible opt {split['visible_optimizer'] * 1e3:7.1f}  (wall clock {wall_s * 1e3:.1f})  {stats or ''}",
           flush=True)
     B.release_check(name, mem0)
-    B.last_mode_s = time.perf_counter() - t_mode
+    B.estimate_s = time.perf_counter() - t_mode
     out = [float(v) for v in losses]
     B.extra.setdefault("modes", {})[name] = dict(batch=batch, micro=micro, split=split, wall_clock_s=wall_s,
                                                  losses=out, stats=stats, timeline=dict(phases=spans, buckets=buckets))
@@ -420,7 +372,7 @@ def _model(B):
         n = sum(p.numel() for p in m.parameters())
         print(f"[model] GQA Llama, {n / 1e9:.3f} G params ({cfg['num_hidden_layers']} layers, hidden "
               f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} KV heads), "
-              f"{B.attn} attention; batch {B.a.batch} (split, clip), {B.a.small_batch} (small, accum, file)",
+              f"{B.attn} attention; batch {B.a.batch} (split, clip), {B.a.small_batch} (small, accum)",
               flush=True)
         B.extra["model"] = dict(params=n, **cfg, seq=B.a.seq, attention=B.attn, batch=B.a.batch,
                                 small_batch=B.a.small_batch)
@@ -621,98 +573,6 @@ def part_accum(B):
     B.result("4 micro-batches: overlap / plain iteration", q, "x")
 
 
-# ---- file: the file tier and the disk's bound ---------------------------------------------------------
-
-def _dd(args):
-    t0 = time.perf_counter()
-    subprocess.run(["dd", *args, "status=none"], check=True)
-    return time.perf_counter() - t0
-
-
-def dd_bound(B, nbytes):
-    """dd with direct I/O on --file-dir: writing nbytes and reading nbytes at once (the
-    disk's duplex bound for a step that reads the state and writes it), and one after
-    the other.  Seconds, or None (dd or direct I/O missing)."""
-    d = tempfile.mkdtemp(prefix="dfa-dd-", dir=B.a.file_dir)
-    bs = 64 << 20
-    count = max(1, nbytes // bs)
-    src, dst = os.path.join(d, "read"), os.path.join(d, "write")
-    flags = ["oflag=direct"], ["iflag=direct"]
-    try:
-        try:
-            _dd(["if=/dev/zero", f"of={src}", f"bs={bs}", f"count={count}", *flags[0]])
-        except (subprocess.CalledProcessError, FileNotFoundError):
-            if not B.a.smoke:
-                raise
-            flags = [], []  # (tmpfs in --smoke: no O_DIRECT)
-            _dd(["if=/dev/zero", f"of={src}", f"bs={bs}", f"count={count}"])
-        t0 = time.perf_counter()
-        w = subprocess.Popen(["dd", "if=/dev/zero", f"of={dst}", f"bs={bs}", f"count={count}", *flags[0],
-                              "status=none"])
-        r = subprocess.Popen(["dd", f"if={src}", "of=/dev/null", f"bs={bs}", *flags[1], "status=none"])
-        if w.wait() or r.wait():
-            raise RuntimeError("dd failed")
-        duplex = time.perf_counter() - t0
-        os.remove(dst)
-        seq = _dd(["if=/dev/zero", f"of={dst}", f"bs={bs}", f"count={count}", *flags[0]])
-        seq += _dd([f"if={src}", "of=/dev/null", f"bs={bs}", *flags[1]])
-        return duplex, seq, count * bs, bool(flags[0])
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def part_file(B):
-    a = B.a
-    _model(B)
-    n = B.cache["params"]
-    print(f"[file] file tier in {a.file_dir or tempfile.gettempdir()}, batch {a.small_batch}", flush=True)
-    duplex, seq, nb, direct = dd_bound(B, 12 * n)
-    B.extra["dd"] = dict(bytes=nb, duplex_s=duplex, sequential_s=seq, direct=direct)
-    B.result("dd write + read at once (each way)", nb / duplex / 1e9, "GB/s")
-    B.result("dd write then read", 2 * nb / seq / 1e9, "GB/s")
-    print(f"  dd {nb / 1e9:.1f} GB each way{'' if direct else ' (no direct I/O)'}: at once {duplex:.2f} s, "
-          f"one after the other {seq:.2f} s", flush=True)
-    modes = {}
-    for fmt in ("fp32", "bf16", "int8"):
-        for ov in (False, True):
-            if ov and fmt != "fp32" and "file " + fmt not in modes:
-                continue
-            name = f"file {fmt}" + ("+overlap" if ov else "")
-            kw = dict(moment_dtype=fmt) if fmt != "fp32" else {}
-            try:
-                modes[name] = run_mode(B, name, a.small_batch, tier="file", overlap=ov, iters=a.file_iters,
-                                       warm=a.file_warm, **kw)
-            except optim.OptimizerError as e:
-                print(f"  {name}: not run ({type(e).__name__}: {str(e)[:120]})", flush=True)
-                B.extra.setdefault("file_not_supported", {})[name] = str(e)
-            except BudgetSpent as e:  # the modes run keep their rows and checks
-                B.check(name, f"cut short: {e}", "runs", False)
-                break
-        else:
-            continue
-        break
-    if "file fp32+overlap" not in modes:
-        return
-    p = modes["file fp32"][1]
-    q = duplex / p["visible_optimizer"]
-    B.check("file tier plain step / dd at once (same bytes)", f"{q:.2f}x ({p['visible_optimizer']:.2f} s vs "
-            f"{duplex:.2f} s)", f">= {TARGETS['file_vs_dd']}x", q >= TARGETS["file_vs_dd"], perf=True)
-    B.result("file tier step / dd duplex bound", q, "x")
-    same_losses(B, "file fp32", "file fp32+overlap", modes["file fp32"][0], modes["file fp32+overlap"][0])
-    qo = modes["file fp32+overlap"][1]["iteration"] / p["iteration"]
-    B.check("file tier: overlap / plain iteration", f"{qo:.2f}x", "<= 1x", qo <= 1.0, perf=True)
-    B.result("file tier: overlap / plain iteration", qo, "x")
-    st = modes["file fp32+overlap"][2]
-    B.check("file tier + overlap: commits per step", f"{st.get('commits')} in {a.file_warm + a.file_iters + 1} steps",
-            "one per step", st.get("commits") == a.file_warm + a.file_iters + 1)
-    for fmt in ("bf16", "int8"):
-        if f"file {fmt}" in modes:
-            s = p["visible_optimizer"] / modes[f"file {fmt}"][1]["visible_optimizer"]
-            t = TARGETS[f"file_{fmt}_speedup"]
-            B.check(f"file tier step, {fmt} moments vs fp32", f"{s:.2f}x", f">= {t}x", s >= t, perf=True)
-            B.result(f"file tier step speedup, {fmt} moments", s, "x")
-
-
 # ---- curves ---------------------------------------------------------------------------------------
 
 # The curves' schedule, a pretraining run's: linear warmup over the first 10% of the steps
@@ -885,7 +745,7 @@ def merge_previous(B, path):
     B.extra.setdefault("merged_devices", []).append(old.get("device"))
 
 
-PARTS = ("bound", "split", "small", "clip", "accum", "file")
+PARTS = ("bound", "split", "small", "clip", "accum")
 
 
 def main() -> int:
@@ -901,14 +761,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None,
                     help="split and clip (default 12 with sdpa, 4 with eager; --smoke 2)")
     ap.add_argument("--small-batch", type=int, default=None,
-                    help="small, accum (per micro-batch), file (default 4 with sdpa, 1 with eager; --smoke 2)")
+                    help="small and accum (per micro-batch; default 4 with sdpa, 1 with eager; --smoke 2)")
     ap.add_argument("--seq", type=int, default=None, help="default 2048 (--smoke 32)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default 3; --smoke 2)")
     ap.add_argument("--warm", type=int, default=None, help="default 2 (--smoke 1)")
     ap.add_argument("--clip-iters", type=int, default=None, help="timed iterations of the clipping modes (6; 4)")
-    ap.add_argument("--file-iters", type=int, default=None, help="timed iterations of the file-tier modes (2; 1)")
-    ap.add_argument("--file-warm", type=int, default=1, help="warm-up iterations of the file-tier modes")
-    ap.add_argument("--file-dir", default=None, help="where the file tier and dd write (default: the temp directory)")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--curve-steps", type=int, default=None, help="default 300 (--smoke 20)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}, twin, curves")
@@ -921,7 +778,7 @@ def main() -> int:
     a.seq = a.seq or (32 if a.smoke else 2048)
     a.attn = a.attn or ("eager" if a.smoke else "sdpa")
     a.curve_steps = a.curve_steps or (20 if a.smoke else 300)
-    for k, full, smoke in (("iters", 3, 2), ("warm", 2, 1), ("clip_iters", 6, 4), ("file_iters", 2, 1)):
+    for k, full, smoke in (("iters", 3, 2), ("warm", 2, 1), ("clip_iters", 6, 4)):
         if getattr(a, k) is None:
             setattr(a, k, smoke if a.smoke else full)
     parts = [p for p in a.parts.split(",") if p]
@@ -967,12 +824,13 @@ def main() -> int:
     t0 = time.perf_counter()
     parts = ["split" if p == "llama" else p for p in parts]
     fns = dict(twin=kernels_vs_cpu_twin, bound=part_bound, split=part_split, small=part_small, clip=part_clip,
-               accum=part_accum, file=part_file, curves=curves)
+               accum=part_accum, curves=curves)
     for key in parts:
         if key not in fns:
-            print(f"unknown part {key!r} (parts: {', '.join(fns)})")
+            moved = " (the file tier's is benchmarks/optimizer/bench_file_tier.py)" if key == "file" else ""
+            print(f"unknown part {key!r} (parts: {', '.join(fns)}){moved}")
             return 2
-    if any(p in parts for p in ("split", "small", "clip", "accum", "file")):
+    if any(p in parts for p in ("split", "small", "clip", "accum")):
         try:  # first, so that each part's memory is measured against the shared model's
             _model(B)
         except Exception as e:  # noqa: BLE001 (each part then fails building it, with the table)
@@ -1004,22 +862,17 @@ def main() -> int:
     files = plots(B, a.out)
     device = (torch.cuda.get_device_name() if B.cuda else "cpu (host driver)" if parts
               else next((d for d in B.extra.get("merged_devices", []) if d), "none"))
-    ok = all(c["ok"] is not False for c in B.checks)
     if a.json:
-        B.extra.update(checks=B.checks, passed=ok, pngs=files, seconds=time.perf_counter() - t0)
-        with open(a.json, "w") as f:
-            json.dump(dict(benchmark="bench_overlap", schema=1, device=device, command=" ".join(sys.argv),
-                           results=B.results, extra=B.extra), f)
+        B.extra.update(pngs=files, seconds=time.perf_counter() - t0)
+        B.write_json(a.json, "bench_overlap", device, B.extra, command=" ".join(sys.argv))
     print(f"\n{device}, {time.perf_counter() - t0:.0f} s; PNGs: {', '.join(files) or 'none'}")
-    print("| check | result | target | |\n|---|---|---|---|")
-    for c in B.checks:
-        print(f"| {c['check']} | {c['value']} | {c['target']} | {'' if c['ok'] is None else ('pass' if c['ok'] else 'FAIL')} |")
+    B.print_checks()
     print("\n| mode | iteration ms | forward | backward | visible optimizer |\n|---|---|---|---|---|")
     for name, m in B.extra.get("modes", {}).items():
         s = m["split"]
         print(f"| {name} | {s['iteration'] * 1e3:.1f} | {s['forward'] * 1e3:.1f} | {s['backward'] * 1e3:.1f} | "
               f"{s['visible_optimizer'] * 1e3:.1f} |")
-    return 0 if ok else 1
+    return 0 if B.passed() else 1
 
 
 if __name__ == "__main__":
