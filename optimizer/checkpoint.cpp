@@ -395,8 +395,10 @@ void streamed_adamw::impl::read_shard_file(std::size_t s, const std::string& pat
     for_each_chunk(cs, [&](const chunk& c, unsigned char* buf) {
       const std::size_t io = file_store::io_bytes(c.n);
       // The pinned home takes the file's bytes as they are only when it holds FP32
-      // (compressed moments are encoded by write_chunk(); a resident shard is on the device).
-      auto& h = home_of(s);
+      // (compressed moments are encoded by write_chunk(); a resident shard is on the device,
+      // or on a committed store in its slot, loaded into HBM after the commit: Note
+      // [Resident shards on the file tier]).
+      auto& h = store ? *tier_home : home_of(s);
       // Main of an FP32 parameter goes into the parameter (a committed store: into its
       // durable copy, which the export at the end writes into the parameter).
       const bool param = c.a == state_array::main && param_is_main(shards[s].info);
@@ -456,6 +458,7 @@ void detail::read_checkpoint_files(streamed_adamw& o, const std::string& dir) {
   for (const auto& e : es) loaded.shard_steps.push_back(e.step);
   if (store) store->commit_load(slot, loaded);
   self.adopt(loaded);
+  if (store) self.load_resident();
   self.cfg.adamw = man.adamw;
   self.retry.clear();
   self.sync_model(nullptr);

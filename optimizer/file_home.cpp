@@ -142,6 +142,7 @@ class file_home final : public home, public piece_mover, public second_copy, pub
   void prepare(std::size_t) override {}
   void make_current(std::size_t) override {}
   int load_slot() const override { return 1 - file_->active_slot(); }
+  int active_slot() const override { return file_->active_slot(); }
   void commit_load(int slot, const state_counts& counts) override {
     file_->commit(counts.step, slot, counts.moments_written, counts.shard_steps);
   }

@@ -195,8 +195,10 @@ class committed_store {
   /// Publishes a finished init or step pass: `counts` are those after it.
   virtual void commit(pass_kind kind, const state_counts& counts) = 0;
   /// A checkpoint load writes into this slot (home::write_chunk), which changes nothing until
-  /// commit_load publishes it with `counts`.
+  /// commit_load publishes it with `counts`; a step's pass and a state write write it too.
   virtual int load_slot() const = 0;
+  /// The slot an init pass writes and commit(pass_kind::init) publishes: the committed one.
+  virtual int active_slot() const = 0;
   virtual void commit_load(int slot, const state_counts& counts) = 0;
   /// Note [State writes] (file_home.cpp): writes between begin_write and end_write(true) are
   /// published together with `counts` (the counts then); end_write(false) drops them.

@@ -156,6 +156,9 @@ struct streamed_adamw::impl {
   // Per shard: pinned host memory holding its FP32 parameter's values before a speculative
   // step (null until its first; Note [The parameter is the truth]).
   std::vector<float*> saved_params;
+  // The shards' step counts before the first resident step that joined the pending
+  // speculation (empty: none; Note [Resident steps join a speculation]).
+  std::vector<std::uint64_t> joined_steps;
   std::mutex param_copy_mu;  // read_param / write_param share exec (the checkpoint's lanes)
   pid_t owner_pid = ::getpid();  // the process that built it (Note [A forked child and device memory])
   // Note [Edits of 16-bit parameters]: per shard, whether the backend's k_written slot
@@ -247,6 +250,19 @@ struct streamed_adamw::impl {
   /// device-tier operations over resident shards (on exec; `all` also takes the shards
   /// of a device-tier optimizer).
   void place_resident();
+  bool any_resident() const;
+  /// Note [Resident shards on the file tier] (resident.cpp): the resident shards' arrays
+  /// (moments only with `moments`) from HBM into the state file's `slot`, before a
+  /// commit of it; and from the committed slot into HBM (FP32 parameters: into the
+  /// parameter), where HBM must follow the file.
+  void store_resident(int slot, bool moments);
+  void load_resident();
+  /// Note [Resident steps join a speculation] (speculation.cpp): a file-tier step() of
+  /// resident shards only while a speculation is pending; undone by drop_joined().
+  bool joins_speculation(std::span<const void* const> grads) const;
+  void step_joined(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
+                   stream_t stream);
+  void drop_joined();
   void init_device_shards(bool all);
   void step_device_shards(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                           std::size_t first, bool all);

@@ -34,7 +34,8 @@
 // Limits: host and file tiers, streamed shards only (can_speculate): resident shards are
 // stepped in place in HBM, where a second copy would take the HBM the budget gave them,
 // and the device tier keeps one copy; those are refused with invalid_state and the
-// caller keeps their state itself (overlap.py copies it out).  Host tier memory: the second copy doubles the pinned host
+// caller keeps their state itself (overlap.py copies it out; on the file tier their plain
+// steps join the speculation: Note [Resident steps join a speculation]).  Host tier memory: the second copy doubles the pinned host
 // memory of the shards stepped speculatively (12 B/param more with fp32 moments), held
 // until the optimizer is destroyed.  An FP32 parameter is its own main and is stepped in
 // place: its second copy holds the moments (8 B/param) and the kept parameter values
@@ -122,11 +123,13 @@ void streamed_adamw::commit_speculation() {
     // (The carry touches no parameter or gradient: it is ordered after no user stream.)
     if (!self.pieces(pass_kind::step, none, false).empty()) self.run_pass(pass_kind::step, none, gts, 1.0f, self.exec(), 0);
     self.drv->synchronize_stream(self.exec());
+    self.store_resident(store->load_slot(), true);  // carried too (Note [Resident shards on the file tier])
     store->commit(pass_kind::step, after);
   }
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     if (self.shards[s].speculative) self.tier_home->speculation()->make_current(s);
   self.shards.end_speculation();
+  self.joined_steps.clear();  // committed with the rest
   self.adopt(after);
 }
 
@@ -137,7 +140,67 @@ void streamed_adamw::discard_speculation() {
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     if (self.shards[s].speculative) whole.push_back({s, 0, self.shards[s].info.numel});
   self.restore_params(whole, whole.size());
+  if (!self.joined_steps.empty()) self.drop_joined();
   self.shards.end_speculation();
+}
+
+// Note [Resident steps join a speculation]
+//
+// Rationale: a step overlapped with backward on the file tier steps the shards the engine
+// can keep speculatively (one commit per step) and resident shards plainly (Note
+// [Overlap with backward] in python/deferalloc/overlap.py); a plain file-tier step is
+// refused while a speculation is pending (it would commit the pending shards' old state),
+// so with resident shards on the file tier (Note [Resident shards on the file tier]) no
+// overlapped step could run.
+// Approach: on a committed store, a step() whose every gradient is a resident shard's,
+// while a speculation is pending, joins it: the shards step in HBM (their step counts
+// advance, the step count does not) and nothing is committed; commit_speculation writes
+// every resident shard into its slot with the rest (store_resident), so the step is
+// durable with the speculation.  discard_speculation undoes the joined steps: the resident
+// shards are loaded from the committed slot (load_resident), their 16-bit parameters
+// written from it, and their step counts put back, so every shard stepped since the last
+// commit is back at it (what a redo of the iteration needs; the caller's kept copies
+// write the same values).
+// Limits: file tier only; on the host tier a plain step during a speculation stands alone
+// (a discard keeps it; overlap.py writes its kept copies back).  A joined step that fails
+// part-way is undone by discard_speculation only.
+bool streamed_adamw::impl::joins_speculation(std::span<const void* const> grads) const {
+  if (in_place() || shards.speculating() == 0) return false;
+  bool any = false;
+  for (std::size_t s = 0; s < shards.size(); ++s) {
+    if (grads[s] == nullptr) continue;
+    if (!shards[s].resident) return false;
+    any = true;
+  }
+  return any;
+}
+
+void streamed_adamw::impl::step_joined(std::span<const void* const> grads, std::span<const value_type> gts,
+                                       float grad_scale, stream_t stream) {
+  if (joined_steps.empty()) joined_steps = shards.steps();
+  report_edits();
+  try {
+    after(exec(), stream);
+    check_edits(grads);
+    step_device_shards(grads, gts, grad_scale, 0, false);
+    after(stream, exec());
+    report_edits();  // (waits for the kernels)
+  } catch (...) {
+    forget_edit_hashes();
+    throw;
+  }
+  hash_written(grads);
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (grads[s] != nullptr) shards[s].step += 1;
+}
+
+void streamed_adamw::impl::drop_joined() {
+  load_resident();
+  sync_device_shards(false);  // their 16-bit parameters from the committed main
+  drv->synchronize_stream(exec());
+  hash_written();
+  for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = joined_steps[s];
+  joined_steps.clear();
 }
 
 void streamed_adamw::impl::restore_params(const std::vector<piece_ref>& ps, std::size_t pieces) {

@@ -22,12 +22,14 @@ void streamed_adamw::impl::ensure_state_write() {
 void streamed_adamw::impl::close_write(bool publish) {
   if (!state_write.open()) return;
   const state_counts before = state_write.end();
-  // A write not published leaves the file tier's committed state, and so its counts;
-  // the in-place tiers keep what was written.
+  // A write not published leaves the file tier's committed state, and so its counts and
+  // its resident shards' state (Note [Resident shards on the file tier]); the in-place
+  // tiers keep what was written.
   auto keep_old = [&] {
     if (in_place()) return;
     moments_written = before.moments_written;
     for (std::size_t s = 0; s < shards.size(); ++s) shards[s].step = before.shard_steps[s];
+    if (any_resident()) load_resident();
   };
   try {
     if (committed_store* store = tier_home->store()) store->end_write(publish, counts());

@@ -120,11 +120,14 @@ streamed_adamw::streamed_adamw(std::shared_ptr<driver> drv, optimizer_config cfg
   DFA_EXPECTS(self.cfg.moments == moment_format::fp32 || self.cfg.home != tier::device,
               std::string("streamed_adamw: ") + to_string(self.cfg.moments) + " moments need the host or file tier (the " +
                   to_string(self.cfg.home) + " tier keeps fp32 moments)");
-  DFA_EXPECTS(self.cfg.resident_bytes == 0 || self.cfg.home == tier::host,
-              std::string("streamed_adamw: resident_mb (resident_bytes) needs the host tier: ") +
-                  (self.cfg.home == tier::file ? "resident shards on the file tier are not implemented (its state "
-                                                 "file commits every shard at each step)"
-                                               : "the device tier keeps all its state in HBM"));
+  DFA_EXPECTS(self.cfg.resident_bytes == 0 || self.cfg.home != tier::device,
+              "streamed_adamw: resident_mb (resident_bytes) needs the host or file tier: the device tier keeps all its "
+              "state in HBM");
+  // Note [Resident shards on the file tier] (resident.cpp).
+  DFA_EXPECTS(self.cfg.resident_bytes == 0 || self.cfg.home != tier::file || self.cfg.moments == moment_format::fp32,
+              std::string("streamed_adamw: resident_mb (resident_bytes) on the file tier needs fp32 moments, not ") +
+                  to_string(self.cfg.moments) +
+                  " (the state file stores every shard's moments in one format; a resident shard keeps FP32 moments)");
   // Every check of the config comes before anything is built (a refused config costs no
   // streams, window or file).
   DFA_EXPECTS(self.cfg.home != tier::file || !self.cfg.directory.empty(),
@@ -285,7 +288,13 @@ void streamed_adamw::impl::make_homes() {
 void streamed_adamw::impl::open_state() {
   committed_store* store = tier_home->store();
   if (!store) return;
-  if (auto resumed = store->open()) adopt(*resumed);
+  if (auto resumed = store->open()) {
+    adopt(*resumed);
+    // Note [Resident shards on the file tier]: chosen as initialize() would, their state
+    // from the file.
+    place_resident();
+    load_resident();
+  }
 }
 
 state_counts streamed_adamw::impl::counts_after_step(const std::vector<bool>& stepped) const {
@@ -396,7 +405,10 @@ void streamed_adamw::initialize(stream_t stream) {
     self.init_device_shards(false);
     self.run_pass(pass_kind::init, {}, {}, 1.0f, stream, 0);
     self.drv->synchronize_stream(self.exec());
-    if (committed_store* store = self.tier_home->store()) store->commit(pass_kind::init, fresh);
+    if (committed_store* store = self.tier_home->store()) {
+      self.store_resident(store->active_slot(), false);  // Note [Resident shards on the file tier]
+      store->commit(pass_kind::init, fresh);
+    }
   }
   self.hash_written();
   self.adopt(fresh);
@@ -419,7 +431,8 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
                     "') has " + k_pending,
                 invalid_state);
   // File tier: a plain step would write the pending shards' committed state over their
-  // speculative one in the new slot.
+  // speculative one in the new slot; one of resident shards only joins the speculation.
+  if (self.joins_speculation(grads)) return self.step_joined(grads, gts, grad_scale, stream);
   if (!self.in_place()) self.refuse_if_speculating("step");
 
   self.report_edits();  // the last step's (device tier: read now, not after its kernels)
@@ -448,15 +461,20 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
         self.retry.resident_enqueued();
       }
       self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, skip);
-      if (committed_store* store = self.tier_home->store()) store->commit(pass_kind::step, after);
+      if (committed_store* store = self.tier_home->store()) {
+        self.store_resident(store->load_slot(), true);  // Note [Resident shards on the file tier]
+        store->commit(pass_kind::step, after);
+      }
       self.after(stream, self.exec());
     }
   } catch (...) {
     self.forget_edit_hashes();  // some pieces may be written (sync_model hashes them again)
     if (!self.in_place()) {
-      // The commit record still names the previous step; make the BF16 params match it.
+      // The commit record still names the previous step; make the resident shards (stepped
+      // in place) and the BF16 params match it.
       self.retry.clear();
       try {
+        self.load_resident();
         self.sync_model(stream);
       } catch (const std::exception& e2) {
         deferalloc::detail::log(log_level::error,
@@ -668,12 +686,13 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
   self.ensure_state_write();
-  // Main of an FP32 parameter is the parameter; the file tier also publishes its durable copy.
-  if (a == state_array::main && param_is_main(self.shards[shard].info)) {
-    self.write_param(shard, offset, n, in);
-    if (self.shards[shard].resident || !self.tier_home->traits().durable_params) return;
-  }
-  self.home_of(shard).write(shard, a, offset, n, in);
+  // Main of an FP32 parameter is the parameter; the file tier also publishes its durable
+  // copy, and a resident shard's arrays (Note [Resident shards on the file tier]).
+  const bool param = a == state_array::main && param_is_main(self.shards[shard].info);
+  const bool resident = self.shards[shard].resident;
+  if (param) self.write_param(shard, offset, n, in);
+  if (resident && !param) self.hbm_home->write(shard, a, offset, n, in);
+  if (self.tier_home->traits().durable_params || (!resident && !param)) self.tier_home->write(shard, a, offset, n, in);
   if (is_moment(a)) self.moments_written = true;
 }
 

@@ -494,6 +494,20 @@ TEST_P(file_formats, file_tier_equals_the_host_tier_bit_for_bit) {
   EXPECT_LT(std::filesystem::file_size(tmp.path + "/deferalloc-rank0.state"), 2 * numel * (f == "bf16" ? 9 : 7));
 }
 
+// The next step of `h` ends the process (exit status 9) once its pass moved a piece: killed
+// while the step has written part of the inactive slot, before its commit.
+void die_in_next_step(handle& h) {
+  dfa_opt_set_progress(h.o, [](const char* phase, size_t done, size_t, double, void*) {
+    if (std::string(phase) == "step" && done > 0) ::_exit(9);
+  }, nullptr);
+}
+// Child `pid`'s exit status once it ended (-1: killed by a signal).
+int exit_status(pid_t pid) {
+  int st = 0;
+  if (::waitpid(pid, &st, 0) != pid) return -2;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
 // Closed (and killed mid-step) after two steps, resumed, two more: the host tier's bits.
 TEST_P(file_formats, resume_after_close_and_after_a_kill_mid_step_continues_bit_identically) {
   const std::string f = GetParam();
@@ -508,16 +522,11 @@ TEST_P(file_formats, resume_after_close_and_after_a_kill_mid_step_continues_bit_
         m.add(h);
         if (dfa_opt_initialize(h.o, nullptr) != DFA_SUCCESS) ::_exit(3);
         for (int t = 0; t < 2; ++t) m.step(h, t);
-        // Killed while step 2 has written part of the inactive slot, before its commit.
-        dfa_opt_set_progress(h.o, [](const char* phase, size_t done, size_t, double, void*) {
-          if (std::string(phase) == "step" && done > 0) ::_exit(9);
-        }, nullptr);
+        die_in_next_step(h);
         m.step(h, 2);
         ::_exit(4);
       }
-      int st = 0;
-      ASSERT_EQ(::waitpid(pid, &st, 0), pid);
-      ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 9) << st;
+      ASSERT_EQ(exit_status(pid), 9);
     } else {
       file_model m;
       handle h(file_text(f, tmp.path));
@@ -538,14 +547,20 @@ TEST_P(file_formats, resume_after_close_and_after_a_kill_mid_step_continues_bit_
   }
 }
 
+// A temporary directory with two state-file folders (a/, b/) and a checkpoint's path (ck).
+struct two_dirs {
+  dfa_test::temp_dir tmp;
+  std::string a = tmp.path + "/a", b = tmp.path + "/b", ck = tmp.path + "/ck";
+  two_dirs() { std::filesystem::create_directory(a), std::filesystem::create_directory(b); }
+};
+
 // A file-tier checkpoint loads into a fresh file tier and into the host tier, and both
 // continue as the host tier does.
 TEST_P(file_formats, checkpoint_round_trips_between_file_tiers_and_to_the_host_tier) {
   const std::string f = GetParam();
   const auto ref = host_reference(f, 4);
-  const dfa_test::temp_dir tmp;
-  const std::string a_dir = tmp.path + "/a", b_dir = tmp.path + "/b", ck = tmp.path + "/ck";
-  std::filesystem::create_directory(a_dir), std::filesystem::create_directory(b_dir);
+  const two_dirs dirs;
+  const std::string &a_dir = dirs.a, &b_dir = dirs.b, &ck = dirs.ck;
   file_model ma, mb, mc;
   handle a(file_text(f, a_dir)), b(file_text(f, b_dir)), c(host_text(f));
   ma.add(a), mb.add(b), mc.add(c);
@@ -685,16 +700,22 @@ TEST(moments, short_training_converges_like_fp32_moments) {
 namespace {
 
 struct model3 {
-  std::vector<std::uint16_t> p0 = bf16_of(randn(70000, 21, 0.05f));  // several pieces: does not fit 1 MiB
+  // Several pieces; 70000 elements fit 1 MiB (3 x 320 KiB), 100000 do not.
+  explicit model3(std::size_t n0 = 70000) : p0(bf16_of(randn(n0, 21, 0.05f))) {}
+  std::vector<std::uint16_t> p0;
   std::vector<float> p1 = randn(5000, 22, 0.05f);
   std::vector<std::uint16_t> p2 = bf16_of(randn(333, 23, 0.05f));
   void add(handle& h) {
+    add_shards(h);
+    ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  }
+  // The shards and group 1, no initialize() (a resumed state file).
+  void add_shards(handle& h) {
     ASSERT_EQ(dfa_opt_add_shard(h.o, p0.data(), p0.size(), DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
     ASSERT_EQ(dfa_opt_add_shard(h.o, p1.data(), p1.size(), DFA_DTYPE_FP32, 1, nullptr, nullptr), DFA_SUCCESS);
     ASSERT_EQ(dfa_opt_add_shard(h.o, p2.data(), p2.size(), DFA_DTYPE_BF16, 0, nullptr, nullptr), DFA_SUCCESS);
     const dfa_adamw_params g1{3e-3, 0.8, 0.99, 1e-6, 0.0};
     ASSERT_EQ(dfa_opt_set_group(h.o, 1, &g1), DFA_SUCCESS);
-    ASSERT_EQ(dfa_opt_initialize(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
   }
   void step(handle& h, int t) {
     auto g0 = bf16_of(randn(p0.size(), 300 + t, 1e-3f)), g2 = bf16_of(randn(p2.size(), 500 + t, 1e-3f));
@@ -748,8 +769,164 @@ TEST(resident, a_resident_split_is_bit_identical_to_all_streamed) {
   EXPECT_EQ(b.p2, c.p2);
 }
 
-TEST(resident, other_tiers_refuse_a_resident_budget) {
+TEST(resident, the_device_tier_and_compressed_file_moments_refuse_a_resident_budget) {
   dfa_optimizer* o = nullptr;
   EXPECT_EQ(dfa_opt_create("driver:host,tier:device,resident_mb:4", &o), DFA_ERROR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(dfa_opt_last_error()).find("host tier"), std::string::npos) << dfa_opt_last_error();
+  EXPECT_NE(std::string(dfa_opt_last_error()).find("host or file tier"), std::string::npos) << dfa_opt_last_error();
+  // The file tier takes a budget (Note [Resident shards on the file tier]), with fp32 moments only.
+  const dfa_test::temp_dir tmp;
+  for (const char* f : {"bf16", "int8"}) {
+    const std::string text = std::string("driver:host,tier:file,window_mb:48,resident_mb:4,directory:") + tmp.path +
+                             ",moments:" + f;
+    EXPECT_EQ(dfa_opt_create(text.c_str(), &o), DFA_ERROR_INVALID_ARGUMENT) << f;
+    EXPECT_NE(std::string(dfa_opt_last_error()).find("needs fp32 moments"), std::string::npos) << dfa_opt_last_error();
+  }
 }
+
+// ---- resident shards on the file tier (Note [Resident shards on the file tier]) -------------
+
+handle::text resident_file_text(const std::string& dir, const char* resident_mb, bool resume = false) {
+  return {std::string("driver:host,host_granularity_kb:64,tier:file,window_mb:1,depth:2,io_threads:2,directory:") +
+          dir + ",resume:" + (resume ? "1" : "0") + ",resident_mb:" + resident_mb};
+}
+
+// Every state array and step count of `h`, and the model's parameters.
+std::vector<std::vector<float>> state3(handle& h, const model3& m) {
+  std::vector<std::vector<float>> out;
+  const std::size_t n[3] = {m.p0.size(), m.p1.size(), m.p2.size()};
+  for (std::size_t s = 0; s < 3; ++s) {
+    for (int arr = 0; arr < 3; ++arr) out.push_back(read(h, s, arr, n[s]));
+    std::uint64_t st = 0;
+    EXPECT_EQ(dfa_opt_get_shard_step(h.o, s, &st), DFA_SUCCESS);
+    out.push_back({float(st)});
+  }
+  out.push_back(std::vector<float>(m.p0.begin(), m.p0.end()));
+  out.push_back(m.p1);
+  out.push_back(std::vector<float>(m.p2.begin(), m.p2.end()));
+  return out;
+}
+
+// The host tier, all streamed, after `steps` steps of model3(n0).
+std::vector<std::vector<float>> streamed_reference(std::size_t n0, int steps) {
+  handle h("fp32");
+  model3 m(n0);
+  m.add(h);
+  for (int t = 0; t < steps; ++t) m.step(h, t);
+  return state3(h, m);
+}
+
+// Shard 0 resident (70000 elements) or shards 1 (an FP32 parameter) and 2 (100000).
+class file_resident : public ::testing::TestWithParam<std::size_t> {};
+
+TEST_P(file_resident, steps_bit_identically_and_streams_only_the_other_shards) {
+  const std::size_t n0 = GetParam();
+  const auto ref = streamed_reference(n0, 4);
+  const dfa_test::temp_dir tmp;
+  handle h(resident_file_text(tmp.path, "1"));
+  model3 m(n0);
+  m.add(h);
+  for (int t = 0; t < 4; ++t) m.step(h, t);
+  EXPECT_TRUE(state3(h, m) == ref) << "file tier with resident shards vs host tier all streamed";
+  dfa_optimizer_stats st{};
+  ASSERT_EQ(dfa_opt_get_stats(h.o, &st), DFA_SUCCESS);
+  EXPECT_EQ(st.bytes_to_device, n0 == 70000 ? 8 * 5000u + 12 * 333u : 12 * n0) << "the resident shards read no link bytes";
+}
+
+// Closed, or killed mid-step (after its resident shards were stepped in HBM, before the
+// commit), after two steps; resumed with and without a resident budget: two more steps
+// give the host tier's bits.
+TEST_P(file_resident, resume_after_close_and_after_a_kill_mid_step_continues_bit_identically) {
+  const std::size_t n0 = GetParam();
+  const auto ref = streamed_reference(n0, 4);
+  for (const bool kill : {false, true})
+    for (const char* again : {"1", "0"}) {
+      const dfa_test::temp_dir tmp;
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        handle h(resident_file_text(tmp.path, "1"));
+        model3 m(n0);
+        m.add(h);
+        for (int t = 0; t < 2; ++t) m.step(h, t);
+        if (!kill) ::_exit(0);
+        die_in_next_step(h);
+        m.step(h, 2);
+        ::_exit(4);
+      }
+      ASSERT_EQ(exit_status(pid), kill ? 9 : 0);
+      handle h(resident_file_text(tmp.path, again, true));
+      model3 m(n0);  // the same values: the FP32 parameter must come from the file
+      std::fill(m.p1.begin(), m.p1.end(), 7.0f);
+      m.add_shards(h);
+      ASSERT_EQ(dfa_opt_sync_model_params(h.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+      std::uint64_t step0 = 0;
+      ASSERT_EQ(dfa_opt_get_shard_step(h.o, 0, &step0), DFA_SUCCESS);
+      ASSERT_EQ(step0, 2u);
+      for (int t = 2; t < 4; ++t) m.step(h, t);
+      EXPECT_TRUE(state3(h, m) == ref) << (kill ? "killed" : "closed") << ", resumed with resident_mb " << again;
+    }
+}
+
+// A checkpoint of a file tier with resident shards loads into the host tier and into
+// another file tier with resident shards; all continue alike.
+TEST_P(file_resident, checkpoint_round_trips_to_the_host_tier_and_another_file_tier) {
+  const std::size_t n0 = GetParam();
+  const auto ref = streamed_reference(n0, 4);
+  const two_dirs dirs;
+  const std::string &a_dir = dirs.a, &b_dir = dirs.b, &ck = dirs.ck;
+  handle a(resident_file_text(a_dir, "1")), b(resident_file_text(b_dir, "1")), c("fp32");
+  model3 ma(n0), mb(n0), mc(n0);
+  ma.add(a), mb.add(b), mc.add(c);
+  for (int t = 0; t < 2; ++t) ma.step(a, t);
+  mb.step(b, 0);  // state to be replaced
+  ASSERT_EQ(dfa_opt_save_checkpoint(a.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  ASSERT_EQ(dfa_opt_load_checkpoint(b.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  ASSERT_EQ(dfa_opt_load_checkpoint(c.o, ck.c_str()), DFA_SUCCESS) << dfa_opt_last_error();
+  for (std::size_t s = 0; s < 3; ++s) {  // the checkpoint keeps one step count; shard 1 skipped one
+    std::uint64_t st = 0;
+    ASSERT_EQ(dfa_opt_get_shard_step(a.o, s, &st), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_set_shard_step(b.o, s, st), DFA_SUCCESS);
+    ASSERT_EQ(dfa_opt_set_shard_step(c.o, s, st), DFA_SUCCESS);
+  }
+  for (int t = 2; t < 4; ++t) ma.step(a, t), mb.step(b, t), mc.step(c, t);
+  EXPECT_TRUE(state3(a, ma) == ref) << "saved";
+  EXPECT_TRUE(state3(b, mb) == ref) << "loaded into a file tier with resident shards";
+  EXPECT_TRUE(state3(c, mc) == ref) << "loaded into the host tier";
+  // b's state file holds what b's HBM does: a resume of it (b closed: one optimizer per
+  // state file) continues alike.
+  ASSERT_EQ(dfa_opt_destroy(b.o), DFA_SUCCESS);
+  b.o = nullptr;
+  handle r(resident_file_text(b_dir, "1", true));
+  model3 mr(n0);
+  mr.add_shards(r);
+  ASSERT_EQ(dfa_opt_sync_model_params(r.o, nullptr), DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_TRUE(state3(r, mr) == ref) << "resumed from the loaded file tier";
+}
+
+// A state write of a resident shard: dropped, HBM keeps the committed values; published,
+// the state file holds the new ones.
+TEST_P(file_resident, state_writes_reach_the_state_file_and_dropped_ones_leave_hbm) {
+  const std::size_t n0 = GetParam();
+  const std::size_t s = n0 == 70000 ? 0 : 2;  // a resident shard
+  const dfa_test::temp_dir tmp;
+  handle h(resident_file_text(tmp.path, "1"));
+  model3 m(n0);
+  m.add(h);
+  m.step(h, 0);
+  const std::size_t n = s == 0 ? n0 : m.p2.size();
+  const auto before = read(h, s, DFA_STATE_EXP_AVG, n);
+  const std::vector<float> mine(n, 0.25f);
+  ASSERT_EQ(dfa_opt_begin_state_write(h.o), DFA_SUCCESS);
+  ASSERT_EQ(dfa_opt_write_state(h.o, s, DFA_STATE_EXP_AVG, 0, n, mine.data()), DFA_SUCCESS) << dfa_opt_last_error();
+  ASSERT_EQ(dfa_opt_end_state_write(h.o, 0), DFA_SUCCESS);
+  EXPECT_TRUE(read(h, s, DFA_STATE_EXP_AVG, n) == before) << "dropped";
+  ASSERT_EQ(dfa_opt_write_state(h.o, s, DFA_STATE_EXP_AVG, 0, n, mine.data()), DFA_SUCCESS) << dfa_opt_last_error();
+  EXPECT_TRUE(read(h, s, DFA_STATE_EXP_AVG, n) == mine) << "published by the read";
+  ASSERT_EQ(dfa_opt_destroy(h.o), DFA_SUCCESS);
+  h.o = nullptr;
+  handle r(resident_file_text(tmp.path, "1", true));
+  model3 mr(n0);
+  mr.add_shards(r);
+  EXPECT_TRUE(read(r, s, DFA_STATE_EXP_AVG, n) == mine) << "resumed";
+}
+
+INSTANTIATE_TEST_SUITE_P(shards, file_resident, ::testing::Values(std::size_t{70000}, std::size_t{100000}));

@@ -443,7 +443,9 @@ TEST(optimizer, never_written_moments_are_not_copied) {
   EXPECT_EQ(r.opt->last_report().bytes_to_device, params * 12);
 }
 
-// I/O faults at every request of a step leave the previous step intact and loadable.
+// I/O faults at every request of a step leave the previous step intact and loadable;
+// also with resident shards (Note [Resident shards on the file tier]): a failed step put
+// them back from the state file, their writes into it are requests too.
 TEST(optimizer, file_tier_faults_keep_the_previous_step) {
   auto d = make_driver();
   const problem p = make_problem(d->granularity(), 3);
@@ -461,11 +463,15 @@ TEST(optimizer, file_tier_faults_keep_the_previous_step) {
                           {fo::write, fk::eio, "EIO on write"},
                           {fo::commit, fk::eio, "failed commit"}};
   int injected = 0;
+  // Shards 1 and 2 resident (2 and 1 granules per array), shard 0 (14) streamed.
+  for (const std::size_t resident : {std::size_t{0}, 3 * 3 * d->granularity()})
   for (const auto& f : faults) {
     for (std::uint64_t nth : {1, 3, 7, 1000}) {
       if (f.op == fo::commit && nth > 1) break;
       temp_dir dir;
-      run r(d, p, config_for(tier::file, dir.path));
+      optimizer_config cfg = config_for(tier::file, dir.path);
+      cfg.resident_bytes = resident;
+      run r(d, p, cfg);
       r.opt->initialize();
       r.step(0);
       r.step(1);
@@ -481,7 +487,9 @@ TEST(optimizer, file_tier_faults_keep_the_previous_step) {
         EXPECT_NE(w.find(dir.path), std::string::npos) << w;
       }
       d->synchronize_stream(nullptr);
-      const std::string where = std::string(f.name) + " at request " + std::to_string(nth);
+      const std::string where =
+          std::string(f.name) + " at request " + std::to_string(nth) + (resident ? ", resident shards" : "");
+      if (resident) EXPECT_TRUE(r.opt->shards()[1].resident && !r.opt->shards()[0].resident) << where;
       if (!threw) {
         EXPECT_EQ(nth, 1000u) << where << ": the fault did not surface";
         expect_same(r.state(), expect3, where + " (no fault reached)");
@@ -494,7 +502,7 @@ TEST(optimizer, file_tier_faults_keep_the_previous_step) {
       expect_same(r.state(), expect3, where + ": the step after the fault");
     }
   }
-  EXPECT_GE(injected, 9);
+  EXPECT_GE(injected, 18);
 }
 
 // Out of memory at every driver call of a step (file tier): previous step intact.
@@ -756,6 +764,42 @@ TEST(optimizer, file_tier_speculative_steps_commit_once) {
   run r(d, p, cfg);
   EXPECT_TRUE(r.opt->resumed());
   EXPECT_EQ(r.opt->steps(), static_cast<std::uint64_t>(p.steps)) << "the state file's step: one per commit";
+}
+
+// Note [Resident steps join a speculation]: on the file tier a plain step of resident shards
+// only joins a pending speculation; commit_speculation makes it durable with the rest,
+// discard_speculation undoes it.
+TEST(optimizer, file_tier_resident_steps_join_a_speculation) {
+  auto d = make_driver();
+  const problem p = make_problem(d->granularity(), 3);
+  temp_dir dir;
+  const std::vector<value_type> gts(p.sizes.size(), value_type::bf16);
+  optimizer_config cfg = config_for(tier::file, dir.path);
+  cfg.resident_bytes = 3 * 3 * d->granularity();  // shards 1 and 2 resident, 0 streamed
+  {
+    run r(d, p, cfg);
+    r.opt->initialize();
+    ASSERT_TRUE(!r.opt->shards()[0].resident && r.opt->shards()[1].resident && r.opt->shards()[2].resident);
+    for (int t = 0; t < 2; ++t) {  // t 0: committed; t 1: discarded, then stepped plainly
+      r.load_grads(t);
+      r.opt->step_speculative(only(r.grads, {true, false, false}), gts, p.scale(t));
+      EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(t)), invalid_state) << "a pending shard too";
+      r.opt->step(only(r.grads, {false, true, true}), grad_type::bf16, p.scale(t));  // joins
+      EXPECT_EQ(r.opt->shard_step(1), std::uint64_t(t + 1));
+      if (t == 0) r.opt->commit_speculation();
+      else r.opt->discard_speculation(), r.opt->sync_model_params();  // (a discard leaves BF16 params)
+      d->synchronize_stream(nullptr);
+      expect_same(r.state(), cpu_twin(p, 1), t == 0 ? "committed" : "discarded: back at the commit");
+      EXPECT_EQ(r.opt->shard_step(1), 1u);
+    }
+    r.step(1);
+    expect_same(r.state(), cpu_twin(p, 2), "stepped plainly after the discard");
+  }
+  cfg.resume = true;  // the commits held the resident shards
+  run again(d, p, cfg);
+  again.opt->sync_model_params();
+  d->synchronize_stream(nullptr);
+  expect_same(again.state(), cpu_twin(p, 2), "resumed");
 }
 
 TEST(optimizer, speculative_step_errors) {

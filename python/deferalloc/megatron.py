@@ -646,8 +646,9 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         depth, settings, moment_dtype: as ``deferalloc.optim.StreamedAdamW`` ("fp32", "bf16"
             or "int8" moments on the host and file tiers; checkpoints hold FP32 values whatever
             the format, so one saved with a format loads into another).
-        resident_mb: host tier: HBM (MiB, or "auto") for shards whose FP32 state stays in HBM,
-            as StreamedAdamW's; for a ChainedOptimizer the budget is shared by its
+        resident_mb: host and file tiers (file: fp32 moments only): HBM (MiB, or "auto") for
+            shards whose FP32 state stays in HBM, as StreamedAdamW's (on the file tier still
+            committed to the state file at every step, so resume=True is exact); for a ChainedOptimizer the budget is shared by its
             DistributedOptimizers in proportion to their shards' elements (Note
             [resident_mb="auto"] in deferalloc/optim.py).
         release_torch_cache: torch.cuda.empty_cache() before each streamed step, so that the
@@ -684,7 +685,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
                                    f"{step_in_backward!r} (True, False or \"auto\")")
     if step_in_backward:
         _refuse_backward_step(chain, clip_policy)
-    residents = _resident_budgets(chain, resident_mb, tier, window_mb)
+    residents = _resident_budgets(chain, resident_mb, tier, window_mb, moment_dtype)
     out = []
     for i, dopt in enumerate(chain):
         d = directory
@@ -702,14 +703,15 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     return out
 
 
-def _resident_budgets(chain, resident_mb, tier: str, window_mb: int) -> list:
+def _resident_budgets(chain, resident_mb, tier: str, window_mb: int, moment_dtype: str) -> list:
     """Each DistributedOptimizer's resident_mb: the chain shares one budget (Note
     [resident_mb="auto"] in deferalloc/optim.py), by its shards' elements."""
     shards = [[p for g in [*getattr(dopt, "shard_float16_groups", ()), *getattr(dopt, "shard_fp32_groups", ())]
                for p in g] for dopt in chain]  # (what is no DistributedOptimizer is refused after)
     some = next((p for s in shards for p in s), None)
     device = some.device if some is not None else torch.device("cpu")
-    return resident_budgets(resident_mb, tier, window_mb, device, [sum(p.numel() for p in s) for s in shards])
+    return resident_budgets(resident_mb, tier, window_mb, device, [sum(p.numel() for p in s) for s in shards],
+                            moment_dtype=moment_dtype)
 
 
 # ---- the step inside Megatron's backward ---------------------------------------------------

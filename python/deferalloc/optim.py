@@ -306,9 +306,10 @@ def _whole_mb(name: str, v) -> int | None:
 # not each take all of it.
 # Approach: one rule, resident_budgets(): "auto" is the device's free HBM at the call
 # (torch's cache counts as taken) less a tenth of the device (activations) and one window
-# per optimizer being built; 0 off CUDA and on the file and device tiers (only the host tier
-# has resident shards; the engine refuses a number on the others).  A number is that many
-# MiB.  The budget is shared by the optimizers built together, each getting its part in
+# per optimizer being built, on the host tier and on the file tier with fp32 moments (where
+# resident shards are also committed to the state file: Note [Resident shards on the file
+# tier] in optimizer/resident.cpp); 0 off CUDA, on the device tier and on the file tier with
+# compressed moments (the engine refuses a number there).  A number is that many MiB.  The budget is shared by the optimizers built together, each getting its part in
 # proportion to the elements it holds (rounded down to whole MiB): StreamedAdamW is one
 # optimizer, a Megatron ChainedOptimizer (dense + expert DistributedOptimizers) one per
 # member.
@@ -318,14 +319,14 @@ def _whole_mb(name: str, v) -> int | None:
 
 
 def resident_budgets(resident_mb, tier: str, window_mb: int | None, device: torch.device,
-                     shares=(1,)) -> list[int | None]:
-    """``resident_mb`` (whole MiB, None or "auto") split over optimizers on ``tier`` built
-    together whose held elements are ``shares``: each one's resident_mb (Note
-    [resident_mb="auto"]).
+                     shares=(1,), moment_dtype: str = "fp32") -> list[int | None]:
+    """``resident_mb`` (whole MiB, None or "auto") split over optimizers on ``tier`` with
+    moments in ``moment_dtype`` built together whose held elements are ``shares``: each
+    one's resident_mb (Note [resident_mb="auto"]).
     @throws InvalidArgumentError for a resident_mb that is not a whole number of MiB >= 0 or "auto"."""
     if resident_mb == "auto":
         mb = 0
-        if device.type == "cuda" and tier == "host":
+        if device.type == "cuda" and (tier == "host" or (tier == "file" and moment_dtype == "fp32")):
             free, total = torch.cuda.mem_get_info(device)
             mb = max(0, (free - total // 10) // (1 << 20) - (window_mb or 0) * len(shares))
     else:
@@ -415,10 +416,12 @@ class StreamedAdamW(torch.optim.Optimizer):
             "int8" (block-scaled 8-bit floats, ~6 B/param); the arithmetic stays FP32.  A
             state file keeps the format it was created with (another one is refused at
             resume); int8 on the file tier needs window_mb >= 12 * depth.
-        resident_mb: host tier: HBM (MiB) for parameters whose FP32 state stays resident
-            (taken in order while they fit; the rest stream), or "auto": the free HBM at
-            construction less the window and a tenth of the device (for activations; Note
-            [resident_mb="auto"]).  The file tier refuses it (its state file holds every shard).
+        resident_mb: host and file tiers: HBM (MiB) for parameters whose FP32 state stays
+            resident (taken in order while they fit; the rest stream), or "auto": the free HBM
+            at construction less the window and a tenth of the device (for activations; Note
+            [resident_mb="auto"]).  On the file tier resident parameters are still written to
+            the state file at every step (12 B/param out, none in), so a resume is exact; it
+            needs moment_dtype "fp32" there ("auto" gives 0 with compressed moments).
         window_mb: HBM budget of the streamed state (host and file tiers), whole MiB.
         depth: pieces in flight (3 overlaps fetch, step and write-back; more lets fetches run
             ahead over parameters of mixed sizes).  None: 8 on the host tier, 3 on the file
@@ -490,7 +493,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             raise InvalidArgumentError(f"StreamedAdamW: parameters on {self._device} (cuda or cpu expected)")
         self._stream = stream
         self.main_param_in_state_dict = bool(main_param_in_state_dict)
-        (resident_mb,) = resident_budgets(resident_mb, tier, window_mb, self._device)
+        (resident_mb,) = resident_budgets(resident_mb, tier, window_mb, self._device, moment_dtype=moment_dtype)
         config = self._engine_config(tier=tier, directory=directory, window_mb=window_mb, depth=depth,
                                      resume=resume, moment_dtype=moment_dtype, resident_mb=resident_mb,
                                      settings=settings)

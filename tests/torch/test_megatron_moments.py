@@ -109,7 +109,8 @@ def layout_runs(train_gpt, layout: list[str], work: str) -> dict:
 
 
 def unit_checks(work: str) -> dict:
-    """resident_budgets (Note [resident_mb="auto"]) and the file tier's refusal of resident_mb."""
+    """resident_budgets (Note [resident_mb="auto"]); the file tier takes resident_mb with fp32
+    moments and refuses it with compressed ones."""
     import torch
 
     from deferalloc.optim import InvalidArgumentError, StreamedAdamW, resident_budgets
@@ -122,12 +123,20 @@ def unit_checks(work: str) -> dict:
         out["bad_refused"] = False
     except InvalidArgumentError:
         out["bad_refused"] = True
+    out["split"] = out["split"] and resident_budgets("auto", "file", 4, cpu, [1], moment_dtype="int8") == [0]
+    os.makedirs(os.path.join(work, "file"), exist_ok=True)
     try:
         StreamedAdamW([torch.zeros(4, requires_grad=True)], tier="file", directory=os.path.join(work, "file"),
-                      window_mb=4, resident_mb=1)
+                      window_mb=4, resident_mb=1, moment_dtype="bf16")
         out["file_refused"] = "not refused"
     except InvalidArgumentError as e:
         out["file_refused"] = str(e)
+    try:
+        StreamedAdamW([torch.zeros(4, requires_grad=True)], tier="file", directory=os.path.join(work, "file"),
+                      window_mb=4, resident_mb=1, overwrite=True)
+        out["file_taken"] = "ok"
+    except Exception as e:  # noqa: BLE001 (reported)
+        out["file_taken"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -161,8 +170,10 @@ def main() -> int:
                          "ok" if u["split"] else "wrong", u["split"]))
             rows.append(("resident_budgets: resident_mb=1.5 refused", "ok" if u["bad_refused"] else "accepted",
                          u["bad_refused"]))
-            ok = "resident_mb" in u["file_refused"] and "file tier" in u["file_refused"]
-            rows.append(("file tier: resident_mb refused (InvalidArgumentError naming both)", u["file_refused"], ok))
+            ok = "resident_mb" in u["file_refused"] and "fp32 moments" in u["file_refused"]
+            rows.append(("file tier, bf16 moments: resident_mb refused (InvalidArgumentError naming both)",
+                         u["file_refused"], ok))
+            rows.append(("file tier, fp32 moments: resident_mb=1 taken", u["file_taken"], u["file_taken"] == "ok"))
     print(f"megatron-core {version}; wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
     failed = report("test_megatron_moments", f"CPU emulation (gloo), megatron-core {version}", rows, [],
                     {"wall_seconds": wall}, None)

@@ -19,9 +19,12 @@ import deferalloc  # noqa: E402
 from deferalloc import optim  # noqa: E402
 
 
-def make_params(seed=0):
+def make_params(seed=0, big=False):
+    """``big``: the first parameter too big for resident_mb=1 (its three arrays take 1344 KiB
+    of 64 KiB granules), the others fit: resident_mb=1 makes parameters 1 to 3 resident."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [((33, 20), torch.bfloat16), ((20,), torch.float32), ((7, 9), torch.float16), ((50,), torch.bfloat16)]
+    shapes = [((400, 250) if big else (33, 20), torch.bfloat16), ((20,), torch.float32), ((7, 9), torch.float16),
+              ((50,), torch.bfloat16)]
     return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dt)) for s, dt in shapes]
 
 
@@ -53,11 +56,11 @@ def train(opt, params, steps, first=0, sched=None):
 
 
 class BitIdentity(unittest.TestCase):
-    def check_tier(self, tier):
-        params = make_params()
+    def check_tier(self, tier, params=None, **kw):
+        params = params or make_params()
         ref = ReferenceAdamW(params)
         with tempfile.TemporaryDirectory() as tmp:
-            opt = build(params, tmp, tier)
+            opt = build(params, tmp, tier, **kw)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
             for t in range(5):
                 grads = grads_for(params, t)
@@ -90,6 +93,87 @@ class BitIdentity(unittest.TestCase):
 
     def test_file_tier(self):
         self.check_tier("file")
+
+    def test_file_tier_with_resident_parameters(self):
+        # Note [Resident shards on the file tier]: parameters 1 to 3 resident, 0 streamed.
+        self.check_tier("file", make_params(big=True), resident_mb=1)
+
+
+def resident_of(opt, params):
+    """Which of ``params`` are resident (a resident parameter cannot speculate)."""
+    return [not opt.can_speculate(p) for p in params]
+
+
+class FileTierResident(unittest.TestCase):
+    """resident_mb on the file tier (Note [Resident shards on the file tier]): committed to the
+    state file at every step, so a resume, a state_dict and "auto" work as without it."""
+
+    def test_resume_after_a_kill_between_steps_continues_bit_identically(self):
+        ref_params, params = make_params(big=True), make_params(seed=4, big=True)
+        with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as r:
+            ref = build(ref_params, r, "file")  # all streamed, never stopped
+            train(ref, ref_params, 5)
+            code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import test_optim_cpu as T
+params = T.make_params(big=True)
+opt = T.build(params, {d!r}, "file", resident_mb=1, overwrite=True)
+T.train(opt, params, 3)
+assert T.resident_of(opt, params) == [False, True, True, True], T.resident_of(opt, params)
+os._exit(0)  # killed between steps: no destructor, no flush
+"""
+            subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
+            for resident_mb in (1, 0):  # resumed with and without resident parameters
+                params = make_params(seed=4, big=True)
+                opt = build(params, d, "file", resume=True, resident_mb=resident_mb)
+                self.assertEqual(resident_of(opt, params), [False] + [resident_mb == 1] * 3)
+                train(opt, params, 2, first=3)
+                want, got = ref.state_dict()["state"], opt.state_dict()["state"]
+                for i in want:
+                    for k in ("main_param", "exp_avg", "exp_avg_sq", "step"):
+                        self.assertTrue(torch.equal(want[i][k], got[i][k]), f"resident_mb={resident_mb}: {k} of {i}")
+                for p, q in zip(params, ref_params):
+                    self.assertTrue(torch.equal(p.detach(), q.detach()), f"resident_mb={resident_mb}: parameters")
+                del opt
+                if resident_mb == 1:  # the file is at step 5 now: the second resume starts over
+                    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
+
+    def test_state_dict_round_trips_with_the_host_tier(self):
+        f_params, h_params, g_params = make_params(big=True), make_params(seed=3, big=True), make_params(seed=5, big=True)
+        with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as d2:
+            f = build(f_params, d, "file", resident_mb=1)
+            train(f, f_params, 3)
+            h = build(h_params)  # the host tier, all streamed
+            h.load_state_dict(f.state_dict())
+            g = build(g_params, d2, "file", resident_mb=1)  # and back into a resident file tier
+            g.load_state_dict(h.state_dict())
+            with torch.no_grad():
+                for p, q, r in zip(h_params, g_params, f_params):
+                    p.copy_(r)
+                    q.copy_(r)
+            for o, ps in ((f, f_params), (h, h_params), (g, g_params)):
+                train(o, ps, 2, first=3)
+            want = f.state_dict()["state"]
+            for name, o in (("host", h), ("file again", g)):
+                got = o.state_dict()["state"]
+                for i in want:
+                    for k in ("main_param", "exp_avg", "exp_avg_sq", "step"):
+                        self.assertTrue(torch.equal(want[i][k], got[i][k]), f"{name}: {k} of {i}")
+            for p, q, r in zip(f_params, h_params, g_params):
+                self.assertTrue(torch.equal(p.detach(), q.detach()) and torch.equal(p.detach(), r.detach()))
+
+    def test_auto_is_accepted_and_compressed_moments_refuse_a_number(self):
+        params = make_params()
+        with tempfile.TemporaryDirectory() as d:
+            opt = build(params, d, "file", resident_mb="auto")  # (0 off CUDA: Note [resident_mb="auto"])
+            train(opt, params, 1)
+            self.assertEqual(optim.resident_budgets("auto", "file", 2, torch.device("cpu")), [0])
+        del opt
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaisesRegex(optim.InvalidArgumentError, "resident_mb.*fp32 moments"):
+                build(params, d, "file", resident_mb=1, moment_dtype="bf16")
+            build(params, d, "file", resident_mb="auto", moment_dtype="bf16")  # "auto": 0, accepted
 
 
 class Behaviour(unittest.TestCase):

@@ -283,6 +283,21 @@ class Overlap(unittest.TestCase):
                 self.assertEqual(again.stats()["steps"], 5, "the state file holds one step per step()")
                 del again
 
+    def test_file_tier_with_resident_shards(self):
+        # Note [Resident shards on the file tier]: resident parameters step in HBM and are
+        # copied out for a speculative step (as on the host tier); bit-identical to the file
+        # tier's plain step and to the host tier all streamed, one commit per step.
+        with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+            plain = train(5, "plain", max_norm=1.0, tier="file", directory=d1, resident_mb=RESIDENT_MB)
+            self.same(train(5, "plain", max_norm=1.0), plain)
+            got = train(5, "overlap", max_norm=1.0, bucket_mb=0, tier="file", directory=d2, resident_mb=RESIDENT_MB,
+                        ov_kw=dict(clip_policy="speculate"))
+            self.same(plain, got)
+            self.assertGreater(got[3]["redos"], 0)
+            self.assertEqual(got[3]["commits"], 5)
+            resident = sum(not got[1].can_speculate(p) for p in got[1].held_params)
+            self.assertTrue(0 < resident < len(got[1].held_params), f"resident_mb={RESIDENT_MB}: some resident")
+
     def test_speculative_step_from_python(self):
         x, y = batch(0)
 
