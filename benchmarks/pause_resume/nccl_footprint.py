@@ -31,14 +31,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_json  # noqa: E402
 
+# Each configuration's environment (the child inits NCCL eagerly unless it is "lazy").
 CONFIGS = {
     "lazy": {},
-    "eager": {"DFA_NCCL_EAGER": "1"},
-    "eager+share": {"DFA_NCCL_EAGER": "1", "NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"},
+    "eager": {},
+    "eager+share": {"NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"},
 }
 
 
-def child(groups: int, port: int) -> dict:
+def child(config: str, groups: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
@@ -51,7 +52,7 @@ def child(groups: int, port: int) -> dict:
         return total - free
 
     context = used()
-    kw = {"device_id": torch.device("cuda", 0)} if os.environ.get("DFA_NCCL_EAGER") else {}
+    kw = {} if config == "lazy" else {"device_id": torch.device("cuda", 0)}
     dist.init_process_group("nccl", **kw)
     x = torch.ones(1 << 20, device="cuda")
     after = []
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=29611, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.groups, args.port)))
+        print(json.dumps(child(args.child, args.groups, args.port)))
         return 0
     import torch
     if not torch.cuda.is_available():

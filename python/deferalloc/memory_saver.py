@@ -624,14 +624,15 @@ class _Impl:
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
-        for keep in sorted({k for _, _, k, _ in found}):  # one call per keep, all or nothing
-            ids = _ids([rid for _, rid, k, _ in found if k == keep])
+        released = []  # one call per keep, all or nothing
+        for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found]):
             try:
                 _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
                                         "dfa_release_many")
             except BaseException:
-                self._preload_resume([f for f in found if f[2] < keep])
+                self._preload_resume([f for f in found if f[2] in released])
                 raise
+            released.append(keep)
         return found
 
     def _preload_resume(self, paused: list) -> None:
@@ -643,14 +644,18 @@ class _Impl:
             if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
                 continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)
             live.append((rid, keep))
-        for keep in sorted({k for _, k in live}):
-            ids = _ids([rid for rid, k in live if k == keep])
+        for keep, ids in _by_keep(live):
             fill = 2 if keep == "host" else 0  # restore / undefined
             _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
 
 
-def _ids(rids: list):
-    return (ctypes.c_uint64 * len(rids))(*rids)
+def _by_keep(rows: list) -> list:
+    """(keep, C array of the reservation ids) for each keep of `rows` ((id, keep) pairs)."""
+    out = []
+    for keep in sorted({k for _, k in rows}):
+        rids = [rid for rid, k in rows if k == keep]
+        out.append((keep, (ctypes.c_uint64 * len(rids))(*rids)))
+    return out
 
 
 torch_memory_saver = TorchMemorySaver()
