@@ -584,8 +584,10 @@ void streamed_adamw::impl::sync_model(stream_t stream) {
 // different from torch.optim.AdamW, which steps the parameter.
 // Approach: after the engine writes a 16-bit parameter (initialize, a step of its shard,
 // sync_model), a kernel hashes its bits into a 64-bit slot on the device (the wrapping
-// sum of a mix of each value and its index: edit_term in kernels/adamw_math.hpp; about
-// 2 B/param of HBM reads, far under 1% of a PCIe-bound step).  A step (plain or
+// sum of a mix of each value times a weight of its index: edit_term in
+// kernels/adamw_math.hpp; about 2 B/param of HBM reads in 16-byte loads and two integer
+// multiplies per element, far under 1% of a PCIe-bound step; on the HBM-bound device tier
+// bench_optimizer's device-tier step is the measure).  A step (plain or
 // speculative) of that shard hashes it again first, after the user's stream, and the
 // piece's kernel is preceded by one that, when the two differ, takes the parameter into
 // main element by element where it is not main's rounding (main = float(param)), and
@@ -598,8 +600,9 @@ void streamed_adamw::impl::sync_model(stream_t stream) {
 // Limits: an element edited to main's rounding keeps main (the edit and main agree to the
 // parameter's precision).  A step that failed part-way forgets every hash (no check until
 // the shard is written again).  An edit made before a speculative step that is then
-// discarded is taken into the discarded copy only: the redo does not see it.  A 64-bit
-// sum of mixed terms can miss an edit only by a collision.
+// discarded is taken into the discarded copy only: the redo does not see it.  The sum can
+// miss an edit of several elements only by a collision, never one element's, and two
+// values swapped only at indices a multiple of 2^31 apart (edit_term).
 void streamed_adamw::impl::hash_written(std::span<const void* const> which) {
   if (edit_hashed.size() != shards.size()) {
     comp->edit_slots(shards.size());

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <filesystem>
@@ -1189,6 +1190,24 @@ TEST(optimizer, a_forked_child_cannot_change_state_in_device_memory) {
 // rounding) by the next step, with one warning line naming the shard; the other shards
 // are untouched and nothing is logged without an edit.  Parameters loaded after the
 // optimizer's state (a model's state_dict saved with it) change nothing.
+// The edit hash's term (Note [Edits of 16-bit parameters]): at any index, every 16-bit
+// value has its own term, and two different values swapped between indices (up to 2^31
+// apart) change the sum.
+TEST(optimizer, the_edit_terms_tell_every_value_and_every_swap) {
+  using deferalloc::optim::detail::edit_term;
+  for (std::size_t i : {std::size_t{0}, std::size_t{1}, std::size_t{12345}, (std::size_t{1} << 31) - 1,
+                        std::size_t{1} << 40}) {
+    std::vector<std::uint64_t> terms;
+    for (std::uint32_t b = 0; b < 65536; ++b) terms.push_back(edit_term(static_cast<std::uint16_t>(b), i));
+    std::sort(terms.begin(), terms.end());
+    EXPECT_EQ(std::adjacent_find(terms.begin(), terms.end()), terms.end()) << "index " << i;
+  }
+  const std::uint16_t a = 0x3F80, b = 0x3F81;  // BF16 1.0 and its neighbour
+  for (std::size_t i : {std::size_t{0}, std::size_t{7}, std::size_t{1} << 30})
+    for (std::size_t d : {std::size_t{1}, std::size_t{8}, std::size_t{1} << 20, (std::size_t{1} << 31) - 1})
+      EXPECT_NE(edit_term(a, i) + edit_term(b, i + d), edit_term(b, i) + edit_term(a, i + d)) << i << " " << d;
+}
+
 TEST(optimizer, an_edited_bf16_parameter_is_taken_into_main_with_a_warning) {
   auto d = make_driver();
   const problem p = make_problem(d->granularity(), 3);

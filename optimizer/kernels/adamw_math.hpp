@@ -198,13 +198,18 @@ DFA_HD void store_from_float(void* a, value_type t, std::size_t i, float x) {
 }
 /// Element i's term of a 16-bit parameter's edit hash (Note [Edits of 16-bit parameters]
 /// in optimizer/streamed_adamw.cpp): the hash is the wrapping sum of the terms, so it does
-/// not depend on the order of the additions; a term mixes the bits with the index
-/// (splitmix64), so a changed value or two values swapped change the sum.
+/// not depend on the order of the additions.  A term is a 32-bit mix of the value (an odd
+/// multiplier then an xorshift: distinct values, distinct mixes) times an odd weight of its
+/// index, exact in 64 bits: a changed value changes the sum by a nonzero product smaller
+/// than 2^64, so always; two values swapped change it by (mix difference) x 2 x (index
+/// distance), so always unless the indices are a multiple of 2^31 apart (the weights wrap).
+/// Cost: one 32 x 32 -> 64-bit multiply and a 32-bit one (a GPU's integer units, not the
+/// emulated 64-bit multiplies of a 64-bit mixer).
 DFA_HD std::uint64_t edit_term(std::uint16_t bits, std::size_t i) {
-  std::uint64_t z = (static_cast<std::uint64_t>(i) << 16 | bits) + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
+  std::uint32_t m = (static_cast<std::uint32_t>(bits) + 1u) * 0x9E3779B1u;
+  m ^= m >> 15;
+  const std::uint32_t w = static_cast<std::uint32_t>(i) * 2u + 1u;
+  return static_cast<std::uint64_t>(m) * w;
 }
 /// Whether element i of a 16-bit parameter of type `t` holds main's rounding (what a
 /// step writes into it).

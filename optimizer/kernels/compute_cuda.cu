@@ -190,11 +190,22 @@ __global__ void pow_table(float base, std::uint64_t first, float* out, int n) {
 __global__ void pow_any(float base, float e, float* out) { *out = powf(base, e); }
 
 // Note [Edits of 16-bit parameters]: out += the edit terms of n 16-bit values (a warp's
-// sum, then one atomic add per warp; the sum wraps, so the order does not matter).
+// sum, then one atomic add per warp; the sum wraps, so the order does not matter).  Eight
+// values per 16-byte load where `p` is aligned to it, the tail one by one.
 __global__ void edit_hash(const std::uint16_t* p, std::size_t n, unsigned long long* out) {
   unsigned long long h = 0;
-  for (std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; j < n; j += std::size_t(gridDim.x) * blockDim.x)
-    h += edit_term(p[j], j);
+  const std::size_t first = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  const std::size_t n8 = reinterpret_cast<std::uintptr_t>(p) % 16 == 0 ? n / 8 : 0;
+  for (std::size_t v = first; v < n8; v += stride) {
+    const uint4 q = reinterpret_cast<const uint4*>(p)[v];
+    const std::uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    for (int k = 0; k < 4; ++k) {  // little-endian: element 2k is the word's low half
+      h += edit_term(static_cast<std::uint16_t>(words[k] & 0xFFFFu), 8 * v + 2 * k);
+      h += edit_term(static_cast<std::uint16_t>(words[k] >> 16), 8 * v + 2 * k + 1);
+    }
+  }
+  for (std::size_t j = 8 * n8 + first; j < n; j += stride) h += edit_term(p[j], j);
   for (int o = 16; o > 0; o /= 2) h += __shfl_down_sync(0xffffffffu, h, o);
   if (threadIdx.x % 32 == 0) atomicAdd(out, h);
 }
@@ -318,7 +329,7 @@ class cuda_compute final : public compute {
     static_assert(k_edited == k_now + 1);  // k_now zeroes both
     DFA_CUDA_TRY(cudaMemsetAsync(out, 0, (which == k_now ? 2 : 1) * sizeof *out, cs));
     if (n == 0) return;
-    edit_hash<<<grid(n), k_threads, 0, cs>>>(static_cast<const std::uint16_t*>(param), n, out);
+    edit_hash<<<grid(n / 8 + 1), k_threads, 0, cs>>>(static_cast<const std::uint16_t*>(param), n, out);
     DFA_CUDA_CHECK_LAUNCH();
   }
   void adopt_if_edited(std::size_t s, const void* param, value_type t, float* main, std::size_t n, stream_t st) override {
