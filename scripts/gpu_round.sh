@@ -3,10 +3,11 @@
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
 #     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel] [nccl]
-#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel and nccl:
-#   the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL cycle, the
-#   file tier against the disk, the before/after comparisons, the wheel's build and check, and the
-#   footprint of single-rank NCCL communicators).
+#     [vmm_probe]
+#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel, nccl and
+#   vmm_probe: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL cycle,
+#   the file tier against the disk, the before/after comparisons, the wheel's build and check, the
+#   footprint of single-rank NCCL communicators, and the driver's VMM call costs (needs no build)).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -149,6 +150,37 @@ if has drop_in; then
   run bench_drop_in 420 python3 benchmarks/pause_resume/bench_drop_in.py --build "$B" ${tms:+--tms-wheel $tms} \
     --json "$R/bench_drop_in.json"
   tail -24 "$L/bench_drop_in.log"
+fi
+# The driver's own cost of a discard pause/resume of many VMM segments (benchmarks/pause_resume/
+# vmm_cost_probe.cpp, CUDA driver API only, 10-30 s): cuMemCreate/Map/SetAccess/Unmap/Release per
+# segment, one call over N adjacent mappings, one handle of the whole; the figures in
+# $R/vmm_probe.json, one line a configuration (pause/resume ms) in the log, bench_drop_in's in a row.
+if has vmm_probe; then
+  probe=/tmp/vmm_cost_probe
+  src=benchmarks/pause_resume/vmm_cost_probe.cpp
+  if { { command -v nvcc && nvcc -O2 -o "$probe" $src -lcuda; } || g++ -O2 -std=c++17 -I/usr/local/cuda/include \
+       -o "$probe" $src -L/usr/local/cuda/lib64/stubs -lcuda; } > "$L/vmm_probe_build.log" 2>&1; then
+    run vmm_probe 120 "$probe" --json "$R/vmm_probe.json"
+    python3 - "$R/vmm_probe.json" > "$L/vmm_probe_summary.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+v, bad = {r["name"]: r["value"] for r in d["results"]}, d["extra"]["refused"]
+short = {"one cuMemSetAccess over N mappings": "span setAccess", "one cuMemUnmap over N mappings": "span unmap",
+         "cuMemUnmap of the first S of one N x S mapping": "part unmap"}
+def ms(c, k):
+    return next((f"{x:.3g}" for n, x in v.items() if n.startswith(f"{c}: {k}")), "-")
+for c in dict.fromkeys(n.split(": ")[0] for n in [*v, *bad]):
+    no = "; ".join(f"{short.get(n.split(': ')[1], n.split(': ')[1])} {e.replace('CUDA_ERROR_', '')}"
+                   for n, e in bad.items() if n.startswith(c + ": "))
+    print(f"{c} | pause/resume ms: today {ms(c, 'pause today')}/{ms(c, 'resume today')} | one range "
+          f"{ms(c, 'pause, one range')}/{ms(c, 'resume, one range')} | one handle {ms(c, 'pause, one handle')}/"
+          f"{ms(c, 'resume, one handle')} | refused: {no or 'none'}")
+PY
+    cat "$L/vmm_probe_summary.txt"
+    row "vmm_probe 512 x 16 MiB" "$(grep -m1 '^8192 MiB = 512 x 16 MiB' "$L/vmm_probe_summary.txt" | cut -d'|' -f2-5)"
+  else
+    row vmm_probe "build failed: $(grep -m1 -i error "$L/vmm_probe_build.log" | cut -c1-80)"
+  fi
 fi
 # The colocated RL cycle (examples/rl/check_cycle.py): a Megatron trainer (file tier) and a
 # Hugging Face rollout process (CUDA graph) on the GPU, 5 RL steps each with
