@@ -23,8 +23,9 @@ configuration (the device's used bytes from cuMemGetInfo, the process alone on t
   destroy_recreate
                   lazy, then three sleeps as slime and Miles sleep their trainer
                   (destroy_process_groups before torch_memory_saver.pause, re-created at
-                  wake): the subgroups destroyed (the default group kept), then every
-                  group; then all re-created, one collective each and the check below
+                  wake): the subgroups destroyed (the default group kept; measured while
+                  still referenced and once not), then every group; then all re-created,
+                  one collective each and the check below
   cumem0+destroy_recreate   both
   abort_reuse     lazy, then each group's NCCL backend shut down, the same group objects
                   asked for a collective again (does ProcessGroupNCCL make a new
@@ -42,7 +43,9 @@ configuration (the device's used bytes from cuMemGetInfo, the process alone on t
     python3 benchmarks/pause_resume/nccl_footprint.py --selftest     # no GPU: the parsing and the rows
 
 Each row: the MiB the process holds beyond its CUDA context (and torch's reserved bytes) after
-the first collective on 1..N groups, and after destroy_process_group.  The configurations
+the first collective on 1..N groups, and after destroy_process_group (the group objects still
+referenced, then unreferenced and collected: the memory of a destroyed group went with its
+last reference in older torch, pytorch issue 107298).  The configurations
 added after the first three also record whether the collectives megatron-core's
 DistributedOptimizer uses (all_reduce, all_gather_into_tensor, reduce_scatter_tensor) give the
 right answer on every group (``works``, and ``works_after`` once released and brought back),
@@ -70,6 +73,7 @@ communicator, not a bootstrap across ranks.
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import json
 import os
@@ -271,10 +275,17 @@ def child(config: str, groups: int, port: int, out: str, cpu: bool = False) -> d
             t0 = time.perf_counter()
             for g in pgs[1:]:
                 dist.destroy_process_group(g)
+            spent = time.perf_counter() - t0  # the destroy calls alone, not the measuring
+            row["after_destroy_subgroups_held"] = beyond()  # the group objects still referenced
+            pgs, g = pgs[:1], None
+            gc.collect()
             row["after_destroy_subgroups"] = beyond()
+            t0 = time.perf_counter()
             dist.destroy_process_group()
+            row["destroy_s"] = spent + time.perf_counter() - t0
+            pgs = None
+            gc.collect()
             row["after_destroy"] = beyond()
-            row["destroy_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             pgs = make_groups(port + 1 + c)
             for g in pgs:
@@ -332,6 +343,11 @@ def child(config: str, groups: int, port: int, out: str, cpu: bool = False) -> d
     else:
         dist.destroy_process_group()
     r["after_destroy"] = beyond()
+    # destroy_process_group with the group objects still referenced, then without them: a
+    # group's memory went with its last reference in older torch (pytorch issue 107298).
+    pgs = g = None
+    gc.collect()
+    r["after_destroy_dropped"] = beyond()
     r["torch_reserved"] = reserved()
     log_now("destroyed")
     if checked:
@@ -353,6 +369,9 @@ def rows(name: str, r: dict) -> list[dict]:
            for k, v in enumerate(r.get("after_groups", []), 1)]
     if "after_destroy" in r:
         out.append(res(f"{name}: held beyond the context, destroyed", r["after_destroy"] / MIB, "MiB"))
+    if "after_destroy_dropped" in r:
+        out.append(res(f"{name}: held beyond the context, destroyed and unreferenced",
+                       r["after_destroy_dropped"] / MIB, "MiB"))
     if name in FIRST:
         return out
     logged = r.get("nccl_logged", {})
@@ -364,7 +383,9 @@ def rows(name: str, r: dict) -> list[dict]:
         out.append(res(f"{name}: through the preload hook beyond torch's reserved, {n} group(s)",
                        r["through_hook"][-1] / MIB, "MiB"))
     for c, row in enumerate(r.get("cycles", []), 1):
-        out += [res(f"{name}: held beyond the context, subgroups destroyed (default kept), sleep {c}",
+        out += [res(f"{name}: held beyond the context, subgroups destroyed, still referenced, sleep {c}",
+                    row["after_destroy_subgroups_held"] / MIB, "MiB"),
+                res(f"{name}: held beyond the context, subgroups destroyed (default kept), sleep {c}",
                     row["after_destroy_subgroups"] / MIB, "MiB"),
                 res(f"{name}: held beyond the context, all destroyed, sleep {c}", row["after_destroy"] / MIB, "MiB"),
                 res(f"{name}: held beyond the context, re-created, wake {c}", row["after_recreate"] / MIB, "MiB"),
@@ -387,13 +408,16 @@ def summary_line(name: str, r: dict) -> str:
         f"{v / MIB:5.0f}" for v in r.get("after_groups", []))
     if "after_destroy" in r:
         text += f" | destroyed {r['after_destroy'] / MIB:5.0f}"
+    if "after_destroy_dropped" in r:
+        text += f", unreferenced {r['after_destroy_dropped'] / MIB:5.0f}"
     text += " MiB"
     if "works" in r:
         text += f" | collectives {'right' if r['works'] else 'WRONG: ' + r.get('works_error', '')}"
     if "works_after" in r:
         text += f", after release {'right' if r['works_after'] else 'WRONG'}"
     for c, row in enumerate(r.get("cycles", []), 1):
-        text += (f"\n{'':24s} sleep {c}: subgroups gone {row['after_destroy_subgroups'] / MIB:5.0f}, all gone "
+        text += (f"\n{'':24s} sleep {c}: subgroups destroyed {row['after_destroy_subgroups_held'] / MIB:5.0f}, "
+                 f"unreferenced {row['after_destroy_subgroups'] / MIB:5.0f}, all gone "
                  f"{row['after_destroy'] / MIB:5.0f}, re-created {row['after_recreate'] / MIB:5.0f} MiB; destroy "
                  f"{1e3 * row['destroy_s']:.0f} ms, re-create {1e3 * row['recreate_s']:.0f} ms")
     for key in ("after_shutdown", "after_suspend", "after_resume"):
@@ -533,9 +557,11 @@ def selftest() -> int:
     check("alloc log: one file per child, %p kept for NCCL",
           not env or (env["NCCL_DEBUG_SUBSYS"] == "ALLOC" and env["NCCL_DEBUG_FILE"].endswith("cumem0_preload.%p.log")))
     groups = [600 * MIB, 1000 * MIB]
-    cycle = {"after_destroy_subgroups": 600 * MIB, "after_destroy": 260 * MIB, "after_recreate": 1000 * MIB,
-             "destroy_s": 0.01, "recreate_s": 0.4, "works_after": True, "works_error": ""}
+    cycle = {"after_destroy_subgroups_held": 900 * MIB, "after_destroy_subgroups": 600 * MIB,
+             "after_destroy": 260 * MIB, "after_recreate": 1000 * MIB, "destroy_s": 0.01,
+             "recreate_s": 0.4, "works_after": True, "works_error": ""}
     made_up = {"context": 500 * MIB, "after_groups": groups, "after_destroy": 268 * MIB, "torch_reserved": 0,
+               "after_destroy_dropped": 260 * MIB,
                "works": True, "works_error": "", "nccl_logged": {"2 group(s)": {"bytes": 90 * MIB, "count": 40}},
                "through_hook": [0, 0], "cycles": [cycle, cycle], "after_shutdown": 300 * MIB,
                "after_suspend": 270 * MIB, "after_resume": 1000 * MIB, "suspend_s": 0.001, "resume_s": 0.002,
@@ -548,9 +574,9 @@ def selftest() -> int:
         check(f"{name}: a summary line", line.startswith(name))
     first = rows("lazy", made_up)
     check("the first configurations' rows as before (groups, destroyed)",
-          [r["name"] for r in first] == ["lazy: held beyond the context, 1 group(s)",
-                                         "lazy: held beyond the context, 2 group(s)",
-                                         "lazy: held beyond the context, destroyed"])
+          [r["name"] for r in first][:3] == ["lazy: held beyond the context, 1 group(s)",
+                                             "lazy: held beyond the context, 2 group(s)",
+                                             "lazy: held beyond the context, destroyed"])
     try:
         document(results, runs, "cpu", "0.0.0")
         check(f"{len(results)} rows of every configuration: a valid bench_json document", True)
