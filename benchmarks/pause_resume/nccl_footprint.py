@@ -45,7 +45,7 @@ configuration (the device's used bytes from cuMemGetInfo, the process alone on t
 Each row: the MiB the process holds beyond its CUDA context (and torch's reserved bytes) after
 the first collective on 1..N groups, and after destroy_process_group (the group objects still
 referenced, then unreferenced and collected: the memory of a destroyed group went with its
-last reference in older torch, pytorch issue 107298).  The configurations
+last reference in older torch).  The configurations
 added after the first three also record whether the collectives megatron-core's
 DistributedOptimizer uses (all_reduce, all_gather_into_tensor, reduce_scatter_tensor) give the
 right answer on every group (``works``, and ``works_after`` once released and brought back),
@@ -344,7 +344,7 @@ def child(config: str, groups: int, port: int, out: str, cpu: bool = False) -> d
         dist.destroy_process_group()
     r["after_destroy"] = beyond()
     # destroy_process_group with the group objects still referenced, then without them: a
-    # group's memory went with its last reference in older torch (pytorch issue 107298).
+    # group's memory went with its last reference in older torch.
     pgs = g = None
     gc.collect()
     r["after_destroy_dropped"] = beyond()
