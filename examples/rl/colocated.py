@@ -279,12 +279,15 @@ def _map_weights(path: str, nbytes: int):
 
 def trainer_environment(args) -> dict:
     """Note [The trainer's NCCL setting]: the variables the trainer sets before NCCL starts.
-    --nccl-cumem-off: NCCL_CUMEM_ENABLE=0, NCCL's buffers from cudaMalloc instead of cuMem,
-    which costs NCCL more device memory (vLLM turns cuMem off by default for that reason).
-    Either way NCCL's memory stays outside both savers: NCCL's wheel links the CUDA runtime
-    statically, so no preload hook sees its cudaMalloc, and the trainer runs its collectives
-    outside the regions.  benchmarks/pause_resume/nccl_footprint.py (cumem0) measures what it
-    saves on single-rank communicators."""
+    Rationale: NCCL's communicators are most of what the trainer holds asleep, and cuMem
+    allocations cost NCCL more device memory than cudaMalloc (vLLM turns cuMem off by default
+    for that reason; SGLang and slime run without it too).
+    Approach: --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0 in the trainer only (the inference
+    side runs no NCCL), before its first communicator; the report records what NCCL saw.
+    Limits: either way NCCL's memory stays outside both savers (NCCL's wheel links the CUDA
+    runtime statically: no preload hook sees its cudaMalloc; the collectives run outside the
+    regions); without cuMem, NCCL has no ncclCommSuspend and no multi-node NVLink.  What it
+    saves on single-rank communicators: benchmarks/pause_resume/nccl_footprint.py (cumem0)."""
     return {"NCCL_CUMEM_ENABLE": "0"} if args.nccl_cumem_off else {}
 
 
