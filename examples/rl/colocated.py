@@ -286,7 +286,8 @@ def trainer_environment(args) -> dict:
     side runs no NCCL), before its first communicator; the report records what NCCL saw.
     Limits: either way NCCL's memory stays outside both savers (NCCL's wheel links the CUDA
     runtime statically: no preload hook sees its cudaMalloc; the collectives run outside the
-    regions); without cuMem, NCCL has no ncclCommSuspend and no multi-node NVLink.  What it
+    regions); without cuMem, NCCL has no multi-node NVLink, and ncclCommSuspend (NCCL 2.29.7)
+    releases the allocations of its cuMem memory manager only.  What it
     saves on single-rank communicators: benchmarks/pause_resume/nccl_footprint.py (cumem0)."""
     return {"NCCL_CUMEM_ENABLE": "0"} if args.nccl_cumem_off else {}
 
