@@ -189,8 +189,11 @@ fi
 # .whl/megatron/ (else the importable one).  About 3-4 minutes; the table last, the figures in
 # $R/rl_cycle.json and a step's timeline in $R/rl_step.png.
 if has nccl; then
-  # What single-rank NCCL communicators hold outside every allocator (the RL trainer's "rest").
-  run nccl 200 python3 benchmarks/pause_resume/nccl_footprint.py --json "$R/nccl_footprint.json"
+  # What single-rank NCCL communicators hold outside every allocator (the RL trainer's "rest"),
+  # and what gives it back: nccl_footprint.py's configurations, one process each (all by
+  # default); DFA_NCCL_ARGS adds arguments, e.g. "--configs lazy,cumem0,destroy_recreate".
+  run nccl 200 python3 benchmarks/pause_resume/nccl_footprint.py --json "$R/nccl_footprint.json" ${DFA_NCCL_ARGS:-}
+  tail -40 "$L/nccl.log"
 fi
 if has rl; then
   rl_path=

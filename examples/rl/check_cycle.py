@@ -26,7 +26,9 @@ Checks (exit status 1 when one fails):
     twice that).
 The model's size: --model-args (colocated.py's options), a tiny one on the CPU, 68 M
 parameters on CUDA (its file-tier state, 0.8 GB, is read, written and fdatasync'ed at every
-step: a step of about a second on an H200 machine's disk).
+step: a step of about a second on an H200 machine's disk).  --nccl-cumem-off runs every
+trainer with NCCL_CUMEM_ENABLE=0 (off by default; Note [The trainer's NCCL setting] in
+colocated.py), checked in each run's report.
 """
 from __future__ import annotations
 
@@ -150,6 +152,8 @@ def main() -> int:
     ap.add_argument("--hook-mode", choices=["preload", "torch"],
                     help="deferalloc.memory_saver's hook mode (default: colocated.py's, preload on CUDA); "
                          "torch_memory_saver runs in preload mode, the one where it pauses CUDA graphs")
+    ap.add_argument("--nccl-cumem-off", action="store_true",
+                    help="every run's trainer with NCCL_CUMEM_ENABLE=0 (colocated.py's option; default: NCCL's own)")
     ap.add_argument("--json", help="every run's report and the checks")
     ap.add_argument("--png", help="the deferalloc run's last step as a timeline (plot_timeline.py)")
     args = ap.parse_args()
@@ -164,13 +168,13 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="dfa_rl_")
     wall: dict = {}
     common = ["--device", args.device, "--steps", str(steps), "--message-timeout", str(MESSAGE_TIMEOUT[args.device]),
-              *model]
+              *model] + (["--nccl-cumem-off"] if args.nccl_cumem_off else [])
     runs: dict = {}
     try:
         execute(args, cuda, common, kill, work, runs, wall)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows = [launcher_environment()] + checks(runs, steps, kill, cuda, args.speedup)
+    rows = [launcher_environment(), trainer_nccl_setting()] + checks(runs, steps, kill, cuda, args.speedup)
     table(runs, cuda)
     width = max(len(r[0]) for r in rows)
     for what, value, ok in rows:
@@ -199,7 +203,8 @@ def document(runs: dict, rows: list, wall: dict, device: str) -> dict:
     for key, name in (("tms", "torch_memory_saver 0.0.10"), ("deferalloc", "deferalloc.memory_saver")):
         r = runs.get(key)
         if r and "summary" in r:
-            label[key] = f"{name} (hook_mode {r['args']['hook_mode']})"
+            cumem = ", NCCL_CUMEM_ENABLE=0" if r["args"].get("nccl_cumem_off") else ""
+            label[key] = f"{name} (hook_mode {r['args']['hook_mode']}{cumem})"
     results = []
     for key, who in label.items():
         r, sm = runs[key], runs[key]["summary"]
@@ -227,6 +232,10 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
     for name, r in runs.items():
         mode = f" (hook_mode {r['args']['hook_mode']})" if r and r["args"]["saver"] != "none" else ""
         rows.append((f"{name}: ran{mode}", "ok" if r else "failed", r is not None))
+        if r and r["args"].get("nccl_cumem_off"):
+            seen = r.get("trainer_built", {}).get("nccl_cumem_enable")
+            rows.append((f"{name}: its trainer ran with NCCL_CUMEM_ENABLE=0 (--nccl-cumem-off)", repr(seen),
+                         seen == "0"))
     d, n, k, res = (runs.get(x) for x in ("deferalloc", "none", "killed", "resumed"))
     if d:
         slept = all(r[side][key] > 0 for r in d["steps"] for side in ("trainer", "inference")
@@ -334,6 +343,17 @@ def launcher_environment() -> tuple:
     except Exception as e:  # noqa: BLE001 - the check's value
         ok, value = False, f"{type(e).__name__}: {e}"
     return ("launcher: each child started in its own saver environment (preload form, twice)", value, ok)
+
+
+def trainer_nccl_setting() -> tuple:
+    """A check row: --nccl-cumem-off gives the trainer NCCL_CUMEM_ENABLE=0, and nothing is set
+    without it (Note [The trainer's NCCL setting] in colocated.py)."""
+    import colocated
+    base = ["--device", "cpu", "--directory", "unused"]
+    on = colocated.trainer_environment(colocated.parse_args(base + ["--nccl-cumem-off"]))
+    off = colocated.trainer_environment(colocated.parse_args(base))
+    return ("trainer: --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0, nothing without it", f"{on} / {off}",
+            on == {"NCCL_CUMEM_ENABLE": "0"} and off == {})
 
 
 def table(runs: dict, cuda: bool) -> None:

@@ -31,6 +31,9 @@ sleeps: the reference run).  Only torch_memory_saver's API is used, so the two s
 the import.  ``--hook-mode`` is the savers' (default "preload" on CUDA, their default and the
 one under which torch_memory_saver pauses CUDA graphs; "torch" on the CPU).
 
+``--nccl-cumem-off`` runs the trainer's NCCL with NCCL_CUMEM_ENABLE=0 (off by default: Note
+[The trainer's NCCL setting]).
+
 ``--kill-after-step N`` kills both processes (SIGKILL) once step N has been committed;
 ``--resume`` starts from the file tier's last committed step (the trainer's main params,
 moments and step counts; the model's BF16 weights are written from the main params).
@@ -87,6 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--window-mb", type=int, default=64, help="the optimizer engine's window")
+    ap.add_argument("--nccl-cumem-off", action="store_true",
+                    help="the trainer's NCCL with NCCL_CUMEM_ENABLE=0: its buffers from cudaMalloc, not cuMem "
+                         "(vLLM's default; SGLang and slime run so)")
     args = ap.parse_args(argv)
     if args.hook_mode is None:
         args.hook_mode = "preload" if args.device == "cuda" else "torch"
@@ -271,8 +277,24 @@ def _map_weights(path: str, nbytes: int):
 
 # ---- the trainer ------------------------------------------------------------------------------
 
+def trainer_environment(args) -> dict:
+    """Note [The trainer's NCCL setting]: the variables the trainer sets before NCCL starts.
+    Rationale: NCCL's communicators are most of what the trainer holds asleep, and cuMem
+    allocations cost NCCL more device memory than cudaMalloc (vLLM turns cuMem off by default
+    for that reason; SGLang and slime run without it too).
+    Approach: --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0 in the trainer only (the inference
+    side runs no NCCL), before its first communicator; the report records what NCCL saw.
+    Limits: either way NCCL's memory stays outside both savers (NCCL's wheel links the CUDA
+    runtime statically: no preload hook sees its cudaMalloc; the collectives run outside the
+    regions); without cuMem, NCCL has no multi-node NVLink, and ncclCommSuspend (NCCL 2.29.7)
+    releases the allocations of its cuMem memory manager only.  What it
+    saves on single-rank communicators: benchmarks/pause_resume/nccl_footprint.py (cumem0)."""
+    return {"NCCL_CUMEM_ENABLE": "0"} if args.nccl_cumem_off else {}
+
+
 def trainer_main(conn, args) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.update(trainer_environment(args))  # before NCCL's first communicator
     import torch
     sys.path.insert(0, MEGATRON_EXAMPLE)
     _init_device(args)
@@ -328,7 +350,7 @@ def trainer_main(conn, args) -> None:
     conn.send(("built", {"first_step": first, "layout": layout, "path": path, "bytes": offset,
                          "params": sum(p.numel() for _, p in params), "model_class": type(gpt).__name__,
                          "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist(),
-                         "held": sleeper.held()}))
+                         "held": sleeper.held(), "nccl_cumem_enable": os.environ.get("NCCL_CUMEM_ENABLE")}))
     while True:
         msg = conn.recv()
         if msg[0] == "train":
