@@ -53,7 +53,9 @@ def build(args):
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    # The optimizer takes the parameters where they will train: on the GPU unless --cpu (the
+    # Trainer would move the model after the optimizer was built on its CPU parameters).
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).to("cpu" if args.cpu else "cuda")
     opt = StreamedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, tier=args.tier, window_mb=8,
                         directory=args.directory, overwrite=args.tier == "file")
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=args.steps)
