@@ -2,6 +2,7 @@
 """Two builds' figures side by side: the "before" and "after" of a change that must not move them.
 
     compare_builds.py BEFORE.json AFTER.json [BEFORE2.json AFTER2.json ...] [--tolerance 0.05] [--json OUT]
+                      [--before-label B --after-label A]
 
 Each file is in the one schema (benchmarks/bench_json.py).  For every result of the same name in
 a pair, the change is after / before for rates (GB/s, Gparams/s, ...) and before / after for times
@@ -18,6 +19,8 @@ outside the tolerance but inside that spread is marked "noise" (the machine's no
 it: more runs, or longer ones, are needed before the row says anything), one outside both
 "outside". A file without repetitions counts as spreading 0.  --json writes the rows in the one schema
 (benchmarks/bench_json.py) as benchmark "compare_builds", unit "x", with the spreads in extra.
+--before-label / --after-label name the two builds (e.g. their commits): printed first, and in
+--json's extra as "before", "after", "sides" ("before B / after A") and a note.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--json", help="write the rows in the one schema (benchmark compare_builds)")
     ap.add_argument("--device", default="", help="the device named in --json's document")
+    ap.add_argument("--before-label", default="", help="what the before build is (e.g. its commit)")
+    ap.add_argument("--after-label", default="", help="what the after build is (e.g. its commit)")
     a = ap.parse_args(argv)
     if len(a.files) % 2:
         ap.error("files come in BEFORE AFTER pairs")
@@ -84,6 +89,10 @@ def main(argv=None) -> int:
         alone += [f"{bn}: {n} (after only)" for n in after if n not in before]
     outside = noisy = 0
     rows_out = []
+    sides = ""
+    if a.before_label or a.after_label:
+        sides = f"before {a.before_label or 'unknown'} / after {a.after_label or 'unknown'}"
+        print(sides)
     print(f"{'benchmark':<20} {'result':<54} {'unit':<9} {'after vs before':>15}  {'runs':>4}  own spread")
     for bench, rows in per_bench.items():
         for name, cs in rows.items():
@@ -110,6 +119,9 @@ def main(argv=None) -> int:
                "extra": {"tolerance": a.tolerance,
                          "runs": {r["name"]: r["runs"] for r in rows_out},
                          "own_spread": {r["name"]: r["own_spread"] for r in rows_out}}}
+        if sides:
+            doc["extra"].update(before=a.before_label or "unknown", after=a.after_label or "unknown", sides=sides,
+                                notes=[sides])
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

@@ -9,6 +9,10 @@
 #   the file tier against the disk, the before/after comparisons, the wheel's build and check, the
 #   footprint of single-rank NCCL communicators, and the driver's VMM call costs (needs no build)).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
+#   compare (and fp32pair) measure a build of .before/src.tar (git archive -o .before/src.tar BEFORE,
+#   carried: carry [".before"]) against this tree's build (build compare), or, with
+#   .before/after.tar beside it (git archive -o .before/after.tar AFTER), against that commit's
+#   build (compare alone: neither side is this tree).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
@@ -343,6 +347,11 @@ if has compare; then
   # benchmarks/compare_builds.py prints after / before per figure.
   # The before sources travel as an ignored file, carried with the call:
   #   mkdir -p .before && git archive -o .before/src.tar COMMIT      (run: carry [".before"])
+  # With .before/after.tar beside it (git archive -o .before/after.tar COMMIT2) the after side is
+  # that commit, not this tree: built the same way as the before side, its benchmarks, python/ and
+  # bench_overlap.py run as the before side's are, and the build step is not needed.  This tree's
+  # benchmarks/bench_json.py and compare_builds.py judge both sides.  The sides' commits (git
+  # archive writes the commit id into the tarball) name them in compare_builds.json's extra.sides.
   # DFA_COMPARE_REPS (default 2) repetitions of DFA_COMPARE_BENCHES (default all three:
   # bench_reservations bench_optimizer bench_overlap; bench_reservations_host is bench_reservations
   # on the host driver, with no GPU visible); bench_reservations' VMM-bound rows spread
@@ -352,26 +361,56 @@ if has compare; then
   # first repetition (a later call goes on from there, and so alternates the order).  A pair is
   # started only when it can end before DFA_COMPARE_DEADLINE seconds from the script's start
   # (default 570, a call being 600): a call then ends with what it measured instead of being cut.
+  # tar_commit FILE: the commit a git archive tarball was made of (its pax header), else unknown.
+  tar_commit() {
+    git get-tar-commit-id < "$1" 2> /dev/null || python3 -c '
+import sys, tarfile
+c = tarfile.open(sys.argv[1]).pax_headers.get("comment", "")
+if not c:
+    sys.exit(1)
+print(c)' "$1" 2> /dev/null || echo unknown
+  }
+  # side_build SIDE TAR SRC BLD: TAR unpacked into SRC, built in BLD with the libraries and the
+  # compared benchmarks (the options and target names of the build step, which older trees share).
+  # BLD is emptied unless it was built from the same commit: git archive gives every file the
+  # commit's time, so ninja would miss the files of a different commit that are older than BLD.
+  side_build() {
+    local side=$1 tar=$2 src=$3 bld=$4 id b0=$SECONDS
+    id=$(tar_commit "$tar")
+    if [ "$id" = unknown ] || [ "$(cat "$bld/.dfa-commit" 2> /dev/null)" != "$id" ]; then rm -rf "$bld"; fi
+    rm -rf "$src" && mkdir -p "$src" "$bld" && tar -C "$src" -xf "$tar" &&
+      cmake -S "$src" -B "$bld" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DDEFERALLOC_BUILD_BENCHMARKS=ON -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON \
+        -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/$side-configure.log" 2>&1 &&
+      cmake --build "$bld" -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
+        > "$L/$side-build.log" 2>&1 && echo "$id" > "$bld/.dfa-commit" &&
+      row "compare: $side build" "ok $((SECONDS - b0)) s ($id)" && return 0
+    row "compare: $side build" "FAILED (logs: $side-configure.log, $side-build.log)"
+    return 1
+  }
   if [ ! -f .before/src.tar ]; then
     row compare "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
   elif bad=$(for g in ${DFA_COMPARE_BENCHES:-}; do
                case $g in bench_reservations|bench_reservations_host|bench_optimizer|bench_overlap) ;; *) echo "$g" ;; esac
              done) && [ -n "$bad" ]; then
     row compare "unknown in DFA_COMPARE_BENCHES: $bad (bench_reservations bench_reservations_host bench_optimizer bench_overlap)"
-  elif [ ! -x "$B/benchmarks/bench_reservations" ] || [ ! -x "$B/benchmarks/bench_optimizer" ]; then
+  elif [ ! -f .before/after.tar ] &&
+       { [ ! -x "$B/benchmarks/bench_reservations" ] || [ ! -x "$B/benchmarks/bench_optimizer" ]; }; then
     # The machine went back since the build (30 s idle) or the build left the benchmarks out.
     row compare "no after build in $B (run with build, its targets including bench_reservations bench_optimizer)"
   else
     BS=/tmp/dfa-before-src BB=${DFA_BEFORE_BUILD_DIR:-/tmp/dfa-before-build}
-    rm -rf $BS && mkdir -p $BS && tar -C $BS -xf .before/src.tar
+    if [ -f .before/after.tar ]; then
+      AS=/tmp/dfa-after-src AB=${DFA_AFTER_BUILD_DIR:-/tmp/dfa-after-build} after_id=$(tar_commit .before/after.tar)
+    else
+      AS=$PWD AB=$B after_id=$(git rev-parse HEAD 2> /dev/null)
+      after_id="working tree${after_id:+ at $after_id}"
+    fi
+    before_id=$(tar_commit .before/src.tar)
+    row "compare: sides" "before $before_id / after $after_id"
     prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-    b0=$SECONDS
-    if cmake -S $BS -B $BB -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-         -DDEFERALLOC_BUILD_BENCHMARKS=ON -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON \
-         -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/before-configure.log" 2>&1 &&
-       cmake --build $BB -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
-         > "$L/before-build.log" 2>&1; then
-      row "compare: before build" "ok $((SECONDS - b0)) s"
+    if side_build before .before/src.tar $BS $BB &&
+       { [ ! -f .before/after.tar ] || side_build after .before/after.tar $AS $AB; }; then
       mkdir -p "$R/compare"
       gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
       oargs=${DFA_COMPARE_OVERLAP_ARGS-"--parts bound,split"}
@@ -385,7 +424,7 @@ if has compare; then
       # nonzero with its JSON written (judged once both sides ran: kept_or_dropped).
       cmp_run() {
         local side=$1 rep=$2 g=$3 src bld extra
-        if [ "$side" = before ]; then src=$BS bld=$BB; else src=$PWD bld=$B; fi
+        if [ "$side" = before ]; then src=$BS bld=$BB; else src=$AS bld=$AB; fi
         if [ "$g" = bench_overlap ]; then
           local json=$R/compare/$side-$rep-bench_overlap.json
           # shellcheck disable=SC2086
@@ -464,13 +503,11 @@ if has compare; then
         row compare "no pair measured (logs: cmp-*.log)"
       else
         python3 benchmarks/compare_builds.py "${pairs[@]}" --json "$R/compare_builds.json" --device "${gpu:-GPU}" \
-          > "$L/compare.txt" 2>&1
+          --before-label "$before_id" --after-label "$after_id" > "$L/compare.txt" 2>&1
         n=$((${#pairs[@]} / 2)); [ "$n" -eq 1 ] && w=pair || w=pairs
         row compare "$n $w | $(tail -1 "$L/compare.txt")"
         cat "$L/compare.txt"
       fi
-    else
-      row "compare: before build" "FAILED (logs: before-configure.log, before-build.log)"
     fi
   fi
 fi

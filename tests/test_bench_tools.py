@@ -2,7 +2,7 @@
 """The before/after comparison's tools on synthetic Google Benchmark output (no GPU, no torch):
 benchmarks/bench_json.py convert reads a repeated row by its median and records how far its
 repetitions spread (over several processes' runs too); benchmarks/compare_builds.py calls a change "noise" when that spread is wider
-than the tolerance and "outside" when it is not; bench_json.py missed keeps a run that missed only
+than the tolerance and "outside" when it is not, and names the two builds when given labels; bench_json.py missed keeps a run that missed only
 performance targets; given a bench_overlap JSON, that its checks carry the marks."""
 from __future__ import annotations
 
@@ -125,6 +125,16 @@ def main() -> int:
         own = doc["extra"]["own_spread"]
         check("compare_builds' JSON carries the spread within the run",
               abs(own.get("bench_reservations_host: 64 reservations, warm", 0) - 10 / 12) < 1e-9, str(own))
+        check("compare_builds' JSON without labels names no sides", "sides" not in doc["extra"], str(doc["extra"]))
+        labelled = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare_builds.py"),
+                                   os.path.join(tmp, "before.json"), os.path.join(tmp, "after.json"),
+                                   "--json", os.path.join(tmp, "cmp-labelled.json"), "--before-label", "aaa111",
+                                   "--after-label", ""], check=True, capture_output=True, text=True).stdout
+        with open(os.path.join(tmp, "cmp-labelled.json")) as f:
+            extra = json.load(f)["extra"]
+        check("--before-label/--after-label name the sides (an empty one unknown), printed first and in the JSON",
+              labelled.startswith("before aaa111 / after unknown\n") and extra.get("sides") == "before aaa111 / after unknown"
+              and extra.get("before") == "aaa111" and extra.get("after") == "unknown", str(extra))
         # bench_json.py missed: a run that missed only performance targets keeps its figures.
         def missed(tag: str, checks: list[dict], *extra: str) -> tuple[int, str]:
             path = os.path.join(tmp, f"{tag}.json")
