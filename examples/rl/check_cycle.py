@@ -27,8 +27,8 @@ Checks (exit status 1 when one fails):
 The model's size: --model-args (colocated.py's options), a tiny one on the CPU, 68 M
 parameters on CUDA (its file-tier state, 0.8 GB, is read, written and fdatasync'ed at every
 step: a step of about a second on an H200 machine's disk).  --nccl-cumem-off runs every
-trainer with NCCL_CUMEM_ENABLE=0 (off by default; Note [The trainer's NCCL setting] in
-colocated.py), checked in each run's report.
+trainer with NCCL_CUMEM_ENABLE=0, --nccl-small with 1 MiB NCCL buffers and one channel (both
+off by default; Note [The trainer's NCCL setting] in colocated.py), checked in each run's report.
 """
 from __future__ import annotations
 
@@ -154,6 +154,9 @@ def main() -> int:
                          "torch_memory_saver runs in preload mode, the one where it pauses CUDA graphs")
     ap.add_argument("--nccl-cumem-off", action="store_true",
                     help="every run's trainer with NCCL_CUMEM_ENABLE=0 (colocated.py's option; default: NCCL's own)")
+    ap.add_argument("--nccl-small", action="store_true",
+                    help="every run's trainer with NCCL_BUFFSIZE=1 MiB, NCCL_MIN/MAX_NCHANNELS=1 (colocated.py's "
+                         "option; default: NCCL's own)")
     ap.add_argument("--json", help="every run's report and the checks")
     ap.add_argument("--png", help="the deferalloc run's last step as a timeline (plot_timeline.py)")
     args = ap.parse_args()
@@ -168,7 +171,8 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="dfa_rl_")
     wall: dict = {}
     common = ["--device", args.device, "--steps", str(steps), "--message-timeout", str(MESSAGE_TIMEOUT[args.device]),
-              *model] + (["--nccl-cumem-off"] if args.nccl_cumem_off else [])
+              *model] + (["--nccl-cumem-off"] if args.nccl_cumem_off else []) + \
+        (["--nccl-small"] if args.nccl_small else [])
     runs: dict = {}
     try:
         execute(args, cuda, common, kill, work, runs, wall)
@@ -203,8 +207,9 @@ def document(runs: dict, rows: list, wall: dict, device: str) -> dict:
     for key, name in (("tms", "torch_memory_saver 0.0.10"), ("deferalloc", "deferalloc.memory_saver")):
         r = runs.get(key)
         if r and "summary" in r:
-            cumem = ", NCCL_CUMEM_ENABLE=0" if r["args"].get("nccl_cumem_off") else ""
-            label[key] = f"{name} (hook_mode {r['args']['hook_mode']}{cumem})"
+            nccl = (", NCCL_CUMEM_ENABLE=0" if r["args"].get("nccl_cumem_off") else "") + \
+                (", NCCL 1 MiB buffers, 1 channel" if r["args"].get("nccl_small") else "")
+            label[key] = f"{name} (hook_mode {r['args']['hook_mode']}{nccl})"
     results = []
     for key, who in label.items():
         r, sm = runs[key], runs[key]["summary"]
@@ -236,6 +241,12 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
             seen = r.get("trainer_built", {}).get("nccl_cumem_enable")
             rows.append((f"{name}: its trainer ran with NCCL_CUMEM_ENABLE=0 (--nccl-cumem-off)", repr(seen),
                          seen == "0"))
+        if r and r["args"].get("nccl_small"):
+            import colocated
+            seen = r.get("trainer_built", {}).get("nccl_environment", {})
+            want = colocated.NCCL_SMALL
+            rows.append((f"{name}: its trainer ran with NCCL's 1 MiB buffers and one channel (--nccl-small)",
+                         repr({k: seen.get(k) for k in want}), all(seen.get(k) == v for k, v in want.items())))
     d, n, k, res = (runs.get(x) for x in ("deferalloc", "none", "killed", "resumed"))
     if d:
         slept = all(r[side][key] > 0 for r in d["steps"] for side in ("trainer", "inference")
@@ -346,14 +357,22 @@ def launcher_environment() -> tuple:
 
 
 def trainer_nccl_setting() -> tuple:
-    """A check row: --nccl-cumem-off gives the trainer NCCL_CUMEM_ENABLE=0, and nothing is set
-    without it (Note [The trainer's NCCL setting] in colocated.py)."""
+    """A check row: --nccl-cumem-off gives the trainer NCCL_CUMEM_ENABLE=0, --nccl-small
+    NCCL_BUFFSIZE=1 MiB and one channel, both together all four, and nothing is set without
+    them (Note [The trainer's NCCL setting] in colocated.py)."""
     import colocated
     base = ["--device", "cpu", "--directory", "unused"]
-    on = colocated.trainer_environment(colocated.parse_args(base + ["--nccl-cumem-off"]))
-    off = colocated.trainer_environment(colocated.parse_args(base))
-    return ("trainer: --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0, nothing without it", f"{on} / {off}",
-            on == {"NCCL_CUMEM_ENABLE": "0"} and off == {})
+    env = {flags: colocated.trainer_environment(colocated.parse_args(base + list(flags)))
+           for flags in ((), ("--nccl-cumem-off",), ("--nccl-small",), ("--nccl-cumem-off", "--nccl-small"))}
+    cumem, small = {"NCCL_CUMEM_ENABLE": "0"}, {"NCCL_BUFFSIZE": "1048576", "NCCL_MIN_NCHANNELS": "1",
+                                                "NCCL_MAX_NCHANNELS": "1"}
+    want = {(): {}, ("--nccl-cumem-off",): cumem, ("--nccl-small",): small,
+            ("--nccl-cumem-off", "--nccl-small"): {**cumem, **small}}
+    ok = env == want
+    value = f"{env[('--nccl-small',)]}; the other 3 combinations as expected" if ok else \
+        " / ".join(f"{' '.join(k) or 'none'}: {v}" for k, v in env.items())
+    return ("trainer: --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0, --nccl-small NCCL_BUFFSIZE=1 MiB and one "
+            "channel, nothing without them", value, ok)
 
 
 def table(runs: dict, cuda: bool) -> None:

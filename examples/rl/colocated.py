@@ -31,8 +31,8 @@ sleeps: the reference run).  Only torch_memory_saver's API is used, so the two s
 the import.  ``--hook-mode`` is the savers' (default "preload" on CUDA, their default and the
 one under which torch_memory_saver pauses CUDA graphs; "torch" on the CPU).
 
-``--nccl-cumem-off`` runs the trainer's NCCL with NCCL_CUMEM_ENABLE=0 (off by default: Note
-[The trainer's NCCL setting]).
+``--nccl-cumem-off`` runs the trainer's NCCL with NCCL_CUMEM_ENABLE=0, ``--nccl-small`` with
+1 MiB buffers and one channel (both off by default: Note [The trainer's NCCL setting]).
 
 ``--kill-after-step N`` kills both processes (SIGKILL) once step N has been committed;
 ``--resume`` starts from the file tier's last committed step (the trainer's main params,
@@ -93,6 +93,9 @@ def parse_args(argv=None):
     ap.add_argument("--nccl-cumem-off", action="store_true",
                     help="the trainer's NCCL with NCCL_CUMEM_ENABLE=0: its buffers from cudaMalloc, not cuMem "
                          "(vLLM's default; SGLang and slime run so)")
+    ap.add_argument("--nccl-small", action="store_true",
+                    help="the trainer's NCCL with NCCL_BUFFSIZE=1 MiB and one channel (NCCL_MIN/MAX_NCHANNELS=1): "
+                         "its single-rank communicators' buffers shrink to almost nothing")
     args = ap.parse_args(argv)
     if args.hook_mode is None:
         args.hook_mode = "preload" if args.device == "cuda" else "torch"
@@ -277,19 +280,33 @@ def _map_weights(path: str, nbytes: int):
 
 # ---- the trainer ------------------------------------------------------------------------------
 
+NCCL_SMALL = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MIN_NCHANNELS": "1", "NCCL_MAX_NCHANNELS": "1"}
+NCCL_VARIABLES = ("NCCL_CUMEM_ENABLE", *NCCL_SMALL)  # what the trainer's report records
+
+
 def trainer_environment(args) -> dict:
     """Note [The trainer's NCCL setting]: the variables the trainer sets before NCCL starts.
-    Rationale: NCCL's communicators are most of what the trainer holds asleep, and cuMem
-    allocations cost NCCL more device memory than cudaMalloc (vLLM turns cuMem off by default
-    for that reason; SGLang and slime run without it too).
-    Approach: --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0 in the trainer only (the inference
-    side runs no NCCL), before its first communicator; the report records what NCCL saw.
-    Limits: either way NCCL's memory stays outside both savers (NCCL's wheel links the CUDA
-    runtime statically: no preload hook sees its cudaMalloc; the collectives run outside the
-    regions); without cuMem, NCCL has no multi-node NVLink, and ncclCommSuspend (NCCL 2.29.7)
-    releases the allocations of its cuMem memory manager only.  What it
-    saves on single-rank communicators: benchmarks/pause_resume/nccl_footprint.py (cumem0)."""
-    return {"NCCL_CUMEM_ENABLE": "0"} if args.nccl_cumem_off else {}
+    Rationale: NCCL's communicators are most of what the trainer holds asleep: Megatron's
+    process groups each make one at their first collective, and even with a single rank each
+    allocates its channels' buffers (benchmarks/pause_resume/nccl_footprint.py measures them).
+    This trainer has one rank, so every communicator is a single rank: no peer traffic, its
+    buffers carry nothing, and their size and number of channels cost no bandwidth here.
+    Approach: in the trainer only (the inference side runs no NCCL), before torch.distributed
+    and Megatron initialise, so before the first communicator; the report records what NCCL
+    saw.  --nccl-small sets NCCL_BUFFSIZE=1 MiB and NCCL_MIN/MAX_NCHANNELS=1: each further
+    communicator then holds about 10 MiB instead of about 390 (nccl_footprint.py's "small",
+    its collectives checked).  --nccl-cumem-off sets NCCL_CUMEM_ENABLE=0 (buffers from
+    cudaMalloc, not cuMem: vLLM's default, SGLang and slime run so); on single-rank
+    communicators that holds more, not less (nccl_footprint.py's "cumem0").  Both may be given.
+    Limits: with several ranks, --nccl-small would cap NCCL's bandwidth (one channel, 1 MiB
+    steps); for a multi-GPU trainer the lever is NCCL's own suspend and resume (ncclCommSuspend,
+    NCCL 2.29.7 on, which releases the allocations of its cuMem memory manager only; torch's
+    NCCL 2.28 lacks it).  Either way what NCCL keeps stays outside both savers (NCCL's wheel
+    links the CUDA runtime statically: no preload hook sees its allocations; the collectives
+    run outside the regions), and what NCCL loads once used stays even when every group is
+    destroyed (nccl_footprint.py's "destroyed" rows)."""
+    env = {"NCCL_CUMEM_ENABLE": "0"} if args.nccl_cumem_off else {}
+    return {**env, **NCCL_SMALL} if args.nccl_small else env
 
 
 def trainer_main(conn, args) -> None:
@@ -350,7 +367,8 @@ def trainer_main(conn, args) -> None:
     conn.send(("built", {"first_step": first, "layout": layout, "path": path, "bytes": offset,
                          "params": sum(p.numel() for _, p in params), "model_class": type(gpt).__name__,
                          "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist(),
-                         "held": sleeper.held(), "nccl_cumem_enable": os.environ.get("NCCL_CUMEM_ENABLE")}))
+                         "held": sleeper.held(), "nccl_cumem_enable": os.environ.get("NCCL_CUMEM_ENABLE"),
+                         "nccl_environment": {k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ}}))
     while True:
         msg = conn.recv()
         if msg[0] == "train":
