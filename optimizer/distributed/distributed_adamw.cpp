@@ -143,29 +143,29 @@ shard_layout distributed_adamw::layout_for(std::size_t numel, const communicator
 distributed_adamw::distributed_adamw(std::shared_ptr<driver> drv, std::shared_ptr<communicator> comm, std::size_t numel,
                                      std::uint16_t* params, void* grads, dist_config cfg)
     : impl_(std::make_unique<impl>()) {
-  auto& I = *impl_;
+  auto& self = *impl_;
   DFA_EXPECTS(drv != nullptr, "distributed_adamw: driver is null");
   DFA_EXPECTS(comm != nullptr, "distributed_adamw: communicator is null");
   DFA_EXPECTS(params != nullptr && grads != nullptr, "distributed_adamw: params or grads buffer is null");
   DFA_EXPECTS(std::isfinite(cfg.max_grad_norm) && cfg.max_grad_norm >= 0,
               "distributed_adamw: max_grad_norm must be finite and >= 0");
-  I.drv = std::move(drv);
-  I.comm = std::move(comm);
-  I.cfg = std::move(cfg);
-  I.lay = make_layout(numel, I.comm->world(), I.comm->rank(), I.cfg.align);
-  I.params = params;
-  I.grads = grads;
-  optim::optimizer_config oc = I.cfg.optimizer;
-  oc.rank = I.comm->rank();
-  I.opt = std::make_unique<optim::streamed_adamw>(I.drv, std::move(oc));
-  I.opt->add_shard(params + I.lay.begin, I.lay.shard, "rank" + std::to_string(I.lay.rank));
-  I.pool = std::make_shared<chunk_pool>(I.drv);
-  I.mgr = std::make_unique<reservation_manager>(I.pool, I.drv);
-  const std::size_t bytes = std::max<std::size_t>(I.drv->granularity(), sizeof(double) * I.lay.world);
-  I.scratch_id = I.mgr->reserve(bytes);
-  I.mgr->materialize(I.scratch_id, 0, whole, fill_mode::zero, nullptr);
-  I.scratch = static_cast<double*>(I.mgr->address(I.scratch_id));
-  if (I.cfg.register_buffers) register_buffers();
+  self.drv = std::move(drv);
+  self.comm = std::move(comm);
+  self.cfg = std::move(cfg);
+  self.lay = make_layout(numel, self.comm->world(), self.comm->rank(), self.cfg.align);
+  self.params = params;
+  self.grads = grads;
+  optim::optimizer_config oc = self.cfg.optimizer;
+  oc.rank = self.comm->rank();
+  self.opt = std::make_unique<optim::streamed_adamw>(self.drv, std::move(oc));
+  self.opt->add_shard(params + self.lay.begin, self.lay.shard, "rank" + std::to_string(self.lay.rank));
+  self.pool = std::make_shared<chunk_pool>(self.drv);
+  self.mgr = std::make_unique<reservation_manager>(self.pool, self.drv);
+  const std::size_t bytes = std::max<std::size_t>(self.drv->granularity(), sizeof(double) * self.lay.world);
+  self.scratch_id = self.mgr->reserve(bytes);
+  self.mgr->materialize(self.scratch_id, 0, whole, fill_mode::zero, nullptr);
+  self.scratch = static_cast<double*>(self.mgr->address(self.scratch_id));
+  if (self.cfg.register_buffers) register_buffers();
 }
 
 distributed_adamw::~distributed_adamw() {
@@ -184,34 +184,34 @@ communicator& distributed_adamw::comm() { return *impl_->comm; }
 bool distributed_adamw::buffers_registered() const { return impl_->registered; }
 
 bool distributed_adamw::register_buffers() {
-  auto& I = *impl_;
-  if (I.registered) return true;
-  I.reg_params = I.comm->register_buffer(I.params, I.lay.padded_numel * 2);
+  auto& self = *impl_;
+  if (self.registered) return true;
+  self.reg_params = self.comm->register_buffer(self.params, self.lay.padded_numel * 2);
   try {
-    I.reg_grads = I.comm->register_buffer(I.grads, I.lay.padded_numel * I.grad_size());
+    self.reg_grads = self.comm->register_buffer(self.grads, self.lay.padded_numel * self.grad_size());
   } catch (...) {
-    I.comm->deregister_buffer(I.reg_params);
-    I.reg_params = nullptr;
+    self.comm->deregister_buffer(self.reg_params);
+    self.reg_params = nullptr;
     throw;
   }
-  I.registered = true;
+  self.registered = true;
   return true;
 }
 
 void distributed_adamw::deregister_buffers() {
-  auto& I = *impl_;
-  if (!I.registered) return;
-  void* p = I.reg_params;
-  void* g = I.reg_grads;
-  I.reg_params = I.reg_grads = nullptr;
-  I.registered = false;
+  auto& self = *impl_;
+  if (!self.registered) return;
+  void* p = self.reg_params;
+  void* g = self.reg_grads;
+  self.reg_params = self.reg_grads = nullptr;
+  self.registered = false;
   std::exception_ptr failed;
   try {
-    I.comm->deregister_buffer(g);
+    self.comm->deregister_buffer(g);
   } catch (...) {
     failed = std::current_exception();
   }
-  I.comm->deregister_buffer(p);
+  self.comm->deregister_buffer(p);
   if (failed) rethrow_with_context("deregister_buffers", failed);  // its own class, not cuda_error
 }
 
@@ -239,41 +239,41 @@ double distributed_adamw::impl::global_sq_norm(stream_t s) {
 }
 
 dist_step_report distributed_adamw::step(stream_t stream) {
-  auto& I = *impl_;
-  DFA_EXPECTS(I.opt->initialized(), "distributed_adamw::step: call initialize() (or load a checkpoint) first",
+  auto& self = *impl_;
+  DFA_EXPECTS(self.opt->initialized(), "distributed_adamw::step: call initialize() (or load a checkpoint) first",
               invalid_state);
   dist_step_report r;
   auto t0 = clk::now();
-  I.comm->reduce_scatter(I.grads, I.grad_shard(), I.lay.shard, I.grad_dtype(), stream);
-  const double w = static_cast<double>(I.lay.world);
+  self.comm->reduce_scatter(self.grads, self.grad_shard(), self.lay.shard, self.grad_dtype(), stream);
+  const double w = static_cast<double>(self.lay.world);
   double scale = 1.0 / w;
-  if (I.cfg.max_grad_norm > 0) {
-    const double sq = I.global_sq_norm(stream);
+  if (self.cfg.max_grad_norm > 0) {
+    const double sq = self.global_sq_norm(stream);
     DFA_EXPECTS(std::isfinite(sq), "distributed_adamw::step: the gradient norm is not finite (step " +
-                                       std::to_string(I.opt->steps() + 1) + ")",
+                                       std::to_string(self.opt->steps() + 1) + ")",
                 invalid_state);
     r.grad_norm = std::sqrt(sq) / w;
-    const double coef = I.cfg.max_grad_norm / (r.grad_norm + 1e-6);
+    const double coef = self.cfg.max_grad_norm / (r.grad_norm + 1e-6);
     if (coef < 1.0) scale = coef / w;
   }
   r.grad_scale = static_cast<float>(scale);
   auto t1 = clk::now();
-  const void* g[1] = {I.grad_shard()};
-  I.opt->step(g, I.cfg.grads, r.grad_scale, stream);
+  const void* g[1] = {self.grad_shard()};
+  self.opt->step(g, self.cfg.grads, r.grad_scale, stream);
   auto t2 = clk::now();
-  I.gather_params(stream);
+  self.gather_params(stream);
   auto t3 = clk::now();
   r.seconds_reduce = std::chrono::duration<double>(t1 - t0).count();
   r.seconds_step = std::chrono::duration<double>(t2 - t1).count();
   r.seconds_gather = std::chrono::duration<double>(t3 - t2).count();
-  r.optimizer = I.opt->last_report();
+  r.optimizer = self.opt->last_report();
   return r;
 }
 
 void distributed_adamw::sync_model_params(stream_t stream) {
-  auto& I = *impl_;
-  I.opt->sync_model_params(stream);
-  I.gather_params(stream);
+  auto& self = *impl_;
+  self.opt->sync_model_params(stream);
+  self.gather_params(stream);
 }
 
 namespace {
@@ -296,14 +296,14 @@ std::string layout_text(const shard_layout& l) {
 // newest complete generation before any of them changes state.  Assumes, as before, one
 // directory tree that every rank sees (one host, or a shared file system).
 void distributed_adamw::save_checkpoint(const std::string& dir) {
-  auto& I = *impl_;
+  auto& self = *impl_;
   DFA_EXPECTS(!dir.empty(), "distributed_adamw::save_checkpoint: directory is empty");
   // Collective: every rank learns whether every rank's part is written, so that no rank
   // loads (or reports success) before the generation is published, and a failure on
   // one rank is an error on all instead of a hang in the next collective.
   // Gathers `value` (0 on this rank's failure) and throws on every rank if any failed.
   auto all_ok = [&](std::exception_ptr& failed, const char* phase, double value = 1.0) {
-    const std::vector<double> ok = I.gather_doubles(failed ? 0.0 : value, nullptr);
+    const std::vector<double> ok = self.gather_doubles(failed ? 0.0 : value, nullptr);
     if (failed) std::rethrow_exception(failed);
     for (std::size_t r = 0; r < ok.size(); ++r)
       if (ok[r] == 0.0)
@@ -313,7 +313,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   std::exception_ptr failed;
   double proposal = 0;
   try {
-    I.pruner.wait();  // the previous save's (one prune at a time)
+    self.pruner.wait();  // the previous save's (one prune at a time)
     optim::detail::check_dir(dir, "save_checkpoint");
     proposal = static_cast<double>(optim::detail::next_generation(dir, "save_checkpoint"));
   } catch (...) {
@@ -324,24 +324,24 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
   const std::string tmp = optim::detail::generation_path(dir, gen, true);
   try {
     optim::detail::check_dir(tmp, "save_checkpoint");
-    const std::string part = tmp + "/rank-" + std::to_string(I.lay.rank);
+    const std::string part = tmp + "/rank-" + std::to_string(self.lay.rank);
     std::error_code ec;
     std::filesystem::remove_all(part, ec);  // a killed save's (Note [Generation names])
-    if (I.lay.rank == 0) std::filesystem::remove(tmp + "/distributed.txt", ec);
+    if (self.lay.rank == 0) std::filesystem::remove(tmp + "/distributed.txt", ec);
     optim::detail::check_dir(part, "save_checkpoint");
-    optim::detail::write_checkpoint_files(*I.opt, part);
+    optim::detail::write_checkpoint_files(*self.opt, part);
   } catch (...) {
     failed = std::current_exception();
   }
   all_ok(failed, "write its part of");
   try {
-    if (I.lay.rank == 0) {
-      const std::string text = layout_text(I.lay);
+    if (self.lay.rank == 0) {
+      const std::string text = layout_text(self.lay);
       optim::detail::write_new_file(tmp + "/distributed.txt", [&](int fd, const std::string& path) {
         optim::detail::write_all(fd, text.data(), text.size(), path);
       });
       optim::detail::publish_generation(dir, gen, "save_checkpoint");
-      I.pruner.start(dir, gen);
+      self.pruner.start(dir, gen);
     }
   } catch (...) {
     failed = std::current_exception();
@@ -350,7 +350,7 @@ void distributed_adamw::save_checkpoint(const std::string& dir) {
 }
 
 void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream) {
-  auto& I = *impl_;
+  auto& self = *impl_;
   DFA_EXPECTS(!dir.empty(), "distributed_adamw::load_checkpoint: directory is empty");
   std::exception_ptr failed;
   std::string gen_dir;
@@ -359,22 +359,22 @@ void distributed_adamw::load_checkpoint(const std::string& dir, stream_t stream)
     gen_dir = optim::detail::newest_generation(dir, "load_checkpoint");
     mine = static_cast<double>(optim::detail::scan_generations(dir, "load_checkpoint").newest_complete);
     const std::string text = optim::detail::read_text_file(gen_dir + "/distributed.txt", "load_checkpoint");
-    if (text != layout_text(I.lay))
+    if (text != layout_text(self.lay))
       throw corrupt_data("load_checkpoint: " + gen_dir + " was saved with another layout:\n" + text + "this run has:\n" +
-                         layout_text(I.lay));
+                         layout_text(self.lay));
   } catch (...) {
     failed = std::current_exception();
   }
   // Every rank must load the same generation.
   if (failed) mine = -1.0;
-  const std::vector<double> seen = I.gather_doubles(mine, nullptr);
+  const std::vector<double> seen = self.gather_doubles(mine, nullptr);
   if (failed) std::rethrow_exception(failed);
   for (std::size_t r = 0; r < seen.size(); ++r)
     if (seen[r] != mine)
       throw io_error("load_checkpoint: rank " + std::to_string(r) + " " +
                      (seen[r] < 0 ? "cannot load " + dir : "sees another newest generation in " + dir));
-  optim::detail::read_checkpoint_files(*I.opt, gen_dir + "/rank-" + std::to_string(I.lay.rank));
-  I.gather_params(stream);  // writes every rank's BF16 shard everywhere
+  optim::detail::read_checkpoint_files(*self.opt, gen_dir + "/rank-" + std::to_string(self.lay.rank));
+  self.gather_params(stream);  // writes every rank's BF16 shard everywhere
 }
 
 }  // namespace deferalloc::dist
