@@ -3,11 +3,20 @@
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
 #     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel] [nccl]
-#     [vmm_probe]
-#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel, nccl and
-#   vmm_probe: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL cycle,
-#   the file tier against the disk, the before/after comparisons, the wheel's build and check, the
-#   footprint of single-rank NCCL communicators, and the driver's VMM call costs (needs no build)).
+#     [vmm_probe] [sib]
+#   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel, nccl,
+#   vmm_probe and sib: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
+#   cycle, the file tier against the disk, the before/after comparisons, the wheel's build and check, the
+#   footprint of single-rank NCCL communicators, the driver's VMM call costs (needs no build), and the
+#   diagnosis of the step inside Megatron's backward).
+#   sib: benchmarks/megatron/sib.py, why step_in_backward costs more than the plain step under
+#   megatron-core (newest wheel of .whl/megatron/, in /tmp/site-mc; HybridModel 0.54 G params, host
+#   tier): resident, plain, inside, inside_noclip, inside_keep (keep_window:1), inside_b160m (bucket
+#   160 M), auto, inside_after (clip policy after), inside_nosync, one process each, 12 iterations
+#   (auto 16), medians of the last 8, beside the duplex pinned-copy bound; about 4-6 minutes after a
+#   build of deferalloc deferalloc_optimizer: a table, $R/sib.json.  DFA_SIB_SECONDS (default 420)
+#   bounds the step (variants that would not end in time are skipped), DFA_SIB_ARGS adds arguments
+#   (e.g. "--variants plain,inside,inside_noclip").
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 #   compare (and fp32pair) measure a build of .before/src.tar (git archive -o .before/src.tar BEFORE,
 #   carried: carry [".before"]) against this tree's build (build compare), or, with
@@ -238,6 +247,25 @@ if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
       --json "$R/test_megatron_gpu_$v.json" ${DFA_MEGATRON_ARGS:-}
     tail -24 "$L/megatron_$v.log"
   done
+fi
+if has sib; then
+  # The step inside Megatron's backward, diagnosed (the header says what runs): the newest
+  # megatron-core of .whl/megatron/ first on the path (the build step unpacked it into
+  # /tmp/site-mc; unpacked here when this call did not build).
+  sib_mc=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
+  if [ -n "$sib_mc" ] && [ ! -d /tmp/site-mc/megatron/core ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-mc \
+      "$sib_mc" > "$L/sib-wheel.log" 2>&1
+  fi
+  ssecs=${DFA_SIB_SECONDS:-420}
+  if [ ! -f "$DEFERALLOC_OPTIMIZER_LIB" ]; then
+    row sib "FAILED: no build in $B (run with build)"
+  else
+    # shellcheck disable=SC2086
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/site-mc:$PYTHONPATH run sib "$ssecs" python3 \
+      benchmarks/megatron/sib.py --json "$R/sib.json" --logs "$L/sib" --budget-s $((ssecs - 20)) ${DFA_SIB_ARGS:-}
+    sed -n '/^step inside backward diagnosis/,$p' "$L/sib.log"
+  fi
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);

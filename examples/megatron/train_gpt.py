@@ -528,8 +528,9 @@ def load(gpt, optimizer, directory: str) -> int:
 
 # ---- training -------------------------------------------------------------------------------
 
-def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, float]:
-    """One step: forward, backward, Megatron's grad sync, optimizer.step() (timed alone).
+def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool = True) -> tuple[float, float, float]:
+    """One step: forward, backward, Megatron's grad sync, optimizer.step() (timed alone: the
+    device synchronised before it, unless ``sync_before_step`` is False, and after it).
     Returns (loss, grad norm, optimizer-phase seconds)."""
     for g in optimizer.param_groups:
         g["lr"] = lr_at(args, step)
@@ -550,7 +551,7 @@ def train_step(args, ddp, optimizer, step: int, device) -> tuple[float, float, f
         ddp.finish_grad_sync()
     if dp_size() > 1 or model_parallel():
         loss = global_loss(loss)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and sync_before_step:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
@@ -600,6 +601,16 @@ def engine_stats(streamed) -> dict:
     return {k: sum(st[k] for st in stats) for k in keys}
 
 
+def start_sampling(sampler: HbmSampler) -> None:
+    """Note [HBM sampling]: the first steps' one-time allocations, cached free by torch's
+    allocator, are given back in every mode before sampling starts."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    sampler.start()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.directory:
@@ -624,13 +635,7 @@ def main(argv=None) -> int:
     warm = min(args.warmup_steps, max(0, len(steps) - 1))
     for k, step in enumerate(steps):
         if k == warm:
-            # Note [HBM sampling]: the first steps' one-time allocations, cached free by
-            # torch's allocator, are given back in every mode before sampling starts.
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            sampler.start()
+            start_sampling(sampler)
         if cuda:
             torch.cuda.synchronize()
         t_step = time.perf_counter()
