@@ -285,7 +285,7 @@ if has megatron_bench; then
   # shellcheck disable=SC2086
   megatron_script_step megatron_bench "$mbsecs" "megatron bench:" benchmarks/megatron/bench_megatron.py \
     --rows "${DFA_MB_ROWS:-host}" --dir /tmp --json-dir "$R" --logs "$L/megatron_bench" \
-    --budget-s $((mbsecs - 15)) ${DFA_MB_ARGS:-}
+    --budget-s $((mbsecs - 30)) ${DFA_MB_ARGS:-}
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);

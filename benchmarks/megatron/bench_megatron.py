@@ -31,8 +31,9 @@ Iterations: ``--steps`` (6) per row, medians of the last ``--median-of`` (4); fi
 ``--file-steps`` (4), the last ``--file-median-of`` (2).  A row is started only where it ends
 within ``--budget-s`` at the longest row's time so far (file rows: the longest file row's).
 ``--json-dir DIR`` writes DIR/megatron_bench_<model>_<rows>.json (benchmarks/bench_json.py's
-schema, benchmark "megatron_bench"): calls that measure other rows write other files, and
-benchmarks/plot.py shows every file of one data directory.
+schema, benchmark "megatron_bench"), rewritten after every row (extra.complete: whether the run
+ended): calls that measure other rows write other files, and benchmarks/plot.py shows every file
+of one data directory.
 
     PYTHONPATH=python:/tmp/site-mc DEFERALLOC_LIB=... DEFERALLOC_OPTIMIZER_LIB=... \\
       python3 benchmarks/megatron/bench_megatron.py --model 054 --rows host --json-dir out
@@ -203,6 +204,33 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
     return results, lines + verdicts
 
 
+def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], final: bool) -> dict:
+    """The bounds of the rows run so far, their JSON (--json-dir) and, ``final``, the table."""
+    # --smoke: a nominal 10 GB/s for the host tier's bound (no GPU), so that its code runs.
+    bnd = bounds(a, drv, dd_cache, 10e9 if a.smoke else bound.get("duplex_bytes_per_s"))
+    results, lines = results_and_table(drv, bnd, bound, dd_cache)
+    params = next((r["params"] for r in drv.raw.values()), None)
+    head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
+            f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
+            f"{a.file_median_of} of {a.file_steps}), {drv.spent():.0f} s")
+    if final:
+        print("\n" + head + "\n" + "\n".join(lines), flush=True)
+    if a.json_dir and results:
+        tag = "_".join(a.rows.split(","))
+        if len(tag) > 40:
+            tag = tag[:24] + "_" + hashlib.sha1(a.rows.encode()).hexdigest()[:8]
+        path = os.path.join(a.json_dir, f"megatron_bench_{'cpu' if a.smoke else a.model}_{tag}.json")
+        device = bound.get("device") or ("CPU (cpu_emulation)" if a.smoke else "unknown")
+        bench_json.write(path, "megatron_bench", results, device,
+                         extra={"notes": [head], "complete": final, "analysed": drv.analysed, "bounds": bnd,
+                                "bound": bound, "dd": list(dd_cache.values()), "params": params, "model": model,
+                                "rows": names, "took_s": drv.took, "table": lines,
+                                "builds_s": {n: r.get("build_s") for n, r in drv.raw.items()},
+                                "ballast": {n: {k: r[k] for k in ("ballast_bytes", "resident_target_bytes")}
+                                            for n, r in drv.raw.items() if "ballast_bytes" in r}})
+    return bnd
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="054", choices=list(MODELS))
@@ -262,27 +290,8 @@ def main(argv=None) -> int:
             t0 = drv.spent()
             bounds(a, drv, dd_cache, None, only=name)  # its dd now, inside the budget
             longest_file = max(longest_file, drv.took.get(name, 0.0) + drv.spent() - t0)
-    # --smoke: a nominal 10 GB/s for the host tier's bound (no GPU), so that its code runs.
-    bnd = bounds(a, drv, dd_cache, 10e9 if a.smoke else bound.get("duplex_bytes_per_s"))
-    results, lines = results_and_table(drv, bnd, bound, dd_cache)
-    params = next((r["params"] for r in drv.raw.values()), None)
-    head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
-            f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
-            f"{a.file_median_of} of {a.file_steps}), {drv.spent():.0f} s")
-    print("\n" + head + "\n" + "\n".join(lines), flush=True)
-    if a.json_dir:
-        tag = "_".join(a.rows.split(","))
-        if len(tag) > 40:
-            tag = tag[:24] + "_" + hashlib.sha1(a.rows.encode()).hexdigest()[:8]
-        path = os.path.join(a.json_dir, f"megatron_bench_{'cpu' if a.smoke else a.model}_{tag}.json")
-        device = bound.get("device") or ("CPU (cpu_emulation)" if a.smoke else "unknown")
-        bench_json.write(path, "megatron_bench", results, device,
-                         extra={"notes": [head], "analysed": drv.analysed, "bounds": bnd, "bound": bound,
-                                "dd": list(dd_cache.values()), "params": params, "model": model, "rows": names,
-                                "took_s": drv.took, "table": lines,
-                                "builds_s": {n: r.get("build_s") for n, r in drv.raw.items()},
-                                "ballast": {n: {k: r[k] for k in ("ballast_bytes", "resident_target_bytes")}
-                                            for n, r in drv.raw.items() if "ballast_bytes" in r}})
+        report(a, drv, bound, dd_cache, model, names, final=False)  # a call cut short keeps the rows done
+    bnd = report(a, drv, bound, dd_cache, model, names, final=True)
     # The last line (scripts/gpu_round.sh's summary row): iteration / bound per row.
     print("megatron_bench /bound: " + ", ".join(
         f"{n} {bnd[n]['ratio']:.2f}" if "ratio" in bnd.get(n, {}) else
