@@ -3,12 +3,12 @@
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
 #     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel] [nccl]
-#     [vmm_probe] [sib]
+#     [vmm_probe] [sib] [megatron_bench]
 #   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel, nccl,
-#   vmm_probe and sib: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
+#   vmm_probe, sib and megatron_bench: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
 #   cycle, the file tier against the disk, the before/after comparisons, the wheel's build and check, the
-#   footprint of single-rank NCCL communicators, the driver's VMM call costs (needs no build), and the
-#   diagnosis of the step inside Megatron's backward).
+#   footprint of single-rank NCCL communicators, the driver's VMM call costs (needs no build), the
+#   diagnosis of the step inside Megatron's backward and the Megatron benchmark).
 #   sib: benchmarks/megatron/sib.py, why step_in_backward costs more than the plain step under
 #   megatron-core (newest wheel of .whl/megatron/, in /tmp/site-mc; HybridModel 0.54 G params, host
 #   tier): resident, plain, inside, inside_noclip, inside_keep (keep_window:1), inside_b160m (bucket
@@ -17,6 +17,13 @@
 #   build of deferalloc deferalloc_optimizer: a table, $R/sib.json.  DFA_SIB_SECONDS (default 420)
 #   bounds the step (variants that would not end in time are skipped), DFA_SIB_ARGS adds arguments
 #   (e.g. "--variants plain,inside,inside_noclip").
+#   megatron_bench: benchmarks/megatron/bench_megatron.py (same megatron-core as sib), the rows
+#   DFA_MB_ROWS (default host: resident, hdo, plain/inside x fp32/bf16/int8 on the host tier, auto
+#   resident_mb plain/inside; file: the file-tier rows, 0.54 G model only; or row names) of one model
+#   (DFA_MB_ARGS, e.g. "--model gqa1b"; default the 0.54 G model), one process each beside its bound
+#   (duplex pinned copy, dd in /tmp); $R/megatron_bench_<model>_<rows>.json, one file per call, all
+#   shown by plot.py.  DFA_MB_SECONDS (default 570) bounds the step (rows that would not end in time
+#   are skipped: run the rest in another call).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 #   compare (and fp32pair) measure a build of .before/src.tar (git archive -o .before/src.tar BEFORE,
 #   carried: carry [".before"]) against this tree's build (build compare), or, with
@@ -248,24 +255,37 @@ if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
     tail -24 "$L/megatron_$v.log"
   done
 fi
-if has sib; then
-  # The step inside Megatron's backward, diagnosed (the header says what runs): the newest
-  # megatron-core of .whl/megatron/ first on the path (the build step unpacked it into
-  # /tmp/site-mc; unpacked here when this call did not build).
-  sib_mc=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
-  if [ -n "$sib_mc" ] && [ ! -d /tmp/site-mc/megatron/core ]; then
+# A benchmark of benchmarks/megatron/ (sib, megatron_bench; the header says what runs) on the
+# newest megatron-core of .whl/megatron/ first on the path (the build step unpacked it into
+# /tmp/site-mc; unpacked here when this call did not build): step name, seconds, the line its
+# table starts with, the script and its arguments.
+megatron_script_step() {
+  local n=$1 secs=$2 head=$3 mc
+  shift 3
+  mc=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
+  if [ -n "$mc" ] && [ ! -d /tmp/site-mc/megatron/core ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-mc \
-      "$sib_mc" > "$L/sib-wheel.log" 2>&1
+      "$mc" > "$L/$n-wheel.log" 2>&1
   fi
-  ssecs=${DFA_SIB_SECONDS:-420}
   if [ ! -f "$DEFERALLOC_OPTIMIZER_LIB" ]; then
-    row sib "FAILED: no build in $B (run with build)"
-  else
-    # shellcheck disable=SC2086
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/site-mc:$PYTHONPATH run sib "$ssecs" python3 \
-      benchmarks/megatron/sib.py --json "$R/sib.json" --logs "$L/sib" --budget-s $((ssecs - 20)) ${DFA_SIB_ARGS:-}
-    sed -n '/^step inside backward diagnosis/,$p' "$L/sib.log"
+    row "$n" "FAILED: no build in $B (run with build)"
+    return
   fi
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=/tmp/site-mc:$PYTHONPATH run "$n" "$secs" python3 "$@"
+  sed -n "/^$head/,\$p" "$L/$n.log"
+}
+if has sib; then
+  ssecs=${DFA_SIB_SECONDS:-420}
+  # shellcheck disable=SC2086
+  megatron_script_step sib "$ssecs" "step inside backward diagnosis" benchmarks/megatron/sib.py \
+    --json "$R/sib.json" --logs "$L/sib" --budget-s $((ssecs - 20)) ${DFA_SIB_ARGS:-}
+fi
+if has megatron_bench; then
+  mbsecs=${DFA_MB_SECONDS:-570}
+  # shellcheck disable=SC2086
+  megatron_script_step megatron_bench "$mbsecs" "megatron bench:" benchmarks/megatron/bench_megatron.py \
+    --rows "${DFA_MB_ROWS:-host}" --dir /tmp --json-dir "$R" --logs "$L/megatron_bench" \
+    --budget-s $((mbsecs - 30)) ${DFA_MB_ARGS:-}
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);

@@ -52,24 +52,20 @@ Exit 0 when every variant ran, 1 otherwise (--smoke: 77 without megatron-core).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-EXAMPLE_DIR = os.path.join(ROOT, "examples", "megatron")
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402  (the child process, the analysis, the driver: shared with bench_megatron.py)
 import bench_json  # noqa: E402
 
-# test_megatron_gpu's timing model (0.54 G params under megatron-core 0.19's HybridModel).
-MODEL = "--layers 8 --hidden 2048 --heads 16 --vocab 32768 --seq 512 --batch 2"
-SMOKE_MODEL = "--cpu-emulation --layers 1 --hidden 32 --heads 4 --vocab 64 --seq 16 --batch 2 --bucket-size 3000"
+MODEL, SMOKE_MODEL = _runner.MODEL_054, _runner.SMOKE_MODEL
 TIMING = ["--overlap-grad-reduce", "--clip-grad", "1e9"]
 HOST = ["--deferalloc", "host"]
 INSIDE = HOST + ["--step-in-backward"]
@@ -86,134 +82,6 @@ VARIANTS = {
     "inside_nosync": (TIMING + INSIDE, None, {"nosync": True}),
 }
 SMOKE_VARIANTS = ["resident", "plain", "inside", "inside_noclip", "inside_keep", "inside_nosync"]
-
-
-# ---- one variant, in its own process ----------------------------------------------------------
-
-class PassLog:
-    """Every engine pass of the streamed optimizers: host-clock interval, bytes each way,
-    the engine's own seconds, speculative or not (wraps each Engine's ``step``)."""
-
-    def __init__(self, streamed):
-        self.passes: list[dict] = []
-        self.discards = 0
-        for opt in streamed:
-            self._wrap(opt._engine)
-
-    def _wrap(self, engine) -> None:
-        step, discard = engine.step, engine.discard_speculation
-
-        def timed_step(grads, scale, stream, speculative=False):
-            t0 = time.perf_counter()
-            step(grads, scale, stream, speculative)
-            t1 = time.perf_counter()
-            st = engine.stats()
-            self.passes.append({"t0": t0, "t1": t1, "speculative": bool(speculative), "seconds": st["seconds"],
-                                "bytes": st["bytes_to_device"] + st["bytes_from_device"],
-                                "host": st["map_seconds"] + st["retire_seconds"], "pieces": st["pieces"]})
-
-        def counted_discard():
-            self.discards += 1
-            discard()
-        engine.step, engine.discard_speculation = timed_step, counted_discard
-
-
-def child(argv: list[str]) -> int:
-    """``--child NAME OUT STEPS NOSYNC train_gpt.py's options...``: one variant, its raw
-    figures as JSON in OUT."""
-    name, out, steps, nosync, argv = argv[1], argv[2], int(argv[3]), argv[4] == "1", argv[5:]
-    sys.path.insert(0, EXAMPLE_DIR)
-    import torch
-    import train_gpt as tg
-    args = tg.parse_args(argv + ["--steps", str(steps)])
-    tg.setup(args)
-    _, ddp, optimizer, streamed = tg.build(args)
-    device = torch.device("cpu") if args.cpu_emulation else torch.device("cuda", torch.cuda.current_device())
-    cuda = not args.cpu_emulation
-    log = PassLog(streamed)
-    backward_step = streamed[0].backward_step if streamed else None
-    marks = {}  # the current iteration's host-clock marks
-    zero = ddp.zero_grad_buffer
-
-    def timed_zero(*a, **k):
-        out_ = zero(*a, **k)
-        marks["zeroed"] = time.perf_counter()
-        return out_
-    ddp.zero_grad_buffer = timed_zero
-    sampler = tg.HbmSampler()
-    iters = []
-    for step in range(1, steps + 1):
-        if step == 2:  # as train_gpt's, after one step (its Note [HBM sampling])
-            tg.start_sampling(sampler)
-        if cuda:
-            torch.cuda.synchronize()
-        t_start = time.perf_counter()
-        loss, _, opt_s = tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not nosync)
-        t_end = time.perf_counter()
-        iters.append({"start": t_start, "zeroed": marks.get("zeroed", t_start), "fb_end": t_end - opt_s,
-                      "end": t_end, "loss": loss,
-                      "counts": dict(backward_step.stats()) if backward_step is not None else {}})
-    if backward_step is not None:
-        backward_step.synchronize()  # the last iteration's passes (the next forward would wait for them)
-    sampler.stop()
-    result = {"name": name, "argv": argv, "iterations": iters, "passes": log.passes, "discards": log.discards,
-              "peak_hbm": sampler.peak, "params": sum(p.numel() for p in ddp.parameters()),
-              "state_bytes": sum(s.stats()["state_bytes"] for s in streamed) if streamed else None}
-    if backward_step is not None and backward_step.aside is not None:
-        result["step_aside"] = backward_step.aside.stats()
-    with open(out, "w") as f:
-        json.dump(result, f)
-    del ddp, optimizer, streamed, backward_step
-    tg.teardown()
-    return 0
-
-
-def bound_child(argv: list[str]) -> int:
-    """The duplex pinned-copy rate each way (test_megatron_gpu's measurement), in its own
-    process so that the variants' cuMemGetInfo sees no other context.  ``--bound OUT``."""
-    out = argv[1]
-    import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests", "torch"))
-    from test_megatron_gpu import duplex_bandwidth
-    rate = duplex_bandwidth(torch) if torch.cuda.is_available() else None
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    with open(out, "w") as f:
-        json.dump({"duplex_bytes_per_s": rate, "device": f"{name}, torch {torch.__version__}"}, f)
-    return 0
-
-
-# ---- the analysis -----------------------------------------------------------------------------
-
-def overlap_seconds(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
-
-
-def analyse(r: dict, last: int) -> dict:
-    """Medians over the last ``last`` iterations: the iteration, its phases, the pass time in
-    each phase, passes and bytes per iteration; the counters' totals."""
-    all_its = r["iterations"]
-    rows = []
-    for i in range(max(0, len(all_its) - last), len(all_its)):
-        it = all_its[i]
-        nxt = all_its[i + 1]["start"] if i + 1 < len(all_its) else float("inf")
-        phases = {"wait": (it["start"], it["zeroed"]), "fb": (it["zeroed"], it["fb_end"]),
-                  "step": (it["fb_end"], it["end"])}
-        # Counted in the iteration they start in; their time in each phase they overlap.
-        mine = [p for p in r["passes"] if it["start"] <= p["t0"] < nxt]
-        near = [p for p in r["passes"] if p["t1"] > it["start"] and p["t0"] < it["end"]]
-        row = {"iteration": it["end"] - it["start"], "passes": len(mine),
-               "bytes": sum(p["bytes"] for p in mine), "pass_seconds": sum(p["t1"] - p["t0"] for p in mine),
-               "engine_host": sum(p["host"] for p in mine)}
-        for k, (a, b) in phases.items():
-            row[k] = max(0.0, b - a)
-            row[f"pass_in_{k}"] = sum(overlap_seconds(a, b, p["t0"], p["t1"]) for p in near)
-        rows.append(row)
-    med = {k: statistics.median(x[k] for x in rows) for k in rows[0]} if rows else {}
-    counts = r["iterations"][-1]["counts"] if r["iterations"] else {}
-    med.update(counts={**counts, "discards": r.get("discards", 0)}, peak_hbm=r.get("peak_hbm"),
-               per_iteration_ms=[round((x["end"] - x["start"]) * 1e3, 1) for x in r["iterations"]],
-               step_aside=r.get("step_aside"))
-    return med
 
 
 def verdicts(a: dict, bound_s: float | None) -> list[str]:
@@ -303,22 +171,8 @@ def report(a: dict, bound: dict, state_bytes: int | None) -> tuple[list, float |
     return lines + verdicts(a, bound_s), bound_s
 
 
-def run_child(cmd: list[str], env: dict, timeout: float, log: str) -> str:
-    """'' when the process ended with status 0, else why not (its output in ``log``)."""
-    with open(log, "w") as f:
-        try:
-            p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return f"timed out after {timeout:.0f} s"
-    return "" if p.returncode == 0 else f"rc {p.returncode}"
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        return child(argv)
-    if argv[:1] == ["--bound"]:
-        return bound_child(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", help="comma-separated, in this order (default: all; --smoke: "
                                        + ",".join(SMOKE_VARIANTS) + "); choices: " + ",".join(VARIANTS))
@@ -334,8 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, 3 iterations (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
-        import importlib.util
-        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        if not _runner.megatron_importable():
             print("SKIP: megatron-core not importable")
             return 77
         args.model, args.steps, args.median_of, args.window_mb = SMOKE_MODEL, 3, 2, 4
@@ -345,51 +198,20 @@ def main(argv=None) -> int:
         ap.error(f"unknown variants {bad} (choices: {', '.join(VARIANTS)})")
     logs = args.logs or tempfile.mkdtemp(prefix="dfa_sib_")
     os.makedirs(logs, exist_ok=True)
-    t_begin = time.perf_counter()
-    me = [sys.executable, os.path.abspath(__file__)]
-    bound = {}
-    why = "" if args.smoke else run_child(me + ["--bound", f"{logs}/bound.json"],
-                                          dict(os.environ), 60, f"{logs}/bound.log")
-    if not args.smoke and not why:
-        with open(f"{logs}/bound.json") as f:
-            bound = json.load(f)
-    print(f"[sib] bound: {bound or why or 'not measured (smoke)'}", flush=True)
-    analysed, raw, longest, failed = {}, {}, 0.0, []
+    drv = _runner.Driver("sib", logs, args.budget_s, args.timeout)
+    if args.smoke:
+        bound = {}
+        print("[sib] bound: not measured (smoke)", flush=True)
+    else:
+        bound = drv.bound()
     for i, name in enumerate(names):
         opts, conf, extra = VARIANTS[name]
         steps = args.steps if args.smoke else extra.get("steps", args.steps)
-        spent = time.perf_counter() - t_begin
-        if spent + max(longest, 1.0) * (1.4 if name == "auto" else 1.1) > args.budget_s:
-            analysed[name] = {"error": f"not started: {spent:.0f} s spent, the longest variant took {longest:.0f} s"}
-            print(f"[sib] {name}: {analysed[name]['error']}", flush=True)
-            failed.append(name)
-            continue
-        env = dict(os.environ)
-        env["MASTER_PORT"] = str(29600 + i)
-        if conf:
-            env["DEFERALLOC_CONF"] = ",".join(x for x in (os.environ.get("DEFERALLOC_CONF"), conf) if x)
-        out = f"{logs}/{name}.json"
-        cmd = me + ["--child", name, out, str(steps), "1" if extra.get("nosync") else "0"] \
-            + shlex.split(args.model) + ["--window-mb", str(args.window_mb)] + opts
-        t0 = time.perf_counter()
-        why = run_child(cmd, env, min(args.timeout, max(10.0, args.budget_s - spent)), f"{logs}/{name}.log")
-        took = time.perf_counter() - t0
-        longest = max(longest, took)
-        if os.path.exists(out):
-            with open(out) as f:
-                raw[name] = json.load(f)
-            last = min(args.median_of, max(1, len(raw[name]["iterations"]) - 1))
-            analysed[name] = analyse(raw[name], 8 if name == "auto" and not args.smoke else last)
-        else:
-            with open(f"{logs}/{name}.log") as f:
-                tail = f.read()[-3000:]
-            analysed[name] = {"error": f"failed ({why or 'no result'}); log {logs}/{name}.log"}
-            print(tail, flush=True)
-            failed.append(name)
-        m = analysed[name]
-        print(f"[sib] {name}: {took:.0f} s, " + (f"iteration {m['iteration'] * 1e3:.1f} ms, per iteration "
-                                                f"{m['per_iteration_ms']}" if "iteration" in m else m["error"]),
-              flush=True)
+        last = 8 if name == "auto" and not args.smoke else args.median_of
+        drv.run(name, shlex.split(args.model) + ["--window-mb", str(args.window_mb)] + opts,
+                {"steps": steps, "nosync": bool(extra.get("nosync"))}, last, conf=conf,
+                estimate=max(drv.longest, 1.0) * (1.4 if name == "auto" else 1.1), port=29600 + i)
+    analysed, raw, failed, t_begin = drv.analysed, drv.raw, drv.failed, drv.t_begin
     state_bytes = next((r["state_bytes"] for r in raw.values() if r.get("state_bytes")), None)
     params = next((r["params"] for r in raw.values()), None)
     lines, bound_s = report(analysed, bound, state_bytes)
@@ -410,16 +232,7 @@ def main(argv=None) -> int:
                 continue
             base = "plain: iteration" if name not in ("resident", "plain") and "iteration" in analysed.get("plain", {}) \
                 else None
-            results += [res(f"{name}: iteration", m["iteration"] * 1e3, "ms", base),
-                        res(f"{name}: optimizer step", m["step"] * 1e3, "ms"),
-                        res(f"{name}: zero_grad_buffer wait", m["wait"] * 1e3, "ms"),
-                        res(f"{name}: forward+backward", m["fb"] * 1e3, "ms"),
-                        res(f"{name}: engine passes", m["passes"], "count"),
-                        res(f"{name}: engine pass time", m["pass_seconds"] * 1e3, "ms"),
-                        res(f"{name}: pass time under forward+backward", m["pass_in_fb"] * 1e3, "ms"),
-                        res(f"{name}: link bytes", m["bytes"], "B"),
-                        res(f"{name}: peak HBM", (m["peak_hbm"] or 0) / 2**20, "MiB")]
-            results += [res(f"{name}: {k}", v, "count") for k, v in m["counts"].items() if isinstance(v, (int, float))]
+            results += _runner.variant_results(name, m, base)
         device = bound.get("device") or ("CPU (cpu_emulation)" if args.smoke else "unknown")
         bench_json.write(args.json, "sib", results, device,
                          extra={"analysed": analysed, "bound": bound, "state_bytes": state_bytes, "params": params,

@@ -96,6 +96,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--query-groups", type=int, default=None,
+                    help="TransformerConfig.num_query_groups (grouped-query attention); default: --heads (none)")
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4, help="global batch (split over the data-parallel ranks)")
@@ -281,7 +283,7 @@ def build_model_and_ddp(args):
     from megatron.core.transformer.module import Float16Module
 
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                            use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=True,
+                            num_query_groups=args.query_groups, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=True,
                             params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             deterministic_mode=not args.cpu_emulation)

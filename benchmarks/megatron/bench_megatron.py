@@ -1,0 +1,304 @@
+"""Megatron at the bound: every way of stepping the optimizer of examples/megatron/train_gpt.py, each row beside its bound.
+
+Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x sequence 512):
+  054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
+  gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
+         (train_gpt.py --query-groups), about 1.1 G params.
+Rows (``--rows``, comma-separated names or the sets host, file, all), one process each
+(benchmarks/megatron/_runner.py, as sib.py's variants):
+  resident                 Megatron's own optimizer (FP32 state in HBM)
+  hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
+                           as test_megatron_gpu runs it)
+  {plain,inside}_{fp32,bf16,int8}_{host,file}
+                           deferalloc, the plain step after backward or the step inside backward
+                           (step_in_backward=True), moment_dtype, tier (file: a directory under --dir)
+  auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
+                           the state streamed (_runner.py's Note [The auto budget's ballast])
+Every run but hdo uses DDP's overlap_grad_reduce and a clip_grad never reached (1e9), sib.py's
+settings; hdo runs as test_megatron_gpu's timing run does (the example's defaults).
+resident runs first whenever a deferalloc row is asked for (the bounds need its iteration).
+
+Bounds, measured in the same call: the transfer of the row's bytes each way (the engine's,
+per iteration; an inside row takes its plain twin's where that ran, so that speculation's redos
+do not raise its own bound) over the duplex pinned-copy rate (test_megatron_gpu's measurement,
+``--bound-mib`` MiB each way) on the host tier; on the file tier dd with direct I/O writing and
+reading exactly those bytes in --dir (benchmarks/optimizer/bench_file_tier.py's dd_bound: the
+faster of write-then-read and both at once; once per distinct byte count).  plain is judged
+against resident + transfer, inside against max(resident, transfer); HDO against the inside
+rows (issue targets: inside 1.5x faster than HDO with FP32 moments, 2.2x with BF16).
+
+Iterations: ``--steps`` (6) per row, medians of the last ``--median-of`` (4); file tier
+``--file-steps`` (4), the last ``--file-median-of`` (2).  A row is started only where it ends
+within ``--budget-s`` at the longest row's time so far (file rows: the longest file row's).
+``--json-dir DIR`` writes DIR/megatron_bench_<model>_<rows>.json (benchmarks/bench_json.py's
+schema, benchmark "megatron_bench"), rewritten after every row (extra.complete: whether the run
+ended): calls that measure other rows write other files, and benchmarks/plot.py shows every file
+of one data directory.
+
+    PYTHONPATH=python:/tmp/site-mc DEFERALLOC_LIB=... DEFERALLOC_OPTIMIZER_LIB=... \\
+      python3 benchmarks/megatron/bench_megatron.py --model 054 --rows host --json-dir out
+    python3 benchmarks/megatron/bench_megatron.py --smoke   # CPU: tiny model (train_gpt's --cpu-emulation)
+Exit 0 when every row ran, 1 otherwise (--smoke: 77 without megatron-core).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+import bench_json  # noqa: E402
+
+MODELS = {"054": _runner.MODEL_054,
+          "gqa1b": "--layers 22 --hidden 2048 --heads 16 --query-groups 4 --vocab 32768 --seq 512 --batch 2"}
+TIMING = ["--overlap-grad-reduce", "--clip-grad", "1e9"]
+DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "inside")
+
+
+def row_table() -> dict:
+    """name -> (train_gpt.py's options, the child's options, tier or None, the plain twin)."""
+    # HDO as test_megatron_gpu's timing run has it (the example's defaults: no overlap_grad_reduce,
+    # clip_grad 1.0), the run its figures in the docs come from.
+    rows = {"resident": (TIMING, {}, None, None), "hdo": (["--hdo"], {}, None, None)}
+    for tier in TIERS:
+        for dtype in DTYPES:
+            for mode in MODES:
+                opts = TIMING + ["--deferalloc", tier, "--moment-dtype", dtype]
+                rows[f"{mode}_{dtype}_{tier}"] = (opts + (["--step-in-backward"] if mode == "inside" else []), {},
+                                                  tier, f"plain_{dtype}_{tier}")
+    for mode in MODES:
+        opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
+        rows[f"auto_{mode}_host"] = (opts + (["--step-in-backward"] if mode == "inside" else []),
+                                     {"streamed_fraction": 0.5}, "host", "auto_plain_host")
+    return rows
+
+
+ROWS = row_table()
+SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in MODES]
+        + ["auto_plain_host", "auto_inside_host"],
+        "file": [f"{m}_{d}_file" for d in DTYPES for m in MODES]}
+SETS["all"] = SETS["host"] + SETS["file"]
+SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "plain_int8_file", "auto_plain_host"]
+
+
+def expand(spec: str) -> list[str]:
+    names = []
+    for part in spec.split(","):
+        for n in SETS.get(part, [part]):
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def bounds(a, drv, dd_cache: dict, rate: float | None, only: str | None = None) -> dict:
+    """name -> {transfer_s, how, bound_s, ratio} of every deferalloc row that ran (or of
+    ``only``; the file tier's dd measured here where ``dd_cache`` lacks its bytes)."""
+    res = drv.analysed.get("resident", {}).get("iteration")
+    out = {}
+    for name, m in drv.analysed.items():
+        spec = ROWS[name]
+        if "iteration" not in m or spec[2] is None or only not in (None, name):
+            continue
+        twin = drv.analysed.get(spec[3], {})
+        src = twin if "iteration" in twin else m
+        rb, wb = int(src["to_bytes"]), int(src["from_bytes"])
+        if spec[2] == "host":
+            if not rate:
+                continue
+            transfer, how = max(rb, wb) / rate, f"duplex pinned copy {rate / 1e9:.1f} GB/s each way"
+        else:
+            key = (rb >> 24, wb >> 24)
+            if key not in dd_cache:
+                try:
+                    dd_cache[key] = _runner.dd_bound(a.dir, rb, wb, smoke=a.smoke)
+                except Exception as e:  # noqa: BLE001 - a bound that failed is reported, the row kept
+                    dd_cache[key] = {"error": str(e)}
+            dd = dd_cache[key]
+            if "bound_s" not in dd:
+                continue
+            transfer = dd["bound_s"]
+            how = f"dd direct I/O, {'both at once' if dd['at_once_s'] <= dd['sequential_s'] else 'write then read'}"
+        b = {"transfer_s": transfer, "how": how, "read_bytes": rb, "write_bytes": wb}
+        if res:
+            inside = name.startswith("inside") or name == "auto_inside_host"
+            b["bound_s"] = max(res, transfer) if inside else res + transfer
+            b["ratio"] = m["iteration"] / b["bound_s"]
+        out[name] = b
+    return out
+
+
+def peak_of(drv, name: str) -> int:
+    """Peak HBM of a row less its ballast (Note [The auto budget's ballast] in _runner.py)."""
+    return (drv.analysed[name].get("peak_hbm") or 0) - drv.raw.get(name, {}).get("ballast_bytes", 0)
+
+
+def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list, list]:
+    res = bench_json.result
+    results, lines = [], []
+    if bound.get("duplex_bytes_per_s"):
+        results.append(res("pinned copy duplex (each way)", bound["duplex_bytes_per_s"] / 1e9, "GB/s"))
+    lines.append(f"{'row':<18} {'iter ms':>8} {'bound ms':>9} {'/bound':>7} {'transfer':>9} {'read GB':>8} "
+                 f"{'write GB':>8} {'step ms':>8} {'peak GiB':>8}")
+    for name, m in drv.analysed.items():
+        if "iteration" not in m:
+            lines.append(f"{name:<18} {m.get('error', 'failed')}")
+            continue
+        b = bnd.get(name, {})
+        # The plot's pairs: each deferalloc row beside its bound, HDO beside the FP32 step inside backward.
+        base = f"{name}: bound" if "bound_s" in b else \
+            "inside_fp32_host: iteration" if name == "hdo" and "iteration" in drv.analysed.get("inside_fp32_host", {}) \
+            else None
+        results.append(res(f"{name}: iteration", m["iteration"] * 1e3, "ms", base))
+        if "bound_s" in b:
+            results += [res(f"{name}: bound", b["bound_s"] * 1e3, "ms"),
+                        res(f"{name}: iteration / bound", b["ratio"], "x")]
+        if "transfer_s" in b:
+            results.append(res(f"{name}: transfer ({b['how']})", b["transfer_s"] * 1e3, "ms"))
+        results += [res(f"{name}: optimizer step", m["step"] * 1e3, "ms"),
+                    res(f"{name}: link bytes read", m["to_bytes"], "B"),
+                    res(f"{name}: link bytes written", m["from_bytes"], "B"),
+                    res(f"{name}: peak HBM (ballast excluded)", peak_of(drv, name) / 2**20, "MiB")]
+        lines.append(f"{name:<18} {m['iteration'] * 1e3:8.1f} "
+                     + (f"{b['bound_s'] * 1e3:9.1f} {b['ratio']:7.2f} " if "bound_s" in b else f"{'-':>9} {'-':>7} ")
+                     + (f"{b['transfer_s'] * 1e3:9.1f} " if "transfer_s" in b else f"{'-':>9} ")
+                     + f"{m['to_bytes'] / 1e9:8.2f} {m['from_bytes'] / 1e9:8.2f} {m['step'] * 1e3:8.1f} "
+                       f"{peak_of(drv, name) / 2**30:8.2f}")
+    it = {n: m["iteration"] for n, m in drv.analysed.items() if "iteration" in m}
+    verdicts = []
+    for name, b in bnd.items():
+        if "ratio" in b:
+            target = 1.15 if "inside" in name else 1.1
+            verdicts.append(f"{name}: {b['ratio']:.2f}x its bound (target <= {target})"
+                            + ("" if b["ratio"] <= target else " MISSED"))
+    for name in it:
+        if "inside" in name:
+            plain = name.replace("inside", "plain")
+            if plain in it:
+                r = it[name] / it[plain]
+                results.append(res(f"{name}: iteration / {plain}'s", r, "x"))
+                verdicts.append(f"{name} / {plain}: {r:.2f}x (target <= 1)" + ("" if r <= 1.0 else " MISSED"))
+    for dtype, target in (("fp32", 1.5), ("bf16", 2.2)):
+        name = f"inside_{dtype}_host"
+        if "hdo" in it and name in it:
+            r = it["hdo"] / it[name]
+            results.append(res(f"hdo / {name}", r, "x"))
+            verdicts.append(f"HDO / {name}: {r:.2f}x faster (target >= {target})" + ("" if r >= target else " MISSED"))
+    for dtype, target in (("bf16", 1.35), ("int8", 1.7)):
+        a, b = drv.analysed.get("plain_fp32_file", {}), drv.analysed.get(f"plain_{dtype}_file", {})
+        if "step" in a and "step" in b and b["step"]:
+            r = a["step"] / b["step"]
+            results.append(res(f"plain_{dtype}_file: step speed-up over fp32", r, "x"))
+            verdicts.append(f"file tier step, {dtype} over fp32: {r:.2f}x (target >= {target})"
+                            + ("" if r >= target else " MISSED"))
+    for dd in dd_cache.values():
+        if "bound_s" in dd:
+            results.append(res(f"dd bound, read {dd['read_bytes'] / 1e9:.2f} GB + write {dd['write_bytes'] / 1e9:.2f} "
+                               "GB", dd["bound_s"] * 1e3, "ms"))
+    return results, lines + verdicts
+
+
+def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], final: bool) -> dict:
+    """The bounds of the rows run so far, their JSON (--json-dir) and, ``final``, the table."""
+    # --smoke: a nominal 10 GB/s for the host tier's bound (no GPU), so that its code runs.
+    bnd = bounds(a, drv, dd_cache, 10e9 if a.smoke else bound.get("duplex_bytes_per_s"))
+    results, lines = results_and_table(drv, bnd, bound, dd_cache)
+    params = next((r["params"] for r in drv.raw.values()), None)
+    head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
+            f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
+            f"{a.file_median_of} of {a.file_steps}), {drv.spent():.0f} s")
+    if final:
+        print("\n" + head + "\n" + "\n".join(lines), flush=True)
+    if a.json_dir and results:
+        tag = "_".join(a.rows.split(","))
+        if len(tag) > 40:
+            tag = tag[:24] + "_" + hashlib.sha1(a.rows.encode()).hexdigest()[:8]
+        path = os.path.join(a.json_dir, f"megatron_bench_{'cpu' if a.smoke else a.model}_{tag}.json")
+        device = bound.get("device") or ("CPU (cpu_emulation)" if a.smoke else "unknown")
+        bench_json.write(path, "megatron_bench", results, device,
+                         extra={"notes": [head], "complete": final, "analysed": drv.analysed, "bounds": bnd,
+                                "bound": bound, "dd": list(dd_cache.values()), "params": params, "model": model,
+                                "rows": names, "took_s": drv.took, "table": lines,
+                                "builds_s": {n: r.get("build_s") for n, r in drv.raw.items()},
+                                "ballast": {n: {k: r[k] for k in ("ballast_bytes", "resident_target_bytes")}
+                                            for n, r in drv.raw.items() if "ballast_bytes" in r}})
+    return bnd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="054", choices=list(MODELS))
+    ap.add_argument("--model-args", help="train_gpt.py's model options, one string (instead of --model's)")
+    ap.add_argument("--rows", default="host", help="names or sets (host, file, all), comma-separated; choices: "
+                                                   + ",".join(ROWS))
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
+    ap.add_argument("--window-mb", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--median-of", type=int, default=4)
+    ap.add_argument("--file-steps", type=int, default=4)
+    ap.add_argument("--file-median-of", type=int, default=2)
+    ap.add_argument("--bound-mib", type=int, default=2048, help="the duplex copy's size each way")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds one row's process may take")
+    ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--json-dir", help="write megatron_bench_<model>_<rows>.json here")
+    ap.add_argument("--logs", help="keep each process's output here (default: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, 3 iterations, " + ",".join(SMOKE_ROWS))
+    a = ap.parse_args(argv)
+    model = a.model_args or MODELS[a.model]
+    names = expand(a.rows)
+    if a.smoke:
+        if not _runner.megatron_importable():
+            print("SKIP: megatron-core not importable")
+            return 77
+        # 16 MiB: int8 moments on the file tier need 12 MiB a piece in flight.
+        model, names, a.window_mb, a.rows = _runner.SMOKE_MODEL, list(SMOKE_ROWS), 16, "smoke"
+        a.steps = a.file_steps = 3
+        a.median_of = a.file_median_of = 2
+    bad = [n for n in names if n not in ROWS]
+    if bad:
+        ap.error(f"unknown rows {bad} (choices: {', '.join(ROWS)}, or {', '.join(SETS)})")
+    if any(ROWS[n][2] for n in names) and "resident" not in names:
+        names.insert(0, "resident")
+    if a.model == "gqa1b" and not a.model_args and any(ROWS[n][2] == "file" for n in names):
+        ap.error("the file-tier rows run on the 054 model (the disk's 64 GiB)")
+    logs = a.logs or tempfile.mkdtemp(prefix="dfa_mb_")
+    os.makedirs(logs, exist_ok=True)
+    drv = _runner.Driver("megatron_bench", logs, a.budget_s, a.timeout)
+    bound = {} if a.smoke else drv.bound(a.bound_mib)
+    longest_file, dd_cache = 0.0, {}
+    for i, name in enumerate(names):
+        opts, child_opts, tier, _ = ROWS[name]
+        file = tier == "file"
+        argv_ = shlex.split(model) + ["--window-mb", str(a.window_mb)] + opts
+        state_dir = os.path.join(a.dir, f"dfa-mb-{name}")
+        if file:
+            argv_ += ["--directory", state_dir]
+        # A file row with none before it: 2.5x the longest host row (its state file, slower
+        # iterations and its dd after it).
+        estimate = (longest_file * 1.1 if longest_file else max(drv.longest, 1.0) * 2.5) if file else \
+            max(drv.longest, 1.0) * 1.1
+        drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},
+                a.file_median_of if file else a.median_of, estimate=estimate, port=29650 + i)
+        if file:
+            shutil.rmtree(state_dir, ignore_errors=True)  # the disk holds one state file at a time
+            t0 = drv.spent()
+            bounds(a, drv, dd_cache, None, only=name)  # its dd now, inside the budget
+            longest_file = max(longest_file, drv.took.get(name, 0.0) + drv.spent() - t0)
+        report(a, drv, bound, dd_cache, model, names, final=False)  # a call cut short keeps the rows done
+    bnd = report(a, drv, bound, dd_cache, model, names, final=True)
+    # The last line (scripts/gpu_round.sh's summary row): iteration / bound per row.
+    print("megatron_bench /bound: " + ", ".join(
+        f"{n} {bnd[n]['ratio']:.2f}" if "ratio" in bnd.get(n, {}) else
+        f"{n} {m['iteration'] * 1e3:.0f}ms" if "iteration" in m else f"{n} -" for n, m in drv.analysed.items()),
+        flush=True)
+    return 1 if drv.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
