@@ -42,6 +42,12 @@ add_test(NAME readme_examples_gpu COMMAND ${dfa_readme_cmd} --work ${PROJECT_BIN
 set_tests_properties(readme_examples PROPERTIES LABELS "pip;torch" TIMEOUT 900 FIXTURES_REQUIRED pip_venv)
 set_tests_properties(readme_examples_gpu PROPERTIES LABELS "pip;torch;gpu" TIMEOUT 900 FIXTURES_REQUIRED pip_venv
                      SKIP_RETURN_CODE 77)
+# A megatron-core kept outside the interpreter (DEFERALLOC_MEGATRON_PATH, as the Megatron tests
+# take it) reaches the pip venv too, so that the Megatron pages' and examples' commands run
+# instead of being skipped as "megatron.core is not importable".
+if(DEFERALLOC_MEGATRON_PATH)
+  set_tests_properties(readme_examples readme_examples_gpu PROPERTIES ENVIRONMENT "PYTHONPATH=${DEFERALLOC_MEGATRON_PATH}")
+endif()
 
 # The library's log messages in Python's logging (python/deferalloc/_logging.py).
 add_test(NAME python_logging COMMAND ${DEFERALLOC_PYTHON} ${PROJECT_SOURCE_DIR}/tests/packaging/test_logging.py)
