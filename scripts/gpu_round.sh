@@ -345,6 +345,34 @@ if has wheel; then
     tail -8 "$L/wheel_check.log"
   fi
 fi
+# tar_commit FILE: the commit a git archive tarball was made of (its pax header), else unknown.
+tar_commit() {
+  git get-tar-commit-id < "$1" 2> /dev/null || python3 -c '
+import sys, tarfile
+c = tarfile.open(sys.argv[1]).pax_headers.get("comment", "")
+if not c:
+  sys.exit(1)
+print(c)' "$1" 2> /dev/null || echo unknown
+}
+# side_build STEP SIDE TAR SRC BLD: TAR unpacked into SRC, built in BLD with the libraries and the
+# compared benchmarks (the options and target names of the build step, which older trees share).
+# BLD is emptied unless it was built from the same commit: git archive gives every file the
+# commit's time, so ninja would miss the files of a different commit that are older than BLD.
+side_build() {
+  local step=$1 side=$2 tar=$3 src=$4 bld=$5 id prefix b0=$SECONDS
+  prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+  id=$(tar_commit "$tar")
+  if [ "$id" = unknown ] || [ "$(cat "$bld/.dfa-commit" 2> /dev/null)" != "$id" ]; then rm -rf "$bld"; fi
+  rm -rf "$src" && mkdir -p "$src" "$bld" && tar -C "$src" -xf "$tar" &&
+    cmake -S "$src" -B "$bld" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DDEFERALLOC_BUILD_BENCHMARKS=ON -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON \
+      -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/$side-configure.log" 2>&1 &&
+    cmake --build "$bld" -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
+      > "$L/$side-build.log" 2>&1 && echo "$id" > "$bld/.dfa-commit" &&
+    row "$step: $side build" "ok $((SECONDS - b0)) s ($id)" && return 0
+  row "$step: $side build" "FAILED (logs: $side-configure.log, $side-build.log)"
+  return 1
+}
 if has fp32pair; then
   # StreamedAdamW's host-tier step with FP32 parameters, the before build (.before/src.tar,
   # carried as for compare; its libraries and Python package) and this tree's, alternating,
@@ -353,13 +381,7 @@ if has fp32pair; then
     row fp32pair "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
   else
     BS=/tmp/dfa-before-src BB=${DFA_BEFORE_BUILD_DIR:-/tmp/dfa-before-build}
-    if [ ! -f $BB/optimizer/libdeferalloc_optimizer.so ]; then
-      rm -rf $BS && mkdir -p $BS && tar -C $BS -xf .before/src.tar
-      cmake -S $BS -B $BB -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DDEFERALLOC_BUILD_TESTS=OFF -DDEFERALLOC_BUILD_BENCHMARKS=OFF -DDEFERALLOC_BUILD_EXAMPLES=OFF \
-        > "$L/before-configure.log" 2>&1 && cmake --build $BB -j"$(nproc)" --target deferalloc deferalloc_optimizer \
-        > "$L/before-build.log" 2>&1 || row fp32pair "before build failed (before-build.log)"
-    fi
+    side_build fp32pair before .before/src.tar $BS $BB &&
     for rep in $(seq 1 "${DFA_FP32_REPS:-2}"); do
       if [ $((rep % 2)) -eq 1 ]; then sides=(before after); else sides=(after before); fi
       for side in "${sides[@]}"; do
@@ -409,33 +431,6 @@ if has compare; then
   # first repetition (a later call goes on from there, and so alternates the order).  A pair is
   # started only when it can end before DFA_COMPARE_DEADLINE seconds from the script's start
   # (default 570, a call being 600): a call then ends with what it measured instead of being cut.
-  # tar_commit FILE: the commit a git archive tarball was made of (its pax header), else unknown.
-  tar_commit() {
-    git get-tar-commit-id < "$1" 2> /dev/null || python3 -c '
-import sys, tarfile
-c = tarfile.open(sys.argv[1]).pax_headers.get("comment", "")
-if not c:
-    sys.exit(1)
-print(c)' "$1" 2> /dev/null || echo unknown
-  }
-  # side_build SIDE TAR SRC BLD: TAR unpacked into SRC, built in BLD with the libraries and the
-  # compared benchmarks (the options and target names of the build step, which older trees share).
-  # BLD is emptied unless it was built from the same commit: git archive gives every file the
-  # commit's time, so ninja would miss the files of a different commit that are older than BLD.
-  side_build() {
-    local side=$1 tar=$2 src=$3 bld=$4 id b0=$SECONDS
-    id=$(tar_commit "$tar")
-    if [ "$id" = unknown ] || [ "$(cat "$bld/.dfa-commit" 2> /dev/null)" != "$id" ]; then rm -rf "$bld"; fi
-    rm -rf "$src" && mkdir -p "$src" "$bld" && tar -C "$src" -xf "$tar" &&
-      cmake -S "$src" -B "$bld" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DDEFERALLOC_BUILD_BENCHMARKS=ON -DCMAKE_PREFIX_PATH="$prefix" -DDEFERALLOC_WITH_TORCH=ON \
-        -DDEFERALLOC_PYTHON="$(command -v python3)" > "$L/$side-configure.log" 2>&1 &&
-      cmake --build "$bld" -j"$(nproc)" --target deferalloc deferalloc_optimizer bench_reservations bench_optimizer \
-        > "$L/$side-build.log" 2>&1 && echo "$id" > "$bld/.dfa-commit" &&
-      row "compare: $side build" "ok $((SECONDS - b0)) s ($id)" && return 0
-    row "compare: $side build" "FAILED (logs: $side-configure.log, $side-build.log)"
-    return 1
-  }
   if [ ! -f .before/src.tar ]; then
     row compare "no .before/src.tar (git archive -o .before/src.tar COMMIT, carried)"
   elif bad=$(for g in ${DFA_COMPARE_BENCHES:-}; do
@@ -456,9 +451,8 @@ print(c)' "$1" 2> /dev/null || echo unknown
     fi
     before_id=$(tar_commit .before/src.tar)
     row "compare: sides" "before $before_id / after $after_id"
-    prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-    if side_build before .before/src.tar $BS $BB &&
-       { [ ! -f .before/after.tar ] || side_build after .before/after.tar $AS $AB; }; then
+    if side_build compare before .before/src.tar $BS $BB &&
+       { [ ! -f .before/after.tar ] || side_build compare after .before/after.tar $AS $AB; }; then
       mkdir -p "$R/compare"
       gpu=$(cut -d, -f1 "$L/gpu.txt" | head -1)
       oargs=${DFA_COMPARE_OVERLAP_ARGS-"--parts bound,split"}
