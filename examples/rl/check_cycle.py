@@ -237,15 +237,11 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
     for name, r in runs.items():
         mode = f" (hook_mode {r['args']['hook_mode']})" if r and r["args"]["saver"] != "none" else ""
         rows.append((f"{name}: ran{mode}", "ok" if r else "failed", r is not None))
-        if r and r["args"].get("nccl_cumem_off"):
-            seen = r.get("trainer_built", {}).get("nccl_cumem_enable")
-            rows.append((f"{name}: its trainer ran with NCCL_CUMEM_ENABLE=0 (--nccl-cumem-off)", repr(seen),
-                         seen == "0"))
-        if r and r["args"].get("nccl_small"):
-            import colocated
+        want = r and trainer_nccl_wanted(r["args"])
+        if want:  # --nccl-cumem-off and --nccl-small: what the trainer's NCCL saw
             seen = r.get("trainer_built", {}).get("nccl_environment", {})
-            want = colocated.NCCL_SMALL
-            rows.append((f"{name}: its trainer ran with NCCL's 1 MiB buffers and one channel (--nccl-small)",
+            flags = " ".join(f for f in ("--nccl-cumem-off", "--nccl-small") if r["args"].get(f[2:].replace("-", "_")))
+            rows.append((f"{name}: its trainer ran with {', '.join(f'{k}={v}' for k, v in want.items())} ({flags})",
                          repr({k: seen.get(k) for k in want}), all(seen.get(k) == v for k, v in want.items())))
     d, n, k, res = (runs.get(x) for x in ("deferalloc", "none", "killed", "resumed"))
     if d:
@@ -354,6 +350,13 @@ def launcher_environment() -> tuple:
     except Exception as e:  # noqa: BLE001 - the check's value
         ok, value = False, f"{type(e).__name__}: {e}"
     return ("launcher: each child started in its own saver environment (preload form, twice)", value, ok)
+
+
+def trainer_nccl_wanted(run_args: dict) -> dict:
+    """The NCCL variables a run's trainer must have run with (its --nccl-* flags)."""
+    import colocated
+    return colocated.trainer_environment(argparse.Namespace(nccl_cumem_off=run_args.get("nccl_cumem_off", False),
+                                                            nccl_small=run_args.get("nccl_small", False)))
 
 
 def trainer_nccl_setting() -> tuple:

@@ -367,7 +367,7 @@ def trainer_main(conn, args) -> None:
     conn.send(("built", {"first_step": first, "layout": layout, "path": path, "bytes": offset,
                          "params": sum(p.numel() for _, p in params), "model_class": type(gpt).__name__,
                          "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist(),
-                         "held": sleeper.held(), "nccl_cumem_enable": os.environ.get("NCCL_CUMEM_ENABLE"),
+                         "held": sleeper.held(),
                          "nccl_environment": {k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ}}))
     while True:
         msg = conn.recv()
