@@ -27,8 +27,8 @@ An example whose Python module is missing (megatron-core) is skipped with the re
 written, from the repository root (`python` is --python, `torchrun` is --python -m
 torch.distributed.run, leading VAR=value words are the environment): a line that starts
 with `python ` or `torchrun ` (after VAR=value words; a trailing `\\` continues it; a
-trailing `# comment` is dropped).  One that names --cpu or --cpu-emulation runs on the host
-driver; any other needs a GPU and runs with --driver cuda only.  A docstring must not set
+trailing `# comment` is dropped).  One that names --cpu or --cpu-emulation runs with --driver
+host only; any other needs a GPU and runs with --driver cuda only.  A docstring must not set
 DEFERALLOC_LIB (a pip user has no build tree).  Every command run is printed at the end.
 """
 import argparse
@@ -279,8 +279,9 @@ def main(argv):
             run([a.python, os.path.join(ROOT, ex.path), *ex.args[a.driver]], env=env, cwd=a.work)
         ran.append(ex.name)
     for where, cenv, words, gpu in commands:
-        if gpu and a.driver != "cuda":
-            print(f"readme_examples: {where} needs a GPU: not run on the {a.driver} driver: {' '.join(words)}")
+        if gpu != (a.driver == "cuda"):  # a CPU command (train_gpt.py --cpu-emulation refuses a GPU)
+            why = "needs a GPU" if gpu else "is a CPU command (--cpu, --cpu-emulation)"
+            print(f"readme_examples: {where} {why}: not run on the {a.driver} driver: {' '.join(words)}")
             continue
         module = next((m for p, m in NEEDS.items() if where.startswith(p)), None)
         if module and subprocess.run([a.python, "-c", f"import {module}"], env=env,
