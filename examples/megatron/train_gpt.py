@@ -452,7 +452,8 @@ def batch(args, step: int, device):
 # ln(vocab) toward ln(states) (which tokens occur) and then toward ln(PATTERN_SUCCESSORS) =
 # 1.39 (which follow which; a little lower where successors repeat): a bigram table, which
 # the embedding and output layer learn directly (no plateau, unlike copying n-grams, which
-# needs induction heads).
+# needs induction heads).  On the CPU with the defaults' vocab, sequence, batch and lr (2
+# layers, hidden 128): 10.43 at step 1, 7.26 at 100, 5.78 at 200.
 # Limits: the rows are made token by token (seq iterations on the CPU, a few ms a step).
 PATTERN_STATES, PATTERN_SUCCESSORS = 2048, 4
 _CHAINS: dict = {}
