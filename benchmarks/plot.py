@@ -129,10 +129,13 @@ def generate(template: str, data: dict, img_rel: str) -> str:
 
 def plot(path: str, doc: dict, out_dir: str) -> str:
     """Bars of every result compared with a baseline beside its baseline (all results when
-    none is), one panel per unit."""
+    none is), one panel per unit; a file with ``extra.curves`` ({label: [value per step]},
+    megatron_loss_curves) is drawn as those curves instead."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    if isinstance(doc["extra"].get("curves"), dict):
+        return plot_curves(path, doc, out_dir, plt)
     by_name = {r["name"]: r for r in doc["results"]}
     pairs = [(r, by_name[r["baseline"]]) for r in doc["results"] if r["baseline"]]
     if not pairs:
@@ -159,6 +162,37 @@ def plot(path: str, doc: dict, out_dir: str) -> str:
         if with_base:
             ax.legend(fontsize=7)
     axes[0, 0].set_title(f"{doc['benchmark']} on {doc['device']}", fontsize=9)
+    return save(fig, plt, path, out_dir)
+
+
+def plot_curves(path: str, doc: dict, out_dir: str, plt) -> str:
+    """Each curve of ``extra.curves`` against its step (from 1); with ``extra.reference`` (a
+    curve's label) and ``extra.window`` (steps), below it each other curve's mean over the
+    trailing window relative to the reference's (where differences too small to see above show)."""
+    extra = doc["extra"]
+    curves, ref, w = extra["curves"], extra.get("reference"), int(extra.get("window") or 1)
+    below = [k for k in curves if ref in curves and k != ref and len(curves[k]) == len(curves[ref]) >= w]
+    fig, axes = plt.subplots(2 if below else 1, 1, figsize=(9, 7 if below else 4), squeeze=False)
+    color = {k: f"C{i}" for i, k in enumerate(curves)}
+    for label, ys in curves.items():
+        axes[0, 0].plot(range(1, len(ys) + 1), ys, label=label, linewidth=1, color=color[label],
+                        linestyle="--" if label == "resident" else "-")
+    mean = lambda ys: [sum(ys[i - w + 1:i + 1]) / w for i in range(w - 1, len(ys))]  # noqa: E731
+    for label in below:
+        a, b = mean(curves[label]), mean(curves[ref])
+        axes[1, 0].plot(range(w, len(b) + w), [100 * (x - y) / y for x, y in zip(a, b)], label=label, linewidth=1,
+                        color=color[label])
+    ylabels = ["loss", f"{w}-step mean vs {ref} (%)"]
+    for ax, ylabel in zip(axes[:, 0], ylabels):
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0, 0].set_title(f"{doc['benchmark']} on {doc['device']}", fontsize=9)
+    return save(fig, plt, path, out_dir)
+
+
+def save(fig, plt, path: str, out_dir: str) -> str:
     fig.text(0.01, 0.005, f"data: {path}", fontsize=6, color="gray")
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     os.makedirs(out_dir, exist_ok=True)

@@ -3,12 +3,12 @@
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
 #     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel] [nccl]
-#     [vmm_probe] [sib] [megatron_bench]
+#     [vmm_probe] [sib] [megatron_bench] [curves]
 #   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel, nccl,
-#   vmm_probe, sib and megatron_bench: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
+#   vmm_probe, sib, megatron_bench and curves: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
 #   cycle, the file tier against the disk, the before/after comparisons, the wheel's build and check, the
 #   footprint of single-rank NCCL communicators, the driver's VMM call costs (needs no build), the
-#   diagnosis of the step inside Megatron's backward and the Megatron benchmark).
+#   diagnosis of the step inside Megatron's backward, the Megatron benchmark and its loss curves).
 #   sib: benchmarks/megatron/sib.py, why step_in_backward costs more than the plain step under
 #   megatron-core (newest wheel of .whl/megatron/, in /tmp/site-mc; HybridModel 0.54 G params, host
 #   tier): resident, plain, inside, inside_noclip, inside_keep (keep_window:1), inside_b160m (bucket
@@ -24,6 +24,11 @@
 #   (duplex pinned copy, dd in /tmp); $R/megatron_bench_<model>_<rows>.json, one file per call, all
 #   shown by plot.py.  DFA_MB_SECONDS (default 570) bounds the step (rows that would not end in time
 #   are skipped: run the rest in another call).
+#   curves: benchmarks/megatron/loss_curves.py (same megatron-core as sib): Megatron's own optimizer
+#   and the host tier with fp32, bf16 and int8 moments, 200 steps each of a 17 M-param model on
+#   train_gpt's --data pattern, one process each; fp32 bit-identical to Megatron's at every step,
+#   bf16 / int8 within its tolerance; $R/megatron_loss_curves.json (plot.py draws the curves).
+#   DFA_CURVES_SECONDS (default 570) bounds the step, DFA_CURVES_ARGS adds arguments.
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 #   compare (and fp32pair) measure a build of .before/src.tar (git archive -o .before/src.tar BEFORE,
 #   carried: carry [".before"]) against this tree's build (build compare), or, with
@@ -286,6 +291,12 @@ if has megatron_bench; then
   megatron_script_step megatron_bench "$mbsecs" "megatron bench:" benchmarks/megatron/bench_megatron.py \
     --rows "${DFA_MB_ROWS:-host}" --dir /tmp --json-dir "$R" --logs "$L/megatron_bench" \
     --budget-s $((mbsecs - 30)) ${DFA_MB_ARGS:-}
+fi
+if has curves; then
+  csecs=${DFA_CURVES_SECONDS:-570}
+  # shellcheck disable=SC2086
+  megatron_script_step curves "$csecs" "megatron loss curves:" benchmarks/megatron/loss_curves.py \
+    --json "$R/megatron_loss_curves.json" --logs "$L/curves" --budget-s $((csecs - 20)) ${DFA_CURVES_ARGS:-}
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);

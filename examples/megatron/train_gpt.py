@@ -6,9 +6,11 @@
     torchrun --nproc-per-node 1 examples/megatron/train_gpt.py --deferalloc host --cpu-emulation --steps 2 --layers 1 --hidden 32 --heads 4 --vocab 64 --seq 16 --batch 2
 
 Local layer spec (no Transformer Engine, no Apex), BF16 params under Float16Module, FP32
-gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed random token
-batches (the same for every run and every restart).  ``--deferalloc host|file|device``
-builds the optimizer inside ``deferalloc.megatron.deferred_main_params()`` and calls
+gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed token batches (the
+same for every run and every restart): ``--data random`` (default) uniform random tokens,
+nothing to learn (the loss stays near ln(vocab)); ``--data pattern`` a fixed random sparse
+Markov chain (Note [Pattern data]), so that the loss falls and loss curves compare something.
+``--deferalloc host|file|device`` builds the optimizer inside ``deferalloc.megatron.deferred_main_params()`` and calls
 ``deferalloc.megatron.stream_optimizer_state`` after ``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
 (HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
 precision-aware optimizer is unavailable, so Megatron keeps FP32 main params on the GPU and
@@ -102,6 +104,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4, help="global batch (split over the data-parallel ranks)")
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--data", choices=["random", "pattern"], default="random",
+                    help="the batches: uniform random tokens, or a learnable Markov chain (Note [Pattern data])")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--model", choices=["auto", "gpt", "hybrid"], default="auto",
                     help="auto: HybridModel where megatron-core deprecates GPTModel (0.19 on), else GPTModel")
@@ -423,7 +427,10 @@ def model_parallel() -> bool:
 def batch(args, step: int, device):
     """This rank's rows of the step's global batch (the same tokens at every data-parallel size)."""
     g = torch.Generator().manual_seed(args.seed * 1000 + step)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    if args.data == "pattern":
+        tokens = pattern_tokens(args, g)
+    else:
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     dp = dp_size()
     if dp > 1:
         rows = args.batch // dp
@@ -431,6 +438,48 @@ def batch(args, step: int, device):
         tokens = tokens[rank * rows:(rank + 1) * rows]
     pos = torch.arange(args.seq).unsqueeze(0).expand(tokens.shape[0], -1)
     return tokens[:, :-1].to(device), pos.to(device), tokens[:, 1:].to(device)
+
+
+# Note [Pattern data]
+# Rationale: uniform random tokens leave nothing to learn (the loss stays at ln(vocab)), so
+# loss curves of two optimizers compare noise; curves need data whose loss falls steadily.
+# Approach: a Markov chain fixed by (seed, vocab): PATTERN_STATES (or vocab, if fewer) tokens
+# of the vocabulary, each followed by one of PATTERN_SUCCESSORS successors among them (drawn
+# with repetition) picked uniformly.  A row starts at a uniformly chosen state; the step's
+# generator (seed * 1000 + step, as the random batches') picks the start and the choices,
+# so a step's global batch is the same at every data-parallel size and on every restart.
+# The chain comes from the generator of step 0 (never a training step).  The loss falls from
+# ln(vocab) toward ln(states) (which tokens occur) and then toward ln(PATTERN_SUCCESSORS) =
+# 1.39 (which follow which; a little lower where successors repeat): a bigram table, which
+# the embedding and output layer learn directly (no plateau, unlike copying n-grams, which
+# needs induction heads).  On the CPU with the defaults' vocab, sequence, batch and lr (2
+# layers, hidden 128): 10.43 at step 1, 7.26 at 100, 5.78 at 200.
+# Limits: the rows are made token by token (seq iterations on the CPU, a few ms a step).
+PATTERN_STATES, PATTERN_SUCCESSORS = 2048, 4
+_CHAINS: dict = {}
+
+
+def pattern_chain(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states: the chain's tokens, successors: [states, PATTERN_SUCCESSORS] indices into them)."""
+    key = (args.seed, args.vocab)
+    if key not in _CHAINS:
+        g = torch.Generator().manual_seed(args.seed * 1000)
+        n = min(args.vocab, PATTERN_STATES)
+        states = torch.randperm(args.vocab, generator=g)[:n]
+        _CHAINS[key] = states, torch.randint(0, n, (n, PATTERN_SUCCESSORS), generator=g)
+    return _CHAINS[key]
+
+
+def pattern_tokens(args, g: torch.Generator) -> torch.Tensor:
+    """The global batch of --data pattern: [batch, seq + 1] tokens (Note [Pattern data])."""
+    states, successors = pattern_chain(args)
+    n = args.seq + 1
+    pick = torch.randint(0, PATTERN_SUCCESSORS, (args.batch, n), generator=g)
+    at = torch.empty((args.batch, n), dtype=torch.long)
+    at[:, 0] = torch.randint(0, len(states), (args.batch,), generator=g)
+    for t in range(1, n):
+        at[:, t] = successors[at[:, t - 1], pick[:, t]]
+    return states[at]
 
 
 def lr_at(args, step: int) -> float:
