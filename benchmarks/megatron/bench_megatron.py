@@ -220,6 +220,9 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
             results.append(res("plain_fp32_file: speed-up over odirect_file (optimizer step)", base / plain, "x"))
         verdicts.append(f"file tier, plain_fp32_file over the O_DIRECT baseline: {r:.2f}x faster (target >= 1.5)"
                         + ("" if r >= 1.5 else " MISSED"))
+    odirect = drv.raw.get("odirect_file", {}).get("odirect") or {}
+    if odirect.get("direct_io") is False:  # its figures are the page cache's, not the disk's
+        verdicts.append(f"odirect_file ran with buffered I/O: {odirect.get('reason')}")
     same = baseline_matches(drv)
     if same is not None:
         what = "losses and state digest" if "final_digest" in drv.raw["odirect_file"] else "losses"
@@ -268,6 +271,7 @@ def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], fi
                                 "bound": bound, "dd": list(dd_cache.values()), "params": params, "model": model,
                                 "rows": names, "took_s": drv.took, "table": lines,
                                 "builds_s": {n: r.get("build_s") for n, r in drv.raw.items()},
+                                "odirect": drv.raw.get("odirect_file", {}).get("odirect"),
                                 "ballast": {n: {k: r[k] for k in ("ballast_bytes", "resident_target_bytes")}
                                             for n, r in drv.raw.items() if "ballast_bytes" in r}})
     return bnd
