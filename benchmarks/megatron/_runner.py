@@ -9,9 +9,10 @@ A variant's process is this file:
     python3 benchmarks/megatron/_runner.py --bound OUT [MIB]
 
 OPTIONS_JSON: {"steps": iterations, "nosync": no device synchronisation between backward and
-the step, "streamed_fraction": (CUDA) HBM taken by a ballast before the optimizer is built so
-that resident_mb="auto" finds room for about 1 - fraction of the FP32 state (Note [The auto
-budget's ballast])}.  The child writes its raw figures as JSON to OUT: per iteration its
+the step, "digest": the final state's digest (train_gpt.state_digest; test-sized models),
+"streamed_fraction": (CUDA) HBM taken by a ballast before the optimizer is built so that
+resident_mb="auto" finds room for about 1 - fraction of the FP32 state (Note [The auto budget's
+ballast])}.  The child writes its raw figures as JSON to OUT: per iteration its
 host-clock marks (start, zero_grad_buffer done, forward+backward done, end), loss, the
 step-inside-backward counters; per engine pass its interval, bytes each way, engine seconds.
 """
@@ -40,13 +41,29 @@ SMOKE_MODEL = "--cpu-emulation --layers 1 --hidden 32 --heads 4 --vocab 64 --seq
 
 class PassLog:
     """Every engine pass of the streamed optimizers: host-clock interval, bytes each way,
-    the engine's own seconds, speculative or not (wraps each Engine's ``step``)."""
+    the engine's own seconds, speculative or not (wraps each Engine's ``step``); under
+    train_gpt.py --odirect-baseline each synchronous step is one pass, its bytes the disk's."""
 
-    def __init__(self, streamed):
+    def __init__(self, streamed, odirect=None):
         self.passes: list[dict] = []
         self.discards = 0
         for opt in streamed:
             self._wrap(opt._engine)
+        if odirect is not None:
+            self._wrap_odirect(odirect)
+
+    def _wrap_odirect(self, opt) -> None:
+        step = opt.step
+
+        def timed_step():
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            read, written = opt.bytes_per_step()
+            self.passes.append({"t0": t0, "t1": t1, "speculative": False, "seconds": t1 - t0,
+                                "bytes": read + written, "to": read, "from": written, "host": 0.0,
+                                "pieces": len(opt.buckets)})
+        opt.step = timed_step
 
     def _wrap(self, engine) -> None:
         step, discard = engine.step, engine.discard_speculation
@@ -109,7 +126,7 @@ def child(argv: list[str]) -> int:
         ballast, ballast_info = hbm_ballast(torch, args, ddp, float(opts["streamed_fraction"]))
     optimizer, streamed = tg.build_optimizer(args, ddp)
     device = torch.device("cpu") if not cuda else torch.device("cuda", torch.cuda.current_device())
-    log = PassLog(streamed)
+    log = PassLog(streamed, getattr(optimizer, "odirect", None))
     backward_step = streamed[0].backward_step if streamed else None
     marks = {}  # the current iteration's host-clock marks
     zero = ddp.zero_grad_buffer
@@ -142,6 +159,10 @@ def child(argv: list[str]) -> int:
               "build_s": build_s, **ballast_info}
     if backward_step is not None and backward_step.aside is not None:
         result["step_aside"] = backward_step.aside.stats()
+    if opts.get("digest"):
+        result["final_digest"] = tg.state_digest(optimizer)
+    if getattr(optimizer, "odirect", None) is not None:
+        result["odirect"] = optimizer.describe()  # direct I/O or not (and why), buckets, file bytes
     with open(out, "w") as f:
         json.dump(result, f)
     del ddp, optimizer, streamed, backward_step, ballast

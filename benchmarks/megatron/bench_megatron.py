@@ -14,6 +14,10 @@ Rows (``--rows``, comma-separated names or the sets host, file, all), one proces
                            (step_in_backward=True), moment_dtype, tier (file: a directory under --dir)
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
+  odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
+                           --odirect-baseline: per 256 MiB bucket, read FP32 main + moments with direct
+                           I/O, AdamW on the GPU, write back; nothing overlaps), in the file set; its
+                           bytes are its file's, read and written each step
 Every run but hdo uses DDP's overlap_grad_reduce and a clip_grad never reached (1e9), sib.py's
 settings; hdo runs as test_megatron_gpu's timing run does (the example's defaults).
 resident runs first whenever a deferalloc row is asked for (the bounds need its iteration).
@@ -25,7 +29,11 @@ do not raise its own bound) over the duplex pinned-copy rate (test_megatron_gpu'
 reading exactly those bytes in --dir (benchmarks/optimizer/bench_file_tier.py's dd_bound: the
 faster of write-then-read and both at once; once per distinct byte count).  plain is judged
 against resident + transfer, inside against max(resident, transfer); HDO against the inside
-rows (issue targets: inside 1.5x faster than HDO with FP32 moments, 2.2x with BF16).
+rows (issue targets: inside 1.5x faster than HDO with FP32 moments, 2.2x with BF16).  odirect_file
+stands beside its dd bound too (without a target) and beside plain_fp32_file: the plain FP32 file
+step's speed-up over it (iteration over iteration; issue target >= 1.5x).  Its losses must equal
+resident's bit for bit (clip never reached: the same fused AdamW arithmetic), and under --smoke
+the final state's digest too (--smoke fails if either differs).
 
 Iterations: ``--steps`` (6) per row, medians of the last ``--median-of`` (4); file tier
 ``--file-steps`` (4), the last ``--file-median-of`` (2).  A row is started only where it ends
@@ -59,6 +67,7 @@ import bench_json  # noqa: E402
 MODELS = {"054": _runner.MODEL_054,
           "gqa1b": "--layers 22 --hidden 2048 --heads 16 --query-groups 4 --vocab 32768 --seq 512 --batch 2"}
 TIMING = ["--overlap-grad-reduce", "--clip-grad", "1e9"]
+STATE_DIR = "{state_dir}"  # in a file row's options: its state directory under --dir
 DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "inside")
 
 
@@ -70,22 +79,26 @@ def row_table() -> dict:
     for tier in TIERS:
         for dtype in DTYPES:
             for mode in MODES:
-                opts = TIMING + ["--deferalloc", tier, "--moment-dtype", dtype]
+                opts = TIMING + ["--deferalloc", tier, "--moment-dtype", dtype] + \
+                    (["--directory", STATE_DIR] if tier == "file" else [])
                 rows[f"{mode}_{dtype}_{tier}"] = (opts + (["--step-in-backward"] if mode == "inside" else []), {},
                                                   tier, f"plain_{dtype}_{tier}")
     for mode in MODES:
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
         rows[f"auto_{mode}_host"] = (opts + (["--step-in-backward"] if mode == "inside" else []),
                                      {"streamed_fraction": 0.5}, "host", "auto_plain_host")
+    rows["odirect_file"] = (TIMING + ["--odirect-baseline", STATE_DIR], {}, "file", "odirect_file")
     return rows
 
 
 ROWS = row_table()
 SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in MODES]
         + ["auto_plain_host", "auto_inside_host"],
-        "file": [f"{m}_{d}_file" for d in DTYPES for m in MODES]}
+        # odirect_file beside plain_fp32_file, before the budget can skip it.
+        "file": ["plain_fp32_file", "odirect_file"] + [f"{m}_{d}_file" for d in DTYPES for m in MODES][1:]}
 SETS["all"] = SETS["host"] + SETS["file"]
-SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "plain_int8_file", "auto_plain_host"]
+SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "plain_int8_file", "auto_plain_host",
+              "plain_fp32_file", "odirect_file"]
 
 
 def expand(spec: str) -> list[str]:
@@ -173,7 +186,9 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
     it = {n: m["iteration"] for n, m in drv.analysed.items() if "iteration" in m}
     verdicts = []
     for name, b in bnd.items():
-        if "ratio" in b:
+        if "ratio" in b and name == "odirect_file":
+            verdicts.append(f"{name}: {b['ratio']:.2f}x its bound (the baseline: no target)")
+        elif "ratio" in b:
             target = 1.15 if "inside" in name else 1.1
             verdicts.append(f"{name}: {b['ratio']:.2f}x its bound (target <= {target})"
                             + ("" if b["ratio"] <= target else " MISSED"))
@@ -197,11 +212,41 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
             results.append(res(f"plain_{dtype}_file: step speed-up over fp32", r, "x"))
             verdicts.append(f"file tier step, {dtype} over fp32: {r:.2f}x (target >= {target})"
                             + ("" if r >= target else " MISSED"))
+    if "plain_fp32_file" in it and "odirect_file" in it:
+        r = it["odirect_file"] / it["plain_fp32_file"]
+        results.append(res("plain_fp32_file: speed-up over odirect_file (iteration)", r, "x"))
+        plain, base = drv.analysed["plain_fp32_file"]["step"], drv.analysed["odirect_file"]["step"]
+        if plain and base:
+            results.append(res("plain_fp32_file: speed-up over odirect_file (optimizer step)", base / plain, "x"))
+        verdicts.append(f"file tier, plain_fp32_file over the O_DIRECT baseline: {r:.2f}x faster (target >= 1.5)"
+                        + ("" if r >= 1.5 else " MISSED"))
+    odirect = drv.raw.get("odirect_file", {}).get("odirect") or {}
+    if odirect.get("direct_io") is False:  # its figures are the page cache's, not the disk's
+        verdicts.append(f"odirect_file ran with buffered I/O: {odirect.get('reason')}")
+    same = baseline_matches(drv)
+    if same is not None:
+        what = "losses and state digest" if "final_digest" in drv.raw["odirect_file"] else "losses"
+        results.append(res(f"odirect_file: {what} == resident's", float(same), "bool"))
+        verdicts.append(f"odirect_file's {what} {'equal' if same else 'DIFFER FROM'} resident's (bit for bit)")
     for dd in dd_cache.values():
         if "bound_s" in dd:
             results.append(res(f"dd bound, read {dd['read_bytes'] / 1e9:.2f} GB + write {dd['write_bytes'] / 1e9:.2f} "
                                "GB", dd["bound_s"] * 1e3, "ms"))
     return results, lines + verdicts
+
+
+def baseline_matches(drv) -> bool | None:
+    """odirect_file against resident (None unless both ran): the losses of the iterations both
+    ran, and the final state's digests where both took one (--smoke, the same iterations), equal,
+    since with clipping never reached the baseline steps Megatron's arithmetic."""
+    pair = ("resident", "odirect_file")
+    if not all("iteration" in drv.analysed.get(n, {}) for n in pair):
+        return None
+    r, o = (drv.raw[n] for n in pair)
+    same = all(x["loss"] == y["loss"] for x, y in zip(r["iterations"], o["iterations"]))
+    if "final_digest" in r and "final_digest" in o:
+        same = same and len(r["iterations"]) == len(o["iterations"]) and r["final_digest"] == o["final_digest"]
+    return same
 
 
 def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], final: bool) -> dict:
@@ -226,6 +271,7 @@ def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], fi
                                 "bound": bound, "dd": list(dd_cache.values()), "params": params, "model": model,
                                 "rows": names, "took_s": drv.took, "table": lines,
                                 "builds_s": {n: r.get("build_s") for n, r in drv.raw.items()},
+                                "odirect": drv.raw.get("odirect_file", {}).get("odirect"),
                                 "ballast": {n: {k: r[k] for k in ("ballast_bytes", "resident_target_bytes")}
                                             for n, r in drv.raw.items() if "ballast_bytes" in r}})
     return bnd
@@ -275,14 +321,15 @@ def main(argv=None) -> int:
     for i, name in enumerate(names):
         opts, child_opts, tier, _ = ROWS[name]
         file = tier == "file"
-        argv_ = shlex.split(model) + ["--window-mb", str(a.window_mb)] + opts
         state_dir = os.path.join(a.dir, f"dfa-mb-{name}")
-        if file:
-            argv_ += ["--directory", state_dir]
+        argv_ = shlex.split(model) + ["--window-mb", str(a.window_mb)] + [state_dir if o == STATE_DIR else o
+                                                                           for o in opts]
         # A file row with none before it: 2.5x the longest host row (its state file, slower
         # iterations and its dd after it).
         estimate = (longest_file * 1.1 if longest_file else max(drv.longest, 1.0) * 2.5) if file else \
             max(drv.longest, 1.0) * 1.1
+        if a.smoke and name in ("resident", "odirect_file"):
+            child_opts = {**child_opts, "digest": True}  # baseline_matches compares them
         drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},
                 a.file_median_of if file else a.median_of, estimate=estimate, port=29650 + i)
         if file:
@@ -297,6 +344,9 @@ def main(argv=None) -> int:
         f"{n} {bnd[n]['ratio']:.2f}" if "ratio" in bnd.get(n, {}) else
         f"{n} {m['iteration'] * 1e3:.0f}ms" if "iteration" in m else f"{n} -" for n, m in drv.analysed.items()),
         flush=True)
+    if a.smoke and baseline_matches(drv) is False:
+        print("megatron_bench: odirect_file's losses or state differ from resident's", flush=True)
+        return 1
     return 1 if drv.failed else 0
 
 

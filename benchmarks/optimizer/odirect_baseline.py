@@ -18,6 +18,8 @@ device the bucket's arrays are cut into the views of the parameters it covers an
 main_grad), then the model parameters take the new main (a 16-bit parameter rounded).  One
 fsync per step, so that the step is as durable as the file tier's commit.  The state is
 created (main from the parameters, zero moments) by the constructor, not by a step.
+The gradient is the attribute `grad_attr` of each parameter (`grad`, or Megatron's FP32
+`main_grad`).
 Limits: where the file system refuses O_DIRECT (tmpfs) the file is opened for buffered I/O
 and `reason` says why (a figure then measures the page cache, not the disk).  Parameters must
 be contiguous; amsgrad / maximize are not offered.
@@ -51,13 +53,13 @@ def _mem(t: torch.Tensor, nbytes: int) -> memoryview:
 
 
 class ODirectAdamW:
-    """AdamW over ``params`` (tensors with ``.grad``; any floating dtype, on one device)
-    whose FP32 main params and moments live in the file ``path``.  ``step()`` runs the
-    synchronous per-bucket loop of Note [The synchronous O_DIRECT baseline]."""
+    """AdamW over ``params`` (tensors with a gradient in ``grad_attr``; any floating dtype,
+    on one device) whose FP32 main params and moments live in the file ``path``.  ``step()``
+    runs the synchronous per-bucket loop of Note [The synchronous O_DIRECT baseline]."""
 
     def __init__(self, params, path: str, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, staging_bytes: int = 256 << 20, direct: bool = True,
-                 fsync: bool = True):
+                 fsync: bool = True, grad_attr: str = "grad"):
         self.params = list(params)
         if not self.params:
             raise ValueError("ODirectAdamW: no parameters")
@@ -66,6 +68,7 @@ class ODirectAdamW:
                 raise ValueError("ODirectAdamW: parameters must be contiguous")
         self.device = self.params[0].device
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.grad_attr = grad_attr
         self.fsync = fsync
         self.param_steps = [0] * len(self.params)
         cap = staging_bytes // 12 // ELEMENT_ALIGN * ELEMENT_ALIGN
@@ -154,11 +157,12 @@ class ODirectAdamW:
         beta1, beta2 = self.betas
         # Step counts per parameter, as torch's AdamW keeps them (one without a gradient is
         # not stepped); one device scalar per count (the kernel reads them only).
-        for i, p in enumerate(self.params):
-            self.param_steps[i] += p.grad is not None
+        grads_of = [getattr(p, self.grad_attr, None) for p in self.params]
+        for i, g in enumerate(grads_of):
+            self.param_steps[i] += g is not None
         counts = {c: torch.tensor(float(c), dtype=torch.float32, device=self.device) for c in set(self.param_steps)}
         for offset, pad, pieces in self.buckets:
-            pieces = [q for q in pieces if self.params[q[0]].grad is not None]
+            pieces = [q for q in pieces if grads_of[q[0]] is not None]
             if not pieces:
                 continue
             nbytes = 12 * pad
@@ -170,7 +174,7 @@ class ODirectAdamW:
             else:
                 flat = st
             mains, ms, vs = self._views(flat, pad, pieces)
-            grads = [self.params[i].grad.view(-1)[e:e + k].float() for i, e, k, _ in pieces]
+            grads = [grads_of[i].view(-1)[e:e + k].float() for i, e, k, _ in pieces]
             steps = [counts[self.param_steps[i]] for i, _, _, _ in pieces]
             torch._fused_adamw_(mains, grads, ms, vs, [], steps, lr=self.lr, beta1=beta1, beta2=beta2,
                                 weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)

@@ -5,7 +5,8 @@ torch's AdamW on the CPU: FP32 parameters against torch.optim.AdamW(fused=True) 
 fused AdamW on FP32 copies, rounded.  Parameters span buckets (a tiny staging buffer), one is
 left without a gradient.  The file lives in a real directory (the build tree's) where one is
 writable, so that O_DIRECT is used where the file system has it; on tmpfs (/dev/shm) it falls
-back to buffered I/O with a reason, and gives the same results.  No GPU, no deferalloc build.
+back to buffered I/O with a reason, and gives the same results.  Megatron's way too: BF16
+parameters whose FP32 gradient is their ``main_grad``.  No GPU, no deferalloc build.
 With --device cuda (ctest test_odirect_baseline_gpu, label gpu; exit status 77 without a GPU)
 the same tests run on CUDA tensors: pinned staging, the fused CUDA kernel on both sides.
 """
@@ -40,12 +41,16 @@ def grads(step, skip=None):
     return out
 
 
-def run_baseline(directory, dtype, staging=64 << 10, skip_at=None):
+def run_baseline(directory, dtype, staging=64 << 10, skip_at=None, megatron=False):
     ps = params(dtype)
-    opt = ODirectAdamW(ps, os.path.join(directory, "state.bin"), staging_bytes=staging, **HP)
+    opt = ODirectAdamW(ps, os.path.join(directory, "state.bin"), staging_bytes=staging,
+                       grad_attr="main_grad" if megatron else "grad", **HP)
     for t in range(STEPS):
         for p, gr in zip(ps, grads(t, 1 if t == skip_at else None)):
-            p.grad = None if gr is None else gr.to(DEVICE, dtype)
+            if megatron:
+                p.main_grad = None if gr is None else gr.to(DEVICE)  # FP32, as Megatron's grad buffer
+            else:
+                p.grad = None if gr is None else gr.to(DEVICE, dtype)
         opt.step()
     state = opt.read_state()
     info = dict(direct=opt.direct, reason=opt.reason, buckets=len(opt.buckets), file_bytes=opt.file_bytes)
@@ -53,13 +58,14 @@ def run_baseline(directory, dtype, staging=64 << 10, skip_at=None):
     return ps, state, info
 
 
-def run_torch(dtype, skip_at=None, fused=True):
-    """torch's AdamW on FP32 copies of the parameters (the main params), the gradients in FP32."""
+def run_torch(dtype, skip_at=None, fused=True, megatron=False):
+    """torch's AdamW on FP32 copies of the parameters (the main params), the gradients in FP32
+    (``megatron``: FP32 from the start, not rounded to the parameters' dtype)."""
     mains = [torch.nn.Parameter(p.detach().float()) for p in params(dtype)]
     opt = torch.optim.AdamW(mains, fused=fused, **HP)
     for t in range(STEPS):
         for p, gr in zip(mains, grads(t, 1 if t == skip_at else None)):
-            p.grad = None if gr is None else gr.to(DEVICE, dtype).float()
+            p.grad = None if gr is None else gr.to(DEVICE, torch.float32 if megatron else dtype).float()
         opt.step()
     return mains, opt
 
@@ -73,22 +79,22 @@ def real_directory():
 
 
 class ODirectBaseline(unittest.TestCase):
-    def check(self, directory, dtype, skip_at=None):
+    def check(self, directory, dtype, skip_at=None, megatron=False):
         with tempfile.TemporaryDirectory(dir=directory, prefix="dfa-odirect-") as d:
-            ps, state, info = run_baseline(d, dtype, skip_at=skip_at)
+            ps, state, info = run_baseline(d, dtype, skip_at=skip_at, megatron=megatron)
         print(f"  {dtype} in {directory}: direct I/O {info['direct']}"
               f"{'' if info['reason'] is None else ' (' + info['reason'] + ')'}, {info['buckets']} buckets, "
               f"{info['file_bytes']} bytes", flush=True)
         self.assertGreater(info["buckets"], 2, "the parameters span several buckets")
         self.assertEqual(info["file_bytes"] % ALIGN, 0)
-        mains, ref = run_torch(dtype, skip_at=skip_at)
+        mains, ref = run_torch(dtype, skip_at=skip_at, megatron=megatron)
         for p, s, m in zip(ps, state, mains):
             rs = ref.state[m]
             self.assertTrue(torch.equal(s["main_param"], m.detach().cpu()), "main params == torch fused AdamW")
             self.assertTrue(torch.equal(s["exp_avg"], rs["exp_avg"].cpu()), "exp_avg == torch fused AdamW")
             self.assertTrue(torch.equal(s["exp_avg_sq"], rs["exp_avg_sq"].cpu()), "exp_avg_sq == torch fused AdamW")
             self.assertTrue(torch.equal(p.detach(), m.detach().to(dtype)), "the parameter is its main, rounded")
-        plain, _ = run_torch(dtype, skip_at=skip_at, fused=False)
+        plain, _ = run_torch(dtype, skip_at=skip_at, fused=False, megatron=megatron)
         for s, m in zip(state, plain):
             torch.testing.assert_close(s["main_param"], m.detach().cpu(), rtol=1e-6, atol=1e-7)
         return info
@@ -102,6 +108,10 @@ class ODirectBaseline(unittest.TestCase):
     def test_param_without_grad(self):
         # A parameter without a gradient keeps its state that step (torch skips it too).
         self.check(real_directory(), torch.float32, skip_at=2)
+
+    def test_megatron_main_grad(self):
+        # BF16 parameters, FP32 gradients in main_grad (train_gpt.py --odirect-baseline).
+        self.check(real_directory(), torch.bfloat16, skip_at=2, megatron=True)
 
     def test_tmpfs(self):
         # tmpfs takes O_DIRECT on newer kernels, refuses it on older ones: either way the same results.
