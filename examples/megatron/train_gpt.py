@@ -98,6 +98,9 @@ def parse_args(argv=None):
     ap.add_argument("--clip-policy", default="auto", choices=["auto", "speculate", "after"],
                     help="--step-in-backward: when to speculate on Megatron's clipping")
     ap.add_argument("--clip-grad", type=float, default=1.0, help="OptimizerConfig.clip_grad")
+    ap.add_argument("--process-group", choices=["auto", "single"], default="auto",
+                    help="auto: NCCL (gloo under --cpu-emulation); single: one rank, its collectives done in "
+                         "place, no NCCL (single_rank.py, Note [A single-rank process group])")
     ap.add_argument("--hdo", action="store_true", help="megatron-core's HybridDeviceOptimizer(offload_fraction=1.0)")
     ap.add_argument("--odirect-baseline", metavar="DIR",
                     help="step with the synchronous O_DIRECT baseline (benchmarks/optimizer/odirect_baseline.py), "
@@ -202,7 +205,7 @@ def setup(args):
     os.environ.setdefault("WORLD_SIZE", "1")
     if not args.cpu_emulation:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group("gloo" if args.cpu_emulation else "nccl")
+    torch.distributed.init_process_group(process_group_backend(args))
     torch.use_deterministic_algorithms(True, warn_only=True)
     from megatron.core import parallel_state, tensor_parallel
     parallel_state.initialize_model_parallel(args.tp, args.pp)
@@ -215,6 +218,19 @@ def setup(args):
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
+
+
+def process_group_backend(args) -> str:
+    """torch.distributed's default backend for --process-group: "auto" NCCL (gloo under the
+    CPU emulation), "single" single_rank.py's for every device (Megatron's explicit gloo groups
+    stay gloo)."""
+    if args.process_group == "auto":
+        return "gloo" if args.cpu_emulation else "nccl"
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import single_rank
+    single_rank.register()
+    return single_rank.NAME
 
 
 def gpt_is_deprecated() -> bool:

@@ -10,6 +10,7 @@ Runs colocated.py (each run three processes) as:
   resumed      --saver deferalloc --resume in the killed run's --directory, to the last step
   tms          (CUDA) --saver torch_memory_saver: the real package, same example, its preload
                mode (where that fails, its torch mode, whose CUDA graphs are not pauseable)
+  none_nccl    (--trainer-backend single) --saver none with the trainer on NCCL (gloo on the CPU)
 Checks (exit status 1 when one fails):
   * losses of every step bit-identical, deferalloc vs none (and tms vs none on CUDA);
   * rollouts identical (a digest of every step's sequences), deferalloc vs none;
@@ -29,6 +30,10 @@ parameters on CUDA (its file-tier state, 0.8 GB, is read, written and fdatasync'
 step: a step of about a second on an H200 machine's disk).  --nccl-cumem-off runs every
 trainer with NCCL_CUMEM_ENABLE=0, --nccl-small with 1 MiB NCCL buffers and one channel (both
 off by default; Note [The trainer's NCCL setting] in colocated.py), checked in each run's report.
+--trainer-backend single runs every trainer's process groups on the single-rank backend (no
+NCCL; Note [A single-rank process group] in examples/megatron/single_rank.py), checked in each
+run's report (no NCCL group), and the none_nccl run's losses, rollouts and final optimizer state
+must equal the none run's bit for bit.
 """
 from __future__ import annotations
 
@@ -90,9 +95,11 @@ def execute(args, cuda: bool, common: list, kill: int, work: str, runs: dict, wa
 
     def extra_of(name: str) -> list:
         return {"deferalloc": dfa, "none": ["--saver", "none"], "killed": dfa + ["--kill-after-step", str(kill)],
-                "resumed": dfa + ["--resume"], "tms": ["--saver", "torch_memory_saver", "--hook-mode", "preload"]}[name]
+                "resumed": dfa + ["--resume"], "tms": ["--saver", "torch_memory_saver", "--hook-mode", "preload"],
+                "none_nccl": ["--saver", "none", "--trainer-backend", "nccl"]}[name]
 
-    names = ["deferalloc", "none", "killed", "resumed"] + (["tms"] if cuda and not args.no_tms else [])
+    names = ["deferalloc", "none", "killed"] + (["none_nccl"] if args.trainer_backend == "single" else []) + \
+        ["resumed"] + (["tms"] if cuda and not args.no_tms else [])
     pending = []
     for name in names:
         d = os.path.join(work, "killed" if name == "resumed" else name)
@@ -157,6 +164,10 @@ def main() -> int:
     ap.add_argument("--nccl-small", action="store_true",
                     help="every run's trainer with NCCL_BUFFSIZE=1 MiB, NCCL_MIN/MAX_NCHANNELS=1 (colocated.py's "
                          "option; default: NCCL's own)")
+    ap.add_argument("--trainer-backend", choices=["nccl", "single"], default="nccl",
+                    help="every run's trainer on this process-group backend (colocated.py's option)")
+    ap.add_argument("--pool-cache-mb", type=int,
+                    help="every run's sides with deferalloc's pool_cache_mb (colocated.py's option)")
     ap.add_argument("--json", help="every run's report and the checks")
     ap.add_argument("--png", help="the deferalloc run's last step as a timeline (plot_timeline.py)")
     args = ap.parse_args()
@@ -172,7 +183,8 @@ def main() -> int:
     wall: dict = {}
     common = ["--device", args.device, "--steps", str(steps), "--message-timeout", str(MESSAGE_TIMEOUT[args.device]),
               *model] + (["--nccl-cumem-off"] if args.nccl_cumem_off else []) + \
-        (["--nccl-small"] if args.nccl_small else [])
+        (["--nccl-small"] if args.nccl_small else []) + ["--trainer-backend", args.trainer_backend] + \
+        ([] if args.pool_cache_mb is None else ["--pool-cache-mb", str(args.pool_cache_mb)])
     runs: dict = {}
     try:
         execute(args, cuda, common, kill, work, runs, wall)
@@ -208,7 +220,8 @@ def document(runs: dict, rows: list, wall: dict, device: str) -> dict:
         r = runs.get(key)
         if r and "summary" in r:
             nccl = (", NCCL_CUMEM_ENABLE=0" if r["args"].get("nccl_cumem_off") else "") + \
-                (", NCCL 1 MiB buffers, 1 channel" if r["args"].get("nccl_small") else "")
+                (", NCCL 1 MiB buffers, 1 channel" if r["args"].get("nccl_small") else "") + \
+                (", single-rank process groups" if r["args"].get("trainer_backend") == "single" else "")
             label[key] = f"{name} (hook_mode {r['args']['hook_mode']}{nccl})"
     results = []
     for key, who in label.items():
@@ -243,6 +256,11 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
             flags = " ".join(f for f in ("--nccl-cumem-off", "--nccl-small") if r["args"].get(f[2:].replace("-", "_")))
             rows.append((f"{name}: its trainer ran with {', '.join(f'{k}={v}' for k, v in want.items())} ({flags})",
                          repr({k: seen.get(k) for k in want}), all(seen.get(k) == v for k, v in want.items())))
+        if r and r["args"].get("trainer_backend") == "single":  # no NCCL communicator can exist
+            groups = r.get("trainer_built", {}).get("process_groups", [])
+            rows.append((f"{name}: its trainer's process groups (--trainer-backend single): single_rank, none NCCL",
+                         ", ".join(groups) or "none reported",
+                         "single_rank" in groups and not any("nccl" in g for g in groups)))
     d, n, k, res = (runs.get(x) for x in ("deferalloc", "none", "killed", "resumed"))
     if d:
         slept = all(r[side][key] > 0 for r in d["steps"] for side in ("trainer", "inference")
@@ -273,6 +291,13 @@ def checks(runs: dict, steps: int, kill: int, cuda: bool, speedup: float) -> lis
                      same))
         same = d.get("final_digest") == n.get("final_digest")
         rows.append(("final optimizer state: sleeping == nobody sleeping", "equal" if same else "differ", same))
+    ref = runs.get("none_nccl")
+    if n and ref:  # --trainer-backend single: its in-place collectives give what NCCL's (gloo's) do
+        same = (by_step(n, "loss") == by_step(ref, "loss") and by_step(n, "rollout_digest") == by_step(
+            ref, "rollout_digest") and n.get("final_digest") == ref.get("final_digest"))
+        rows.append(("nobody sleeping, single-rank process groups == NCCL's (gloo on the CPU): losses, rollouts, "
+                     "final optimizer state", "identical" if same else
+                     f"differ {by_step(n, 'loss')} {by_step(ref, 'loss')}", same))
     if d and k and res:
         joined = {**by_step(k, "loss"), **by_step(res, "loss")}
         ok = (k.get("killed_after_step") == kill and res["trainer_built"]["first_step"] == kill + 1

@@ -34,6 +34,15 @@ one under which torch_memory_saver pauses CUDA graphs; "torch" on the CPU).
 ``--nccl-cumem-off`` runs the trainer's NCCL with NCCL_CUMEM_ENABLE=0, ``--nccl-small`` with
 1 MiB buffers and one channel (both off by default: Note [The trainer's NCCL setting]).
 
+``--trainer-backend single`` runs the trainer's process groups on the single-rank backend
+(examples/megatron/single_rank.py: Note [A single-rank process group]): its collectives done
+in place, no NCCL communicator (default "nccl": NCCL on CUDA, gloo on the CPU).
+
+``--pool-cache-mb N`` appends ``pool_cache_mb:N`` to the DEFERALLOC_CONF both sides start with
+(the caller's DEFERALLOC_CONF reaches both either way; the last value of a key wins): 0 gives
+deferalloc's chunk pool cache back at each pause.  The report records the DEFERALLOC_CONF
+the sides started with.
+
 ``--kill-after-step N`` kills both processes (SIGKILL) once step N has been committed;
 ``--resume`` starts from the file tier's last committed step (the trainer's main params,
 moments and step counts; the model's BF16 weights are written from the main params).
@@ -57,6 +66,7 @@ import os
 import socket
 import sys
 import time
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -96,6 +106,12 @@ def parse_args(argv=None):
     ap.add_argument("--nccl-small", action="store_true",
                     help="the trainer's NCCL with NCCL_BUFFSIZE=1 MiB and one channel (NCCL_MIN/MAX_NCHANNELS=1): "
                          "its single-rank communicators' buffers shrink to almost nothing")
+    ap.add_argument("--pool-cache-mb", type=int,
+                    help="deferalloc's pool_cache_mb in both sides (appended to their DEFERALLOC_CONF; default: "
+                         "the caller's, else 64): 0 gives the chunk pool's cache back at each pause")
+    ap.add_argument("--trainer-backend", choices=["nccl", "single"], default="nccl",
+                    help="the trainer's process groups: NCCL (gloo on the CPU), or single: one rank, its collectives "
+                         "done in place without NCCL (Note [A single-rank process group])")
     args = ap.parse_args(argv)
     if args.hook_mode is None:
         args.hook_mode = "preload" if args.device == "cuda" else "torch"
@@ -304,7 +320,8 @@ def trainer_environment(args) -> dict:
     NCCL 2.28 lacks it).  Either way what NCCL keeps stays outside both savers (NCCL's wheel
     links the CUDA runtime statically: no preload hook sees its allocations; the collectives
     run outside the regions), and what NCCL loads once used stays even when every group is
-    destroyed (nccl_footprint.py's "destroyed" rows)."""
+    destroyed (nccl_footprint.py's "destroyed" rows).  --trainer-backend single makes no
+    communicator at all (Note [A single-rank process group]); these variables are then unused."""
     env = {"NCCL_CUMEM_ENABLE": "0"} if args.nccl_cumem_off else {}
     return {**env, **NCCL_SMALL} if args.nccl_small else env
 
@@ -325,7 +342,9 @@ def trainer_main(conn, args) -> None:
                                   str(args.window_mb), "--model", args.model, "--layers", str(args.layers), "--hidden",
                                   str(args.hidden), "--heads", str(args.heads), "--vocab", str(args.vocab),
                                   "--seq", str(seq + 1), "--batch", str(args.batch), "--lr", str(args.lr),
-                                  "--seed", str(args.seed)] + (["--cpu-emulation"] if args.device == "cpu" else []))
+                                  "--seed", str(args.seed), "--process-group",
+                                  "single" if args.trainer_backend == "single" else "auto"]
+                                 + (["--cpu-emulation"] if args.device == "cpu" else []))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -368,7 +387,9 @@ def trainer_main(conn, args) -> None:
                          "params": sum(p.numel() for _, p in params), "model_class": type(gpt).__name__,
                          "publish_s": published, "sleep_s": slept, "probe_logits": logits.tolist(),
                          "held": sleeper.held(),
-                         "nccl_environment": {k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ}}))
+                         "nccl_environment": {k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ},
+                         "process_groups": process_group_backends(),
+                         "deferalloc_conf": os.environ.get("DEFERALLOC_CONF")}))
     while True:
         msg = conn.recv()
         if msg[0] == "train":
@@ -394,6 +415,16 @@ def trainer_main(conn, args) -> None:
             train_gpt.teardown()
             sleeper.exit(conn)
             return
+
+
+def process_group_backends() -> list:
+    """The backends of the trainer's process groups (the default one and Megatron's), each once,
+    for the report: with --trainer-backend single none of them is NCCL."""
+    import torch
+    from megatron.core import parallel_state
+    groups = [torch.distributed.group.WORLD] + [g for g in vars(parallel_state).values()
+                                                 if isinstance(g, torch.distributed.ProcessGroup)]
+    return sorted({torch.distributed.get_backend(g) for g in groups})
 
 
 def build_optimizer(targs, ddp, resume: bool):
@@ -476,7 +507,8 @@ def inference_main(conn, args) -> None:
         gen.capture(lambda: sleeper.region("kv"), sleeper.graph("kv"))
     release_cached()
     slept = sleeper.sleep()
-    conn.send(("built", {"sleep_s": slept, "graph": gen.graph is not None, "conversion": check}))
+    conn.send(("built", {"sleep_s": slept, "graph": gen.graph is not None, "conversion": check,
+                         "deferalloc_conf": os.environ.get("DEFERALLOC_CONF")}))
     while True:
         msg = conn.recv()
         if msg[0] == "generate":
@@ -563,9 +595,20 @@ def child_environment(args):
     return contextlib.nullcontext()
 
 
+def children_conf(args):
+    """The DEFERALLOC_CONF both sides start with: the caller's, with ``pool_cache_mb:N`` appended
+    under --pool-cache-mb (the last value of a key wins)."""
+    conf = os.environ.get("DEFERALLOC_CONF")
+    if args.pool_cache_mb is None:
+        return conf
+    return f"{conf},pool_cache_mb:{args.pool_cache_mb}" if conf else f"pool_cache_mb:{args.pool_cache_mb}"
+
+
 def start_child(ctx, role: str, conn, args):
-    """The ``role`` process started (spawn) inside its own child_environment()."""
-    with child_environment(args):
+    """The ``role`` process started (spawn) inside its own child_environment(), with
+    children_conf()'s DEFERALLOC_CONF (spawn copies the environment)."""
+    conf = children_conf(args)
+    with child_environment(args), mock.patch.dict(os.environ, {} if conf is None else {"DEFERALLOC_CONF": conf}):
         proc = ctx.Process(target=child, args=(role, conn, args), name=f"rl-{role}")
         proc.start()
     return proc
@@ -615,7 +658,7 @@ def launch(args) -> dict:
     args.weights_name = f"dfa_rl_weights_{os.getpid()}"
     ctx = mp.get_context("spawn")
     mem = DeviceMemory(args.device == "cuda")
-    report = {"args": dict(vars(args)), "steps": [], "memory": {}}
+    report = {"args": dict(vars(args)), "steps": [], "memory": {}, "children_deferalloc_conf": children_conf(args)}
     procs, conns = {}, {}
     wait = args.message_timeout
     t_start = time.time()
