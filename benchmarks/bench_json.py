@@ -46,6 +46,11 @@ def result(name: str, value: float, unit: str, baseline: str | None = None) -> d
     return {"name": name, "value": float(value), "unit": unit, "baseline": baseline}
 
 
+def windowed(values: list[float], window: int) -> list[float]:
+    """The mean of each trailing window: [mean(values[i - window + 1 .. i]) for i >= window - 1]."""
+    return [statistics.fmean(values[i - window + 1:i + 1]) for i in range(window - 1, len(values))]
+
+
 def this_command() -> str:
     """The running script's command line, with its path relative to the repository."""
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)

@@ -27,7 +27,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_json import TIME_UNITS, validate  # noqa: E402  (benchmarks/bench_json.py)
+from bench_json import TIME_UNITS, validate, windowed  # noqa: E402  (benchmarks/bench_json.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEHOLDER = "<!-- results: "
@@ -129,12 +129,12 @@ def generate(template: str, data: dict, img_rel: str) -> str:
 
 def plot(path: str, doc: dict, out_dir: str) -> str:
     """Bars of every result compared with a baseline beside its baseline (all results when
-    none is), one panel per unit; a file with ``extra.curves`` ({label: [value per step]},
-    megatron_loss_curves) is drawn as those curves instead."""
+    none is), one panel per unit; megatron_loss_curves (its ``extra.curves``: {label: [value per
+    step]}) is drawn as those curves instead."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    if isinstance(doc["extra"].get("curves"), dict):
+    if doc["benchmark"] == "megatron_loss_curves":
         return plot_curves(path, doc, out_dir, plt)
     by_name = {r["name"]: r for r in doc["results"]}
     pairs = [(r, by_name[r["baseline"]]) for r in doc["results"] if r["baseline"]]
@@ -177,9 +177,8 @@ def plot_curves(path: str, doc: dict, out_dir: str, plt) -> str:
     for label, ys in curves.items():
         axes[0, 0].plot(range(1, len(ys) + 1), ys, label=label, linewidth=1, color=color[label],
                         linestyle="--" if label == "resident" else "-")
-    mean = lambda ys: [sum(ys[i - w + 1:i + 1]) / w for i in range(w - 1, len(ys))]  # noqa: E731
     for label in below:
-        a, b = mean(curves[label]), mean(curves[ref])
+        a, b = windowed(curves[label], w), windowed(curves[ref], w)
         axes[1, 0].plot(range(w, len(b) + w), [100 * (x - y) / y for x, y in zip(a, b)], label=label, linewidth=1,
                         color=color[label])
     ylabels = ["loss", f"{w}-step mean vs {ref} (%)"]

@@ -29,7 +29,8 @@
 #   and the host tier with fp32, bf16 and int8 moments, 200 steps each of a 17 M-param model on
 #   train_gpt's --data pattern, one process each; fp32 bit-identical to Megatron's at every step,
 #   bf16 / int8 within its tolerance; $R/megatron_loss_curves.json (plot.py draws the curves).
-#   DFA_CURVES_SECONDS (default 570) bounds the step, DFA_CURVES_ARGS adds arguments.
+#   DFA_CURVES_SECONDS (default 570) bounds the step, DFA_CURVES_ARGS adds arguments (split at
+#   spaces), DFA_CURVES_MODEL replaces the model (train_gpt.py's model options, one string).
 #   DFA_STRESS_SECONDS sets the stress runs' length (default 60).
 #   compare (and fp32pair) measure a build of .before/src.tar (git archive -o .before/src.tar BEFORE,
 #   carried: carry [".before"]) against this tree's build (build compare), or, with
@@ -295,9 +296,12 @@ if has megatron_bench; then
 fi
 if has curves; then
   csecs=${DFA_CURVES_SECONDS:-570}
+  cmodel=()
+  [ -n "${DFA_CURVES_MODEL:-}" ] && cmodel=(--model-args "$DFA_CURVES_MODEL")
   # shellcheck disable=SC2086
   megatron_script_step curves "$csecs" "megatron loss curves:" benchmarks/megatron/loss_curves.py \
-    --json "$R/megatron_loss_curves.json" --logs "$L/curves" --budget-s $((csecs - 20)) ${DFA_CURVES_ARGS:-}
+    --json "$R/megatron_loss_curves.json" --logs "$L/curves" --budget-s $((csecs - 20)) "${cmodel[@]}" \
+    ${DFA_CURVES_ARGS:-}
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
   # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);

@@ -126,7 +126,8 @@ def child(argv: list[str]) -> int:
         ballast, ballast_info = hbm_ballast(torch, args, ddp, float(opts["streamed_fraction"]))
     optimizer, streamed = tg.build_optimizer(args, ddp)
     device = torch.device("cpu") if not cuda else torch.device("cuda", torch.cuda.current_device())
-    log = PassLog(streamed, getattr(optimizer, "odirect", None))
+    odirect = isinstance(optimizer, tg.ODirectBaseline)
+    log = PassLog(streamed, optimizer.odirect if odirect else None)
     backward_step = streamed[0].backward_step if streamed else None
     marks = {}  # the current iteration's host-clock marks
     zero = ddp.zero_grad_buffer
@@ -161,7 +162,7 @@ def child(argv: list[str]) -> int:
         result["step_aside"] = backward_step.aside.stats()
     if opts.get("digest"):
         result["final_digest"] = tg.state_digest(optimizer)
-    if getattr(optimizer, "odirect", None) is not None:
+    if odirect:
         result["odirect"] = optimizer.describe()  # direct I/O or not (and why), buckets, file bytes
     with open(out, "w") as f:
         json.dump(result, f)

@@ -79,11 +79,6 @@ TARGETS = {"bf16": 0.005, "int8": 0.01}
 BANDS = {"bf16": 0.02, "int8": 0.04}
 
 
-def windowed(losses: list[float], window: int) -> list[float]:
-    """The mean of each trailing window: [mean(losses[i - window + 1 .. i]) for i >= window - 1]."""
-    return [statistics.fmean(losses[i - window + 1:i + 1]) for i in range(window - 1, len(losses))]
-
-
 def judge(curves: dict, window: int, bands: dict, smoke: bool) -> tuple[list[dict], dict]:
     """The checks (bench_json's extra.checks: check, value, target, ok, perf) and per mode its
     summary: last window's mean, its difference from FP32's, the largest trailing-window one,
@@ -97,7 +92,7 @@ def judge(curves: dict, window: int, bands: dict, smoke: bool) -> tuple[list[dic
             s["first_differing_step"] = next((i + 1 for i, (a, b) in enumerate(zip(losses, res)) if a != b), None)
             s["identical_steps"] = sum(a == b for a, b in zip(losses, res))
         if ref is not None and mode in TARGETS and len(losses) == len(ref):
-            w, wr = windowed(losses, window), windowed(ref, window)
+            w, wr = bench_json.windowed(losses, window), bench_json.windowed(ref, window)
             rel = [(a - b) / b for a, b in zip(w, wr)]
             worst = max(range(len(rel)), key=lambda i: abs(rel[i]))
             s.update(final_vs_fp32=rel[-1], max_window_vs_fp32=rel[worst], max_window_end_step=worst + window)

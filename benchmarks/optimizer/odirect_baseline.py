@@ -66,6 +66,11 @@ class ODirectAdamW:
         for p in self.params:
             if not p.is_contiguous():
                 raise ValueError("ODirectAdamW: parameters must be contiguous")
+        missing = [i for i, p in enumerate(self.params) if not hasattr(p, grad_attr)]
+        if missing:  # a parameter with the attribute set to None is one without a gradient this step
+            raise ValueError(f"ODirectAdamW: grad_attr={grad_attr!r}, but {len(missing)} of {len(self.params)} "
+                             f"parameters (the first at index {missing[0]}) have no such attribute; with "
+                             "'main_grad', build the optimizer after Megatron's DDP has wrapped the model")
         self.device = self.params[0].device
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.grad_attr = grad_attr
@@ -157,7 +162,7 @@ class ODirectAdamW:
         beta1, beta2 = self.betas
         # Step counts per parameter, as torch's AdamW keeps them (one without a gradient is
         # not stepped); one device scalar per count (the kernel reads them only).
-        grads_of = [getattr(p, self.grad_attr, None) for p in self.params]
+        grads_of = [getattr(p, self.grad_attr) for p in self.params]
         for i, g in enumerate(grads_of):
             self.param_steps[i] += g is not None
         counts = {c: torch.tensor(float(c), dtype=torch.float32, device=self.device) for c in set(self.param_steps)}

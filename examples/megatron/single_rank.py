@@ -18,9 +18,11 @@ an all-gather, a reduce-scatter, a gather, a scatter, an all-to-all copy the inp
 output (nothing when they are the same memory, as in Megatron's buffers); a broadcast, a
 reduce and a barrier do nothing.  These are the exact results, not approximations: a run is
 bit-identical to one on NCCL or gloo (examples/rl/check_cycle.py --trainer-backend single checks
-it: against NCCL on CUDA, gloo on the CPU).  The copies run on the caller's
-current stream, so each result is ordered like any other kernel there, and every work is
-complete when returned.
+it: against NCCL on CUDA, gloo on the CPU).  The copies are enqueued on the caller's current
+stream when the collective is called, so each result is ordered like any other kernel there;
+the work returned is already complete and its wait() orders no stream (NCCL's makes the waiting
+stream wait for its own): a consumer on another stream must wait for the caller's.  Megatron's
+DDP with one distributed-optimizer instance issues and waits on the same stream.
 Limits: one rank only (the backend refuses a group of more); PREMUL_SUM (a scaled sum) is
 refused rather than guessed, and point-to-point operations are not implemented (one rank has
 no peer: torch refuses a send to itself before a backend sees it).  Nothing is loaded for it:

@@ -10,9 +10,10 @@ gradient reduction, grad clipping 1.0, a warm-up LR set each step, fixed token b
 same for every run and every restart): ``--data random`` (default) uniform random tokens,
 nothing to learn (the loss stays near ln(vocab)); ``--data pattern`` a fixed random sparse
 Markov chain (Note [Pattern data]), so that the loss falls and loss curves compare something.
-``--deferalloc host|file|device`` builds the optimizer inside ``deferalloc.megatron.deferred_main_params()`` and calls
-``deferalloc.megatron.stream_optimizer_state`` after ``get_megatron_optimizer``.  ``--hdo`` is megatron-core's CPU offload instead
-(HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
+``--deferalloc host|file|device`` builds the optimizer inside
+``deferalloc.megatron.deferred_main_params()`` and calls
+``deferalloc.megatron.stream_optimizer_state`` after ``get_megatron_optimizer``.
+``--hdo`` is megatron-core's CPU offload instead (HybridDeviceOptimizer, offload_fraction=1.0; without Transformer Engine the
 precision-aware optimizer is unavailable, so Megatron keeps FP32 main params on the GPU and
 HDO steps them on the CPU).  megatron-core's inner optimizer is torch.optim.AdamW in every
 mode (``use_torch_adamw``: megatron-core would take Transformer Engine's or Apex's FusedAdam
@@ -458,10 +459,12 @@ def describe_optimizer(optimizer) -> list[dict]:
 # its Megatron runs decay every parameter by the group's weight decay).  This class gives
 # train_step what it uses of Megatron's optimizer: param_groups (the LR), zero_grad, step() ->
 # (ok, grad norm, None).  Clipping is computed as Megatron computes it rather than refused: with
-# clip_grad > 0 the L2 norm over the main_grads (per-tensor norms, then the norm of those, as
-# megatron-core without Apex / Transformer Engine) and the grads scaled by clip / (norm + 1e-6)
-# where that is below 1.  So the example's default (1.0) runs, and the benchmark's never-reached
-# 1e9 costs the baseline the norm pass it costs Megatron's step.  With clipping not reached the
+# clip_grad > 0 the L2 norm over the main_grads by megatron-core's own get_grad_norm_fp32 (whichever
+# multi-tensor kernel it picks: Transformer Engine's, Apex's or its local one), and the grads scaled
+# by clip / (norm + 1e-6) where that is below 1.  The per-tensor norms are taken in DDP's parameter
+# order, not in the order of Megatron's optimizer groups, so a reached clip may differ from
+# Megatron's in the norm's last bits.  So the example's default (1.0) runs, and the benchmark's
+# never-reached 1e9 costs the baseline the norm pass it costs Megatron's step.  With clipping not reached the
 # arithmetic is Megatron's own optimizer's (the same fused kernel, element by element): losses
 # and the final state digest equal the resident run's bit for bit (bench_megatron.py --smoke
 # checks it); state_digest hashes the file's state in the order Megatron's digest takes (its grad
@@ -504,8 +507,9 @@ class ODirectBaseline:
     def step(self):
         grad_norm = 0.0
         if self.clip_grad > 0.0:
+            from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
             grads = [p.main_grad for p in self.params]
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            grad_norm = float(get_grad_norm_fp32(grads))
             coeff = self.clip_grad / (grad_norm + 1e-6)
             if coeff < 1.0:
                 torch._foreach_mul_(grads, coeff)
@@ -525,7 +529,8 @@ class ODirectBaseline:
     def describe(self) -> dict:
         o = self.odirect
         return {"wrapper": type(self).__name__, "inner": f"{type(o).__module__}.{type(o).__qualname__}",
-                "param_dtypes": sorted({str(p.dtype) for p in self.params}),
+                "param_dtypes": ["torch.float32"],  # what it steps: the FP32 main params in its file
+                "model_param_dtypes": sorted({str(p.dtype) for p in self.params}),
                 "weight_decay": [o.weight_decay], "betas": list(o.betas), "eps": o.eps,
                 "fused": ["True"], "direct_io": o.direct, "reason": o.reason, "buckets": len(o.buckets),
                 "staging_bytes": o.staging_bytes, "file_bytes": o.file_bytes}

@@ -66,7 +66,6 @@ import os
 import socket
 import sys
 import time
-from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -604,11 +603,26 @@ def children_conf(args):
     return f"{conf},pool_cache_mb:{args.pool_cache_mb}" if conf else f"pool_cache_mb:{args.pool_cache_mb}"
 
 
+@contextlib.contextmanager
+def environ_with(name: str, value):
+    """os.environ[name] = value inside (unchanged where value is None), as it was after."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None and before is None:
+            os.environ.pop(name, None)
+        elif value is not None:
+            os.environ[name] = before
+
+
 def start_child(ctx, role: str, conn, args):
     """The ``role`` process started (spawn) inside its own child_environment(), with
     children_conf()'s DEFERALLOC_CONF (spawn copies the environment)."""
     conf = children_conf(args)
-    with child_environment(args), mock.patch.dict(os.environ, {} if conf is None else {"DEFERALLOC_CONF": conf}):
+    with child_environment(args), environ_with("DEFERALLOC_CONF", conf):
         proc = ctx.Process(target=child, args=(role, conn, args), name=f"rl-{role}")
         proc.start()
     return proc
