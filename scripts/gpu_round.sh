@@ -37,10 +37,7 @@
 #   .before/after.tar beside it (git archive -o .before/after.tar AFTER), against that commit's
 #   build (compare alone: neither side is this tree).
 # Wheels the GPU machine lacks are installed from .whl/ (ignored by git) when it is there:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#     --platform manylinux_2_28_x86_64 -d .whl torch-memory-saver==0.0.10 megatron-core==0.16.1
-#   the same with -d .whl/megatron megatron-core==0.16.1 (and ==0.19.2, ...): the megatron step's versions
-#   pip download --only-binary=:all: --python-version 3.12 -d .whl scikit-build-core   # the offline pip test
+#   bash scripts/device_wheels.sh fetches them (what goes where: its header), then carry [".whl"].
 # The device machine returns at most 8 files from $OUT, so $OUT holds three, refreshed after
 # every step (a call cut at its time limit still brings back what ran): summary.txt (the
 # table), logs.tar.gz, and results.tar.gz with the benchmarks' figures as <benchmark>.json
