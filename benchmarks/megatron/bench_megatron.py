@@ -128,7 +128,9 @@ def bounds(a, drv, dd_cache: dict, rate: float | None, only: str | None = None) 
                 continue
             transfer, how = max(rb, wb) / rate, f"duplex pinned copy {rate / 1e9:.1f} GB/s each way"
         else:
-            key = (rb >> 24, wb >> 24)
+            # One dd run per pair of sizes as the row's name prints them (10 MB steps): rows whose
+            # bytes differ by less share a bound, and no two bound rows get one name.
+            key = (round(rb / 1e7), round(wb / 1e7))
             if key not in dd_cache:
                 try:
                     dd_cache[key] = _runner.dd_bound(a.dir, rb, wb, smoke=a.smoke)

@@ -140,6 +140,9 @@ def parse_args(argv=None):
     if args.odirect_baseline:
         clash = [flag for flag, on in (("--deferalloc " + args.deferalloc, args.deferalloc != "off"),
                                        ("--hdo", args.hdo), ("--save", args.save), ("--load", args.load),
+                                       ("--moment-dtype " + args.moment_dtype, args.moment_dtype != "fp32"),
+                                       ("--resident-mb", args.resident_mb is not None),
+                                       ("--step-in-backward", bool(args.step_in_backward)),
                                        ("--overlap-param-gather", args.overlap_param_gather),
                                        ("--tp", args.tp > 1), ("--pp", args.pp > 1)) if on]
         if clash:

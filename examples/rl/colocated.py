@@ -434,8 +434,8 @@ def build_optimizer(targs, ddp, resume: bool):
 
     import deferalloc.megatron as dm
     train_gpt.use_torch_adamw()
-    ocfg = OptimizerConfig(optimizer="adam", lr=targs.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                           adam_eps=1e-8, bf16=True, use_distributed_optimizer=True, clip_grad=targs.clip_grad)
+    ocfg = OptimizerConfig(optimizer="adam", lr=targs.lr, **train_gpt.ADAM, bf16=True, use_distributed_optimizer=True,
+                           clip_grad=targs.clip_grad)
     with dm.deferred_main_params():
         optimizer = get_megatron_optimizer(ocfg, [ddp])
     streamed = dm.stream_optimizer_state(optimizer, tier="file", directory=targs.directory,
