@@ -43,6 +43,9 @@ def grads(step, skip=None):
 
 def run_baseline(directory, dtype, staging=64 << 10, skip_at=None, megatron=False):
     ps = params(dtype)
+    if megatron:  # Megatron's DDP gives every parameter its main_grad before the optimizer is built
+        for p in ps:
+            p.main_grad = None
     opt = ODirectAdamW(ps, os.path.join(directory, "state.bin"), staging_bytes=staging,
                        grad_attr="main_grad" if megatron else "grad", **HP)
     for t in range(STEPS):
@@ -112,6 +115,12 @@ class ODirectBaseline(unittest.TestCase):
     def test_megatron_main_grad(self):
         # BF16 parameters, FP32 gradients in main_grad (train_gpt.py --odirect-baseline).
         self.check(real_directory(), torch.bfloat16, skip_at=2, megatron=True)
+
+    def test_missing_grad_attr_is_refused(self):
+        # A parameter without the attribute is a wiring mistake (the optimizer built before DDP),
+        # not a parameter without a gradient: refused at construction, naming the fix.
+        with tempfile.TemporaryDirectory() as d, self.assertRaisesRegex(ValueError, "after Megatron's DDP"):
+            ODirectAdamW(params(torch.float32), os.path.join(d, "state.bin"), grad_attr="main_grad", **HP)
 
     def test_tmpfs(self):
         # tmpfs takes O_DIRECT on newer kernels, refuses it on older ones: either way the same results.
