@@ -33,6 +33,7 @@ without megatron-core).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import statistics
@@ -151,7 +152,14 @@ def main(argv=None) -> int:
         argv_ = shlex.split(model) + ["--data", "pattern", "--window-mb", str(a.window_mb)] + opts
         drv.run(name, argv_, {"steps": a.steps}, last=max(1, a.steps // 2), port=29700 + i)
     curves = {n: [it["loss"] for it in r["iterations"]] for n, r in drv.raw.items()}
+    # A run whose loss went non-finite is judged failed and left out of the curves (JSON has no
+    # NaN: bench_json's files must stay readable by plot.py).
+    diverged = {n: next(i + 1 for i, x in enumerate(c) if not math.isfinite(x))
+                for n, c in curves.items() if not all(math.isfinite(x) for x in c)}
+    curves = {n: c for n, c in curves.items() if n not in diverged}
     checks, summary = judge(curves, a.window, bands, a.smoke)
+    checks += [{"check": f"{n} loss finite", "value": f"not finite from step {k}", "target": "finite at every step",
+                "ok": False, "perf": False} for n, k in diverged.items()]
     res = bench_json.result
     results, lines = [], [f"{'run':<9} {'last window':>11} {'vs fp32':>8} {'worst window':>13} {'at step':>7} "
                           f"{'== resident':>11} {'iter ms':>8}"]
