@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The distributed optimizer on the two-GPU machine, in one call (issue 5):
+# The distributed optimizer on the two-GPU machine, in one call:
 #   bash scripts/gpu_multi_run.sh
 # Builds build-gpu (test_distributed and the LibTorch trainer only, against python3's
 # torch), runs ctest -L multigpu: test_distributed.nccl2 (two threads, two GPUs, NCCL)

@@ -152,7 +152,7 @@ if has ctest; then
   grep -hE "^ *[0-9]+/[0-9]+ Test +#|\*\*\*" "$L/ctest-gpu.log" | sed 's/^ *//' | head -60
 fi
 if has multi; then
-  # Two GPUs (issue 17): ctest -L multigpu (test_distributed.nccl2, trainer_acceptance_ws2),
+  # Two GPUs: ctest -L multigpu (test_distributed.nccl2, trainer_acceptance_ws2),
   # with NCCL's INFO output to see whether ncclCommRegister registers the VMM buffers.
   # test_megatron_dp2 (also labelled multigpu) runs in its own step, megatron_dp2.
   NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG run ctest_multigpu 540 ctest --test-dir "$B" -L multigpu -E test_megatron_dp2 \
@@ -243,7 +243,7 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
   # Six torchrun processes per megatron-core (about 5-7 minutes each); the figures as JSON in
-  # $R/test_megatron_gpu[_<version>].json.  Issue 26: each wheel in .whl/megatron/ (one per
+  # $R/test_megatron_gpu[_<version>].json.  Each wheel in .whl/megatron/ (one per
   # tested version, outside .whl/*.whl so that they are not installed together) runs alone.
   # DFA_MEGATRON_VERSION=0.19.2 runs that one only (one version fits a 10-minute call).
   mcs=$(ls .whl/megatron/megatron_core-${DFA_MEGATRON_VERSION:-}*.whl 2>/dev/null)
@@ -301,7 +301,7 @@ if has curves; then
     ${DFA_CURVES_ARGS:-}
 fi
 if has megatron_dp2 && [ -f tests/torch/test_megatron_dp2.py ]; then
-  # Two GPUs (issue 17): six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);
+  # Two GPUs: six torchrun runs at data-parallel size 2 and 1 (about 3 minutes);
   # the figures as JSON in $R/test_megatron_dp2.json.
   CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron_dp2 480 python3 tests/torch/test_megatron_dp2.py \
     --json "$R/test_megatron_dp2.json" ${DFA_MEGATRON_DP2_ARGS:-}

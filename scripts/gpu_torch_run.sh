@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The PyTorch integration on the GPU machine, in one call (issue 3):
+# The PyTorch integration on the GPU machine, in one call:
 #   scripts/gpu_torch_run.sh [build] [tests] [bench]   (default: all three)
 # Builds build-gpu-torch against the machine's python3 torch (DFA_PYTHON to choose
 # another interpreter), runs ctest -L torch (plus the caching-allocator and preload

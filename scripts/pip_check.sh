@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-15 acceptance, as a user runs it: `python3 -m venv v && v/bin/pip install .`,
+# The packaging acceptance, as a user runs it: `python3 -m venv v && v/bin/pip install .`,
 # then `import deferalloc` finds its own libraries with no environment variable set, and
 # a CMake project finds the package inside it (deferalloc/lib/cmake).
 #   scripts/pip_check.sh WORK_DIR [TORCH_PYTHON]

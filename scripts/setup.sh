@@ -53,25 +53,25 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
     echo "setup: installing matplotlib into .venv"
     venv_pip matplotlib
   fi
-  # transformers' LlamaForCausalLM for StreamedAdamW's example and GPU acceptance (issue 13);
+  # transformers' LlamaForCausalLM for StreamedAdamW's example and GPU acceptance;
   # without it they use a built-in Llama.
   if ! "$root/.venv/bin/python" -c 'import transformers' >/dev/null 2>&1; then
     echo "setup: installing transformers into .venv"
     venv_pip transformers
   fi
-  # The Hugging Face Trainer example (issue 27): the Trainer needs accelerate.
+  # The Hugging Face Trainer example: the Trainer needs accelerate.
   if ! "$root/.venv/bin/python" -c 'import accelerate' >/dev/null 2>&1; then
     echo "setup: installing accelerate into .venv"
     venv_pip accelerate
   fi
-  # deferalloc.megatron's tests (issue 14): megatron-core 0.16.1 in .venv, with the
+  # deferalloc.megatron's tests: megatron-core 0.16.1 in .venv, with the
   # dependencies its wheel declares (numpy, packaging) and psutil, which its
   # dist-checkpointing save uses.
   if ! "$root/.venv/bin/python" -c "import sys, megatron.core as m, psutil; sys.exit(m.__version__ != '0.16.1')" >/dev/null 2>&1; then
     echo "setup: installing megatron-core==0.16.1 and psutil into .venv"
     venv_pip "megatron-core==0.16.1" psutil
   fi
-  # Issue 26: every tested megatron-core (tests/torch/megatron_versions.txt) unpacked into
+  # Every tested megatron-core (tests/torch/megatron_versions.txt) unpacked into
   # .megatron/<version>, one directory each, which the CPU tests put on PYTHONPATH.  From
   # 0.17 on the wheels declare Python >= 3.12 (cp312 only) while their Python code imports on
   # 3.11 (only a dataset helper extension is 3.12-only), so the cp312 wheel is fetched and

@@ -39,10 +39,15 @@
     name is defined by another of the package's modules and not by its own.  They reach each
     other through public methods and documented hooks; the optimizer's C ABI has one caller,
     ``deferalloc._engine``.
-11. The user's pages and the build hold no run diaries either: docs/*.md (but docs/BENCHMARKS.md
-    and docs/benchmarks.template.md, where measured runs live), every file under examples/, and
-    every CMakeLists.txt and *.cmake hold no commit id, no date and no "issue N" (the history is
-    CHANGELOG.md's; a page says what holds, a test says what it checks).
+11. The user's pages, the build and the project's own tools hold no run diaries either: no line of
+    docs/*.md (but docs/BENCHMARKS.md and docs/benchmarks.template.md, where measured runs live),
+    of a file under examples/ or of a CMakeLists.txt or *.cmake, and no comment or docstring of the
+    code and scripts under tests/ (but this file, whose self-test plants diaries), benchmarks/,
+    scripts/ and .ci/ (DIARY_CODE_EXT and extensionless scripts; not data such as JSON) holds a
+    commit id, a date or an "issue N" (the history is CHANGELOG.md's; a page says what holds, a
+    test says what it checks).  Only the comments of that code are read (Python `#` and
+    triple-quoted strings, C/C++ `//` and `/* */`, else `#`), so a hex constant, a digest or a
+    date in code or test data is not a diary.
 
 Usage: layout_check.py [ROOT] [--self-test].  Prints each violation and exits 1.
 """
@@ -329,32 +334,77 @@ def long_functions(rel, text):
     return out
 
 
-ISSUE = re.compile(r"\b[Ii]ssues? #?[0-9]+")
+ISSUE = re.compile(r"\b[Ii]ssues?[ -]#?[0-9]+")  # issue 12, issues 14, Issue #3, issue-15
 DIARY_FREE_EXT = (".md", ".py", ".cpp", ".hpp", ".h", ".txt", ".cmake", ".sh", ".in")
+# The tools' code that rule 11 reads in its comments: these folders' files of these kinds, and in
+# scripts/ and .ci/ also a file without an extension (a script, as .ci/run).  Not tests/layout_check.py.
+DIARY_CODE_DIRS = ("tests/", "benchmarks/", "scripts/", ".ci/")
+DIARY_CODE_EXT = (".py", ".cpp", ".hpp", ".h", ".cu", ".cuh", ".sh", ".txt", ".cmake")
+C_EXT = (".cpp", ".hpp", ".h", ".cu", ".cuh")
 
 
 def diary_pages(root):
-    """Rule 11: the files of the user's pages, the examples and the build that rule 4 does not read."""
+    """Rule 11: (path, whole) of each file that rule 4 does not read.  whole: the user's pages, the
+    examples and the build files are read line by line; the code of tests/, benchmarks/, scripts/ and
+    .ci/ (not whole) in its comments and docstrings only (diary_lines)."""
     for d, dirs, names in os.walk(root):
-        dirs[:] = [x for x in dirs if not x.startswith(".") and not x.startswith("build") and x != "__pycache__"]
         rel_dir = os.path.relpath(d, root).replace(os.sep, "/")
+        dirs[:] = [x for x in dirs if (not x.startswith(".") or (rel_dir == "." and x == ".ci"))
+                   and not x.startswith("build") and x != "__pycache__"]
         for n in sorted(names):
             rel = n if rel_dir == "." else f"{rel_dir}/{n}"
             if n == "CMakeLists.txt" or n.endswith(".cmake") or n.endswith(".cmake.in"):
-                yield rel
+                yield rel, True
             elif rel.startswith("examples/") and n.endswith(DIARY_FREE_EXT):
-                yield rel
+                yield rel, True
             elif rel_dir == "docs" and n.endswith(".md") and n not in ("BENCHMARKS.md", "benchmarks.template.md"):
-                yield rel
+                yield rel, True
+            elif rel == "tests/layout_check.py":
+                continue  # its self-test plants diaries
+            elif rel.startswith(DIARY_CODE_DIRS) and (n.endswith(DIARY_CODE_EXT)
+                                                     or (rel.startswith(("scripts/", ".ci/")) and "." not in n)):
+                yield rel, False
+
+
+def hash_comments(text):
+    """(line number, text) of each `#` comment of a shell script or a text file: a `#` at the start of
+    a line or after a blank, `;` or a bracket, outside the quotes of its line (`$#`, `${x#y}` and a
+    quoted "#3" are not comments)."""
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        quote, k = None, 0
+        while k < len(line):
+            c = line[k]
+            if c == "\\" and quote != "'":
+                k += 1  # an escaped character
+            elif quote:
+                quote = None if c == quote else quote
+            elif c in "\"'":
+                quote = c
+            elif c == "#" and (k == 0 or line[k - 1] in " \t;()"):
+                out.append((i, line[k:]))
+                break
+            k += 1
+    return out
+
+
+def diary_lines(rel, text, whole):
+    """Rule 11: (line number, text) that it reads of one file: every line of a page, the comments of code."""
+    if whole:
+        return list(enumerate(text.splitlines(), 1))
+    if rel.endswith(".py"):
+        return py_comments(text)
+    return c_comments(text) if rel.endswith(C_EXT) else hash_comments(text)
 
 
 def page_diaries(root):
-    """Rule 11: commit ids, dates and issue numbers in the pages, the examples and the build files."""
+    """Rule 11: commit ids, dates and issue numbers in the pages, the examples, the build files and the
+    comments of the tests, benchmarks and scripts."""
     found = []
-    for rel in diary_pages(root):
+    for rel, whole in diary_pages(root):
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-        for i, line in enumerate(lines, 1):
+            text = f.read()
+        for i, line in diary_lines(rel, text, whole):
             for what, rx in (("a commit id", COMMIT_ID), ("a date", DATE), ("an issue number", ISSUE)):
                 for m in rx.finditer(line):
                     found.append(f"{rel}:{i}: {what} ({m.group(0)}): run diaries and history belong in "
@@ -532,7 +582,8 @@ def self_test():
     core and the optimizer), an include out of its folder, a long function (C++ and Python; one of
     KNOWN_LONG only warns), a fat folder, a repeated run, diary marks, a long README, an optimizer
     key in the allocator's settings table, an internal header under include/, another module's
-    private names in Python and diaries in the pages, examples and build files are found."""
+    private names in Python and diaries in the pages, examples and build files and in the comments of the
+    tests, benchmarks, scripts and CI are found (not in their code, strings or data)."""
     import tempfile
     with tempfile.TemporaryDirectory() as t:
         def put(rel, text):
@@ -619,12 +670,27 @@ def self_test():
         put("examples/python/e.py", '"""Run on 2026-11-30."""\nx = 1  # see Issue 9\n')
         put("tests/CMakeLists.txt", "# The distributed optimizer (issue 5).\nadd_test(NAME t COMMAND t)\n")
         put("cmake/x.cmake", "set(dfa_deadbeef0 1)  # cafe123\n")
+        # The tools' code: its comments and docstrings only, not its code, strings or data.
+        put("scripts/x.sh", '#!/usr/bin/env bash\n# Two GPUs (issue 17): one call.\n'
+                            'echo "see issue 4 #5" ${x#y} $# ab12cd34ef  # at cafe123\nn=2026-12-01\n')
+        put("tests/y.py", '"""Docstring (issue-8)."""\nDIGEST = "5061b2f0c0ffee"  # a digest\n'
+                          'WHEN = "2026-12-01"\nK = 0xdeadbeef1\n# measured 2026-11-30\n')
+        put("tests/z.cpp", '// Issue 29 item 2: x.\nconst char* s = "issue 3"; unsigned k = 0xdeadbeef;  // ok\n')
+        put("benchmarks/b/k.cu", "int n = 2; /* at\n   5061b2f */\n")
+        put("benchmarks/b/data.json", '{"commit": "5061b2f", "date": "2026-12-01", "note": "issue 12"}\n')
+        put("benchmarks/b/notes.txt", "# runs of 2026-12-01\nv 5061b2f\n")
+        put(".ci/run", "#!/usr/bin/env bash\n# CI (issue 2)\nbash scripts/test.sh\n")
+        put("tests/layout_check.py", "# planted: issue 7 at 5061b2f\n")
         problems, _, _ = check(t)
         pages = sorted(re.match(r"(\S+): an? (commit id|date|issue number) \(([^)]+)\)", p).group(1, 3)
                        for p in problems if "run diaries and history" in p)
-        assert pages == [("cmake/x.cmake:1", "cafe123"), ("docs/OPTIM.md:1", "issue 12"), ("docs/OPTIM.md:2", "5061b2f"),
+        assert pages == [(".ci/run:2", "issue 2"), ("benchmarks/b/k.cu:2", "5061b2f"),
+                         ("benchmarks/b/notes.txt:1", "2026-12-01"), ("cmake/x.cmake:1", "cafe123"),
+                         ("docs/OPTIM.md:1", "issue 12"), ("docs/OPTIM.md:2", "5061b2f"),
                          ("docs/OPTIM.md:3", "issue #3"), ("examples/python/e.py:1", "2026-11-30"),
-                         ("examples/python/e.py:2", "Issue 9"), ("tests/CMakeLists.txt:1", "issue 5")], pages
+                         ("examples/python/e.py:2", "Issue 9"), ("scripts/x.sh:2", "issue 17"),
+                         ("scripts/x.sh:3", "cafe123"), ("tests/CMakeLists.txt:1", "issue 5"), ("tests/y.py:1", "issue-8"),
+                         ("tests/y.py:5", "2026-11-30"), ("tests/z.cpp:1", "Issue 29")], pages
         owned = [p for p in problems if "settings table" in p]
         assert owned == [f"{ALLOCATOR_TABLE}: the optimizer's key 'tier' is a row of the allocator's settings table: "
                          f"it belongs to {OPTIMIZER_TABLE} (the allocator only names it)"], owned

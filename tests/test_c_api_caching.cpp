@@ -207,7 +207,7 @@ TEST_F(c_api_caching, tag_names_lists_every_tag) {
   EXPECT_EQ(std::string(text.c_str()), "x\ny\n");
 }
 
-// Item 4 of issue 10 at the C ABI: blocks of one tag freed and re-allocated under another
+// At the C ABI: blocks of one tag freed and re-allocated under another
 // never share memory, so pausing one tag leaves every block of the other mapped and intact.
 TEST_F(c_api_caching, pausing_one_tag_never_unmaps_another_after_cross_tag_reuse) {
   struct block {
@@ -263,8 +263,8 @@ TEST_F(c_api_caching, pausing_one_tag_never_unmaps_another_after_cross_tag_reuse
   EXPECT_STREQ(dfa_last_error(), "");
 }
 
-// Issue 31 item 7: a tag with a control character is refused where it enters.  Before,
-// "a\nb" was accepted and split dfa_tag_names' list, so pausing every tag failed.
+// A tag with a control character is refused where it enters: "a\nb" would split
+// dfa_tag_names' list, so pausing every tag would fail.
 TEST_F(c_api_caching, tag_names_with_control_characters_are_refused) {
   EXPECT_EQ(dfa_tag_begin("a\nb"), DFA_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(dfa_last_error()),
@@ -297,7 +297,7 @@ struct log_lines {
 std::string refusal() { return dfa_last_refusal(); }
 }  // namespace
 
-// Issue 29 item 2: a refused allocation leaves one warn line and dfa_last_refusal with
+// A refused allocation leaves one warn line and dfa_last_refusal with
 // the reason and the fix; the paused tag stays paused (allocation in a paused tag is
 // refused, Note [Refusals]).
 TEST_F(c_api_caching, a_refused_allocation_says_why_once) {
@@ -488,7 +488,7 @@ TEST_F(c_api_caching, refusals_name_the_fraction_the_budget_and_the_device) {
   ASSERT_EQ(dfa_set_log_callback(nullptr, nullptr, 2), DFA_SUCCESS);
 }
 
-// Issue 29 item 1 at the C ABI: a tag's freed blocks go back to the device with
+// At the C ABI: a tag's freed blocks go back to the device with
 // empty_cache while another tag's live blocks keep their memory and contents.
 TEST_F(c_api_caching, a_tags_freed_memory_goes_back_and_the_other_tag_stays) {
   std::vector<void*> live, gone;
@@ -520,7 +520,7 @@ TEST_F(c_api_caching, a_tags_freed_memory_goes_back_and_the_other_tag_stays) {
   }
 }
 
-// Issue 29 item 3 at the C ABI: the snapshot lists segments, backed runs, blocks, tags,
+// At the C ABI: the snapshot lists segments, backed runs, blocks, tags,
 // paused ranges and the recorded events (Note [Memory snapshots]).
 TEST_F(c_api_caching, memory_snapshot_lists_state_and_recorded_events) {
   ASSERT_EQ(dfa_record_memory_history(100), DFA_SUCCESS) << dfa_last_error();

@@ -1,4 +1,4 @@
-// The C ABI under 10 threads (issue 10's acceptance run), on the driver DEFERALLOC_CONF
+// The C ABI under 10 threads (the acceptance stress run), on the driver DEFERALLOC_CONF
 // names: host in CI, CUDA on a GPU machine (DFA_STRESS_SECONDS=600 for the 10-minute run).
 // The run lasts until its floors of verified blocks, pauses and empty_cache calls are
 // reached and at least DFA_STRESS_SECONDS (default 3) have passed, with a time cap as a

@@ -456,7 +456,7 @@ TEST_F(caching, a_growing_heap_backs_memory_in_steps) {
   }
 }
 
-// ---- issue 10: physical memory done right ----------------------------------------------
+// ---- physical memory done right --------------------------------------------------------
 
 namespace {
 /// A host driver with a small capacity, a pool and an allocator: memory-cap tests run on
@@ -468,7 +468,7 @@ struct capped {
 };
 }  // namespace
 
-// The issue's repro: 256 MiB of capacity, 33 MiB allocated, then 128 MiB: freeing cache
+// The short-memory case: 256 MiB of capacity, 33 MiB allocated, then 128 MiB: freeing cache
 // must work when memory is short (no split needs new chunks first).
 TEST(caching_cap, an_allocation_that_fits_after_empty_cache_succeeds) {
   capped c(256_MiB);
@@ -615,8 +615,8 @@ TEST_F(caching, pausing_one_tag_never_unmaps_another_tags_blocks) {
 }
 
 // empty_cache never moves a live block: a thread writing and checking its block while
-// another allocates, frees and empties the cache sees its bytes intact (issue 10 item
-// 1: a split here lost writes or faulted).
+// another allocates, frees and empties the cache sees its bytes intact (splitting a
+// chunk here would lose writes or fault).
 TEST_F(caching, empty_cache_while_another_thread_writes_its_live_block) {
   const std::size_t n = 3_MiB;
   void* live = a->allocate(n, s1);
@@ -650,7 +650,7 @@ TEST_F(caching, empty_cache_while_another_thread_writes_its_live_block) {
   a->deallocate(live, n, s1);
 }
 
-// Issue 10's H200 scenario (scaled down on the host driver): a tag of 1,000 allocations
+// The GPU acceptance scenario (scaled down on the host driver): a tag of 1,000 allocations
 // (16 GiB on a GPU, 250 MiB on the host driver) is paused: all of it but at most the
 // pool's cache bound shows free to the driver (cuMemGetInfo on the GPU: >= 99% of
 // 16 GiB), and 10 pause/resume cycles (two with host backups, checked) never hold more

@@ -1,4 +1,4 @@
-// Ten threads on one caching allocator (issue 10's acceptance, at the C++ level):
+// Ten threads on one caching allocator (the acceptance stress run, at the C++ level):
 //  - six workers allocate, fill with a pattern, hand blocks to other streams
 //    (record_stream) and free them across three streams, checking every block's bytes
 //    before its free;

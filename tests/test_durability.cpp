@@ -1,4 +1,4 @@
-// Durable optimizer state (issue 11), on the host driver: a run killed at random moments
+// Durable optimizer state, on the host driver: a run killed at random moments
 // (inside checkpoint saves too) always leaves a loadable newest checkpoint and resumes
 // bit-identically; damaged state files and checkpoints are refused or resume from an
 // intact committed step, never silently to other state or to step 0; bad input (null

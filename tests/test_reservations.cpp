@@ -221,7 +221,7 @@ TEST_F(reservations, release_after_an_event) {
   m.free(id);
 }
 
-// Issue 11 item 7: the bookkeeping grows with what is backed, not with what is reserved.
+// The bookkeeping grows with what is backed, not with what is reserved.
 TEST_F(reservations, reserving_terabytes_costs_kilobytes_of_host_memory) {
   const std::size_t rss0 = rss_bytes();
   ASSERT_GT(rss0, 0u) << "/proc/self/statm is unreadable";
@@ -247,7 +247,7 @@ TEST_F(reservations, reserving_terabytes_costs_kilobytes_of_host_memory) {
   m.free(id);
 }
 
-// Issue 10 item 1: giving free space back never splits a chunk, so it needs no new
+// Giving free space back never splits a chunk, so it needs no new
 // memory and works when memory is full; bytes outside the ranges never move.
 TEST_F(reservations, release_whole_chunks_never_splits_and_works_when_memory_is_full) {
   stack full(make_driver(), chunk_pool_config{{}, 20 * g});  // a budget of exactly what is backed below
@@ -289,7 +289,7 @@ TEST_F(reservations, materialize_reuses_smaller_cached_chunks_before_creating) {
   m.free(b);
 }
 
-// Issue 10 item 2: physical bytes held <= backed bytes + the pool's cache bound, at every
+// Physical bytes held <= backed bytes + the pool's cache bound, at every
 // step of a random materialize/release/restore sequence (the host driver counts its
 // chunks; the CUDA driver answers cuMemGetInfo).
 TEST_F(reservations, physical_memory_held_stays_within_backed_plus_cache_bound) {

@@ -1,4 +1,4 @@
-// Never silently wrong (issue 31), on the host driver: per-shard step counts survive the
+// Never silently wrong, on the host driver: per-shard step counts survive the
 // file tier's commits and checkpoints; a state write killed part-way leaves the old
 // state; checkpoint generation names cannot lose a checkpoint; one optimizer per state
 // file; permission errors say so.  The kill tests are in test_durability.cpp.

@@ -1,5 +1,5 @@
 // Checkpoint save and load of a few GB of optimizer state against `dd` on the same
-// disk, in the same run (issue 11).  The baseline `dd` does what a user would do to move
+// disk, in the same run.  The baseline `dd` does what a user would do to move
 // the same bytes without us (Note [Checkpoint baselines]):
 //   host, device tiers: the state is in memory, so
 //     save  vs dd if=/dev/zero of=FILE bs=32M conv=fsync [oflag=direct]     ("dd write")

@@ -1,4 +1,4 @@
-"""The streamed step against the resident one, on one GPU (issues 16 and 28): one table.
+"""The streamed step against the resident one, on one GPU: one table.
 
 Parts (--parts, comma-separated; each can run alone, and a run with --json merges its
 rows into an existing bench_overlap.json, so the lead can call the parts one by one):
@@ -19,7 +19,7 @@ rows into an existing bench_overlap.json, so the lead can call the parts one by 
   accum:  4 micro-batches of --small-batch per step, accumulate-then-step against the
           overlap with accumulating(), losses bit-identical;
   twin, curves: the compressed-moment kernels against their CPU twin; loss curves of a
-          small Llama with fp32 / bf16 / int8 moments (issue 16; not in the default parts).
+          small Llama with fp32 / bf16 / int8 moments (not in the default parts).
 
 The file tier against the disk (dd, compressed moments, the overlap, the O_DIRECT baseline) is
 benchmarks/optimizer/bench_file_tier.py's.
@@ -59,10 +59,10 @@ from deferalloc.overlap import overlap_with_backward  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_harness import BudgetSpent, Harness  # noqa: E402
 
-PCIE_BPS = 51e9  # duplex pinned copy each way on the H200 machine (issue 16), when not measured
-# Issue 28's acceptance: iteration / resident (clipping never and always fires), iteration
-# / max(fwd+bwd, transfer) where fwd+bwd is the shorter; issue 16's loss tolerances.  (The
-# file tier's marks are bench_file_tier.py's.)
+PCIE_BPS = 51e9  # duplex pinned copy each way on the H200 machine, when not measured
+# The acceptance marks: iteration / resident (clipping never and always fires), iteration
+# / max(fwd+bwd, transfer) where fwd+bwd is the shorter; the largest loss gap (%) of compressed
+# moments to FP32 ones.  (The file tier's marks are bench_file_tier.py's.)
 TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.25, small_vs_bound=1.10, bf16_loss=0.5,
                int8_loss=1.0)
 

@@ -1,4 +1,4 @@
-"""Do compressed Adam moments train like FP32 moments?  (issue 16: after 300 steps on the
+"""Do compressed Adam moments train like FP32 moments?  (The mark: after 300 steps on the
 same data the loss is within 0.5% (BF16) / 1% (int8) of FP32 moments.)  CPU, host driver.
 
 A small transformers Llama (FP32, random init, seeds --seeds) trained by StreamedAdamW on the

@@ -1,4 +1,4 @@
-"""Diagnostic: how the host tier's pass speed depends on the shards' shapes (issue 16).
+"""Diagnostic: how the host tier's pass speed depends on the shards' shapes.
 
 No model, no forward: BF16 parameters of a given list of shapes with BF16 gradients, one
 StreamedAdamW (host tier, window 1 GiB, keep_window as bench_overlap) per engine setting.

@@ -1,4 +1,4 @@
-"""Issue 10's GPU acceptance: pause/resume of 16 GiB in 1,000 tensors, memory really given
+"""GPU acceptance of pause/resume: 16 GiB in 1,000 tensors, memory really given
 back, against torch_memory_saver in the same run.  One command, a short table last:
 
     python3 benchmarks/pause_resume/bench_tms.py [--build build-gpu] [--tms-wheel W.whl] [--gib 16] [--json F]

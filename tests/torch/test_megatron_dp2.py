@@ -1,4 +1,4 @@
-"""deferalloc.megatron at data-parallel size 2 (issue 17): two H200s, about 3 minutes.
+"""deferalloc.megatron at data-parallel size 2: two H200s, about 3 minutes.
 
 Runs examples/megatron/train_gpt.py under torchrun (--nproc-per-node 2 and 1; a megatron-core
 GPTModel, BF16 params, Megatron's DistributedOptimizer; --batch is the global batch, each

@@ -1,4 +1,4 @@
-"""GPU acceptance of deferalloc.megatron (issues 14, 26), one H200, about 6-8 minutes per
+"""GPU acceptance of deferalloc.megatron, one H200, about 6-8 minutes per
 megatron-core version.
 
 Runs examples/megatron/train_gpt.py under torchrun (1 GPU, the model class the installed

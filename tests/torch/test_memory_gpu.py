@@ -1,4 +1,4 @@
-"""Issue 29 on the GPU (ctest labels torch, gpu; exit 77 = Skipped without one).
+"""Freed regions, refusals and snapshots on the GPU (ctest labels torch, gpu; exit 77 = Skipped without one).
 
 * A region's freed memory goes back: 16 GiB in 1,024 tensors of region "big", freed, then
   torch.cuda.empty_cache() (and, in a second round, deferalloc.empty_cache() alone) returns

@@ -1,4 +1,4 @@
-"""GPU acceptance of deferalloc.optim.StreamedAdamW (issue 13); prints a short table.
+"""GPU acceptance of deferalloc.optim.StreamedAdamW; prints a short table.
 
   (a) 20 steps of a small Llama (BF16, two param groups, LR schedule, deterministic
       algorithms): losses on the device, host and file tiers vs a reference with FP32 main

@@ -1,4 +1,4 @@
-"""StreamedAdamW never silently wrong, never a crash (issue 31), on the host driver (CPU
+"""StreamedAdamW never silently wrong, never a crash, on the host driver (CPU
 tensors) or, with --device cuda, on a GPU.
 
 Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and the libraries set:

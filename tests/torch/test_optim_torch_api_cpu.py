@@ -1,4 +1,4 @@
-"""StreamedAdamW keeps the promises of a torch optimizer (issue 27), on the host driver.
+"""StreamedAdamW keeps the promises of a torch optimizer, on the host driver.
 
 Run by ctest (label torch) with DEFERALLOC_CONF=driver:host,... and the libraries set.
 ``opt.state`` through the engine, DCP round trips on every tier and with torch.optim.AdamW

@@ -1,4 +1,4 @@
-"""GPU acceptance of StreamedAdamW as a torch optimizer (issue 27), on a transformers Llama.
+"""GPU acceptance of StreamedAdamW as a torch optimizer, on a transformers Llama.
 
   (1) DCP round trip: get_state_dict + dcp.save after 4 steps, 3 more steps; a fresh model
       and optimizer dcp.load + set_state_dict and take the same 3 steps: weights and state

@@ -216,7 +216,7 @@ def _replay_like_memory_viz(snap, device=0):
 
 
 class MemoryYouCanSee(unittest.TestCase):
-    """Issue 29 (refusals, snapshots) and issue 31 item 7 (tag names) on the host driver."""
+    """Refusals, snapshots and tag names on the host driver."""
 
     def test_tag_names_with_control_characters_are_refused(self):
         for bad, code in (("a\nb", "U+000A"), ("x\0y", "U+0000"), ("t\tab", "U+0009"), ("l\u2028s", "U+2028"),
