@@ -1,0 +1,182 @@
+// Run under LD_PRELOAD=libdeferalloc_preload.so with DEFERALLOC_CONF=driver:host,
+// host_granularity_kb:64,pool_cache_mb:0: the preload library's arenas (Note [Preload
+// arenas] in allocator/abi/preload_arena.cpp), counted by the driver calls of dfa_get_stats.
+//   (a) N segments in one arena take O(slabs) mappings: created, paused and resumed with one
+//       create / map / set_access / unmap / release per slab (a reservation per segment
+//       outside the arena, for contrast: one mapping per segment);
+//   (b) pause / resume with and without backup keep the addresses, and (backup) the contents;
+//   (c) freeing every segment gives every slab back;
+//   (d) a freed range is reused;
+//   (e) pause / resume / free / "empty_cache" (freeing) interleaved never release twice, a
+//       second pause or resume is refused, an allocation while paused is served outside.
+#include <cuda_runtime_api.h>
+#include <deferalloc/deferalloc.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "probe_check.hpp"
+
+namespace {
+
+using push_fn = int (*)(const char*);
+using pop_fn = int (*)();
+using pause_fn = int (*)(const char*, int, void*);
+using resume_fn = int (*)(const char*, void*);
+using owns_fn = int (*)(const void*);
+using figures_fn = int (*)(const char*, size_t*);
+
+struct arena_api {
+  push_fn push = nullptr;
+  pop_fn pop = nullptr;
+  pause_fn pause = nullptr;
+  resume_fn resume = nullptr;
+  owns_fn owns = nullptr;
+  figures_fn figures = nullptr;
+};
+
+enum call { k_reserve, k_free_reservation, k_create, k_release, k_map, k_unmap, k_set_access };
+
+dfa_stats stats() {
+  dfa_stats s{};
+  if (dfa_get_stats(&s) != DFA_SUCCESS) std::printf("dfa_get_stats failed: %s\n", dfa_last_error());
+  return s;
+}
+
+std::uint64_t delta(const dfa_stats& a, const dfa_stats& b, call c) { return b.driver_calls[c] - a.driver_calls[c]; }
+
+size_t slabs(const arena_api& api, const char* name) {
+  size_t f[5] = {};
+  api.figures(name, f);
+  return f[0];
+}
+
+constexpr size_t k_seg = 1 << 20;  // 16 granules of 64 KiB
+constexpr int k_n = 256;
+
+// (a), (b) and (c) on one arena, with `keep`.
+int cycle(const arena_api& api, const char* name, int keep) {
+  const dfa_stats s0 = stats();
+  CHECK(api.push(name) == DFA_SUCCESS);
+  std::vector<void*> p(k_n);
+  for (int i = 0; i < k_n; ++i) CHECK(cudaMalloc(&p[i], k_seg) == cudaSuccess && api.owns(p[i]) == 1);
+  CHECK(api.pop() == DFA_SUCCESS);
+  const dfa_stats s1 = stats();
+  // 256 MiB in slabs of 1, 1, 2, 4, ..., 128 MiB: nine slabs, one chunk and one mapping each.
+  const size_t n_slabs = slabs(api, name);
+  std::printf("%s: %d segments of %zu bytes in %zu slabs: %llu create, %llu map, %llu set_access, %llu reserve\n", name,
+              k_n, k_seg, n_slabs, (unsigned long long)delta(s0, s1, k_create), (unsigned long long)delta(s0, s1, k_map),
+              (unsigned long long)delta(s0, s1, k_set_access), (unsigned long long)delta(s0, s1, k_reserve));
+  CHECK(n_slabs == 9);
+  CHECK(delta(s0, s1, k_create) == n_slabs && delta(s0, s1, k_map) == n_slabs && delta(s0, s1, k_set_access) == n_slabs);
+  CHECK(delta(s0, s1, k_reserve) <= 1);
+  for (int i = 0; i < k_n; ++i) std::memset(p[i], 0x11 + i % 200, k_seg);
+
+  CHECK(api.pause(name, keep, nullptr) == DFA_SUCCESS);
+  const dfa_stats s2 = stats();
+  CHECK(delta(s1, s2, k_unmap) == n_slabs && delta(s1, s2, k_release) == n_slabs);  // pool_cache_mb:0
+  CHECK(s1.backed_bytes - s2.backed_bytes == size_t{k_n} * k_seg);  // the memory given back
+  CHECK(api.pause(name, keep, nullptr) == DFA_ERROR_INVALID_STATE);  // (e) a second pause changes nothing
+  CHECK(stats().driver_calls[k_unmap] == s2.driver_calls[k_unmap]);
+
+  CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+  const dfa_stats s3 = stats();
+  CHECK(delta(s2, s3, k_create) == n_slabs && delta(s2, s3, k_map) == n_slabs && delta(s2, s3, k_set_access) == n_slabs);
+  CHECK(api.resume(name, nullptr) == DFA_ERROR_INVALID_STATE);  // (e)
+  CHECK(s3.backed_bytes == s1.backed_bytes);
+  for (int i = 0; i < k_n; ++i) {  // (b) same addresses, backed; contents kept with the backup
+    dfa_reservation r = 0;
+    CHECK(dfa_find(p[i], &r) == DFA_SUCCESS && api.owns(p[i]) == 1);
+    if (keep == DFA_KEEP_HOST) {
+      const auto* b = static_cast<const unsigned char*>(p[i]);
+      CHECK(b[0] == 0x11 + i % 200 && b[k_seg - 1] == 0x11 + i % 200);
+    }
+    std::memset(p[i], 0x5A, k_seg);  // writable
+  }
+  CHECK(cudaFree(static_cast<char*>(p[3]) + 4096) == cudaErrorInvalidValue);  // interior pointer
+
+  for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);  // (c) every slab given back
+  const dfa_stats s4 = stats();
+  CHECK(slabs(api, name) == 0);
+  CHECK(delta(s3, s4, k_release) == n_slabs && s4.backed_bytes == s0.backed_bytes && s4.backup_bytes == s0.backup_bytes);
+  CHECK(s4.pool_alive_bytes == s0.pool_alive_bytes);
+  return 0;
+}
+
+// (d) a freed range is reused; (e) frees while paused, an allocation while paused.
+int interleaved(const arena_api& api) {
+  const char* name = "tms.host/interleaved";
+  const dfa_stats s0 = stats();
+  CHECK(api.push(name) == DFA_SUCCESS);
+  void *a = nullptr, *b = nullptr, *c = nullptr, *b2 = nullptr;
+  CHECK(cudaMalloc(&c, 4 * k_seg) == cudaSuccess && cudaMalloc(&a, k_seg) == cudaSuccess &&
+        cudaMalloc(&b, k_seg) == cudaSuccess);
+  const dfa_stats s1 = stats();
+  CHECK(cudaFree(b) == cudaSuccess);
+  CHECK(cudaMalloc(&b2, k_seg) == cudaSuccess);
+  CHECK(b2 == b && stats().driver_calls[k_create] == s1.driver_calls[k_create]);  // (d) reused, nothing created
+  std::memset(a, 0x21, k_seg);
+  std::memset(c, 0x23, 4 * k_seg);
+  CHECK(slabs(api, name) == 2);  // c in a 4 MiB slab, a and b in the next one (4 MiB)
+
+  CHECK(api.pause(name, DFA_KEEP_HOST, nullptr) == DFA_SUCCESS);
+  const dfa_stats s2 = stats();
+  CHECK(s2.backup_bytes - s0.backup_bytes == 8 * k_seg);  // whole slabs
+  void* outside = nullptr;  // paused arena: a reservation of its own, paused by the segment
+  CHECK(cudaMalloc(&outside, k_seg) == cudaSuccess && api.owns(outside) == 0);
+  dfa_reservation r = 0;
+  CHECK(dfa_find(outside, &r) == DFA_SUCCESS);
+  CHECK(cudaFree(outside) == cudaSuccess);
+  CHECK(cudaFree(c) == cudaSuccess);  // its slab closes while paused: the backup dropped, nothing unmapped
+  const dfa_stats s3 = stats();
+  CHECK(slabs(api, name) == 1 && s2.backup_bytes - s3.backup_bytes == 4 * k_seg);
+  CHECK(delta(s2, s3, k_unmap) == 1 && delta(s2, s3, k_release) == 1);  // only `outside`'s chunk
+
+  CHECK(api.resume(name, nullptr) == DFA_SUCCESS);  // one slab back, restored
+  const dfa_stats s4 = stats();
+  CHECK(delta(s3, s4, k_map) == 1 && s4.backup_bytes == s0.backup_bytes);
+  CHECK(static_cast<unsigned char*>(a)[k_seg - 1] == 0x21);
+  CHECK(cudaFree(a) == cudaSuccess && cudaFree(b2) == cudaSuccess);
+  CHECK(api.pop() == DFA_SUCCESS && api.pop() == DFA_ERROR_INVALID_STATE);
+  const dfa_stats s5 = stats();
+  CHECK(slabs(api, name) == 0 && s5.backed_bytes == s0.backed_bytes && s5.pool_alive_bytes == s0.pool_alive_bytes);
+  CHECK(s5.driver_calls[k_create] - s0.driver_calls[k_create] == s5.driver_calls[k_release] - s0.driver_calls[k_release]);
+
+  CHECK(api.pause(name, DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS);  // empty: nothing to do, no error
+  CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+  return 0;
+}
+
+// For contrast: the same segments outside an arena, one reservation and one mapping each.
+int outside_arena() {
+  const dfa_stats s0 = stats();
+  std::vector<void*> p(k_n);
+  for (int i = 0; i < k_n; ++i) CHECK(cudaMalloc(&p[i], k_seg) == cudaSuccess);
+  const dfa_stats s1 = stats();
+  std::printf("outside an arena: %d segments take %llu mappings\n", k_n, (unsigned long long)delta(s0, s1, k_map));
+  CHECK(delta(s0, s1, k_map) >= static_cast<std::uint64_t>(k_n));
+  for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);
+  return 0;
+}
+
+}  // namespace
+
+int main() {
+  arena_api api;
+  api.push = reinterpret_cast<push_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_push"));
+  api.pop = reinterpret_cast<pop_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_pop"));
+  api.pause = reinterpret_cast<pause_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_pause"));
+  api.resume = reinterpret_cast<resume_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_resume"));
+  api.owns = reinterpret_cast<owns_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_owns"));
+  api.figures = reinterpret_cast<figures_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_figures"));
+  CHECK(api.push && api.pop && api.pause && api.resume && api.owns && api.figures);  // LD_PRELOAD set
+  if (cycle(api, "tms.discard/weights", DFA_KEEP_DISCARD) != 0) return 1;
+  if (cycle(api, "tms.host/weights", DFA_KEEP_HOST) != 0) return 1;
+  if (interleaved(api) != 0) return 1;
+  if (outside_arena() != 0) return 1;
+  std::printf("preload_arena_probe: arenas pass\n");
+  return 0;
+}
