@@ -49,7 +49,7 @@ dfa_stats stats() {
 std::uint64_t delta(const dfa_stats& a, const dfa_stats& b, call c) { return b.driver_calls[c] - a.driver_calls[c]; }
 
 size_t slabs(const arena_api& api, const char* name) {
-  size_t f[5] = {};
+  size_t f[6] = {};
   api.figures(name, f);
   return f[0];
 }
@@ -129,7 +129,10 @@ int interleaved(const arena_api& api) {
   CHECK(cudaMalloc(&outside, k_seg) == cudaSuccess && api.owns(outside) == 0);
   dfa_reservation r = 0;
   CHECK(dfa_find(outside, &r) == DFA_SUCCESS);
+  size_t f[6] = {};
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[4] == 1 && f[5] == 1);  // paused, one stray
   CHECK(cudaFree(outside) == cudaSuccess);
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[5] == 0);
   CHECK(cudaFree(c) == cudaSuccess);  // its slab closes while paused: the backup dropped, nothing unmapped
   const dfa_stats s3 = stats();
   CHECK(slabs(api, name) == 1 && s2.backup_bytes - s3.backup_bytes == 4 * k_seg);

@@ -192,7 +192,8 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
     *ptr = nullptr;
     return cudaSuccess;
   }
-  if (!t_arena.empty() && !t_arena.back().empty()) {
+  const bool stray = !t_arena.empty() && !t_arena.back().empty();
+  if (stray) {
     // A paused arena, or a segment larger than a block, falls through to a reservation of its own.
     const dfa_status st = g_arenas.allocate(t_arena.back(), size, ptr);
     if (st != DFA_ERROR_INVALID_STATE) return to_cuda_error(st);
@@ -209,6 +210,7 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   try {
     std::lock_guard lk(g_mu);
     g_ours.emplace(addr, r);
+    if (stray) g_arenas.note_stray(t_arena.back(), addr);
   } catch (...) {
     dfa_free_reservation(r, nullptr);
     return cudaErrorMemoryAllocation;
@@ -247,6 +249,7 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
   }
   const dfa_status st = dfa_free_reservation(r, nullptr);
   if (st == DFA_SUCCESS) {
+    g_arenas.forget_stray(ptr);
     std::lock_guard lk(g_mu);
     g_ours.erase(ptr);
   }
@@ -293,7 +296,8 @@ __attribute__((visibility("default"))) int dfa_preload_arena_owns(const void* pt
   return ptr != nullptr && g_arenas.owns(ptr) ? 1 : 0;
 }
 
-// out[0..4]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1).
+// out[0..5]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), and
+// segments the arena refused (while paused) that are served outside it and not freed yet.
 __attribute__((visibility("default"))) int dfa_preload_arena_figures(const char* name, size_t* out) {
   if (name == nullptr || out == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
   const deferalloc::preload::arena_figures f = g_arenas.figures(name);
@@ -302,6 +306,7 @@ __attribute__((visibility("default"))) int dfa_preload_arena_figures(const char*
   out[2] = f.live_bytes;
   out[3] = f.segments;
   out[4] = static_cast<size_t>(f.paused);
+  out[5] = f.strays;
   return DFA_SUCCESS;
 }
 

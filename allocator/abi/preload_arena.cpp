@@ -261,7 +261,26 @@ arena_figures arenas::figures(const std::string& name) const {
   f.live_bytes = a.live_bytes;
   f.segments = a.segments;
   f.paused = a.paused ? 1 : 0;
+  f.strays = a.strays;
   return f;
+}
+
+void arenas::note_stray(const std::string& name, const void* p) {
+  std::lock_guard lk(mu_);
+  auto it = arenas_.find(name);
+  if (it == arenas_.end()) return;
+  try {
+    if (strays_.emplace(reinterpret_cast<std::uintptr_t>(p), it->second.get()).second) ++it->second->strays;
+  } catch (...) {  // not counted: a pause then finds the segment only by a look over its pools
+  }
+}
+
+void arenas::forget_stray(const void* p) {
+  std::lock_guard lk(mu_);
+  auto it = strays_.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == strays_.end()) return;
+  --it->second->strays;
+  strays_.erase(it);
 }
 
 }  // namespace deferalloc::preload

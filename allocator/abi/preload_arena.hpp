@@ -21,6 +21,7 @@ struct arena_figures {
   std::size_t live_bytes = 0;   // bytes of the segments placed in them
   std::size_t segments = 0;
   int paused = 0;               // 1 while paused
+  std::size_t strays = 0;       // segments asked of the arena but served outside it (note_stray)
 };
 
 // Every arena of the process, by name.  Thread-safe (one mutex); the calls return the C
@@ -45,6 +46,11 @@ class arenas {
   // with DFA_KEEP_HOST); all or nothing.
   dfa_status resume(const std::string& name, void* stream);
   arena_figures figures(const std::string& name) const;
+  // A segment that arena `name` refused (allocate's DFA_ERROR_INVALID_STATE) and the caller
+  // served as a reservation of its own, until it is freed (forget_stray): the arena's
+  // figures count it, so that a pause knows to look for segments outside the arena.
+  void note_stray(const std::string& name, const void* p);
+  void forget_stray(const void* p);
 
  private:
   struct block {
@@ -64,6 +70,7 @@ class arenas {
     std::size_t slab_bytes = 0, live_bytes = 0, segments = 0;
     bool paused = false;
     dfa_keep keep = DFA_KEEP_DISCARD;
+    std::size_t strays = 0;
   };
   struct segment {
     arena* a = nullptr;
@@ -83,6 +90,7 @@ class arenas {
   std::size_t granularity_ = 0;
   std::unordered_map<std::string, std::unique_ptr<arena>> arenas_;
   std::unordered_map<std::uintptr_t, segment> segments_;
+  std::unordered_map<std::uintptr_t, arena*> strays_;
 };
 
 }  // namespace deferalloc::preload
