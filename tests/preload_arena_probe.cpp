@@ -1,9 +1,12 @@
-// Run under LD_PRELOAD=libdeferalloc_preload.so with DEFERALLOC_CONF=driver:host,
-// host_granularity_kb:64,pool_cache_mb:0: the preload library's arenas (Note [Preload
-// arenas] in allocator/abi/preload_arena.cpp), counted by the driver calls of dfa_get_stats.
+// Run under LD_PRELOAD=libdeferalloc_preload.so with DEFERALLOC_CONF=...,pool_cache_mb:0 (ctest
+// preload_arena_host on the host driver, preload_arena_cuda on a GPU: exit 77 without one): the
+// preload library's arenas (Note [Preload arenas] in allocator/abi/preload_arena.cpp), counted
+// by the driver calls of dfa_get_stats.  Segments are 16 granules (1 MiB on the host driver's
+// 64 KiB, 32 MiB on a GPU's 2 MiB).
 //   (a) N segments in one arena take O(slabs) mappings: created, paused and resumed with one
 //       create / map / set_access / unmap / release per slab (a reservation per segment
-//       outside the arena, for contrast: one mapping per segment);
+//       outside the arena, for contrast: one mapping per segment); a pause gives the memory
+//       back (the device's free memory, on a GPU);
 //   (b) pause / resume with and without backup keep the addresses, and (backup) the contents;
 //   (c) freeing every segment gives every slab back;
 //   (d) a freed range is reused;
@@ -13,9 +16,12 @@
 #include <deferalloc/deferalloc.h>
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "probe_check.hpp"
@@ -54,8 +60,49 @@ size_t slabs(const arena_api& api, const char* name) {
   return f[0];
 }
 
-constexpr size_t k_seg = 1 << 20;  // 16 granules of 64 KiB
+size_t k_seg = 0;     // 16 granules
+bool g_cuda = false;  // the CUDA driver: contents through cudaMemset / cudaMemcpy
 constexpr int k_n = 256;
+
+bool fill(void* p, int byte, size_t n) {
+  if (!g_cuda) {
+    std::memset(p, byte, n);
+    return true;
+  }
+  return cudaMemset(p, byte, n) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
+}
+
+int byte_at(const void* p, size_t off) {
+  unsigned char b = 0;
+  if (!g_cuda) return static_cast<const unsigned char*>(p)[off];
+  if (cudaMemcpy(&b, static_cast<const char*>(p) + off, 1, cudaMemcpyDeviceToHost) != cudaSuccess) return -1;
+  return b;
+}
+
+size_t device_free() {
+  size_t free = 0, total = 0;
+  if (g_cuda) cudaMemGetInfo(&free, &total);
+  return free;
+}
+
+// The slabs that n segments of `seg` bytes take by Note [Preload arenas]'s rule (each slab
+// doubles with what the arena holds, from the granularity g up to 512 MiB, never below the
+// segment rounded up to a power of two).
+size_t expected_slabs(int n, size_t seg, size_t g) {
+  size_t held = 0, left = 0, count = 0;
+  for (int i = 0; i < n; ++i) {
+    if (left >= seg) {
+      left -= seg;
+      continue;
+    }
+    const size_t grown = std::clamp(std::bit_floor(std::max(held, g)), g, size_t{512} << 20);
+    const size_t slab = std::max(grown, std::bit_ceil(seg));
+    held += slab;
+    left = slab - seg;
+    ++count;
+  }
+  return count;
+}
 
 // (a), (b) and (c) on one arena, with `keep`.
 int cycle(const arena_api& api, const char* name, int keep) {
@@ -65,18 +112,24 @@ int cycle(const arena_api& api, const char* name, int keep) {
   for (int i = 0; i < k_n; ++i) CHECK(cudaMalloc(&p[i], k_seg) == cudaSuccess && api.owns(p[i]) == 1);
   CHECK(api.pop() == DFA_SUCCESS);
   const dfa_stats s1 = stats();
-  // 256 MiB in slabs of 1, 1, 2, 4, ..., 128 MiB: nine slabs, one chunk and one mapping each.
+  // Host: 256 MiB in slabs of 1, 1, 2, 4, ..., 128 MiB, nine slabs; GPU: 8 GiB in 32, 32, 64,
+  // ..., 512 MiB then 14 of 512 MiB, twenty.  One chunk and one mapping each.
   const size_t n_slabs = slabs(api, name);
   std::printf("%s: %d segments of %zu bytes in %zu slabs: %llu create, %llu map, %llu set_access, %llu reserve\n", name,
               k_n, k_seg, n_slabs, (unsigned long long)delta(s0, s1, k_create), (unsigned long long)delta(s0, s1, k_map),
               (unsigned long long)delta(s0, s1, k_set_access), (unsigned long long)delta(s0, s1, k_reserve));
-  CHECK(n_slabs == 9);
+  CHECK(n_slabs == expected_slabs(k_n, k_seg, k_seg / 16) && n_slabs == (g_cuda ? 20u : 9u));
   CHECK(delta(s0, s1, k_create) == n_slabs && delta(s0, s1, k_map) == n_slabs && delta(s0, s1, k_set_access) == n_slabs);
   CHECK(delta(s0, s1, k_reserve) <= 1);
-  for (int i = 0; i < k_n; ++i) std::memset(p[i], 0x11 + i % 200, k_seg);
+  for (int i = 0; i < k_n; ++i) CHECK(fill(p[i], 0x11 + i % 200, k_seg));
 
+  const size_t free1 = device_free();
   CHECK(api.pause(name, keep, nullptr) == DFA_SUCCESS);
   const dfa_stats s2 = stats();
+  if (g_cuda) {
+    std::printf("%s: pause gave back %zu MiB of %zu\n", name, (device_free() - free1) >> 20, (size_t{k_n} * k_seg) >> 20);
+    CHECK(device_free() - free1 >= size_t{k_n} * k_seg / 100 * 99);
+  }
   CHECK(delta(s1, s2, k_unmap) == n_slabs && delta(s1, s2, k_release) == n_slabs);  // pool_cache_mb:0
   CHECK(s1.backed_bytes - s2.backed_bytes == size_t{k_n} * k_seg);  // the memory given back
   CHECK(api.pause(name, keep, nullptr) == DFA_ERROR_INVALID_STATE);  // (e) a second pause changes nothing
@@ -91,10 +144,9 @@ int cycle(const arena_api& api, const char* name, int keep) {
     dfa_reservation r = 0;
     CHECK(dfa_find(p[i], &r) == DFA_SUCCESS && api.owns(p[i]) == 1);
     if (keep == DFA_KEEP_HOST) {
-      const auto* b = static_cast<const unsigned char*>(p[i]);
-      CHECK(b[0] == 0x11 + i % 200 && b[k_seg - 1] == 0x11 + i % 200);
+      CHECK(byte_at(p[i], 0) == 0x11 + i % 200 && byte_at(p[i], k_seg - 1) == 0x11 + i % 200);
     }
-    std::memset(p[i], 0x5A, k_seg);  // writable
+    CHECK(fill(p[i], 0x5A, k_seg));  // writable
   }
   CHECK(cudaFree(static_cast<char*>(p[3]) + 4096) == cudaErrorInvalidValue);  // interior pointer
 
@@ -118,8 +170,7 @@ int interleaved(const arena_api& api) {
   CHECK(cudaFree(b) == cudaSuccess);
   CHECK(cudaMalloc(&b2, k_seg) == cudaSuccess);
   CHECK(b2 == b && stats().driver_calls[k_create] == s1.driver_calls[k_create]);  // (d) reused, nothing created
-  std::memset(a, 0x21, k_seg);
-  std::memset(c, 0x23, 4 * k_seg);
+  CHECK(fill(a, 0x21, k_seg) && fill(c, 0x23, 4 * k_seg));
   CHECK(slabs(api, name) == 2);  // c in a 4 MiB slab, a and b in the next one (4 MiB)
 
   CHECK(api.pause(name, DFA_KEEP_HOST, nullptr) == DFA_SUCCESS);
@@ -141,7 +192,7 @@ int interleaved(const arena_api& api) {
   CHECK(api.resume(name, nullptr) == DFA_SUCCESS);  // one slab back, restored
   const dfa_stats s4 = stats();
   CHECK(delta(s3, s4, k_map) == 1 && s4.backup_bytes == s0.backup_bytes);
-  CHECK(static_cast<unsigned char*>(a)[k_seg - 1] == 0x21);
+  CHECK(byte_at(a, k_seg - 1) == 0x21);
   CHECK(cudaFree(a) == cudaSuccess && cudaFree(b2) == cudaSuccess);
   CHECK(api.pop() == DFA_SUCCESS && api.pop() == DFA_ERROR_INVALID_STATE);
   const dfa_stats s5 = stats();
@@ -168,6 +219,14 @@ int outside_arena() {
 }  // namespace
 
 int main() {
+  const char* driver = nullptr;
+  size_t g = 0;
+  if (dfa_driver_name(&driver) != DFA_SUCCESS || dfa_granularity(&g) != DFA_SUCCESS) {
+    std::printf("SKIPPED: no driver (%s)\n", dfa_last_error());
+    return 77;
+  }
+  g_cuda = std::string(driver) == "cuda";
+  k_seg = 16 * g;
   arena_api api;
   api.push = reinterpret_cast<push_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_push"));
   api.pop = reinterpret_cast<pop_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_pop"));
