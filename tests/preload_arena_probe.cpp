@@ -11,13 +11,17 @@
 //   (c) freeing every segment gives every slab back;
 //   (d) a freed range is reused;
 //   (e) pause / resume / free / "empty_cache" (freeing) interleaved never release twice, a
-//       second pause or resume is refused, an allocation while paused is served outside.
+//       second pause or resume is refused, an allocation while paused is served outside;
+//       and 3000 random steps of them, checked after each against a model (segments
+//       disjoint, chunks alive = slabs backed, contents kept, everything back at the end).
 #include <cuda_runtime_api.h>
 #include <deferalloc/deferalloc.h>
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <bit>
+#include <map>
+#include <random>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -204,6 +208,71 @@ int interleaved(const arena_api& api) {
   return 0;
 }
 
+// Random cudaMalloc / cudaFree / pause (with backup) / resume / "empty_cache" (half the
+// segments freed), each step checked: segments disjoint and inside the arena, the chunks
+// alive equal to the slabs backed (pool_cache_mb:0: nothing cached), contents kept.
+int random_interleaving(const arena_api& api) {
+  const char* name = "tms.host/random";
+  const dfa_stats s0 = stats();
+  std::mt19937 rng(12345);
+  std::map<std::uintptr_t, std::pair<size_t, int>> live;  // address -> bytes, fill byte
+  bool paused = false;
+  CHECK(api.push(name) == DFA_SUCCESS);
+  for (int step = 0; step < 3000; ++step) {
+    const unsigned op = rng() % 16;
+    if (op < 7 && !paused) {  // allocate 1 to 40 granules
+      const size_t bytes = (1 + rng() % 40) * (k_seg / 16);
+      void* p = nullptr;
+      CHECK(cudaMalloc(&p, bytes) == cudaSuccess && api.owns(p) == 1);
+      const int b = 1 + step % 250;
+      CHECK(fill(p, b, bytes));
+      live[reinterpret_cast<std::uintptr_t>(p)] = {bytes, b};
+    } else if (op < 12 && !live.empty()) {  // free one
+      auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+      CHECK(cudaFree(reinterpret_cast<void*>(it->first)) == cudaSuccess);
+      live.erase(it);
+    } else if (op == 12) {  // "empty_cache": half of them
+      for (auto it = live.begin(); it != live.end();)
+        if (rng() % 2 == 0) {
+          CHECK(cudaFree(reinterpret_cast<void*>(it->first)) == cudaSuccess);
+          it = live.erase(it);
+        } else {
+          ++it;
+        }
+    } else if (op < 15) {
+      CHECK((paused ? api.resume(name, nullptr) : api.pause(name, DFA_KEEP_HOST, nullptr)) == DFA_SUCCESS);
+      paused = !paused;
+      if (!paused)
+        for (const auto& [a, v] : live)
+          CHECK(byte_at(reinterpret_cast<void*>(a), 0) == v.second &&
+                byte_at(reinterpret_cast<void*>(a), v.first - 1) == v.second);
+    } else {
+      CHECK((paused ? api.pause(name, DFA_KEEP_HOST, nullptr) : api.resume(name, nullptr)) == DFA_ERROR_INVALID_STATE);
+    }
+    size_t f[6] = {};
+    CHECK(api.figures(name, f) == DFA_SUCCESS && f[3] == live.size() && f[4] == (paused ? 1u : 0u));
+    size_t bytes = 0;
+    std::uintptr_t end = 0;
+    for (const auto& [a, v] : live) {
+      CHECK(a >= end);  // disjoint
+      end = a + v.first;
+      bytes += v.first;
+    }
+    CHECK(f[2] == bytes && f[1] >= bytes);
+    const dfa_stats st = stats();
+    CHECK(st.pool_alive_bytes - s0.pool_alive_bytes == (paused ? 0 : f[1]));
+  }
+  if (paused) CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+  for (const auto& [a, v] : live) CHECK(cudaFree(reinterpret_cast<void*>(a)) == cudaSuccess);
+  CHECK(api.pop() == DFA_SUCCESS);
+  const dfa_stats s1 = stats();
+  CHECK(slabs(api, name) == 0 && s1.pool_alive_bytes == s0.pool_alive_bytes && s1.backup_bytes == s0.backup_bytes);
+  CHECK(s1.driver_calls[k_create] - s0.driver_calls[k_create] == s1.driver_calls[k_release] - s0.driver_calls[k_release]);
+  std::printf("%s: 3000 random steps, %llu slabs created and released\n", name,
+              (unsigned long long)(s1.driver_calls[k_create] - s0.driver_calls[k_create]));
+  return 0;
+}
+
 // For contrast: the same segments outside an arena, one reservation and one mapping each.
 int outside_arena() {
   const dfa_stats s0 = stats();
@@ -238,6 +307,7 @@ int main() {
   if (cycle(api, "tms.discard/weights", DFA_KEEP_DISCARD) != 0) return 1;
   if (cycle(api, "tms.host/weights", DFA_KEEP_HOST) != 0) return 1;
   if (interleaved(api) != 0) return 1;
+  if (random_interleaving(api) != 0) return 1;
   if (outside_arena() != 0) return 1;
   std::printf("preload_arena_probe: arenas pass\n");
   return 0;

@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <iterator>
 
 namespace deferalloc::preload {
@@ -154,7 +155,7 @@ dfa_status arenas::close_slab(arena& a, std::uintptr_t slab_addr) {
   const slab& s = it->second;
   block& b = a.blocks[s.block];
   if (const dfa_status st = dfa_release(b.id, s.offset, s.bytes, DFA_KEEP_DISCARD, nullptr); st != DFA_SUCCESS)
-    return st;  // the slab stays, free, for later segments
+    return st;  // the slab stays, empty, for later segments
   give_back_range(b.va_free, s.offset, s.bytes);
   a.slab_bytes -= s.bytes;
   a.slabs.erase(it);
@@ -208,7 +209,10 @@ dfa_status arenas::free(const void* p) {
   s.live -= seg.bytes;
   a.live_bytes -= seg.bytes;
   --a.segments;
-  return s.live == 0 ? close_slab(a, seg.slab) : DFA_SUCCESS;
+  if (s.live == 0 && close_slab(a, seg.slab) != DFA_SUCCESS)  // the segment is free all the same
+    std::fprintf(stderr, "[deferalloc preload] an empty slab of %zu bytes stays backed for later segments: %s\n",
+                 s.bytes, dfa_last_error());
+  return DFA_SUCCESS;
 }
 
 dfa_status arenas::pause(const std::string& name, dfa_keep keep, void* stream) {

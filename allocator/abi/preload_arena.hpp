@@ -36,8 +36,9 @@ class arenas {
   // Whether `p` is the base of a segment of an arena.
   bool owns(const void* p) const;
   // Gives a segment's range back to its arena; a slab left without segments is released
-  // (one dfa_release: unmapped, or its backup dropped while paused).  The caller has waited
-  // for the device.
+  // (one dfa_release: unmapped, or its backup dropped while paused; where that fails, the
+  // slab stays for later segments and a line on stderr says so).  The caller has waited for
+  // the device.
   dfa_status free(const void* p);
   // Every slab of the arena released in one dfa_release_many (contents kept in pinned host
   // memory or discarded).  Unknown name: an empty arena is made and paused.
