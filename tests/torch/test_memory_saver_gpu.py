@@ -294,7 +294,7 @@ class ModeSuite(unittest.TestCase):
         self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/mappings", figures), 0)
         slabs, slab_bytes = figures[0], figures[1]
         print(f"[{MODE}] 256 x 16 MiB in {slabs} slabs of {slab_bytes / GIB:.3f} GiB", flush=True)
-        self.assertLessEqual(slabs, 24)  # 2 MiB doubling to 512 MiB: 10 slabs for the first GiB, then 6
+        self.assertLessEqual(slabs, 16)  # 16, 16, 32, ..., 512 MiB: 7 slabs for the first GiB, then 6 of 512
         self.assertLessEqual(slab_bytes, 4 * GIB + 512 * MIB)
         for _ in range(3):
             c0, f0 = calls(), free_hbm()
