@@ -192,8 +192,8 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
     *ptr = nullptr;
     return cudaSuccess;
   }
-  const bool stray = !t_arena.empty() && !t_arena.back().empty();
-  if (stray) {
+  const bool arena_current = !t_arena.empty() && !t_arena.back().empty();
+  if (arena_current) {
     // A paused arena, or a segment larger than a block, falls through to a reservation of its own.
     const dfa_status st = g_arenas.allocate(t_arena.back(), size, ptr);
     if (st != DFA_ERROR_INVALID_STATE) return to_cuda_error(st);
@@ -210,7 +210,7 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   try {
     std::lock_guard lk(g_mu);
     g_ours.emplace(addr, r);
-    if (stray) g_arenas.note_stray(t_arena.back(), addr);
+    if (arena_current) g_arenas.note_stray(t_arena.back(), addr);  // the arena refused it
   } catch (...) {
     dfa_free_reservation(r, nullptr);
     return cudaErrorMemoryAllocation;

@@ -25,9 +25,10 @@
 // copy per run of adjacent slabs); resume one dfa_materialize per slab at the same address
 // (restored, or left undefined).  So both cost O(slabs), and addresses never change.
 // Bound on memory backed but not handed out, per arena: the free tail of the newest slab
-// (at most 512 MiB and at most what the arena held before it), plus, per older slab, a tail
-// smaller than the segment that opened the next one, plus the ranges freed inside slabs
-// that still hold a segment.  PyTorch's segments of one size (16 MiB weights in 512 MiB
+// (smaller than the larger of the segment that opened it and min(512 MiB, what the arena
+// held before it, at least the granularity)), plus, per older slab, a tail smaller than the
+// segment that opened the next one, plus the ranges freed inside slabs that still hold a
+// segment.  PyTorch's segments of one size (16 MiB weights in 512 MiB
 // slabs) leave no tail but the newest slab's.
 // Limits: empty_cache gives memory back by whole slabs: a freed segment whose slab still
 // holds another segment stays backed until that one is freed too (the rest of the process,
