@@ -8,7 +8,13 @@
 #include <cstdio>
 #include <cstring>
 
-#include "probe_check.hpp"
+#define CHECK(cond)                                                 \
+  do {                                                              \
+    if (!(cond)) {                                                  \
+      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);  \
+      return 1;                                                     \
+    }                                                               \
+  } while (0)
 
 int main() {
   void* p = nullptr;

@@ -19,11 +19,6 @@
 // instance, the C ABI's).  Allocations on a device other than the instance's go to the
 // real cudaMalloc.
 //
-// Segments allocated while the thread has an arena current (dfa_preload_arena_push, what
-// deferalloc.memory_saver's regions do) are placed in that arena's large slabs instead, so
-// that a pause and a resume cost O(slabs) driver calls (Note [Preload arenas] in
-// preload_arena.cpp); the arena entry points below are found by ctypes or dlsym.
-//
 // Limits: cudaMallocAsync / cudaFreeAsync are not interposed: their memory belongs to
 // CUDA's stream-ordered pools, which PyTorch's cudaMallocAsync backend configures and
 // measures through pool attributes (cudaMemPoolSetAttribute, cudaMemPoolTrimTo); serving
@@ -45,9 +40,6 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
-#include <vector>
-
-#include "preload_arena.hpp"
 
 namespace {
 
@@ -56,10 +48,6 @@ namespace {
 // that runs after ours would otherwise find the map gone.
 std::mutex& g_mu = *new std::mutex;
 std::unordered_map<void*, dfa_reservation>& g_ours = *new std::unordered_map<void*, dfa_reservation>;
-
-// The arenas, and this thread's current one (empty: none; the top of a stack).
-deferalloc::preload::arenas& g_arenas = *new deferalloc::preload::arenas;
-thread_local std::vector<std::string> t_arena;
 
 using malloc_fn = cudaError_t (*)(void**, size_t);
 using free_fn = cudaError_t (*)(void*);
@@ -192,12 +180,6 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
     *ptr = nullptr;
     return cudaSuccess;
   }
-  const bool arena_current = !t_arena.empty() && !t_arena.back().empty();
-  if (arena_current) {
-    // A paused arena, or a segment larger than a block, falls through to a reservation of its own.
-    const dfa_status st = g_arenas.allocate(t_arena.back(), size, ptr);
-    if (st != DFA_ERROR_INVALID_STATE) return to_cuda_error(st);
-  }
   dfa_reservation r = 0;
   void* addr = nullptr;
   dfa_status st = dfa_reserve(size, &r, &addr);
@@ -210,7 +192,6 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   try {
     std::lock_guard lk(g_mu);
     g_ours.emplace(addr, r);
-    if (arena_current) g_arenas.note_stray(t_arena.back(), addr);  // the arena refused it
   } catch (...) {
     dfa_free_reservation(r, nullptr);
     return cudaErrorMemoryAllocation;
@@ -220,13 +201,6 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
 }
 
 __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
-  if (ptr != nullptr && g_arenas.owns(ptr)) {
-    if (!state().host && real().device_synchronize != nullptr) {
-      const cudaError_t e = real().device_synchronize();
-      if (e != cudaSuccess) return e;
-    }
-    return to_cuda_error(g_arenas.free(ptr));
-  }
   dfa_reservation r = 0;
   bool ours = false;
   if (ptr != nullptr) {
@@ -249,65 +223,10 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
   }
   const dfa_status st = dfa_free_reservation(r, nullptr);
   if (st == DFA_SUCCESS) {
-    g_arenas.forget_stray(ptr);
     std::lock_guard lk(g_mu);
     g_ours.erase(ptr);
   }
   return to_cuda_error(st);
-}
-
-// The arenas (Note [Preload arenas]), for deferalloc.memory_saver and the tests.  They return
-// a dfa_status; the C ABI's calls they make leave dfa_last_error set.
-
-// Makes `name` this thread's current arena (NULL or "": none, until the matching pop).
-// Cost: none.
-__attribute__((visibility("default"))) int dfa_preload_arena_push(const char* name) {
-  try {
-    t_arena.emplace_back(name ? name : "");
-    return DFA_SUCCESS;
-  } catch (...) {
-    return DFA_ERROR_OUT_OF_MEMORY;
-  }
-}
-
-__attribute__((visibility("default"))) int dfa_preload_arena_pop(void) {
-  if (t_arena.empty()) return DFA_ERROR_INVALID_STATE;
-  t_arena.pop_back();
-  return DFA_SUCCESS;
-}
-
-// Releases every slab of the arena (keep: dfa_keep) after `stream`'s work.  Cost: one
-// dfa_release_many: an unmap and a chunk release per slab, one pinned copy per run of
-// adjacent slabs with DFA_KEEP_HOST.
-__attribute__((visibility("default"))) int dfa_preload_arena_pause(const char* name, int keep, void* stream) {
-  if (name == nullptr || (keep != DFA_KEEP_DISCARD && keep != DFA_KEEP_HOST)) return DFA_ERROR_INVALID_ARGUMENT;
-  return g_arenas.pause(name, static_cast<dfa_keep>(keep), stream);
-}
-
-// Backs every slab of a paused arena again at its address, restored when paused with
-// DFA_KEEP_HOST.  Cost: one dfa_materialize per slab (a chunk, one map, one set_access).
-__attribute__((visibility("default"))) int dfa_preload_arena_resume(const char* name, void* stream) {
-  if (name == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
-  return g_arenas.resume(name, stream);
-}
-
-// 1 when `ptr` is a segment placed in an arena, else 0.
-__attribute__((visibility("default"))) int dfa_preload_arena_owns(const void* ptr) {
-  return ptr != nullptr && g_arenas.owns(ptr) ? 1 : 0;
-}
-
-// out[0..5]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), and
-// segments the arena refused (while paused) that are served outside it and not freed yet.
-__attribute__((visibility("default"))) int dfa_preload_arena_figures(const char* name, size_t* out) {
-  if (name == nullptr || out == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
-  const deferalloc::preload::arena_figures f = g_arenas.figures(name);
-  out[0] = f.slabs;
-  out[1] = f.slab_bytes;
-  out[2] = f.live_bytes;
-  out[3] = f.segments;
-  out[4] = static_cast<size_t>(f.paused);
-  out[5] = f.strays;
-  return DFA_SUCCESS;
 }
 
 }  // extern "C"

@@ -10,8 +10,8 @@ Rationale: torch_memory_saver (TMS) has two ways to see a region's memory: "torc
 CUDAPluggableAllocator MemPool per region) and "preload" (an LD_PRELOAD library through which
 every cudaMalloc of a region becomes pauseable, CUDA graphs' private pools included).
 deferalloc has both underneath: per-tag regions on MemPools whose segments come from its
-caching allocator, and libdeferalloc_preload.so, whose cudaMalloc serves PyTorch's segments
-(a region's in an arena of few large slabs).
+caching allocator, and libdeferalloc_preload.so, whose cudaMalloc gives each PyTorch segment
+a reservation of its own.
 Approach:
 * "torch": ``region(tag, enable_cpu_backup)`` opens an internal deferalloc tag per (tag,
   backup) ("tms.host/<tag>" keeps contents in pinned host memory, "tms.discard/<tag>" drops
@@ -28,22 +28,14 @@ Approach:
   own cudaMalloc during a capture).
 * "preload": the process runs with libdeferalloc_preload.so in LD_PRELOAD (checked at first
   use, as TMS checks its own library).  ``region`` routes allocations to a native MemPool per
-  (tag, backup, device) and makes the preload library's arena of the same name ("tms.host/<tag>",
-  "tms.discard/<tag>") current on the thread: the segments PyTorch cudaMallocs there are placed
-  in the arena's slabs, a few large mappings (Note [Preload arenas] in
-  allocator/abi/preload_arena.cpp).  ``cuda_graph`` captures with the arena current too and
-  records the graph's private pool under the tag.  A pause releases the tag's arenas
-  (dfa_preload_arena_pause: O(slabs) driver calls, keep host or discard); resume backs their
-  slabs again at the same addresses (restore or undefined).  Segments of the tag outside its
-  arenas (PyTorch's default pool with TMS_INIT_ENABLE=1, which belongs to the tag "default";
-  a pool passed to cuda_graph; segments allocated while the tag was paused) are found in
-  PyTorch's snapshot, each one a reservation of the preload library (dfa_find), and released
-  and backed again as such (dfa_release_many / dfa_materialize_many).
+  (tag, backup, device); ``cuda_graph`` records the graph's private pool under the tag.  A
+  pause finds the tag's pools' segments in PyTorch's snapshot, each one a reservation of the
+  preload library (dfa_find), and releases them (dfa_release_many, keep host or discard); resume
+  backs them again at the same addresses (dfa_materialize_many, restore or undefined).  With
+  TMS_INIT_ENABLE=1, PyTorch's default pool belongs to the tag "default" too.
 Limits: memory that does not come through PyTorch's allocator (a library's own cudaMalloc)
 is not paused in either mode; allocating in a paused tag is the caller's error as in TMS
-(torch mode refuses it, preload mode may hand out a released block); a pool shared by
-cuda_graph captures of two tags pauses each tag's arena segments with that tag only;
-get_cpu_backup and disk
+(torch mode refuses it, preload mode may hand out a released block); get_cpu_backup and disk
 backup raise NotImplementedError (the C ABI has neither a way to read a paused block's host
 copy nor a file tier for tags).
 """
@@ -147,24 +139,6 @@ def _check_tag(tag, what: str = "tag") -> str:
 
 
 # ---- paths: the preload library and the shim ---------------------------------------------------
-
-def _arena_api():
-    """The preloaded library's arena entry points (Note [Preload arenas] in
-    allocator/abi/preload_arena.cpp), found in the process; None when the library in
-    LD_PRELOAD has none (every segment is then paused as a reservation of its own)."""
-    lib = ctypes.CDLL(None)
-    if not hasattr(lib, "dfa_preload_arena_push"):
-        return None
-    for name, args in (("dfa_preload_arena_push", [ctypes.c_char_p]), ("dfa_preload_arena_pop", []),
-                       ("dfa_preload_arena_pause", [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p]),
-                       ("dfa_preload_arena_resume", [ctypes.c_char_p, ctypes.c_void_p]),
-                       ("dfa_preload_arena_owns", [ctypes.c_void_p]),
-                       ("dfa_preload_arena_figures", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)])):
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int
-    return lib
-
 
 def preload_library_path() -> str:
     """libdeferalloc_preload.so beside the libdeferalloc.so this package loads."""
@@ -404,8 +378,6 @@ class _Impl:
         self.pools: dict = {}            # (tag, keep, device) -> the region's MemPool, kept for the process (as TMS)
         self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] of cuda_graph (torch mode)
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
-        self.outside: set = set()        # (tag, keep) with a pool whose segments may lie outside the arena (preload)
-        self.arenas = None               # the preload library's arena entry points (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         if hook_mode == "preload":
             found = _preload_in_env()
@@ -415,11 +387,9 @@ class _Impl:
                     f"exactly once (found {found}, LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}, "
                     f"pid {os.getpid()}): start the process inside configure_subprocess(), or with "
                     f"LD_PRELOAD={preload_library_path()}; or set hook_mode='torch' before first use")
-            self.arenas = _arena_api()
             if self.init_enable:
                 self._note(_TAG_DEFAULT, self.init_keep)
                 self.pool_ids.setdefault((_TAG_DEFAULT, self.init_keep), set()).add((0, 0))
-                self.outside.add((_TAG_DEFAULT, self.init_keep))
         elif self.init_enable:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
@@ -444,25 +414,6 @@ class _Impl:
             yield
         finally:
             self.local.depth -= 1
-
-    @contextlib.contextmanager
-    def _arena(self, name: Optional[str]):
-        """The thread's cudaMallocs go to the preload library's arena ``name`` (None: to none)
-        until exit (preload mode; nothing without arenas)."""
-        if self.arenas is None:
-            yield
-            return
-        _native.allocator.check(self.arenas.dfa_preload_arena_push((name or "").encode()), "dfa_preload_arena_push")
-        try:
-            yield
-        finally:
-            self.arenas.dfa_preload_arena_pop()
-
-    def _arena_figures(self, name: str) -> list:
-        """[slabs, their bytes, bytes of segments, segments, paused, strays] of an arena."""
-        out = (ctypes.c_size_t * 6)()
-        self.arenas.dfa_preload_arena_figures(name.encode(), out)
-        return list(out)
 
     @staticmethod
     def _device() -> int:
@@ -527,7 +478,7 @@ class _Impl:
         with self.lock:
             self.pool_ids.setdefault((tag, keep), set()).add(tuple(pool.id))
         self._note(tag, keep)
-        with self._route(pool), self._arena(self._itag(tag, keep)), self._in_region():
+        with self._route(pool), self._in_region():
             yield
 
     @contextlib.contextmanager
@@ -536,14 +487,11 @@ class _Impl:
             raise RuntimeError("cuda_graph needs CUDA")
         if self.mode == "preload":
             self._note(tag, keep)
-            with self._route(None), self._arena(self._itag(tag, keep)), \
-                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
-                    self._in_region():
+            with self._route(None), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                      capture_error_mode=capture_error_mode), self._in_region():
                 yield
             with self.lock:
                 self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
-                if pool is not None:  # segments made before, maybe outside any arena
-                    self.outside.add((tag, keep))
             return
         itag = self._itag(tag, keep)
         with self.lock:
@@ -580,7 +528,7 @@ class _Impl:
         depth = self._depth()
         self.local.depth = 0
         try:
-            with self._route(pool), self._arena(None):
+            with self._route(pool):
                 yield
         finally:
             self.local.depth = depth
@@ -649,30 +597,22 @@ class _Impl:
             raise _dfa.OutOfMemory(f"resume({names}): {free} bytes free, {need} to map back + memory_margin_bytes "
                                    f"{self.margin}: nothing resumed")
 
-    # preload mode: the tag's arenas, and its segments outside them (reservations of the preload library)
+    # preload mode: the tag's segments are reservations of the preload library
     def _segments(self, t: str) -> list:
-        """(address, keep, bytes) of every segment of the tag's pools outside its arenas
-        (PyTorch's snapshot of each pool; the default pool's segments picked out of the whole
-        snapshot).  The snapshot is taken only where such segments may be: a pool not made
-        with the arena current, or segments an arena refused while paused."""
+        """(address, keep, bytes) of every segment of the tag's pools (PyTorch's snapshot of
+        each pool; the default pool's segments picked out of the whole snapshot)."""
         out = []
         for keep in sorted(self.keeps[t]):
-            if self.arenas is not None and (t, keep) not in self.outside and \
-                    self._arena_figures(self._itag(t, keep))[5] == 0:
-                continue
             for pid in sorted(self.pool_ids.get((t, keep), ())):
                 if pid == (0, 0):
                     segs = [s for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)
                             if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
                 else:
                     segs = torch.cuda.memory.memory_snapshot(pid, include_traces=False)
-                out += [(s["address"], keep, s["total_size"]) for s in segs
-                        if self.arenas is None or not self.arenas.dfa_preload_arena_owns(ctypes.c_void_p(s["address"]))]
+                out += [(s["address"], keep, s["total_size"]) for s in segs]
         return out
 
     def _preload_pause(self, t: str) -> list:
-        """Pauses the tag; returns its rows for _preload_resume: (arena name, 0, keep, slab
-        bytes) per arena, (address, reservation, keep, bytes) per segment outside them."""
         lib = _native.allocator()
         found = []
         for addr, keep, size in self._segments(t):
@@ -684,33 +624,22 @@ class _Impl:
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
-        done = []  # all or nothing: one call per arena, then one per keep
-        try:
-            for keep in sorted(self.keeps[t]) if self.arenas is not None else ():
-                name = self._itag(t, keep)
-                held = self._arena_figures(name)[1]
-                _native.allocator.check(self.arenas.dfa_preload_arena_pause(name.encode(), _KEEPS.index(keep), stream),
-                                        "dfa_preload_arena_pause")
-                done.append((name, 0, keep, held))
-            for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found]):
+        released = []  # one call per keep, all or nothing
+        for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found]):
+            try:
                 _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
                                         "dfa_release_many")
-                done += [f for f in found if f[2] == keep]
-        except BaseException:
-            self._preload_resume(done)
-            raise
-        return done
+            except BaseException:
+                self._preload_resume([f for f in found if f[2] in released])
+                raise
+            released.append(keep)
+        return found
 
     def _preload_resume(self, paused: list) -> None:
         lib = _native.allocator()
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
         live = []
         for addr, rid, keep, _ in paused:
-            if isinstance(addr, str):  # an arena: its slabs at their addresses (once: a resume may be retried)
-                if self._arena_figures(addr)[4]:
-                    _native.allocator.check(self.arenas.dfa_preload_arena_resume(addr.encode(), stream),
-                                            "dfa_preload_arena_resume")
-                continue
             now = ctypes.c_uint64()
             if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
                 continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)

@@ -1,9 +1,7 @@
 """deferalloc.memory_saver (torch_memory_saver's API) without a GPU (ctest label torch, the
 host driver): the API surface against torch_memory_saver 0.0.10's, argument checks and
 refusals with their messages, the TMS_* variables, hook modes, pause/resume bookkeeping of
-the torch hook mode on the host driver, the preload hook mode's pause and resume of a tag's
-arenas (a process with the preload library in LD_PRELOAD and segments cudaMalloc'ed through
-it; regions themselves need CUDA), configure_subprocess and the two opt-ins
+the torch hook mode on the host driver, configure_subprocess and the two opt-ins
 (install_as_torch_memory_saver, the shim on PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
 import inspect
 import os
@@ -304,68 +302,6 @@ class RoutingOrder(unittest.TestCase):
             self.assertEqual(len(deleted), 1, "the disable pool outlived the region")
             self.assertEqual(deleted[0][1], [], "the disable pool was deleted while a pool was routed")
             impl.local.depth = 0
-
-
-# Run by PreloadArenas in a process with the preload library in LD_PRELOAD: a tag's segments
-# cudaMalloc'ed with its arenas current, paused and resumed by the saver's preload mode.
-ARENA_CHILD = r"""
-import ctypes
-import torch
-from deferalloc import _native, memory_saver as ms
-
-_native.stream_ptr = lambda stream, device: None  # no CUDA: the null stream
-ms._Impl._device = staticmethod(lambda: 0)
-impl = ms._Impl("preload")
-assert impl.arenas is not None, "the preload library has no arenas"
-lib = ctypes.CDLL(None)
-lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
-lib.cudaFree.argtypes = [ctypes.c_void_p]
-MIB = 1 << 20
-segs = {}
-for keep in ("host", "discard"):
-    impl._note("t", keep)
-    with impl._arena(impl._itag("t", keep)):
-        for i in range(64):
-            p = ctypes.c_void_p()
-            assert lib.cudaMalloc(ctypes.byref(p), MIB) == 0
-            ctypes.memset(p.value, i + 1, MIB)
-            segs.setdefault(keep, []).append(p.value)
-        with impl._arena(None):  # disable(): outside every arena
-            q = ctypes.c_void_p()
-            assert lib.cudaMalloc(ctypes.byref(q), MIB) == 0
-            assert not impl.arenas.dfa_preload_arena_owns(q)
-            assert lib.cudaFree(q) == 0
-    assert all(impl.arenas.dfa_preload_arena_owns(ctypes.c_void_p(a)) for a in segs[keep])
-figs = {k: impl._arena_figures(impl._itag("t", k)) for k in ("host", "discard")}
-assert all(f[0] <= 7 and f[3] == 64 for f in figs.values()), figs  # 64 MiB: slabs of 1, 1, 2, ..., 32 MiB
-for cycle in range(2):
-    rows = impl._preload_pause("t")
-    assert sorted(rows) == sorted((impl._itag("t", k), 0, k, figs[k][1]) for k in ("discard", "host")), rows
-    assert all(impl._arena_figures(impl._itag("t", k))[4] == 1 for k in ("host", "discard"))
-    impl._preload_resume(rows)
-    impl._preload_resume(rows)  # a retried resume: each arena once
-    for i, a in enumerate(segs["host"]):
-        assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, (cycle, i)
-    for a in segs["discard"]:
-        ctypes.memset(a, 0x5A, MIB)  # backed again, writable
-for keep in ("host", "discard"):
-    for a in segs[keep]:
-        assert lib.cudaFree(ctypes.c_void_p(a)) == 0
-    assert impl._arena_figures(impl._itag("t", keep))[:4] == [0, 0, 0, 0]
-print("arenas ok")
-"""
-
-
-class PreloadArenas(unittest.TestCase):
-    def test_pause_resume_of_a_tags_arenas(self):
-        lib = ms.preload_library_path()
-        if not os.path.exists(lib):
-            self.skipTest(f"{lib} is not built")
-        env = {k: v for k, v in os.environ.items() if k not in TMS_ENV}
-        env.update(LD_PRELOAD=lib, DEFERALLOC_CONF="driver:host,host_granularity_kb:64")
-        r = subprocess.run([sys.executable, "-c", ARENA_CHILD], capture_output=True, text=True, env=env, timeout=120)
-        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-        self.assertIn("arenas ok", r.stdout)
 
 
 class ConfigureSubprocess(unittest.TestCase):

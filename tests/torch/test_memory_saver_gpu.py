@@ -12,10 +12,7 @@ with libdeferalloc_preload.so in LD_PRELOAD, beside $DEFERALLOC_LIB):
 * pause / resume / torch.cuda.empty_cache / deferalloc.empty_cache in every order of four:
   a second pause or resume is refused (InvalidState) and changes nothing, contents survive;
 * memory_margin_bytes refuses a resume without the margin (nothing resumed);
-  retain_cpu_backup=False; get_cpu_backup and disk backup refused;
-* preload mode: 256 segments of 16 MiB in a region take a few slabs of its arena, and a
-  discard pause / resume unmaps / maps at most one chunk per slab (two when cached chunks
-  cover a slab), with the addresses kept.
+  retain_cpu_backup=False; get_cpu_backup and disk backup refused.
 Then, per mode, two processes on one GPU (a third holds ballast so that only one of them fits):
 20 cycles of each pausing while the other works; what one gives back the other maps (>= 95%
 each cycle), free memory does not drift over the cycles, and a paused process holds at most
@@ -265,59 +262,6 @@ class ModeSuite(unittest.TestCase):
                 pass
         s.pause()     # every tag
         s.resume()
-
-    def test_9_preload_discard_in_few_mappings(self):
-        """hook_mode="preload": 4 GiB in 256 segments of 16 MiB lie in a few slabs of the
-        region's arena (Note [Preload arenas]): pause and resume unmap and map O(slabs), not
-        256, give the memory back, and keep the addresses."""
-        if MODE != "preload":
-            self.skipTest("the arenas are hook_mode='preload''s")
-        import ctypes
-        lib = ctypes.CDLL(None)  # the preload library and libdeferalloc, both loaded at start
-        figures = (ctypes.c_size_t * 6)()
-        lib.dfa_preload_arena_figures.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
-
-        class Stats(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("reservations", "reserved", "backed", "peak", "backup", "alive",
-                                                       "cached", "pinned")] + \
-                       [("created", ctypes.c_uint64), ("reused", ctypes.c_uint64), ("calls", ctypes.c_uint64 * 8)]
-
-        def calls():
-            st = Stats()
-            self.assertEqual(lib.dfa_get_stats(ctypes.byref(st)), 0)
-            return list(st.calls)  # reserve, free_reservation, create, release, map, unmap, set_access, host_alloc
-
-        s = saver()
-        with s.region("mappings"):
-            ts = [torch.empty(16 * MIB, dtype=torch.uint8, device="cuda") for _ in range(256)]
-        ptrs = [t.data_ptr() for t in ts]
-        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/mappings", figures), 0)
-        slabs, slab_bytes = figures[0], figures[1]
-        print(f"[{MODE}] 256 x 16 MiB in {slabs} slabs of {slab_bytes / GIB:.3f} GiB", flush=True)
-        self.assertLessEqual(slabs, 16)  # 16, 16, 32, ..., 512 MiB: 7 slabs for the first GiB, then 6 of 512
-        self.assertLessEqual(slab_bytes, 4 * GIB + 512 * MIB)
-        for _ in range(3):
-            c0, f0 = calls(), free_hbm()
-            t0 = time.perf_counter()
-            s.pause("mappings")
-            t1 = time.perf_counter()
-            given = free_hbm() - f0
-            c1 = calls()
-            t2 = time.perf_counter()
-            s.resume("mappings")
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            c2 = calls()
-            print(f"[{MODE}] discard of 4 GiB in 256 segments: pause {1e3 * (t1 - t0):.2f} ms "
-                  f"({c1[5] - c0[5]} unmaps), resume {1e3 * (t3 - t2):.2f} ms ({c2[4] - c1[4]} maps), "
-                  f"gave back {given / GIB:.3f} GiB", flush=True)
-            self.assertGaveBack(given, 4 * GIB)
-            self.assertLessEqual(c1[5] - c0[5], slabs)
-            self.assertLessEqual(c2[4] - c1[4], 2 * slabs)  # a slab may take two cached chunks
-            self.assertEqual([t.data_ptr() for t in ts], ptrs)
-        for i, t in enumerate(ts):
-            t.fill_(i % 251)
-        self.assertEqual([int(t[-1]) for t in ts[:3]], [0, 1, 2])
 
 
 # ---- two processes on one GPU ---------------------------------------------------------------------
