@@ -134,7 +134,10 @@ the step overlaps backward and the grad sync, not the next forward.  The first i
 (Megatron's first batch dispatches every reduce-scatter at ``finish_grad_sync``) and any
 iteration where clipping fires while speculating step after backward.  Refused: a grad
 scaler (FP16 / loss scale: a skipped step), ``grad_norm_skip_threshold``, more than one
-distributed-optimizer instance.  Speculation on the host tier holds a second pinned copy of
+distributed-optimizer instance, ``reduce_scatter_with_fp32_accumulation``, and every model whose
+grads ``finalize_model_grads`` changes after the reduce-scatters (a tied embedding at pipeline
+parallelism > 1, sequence-parallel or qk-layernorm grads at tensor parallelism > 1, per-token
+loss: Note [Grads finalize changes]).  Speculation on the host tier holds a second pinned copy of
 the state (12 B/param more pinned host memory).  Without ``overlap_grad_reduce`` the reduce-
 scatters (and so the steps) start at ``finish_grad_sync``, after backward.
 
@@ -730,8 +733,65 @@ def _refuse_backward_step(chain, clip_policy: str) -> None:
             why = "num_distributed_optimizer_instances > 1 (the reduction is not one handle per bucket group)"
         elif getattr(dopt.config, "grad_norm_skip_threshold", float("inf")) != float("inf"):
             why = "grad_norm_skip_threshold (a skipped update would have to undo every bucket's)"
+        elif getattr(dopt.ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+            why = "reduce_scatter_with_fp32_accumulation (its reduced grads reach main_grad only at finish_grad_sync)"
+        else:
+            why = _finalize_changes(dopt)
     if why is not None:
         raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state(step_in_backward=True): {why}")
+
+
+def _finalize_changes(dopt) -> str | None:
+    """Why Megatron's finalize_model_grads would change a main grad in place after its bucket
+    group's reduce-scatter, or None (Note [Grads finalize changes])."""
+    # Note [Grads finalize changes]
+    # Rationale: finalize_model_grads runs finish_grad_sync and then changes some main grads in
+    # place: the tied word embedding and the position embedding summed over pipeline stages,
+    # sequence-parallel, qk-layernorm and TP-averaged grads all-reduced over the tensor-parallel
+    # group, every grad scaled under per-token loss.  A bucket stepped inside backward reads its
+    # grads when its reduce-scatter ends, so where clipping does not fire (nothing redoes it) the
+    # update would miss finalize's part: silently different from Megatron's own optimizer.
+    # Approach: refuse step_in_backward where finalize may change a grad, found by the
+    # attributes Megatron marks those params with and the model config's switches.
+    # Limits: refused rather than stepped after finalize; a megatron-core release that adds
+    # another in-place change to finalize_model_grads needs it added here.
+    chunks = list(getattr(dopt, "model_chunks", []) or [])
+    cfg = getattr(chunks[0], "config", None) if chunks else None
+    if cfg is None:
+        return None
+    if getattr(cfg, "calculate_per_token_loss", False):
+        return "calculate_per_token_loss (finalize_model_grads scales every grad after the reduce-scatters)"
+    if getattr(cfg, "flextron", False) or getattr(cfg, "gtp_weight_remat_size", 1) > 1 or \
+            getattr(cfg, "expert_gtp_weight_remat_size", 1) > 1:
+        return "flextron or GTP weight remat (finalize_model_grads all-reduces grads after the reduce-scatters)"
+    tp = getattr(cfg, "tensor_model_parallel_size", 1)
+    pp = getattr(cfg, "pipeline_model_parallel_size", 1)
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if tp > 1 and (getattr(p, "average_gradients_across_tp_domain", False)
+                           or (getattr(cfg, "sequence_parallel", False) and getattr(p, "sequence_parallel", False))
+                           or (getattr(cfg, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name))):
+                return (f"tensor parallelism with {name}, whose grad finalize_model_grads all-reduces over the "
+                        "tensor-parallel group after its reduce-scatter (sequence parallelism, qk-layernorm)")
+            if (pp > 1 and (getattr(p, "shared_embedding", False)
+                            or ("position_embeddings" in name and _position_embedding_shared())
+                            or (getattr(cfg, "has_cond_embedder", False) and getattr(p, "pipeline_parallel", False)))) \
+                    or (getattr(cfg, "mtp_num_layers", None) and getattr(p, "shared_embedding", False)):
+                return (f"{name}, whose grad finalize_model_grads sums over pipeline stages after its reduce-scatter "
+                        "(a tied or position embedding at pipeline parallelism > 1)")
+    return None
+
+
+def _position_embedding_shared() -> bool:
+    """Whether Megatron's position-embedding group spans more than one rank (an encoder-decoder
+    split; a GPT's holds the first stage only, and finalize_model_grads skips it); True when
+    it cannot be told."""
+    try:
+        from megatron.core import parallel_state
+        group = parallel_state.get_position_embedding_group(check_initialized=False)
+        return group is not None and torch.distributed.get_world_size(group) > 1
+    except Exception:  # noqa: BLE001  (an older or newer megatron-core: refuse rather than guess)
+        return True
 
 
 def _reduced_grad(mp) -> torch.Tensor:
