@@ -63,6 +63,7 @@ row odirect_file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -96,6 +97,9 @@ def parse_args(argv=None):
     ap.add_argument("--step-in-backward", nargs="?", const=True, default=False, choices=[True, "auto"],
                     help="--deferalloc: step each bucket group inside backward (needs --overlap-grad-reduce); "
                          "'auto': whichever of that and the plain step a few timed iterations find faster")
+    ap.add_argument("--step-overlap-forward", action="store_true",
+                    help="--step-in-backward with --overlap-param-gather: the step also overlaps the next forward "
+                         "(stream_optimizer_state(step_overlap_forward=True))")
     ap.add_argument("--clip-policy", default="auto", choices=["auto", "speculate", "after"],
                     help="--step-in-backward: when to speculate on Megatron's clipping")
     ap.add_argument("--clip-grad", type=float, default=1.0, help="OptimizerConfig.clip_grad")
@@ -115,6 +119,9 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4, help="global batch (split over the data-parallel ranks)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="gradient accumulation: this rank's rows in this many micro-batches, all but the last "
+                         "under DDP's no_sync() (--pp 1 only)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--data", choices=["random", "pattern"], default="random",
                     help="the batches: uniform random tokens, or a learnable Markov chain (Note [Pattern data])")
@@ -143,11 +150,14 @@ def parse_args(argv=None):
                                        ("--moment-dtype " + args.moment_dtype, args.moment_dtype != "fp32"),
                                        ("--resident-mb", args.resident_mb is not None),
                                        ("--step-in-backward", bool(args.step_in_backward)),
+                                       ("--step-overlap-forward", args.step_overlap_forward),
                                        ("--overlap-param-gather", args.overlap_param_gather),
                                        ("--tp", args.tp > 1), ("--pp", args.pp > 1)) if on]
         if clash:
             ap.error(f"--odirect-baseline replaces Megatron's optimizer in one process; it does not go with "
                      f"{', '.join(clash)}")
+    if args.microbatches < 1 or (args.microbatches > 1 and args.pp > 1):
+        ap.error("--microbatches: at least 1, and more than 1 with --pp 1 only")
     return args
 
 
@@ -389,6 +399,7 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                     window_mb=args.window_mb,
                                                     release_torch_cache=args.release_torch_cache,
                                                     step_in_backward=args.step_in_backward,
+                                                    step_overlap_forward=args.step_overlap_forward,
                                                     clip_policy=args.clip_policy, moment_dtype=args.moment_dtype,
                                                     resident_mb=args.resident_mb)
     import deferalloc.megatron
@@ -400,6 +411,7 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                           directory=args.directory, window_mb=args.window_mb,
                                                           release_torch_cache=args.release_torch_cache,
                                                           step_in_backward=args.step_in_backward,
+                                                          step_overlap_forward=args.step_overlap_forward,
                                                           clip_policy=args.clip_policy,
                                                           moment_dtype=args.moment_dtype,
                                                           resident_mb=args.resident_mb)
@@ -726,6 +738,8 @@ def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool =
     tokens, pos, labels = batch(args, step, device)
     if args.pp > 1:
         loss = pipeline_forward_backward(args, ddp, tokens, pos, labels)
+    elif args.microbatches > 1:
+        loss = accumulated_forward_backward(args, ddp, tokens, pos, labels)
     else:
         loss = ddp(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
@@ -747,6 +761,23 @@ def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool =
     if not ok:
         raise RuntimeError(f"step {step}: Megatron skipped the update (inf/nan gradients)")
     return loss.item(), float(grad_norm), time.perf_counter() - t0
+
+
+def accumulated_forward_backward(args, ddp, tokens, pos, labels):
+    """Forward and backward of ``--microbatches`` micro-batches of this rank's rows, each
+    loss divided by their number, all but the last backward under DDP's ``no_sync()`` (grads
+    accumulate in the grad buffer, reduced after the last); the mean loss."""
+    n = args.microbatches
+    if tokens.shape[0] % n:
+        raise SystemExit(f"--microbatches {n} does not divide this rank's {tokens.shape[0]} rows")
+    total = None
+    for i, (t, p, y) in enumerate(zip(tokens.chunk(n), pos.chunk(n), labels.chunk(n))):
+        ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = ddp(t, p, None, labels=y).float().mean() / n
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
 
 
 def pipeline_forward_backward(args, ddp, tokens, pos, labels):
