@@ -23,7 +23,9 @@ megatron-core recommends, local specs, BF16 params, DistributedOptimizer) eight 
       losses bit-identical to the plain timing run's, its counts of speculations and redos
       printed).  Both deferalloc timing runs use DDP overlap_grad_reduce and a clip_grad
       never reached (1e9), the resident and HDO runs Megatron's defaults of the example.  Targets (reported): step inside backward
-      <= 1.2x resident, HDO >= 2x deferalloc's iteration;
+      <= 1.2x resident, HDO >= 2x deferalloc's iteration; and the step across the next forward
+      (``step_overlap_forward``, with overlap_param_gather): losses bit-identical to the plain
+      timing run's, its iteration <= the plain run's (reported);
   (f) ``step_in_backward="auto"`` (Note [Stepping aside]) on the timing model, --auto-steps
       steps with the same settings: its losses bit-identical to the plain timing run's for the
       steps both ran, its choice and probe times printed, and the median of its iterations
@@ -142,6 +144,8 @@ def main() -> int:
     runs["megatron-hdo-timing"] = run("megatron-hdo-timing", timing_model, timing + ["--hdo"])
     runs["deferalloc-backward-timing"] = run("deferalloc-backward-timing", timing_model, timing + unclipped + [
         "--deferalloc", "host", "--step-in-backward"])
+    runs["deferalloc-forward-timing"] = run("deferalloc-forward-timing", timing_model, timing + unclipped + [
+        "--deferalloc", "host", "--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"])
     if args.auto_steps:
         runs["deferalloc-auto-timing"] = run("deferalloc-auto-timing", timing_model, [
             "--steps", str(args.auto_steps), *unclipped, "--deferalloc", "host", "--step-in-backward", "auto"])
@@ -292,6 +296,18 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     if it["hdo"] and it["step inside backward"]:
         ratio = it["hdo"] / it["step inside backward"]
         check("iteration: HDO / step inside backward (>= 2)", f"{ratio:.2f}x", ratio >= 2, perf=True)
+    forward_t = runs.get("deferalloc-forward-timing")
+    it_fwd = iteration(forward_t)
+    ok = bool(forward_t and host_t) and forward_t["losses"] == host_t["losses"]
+    check("  step across the next forward: losses == deferalloc plain", "bit-identical" if ok else "differ / failed", ok)
+    if forward_t:
+        check("  step across the next forward: iteration, engine counts",
+              f"{it_fwd * 1e3:.0f} ms, {forward_t.get('backward_step')}" if it_fwd else "-", None)
+    if it_fwd and it["deferalloc plain"]:
+        ratio = it_fwd / it["deferalloc plain"]
+        check("iteration: step across the next forward / deferalloc plain (<= 1.0)", f"{ratio:.2f}x", ratio <= 1.0,
+              perf=True)
+    figure("iteration_step_across_next_forward", it_fwd and it_fwd * 1e3, "ms")
     for name, v in it.items():
         figure(f"iteration_{name.replace(' ', '_')}", v and v * 1e3, "ms")
     if it["hdo"] and it["deferalloc plain"]:
