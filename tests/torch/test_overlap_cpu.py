@@ -333,6 +333,32 @@ class Overlap(unittest.TestCase):
         with self.assertRaises(optim.InvalidStateError):
             optim.StreamedAdamW(model().parameters(), tier="device").step_speculative()
 
+    def test_run_after(self):
+        """run_after: queued behind a bucket's queued step (run on the worker right after it),
+        at once for a bucket with no step queued (deferalloc.megatron's grad zeroing)."""
+        m = model()
+        opt = make_opt(m)
+        ov = overlap_with_backward(m, opt, bucket_mb=0)  # one bucket per parameter
+        events = []
+        step_grads = opt.step_grads
+
+        def slow(*a, **k):  # 50 ms a pass: the steps are still queued when step() returns
+            time.sleep(0.05)
+            out = step_grads(*a, **k)
+            events.append("step")
+            return out
+        opt.step_grads = slow
+        x, y = batch(0)
+        torch.nn.functional.mse_loss(forward(m, x), y).backward()
+        ov.step()
+        last = ov.buckets[0]  # the forward needs it last: stepped last
+        self.assertTrue(ov.run_after(last, lambda: events.append("after")))
+        ov.synchronize()
+        self.assertEqual(events, ["step"] * len(ov.buckets) + ["after"])
+        self.assertFalse(ov.run_after(last, lambda: events.append("now")))
+        self.assertEqual(events[-1], "now")
+        ov.remove()
+
     def test_moment_dtype_and_resident_from_python(self):
         for dt in ("bf16", "int8"):
             a = train(4, "plain", moment_dtype=dt)
