@@ -342,19 +342,29 @@ class Overlap(unittest.TestCase):
         events = []
         step_grads = opt.step_grads
 
-        def slow(*a, **k):  # 50 ms a pass: the steps are still queued when step() returns
+        def slow(grads, *a, **k):  # 50 ms a pass: the steps are still queued when step() returns
             time.sleep(0.05)
-            out = step_grads(*a, **k)
-            events.append("step")
+            out = step_grads(grads, *a, **k)
+            events.append(("step", {id(p) for p, _ in grads}))
             return out
         opt.step_grads = slow
         x, y = batch(0)
+        # The worker takes nothing until run_after is queued: otherwise a bucket stepped
+        # alone before step() returns could already be done (run_after then runs at once).
+        ov.pause_worker()
         torch.nn.functional.mse_loss(forward(m, x), y).backward()
         ov.step()
-        last = ov.buckets[0]  # the forward needs it last: stepped last
+        last = ov.buckets[0]
         self.assertTrue(ov.run_after(last, lambda: events.append("after")))
+        ov.resume_worker()
         ov.synchronize()
-        self.assertEqual(events, ["step"] * len(ov.buckets) + ["after"])
+        self.assertEqual(events.count("after"), 1)
+        steps = [e for e in events if e != "after"]
+        self.assertEqual(sum(len(e[1]) for e in steps), sum(len(b.params) for b in ov.buckets))
+        # right behind the pass that stepped bucket 0 (whatever else that pass held)
+        at = events.index("after")
+        self.assertGreater(at, 0)
+        self.assertTrue({id(p) for p in last.params} <= events[at - 1][1])
         self.assertFalse(ov.run_after(last, lambda: events.append("now")))
         self.assertEqual(events[-1], "now")
         ov.remove()
