@@ -196,15 +196,25 @@ step_overlap_forward=True)``:
    for the passes.  Once backward has ended the worker takes the queued buckets in the
    order the next forward needs them (each bucket's ``order``: the first model chunk first,
    within a chunk its last bucket group first, the reverse of Megatron's build order).
- - each DDP chunk's ``zero_grad_buffer`` waits for nothing: Megatron's own method runs at
-   once with each grad buffer's ``reset`` a no-op (its bookkeeping: ``grad_added_to_main_grad``,
-   each bucket group's ``reset``), then each bucket group's grads (its buckets' ``grad_data``)
-   are zeroed on the worker right after that group's queued step (``run_after``: on the side
-   stream, before the bucket's done event), or at once when none is queued; a group with no
-   shard on this rank and the buffer's parts outside every bucket are zeroed at once.
+ - each DDP chunk's ``zero_grad_buffer`` does not wait for the steps: Megatron's own method
+   runs at once with each grad buffer's ``reset`` a no-op (its bookkeeping:
+   ``grad_added_to_main_grad``, each bucket group's ``reset``), then each bucket group's grads
+   (its buckets' ``grad_data``) are zeroed on the worker right after that group's queued step
+   (``run_after``: on the side stream, after the compute stream's work queued before the call,
+   such as finalize_model_grads' in-place all-reduces, and before the bucket's done event), or
+   at once when none is queued; a group with no shard on this rank and the buffer's parts
+   outside every bucket are zeroed at once.  It does wait in three cases: the boundary of an
+   "auto" probe iteration (a device synchronisation), a mode switch of "auto" (every step in
+   flight), and a chunk with 0.19's separate FP32 main grads (the waiting path, below).
  - each bucket group's ``start_param_sync`` (called by the forward pre-hook's
    ``finish_param_sync``) waits for that group's bucket, which now covers its step and its
    zeroing: the next backward accumulates into zeroed grads that no step reads any more.
+   Megatron's ``finish_param_sync`` also dispatches the next bucket group's all-gather, so a
+   module's forward waits for its own group's step and for the next group's.
+ - DDP's ``offload_grad_buffers`` / ``restore_grad_buffers`` (0.19's colocation API: they
+   free and reallocate the grad buffers) wait for every step first;
+   ``deferalloc.megatron.synchronize(optimizer)`` waits for them in any other code that reads
+   the params or the grad buffers directly.
  - the engine keeps its window backed between passes (``keep_window:1`` is added to the
    settings unless they name keep_window): an iteration's bucket passes run back to back.
  - ``step_in_backward="auto"`` times whole iterations: a boundary is the first
@@ -221,11 +231,12 @@ of several DistributedOptimizers, whose bucket groups' zeroing would follow seve
 A chunk whose grad buffers carry 0.19's separate FP32 main grads (``extra_main_grads``)
 zeroes through the waiting path.  Megatron's ``finish_param_sync`` dispatches the next
 bucket group's all-gather, so a module's forward also waits for the step of the group after
-its own.  The window stays backed between iterations too (``window_mb`` of HBM held through
+its own (above).  The window stays backed between iterations too (``window_mb`` of HBM held through
 forward and backward; ``settings="keep_window:0"`` gives it back after each pass).  "auto"
 needs the training loop to call ``zero_grad_buffer`` each iteration (Megatron's does).  A
 direct read of the params or grads (not through ``state_dict``) before the next forward
-reaches them may see a step in progress.
+reaches them may see a step in progress: call ``deferalloc.megatron.synchronize(optimizer)``
+first.
 
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
@@ -265,7 +276,8 @@ from .overlap import BackwardOverlap
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
            "megatron_core_version",
-           "streamed_optimizers", "save_engine_checkpoint", "load_engine_checkpoint", "megatron_defers_main_params"]
+           "streamed_optimizers", "save_engine_checkpoint", "load_engine_checkpoint", "megatron_defers_main_params",
+           "synchronize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +394,18 @@ class StreamedMegatronAdamW(StreamedAdamW):
 def streamed_optimizers(optimizer) -> list:
     """The DistributedOptimizers of ``optimizer`` (itself, or those of a ChainedOptimizer)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def synchronize(optimizer) -> None:
+    """Waits until every bucket step queued inside backward (``step_in_backward``) of each
+    streamed DistributedOptimizer of ``optimizer`` is done, with the grads they read zeroed
+    where ``zero_grad_buffer`` queued that (the current stream waits for them): for code that
+    reads or frees the params or the grad buffers directly, outside the paths that already
+    wait (Note [The step across the next forward]).  Without steps inside backward: nothing."""
+    for dopt in streamed_optimizers(optimizer):
+        st = getattr(getattr(dopt, "optimizer", None), "backward_step", None)
+        if isinstance(st, _BackwardStep):
+            st.synchronize()
 
 
 def megatron_core_version() -> str:
@@ -803,6 +827,9 @@ def _refuse_backward_step(chain, clip_policy: str, overlap_forward: bool = False
             why = "a grad scaler (FP16 or a loss scale): a skipped step would have to undo every bucket's"
         elif getattr(dopt.ddp_config, "num_distributed_optimizer_instances", 1) != 1:
             why = "num_distributed_optimizer_instances > 1 (the reduction is not one handle per bucket group)"
+        elif getattr(dopt.ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+            why = ("reduce_scatter_with_fp32_accumulation (its reduced grads reach main_grad only at "
+                   "finish_grad_sync; not checked against finalize_model_grads' in-place changes)")
         elif getattr(dopt.config, "grad_norm_skip_threshold", float("inf")) != float("inf"):
             why = "grad_norm_skip_threshold (a skipped update would have to undo every bucket's)"
     if why is not None:
@@ -819,6 +846,13 @@ def _zero_all(views) -> None:
         v.zero_()
 
 
+def _zero_after(ready, views) -> None:
+    """Zeroes ``views`` on the current stream once it has waited for event ``ready`` (None: at once)."""
+    if ready is not None:
+        torch.cuda.current_stream().wait_event(ready)
+    _zero_all(views)
+
+
 def _outside_buckets(buf) -> list:
     """The parts of a grad buffer's ``grad_data`` that none of its buckets' views covers."""
     base, n = buf.grad_data.storage_offset(), buf.grad_data.numel()
@@ -831,6 +865,32 @@ def _outside_buckets(buf) -> list:
         at = max(at, end)
     if at < n:
         out.append(buf.grad_data[at:n])
+    return out
+
+
+def _finalized_params(dopt) -> set | None:
+    """The model params (ids) whose main grads Megatron's finalize_model_grads changes in place
+    after their bucket group's reduce-scatter (Note [Grads finalize changes]); None: all."""
+    chunks = list(dopt.model_chunks)
+    cfg = getattr(chunks[0], "config", None) if chunks else None
+    if cfg is None:
+        return None
+    if getattr(cfg, "calculate_per_token_loss", False) or getattr(cfg, "flextron", False) or \
+            getattr(cfg, "gtp_weight_remat_size", 1) > 1 or getattr(cfg, "expert_gtp_weight_remat_size", 1) > 1:
+        return None
+    tp = getattr(cfg, "tensor_model_parallel_size", 1)
+    pp = getattr(cfg, "pipeline_model_parallel_size", 1)
+    out = set()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if (tp > 1 and (getattr(p, "average_gradients_across_tp_domain", False)
+                            or (getattr(cfg, "sequence_parallel", False) and getattr(p, "sequence_parallel", False))
+                            or (getattr(cfg, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)))
+                    or (pp > 1 and (getattr(p, "shared_embedding", False) or "position_embeddings" in name
+                                    or (getattr(cfg, "has_cond_embedder", False)
+                                        and getattr(p, "pipeline_parallel", False))))
+                    or (getattr(cfg, "mtp_num_layers", None) and getattr(p, "shared_embedding", False))):
+                out.add(id(p))
     return out
 
 
@@ -870,6 +930,25 @@ class _BackwardStep(BackwardOverlap):
             rank = {k: r for r, k in enumerate(sorted(range(len(orders)), key=orders.__getitem__))}
             for b in self.buckets:
                 b.order = rank[b.index]
+        # Note [Grads finalize changes]
+        # Rationale: Megatron's finalize_model_grads changes some main grads in place after
+        # their bucket group's reduce-scatter has ended (the layer norms' all-reduce over TP
+        # under sequence parallelism, qk-layernorm and average_gradients_across_tp_domain
+        # params, the tied word embedding's and the position embedding's sum over the
+        # pipeline stages, the per-token-loss scale of every grad).  A step taken when the
+        # reduce-scatter ends reads them before that; when clipping does not fire (or there
+        # is no clipping) nothing redoes it, so the update would miss finalize's part.
+        # Approach: a bucket group holding such a param is not queued by its reduce-scatter:
+        # it is stepped from the inner step, with the main grads Megatron prepared after
+        # finalize (as a bucket whose grad sync started outside the hooks); with the per-token
+        # loss (or GTP remat, flextron routers) every bucket.  Tested at PP 2 with the tied
+        # embedding, finalize's all-reduces slowed (test_megatron_parallel).
+        # Limits: the params are found by Megatron's attributes and names as of 0.19 (a later
+        # release adding another in-place change to finalize needs it added here); held
+        # buckets overlap nothing of backward.
+        fin = _finalized_params(dopt)
+        self.after_finalize = {i for i, (bg, pairs) in enumerate(self._groups)
+                               if fin is None or any(id(mp) in fin for _, mp, _ in pairs)}
         self.zeroed_behind_steps = 0  # bucket groups whose grads the worker zeroed behind their step
         self._bucket_of_group = {id(bg): b for (bg, _), b in zip(self._groups, self.buckets)}
         self.wait_in_forward = True  # each bucket group's param all-gather waits for its own bucket
@@ -919,6 +998,14 @@ class _BackwardStep(BackwardOverlap):
                 self.synchronize()  # the steps read the grad buffer this zeroes
                 return _zero(*a, **k)
             chunk.zero_grad_buffer = zero_grad_buffer
+            # 0.19's colocation API frees and reallocates the grad buffers the steps read
+            # (and the queued zeroing writes): the steps first.
+            for name in ("offload_grad_buffers", "restore_grad_buffers"):
+                if hasattr(chunk, name):
+                    def waiting(*a, _f=getattr(chunk, name), **k):
+                        self.synchronize()
+                        return _f(*a, **k)
+                    setattr(chunk, name, waiting)
 
         if overlap_forward:
             # The model's state (a checkpoint's model part) holds the params the steps write.
@@ -967,6 +1054,8 @@ class _BackwardStep(BackwardOverlap):
             start_grad_sync(*a, **k)
             if not self.active or self._queued.get(b.index) == self.iteration:
                 return  # (Megatron's first batch calls it again)
+            if b.index in self.after_finalize:
+                return  # stepped from the inner step (Note [Grads finalize changes])
             self._queued[b.index] = self.iteration
             handle = bg.grad_reduce_handle
             self.bucket_ready(b, b.params, lambda: prepare(handle))
@@ -989,9 +1078,20 @@ class _BackwardStep(BackwardOverlap):
         worker, the rest of each buffer (padding outside the buckets) now.  False (nothing
         done): a buffer with 0.19's separate FP32 main grads (``extra_main_grads``, zeroed by
         its ``reset``), left to the waiting path."""
+        # (a step Megatron's prepare_grads paused and no inner step resumed: the zeroing
+        # queued below must not wait on a paused worker)
+        self.resume_worker()
         buffers = list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []))
         if any(getattr(buf, "extra_main_grads", None) for buf in buffers):
             return False
+        # The zeroing follows the compute stream's work queued so far as well as the step:
+        # Megatron's finalize_model_grads changes main_grad in place after a bucket's
+        # reduce-scatter (its all-reduces over TP and pipeline stages, the per-token scale),
+        # after the bucket's event the step waited on.
+        ready = None
+        if self.side_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.opt.device))
         for buf in buffers:
             buf.reset = _no_reset  # (an instance attribute over the method, for this call)
         try:
@@ -1005,7 +1105,7 @@ class _BackwardStep(BackwardOverlap):
             if b is None:  # no shard of this rank: no step reads it
                 _zero_all(views)
             else:
-                if self.run_after(b, lambda views=views: _zero_all(views)):
+                if self.run_after(b, lambda views=views: _zero_after(ready, views)):
                     self.zeroed_behind_steps += 1
         for buf in buffers:
             _zero_all(_outside_buckets(buf))
@@ -1043,6 +1143,7 @@ class _BackwardStep(BackwardOverlap):
 
     def stats(self) -> dict:
         out = super().stats()
+        out["after_finalize"] = len(self.after_finalize)
         if self.overlap_forward:
             out["zeroed_behind_steps"] = self.zeroed_behind_steps
         if self.aside is not None:

@@ -504,6 +504,17 @@ class BackwardOverlap:
         if self._side is not None:
             for x in items:
                 self._side.wait_event(x.event)
+            # Note [Grads freed behind a queued pass]
+            # Rationale: a grad handed here may be a temporary made on the compute stream
+            # (Megatron's ``.float()`` of a BF16 grad buffer, read through ``p.grad`` for a
+            # held or redone bucket); step_grads only queues the pass on the side stream for
+            # resident shards, and the references here end when it returns.
+            # Approach: each CUDA grad is marked as used by the side stream, so the caching
+            # allocator reuses its block only after the side stream's work queued so far.
+            # Limits: none beyond record_stream's (the block's reuse waits for the whole pass).
+            for _, g in grads:
+                if g.is_cuda:
+                    g.record_stream(self._side)
         opt.step_grads(grads, speculative=spec, hyperparameters=items[-1].groups, stream=self._side)
         self._counts["passes"] += 1
         self._counts["buckets"] += len(items)

@@ -23,8 +23,11 @@ firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
      buckets held and stepped after Megatron's clip) against Megatron's own and the plain step;
   4. what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
      distributed-optimizer instances, an unknown clip policy; step_overlap_forward without
-     overlap_param_gather or with a chain of two).
-Exit 0 / 1; 77 without megatron-core.  Eighteen torchrun launches (1 or 2 processes each).
+     overlap_param_gather or with a chain of two; reduce_scatter_with_fp32_accumulation);
+  5. (megatron-core 0.19 on) DDP's offload_grad_buffers / restore_grad_buffers after each
+     step while the slowed steps across the next forward still read the grad buffers (DP 1,
+     never firing): they wait for the steps, bit-identical to the plain step.
+Exit 0 / 1; 77 without megatron-core.  Nineteen torchrun launches (1 or 2 processes each).
 """
 from __future__ import annotations
 
@@ -68,7 +71,9 @@ def refusals() -> list:
              "clip policy 'sometimes'": refused([dopt()], "sometimes"),
              "step_overlap_forward without overlap_param_gather": refused([dopt(ddp_config=NS(
                  num_distributed_optimizer_instances=1, overlap_param_gather=False))], overlap_forward=True),
-             "step_overlap_forward with a chain of two": refused([dopt(), dopt()], overlap_forward=True)}
+             "step_overlap_forward with a chain of two": refused([dopt(), dopt()], overlap_forward=True),
+             "reduce_scatter_with_fp32_accumulation": refused([dopt(ddp_config=NS(
+                 num_distributed_optimizer_instances=1, reduce_scatter_with_fp32_accumulation=True))])}
     rows = [(f"refused: {k}", "refused" if v else "accepted", v) for k, v in cases.items()]
     ok = not refused([dopt(), dopt()])
     rows.append(("accepted: BF16 without a scaler (a chain of two)", "accepted" if ok else "refused", ok))
@@ -100,6 +105,8 @@ def main() -> int:
     work = work_dir("dfa_megatron_backward_step_")
     wall: dict[str, float] = {}
     rows = refusals()
+    # 0.19's colocation API (DDP's offload_grad_buffers / restore_grad_buffers)
+    colocation = tuple(int(x) for x in version.split(".")[:2]) >= (0, 19)
     for dp in (1, 2):
         for clip, clip_args in CLIPS.items():
             def run(tag: str, extra: list[str], script: str = EXAMPLE) -> dict | None:
@@ -119,9 +126,11 @@ def main() -> int:
             # The step across the next forward, its passes slowed (the waits exercised).
             variants["forward"] = ["--clip-policy", "auto" if clip == "never" else "speculate",
                                    "--overlap-param-gather", "--step-overlap-forward"]
+            if dp == 1 and clip == "never" and colocation:  # offload / restore while the steps run
+                variants["forward-offload"] = [*variants["forward"], "--offload-grads"]
             for name, extra in variants.items():
                 r = run(f"backward-{name}", ["--deferalloc", "host", "--step-in-backward", *extra],
-                        SLOW_STEPS if name == "forward" else EXAMPLE)
+                        SLOW_STEPS if name.startswith("forward") else EXAMPLE)
                 same = bool(r and plain) and r["losses"] == plain["losses"] and \
                     r["final_digest"] == plain["final_digest"]
                 st = (r or {}).get("backward_step") or {}
@@ -134,6 +143,8 @@ def main() -> int:
                     path = st.get("speculations") == 0 and st.get("speculative_steps") == 0
                 if name == "forward":  # the next iteration started while steps ran: zeroed behind them
                     path = path and st.get("zeroed_behind_steps", 0) > 0
+                if name == "forward-offload":  # (the offload waited for every step: nothing left to zero behind)
+                    path = path and (r or {}).get("grad_offloads") == STEPS
                 what = f"DP {dp}, clipping {clip}: step inside backward ({' '.join(extra)}) == plain == own"
                 rows.append((what, "bit-identical" if same else "differ / failed", same))
                 rows.append((f"DP {dp}, clipping {clip}, {name}: the path taken", str(st), path))

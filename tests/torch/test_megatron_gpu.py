@@ -25,7 +25,10 @@ megatron-core recommends, local specs, BF16 params, DistributedOptimizer) eight 
       never reached (1e9), the resident and HDO runs Megatron's defaults of the example.  Targets (reported): step inside backward
       <= 1.2x resident, HDO >= 2x deferalloc's iteration; and the step across the next forward
       (``step_overlap_forward``, with overlap_param_gather): losses bit-identical to the plain
-      timing run's, its iteration <= the plain run's (reported);
+      timing run's, its iteration <= the plain run's (reported); BF16 grad buffers
+      (``--bf16-grads``) on the device tier, the step across the next forward with every
+      bucket held for Megatron's clip (policy after: the passes read Megatron's ``.float()``
+      copies of the grads): losses bit-identical to the plain step's at the same settings;
   (f) ``step_in_backward="auto"`` (Note [Stepping aside]) on the timing model, --auto-steps
       steps with the same settings: its losses bit-identical to the plain timing run's for the
       steps both ran, its choice and probe times printed, and the median of its iterations
@@ -146,6 +149,13 @@ def main() -> int:
         "--deferalloc", "host", "--step-in-backward"])
     runs["deferalloc-forward-timing"] = run("deferalloc-forward-timing", timing_model, timing + unclipped + [
         "--deferalloc", "host", "--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"])
+    # BF16 grad buffers, the device tier, every bucket held for Megatron's clip (policy after):
+    # each pass reads Megatron's .float() copies of the grads, made on the compute stream, while
+    # the next forward allocates (Note [Grads freed behind a queued pass]).
+    bf16 = timing + ["--overlap-grad-reduce", "--bf16-grads", "--deferalloc", "device"]
+    runs["deferalloc-bf16grads-plain"] = run("deferalloc-bf16grads-plain", timing_model, bf16)
+    runs["deferalloc-bf16grads-forward"] = run("deferalloc-bf16grads-forward", timing_model, bf16 + [
+        "--step-in-backward", "--clip-policy", "after", "--overlap-param-gather", "--step-overlap-forward"])
     if args.auto_steps:
         runs["deferalloc-auto-timing"] = run("deferalloc-auto-timing", timing_model, [
             "--steps", str(args.auto_steps), *unclipped, "--deferalloc", "host", "--step-in-backward", "auto"])
@@ -308,6 +318,10 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         check("iteration: step across the next forward / deferalloc plain (<= 1.0)", f"{ratio:.2f}x", ratio <= 1.0,
               perf=True)
     figure("iteration_step_across_next_forward", it_fwd and it_fwd * 1e3, "ms")
+    a, b = runs.get("deferalloc-bf16grads-plain"), runs.get("deferalloc-bf16grads-forward")
+    ok = bool(a and b) and a["losses"] == b["losses"]
+    check("  BF16 grads, device tier, held buckets across the next forward: losses == plain",
+          "bit-identical" if ok else f"differ / failed ({(b or {}).get('backward_step')})", ok)
     for name, v in it.items():
         figure(f"iteration_{name.replace(' ', '_')}", v and v * 1e3, "ms")
     if it["hdo"] and it["deferalloc plain"]:
