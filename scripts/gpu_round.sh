@@ -12,7 +12,8 @@
 #   sib: benchmarks/megatron/sib.py, why step_in_backward costs more than the plain step under
 #   megatron-core (newest wheel of .whl/megatron/, in /tmp/site-mc; HybridModel 0.54 G params, host
 #   tier): resident, plain, inside, inside_noclip, inside_keep (keep_window:1), inside_b160m (bucket
-#   160 M), auto, inside_after (clip policy after), inside_nosync, one process each, 12 iterations
+#   160 M), auto, inside_after (clip policy after), inside_nosync, plain_pg (overlap_param_gather),
+#   inside_fwd and auto_fwd (step_overlap_forward: the step across the next forward), one process each, 12 iterations
 #   (auto 16), medians of the last 8, beside the duplex pinned-copy bound; about 4-6 minutes after a
 #   build of deferalloc deferalloc_optimizer: a table, $R/sib.json.  DFA_SIB_SECONDS (default 420)
 #   bounds the step (variants that would not end in time are skipped), DFA_SIB_ARGS adds arguments

@@ -14,6 +14,10 @@ in one process per variant, the same model, batch and window in each, host tier:
     inside_after    inside with clip_policy "after" (every bucket pass after Megatron's clip: per-bucket
                     passes without any overlap)
     inside_nosync   inside without train_gpt's device synchronisation between backward and the step
+    plain_pg        plain with DDP's overlap_param_gather (the param all-gathers in the next forward)
+    inside_fwd      inside with overlap_param_gather and step_overlap_forward=True (the step also
+                    overlaps the next forward; the window kept backed)
+    auto_fwd        step_in_backward="auto" with inside_fwd's options (16 iterations; whole iterations timed)
 
 Every run but inside_noclip clips at a norm never reached (1e9) and every run reduces with
 DDP's overlap_grad_reduce: test_megatron_gpu's timing settings of the deferalloc runs (its
@@ -80,8 +84,12 @@ VARIANTS = {
     "auto": (TIMING + HOST + ["--step-in-backward", "auto"], None, {"steps": 16}),
     "inside_after": (TIMING + INSIDE + ["--clip-policy", "after"], None, {}),
     "inside_nosync": (TIMING + INSIDE, None, {"nosync": True}),
+    "plain_pg": (TIMING + HOST + ["--overlap-param-gather"], None, {}),
+    "inside_fwd": (TIMING + INSIDE + ["--overlap-param-gather", "--step-overlap-forward"], None, {}),
+    "auto_fwd": (TIMING + HOST + ["--step-in-backward", "auto", "--overlap-param-gather", "--step-overlap-forward"],
+                 None, {"steps": 16}),
 }
-SMOKE_VARIANTS = ["resident", "plain", "inside", "inside_noclip", "inside_keep", "inside_nosync"]
+SMOKE_VARIANTS = ["resident", "plain", "inside", "inside_noclip", "inside_keep", "inside_nosync", "inside_fwd"]
 
 
 def verdicts(a: dict, bound_s: float | None) -> list[str]:
@@ -124,6 +132,14 @@ def verdicts(a: dict, bound_s: float | None) -> list[str]:
         best = min(plain, inside)
         out.append(f"auto after its probe / the faster of plain and inside {auto['iteration'] / best:.2f}x "
                    f"(chose {(auto.get('step_aside') or {}).get('chosen')})")
+    fwd, pg = it("inside_fwd"), it("plain_pg")
+    if fwd and plain:
+        # The target of the step across the next forward: never slower than plain, and within
+        # 15 % of max(resident, the state's transfer at the duplex bound).
+        floor = max(resident or 0.0, bound_s or 0.0)
+        out.append(f"inside_fwd / plain {fwd / plain:.2f}x" + (f", / plain_pg {fwd / pg:.2f}x" if pg else "")
+                   + (f", / max(resident, transfer) {fwd / floor:.2f}x (target <= 1.15)" if floor else "")
+                   + (f", / inside {fwd / inside:.2f}x" if inside else ""))
     ai, ap = a.get("inside", {}), a.get("plain", {})
     if ai.get("iteration") and ap.get("iteration"):
         def rate(m):
@@ -207,10 +223,10 @@ def main(argv=None) -> int:
     for i, name in enumerate(names):
         opts, conf, extra = VARIANTS[name]
         steps = args.steps if args.smoke else extra.get("steps", args.steps)
-        last = 8 if name == "auto" and not args.smoke else args.median_of
+        last = 8 if name in ("auto", "auto_fwd") and not args.smoke else args.median_of
         drv.run(name, shlex.split(args.model) + ["--window-mb", str(args.window_mb)] + opts,
                 {"steps": steps, "nosync": bool(extra.get("nosync"))}, last, conf=conf,
-                estimate=max(drv.longest, 1.0) * (1.4 if name == "auto" else 1.1), port=29600 + i)
+                estimate=max(drv.longest, 1.0) * (1.4 if name in ("auto", "auto_fwd") else 1.1), port=29600 + i)
     analysed, raw, failed, t_begin = drv.analysed, drv.raw, drv.failed, drv.t_begin
     state_bytes = next((r["state_bytes"] for r in raw.values() if r.get("state_bytes")), None)
     params = next((r["params"] for r in raw.values()), None)

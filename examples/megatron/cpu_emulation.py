@@ -52,6 +52,8 @@ def enable() -> None:
     torch.Tensor.type = type_
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    # (the tied embedding's set-up moves its last-stage copy with ``.cuda()``)
+    torch.Tensor.cuda = lambda self, *a, **k: self
     # megatron-core >= 0.19 waits on the current stream's events before a grad reduction.
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
 

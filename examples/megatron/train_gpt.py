@@ -63,6 +63,7 @@ row odirect_file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -93,9 +94,18 @@ def parse_args(argv=None):
     ap.add_argument("--overlap-param-gather", action="store_true",
                     help="DDP's and the optimizer's overlap_param_gather (param all-gathers in the next forward)")
     ap.add_argument("--bucket-size", type=int, help="DDP's bucket_size (parameters)")
+    ap.add_argument("--bf16-grads", action="store_true",
+                    help="DDP's grad_reduce_in_fp32=False: BF16 grad buffers (Megatron's main grads are then "
+                         "their .float() copies)")
     ap.add_argument("--step-in-backward", nargs="?", const=True, default=False, choices=[True, "auto"],
                     help="--deferalloc: step each bucket group inside backward (needs --overlap-grad-reduce); "
                          "'auto': whichever of that and the plain step a few timed iterations find faster")
+    ap.add_argument("--step-overlap-forward", action="store_true",
+                    help="--step-in-backward with --overlap-param-gather: the step also overlaps the next forward "
+                         "(stream_optimizer_state(step_overlap_forward=True))")
+    ap.add_argument("--offload-grads", action="store_true",
+                    help="after each optimizer step, DDP's offload_grad_buffers() and restore_grad_buffers() "
+                         "(megatron-core 0.19's colocation API; the summary's grad_offloads counts them)")
     ap.add_argument("--clip-policy", default="auto", choices=["auto", "speculate", "after"],
                     help="--step-in-backward: when to speculate on Megatron's clipping")
     ap.add_argument("--clip-grad", type=float, default=1.0, help="OptimizerConfig.clip_grad")
@@ -115,6 +125,9 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4, help="global batch (split over the data-parallel ranks)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="gradient accumulation: this rank's rows in this many micro-batches, all but the last "
+                         "under DDP's no_sync() (--pp 1 only)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--data", choices=["random", "pattern"], default="random",
                     help="the batches: uniform random tokens, or a learnable Markov chain (Note [Pattern data])")
@@ -127,6 +140,9 @@ def parse_args(argv=None):
                          "auto: Megatron's where its OptimizerConfig has the option")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--tie-embeddings", action="store_true",
+                    help="share_embeddings_and_output_weights: with --pp > 1 finalize_model_grads sums the "
+                         "word embedding's grads over the first and last stages")
     ap.add_argument("--save", help="dist-checkpointing directory to save into")
     ap.add_argument("--save-at", type=int, default=0, help="save after this step")
     ap.add_argument("--load", help="dist-checkpointing directory to load, then continue")
@@ -143,11 +159,14 @@ def parse_args(argv=None):
                                        ("--moment-dtype " + args.moment_dtype, args.moment_dtype != "fp32"),
                                        ("--resident-mb", args.resident_mb is not None),
                                        ("--step-in-backward", bool(args.step_in_backward)),
+                                       ("--step-overlap-forward", args.step_overlap_forward),
                                        ("--overlap-param-gather", args.overlap_param_gather),
                                        ("--tp", args.tp > 1), ("--pp", args.pp > 1)) if on]
         if clash:
             ap.error(f"--odirect-baseline replaces Megatron's optimizer in one process; it does not go with "
                      f"{', '.join(clash)}")
+    if args.microbatches < 1 or (args.microbatches > 1 and args.pp > 1):
+        ap.error("--microbatches: at least 1, and more than 1 with --pp 1 only")
     return args
 
 
@@ -291,11 +310,13 @@ def build_model(args, cfg):
         cfg.num_layers = 2 * args.layers
         return HybridModel(config=cfg, hybrid_stack_spec=local_hybrid_stack_spec(), vocab_size=args.vocab,
                            max_sequence_length=args.seq, hybrid_layer_pattern=_hybrid_pattern(args),
-                           position_embedding_type="learned_absolute", pre_process=pre, post_process=post)
+                           position_embedding_type="learned_absolute", pre_process=pre, post_process=post,
+                           share_embeddings_and_output_weights=args.tie_embeddings)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
-                    max_sequence_length=args.seq, pre_process=pre, post_process=post)
+                    max_sequence_length=args.seq, pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=args.tie_embeddings)
 
 
 def _hybrid_pattern(args) -> str:
@@ -334,7 +355,7 @@ def build_model_and_ddp(args):
     if not args.cpu_emulation:
         model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=True, grad_reduce_in_fp32=not args.bf16_grads, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, bucket_size=args.bucket_size))
     return gpt, ddp
 
@@ -389,6 +410,7 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                     window_mb=args.window_mb,
                                                     release_torch_cache=args.release_torch_cache,
                                                     step_in_backward=args.step_in_backward,
+                                                    step_overlap_forward=args.step_overlap_forward,
                                                     clip_policy=args.clip_policy, moment_dtype=args.moment_dtype,
                                                     resident_mb=args.resident_mb)
     import deferalloc.megatron
@@ -400,6 +422,7 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                           directory=args.directory, window_mb=args.window_mb,
                                                           release_torch_cache=args.release_torch_cache,
                                                           step_in_backward=args.step_in_backward,
+                                                          step_overlap_forward=args.step_overlap_forward,
                                                           clip_policy=args.clip_policy,
                                                           moment_dtype=args.moment_dtype,
                                                           resident_mb=args.resident_mb)
@@ -715,6 +738,9 @@ def load(gpt, optimizer, directory: str) -> int:
 
 # ---- training -------------------------------------------------------------------------------
 
+GRAD_OFFLOADS = [0]  # --offload-grads: offload / restore pairs done
+
+
 def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool = True) -> tuple[float, float, float]:
     """One step: forward, backward, Megatron's grad sync, optimizer.step() (timed alone: the
     device synchronised before it, unless ``sync_before_step`` is False, and after it).
@@ -726,6 +752,8 @@ def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool =
     tokens, pos, labels = batch(args, step, device)
     if args.pp > 1:
         loss = pipeline_forward_backward(args, ddp, tokens, pos, labels)
+    elif args.microbatches > 1:
+        loss = accumulated_forward_backward(args, ddp, tokens, pos, labels)
     else:
         loss = ddp(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
@@ -746,7 +774,29 @@ def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool =
         torch.cuda.synchronize()
     if not ok:
         raise RuntimeError(f"step {step}: Megatron skipped the update (inf/nan gradients)")
+    if args.offload_grads and hasattr(ddp, "offload_grad_buffers"):
+        # (with steps still reading the grad buffers: deferalloc.megatron makes these wait)
+        ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+        ddp.restore_grad_buffers(synchronize=False)
+        GRAD_OFFLOADS[0] += 1
     return loss.item(), float(grad_norm), time.perf_counter() - t0
+
+
+def accumulated_forward_backward(args, ddp, tokens, pos, labels):
+    """Forward and backward of ``--microbatches`` micro-batches of this rank's rows, each
+    loss divided by their number, all but the last backward under DDP's ``no_sync()`` (grads
+    accumulate in the grad buffer, reduced after the last); the mean loss."""
+    n = args.microbatches
+    if tokens.shape[0] % n:
+        raise SystemExit(f"--microbatches {n} does not divide this rank's {tokens.shape[0]} rows")
+    total = None
+    for i, (t, p, y) in enumerate(zip(tokens.chunk(n), pos.chunk(n), labels.chunk(n))):
+        ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = ddp(t, p, None, labels=y).float().mean() / n
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
 
 
 def pipeline_forward_backward(args, ddp, tokens, pos, labels):
@@ -843,6 +893,10 @@ def main(argv=None) -> int:
             save(gpt, optimizer, args.save, step)
             summary["saved_digest"] = state_digest(optimizer)
     sampler.stop()
+    if streamed:
+        import deferalloc.megatron
+        deferalloc.megatron.synchronize(optimizer)  # (every path below waits anyway)
+    summary["grad_offloads"] = GRAD_OFFLOADS[0]
     if args.digest:
         summary["final_digest"] = state_digest(optimizer)
     top = max(between, key=lambda b: b["used"]) if between else {"used": 0, "torch_reserved": 0, "torch_allocated": 0}

@@ -9,7 +9,9 @@ steps.  Tested on megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (``TESTED_VERS
 version is refused at the call, see Note [megatron-core versions]).  With
 ``step_in_backward=True`` each DDP bucket group's shards are stepped inside Megatron's backward,
 as soon as its reduce-scatter has finished (Note [The step inside Megatron's backward]);
-``step_in_backward="auto"`` times both ways and keeps the faster (Note [Stepping aside]).
+``step_in_backward="auto"`` times both ways and keeps the faster (Note [Stepping aside]);
+``step_overlap_forward=True`` (with DDP's ``overlap_param_gather``) lets those steps run on
+into the next forward (Note [The step across the next forward]).
 
 Note [megatron-core versions]
 Rationale: the integration binds six DistributedOptimizer methods and reads its shard lists
@@ -130,14 +132,15 @@ DistributedOptimizer holds of the group's params) instead of its own gradient ho
    (checkpoints, ``read_shard``) waits for them too.
 Limits: Megatron's ``zero_grad_buffer`` zeroes the whole grad buffer before the next forward,
 so with ``overlap_param_gather`` the next forward starts only after every bucket's step:
-the step overlaps backward and the grad sync, not the next forward.  The first iteration
+the step overlaps backward and the grad sync, not the next forward, unless
+``step_overlap_forward=True`` (Note [The step across the next forward]).  The first iteration
 (Megatron's first batch dispatches every reduce-scatter at ``finish_grad_sync``) and any
 iteration where clipping fires while speculating step after backward.  Refused: a grad
 scaler (FP16 / loss scale: a skipped step), ``grad_norm_skip_threshold``, more than one
-distributed-optimizer instance, ``reduce_scatter_with_fp32_accumulation``, and every model whose
+distributed-optimizer instance, ``reduce_scatter_with_fp32_accumulation``.  Bucket groups whose
 grads ``finalize_model_grads`` changes after the reduce-scatters (a tied embedding at pipeline
-parallelism > 1, sequence-parallel or qk-layernorm grads at tensor parallelism > 1, per-token
-loss: Note [Grads finalize changes]).  Speculation on the host tier holds a second pinned copy of
+parallelism > 1, sequence-parallel or qk-layernorm grads at tensor parallelism > 1, every group
+under per-token loss) are stepped after finalize (Note [Grads finalize changes]).  Speculation on the host tier holds a second pinned copy of
 the state (12 B/param more pinned host memory).  Without ``overlap_grad_reduce`` the reduce-
 scatters (and so the steps) start at ``finish_grad_sync``, after backward.
 
@@ -176,10 +179,67 @@ new choice is logged once at INFO on the ``deferalloc`` logger.
 Limits: the choice is as good as the probe's iterations are typical (an iteration with a
 checkpoint save or evaluation inside a probe skews it); a mode whose advantage is under the
 noise of a few iterations may be chosen either way.  The timed interval ends with every
-step done, which is where the inside mode's iteration ends today (``zero_grad_buffer``
-waits for every step); a step that also overlapped the next forward would need the probe
-to time whole iterations some other way.  The refusals of ``step_in_backward=True`` apply
-("auto" may step inside backward).
+step done, which is where the inside mode's iteration ends (``zero_grad_buffer`` waits for
+every step); with ``step_overlap_forward`` the step ends inside the next forward, so the
+probe times whole iterations instead (Note [The step across the next forward]).  The
+refusals of ``step_in_backward=True`` apply ("auto" may step inside backward).
+
+Note [The step across the next forward]
+Rationale: on the host tier the state's transfer (12 B/param each way) can be several times
+longer than backward; stepped inside backward, most of it still runs after backward, and
+with the note above the next forward waits for all of it (Megatron's ``zero_grad_buffer``
+zeroes every grad the steps still read).  A bucket group's step and its grads' zeroing are
+needed only by that group's param all-gather in the next forward (``overlap_param_gather``)
+and by that group's grad accumulation in the next backward, which comes after it.
+Approach: ``stream_optimizer_state(..., step_in_backward=True or "auto",
+step_overlap_forward=True)``:
+ - ``optimizer.step()`` returns once every bucket is queued with its clip coefficient known
+   (the inner step settles the speculation as above: committed, or discarded and every
+   bucket queued again from Megatron's clipped grads; held buckets queued), without waiting
+   for the passes.  Once backward has ended the worker takes the queued buckets in the
+   order the next forward needs them (each bucket's ``order``: the first model chunk first,
+   within a chunk its last bucket group first, the reverse of Megatron's build order).
+ - each DDP chunk's ``zero_grad_buffer`` does not wait for the steps: Megatron's own method
+   runs at once with each grad buffer's ``reset`` a no-op (its bookkeeping:
+   ``grad_added_to_main_grad``, each bucket group's ``reset``), then each bucket group's grads
+   (its buckets' ``grad_data``) are zeroed on the worker right after that group's queued step
+   (``run_after``: on the side stream, after the compute stream's work queued before the call,
+   such as finalize_model_grads' in-place all-reduces, and before the bucket's done event), or
+   at once when none is queued; a group with no shard on this rank and the buffer's parts
+   outside every bucket are zeroed at once.  It does wait in three cases: the boundary of an
+   "auto" probe iteration (a device synchronisation), a mode switch of "auto" (every step in
+   flight), and a chunk with 0.19's separate FP32 main grads (the waiting path, below).
+ - each bucket group's ``start_param_sync`` (called by the forward pre-hook's
+   ``finish_param_sync``) waits for that group's bucket, which now covers its step and its
+   zeroing: the next backward accumulates into zeroed grads that no step reads any more.
+   Megatron's ``finish_param_sync`` also dispatches the next bucket group's all-gather, so a
+   module's forward waits for its own group's step and for the next group's.
+ - DDP's ``offload_grad_buffers`` / ``restore_grad_buffers`` (0.19's colocation API: they
+   free and reallocate the grad buffers) wait for every step first;
+   ``deferalloc.megatron.synchronize(optimizer)`` waits for them in any other code that reads
+   the params or the grad buffers directly.
+ - the engine keeps its window backed between passes (``keep_window:1`` is added to the
+   settings unless they name keep_window): an iteration's bucket passes run back to back.
+ - ``step_in_backward="auto"`` times whole iterations: a boundary is the first
+   ``zero_grad_buffer`` after an optimizer step (the next iteration's start), read after
+   the device's work is done but without waiting for the steps; the probe's plan, choice
+   rule and switches are those of Note [Stepping aside], taken at that boundary.
+ - ``dopt.zero_grad(set_to_none=False)`` (zeroes the ``.grad`` tensors queued steps read)
+   and ``state_dict`` / ``load_state_dict`` of any module of the model chunks (the params
+   the steps write) wait for every step; reading or writing the optimizer state waits as
+   before.
+Limits: needs DDP's ``overlap_param_gather`` (without it Megatron all-gathers the params
+inside ``optimizer.step()``, which would have to wait for every step: refused, as is a chain
+of several DistributedOptimizers, whose bucket groups' zeroing would follow several workers).
+A chunk whose grad buffers carry 0.19's separate FP32 main grads (``extra_main_grads``)
+zeroes through the waiting path.  Megatron's ``finish_param_sync`` dispatches the next
+bucket group's all-gather, so a module's forward also waits for the step of the group after
+its own (above).  The window stays backed between iterations too (``window_mb`` of HBM held through
+forward and backward; ``settings="keep_window:0"`` gives it back after each pass).  "auto"
+needs the training loop to call ``zero_grad_buffer`` each iteration (Megatron's does).  A
+direct read of the params or grads (not through ``state_dict``) before the next forward
+reaches them may see a step in progress: call ``deferalloc.megatron.synchronize(optimizer)``
+first.
 
 Note [Megatron checkpoints through the engine]
 DistributedOptimizer reaches its parameter state through two methods,
@@ -219,7 +279,8 @@ from .overlap import BackwardOverlap
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
            "megatron_core_version",
-           "streamed_optimizers", "save_engine_checkpoint", "load_engine_checkpoint", "megatron_defers_main_params"]
+           "streamed_optimizers", "save_engine_checkpoint", "load_engine_checkpoint", "megatron_defers_main_params",
+           "synchronize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +397,18 @@ class StreamedMegatronAdamW(StreamedAdamW):
 def streamed_optimizers(optimizer) -> list:
     """The DistributedOptimizers of ``optimizer`` (itself, or those of a ChainedOptimizer)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def synchronize(optimizer) -> None:
+    """Waits until every bucket step queued inside backward (``step_in_backward``) of each
+    streamed DistributedOptimizer of ``optimizer`` is done, with the grads they read zeroed
+    where ``zero_grad_buffer`` queued that (the current stream waits for them): for code that
+    reads or frees the params or the grad buffers directly, outside the paths that already
+    wait (Note [The step across the next forward]).  Without steps inside backward: nothing."""
+    for dopt in streamed_optimizers(optimizer):
+        st = getattr(getattr(dopt, "optimizer", None), "backward_step", None)
+        if isinstance(st, _BackwardStep):
+            st.synchronize()
 
 
 def megatron_core_version() -> str:
@@ -631,7 +704,8 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
                            *, depth: int | None = None, settings: str | None = None,
                            release_torch_cache: bool = False, step_in_backward: bool | str = False,
                            clip_policy: str = "auto", moment_dtype: str = "fp32",
-                           resident_mb: int | str | None = None, resume: bool = False) -> list[StreamedMegatronAdamW]:
+                           resident_mb: int | str | None = None, resume: bool = False,
+                           step_overlap_forward: bool = False) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
     returns) into deferalloc's streamed engine.
@@ -665,6 +739,14 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
             ``backward_step.stats()["step_aside"]``; Note [Stepping aside]).  ``clip_policy``:
             "auto", "speculate" or "after", as ``deferalloc.overlap.BackwardOverlap`` (when
             Megatron clips).
+        step_overlap_forward: with ``step_in_backward`` (True or "auto") and DDP's
+            ``overlap_param_gather``: the step also overlaps the next forward.
+            ``zero_grad_buffer`` no longer waits for every step (each bucket group's grads
+            are zeroed by the step's worker once its step has read them) and each bucket
+            group's param all-gather waits for that group's step and zeroing only; the
+            engine keeps its window backed between passes (``keep_window:1`` unless
+            ``settings`` names keep_window); "auto" times whole iterations (Note [The step
+            across the next forward]).  Off by default.
         resume: file tier: continue from the state files in ``directory`` (their last committed
             step: main params, moments, step counts; the model params are written as
             BF16(main)) instead of starting from the model; a missing state file starts fresh,
@@ -686,8 +768,17 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     if step_in_backward not in (True, False, "auto"):
         raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: step_in_backward "
                                    f"{step_in_backward!r} (True, False or \"auto\")")
+    if step_overlap_forward not in (True, False):
+        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: step_overlap_forward "
+                                   f"{step_overlap_forward!r} (True or False)")
+    if step_overlap_forward and not step_in_backward:
+        raise InvalidArgumentError("deferalloc.megatron.stream_optimizer_state: step_overlap_forward=True needs "
+                                   "step_in_backward (True or \"auto\")")
     if step_in_backward:
-        _refuse_backward_step(chain, clip_policy)
+        _refuse_backward_step(chain, clip_policy, step_overlap_forward)
+    if step_overlap_forward and "keep_window" not in (settings or ""):
+        # Note [The step across the next forward]: the passes of one iteration back to back.
+        settings = "keep_window:1" + ("," + settings if settings else "")
     residents = _resident_budgets(chain, resident_mb, tier, window_mb, moment_dtype)
     out = []
     for i, dopt in enumerate(chain):
@@ -702,7 +793,8 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if step_in_backward:
-        _BackwardStep.attach_all(optimizer, chain, clip_policy, auto=step_in_backward == "auto")
+        _BackwardStep.attach_all(optimizer, chain, clip_policy, auto=step_in_backward == "auto",
+                                 overlap_forward=step_overlap_forward)
     return out
 
 
@@ -719,11 +811,18 @@ def _resident_budgets(chain, resident_mb, tier: str, window_mb: int, moment_dtyp
 
 # ---- the step inside Megatron's backward ---------------------------------------------------
 
-def _refuse_backward_step(chain, clip_policy: str) -> None:
-    """What step_in_backward cannot make exact (nothing changed yet)."""
+def _refuse_backward_step(chain, clip_policy: str, overlap_forward: bool = False) -> None:
+    """What step_in_backward (and step_overlap_forward) cannot make exact (nothing changed yet)."""
     why = None
     if clip_policy not in ("auto", "speculate", "after"):
         why = f"clip_policy {clip_policy!r} (auto, speculate or after)"
+    elif overlap_forward and len(chain) > 1:
+        why = ("step_overlap_forward with a chain of several DistributedOptimizers (a bucket group's grads "
+               "would be zeroed after the steps of several workers)")
+    elif overlap_forward and not all(getattr(d.ddp_config, "overlap_param_gather", False) for d in chain):
+        why = ("step_overlap_forward without DDP's overlap_param_gather: Megatron then all-gathers the params "
+               "inside optimizer.step(), which would have to wait for every bucket's step (use "
+               "overlap_param_gather=True, or step_in_backward alone)")
     for dopt in chain:
         if why is not None:
             break
@@ -731,67 +830,71 @@ def _refuse_backward_step(chain, clip_policy: str) -> None:
             why = "a grad scaler (FP16 or a loss scale): a skipped step would have to undo every bucket's"
         elif getattr(dopt.ddp_config, "num_distributed_optimizer_instances", 1) != 1:
             why = "num_distributed_optimizer_instances > 1 (the reduction is not one handle per bucket group)"
+        elif getattr(dopt.ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+            why = ("reduce_scatter_with_fp32_accumulation (its reduced grads reach main_grad only at "
+                   "finish_grad_sync; not checked against finalize_model_grads' in-place changes)")
         elif getattr(dopt.config, "grad_norm_skip_threshold", float("inf")) != float("inf"):
             why = "grad_norm_skip_threshold (a skipped update would have to undo every bucket's)"
-        elif getattr(dopt.ddp_config, "reduce_scatter_with_fp32_accumulation", False):
-            why = "reduce_scatter_with_fp32_accumulation (its reduced grads reach main_grad only at finish_grad_sync)"
-        else:
-            why = _finalize_changes(dopt)
     if why is not None:
-        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state(step_in_backward=True): {why}")
+        what = "step_overlap_forward=True" if overlap_forward else "step_in_backward=True"
+        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state({what}): {why}")
 
 
-def _finalize_changes(dopt) -> str | None:
-    """Why Megatron's finalize_model_grads would change a main grad in place after its bucket
-    group's reduce-scatter, or None (Note [Grads finalize changes])."""
-    # Note [Grads finalize changes]
-    # Rationale: finalize_model_grads runs finish_grad_sync and then changes some main grads in
-    # place: the tied word embedding and the position embedding summed over pipeline stages,
-    # sequence-parallel, qk-layernorm and TP-averaged grads all-reduced over the tensor-parallel
-    # group, every grad scaled under per-token loss.  A bucket stepped inside backward reads its
-    # grads when its reduce-scatter ends, so where clipping does not fire (nothing redoes it) the
-    # update would miss finalize's part: silently different from Megatron's own optimizer.
-    # Approach: refuse step_in_backward where finalize may change a grad, found by the
-    # attributes Megatron marks those params with and the model config's switches.
-    # Limits: refused rather than stepped after finalize; a megatron-core release that adds
-    # another in-place change to finalize_model_grads needs it added here.
-    chunks = list(getattr(dopt, "model_chunks", []) or [])
-    cfg = getattr(chunks[0], "config", None) if chunks else None
-    if cfg is None:
-        return None
-    if getattr(cfg, "calculate_per_token_loss", False):
-        return "calculate_per_token_loss (finalize_model_grads scales every grad after the reduce-scatters)"
-    if getattr(cfg, "flextron", False) or getattr(cfg, "gtp_weight_remat_size", 1) > 1 or \
-            getattr(cfg, "expert_gtp_weight_remat_size", 1) > 1:
-        return "flextron or GTP weight remat (finalize_model_grads all-reduces grads after the reduce-scatters)"
-    tp = getattr(cfg, "tensor_model_parallel_size", 1)
-    pp = getattr(cfg, "pipeline_model_parallel_size", 1)
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            if tp > 1 and (getattr(p, "average_gradients_across_tp_domain", False)
-                           or (getattr(cfg, "sequence_parallel", False) and getattr(p, "sequence_parallel", False))
-                           or (getattr(cfg, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name))):
-                return (f"tensor parallelism with {name}, whose grad finalize_model_grads all-reduces over the "
-                        "tensor-parallel group after its reduce-scatter (sequence parallelism, qk-layernorm)")
-            if (pp > 1 and (getattr(p, "shared_embedding", False)
-                            or ("position_embeddings" in name and _position_embedding_shared())
-                            or (getattr(cfg, "has_cond_embedder", False) and getattr(p, "pipeline_parallel", False)))) \
-                    or (getattr(cfg, "mtp_num_layers", None) and getattr(p, "shared_embedding", False)):
-                return (f"{name}, whose grad finalize_model_grads sums over pipeline stages after its reduce-scatter "
-                        "(a tied or position embedding at pipeline parallelism > 1)")
+def _no_reset() -> None:
     return None
 
 
-def _position_embedding_shared() -> bool:
-    """Whether Megatron's position-embedding group spans more than one rank (an encoder-decoder
-    split; a GPT's holds the first stage only, and finalize_model_grads skips it); True when
-    it cannot be told."""
-    try:
-        from megatron.core import parallel_state
-        group = parallel_state.get_position_embedding_group(check_initialized=False)
-        return group is not None and torch.distributed.get_world_size(group) > 1
-    except Exception:  # noqa: BLE001  (an older or newer megatron-core: refuse rather than guess)
-        return True
+def _zero_all(views) -> None:
+    for v in views:
+        v.zero_()
+
+
+def _zero_after(ready, views) -> None:
+    """Zeroes ``views`` on the current stream once it has waited for event ``ready`` (None: at once)."""
+    if ready is not None:
+        torch.cuda.current_stream().wait_event(ready)
+    _zero_all(views)
+
+
+def _outside_buckets(buf) -> list:
+    """The parts of a grad buffer's ``grad_data`` that none of its buckets' views covers."""
+    base, n = buf.grad_data.storage_offset(), buf.grad_data.numel()
+    spans = sorted((bk.grad_data.storage_offset() - base, bk.grad_data.storage_offset() - base + bk.grad_data.numel())
+                   for bk in buf.buckets)
+    out, at = [], 0
+    for start, end in spans:
+        if start > at:
+            out.append(buf.grad_data[at:start])
+        at = max(at, end)
+    if at < n:
+        out.append(buf.grad_data[at:n])
+    return out
+
+
+def _finalized_params(dopt) -> set | None:
+    """The model params (ids) whose main grads Megatron's finalize_model_grads changes in place
+    after their bucket group's reduce-scatter (Note [Grads finalize changes]); None: all."""
+    chunks = list(dopt.model_chunks)
+    cfg = getattr(chunks[0], "config", None) if chunks else None
+    if cfg is None:
+        return None
+    if getattr(cfg, "calculate_per_token_loss", False) or getattr(cfg, "flextron", False) or \
+            getattr(cfg, "gtp_weight_remat_size", 1) > 1 or getattr(cfg, "expert_gtp_weight_remat_size", 1) > 1:
+        return None
+    tp = getattr(cfg, "tensor_model_parallel_size", 1)
+    pp = getattr(cfg, "pipeline_model_parallel_size", 1)
+    out = set()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if (tp > 1 and (getattr(p, "average_gradients_across_tp_domain", False)
+                            or (getattr(cfg, "sequence_parallel", False) and getattr(p, "sequence_parallel", False))
+                            or (getattr(cfg, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)))
+                    or (pp > 1 and (getattr(p, "shared_embedding", False) or "position_embeddings" in name
+                                    or (getattr(cfg, "has_cond_embedder", False)
+                                        and getattr(p, "pipeline_parallel", False))))
+                    or (getattr(cfg, "mtp_num_layers", None) and getattr(p, "shared_embedding", False))):
+                out.add(id(p))
+    return out
 
 
 def _reduced_grad(mp) -> torch.Tensor:
@@ -808,28 +911,60 @@ class _BackwardStep(BackwardOverlap):
     active = True  # this iteration steps inside backward (False: Megatron's hooks pass through, the plain step)
     aside = None  # the _StepAside choosing ``active`` (step_in_backward="auto")
 
-    def __init__(self, dopt, clip_policy: str):
+    def __init__(self, dopt, clip_policy: str, overlap_forward: bool = False):
         self.dopt = dopt
+        self.overlap_forward = overlap_forward  # Note [The step across the next forward]
         self._groups = []  # (bucket group, [(handle, model param, range)])
-        for chunk in dopt.model_chunks:
-            for bg in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+        orders = []  # per group: smaller is needed sooner by the next forward
+        for ci, chunk in enumerate(dopt.model_chunks):
+            groups = chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+            for j, bg in enumerate(groups):
                 mine = [mp for b in bg.buckets for mp in b.params_list if mp in dopt.model_param_group_index_map]
                 if mine:
                     self._groups.append((bg, [(_handle_of(dopt, mp), mp, dopt._get_model_param_range_map(mp)["param"])
                                               for mp in mine]))
+                    # Megatron builds a chunk's buckets from its last parameters on: the
+                    # forward needs a chunk's last bucket group first, the first chunk first.
+                    orders.append((ci, len(groups) - 1 - j))
         clip = dopt.config.clip_grad if dopt.config.clip_grad > 0.0 else None
         super().__init__(dopt.optimizer, None, max_grad_norm=clip, clip_policy=clip_policy,
                          buckets=[[h for h, _, _ in pairs] for _, pairs in self._groups])
+        if overlap_forward:  # (else BackwardOverlap's order: the same for one model chunk)
+            rank = {k: r for r, k in enumerate(sorted(range(len(orders)), key=orders.__getitem__))}
+            for b in self.buckets:
+                b.order = rank[b.index]
+        # Note [Grads finalize changes]
+        # Rationale: Megatron's finalize_model_grads changes some main grads in place after
+        # their bucket group's reduce-scatter has ended (the layer norms' all-reduce over TP
+        # under sequence parallelism, qk-layernorm and average_gradients_across_tp_domain
+        # params, the tied word embedding's and the position embedding's sum over the
+        # pipeline stages, the per-token-loss scale of every grad).  A step taken when the
+        # reduce-scatter ends reads them before that; when clipping does not fire (or there
+        # is no clipping) nothing redoes it, so the update would miss finalize's part.
+        # Approach: a bucket group holding such a param is not queued by its reduce-scatter:
+        # it is stepped from the inner step, with the main grads Megatron prepared after
+        # finalize (as a bucket whose grad sync started outside the hooks); with the per-token
+        # loss (or GTP remat, flextron routers) every bucket.  Tested at PP 2 with the tied
+        # embedding, finalize's all-reduces slowed (test_megatron_parallel).
+        # Limits: the params are found by Megatron's attributes and names as of 0.19 (a later
+        # release adding another in-place change to finalize needs it added here); held
+        # buckets overlap nothing of backward.
+        fin = _finalized_params(dopt)
+        self.after_finalize = {i for i, (bg, pairs) in enumerate(self._groups)
+                               if fin is None or any(id(mp) in fin for _, mp, _ in pairs)}
+        self.zeroed_behind_steps = 0  # bucket groups whose grads the worker zeroed behind their step
+        self._bucket_of_group = {id(bg): b for (bg, _), b in zip(self._groups, self.buckets)}
         self.wait_in_forward = True  # each bucket group's param all-gather waits for its own bucket
         self.norm = None  # this iteration's total grad norm as Megatron computed it (None: not seen)
         self.norm_owner = dopt  # the object whose grad_norms_by_group (0.19) goes with it
         self._queued: dict[int, int] = {}  # bucket -> the iteration it was queued in
 
     @classmethod
-    def attach_all(cls, optimizer, chain, clip_policy: str, auto: bool = False) -> None:
-        steps = [cls.attach(dopt, clip_policy) for dopt in chain]
+    def attach_all(cls, optimizer, chain, clip_policy: str, auto: bool = False,
+                   overlap_forward: bool = False) -> None:
+        steps = [cls.attach(dopt, clip_policy, overlap_forward) for dopt in chain]
         if auto:
-            aside = _StepAside(steps)
+            aside = _StepAside(steps, whole_iterations=overlap_forward)
             for st in steps:
                 st.aside = aside
 
@@ -847,8 +982,8 @@ class _BackwardStep(BackwardOverlap):
             optimizer.get_grad_norm = types.MethodType(get_grad_norm, optimizer)
 
     @classmethod
-    def attach(cls, dopt, clip_policy: str) -> "_BackwardStep":
-        self = cls(dopt, clip_policy)
+    def attach(cls, dopt, clip_policy: str, overlap_forward: bool = False) -> "_BackwardStep":
+        self = cls(dopt, clip_policy, overlap_forward)
         for (bg, pairs), b in zip(self._groups, self.buckets):
             self._wrap_bucket_group(bg, pairs, b)
         chunks_done = set()
@@ -858,10 +993,35 @@ class _BackwardStep(BackwardOverlap):
             chunks_done.add(id(chunk))
             zero = chunk.zero_grad_buffer
 
-            def zero_grad_buffer(*a, _zero=zero, **k):
+            def zero_grad_buffer(*a, _zero=zero, _chunk=chunk, **k):
+                if self.aside is not None:
+                    self.aside.iteration_started()
+                if self.overlap_forward and self._zero_per_bucket(_chunk, lambda: _zero(*a, **k)):
+                    return None
                 self.synchronize()  # the steps read the grad buffer this zeroes
                 return _zero(*a, **k)
             chunk.zero_grad_buffer = zero_grad_buffer
+            # 0.19's colocation API frees and reallocates the grad buffers the steps read
+            # (and the queued zeroing writes): the steps first.
+            for name in ("offload_grad_buffers", "restore_grad_buffers"):
+                if hasattr(chunk, name):
+                    def waiting(*a, _f=getattr(chunk, name), **k):
+                        self.synchronize()
+                        return _f(*a, **k)
+                    setattr(chunk, name, waiting)
+
+        if overlap_forward:
+            # The model's state (a checkpoint's model part) holds the params the steps write.
+            for chunk in dopt.model_chunks:
+                for m in chunk.modules():
+                    m.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize())
+                    m.register_load_state_dict_pre_hook(lambda *_a, **_k: self.synchronize())
+
+            def zero_grad(opt, set_to_none: bool = True, *a, **k):
+                if not set_to_none:  # zeroed in place: the .grad tensors queued steps read
+                    self.synchronize()
+                return type(opt).zero_grad(opt, set_to_none, *a, **k)
+            dopt.zero_grad = types.MethodType(zero_grad, dopt)
 
         def prepare_grads(opt, *a, **k):
             # Megatron's step reads and clips the grads the bucket passes read: none runs
@@ -897,6 +1057,8 @@ class _BackwardStep(BackwardOverlap):
             start_grad_sync(*a, **k)
             if not self.active or self._queued.get(b.index) == self.iteration:
                 return  # (Megatron's first batch calls it again)
+            if b.index in self.after_finalize:
+                return  # stepped from the inner step (Note [Grads finalize changes])
             self._queued[b.index] = self.iteration
             handle = bg.grad_reduce_handle
             self.bucket_ready(b, b.params, lambda: prepare(handle))
@@ -911,6 +1073,46 @@ class _BackwardStep(BackwardOverlap):
     def synchronize(self) -> None:
         self.resume_worker()  # (a step Megatron left after prepare_grads: nothing stays paused)
         super().synchronize()
+
+    def _zero_per_bucket(self, chunk, megatron_zero) -> bool:
+        """``chunk.zero_grad_buffer()`` without waiting for the steps (Note [The step across
+        the next forward]): Megatron's own bookkeeping at once (its method runs with each
+        buffer's ``reset`` a no-op), each bucket group's grads zeroed behind its step on the
+        worker, the rest of each buffer (padding outside the buckets) now.  False (nothing
+        done): a buffer with 0.19's separate FP32 main grads (``extra_main_grads``, zeroed by
+        its ``reset``), left to the waiting path."""
+        # (a step Megatron's prepare_grads paused and no inner step resumed: the zeroing
+        # queued below must not wait on a paused worker)
+        self.resume_worker()
+        buffers = list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []))
+        if any(getattr(buf, "extra_main_grads", None) for buf in buffers):
+            return False
+        # The zeroing follows the compute stream's work queued so far as well as the step:
+        # Megatron's finalize_model_grads changes main_grad in place after a bucket's
+        # reduce-scatter (its all-reduces over TP and pipeline stages, the per-token scale),
+        # after the bucket's event the step waited on.
+        ready = None
+        if self.side_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.opt.device))
+        for buf in buffers:
+            buf.reset = _no_reset  # (an instance attribute over the method, for this call)
+        try:
+            megatron_zero()
+        finally:
+            for buf in buffers:
+                del buf.reset
+        for bg in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            views = [bk.grad_data for bk in bg.buckets]
+            b = self._bucket_of_group.get(id(bg))
+            if b is None:  # no shard of this rank: no step reads it
+                _zero_all(views)
+            else:
+                if self.run_after(b, lambda views=views: _zero_after(ready, views)):
+                    self.zeroed_behind_steps += 1
+        for buf in buffers:
+            _zero_all(_outside_buckets(buf))
+        return True
 
     def complete_bucket(self, b) -> None:
         # A bucket group whose grad sync was not started through Megatron's hook: stepped
@@ -944,6 +1146,9 @@ class _BackwardStep(BackwardOverlap):
 
     def stats(self) -> dict:
         out = super().stats()
+        out["after_finalize"] = len(self.after_finalize)
+        if self.overlap_forward:
+            out["zeroed_behind_steps"] = self.zeroed_behind_steps
         if self.aside is not None:
             out["step_aside"] = self.aside.stats()
         return out
@@ -960,8 +1165,12 @@ class _StepAside:
     run = 3  # iterations of each mode per probe; the first of a run (the switch) is not timed
     recheck = 1000  # iterations in the chosen mode between probes (0: never probe again)
 
-    def __init__(self, steps: list, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, steps: list, clock: Callable[[], float] = time.perf_counter, whole_iterations: bool = False):
         self.steps = steps
+        # Time from one iteration's start (the first zero_grad_buffer after a step) to the
+        # next, without waiting for the steps (Note [The step across the next forward]).
+        self.whole_iterations = whole_iterations
+        self._due = False  # whole_iterations: a step ended, the next iteration start is a boundary
         self.clock = clock  # seconds; read after a device synchronisation, in probes only
         self.mode = "plain"  # the mode of the iteration in progress
         self.chosen = None  # the last probe's choice (None: no probe finished yet)
@@ -987,6 +1196,12 @@ class _StepAside:
             torch.cuda.synchronize()
         return self.clock()
 
+    def _device_clock(self) -> float:
+        """The clock once the device's work is done (the steps' worker may still queue more)."""
+        if any(st.opt.device.type == "cuda" for st in self.steps):
+            torch.cuda.synchronize()
+        return self.clock()
+
     def _set(self, mode: str) -> None:
         """The next iteration's mode; a switch first waits for every step in flight."""
         if mode != self.mode:
@@ -1001,6 +1216,20 @@ class _StepAside:
         """Megatron's optimizer step returned: times the iteration in a probe, picks the next mode."""
         self.iterations[self.mode] += 1
         self._ended += 1
+        if self.whole_iterations:
+            self._due = True  # timed and decided at the next iteration's start
+            return
+        self._boundary(self._synced_clock)
+
+    def iteration_started(self) -> None:
+        """An iteration starts (zero_grad_buffer): with ``whole_iterations`` the boundary
+        step_ended times and decides at otherwise."""
+        if self.whole_iterations and self._due:
+            self._due = False
+            self._boundary(self._device_clock)
+
+    def _boundary(self, clock: Callable[[], float]) -> None:
+        """Between two iterations: times the last in a probe, picks the next mode."""
         if self._plan is None:
             due = max(1, self.warmup) if self._next_probe == -1 else self._next_probe
             if self._ended != due:
@@ -1010,10 +1239,10 @@ class _StepAside:
             self._len = max(2, self.run)  # (one untimed iteration per run, at least one timed)
             self._plan, self._pos = [self.mode] * self._len + [other] * self._len, 0
             self._timed = {"plain": [], "inside": []}
-            self._mark = self._synced_clock()
+            self._mark = clock()
             self._set(self._plan[0])
             return
-        now = self._synced_clock()
+        now = clock()
         if self._pos % self._len:
             self._timed[self._plan[self._pos]].append(now - self._mark)
         self._mark = now

@@ -119,6 +119,8 @@ class _Bucket:
         self.idle = threading.Event()
         self.idle.set()
         self.event = None  # CUDA event: the bucket's step is done on the side stream
+        self.order = -index  # smaller: the next forward needs it sooner (default: the reverse of backward's)
+        self.after: list = []  # actions the worker runs once the bucket's queued step is done (run_after)
 
 
 @dataclass
@@ -244,10 +246,13 @@ class BackwardOverlap:
     # it drives this class through these documented members, not its private state.
     # Approach: ``buckets`` (each with ``index`` and ``params``), ``side_stream`` and
     # ``iteration`` are read-only; ``bucket_ready`` queues a bucket, ``wait_buckets`` waits
-    # for buckets' steps, ``pause_worker`` / ``resume_worker`` hold the worker between items,
-    # ``finish_iteration(settle)`` ends an iteration and ``settle(fired, clip)`` keeps or
-    # redoes a clipping speculation.  A subclass may override ``complete_bucket`` (a bucket
-    # whose gradients are final at step()) and set ``own_norms = False`` (the driver clips).
+    # for buckets' steps, ``run_after`` queues an action behind a bucket's step (on the
+    # worker, before the bucket counts as done), ``pause_worker`` / ``resume_worker`` hold
+    # the worker between items, ``finish_iteration(settle)`` ends an iteration and
+    # ``settle(fired, clip)`` keeps or redoes a clipping speculation.  A subclass may override ``complete_bucket`` (a bucket
+    # whose gradients are final at step()) and set ``own_norms = False`` (the driver clips);
+    # a driver may set each bucket's ``order`` (smaller: the next forward needs it sooner;
+    # the worker and a redo take done buckets in that order, ``-index`` by default).
     # Limits: one driver per overlap; the gradient hooks are off when ``buckets`` is given.
 
     @property
@@ -373,7 +378,7 @@ class BackwardOverlap:
                 if not done:
                     picks = [min(buckets, key=lambda x: x.seq)]
                 else:
-                    done.sort(key=lambda x: -x.bucket.index)  # the forward's order
+                    done.sort(key=lambda x: x.bucket.order)  # the forward's order
                     picks = [x for x in done if x.speculative == done[0].speculative]
                     if self._coalesce:
                         picks = picks[:self._coalesce]
@@ -402,11 +407,14 @@ class BackwardOverlap:
                             self._side.synchronize()
                         t1 = time.perf_counter()
                         self.timeline += [(x.bucket.index if x.bucket else -1, t0, t1) for x in items]
-                    if self._side is not None and items[0].bucket is not None:
-                        done = torch.cuda.Event()
-                        done.record(self._side)
+                    if items[0].bucket is not None:
                         for x in items:
-                            x.bucket.event = done
+                            self._run_after(x.bucket)
+                        if self._side is not None:
+                            done = torch.cuda.Event()
+                            done.record(self._side)
+                            for x in items:
+                                x.bucket.event = done
             except BaseException as e:  # reported by the next step() or forward
                 self._error = e
                 self._failed.add(items[0].gen)
@@ -414,10 +422,53 @@ class BackwardOverlap:
                 for x in items:
                     x.grads = None
                     if x.bucket is not None:
-                        x.bucket.idle.set()
+                        self._release(x.bucket)
                 with self._cv:
                     self._busy -= 1
                     self._cv.notify_all()
+
+    def _run_after(self, b: _Bucket) -> bool:
+        """Runs the actions queued behind bucket ``b``'s step (side stream); whether any ran."""
+        with self._cv:
+            fns, b.after = b.after, []
+        if not fns:
+            return False
+        ctx = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            for fn in fns:
+                fn()
+        return True
+
+    def _release(self, b: _Bucket) -> None:
+        """Bucket ``b`` idle, with every action queued behind it run (one queued while the
+        step finished runs here, and the bucket's event then covers it)."""
+        while True:
+            with self._cv:
+                if not b.after:
+                    b.idle.set()
+                    return
+            try:
+                self._run_after(b)
+            except BaseException as e:  # reported by the next step() or forward
+                self._error = e
+            if self._side is not None:
+                done = torch.cuda.Event()
+                done.record(self._side)
+                b.event = done
+
+    def run_after(self, b: _Bucket, fn) -> bool:
+        """``fn()`` once bucket ``b``'s queued or running step is done: on the worker, on the
+        side stream, before the bucket's event and before the bucket counts as done (so
+        ``wait_buckets`` waits for it too); at once, on the current stream after the
+        bucket's event, when no step of it is queued or running.  Whether it was queued."""
+        with self._cv:
+            if not b.idle.is_set():
+                b.after.append(fn)
+                return True
+        self.wait_buckets([b])
+        with torch.no_grad():
+            fn()
+        return False
 
     def _commit(self, gen: int) -> None:
         """Iteration ``gen``'s commit; one whose bucket step failed is discarded instead (its
@@ -453,6 +504,17 @@ class BackwardOverlap:
         if self._side is not None:
             for x in items:
                 self._side.wait_event(x.event)
+            # Note [Grads freed behind a queued pass]
+            # Rationale: a grad handed here may be a temporary made on the compute stream
+            # (Megatron's ``.float()`` of a BF16 grad buffer, read through ``p.grad`` for a
+            # held or redone bucket); step_grads only queues the pass on the side stream for
+            # resident shards, and the references here end when it returns.
+            # Approach: each CUDA grad is marked as used by the side stream, so the caching
+            # allocator reuses its block only after the side stream's work queued so far.
+            # Limits: none beyond record_stream's (the block's reuse waits for the whole pass).
+            for _, g in grads:
+                if g.is_cuda:
+                    g.record_stream(self._side)
         opt.step_grads(grads, speculative=spec, hyperparameters=items[-1].groups, stream=self._side)
         self._counts["passes"] += 1
         self._counts["buckets"] += len(items)
@@ -559,7 +621,7 @@ class BackwardOverlap:
             clip()
         if todo:
             self._stepped = []
-            for b, ps in sorted(todo, key=lambda t: -t[0].index):  # the forward's order
+            for b, ps in sorted(todo, key=lambda t: t[0].order):  # the forward's order
                 self._queue(b, ps, speculative=False)
         self._choose(fired)
 

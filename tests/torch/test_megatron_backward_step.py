@@ -15,9 +15,19 @@ firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
        always firing, clip policy "speculate" (every speculation discarded and redone);
        always firing, clip policy "auto" (buckets held, stepped after Megatron's clip; DP 1);
      and the counts show which path ran (3 steps each);
-  3. what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
-     distributed-optimizer instances, an unknown clip policy).
-Exit 0 / 1; 77 without megatron-core.  Eleven torchrun launches (1 or 2 processes each).
+  3. the step across the next forward (``step_overlap_forward=True`` with overlap_param_gather;
+     never firing: clip policy "auto", always firing: "speculate"), every engine pass slowed
+     by 40 ms (megatron_slow_steps.py) so that the next iteration starts while the steps run:
+     bit-identical to both, and some bucket groups' grads zeroed behind their step; also with
+     gradient accumulation (DP 2, 2 micro-batches, clipping always firing, policy "auto": the
+     buckets held and stepped after Megatron's clip) against Megatron's own and the plain step;
+  4. what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
+     distributed-optimizer instances, an unknown clip policy; step_overlap_forward without
+     overlap_param_gather or with a chain of two; reduce_scatter_with_fp32_accumulation);
+  5. (megatron-core 0.19 on) DDP's offload_grad_buffers / restore_grad_buffers after each
+     step while the slowed steps across the next forward still read the grad buffers (DP 1,
+     never firing): they wait for the steps, bit-identical to the plain step.
+Exit 0 / 1; 77 without megatron-core.  Nineteen torchrun launches (1 or 2 processes each).
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import sys
 from megatron_runs import EXAMPLE, HERE, report, require_megatron, torchrun, work_dir
 
 CUDA_ROUNDING = os.path.join(HERE, "megatron_cuda_rounding.py")
+SLOW_STEPS = os.path.join(HERE, "megatron_slow_steps.py")
 MODEL = ["--cpu-emulation", "--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "16",
          "--batch", "2", "--steps", "3", "--digest", "--overlap-grad-reduce", "--bucket-size", "3000"]
 CLIPS = {"never": ["--clip-grad", "1000"], "always": ["--clip-grad", "1.0"]}
@@ -42,14 +53,14 @@ def refusals() -> list:
     from deferalloc.optim import InvalidArgumentError
 
     def dopt(**kw):
-        d = dict(grad_scaler=None, ddp_config=NS(num_distributed_optimizer_instances=1),
+        d = dict(grad_scaler=None, ddp_config=NS(num_distributed_optimizer_instances=1, overlap_param_gather=True),
                  config=NS(grad_norm_skip_threshold=float("inf")))
         d.update(kw)
         return NS(**d)
 
-    def refused(chain, policy="auto") -> bool:
+    def refused(chain, policy="auto", overlap_forward=False) -> bool:
         try:
-            _refuse_backward_step(chain, policy)
+            _refuse_backward_step(chain, policy, overlap_forward)
             return False
         except InvalidArgumentError:
             return True
@@ -57,11 +68,35 @@ def refusals() -> list:
              "grad_norm_skip_threshold": refused([dopt(config=NS(grad_norm_skip_threshold=10.0))]),
              "two distributed-optimizer instances": refused([dopt(ddp_config=NS(
                  num_distributed_optimizer_instances=2))]),
-             "clip policy 'sometimes'": refused([dopt()], "sometimes")}
+             "clip policy 'sometimes'": refused([dopt()], "sometimes"),
+             "step_overlap_forward without overlap_param_gather": refused([dopt(ddp_config=NS(
+                 num_distributed_optimizer_instances=1, overlap_param_gather=False))], overlap_forward=True),
+             "step_overlap_forward with a chain of two": refused([dopt(), dopt()], overlap_forward=True),
+             "reduce_scatter_with_fp32_accumulation": refused([dopt(ddp_config=NS(
+                 num_distributed_optimizer_instances=1, reduce_scatter_with_fp32_accumulation=True))])}
     rows = [(f"refused: {k}", "refused" if v else "accepted", v) for k, v in cases.items()]
     ok = not refused([dopt(), dopt()])
     rows.append(("accepted: BF16 without a scaler (a chain of two)", "accepted" if ok else "refused", ok))
+    ok = not refused([dopt()], overlap_forward=True)
+    rows.append(("accepted: step_overlap_forward with overlap_param_gather", "accepted" if ok else "refused", ok))
     return rows
+
+
+def accumulation(env: dict, work: str, wall: dict) -> list:
+    """DP 2, 2 micro-batches (DDP's no_sync for the first), clipping always firing, policy
+    auto: Megatron's own, the plain step and the step across the next forward (slowed)."""
+    args = [*MODEL, *CLIPS["always"], "--batch", "4", "--microbatches", "2"]
+    own = torchrun("accum-megatron", 2, args, env, work, wall, CUDA_ROUNDING)
+    plain = torchrun("accum-plain", 2, [*args, "--deferalloc", "host"], env, work, wall)
+    fwd = torchrun("accum-forward", 2, [*args, "--deferalloc", "host", "--step-in-backward", "--clip-policy", "auto",
+                                        "--overlap-param-gather", "--step-overlap-forward"], env, work, wall, SLOW_STEPS)
+    st = (fwd or {}).get("backward_step") or {}
+    same = bool(own and plain and fwd) and own["losses"] == plain["losses"] == fwd["losses"] and \
+        own["final_digest"] == plain["final_digest"] == fwd["final_digest"]
+    path = st.get("speculations") == 0 and st.get("buckets", 0) > 0 and st.get("zeroed_behind_steps", 0) > 0
+    return [("DP 2, 2 micro-batches, clipping always: step across the next forward == plain == own",
+             "bit-identical" if same else "differ / failed", same),
+            ("DP 2, 2 micro-batches, the path taken (held, zeroed behind the steps)", str(st), path)]
 
 
 def main() -> int:
@@ -70,6 +105,8 @@ def main() -> int:
     work = work_dir("dfa_megatron_backward_step_")
     wall: dict[str, float] = {}
     rows = refusals()
+    # 0.19's colocation API (DDP's offload_grad_buffers / restore_grad_buffers)
+    colocation = tuple(int(x) for x in version.split(".")[:2]) >= (0, 19)
     for dp in (1, 2):
         for clip, clip_args in CLIPS.items():
             def run(tag: str, extra: list[str], script: str = EXAMPLE) -> dict | None:
@@ -86,21 +123,32 @@ def main() -> int:
                 variants["auto"] += ["--overlap-param-gather"]
             else:  # (the held path of auto once, at DP 1: the CI budget)
                 variants = {"speculate": ["--clip-policy", "speculate"], **(variants if dp == 1 else {})}
+            # The step across the next forward, its passes slowed (the waits exercised).
+            variants["forward"] = ["--clip-policy", "auto" if clip == "never" else "speculate",
+                                   "--overlap-param-gather", "--step-overlap-forward"]
+            if dp == 1 and clip == "never" and colocation:  # offload / restore while the steps run
+                variants["forward-offload"] = [*variants["forward"], "--offload-grads"]
             for name, extra in variants.items():
-                r = run(f"backward-{name}", ["--deferalloc", "host", "--step-in-backward", *extra])
+                r = run(f"backward-{name}", ["--deferalloc", "host", "--step-in-backward", *extra],
+                        SLOW_STEPS if name.startswith("forward") else EXAMPLE)
                 same = bool(r and plain) and r["losses"] == plain["losses"] and \
                     r["final_digest"] == plain["final_digest"]
                 st = (r or {}).get("backward_step") or {}
                 if clip == "never":  # the first iteration holds, the others speculate and commit
                     path = st.get("speculations") == STEPS - 1 and st.get("commits") == STEPS - 1 and \
                         st.get("redos") == 0
-                elif name == "speculate":  # every speculation discarded, every bucket redone
+                elif name in ("speculate", "forward"):  # every speculation discarded, every bucket redone
                     path = st.get("speculations") == STEPS and st.get("redos") == STEPS and st.get("commits") == 0
                 else:  # clipping fires: auto never speculates
                     path = st.get("speculations") == 0 and st.get("speculative_steps") == 0
+                if name == "forward":  # the next iteration started while steps ran: zeroed behind them
+                    path = path and st.get("zeroed_behind_steps", 0) > 0
+                if name == "forward-offload":  # (the offload waited for every step: nothing left to zero behind)
+                    path = path and (r or {}).get("grad_offloads") == STEPS
                 what = f"DP {dp}, clipping {clip}: step inside backward ({' '.join(extra)}) == plain == own"
                 rows.append((what, "bit-identical" if same else "differ / failed", same))
                 rows.append((f"DP {dp}, clipping {clip}, {name}: the path taken", str(st), path))
+    rows += accumulation(env, work, wall)
     print(f"megatron-core {version}; wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
     failed = report("test_megatron_backward_step", f"CPU emulation (gloo), megatron-core {version}", rows, [],
                     {"wall_seconds": wall}, None)

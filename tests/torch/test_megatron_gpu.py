@@ -23,7 +23,12 @@ megatron-core recommends, local specs, BF16 params, DistributedOptimizer) eight 
       losses bit-identical to the plain timing run's, its counts of speculations and redos
       printed).  Both deferalloc timing runs use DDP overlap_grad_reduce and a clip_grad
       never reached (1e9), the resident and HDO runs Megatron's defaults of the example.  Targets (reported): step inside backward
-      <= 1.2x resident, HDO >= 2x deferalloc's iteration;
+      <= 1.2x resident, HDO >= 2x deferalloc's iteration; and the step across the next forward
+      (``step_overlap_forward``, with overlap_param_gather): losses bit-identical to the plain
+      timing run's, its iteration <= the plain run's (reported); BF16 grad buffers
+      (``--bf16-grads``) on the device tier, the step across the next forward with every
+      bucket held for Megatron's clip (policy after: the passes read Megatron's ``.float()``
+      copies of the grads): losses bit-identical to the plain step's at the same settings;
   (f) ``step_in_backward="auto"`` (Note [Stepping aside]) on the timing model, --auto-steps
       steps with the same settings: its losses bit-identical to the plain timing run's for the
       steps both ran, its choice and probe times printed, and the median of its iterations
@@ -142,6 +147,15 @@ def main() -> int:
     runs["megatron-hdo-timing"] = run("megatron-hdo-timing", timing_model, timing + ["--hdo"])
     runs["deferalloc-backward-timing"] = run("deferalloc-backward-timing", timing_model, timing + unclipped + [
         "--deferalloc", "host", "--step-in-backward"])
+    runs["deferalloc-forward-timing"] = run("deferalloc-forward-timing", timing_model, timing + unclipped + [
+        "--deferalloc", "host", "--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"])
+    # BF16 grad buffers, the device tier, every bucket held for Megatron's clip (policy after):
+    # each pass reads Megatron's .float() copies of the grads, made on the compute stream, while
+    # the next forward allocates (Note [Grads freed behind a queued pass]).
+    bf16 = timing + ["--overlap-grad-reduce", "--bf16-grads", "--deferalloc", "device"]
+    runs["deferalloc-bf16grads-plain"] = run("deferalloc-bf16grads-plain", timing_model, bf16)
+    runs["deferalloc-bf16grads-forward"] = run("deferalloc-bf16grads-forward", timing_model, bf16 + [
+        "--step-in-backward", "--clip-policy", "after", "--overlap-param-gather", "--step-overlap-forward"])
     if args.auto_steps:
         runs["deferalloc-auto-timing"] = run("deferalloc-auto-timing", timing_model, [
             "--steps", str(args.auto_steps), *unclipped, "--deferalloc", "host", "--step-in-backward", "auto"])
@@ -292,6 +306,22 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     if it["hdo"] and it["step inside backward"]:
         ratio = it["hdo"] / it["step inside backward"]
         check("iteration: HDO / step inside backward (>= 2)", f"{ratio:.2f}x", ratio >= 2, perf=True)
+    forward_t = runs.get("deferalloc-forward-timing")
+    it_fwd = iteration(forward_t)
+    ok = bool(forward_t and host_t) and forward_t["losses"] == host_t["losses"]
+    check("  step across the next forward: losses == deferalloc plain", "bit-identical" if ok else "differ / failed", ok)
+    if forward_t:
+        check("  step across the next forward: iteration, engine counts",
+              f"{it_fwd * 1e3:.0f} ms, {forward_t.get('backward_step')}" if it_fwd else "-", None)
+    if it_fwd and it["deferalloc plain"]:
+        ratio = it_fwd / it["deferalloc plain"]
+        check("iteration: step across the next forward / deferalloc plain (<= 1.0)", f"{ratio:.2f}x", ratio <= 1.0,
+              perf=True)
+    figure("iteration_step_across_next_forward", it_fwd and it_fwd * 1e3, "ms")
+    a, b = runs.get("deferalloc-bf16grads-plain"), runs.get("deferalloc-bf16grads-forward")
+    ok = bool(a and b) and a["losses"] == b["losses"]
+    check("  BF16 grads, device tier, held buckets across the next forward: losses == plain",
+          "bit-identical" if ok else f"differ / failed ({(b or {}).get('backward_step')})", ok)
     for name, v in it.items():
         figure(f"iteration_{name.replace(' ', '_')}", v and v * 1e3, "ms")
     if it["hdo"] and it["deferalloc plain"]:

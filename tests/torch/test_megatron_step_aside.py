@@ -17,7 +17,11 @@ iterations after the first.  Checks:
   4. the same switches (a warm-up of 1 step) with Megatron's clipping firing at every step
      and clip policy "speculate" (every inside iteration's speculation discarded and redone):
      losses and every step's state equal the plain run's;
-  5. an unknown ``step_in_backward`` is refused.
+  5. with ``step_overlap_forward=True`` (overlap_param_gather; the policy times whole
+     iterations, from one zero_grad_buffer to the next, the fake clock advanced after each
+     step by its mode's cost): the same modes, the same measured times, losses and every
+     step's state equal the plain run's;
+  6. an unknown ``step_in_backward`` is refused.
 Exit 0 / 1; 77 without megatron-core.
 """
 from __future__ import annotations
@@ -73,7 +77,10 @@ class Records(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-def run(train_gpt, mode: str | bool, clock: FakeClock | None = None, more: tuple = (), warmup: int = 2) -> dict:
+def run(train_gpt, mode: str | bool, clock: FakeClock | None = None, more: tuple = (), warmup: int = 2,
+        whole: bool = False) -> dict:
+    """``whole``: step_overlap_forward, whose policy decides and times at the next iteration's
+    start (its zero_grad_buffer): each step's mode is read, and its cost added, after it."""
     extra = [] if mode is False else ["--step-in-backward"] if mode is True else ["--step-in-backward", "auto"]
     args = train_gpt.parse_args(MODEL + extra + ["--steps", str(STEPS), *more])
     gpt, ddp, optimizer, streamed = train_gpt.build(args)
@@ -85,10 +92,13 @@ def run(train_gpt, mode: str | bool, clock: FakeClock | None = None, more: tuple
         aside.warmup = warmup
     out = {"losses": [], "digests": [], "steps": [], "modes": [], "optimizer": optimizer}
     for step in range(1, STEPS + 1):
-        if aside is not None:
+        if aside is not None and not whole:
             out["modes"].append(aside.mode)
             clock.t += cost(step, aside.mode)
         loss, _, _ = train_gpt.train_step(args, ddp, optimizer, step, torch.device("cpu"))
+        if aside is not None and whole:
+            out["modes"].append(aside.mode)
+            clock.t += cost(step, aside.mode)
         out["losses"].append(loss)
         out["digests"].append(train_gpt.state_digest(optimizer))  # (reads through the engine)
         out["steps"].append(sorted(int(st["step"]) for st in inner.state_dict()["state"].values()))
@@ -147,6 +157,16 @@ def in_process() -> None:
     check(plain_c["losses"] == auto_c["losses"] and plain_c["digests"] == auto_c["digests"] and
           plain_c["losses"] != plain["losses"],
           "clipping firing: losses and every step's state, auto (switching) == plain (and they differ from unclipped)")
+
+    fwd = run(train_gpt, "auto", FakeClock(), more=("--overlap-param-gather", "--step-overlap-forward"), whole=True)
+    st = fwd["stats"]
+    aside = st["step_aside"]
+    print("auto, step_overlap_forward:", st, flush=True)
+    check(fwd["modes"] == EXPECTED and aside["measured_seconds"] == {"plain": 1.0, "inside": 2.0} and
+          aside["chosen"] == "plain" and aside["probes"] == 2 and aside["switches"] == 2,
+          f"step_overlap_forward: whole iterations timed, the same modes and choices ({fwd['modes']}, {aside})")
+    check(plain["losses"] == fwd["losses"] and plain["digests"] == fwd["digests"],
+          "step_overlap_forward, auto: losses and every step's state == plain")
 
     try:
         dm.stream_optimizer_state(plain["optimizer"], step_in_backward="sometimes")

@@ -333,6 +333,42 @@ class Overlap(unittest.TestCase):
         with self.assertRaises(optim.InvalidStateError):
             optim.StreamedAdamW(model().parameters(), tier="device").step_speculative()
 
+    def test_run_after(self):
+        """run_after: queued behind a bucket's queued step (run on the worker right after it),
+        at once for a bucket with no step queued (deferalloc.megatron's grad zeroing)."""
+        m = model()
+        opt = make_opt(m)
+        ov = overlap_with_backward(m, opt, bucket_mb=0)  # one bucket per parameter
+        events = []
+        step_grads = opt.step_grads
+
+        def slow(grads, *a, **k):  # 50 ms a pass: the steps are still queued when step() returns
+            time.sleep(0.05)
+            out = step_grads(grads, *a, **k)
+            events.append(("step", {id(p) for p, _ in grads}))
+            return out
+        opt.step_grads = slow
+        x, y = batch(0)
+        # The worker takes nothing until run_after is queued: otherwise a bucket stepped
+        # alone before step() returns could already be done (run_after then runs at once).
+        ov.pause_worker()
+        torch.nn.functional.mse_loss(forward(m, x), y).backward()
+        ov.step()
+        last = ov.buckets[0]
+        self.assertTrue(ov.run_after(last, lambda: events.append("after")))
+        ov.resume_worker()
+        ov.synchronize()
+        self.assertEqual(events.count("after"), 1)
+        steps = [e for e in events if e != "after"]
+        self.assertEqual(sum(len(e[1]) for e in steps), sum(len(b.params) for b in ov.buckets))
+        # right behind the pass that stepped bucket 0 (whatever else that pass held)
+        at = events.index("after")
+        self.assertGreater(at, 0)
+        self.assertTrue({id(p) for p in last.params} <= events[at - 1][1])
+        self.assertFalse(ov.run_after(last, lambda: events.append("now")))
+        self.assertEqual(events[-1], "now")
+        ov.remove()
+
     def test_moment_dtype_and_resident_from_python(self):
         for dt in ("bf16", "int8"):
             a = train(4, "plain", moment_dtype=dt)
