@@ -162,14 +162,18 @@ shared by the chain's DistributedOptimizers picks it, at the end of Megatron's
    (``time.perf_counter``, the ``clock`` attribute) read after every step in flight and the
    device are done (``synchronize()``, ``torch.cuda.synchronize()``: in probe iterations
    only; an iteration outside a probe adds no synchronisation).  The first iteration of each
-   run is not timed (it carries the switch); each mode's time is the minimum of its other
-   ones (noise and one-time costs, as the allocation of the second pinned copy at the first
-   speculative iteration, only lengthen an iteration).  The faster mode is kept (a tie keeps
-   the plain step);
+   run is not timed (it carries the switch); the run of a mode never run before gets
+   ``settle`` (2) more untimed iterations first, as its first iterations carry one-off costs
+   that can span more than one of them (on an H100, the 0.54 G model's first inside
+   iterations across the next forward took 451, 1826 and 375 ms, then 190: the second pinned
+   copy allocated at the first speculation, the first speculation's redo); each mode's time
+   is the minimum of its timed ones (noise only lengthens an iteration).  The faster mode is
+   kept (a tie keeps the plain step);
  - a probe again every ``recheck`` (1000) iterations (0: never): the costs move with what
    else shares the link and with how often clipping fires (a fired speculation is redone),
-   and a probe costs at most ``run`` iterations of the slower mode plus 2 * ``run`` + 1
-   synchronised step ends, a fraction of a percent of 1000 iterations.
+   and a probe costs at most ``run`` iterations of the slower mode (``run`` + ``settle`` at
+   the first) plus 2 * ``run`` + ``settle`` + 1 synchronised step ends, a fraction of a
+   percent of 1000 iterations.
 A switch (between two iterations) first waits for every bucket step and commit in flight
 and clears the recorded norm; the engine's state, step counts and the speculation are the
 same either way, so a run that switches gives the bits of either mode
@@ -1158,11 +1162,12 @@ class _BackwardStep(BackwardOverlap):
 class _StepAside:
     """step_in_backward="auto": each iteration plain or inside backward, whichever the last
     probe timed faster (Note [Stepping aside]).  One for all DistributedOptimizers of a
-    chain (they switch together).  ``clock``, ``warmup``, ``run`` and ``recheck`` may be set
-    before the first step."""
+    chain (they switch together).  ``clock``, ``warmup``, ``run``, ``settle`` and ``recheck``
+    may be set before the first step."""
 
     warmup = 2  # plain iterations before the first probe (Megatron's first batch differs)
     run = 3  # iterations of each mode per probe; the first of a run (the switch) is not timed
+    settle = 2  # more untimed iterations before the run of a mode never run before
     recheck = 1000  # iterations in the chosen mode between probes (0: never probe again)
 
     def __init__(self, steps: list, clock: Callable[[], float] = time.perf_counter, whole_iterations: bool = False):
@@ -1181,7 +1186,7 @@ class _StepAside:
         self._ended = 0  # optimizer steps ended
         self._plan: list[str] | None = None  # the probe's modes, one per iteration
         self._pos = 0
-        self._len = self.run
+        self._untimed: list[bool] = []  # per probe iteration: not timed
         self._timed: dict[str, list[float]] = {}
         self._mark = 0.0
         self._next_probe: int | None = -1  # the step count whose end starts a probe (-1: warmup's; None: never)
@@ -1234,16 +1239,22 @@ class _StepAside:
             due = max(1, self.warmup) if self._next_probe == -1 else self._next_probe
             if self._ended != due:
                 return
-            # A probe: ``run`` iterations of the current mode, then ``run`` of the other.
+            # A probe: ``run`` iterations of the current mode, then ``run`` of the other,
+            # each run after ``settle`` more untimed ones where its mode never ran.
             other = "plain" if self.mode == "inside" else "inside"
-            self._len = max(2, self.run)  # (one untimed iteration per run, at least one timed)
-            self._plan, self._pos = [self.mode] * self._len + [other] * self._len, 0
+            n = max(2, self.run)  # (one untimed iteration per run, at least one timed)
+            self._plan, self._untimed = [], []
+            for m in (self.mode, other):
+                u = 1 + (max(0, self.settle) if self.iterations[m] == 0 else 0)
+                self._plan += [m] * (u + n - 1)
+                self._untimed += [True] * u + [False] * (n - 1)
+            self._pos = 0
             self._timed = {"plain": [], "inside": []}
             self._mark = clock()
             self._set(self._plan[0])
             return
         now = clock()
-        if self._pos % self._len:
+        if not self._untimed[self._pos]:
             self._timed[self._plan[self._pos]].append(now - self._mark)
         self._mark = now
         self._pos += 1

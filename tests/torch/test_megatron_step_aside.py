@@ -7,7 +7,7 @@ the step always inside backward, and "auto" with a fake clock (the policy's ``cl
 before the first step) that the test advances by the cost it gives the mode of each iteration:
 the inside mode cheaper until step 12, the plain mode cheaper after it, a probe every 4
 iterations after the first.  Checks:
-  1. the policy: plain through the warm-up (2 steps), a probe of 3 plain + 3 inside steps,
+  1. the policy (its ``settle`` set to 0): plain through the warm-up (2 steps), a probe of 3 plain + 3 inside steps,
      inside chosen (the faster), 4 steps inside, a probe (3 inside + 3 plain), plain chosen;
      the times it measured are the fake clock's; one INFO line per choice;
   2. bit-identity across the switches: every step's loss and every step's optimizer state
@@ -19,8 +19,10 @@ iterations after the first.  Checks:
      losses and every step's state equal the plain run's;
   5. with ``step_overlap_forward=True`` (overlap_param_gather; the policy times whole
      iterations, from one zero_grad_buffer to the next, the fake clock advanced after each
-     step by its mode's cost): the same modes, the same measured times, losses and every
-     step's state equal the plain run's;
+     step by its mode's cost), the policy's default ``settle`` (2) and the first three inside
+     iterations costing 10 s (one-off costs): the first probe runs the inside mode 5 times, 3
+     untimed, and chooses it (timing the costly ones would choose plain), then 4 inside and a
+     probe of 3 inside + 3 plain; losses and every step's state equal the plain run's;
   6. an unknown ``step_in_backward`` is refused.
 Exit 0 / 1; 77 without megatron-core.
 """
@@ -53,10 +55,29 @@ EXPECTED_W1 = ["plain"] + ["plain"] * 3 + ["inside"] * 3 + ["inside"] * 4 + ["in
     ["plain"] * 3
 
 
+# The same policy's default `settle` (2) where the first three inside iterations carry a one-off
+# cost (10 s): the first probe runs inside for 5 iterations, 3 untimed, and chooses inside;
+# timing the second and third (settle 0) would choose plain.
+EXPECTED_SETTLE = ["plain"] * 2 + ["plain"] * 3 + ["inside"] * 5 + ["inside"] * 4 + ["inside"] * 3 + ["plain"] * 3
+
+
 def cost(step: int, mode: str) -> float:
     """The fake clock's seconds for an iteration: inside backward cheaper up to step 12."""
     inside_faster = step <= 12
     return 1.0 if (mode == "inside") == inside_faster else 2.0
+
+
+class OneOff:
+    """`cost` with 10 s for each of the first ``n`` inside iterations (first-use costs)."""
+
+    def __init__(self, n: int = 3):
+        self.left = n
+
+    def __call__(self, step: int, mode: str) -> float:
+        if mode == "inside" and self.left:
+            self.left -= 1
+            return 10.0
+        return cost(step, mode)
 
 
 class FakeClock:
@@ -78,9 +99,10 @@ class Records(logging.Handler):
 
 
 def run(train_gpt, mode: str | bool, clock: FakeClock | None = None, more: tuple = (), warmup: int = 2,
-        whole: bool = False) -> dict:
+        whole: bool = False, settle: int | None = 0, costs=cost) -> dict:
     """``whole``: step_overlap_forward, whose policy decides and times at the next iteration's
-    start (its zero_grad_buffer): each step's mode is read, and its cost added, after it."""
+    start (its zero_grad_buffer): each step's mode is read, and its cost added, after it.
+    ``settle``: the policy's (None: its default)."""
     extra = [] if mode is False else ["--step-in-backward"] if mode is True else ["--step-in-backward", "auto"]
     args = train_gpt.parse_args(MODEL + extra + ["--steps", str(STEPS), *more])
     gpt, ddp, optimizer, streamed = train_gpt.build(args)
@@ -90,15 +112,17 @@ def run(train_gpt, mode: str | bool, clock: FakeClock | None = None, more: tuple
         aside.clock = clock
         aside.recheck = 4
         aside.warmup = warmup
+        if settle is not None:
+            aside.settle = settle
     out = {"losses": [], "digests": [], "steps": [], "modes": [], "optimizer": optimizer}
     for step in range(1, STEPS + 1):
         if aside is not None and not whole:
             out["modes"].append(aside.mode)
-            clock.t += cost(step, aside.mode)
+            clock.t += costs(step, aside.mode)
         loss, _, _ = train_gpt.train_step(args, ddp, optimizer, step, torch.device("cpu"))
         if aside is not None and whole:
             out["modes"].append(aside.mode)
-            clock.t += cost(step, aside.mode)
+            clock.t += costs(step, aside.mode)
         out["losses"].append(loss)
         out["digests"].append(train_gpt.state_digest(optimizer))  # (reads through the engine)
         out["steps"].append(sorted(int(st["step"]) for st in inner.state_dict()["state"].values()))
@@ -158,13 +182,15 @@ def in_process() -> None:
           plain_c["losses"] != plain["losses"],
           "clipping firing: losses and every step's state, auto (switching) == plain (and they differ from unclipped)")
 
-    fwd = run(train_gpt, "auto", FakeClock(), more=("--overlap-param-gather", "--step-overlap-forward"), whole=True)
+    fwd = run(train_gpt, "auto", FakeClock(), more=("--overlap-param-gather", "--step-overlap-forward"), whole=True,
+              settle=None, costs=OneOff(3))
     st = fwd["stats"]
     aside = st["step_aside"]
     print("auto, step_overlap_forward:", st, flush=True)
-    check(fwd["modes"] == EXPECTED and aside["measured_seconds"] == {"plain": 1.0, "inside": 2.0} and
-          aside["chosen"] == "plain" and aside["probes"] == 2 and aside["switches"] == 2,
-          f"step_overlap_forward: whole iterations timed, the same modes and choices ({fwd['modes']}, {aside})")
+    check(fwd["modes"] == EXPECTED_SETTLE and aside["measured_seconds"] == {"plain": 2.0, "inside": 1.0} and
+          aside["chosen"] == "inside" and aside["probes"] == 1 and aside["switches"] == 2,
+          f"step_overlap_forward: whole iterations timed; the default settle leaves the inside mode's three "
+          f"costly first iterations untimed and chooses it ({fwd['modes']}, {aside})")
     check(plain["losses"] == fwd["losses"] and plain["digests"] == fwd["digests"],
           "step_overlap_forward, auto: losses and every step's state == plain")
 
