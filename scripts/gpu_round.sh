@@ -20,7 +20,8 @@
 #   (e.g. "--variants plain,inside,inside_noclip").
 #   megatron_bench: benchmarks/megatron/bench_megatron.py (same megatron-core as sib), the rows
 #   DFA_MB_ROWS (default host: resident, hdo, plain/inside x fp32/bf16/int8 on the host tier, auto
-#   resident_mb plain/inside; file: the file-tier rows and odirect_file, the synchronous O_DIRECT
+#   resident_mb plain/inside, fwd x fp32/bf16/int8 (step_overlap_forward); file: the file-tier rows
+#   and odirect_file, the synchronous O_DIRECT
 #   baseline, 0.54 G model only; or row names) of one model
 #   (DFA_MB_ARGS, e.g. "--model gqa1b"; default the 0.54 G model), one process each beside its bound
 #   (duplex pinned copy, dd in /tmp); $R/megatron_bench_<model>_<rows>.json, one file per call, all

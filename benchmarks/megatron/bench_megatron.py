@@ -9,9 +9,11 @@ Rows (``--rows``, comma-separated names or the sets host, file, all), one proces
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
                            as test_megatron_gpu runs it)
-  {plain,inside}_{fp32,bf16,int8}_{host,file}
-                           deferalloc, the plain step after backward or the step inside backward
-                           (step_in_backward=True), moment_dtype, tier (file: a directory under --dir)
+  {plain,inside,fwd}_{fp32,bf16,int8}_{host,file}
+                           deferalloc, the plain step after backward, the step inside backward
+                           (step_in_backward=True) or inside backward and across the next forward
+                           (fwd: step_overlap_forward=True, with DDP's overlap_param_gather),
+                           moment_dtype, tier (file: a directory under --dir)
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
   odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
@@ -23,13 +25,14 @@ settings; hdo runs as test_megatron_gpu's timing run does (the example's default
 resident runs first whenever a deferalloc row is asked for (the bounds need its iteration).
 
 Bounds, measured in the same call: the transfer of the row's bytes each way (the engine's,
-per iteration; an inside row takes its plain twin's where that ran, so that speculation's redos
+per iteration; an inside or fwd row takes its plain twin's where that ran, so that speculation's redos
 do not raise its own bound) over the duplex pinned-copy rate (test_megatron_gpu's measurement,
 ``--bound-mib`` MiB each way) on the host tier; on the file tier dd with direct I/O writing and
 reading exactly those bytes in --dir (benchmarks/optimizer/bench_file_tier.py's dd_bound: the
 faster of write-then-read and both at once; once per distinct byte count).  plain is judged
-against resident + transfer, inside against max(resident, transfer); HDO against the inside
-rows (issue targets: inside 1.5x faster than HDO with FP32 moments, 2.2x with BF16).  odirect_file
+against resident + transfer, inside and fwd against max(resident, transfer) and against their
+plain twin; HDO against the inside and fwd rows (issue targets: 1.5x faster than HDO with FP32
+moments, 2.2x with BF16).  odirect_file
 stands beside its dd bound too (without a target) and beside plain_fp32_file: the plain FP32 file
 step's speed-up over it (iteration over iteration; issue target >= 1.5x).  Its losses must equal
 resident's bit for bit (clip never reached: the same fused AdamW arithmetic), and under --smoke
@@ -68,7 +71,14 @@ MODELS = {"054": _runner.MODEL_054,
           "gqa1b": "--layers 22 --hidden 2048 --heads 16 --query-groups 4 --vocab 32768 --seq 512 --batch 2"}
 TIMING = ["--overlap-grad-reduce", "--clip-grad", "1e9"]
 STATE_DIR = "{state_dir}"  # in a file row's options: its state directory under --dir
-DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "inside")
+DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "inside", "fwd")
+MODE_OPTS = {"plain": [], "inside": ["--step-in-backward"],
+             "fwd": ["--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"]}
+
+
+def overlapped(name: str) -> bool:
+    """A row whose step overlaps backward (and, fwd, the next forward): bound max(resident, transfer)."""
+    return name.startswith(("inside", "fwd")) or name == "auto_inside_host"
 
 
 def row_table() -> dict:
@@ -81,9 +91,8 @@ def row_table() -> dict:
             for mode in MODES:
                 opts = TIMING + ["--deferalloc", tier, "--moment-dtype", dtype] + \
                     (["--directory", STATE_DIR] if tier == "file" else [])
-                rows[f"{mode}_{dtype}_{tier}"] = (opts + (["--step-in-backward"] if mode == "inside" else []), {},
-                                                  tier, f"plain_{dtype}_{tier}")
-    for mode in MODES:
+                rows[f"{mode}_{dtype}_{tier}"] = (opts + MODE_OPTS[mode], {}, tier, f"plain_{dtype}_{tier}")
+    for mode in ("plain", "inside"):
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
         rows[f"auto_{mode}_host"] = (opts + (["--step-in-backward"] if mode == "inside" else []),
                                      {"streamed_fraction": 0.5}, "host", "auto_plain_host")
@@ -92,13 +101,15 @@ def row_table() -> dict:
 
 
 ROWS = row_table()
-SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in MODES]
-        + ["auto_plain_host", "auto_inside_host"],
+SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "inside")]
+        + ["auto_plain_host", "auto_inside_host"] + [f"fwd_{d}_host" for d in DTYPES],
         # odirect_file beside plain_fp32_file, before the budget can skip it.
-        "file": ["plain_fp32_file", "odirect_file"] + [f"{m}_{d}_file" for d in DTYPES for m in MODES
-                                                       if f"{m}_{d}_file" != "plain_fp32_file"]}
+        "file": ["plain_fp32_file", "odirect_file"] + [f"{m}_{d}_file" for d in DTYPES for m in ("plain", "inside")
+                                                       if f"{m}_{d}_file" != "plain_fp32_file"]
+        + [f"fwd_{d}_file" for d in DTYPES]}
 SETS["all"] = SETS["host"] + SETS["file"]
-SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "plain_int8_file", "auto_plain_host",
+SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "plain_int8_file",
+              "auto_plain_host",
               "plain_fp32_file", "odirect_file"]
 
 
@@ -143,8 +154,7 @@ def bounds(a, drv, dd_cache: dict, rate: float | None, only: str | None = None) 
             how = f"dd direct I/O, {'both at once' if dd['at_once_s'] <= dd['sequential_s'] else 'write then read'}"
         b = {"transfer_s": transfer, "how": how, "read_bytes": rb, "write_bytes": wb}
         if res:
-            inside = name.startswith("inside") or name == "auto_inside_host"
-            b["bound_s"] = max(res, transfer) if inside else res + transfer
+            b["bound_s"] = max(res, transfer) if overlapped(name) else res + transfer
             b["ratio"] = m["iteration"] / b["bound_s"]
         out[name] = b
     return out
@@ -192,22 +202,23 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
         if "ratio" in b and name == "odirect_file":
             verdicts.append(f"{name}: {b['ratio']:.2f}x its bound (the baseline: no target)")
         elif "ratio" in b:
-            target = 1.15 if "inside" in name else 1.1
+            target = 1.15 if overlapped(name) else 1.1
             verdicts.append(f"{name}: {b['ratio']:.2f}x its bound (target <= {target})"
                             + ("" if b["ratio"] <= target else " MISSED"))
     for name in it:
-        if "inside" in name:
-            plain = name.replace("inside", "plain")
+        if overlapped(name):
+            plain = ROWS[name][3] if name in ROWS else name.replace("inside", "plain")
             if plain in it:
                 r = it[name] / it[plain]
                 results.append(res(f"{name}: iteration / {plain}'s", r, "x"))
                 verdicts.append(f"{name} / {plain}: {r:.2f}x (target <= 1)" + ("" if r <= 1.0 else " MISSED"))
     for dtype, target in (("fp32", 1.5), ("bf16", 2.2)):
-        name = f"inside_{dtype}_host"
-        if "hdo" in it and name in it:
-            r = it["hdo"] / it[name]
-            results.append(res(f"hdo / {name}", r, "x"))
-            verdicts.append(f"HDO / {name}: {r:.2f}x faster (target >= {target})" + ("" if r >= target else " MISSED"))
+        for name in (f"inside_{dtype}_host", f"fwd_{dtype}_host"):
+            if "hdo" in it and name in it:
+                r = it["hdo"] / it[name]
+                results.append(res(f"hdo / {name}", r, "x"))
+                verdicts.append(f"HDO / {name}: {r:.2f}x faster (target >= {target})"
+                                + ("" if r >= target else " MISSED"))
     for dtype, target in (("bf16", 1.35), ("int8", 1.7)):
         a, b = drv.analysed.get("plain_fp32_file", {}), drv.analysed.get(f"plain_{dtype}_file", {})
         if "step" in a and "step" in b and b["step"]:
