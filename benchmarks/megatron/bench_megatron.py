@@ -94,8 +94,7 @@ def row_table() -> dict:
                 rows[f"{mode}_{dtype}_{tier}"] = (opts + MODE_OPTS[mode], {}, tier, f"plain_{dtype}_{tier}")
     for mode in ("plain", "inside"):
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
-        rows[f"auto_{mode}_host"] = (opts + (["--step-in-backward"] if mode == "inside" else []),
-                                     {"streamed_fraction": 0.5}, "host", "auto_plain_host")
+        rows[f"auto_{mode}_host"] = (opts + MODE_OPTS[mode], {"streamed_fraction": 0.5}, "host", "auto_plain_host")
     rows["odirect_file"] = (TIMING + ["--odirect-baseline", STATE_DIR], {}, "file", "odirect_file")
     return rows
 
@@ -207,7 +206,7 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
                             + ("" if b["ratio"] <= target else " MISSED"))
     for name in it:
         if overlapped(name):
-            plain = ROWS[name][3] if name in ROWS else name.replace("inside", "plain")
+            plain = ROWS[name][3]
             if plain in it:
                 r = it[name] / it[plain]
                 results.append(res(f"{name}: iteration / {plain}'s", r, "x"))
