@@ -111,6 +111,32 @@ DFA_C_API dfa_status dfa_find(const void* ptr, dfa_reservation* out);
 DFA_C_API dfa_status dfa_trim(size_t keep_bytes, size_t* released);
 DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
 
+/* ---- Disk spills (torch_memory_saver's disk backup; deferalloc.memory_saver) ----------
+ * `n` ranges of device memory (ptrs[i], sizes[i] bytes; host memory on the host driver)
+ * of `device` (-1: the instance's) to one file and back, through two pinned staging
+ * buffers of up to `chunk_bytes` (rounded up to 64 KiB) copied on `stream`; both wait for
+ * their copies before they return.  The file has a header (the ranges' count and sizes),
+ * the bytes and a checksum64 per 64 KiB block (Note [Disk spills] in
+ * allocator/core/files/spill.cpp). */
+/* Writes a temporary file beside `path` (exclusive, 0600, its size reserved first),
+ * fsyncs it, renames it to `path`, fsyncs the directory: `path` is the whole file or
+ * absent (a full disk or an I/O error: IO, naming the file; `path` not written).  The
+ * directory is made (0700) if missing and refused (IO) unless owned by this user and not
+ * a symbolic link.  An existing `path` is replaced. */
+DFA_C_API dfa_status dfa_spill_save(const char* path, int device, size_t n, void* const* ptrs, const size_t* sizes,
+                                    size_t chunk_bytes, void* stream);
+/* Reads `path` into the ranges, which must have the count and sizes it was saved with
+ * (else INVALID_ARGUMENT naming the file); each block's checksum is verified before its
+ * bytes reach the device.  A range whose ptrs[i] is NULL is verified and skipped.  A damaged or truncated file: CORRUPT naming the file (and the
+ * offset of a bad block); missing, a symbolic link or another user's: IO.  On an error
+ * the ranges' contents are undefined.  The file is left as it is. */
+DFA_C_API dfa_status dfa_spill_load(const char* path, int device, size_t n, void* const* ptrs, const size_t* sizes,
+                                    size_t chunk_bytes, void* stream);
+/* Makes `dir` (0700) unless it exists, then refuses it (IO) unless it is a directory
+ * owned by this user and not a symbolic link.  *in_memory (may be NULL) = 1 when it is
+ * tmpfs or ramfs (spills there hold host memory). */
+DFA_C_API dfa_status dfa_spill_check_dir(const char* dir, int* in_memory);
+
 /* ---- PyTorch faces: the caching allocator, tags, statistics, DLPack ---------------
  * One caching allocator per device, created on first use on top of the instance
  * (device -1: the instance's device).  Streams are cudaStream_t (NULL: default stream). */
