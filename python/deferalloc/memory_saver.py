@@ -33,16 +33,21 @@ Approach:
   preload library (dfa_find), and releases them (dfa_release_many, keep host or discard); resume
   backs them again at the same addresses (dfa_materialize_many, restore or undefined).  With
   TMS_INIT_ENABLE=1, PyTorch's default pool belongs to the tag "default" too.
+* Disk backup (``enable_disk_backup``; Note [Disk backup]): a third kind beside host backup
+  and discard, in both modes ("tms.disk/<tag>" in torch mode, its own pools in preload
+  mode): a pause writes the kind's live memory to a file (dfa_spill_save) and releases it as
+  discard; resume backs it again and reads the file back into it (dfa_spill_load).
 Limits: memory that does not come through PyTorch's allocator (a library's own cudaMalloc)
 is not paused in either mode; allocating in a paused tag is the caller's error as in TMS
-(torch mode refuses it, preload mode may hand out a released block); get_cpu_backup and disk
-backup raise NotImplementedError (the C ABI has neither a way to read a paused block's host
-copy nor a file tier for tags).
+(torch mode refuses it, preload mode may hand out a released block); get_cpu_backup raises
+NotImplementedError outside disk regions (the C ABI has no way to read a paused block's
+host copy); for a disk region's tensor it returns None, as TMS.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import sys
 import threading
@@ -53,7 +58,7 @@ import torch
 
 import deferalloc as _dfa
 
-from . import _native
+from . import _native, _snapshot
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "install_as_torch_memory_saver",
            "shim_path", "preload_library_path"]
@@ -62,7 +67,11 @@ _TAG_DEFAULT = "default"
 _HOOK_MODES = ("preload", "torch")
 _BACKENDS = ("pinned", "mmap")
 _SIZE_MAX = (1 << 64) - 1
-_KEEPS = ("discard", "host")
+_KEEPS = ("discard", "host")          # dfa_keep's values; the disk kind releases as discard
+_PAUSE_ORDER = ("host", "disk", "discard")   # Note [Disk backup]: a failed pause loses nothing kept
+_RESUME_ORDER = ("disk", "host", "discard")  # a failed disk load resumes nothing
+_DEFAULT_CHUNK_MB = 256                      # TMS_DISK_BACKUP_CHUNK_MB's default in torch_memory_saver
+_log = logging.getLogger("deferalloc")
 
 
 # ---- the environment variables TMS's library reads ---------------------------------------------
@@ -102,14 +111,7 @@ def _env_settings() -> dict:
     _check_backend(out["backend"], "TMS_INIT_CPU_BACKUP_BACKEND")
     if out["init_cpu_backup"] and out["init_disk_backup"]:
         raise ValueError("TMS_INIT_ENABLE_CPU_BACKUP and TMS_INIT_ENABLE_DISK_BACKUP are mutually exclusive")
-    if out["init_disk_backup"]:
-        raise NotImplementedError(_NO_DISK.format(what="TMS_INIT_ENABLE_DISK_BACKUP=1"))
     return out
-
-
-_NO_DISK = ("{what}: deferalloc has no disk backup for paused regions (its C ABI keeps a paused tag's "
-            "contents in pinned host memory or drops them; the file tier serves the optimizer's state "
-            "only). Use enable_cpu_backup=True, or torch_memory_saver itself for disk spills.")
 
 
 def _check_backend(backend, what: str) -> None:
@@ -287,16 +289,20 @@ class TorchMemorySaver:
         self._ensure_initialized().resume(tag)
 
     def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False):
+        """None for a tensor of a disk-backup region (it has no host copy, as in TMS)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"get_cpu_backup: x must be a torch.Tensor, not {type(x).__name__}")
+        if self._ensure_initialized().in_disk_region(x.data_ptr(), x.nbytes):
+            return None
         raise NotImplementedError("get_cpu_backup: deferalloc's C ABI gives no access to a paused block's pinned "
                                   "host copy (it is the allocator's, reused by the next pause); read the tensor "
                                   "after resume() instead")
 
     def set_disk_backup_dir(self, path: str) -> None:
+        """The directory of disk-backup files (created if needed; process-global, as in TMS)."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"set_disk_backup_dir: path must be a string, not {type(path).__name__}")
-        raise NotImplementedError(_NO_DISK.format(what="set_disk_backup_dir"))
+        self._ensure_initialized().disk.set_dir(path)
 
     # internals ----------------------------------------------------------------------------------
     def _check_region_args(self, tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend) -> str:
@@ -310,7 +316,7 @@ class TorchMemorySaver:
         if enable_cpu_backup and enable_disk_backup:
             raise ValueError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
         if enable_disk_backup:
-            raise NotImplementedError(_NO_DISK.format(what="enable_disk_backup=True"))
+            return "disk"
         return "host" if _check_bool(enable_cpu_backup, "enable_cpu_backup") else "discard"
 
     def _ensure_initialized(self) -> "_Impl":
@@ -371,7 +377,10 @@ class _Impl:
         self.retain = env["retain_cpu_backup"]
         self.margin = 0
         self.init_enable = env["init_enable"]
-        self.init_keep = "host" if env["init_cpu_backup"] else "discard"
+        # TMS_INIT_ENABLE_DISK_BACKUP: the kind of what TMS_INIT_ENABLE makes pauseable
+        # (preload mode; regions name their own kind, as TMS's do).
+        self.init_keep = "host" if env["init_cpu_backup"] else "disk" if env["init_disk_backup"] else "discard"
+        self.disk = _DiskBackup(env)
         self.lock = threading.RLock()
         self.local = threading.local()   # .depth: regions open on this thread
         self.keeps: dict = {}            # tag -> set of keeps it holds
@@ -379,6 +388,7 @@ class _Impl:
         self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] of cuda_graph (torch mode)
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
+        self.spills: dict = {}           # tag -> its disk files while paused: [(path, device, [(address, bytes)])]
         if hook_mode == "preload":
             found = _preload_in_env()
             if len(found) != 1:
@@ -552,18 +562,7 @@ class _Impl:
                 if t in self.paused:
                     raise _dfa.InvalidState(f"pause({t!r}): the tag is paused already (resume it first)")
                 if self.mode == "torch":
-                    free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
-                    done = []
-                    try:
-                        for keep in sorted(self.keeps[t]):
-                            _dfa.pause(self._itag(t, keep), keep=keep)
-                            done.append(keep)
-                    except BaseException:
-                        for keep in done:  # all or nothing
-                            _dfa.resume(self._itag(t, keep))
-                        raise
-                    given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
-                    self.paused[t] = [(0, 0, "", max(0, given))]  # what the margin check counts at resume
+                    self._torch_pause(t)
                 else:
                     self.paused[t] = self._preload_pause(t)
 
@@ -577,13 +576,14 @@ class _Impl:
                     raise _dfa.InvalidState(f"resume({t!r}): the tag is not paused")
             self._check_margin(names)
             for t in names:
+                spills = self.spills.get(t, [])
                 if self.mode == "torch":
-                    for keep in sorted(self.keeps[t]):
-                        if _dfa.is_paused(self._itag(t, keep)):
-                            _dfa.resume(self._itag(t, keep))
+                    for keep in _ordered(self.keeps[t], _RESUME_ORDER):
+                        self._torch_resume_keep(t, keep, spills)
                 else:
-                    self._preload_resume(self.paused[t])
+                    self._preload_resume(self.paused[t], spills)
                 del self.paused[t]
+                self.disk.remove(self.spills.pop(t, []))
             _sync()
             if not self.retain:
                 _dfa.trim(_SIZE_MAX)  # frees the cached pinned backups, keeps the device chunks cached
@@ -596,6 +596,41 @@ class _Impl:
         if free < need + self.margin:
             raise _dfa.OutOfMemory(f"resume({names}): {free} bytes free, {need} to map back + memory_margin_bytes "
                                    f"{self.margin}: nothing resumed")
+
+    # torch mode: the tag's kinds are deferalloc tags
+    def _torch_pause(self, t: str) -> None:
+        keeps = self.keeps[t]
+        # Note [Disk backup]: the files first, while every kind still holds its contents.
+        spills = self.disk.save(t, _tag_blocks(self._itag(t, "disk"))) if "disk" in keeps else []
+        free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        done = []
+        try:
+            for keep in _ordered(keeps, _PAUSE_ORDER):
+                _dfa.pause(self._itag(t, keep), keep="discard" if keep == "disk" else keep)
+                done.append(keep)
+        except BaseException:
+            for keep in done:  # all or nothing
+                self._torch_resume_keep(t, keep, spills)
+            self.disk.remove(spills)
+            raise
+        given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
+        self.paused[t] = [(0, 0, "", max(0, given))]  # what the margin check counts at resume
+        if spills:
+            self.spills[t] = spills
+
+    def _torch_resume_keep(self, t: str, keep: str, spills: list) -> None:
+        itag = self._itag(t, keep)
+        if not _dfa.is_paused(itag):
+            return
+        _dfa.resume(itag)
+        if keep != "disk" or not spills:
+            return
+        try:
+            live = {d: set(rows) for d, rows in _tag_blocks(itag).items()}
+            self.disk.load(spills, lambda dev, addr, size: (addr, size) in live.get(dev, ()))
+        except BaseException:
+            _dfa.pause(itag, keep="discard")  # paused again: no wrong contents handed out
+            raise
 
     # preload mode: the tag's segments are reservations of the preload library
     def _segments(self, t: str) -> list:
@@ -623,19 +658,24 @@ class _Impl:
                     "libdeferalloc_preload.so in LD_PRELOAD the one beside the libdeferalloc.so this package loads "
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
+        disk = [(addr, size) for addr, _, keep, size in found if keep == "disk"]
+        spills = self.disk.save(t, {self._device(): disk}) if disk else []  # Note [Disk backup]: first
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
         released = []  # one call per keep, all or nothing
-        for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found]):
+        for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found], _PAUSE_ORDER):
             try:
-                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
-                                        "dfa_release_many")
+                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(_released_as(keep)),
+                                                             stream), "dfa_release_many")
             except BaseException:
-                self._preload_resume([f for f in found if f[2] in released])
+                self._preload_resume([f for f in found if f[2] in released], spills)
+                self.disk.remove(spills)
                 raise
             released.append(keep)
+        if spills:
+            self.spills[t] = spills
         return found
 
-    def _preload_resume(self, paused: list) -> None:
+    def _preload_resume(self, paused: list, spills: list) -> None:
         lib = _native.allocator()
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
         live = []
@@ -643,19 +683,170 @@ class _Impl:
             now = ctypes.c_uint64()
             if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
                 continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)
-            live.append((rid, keep))
-        for keep, ids in _by_keep(live):
+            live.append((rid, keep, addr))
+        for keep, ids in _by_keep([(rid, keep) for rid, keep, _ in live], _RESUME_ORDER):
             fill = 2 if keep == "host" else 0  # restore / undefined
             _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
+            if keep != "disk" or not spills:
+                continue
+            try:
+                addrs = {addr for _, k, addr in live if k == "disk"}
+                self.disk.load(spills, lambda dev, addr, size: addr in addrs)
+            except BaseException:  # released again: the tag stays paused, no wrong contents handed out
+                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
+                                        "dfa_release_many")
+                raise
+
+    def in_disk_region(self, ptr: int, nbytes: int) -> bool:
+        """True when [ptr, ptr + nbytes) lies in memory of a disk-backup region."""
+        with self.lock:
+            tags = [t for t, keeps in self.keeps.items() if "disk" in keeps]
+            for t in tags:
+                if self.mode == "torch":
+                    rows = [r for rows in _tag_blocks(self._itag(t, "disk")).values() for r in rows]
+                elif t in self.paused:
+                    rows = [(a, n) for a, _, k, n in self.paused[t] if k == "disk"]
+                else:
+                    rows = [(a, n) for a, k, n in self._segments(t) if k == "disk"]
+                if any(a <= ptr and ptr + nbytes <= a + n for a, n in rows):
+                    return True
+        return False
 
 
-def _by_keep(rows: list) -> list:
-    """(keep, C array of the reservation ids) for each keep of `rows` ((id, keep) pairs)."""
+def _released_as(keep: str) -> str:
+    return "discard" if keep == "disk" else keep
+
+
+def _ordered(keeps, order: tuple) -> list:
+    return [k for k in order if k in keeps]
+
+
+def _by_keep(rows: list, order: tuple) -> list:
+    """(keep, C array of the reservation ids) for each keep of `rows` ((id, keep) pairs), in `order`."""
     out = []
-    for keep in sorted({k for _, k in rows}):
+    for keep in _ordered({k for _, k in rows}, order):
         rids = [rid for rid, k in rows if k == keep]
         out.append((keep, (ctypes.c_uint64 * len(rids))(*rids)))
     return out
+
+
+def _tag_blocks(itag: str) -> dict:
+    """{device: [(address, bytes)]}: the live blocks of the deferalloc tag (its allocations:
+    in torch mode the segments of its MemPools), resident ones left out (a pause keeps them)."""
+    out: dict = {}
+    for dev, d in _snapshot.parse(_snapshot.snapshot_text())["devices"].items():
+        groups = {i for i, g in d["groups"].items() if g["name"] == itag}
+        for seg in d["segments"]:
+            if seg["group"] in groups:
+                out.setdefault(dev, []).extend((a, req) for a, _, req, state, _, resident in seg["blocks"]
+                                               if state == "a" and not resident)
+    return out
+
+
+# Note [Disk backup]
+# Rationale: torch_memory_saver's enable_disk_backup spills a paused region to files instead of
+# host memory (a host with less RAM than the GPUs' weights).  A file read back wrong would be
+# silently wrong weights, so it goes through the library's file machinery: dfa_spill_save /
+# dfa_spill_load (Note [Disk spills] in allocator/core/files/spill.cpp: one checksummed file,
+# never torn under its final name, every block verified before it reaches the device).
+# Approach: the disk kind is a third kind beside host and discard.  A pause writes the kind's
+# live memory (torch mode: the allocated blocks of "tms.disk/<tag>", i.e. its MemPool's
+# segments; preload mode: the disk pools' segments from PyTorch's snapshot) to one file per
+# (tag, device), named by process, a per-process count and the tag, in the process-global
+# directory (set_disk_backup_dir, else TMS_DISK_BACKUP_DIR, else /tmp/deferalloc-disk-backup-<uid>),
+# staged through chunks of TMS_DISK_BACKUP_CHUNK_MB (256 by default, as TMS); then releases the
+# kinds, host first, then disk and discard as discard: the files are written before anything
+# is released, and a failure at any step resumes what was released (a disk kind reads its file
+# back) and removes the files.  A resume backs the disk kind first (contents undefined) and
+# reads its file into it; the file is deleted once every kind of the tag is resumed.  A load
+# that fails (a missing, corrupt or truncated file) releases the disk kind again, so the tag
+# stays paused with nothing resumed, keeps the file and raises: no tensor is handed back with
+# wrong contents.  A segment PyTorch freed while paused is skipped (verified, not copied).
+# Limits: files of a process that died stay in the directory (no process deletes another's);
+# TMS writes one file per allocation kept until it is freed, deferalloc one per tag and device
+# deleted at resume; a directory owned by another user (as /tmp itself) is refused.
+
+
+class _DiskBackup:
+    """The disk kind's directory, chunk size and files (Note [Disk backup])."""
+
+    def __init__(self, env: dict):
+        self.dir = os.path.abspath(env["disk_dir"]) if env["disk_dir"] else None
+        self.chunk = (env["disk_chunk_mb"] or _DEFAULT_CHUNK_MB) << 20
+        self.count = 0
+        self.checked: Optional[str] = None  # the directory checked last
+
+    def set_dir(self, path) -> None:
+        path = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # the parents, as TMS's os.makedirs
+        except OSError as e:
+            raise _dfa.IoError(f"set_disk_backup_dir: cannot create the parents of {path}: {e}") from e
+        self._check(path)
+        self.dir = path
+
+    def _check(self, path: str) -> None:
+        mem = ctypes.c_int()
+        lib = _native.allocator()
+        _native.allocator.check(lib.dfa_spill_check_dir(path.encode(), ctypes.byref(mem)), "dfa_spill_check_dir")
+        if mem.value and self.checked != path:
+            _log.warning("deferalloc.memory_saver: the disk backup directory %s is tmpfs or ramfs: its files hold "
+                         "host memory. Name a directory on a disk (TMS_DISK_BACKUP_DIR or set_disk_backup_dir)", path)
+        self.checked = path
+
+    def directory(self) -> str:
+        if self.dir is not None:
+            if self.checked != self.dir:
+                self._check(self.dir)
+            return self.dir
+        default = os.path.join("/tmp", f"deferalloc-disk-backup-{os.geteuid()}")
+        try:
+            if self.checked != default:
+                self._check(default)
+        except _dfa.IoError as e:
+            raise _dfa.IoError(f"{e} (the default disk backup directory): set TMS_DISK_BACKUP_DIR or call "
+                               "set_disk_backup_dir() with a directory of your own") from e
+        return default
+
+    def save(self, tag: str, groups: dict) -> list:
+        """Writes each device's ranges to a file; returns [(path, device, ranges)], all or none."""
+        done = []
+        try:
+            for dev, ranges in sorted(groups.items()):
+                if not ranges:
+                    continue
+                self.count += 1
+                safe = "".join(c if c.isalnum() or c in "-_." else f"%{ord(c):02x}" for c in tag)[:96]
+                path = os.path.join(self.directory(), f"dfa-tms-{os.getpid()}-{self.count}-{safe}-d{dev}.spill")
+                _spill("dfa_spill_save", path, dev, [(a, n) for a, n in ranges], self.chunk)
+                done.append((path, dev, list(ranges)))
+        except BaseException:
+            self.remove(done)
+            raise
+        return done
+
+    def load(self, spills: list, live) -> None:
+        """Reads each file back; a range for which ``live(device, address, bytes)`` is False
+        is verified and not copied."""
+        for path, dev, ranges in spills:
+            _spill("dfa_spill_load", path, dev, [(a if live(dev, a, n) else None, n) for a, n in ranges], self.chunk)
+
+    @staticmethod
+    def remove(spills: list) -> None:
+        for path, _, _ in spills:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _spill(call: str, path: str, device: int, ranges: list, chunk: int) -> None:
+    lib = _native.allocator()
+    n = len(ranges)
+    ptrs = (ctypes.c_void_p * n)(*[a for a, _ in ranges])
+    sizes = (ctypes.c_size_t * n)(*[b for _, b in ranges])
+    stream = _native.stream_ptr(None, torch.device("cuda", device)) if torch.cuda.is_available() else None
+    _native.allocator.check(getattr(lib, call)(path.encode(), device, n, ptrs, sizes, chunk, stream), call)
 
 
 torch_memory_saver = TorchMemorySaver()

@@ -1,12 +1,19 @@
 """deferalloc.memory_saver (torch_memory_saver's API) without a GPU (ctest label torch, the
 host driver): the API surface against torch_memory_saver 0.0.10's, argument checks and
 refusals with their messages, the TMS_* variables, hook modes, pause/resume bookkeeping of
-the torch hook mode on the host driver, configure_subprocess and the two opt-ins
-(install_as_torch_memory_saver, the shim on PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
+the torch hook mode on the host driver, disk backup in the torch hook mode (dfa_malloc blocks
+of the host driver: round trips, directories, corrupt / truncated / missing files, a killed
+writer), configure_subprocess and the two opt-ins (install_as_torch_memory_saver, the shim on
+PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
+import ctypes
 import inspect
 import os
+import random
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import types
 import unittest
 from unittest import mock
@@ -15,6 +22,7 @@ import torch
 
 import deferalloc as dfa
 from deferalloc import memory_saver as ms
+from test_python_cpu import _malloc_api  # beside this file (sys.path[0])
 
 # torch_memory_saver 0.0.10's public methods: name -> (parameter, default) after self.
 TMS_API = {
@@ -149,9 +157,10 @@ class Refusals(SaverCase):
             self.region("w", enable_cpu_backup=True, cpu_backup_backend="mmap")
         with self.assertRaisesRegex(ValueError, "mutually exclusive"):
             self.region("w", enable_cpu_backup=True, enable_disk_backup=True)
-        with self.assertRaisesRegex(NotImplementedError, "enable_disk_backup=True: deferalloc has no disk backup for "
-                                                         "paused regions"):
-            self.region("w", enable_disk_backup=True)
+        with self.assertRaisesRegex(TypeError, "enable_disk_backup must be a bool, not str"):
+            self.region("w", enable_disk_backup="yes")
+        self.region("w2", enable_disk_backup=True)
+        self.assertEqual(self.s._impl.keeps["w2"], {"disk"})
         self.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned")
 
     def test_unsupported_calls_name_why(self):
@@ -159,8 +168,8 @@ class Refusals(SaverCase):
             self.s.get_cpu_backup(torch.zeros(4))
         with self.assertRaisesRegex(TypeError, "x must be a torch.Tensor"):
             self.s.get_cpu_backup([1])
-        with self.assertRaisesRegex(NotImplementedError, "set_disk_backup_dir: deferalloc has no disk backup"):
-            self.s.set_disk_backup_dir("/tmp/x")
+        with self.assertRaisesRegex(TypeError, "set_disk_backup_dir: path must be a string, not int"):
+            self.s.set_disk_backup_dir(3)
         with self.assertRaisesRegex(RuntimeError, r"disable\(\) should be called only when the memory saver is active"):
             with self.s.disable():
                 pass
@@ -191,8 +200,7 @@ class Environment(unittest.TestCase):
                 ("TMS_DISK_BACKUP_CHUNK_MB", "0", ValueError, "not a positive whole number"),
                 ("TMS_INIT_CPU_BACKUP_BACKEND", "mmap", NotImplementedError, "TMS_INIT_CPU_BACKUP_BACKEND='mmap'"),
                 ("TMS_INIT_CPU_BACKUP_BACKEND", "cuda", ValueError, "must be one of"),
-                ("TMS_INIT_ENABLE_DISK_BACKUP", "1", NotImplementedError,
-                 "TMS_INIT_ENABLE_DISK_BACKUP=1: deferalloc has no disk backup")):
+                ("TMS_INIT_ENABLE_DISK_BACKUP", "x", ValueError, "TMS_INIT_ENABLE_DISK_BACKUP='x' is not a boolean")):
             with clean_env(**{k: v}), self.subTest(k=k, v=v):
                 with self.assertRaisesRegex(exc, msg):
                     ms._env_settings()
@@ -212,6 +220,14 @@ class Environment(unittest.TestCase):
             impl = s._ensure_initialized()
             self.assertEqual(impl.keeps, {"default": {"discard"}})
             self.assertEqual(impl.pool_ids, {("default", "discard"): {(0, 0)}})
+        # TMS_INIT_ENABLE_DISK_BACKUP: what TMS_INIT_ENABLE makes pauseable goes to disk (as TMS's
+        # thread default); in torch mode regions name their kind, so it changes nothing there.
+        with clean_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_DISK_BACKUP="1", LD_PRELOAD="/b/libdeferalloc_preload.so"):
+            impl = ms.TorchMemorySaver()._ensure_initialized()
+            self.assertEqual(impl.keeps, {"default": {"disk"}})
+            self.assertEqual(impl.pool_ids, {("default", "disk"): {(0, 0)}})
+        with clean_env(TMS_INIT_ENABLE_DISK_BACKUP="1"):
+            torch_saver().pause()
 
     def test_expandable_segments_refused(self):
         with clean_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"):
@@ -258,6 +274,179 @@ class TorchModeOnTheHostDriver(SaverCase):
         self.assertFalse(dfa.is_paused("tms.discard/a"))
         self.s.pause("a")
         self.s.resume("a")
+
+
+class DiskBackup(unittest.TestCase):
+    """enable_disk_backup in the torch hook mode on the host driver: a region's dfa_malloc
+    blocks (what a MemPool's segments are on CUDA) written to a file at pause and read back at
+    resume (Note [Disk backup] in python/deferalloc/memory_saver.py)."""
+
+    SIZES = (100, 300 << 10, (1 << 20) + 5, 3 << 20)  # a tiny block, and blocks over one 1 MiB chunk
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="dfa-tms-disk-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.lib = _malloc_api()  # dfa_malloc / dfa_free with their signatures
+        self.blocks = []
+
+    def tearDown(self):
+        for p, n in self.blocks:
+            self.lib.dfa_free(p, n, -1, None)
+
+    def saver(self, **env):
+        ctx = clean_env(**env)
+        ctx.start()
+        self.addCleanup(ctx.stop)
+        return torch_saver()
+
+    def fill(self, s, tag, sizes=SIZES):
+        """Blocks of `sizes` in a disk region of `tag`, random contents; returns [(ptr, bytes)]."""
+        out = []
+        with s.region(tag, enable_disk_backup=True):
+            for n in sizes:
+                p = self.lib.dfa_malloc(n, -1, None)
+                self.assertTrue(p, dfa.last_error())
+                ctypes.memmove(p, random.Random(p ^ n).randbytes(n), n)
+                out.append((p, n))
+        self.blocks += out
+        return out
+
+    @staticmethod
+    def intact(blocks):
+        return all(ctypes.string_at(p, n) == random.Random(p ^ n).randbytes(n) for p, n in blocks)
+
+    def spill_files(self, d=None):
+        return sorted(f for f in os.listdir(d or self.dir) if f.endswith(".spill"))
+
+    def test_round_trip_bit_identical_with_chunks_smaller_and_larger_than_a_block(self):
+        for i, chunk_mb in enumerate(("1", "256")):
+            with self.subTest(chunk_mb=chunk_mb):
+                s = self.saver(TMS_DISK_BACKUP_DIR=self.dir, TMS_DISK_BACKUP_CHUNK_MB=chunk_mb)
+                tag = f"rt{i}"
+                blocks = self.fill(s, tag)
+                with s.region(tag):  # a discard kind of the same tag beside it
+                    pass
+                for _ in range(3):
+                    s.pause(tag)
+                    self.assertTrue(dfa.is_paused(f"tms.disk/{tag}") and dfa.is_paused(f"tms.discard/{tag}"))
+                    files = self.spill_files()
+                    self.assertEqual(len(files), 1, files)
+                    self.assertTrue(files[0].startswith(f"dfa-tms-{os.getpid()}-"), files)
+                    self.assertIn(f"-{tag}-d", files[0])
+                    st = os.stat(os.path.join(self.dir, files[0]))
+                    self.assertEqual(stat.S_IMODE(st.st_mode), 0o600)
+                    self.assertGreaterEqual(st.st_size, sum(self.SIZES))
+                    self.assertEqual(s._impl.disk.chunk, int(chunk_mb) << 20)
+                    dfa.trim(0)  # the released chunks go back to the driver: only the file holds the bytes
+                    s.resume(tag)
+                    self.assertFalse(dfa.is_paused(f"tms.disk/{tag}"))
+                    self.assertTrue(self.intact(blocks), "contents differ after resume")
+                    self.assertEqual(self.spill_files(), [], "the file outlived the resume")
+
+    def test_set_disk_backup_dir_and_the_default(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=os.path.join(self.dir, "env"))
+        blocks = self.fill(s, "dir0")
+        s.pause("dir0")
+        self.assertEqual(len(self.spill_files(os.path.join(self.dir, "env"))), 1)  # the variable's, created
+        s.resume("dir0")
+        nested = os.path.join(self.dir, "a", "b", "c")
+        s.set_disk_backup_dir(nested)  # created with its parents, as TMS's os.makedirs
+        self.assertEqual(stat.S_IMODE(os.stat(nested).st_mode), 0o700)
+        s.pause("dir0")
+        self.assertEqual(len(self.spill_files(nested)), 1)
+        s.resume("dir0")
+        self.assertTrue(self.intact(blocks))
+        link = os.path.join(self.dir, "link")
+        os.symlink(nested, link)
+        with self.assertRaisesRegex(dfa.IoError, f"{link} is a symbolic link"):
+            s.set_disk_backup_dir(link)
+        open(os.path.join(self.dir, "file"), "w").close()
+        with self.assertRaisesRegex(dfa.IoError, "not a directory"):
+            s.set_disk_backup_dir(os.path.join(self.dir, "file"))
+        # No directory set: this user's 0700 directory under TMS's default /tmp.
+        d = self.saver()
+        self.assertIsNone(d._ensure_initialized().disk.dir)
+        blocks = self.fill(d, "dir1")
+        default = f"/tmp/deferalloc-disk-backup-{os.geteuid()}"
+        d.pause("dir1")
+        try:
+            mine = [f for f in self.spill_files(default) if f.startswith(f"dfa-tms-{os.getpid()}-")]
+            self.assertEqual(len(mine), 1)
+            self.assertEqual(stat.S_IMODE(os.stat(default).st_mode), 0o700)
+        finally:
+            d.resume("dir1")
+        self.assertTrue(self.intact(blocks))
+
+    def test_a_failed_save_pauses_nothing(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=os.path.join(self.dir, "d"))
+        blocks = self.fill(s, "fs")
+        with s.region("fs", enable_cpu_backup=True):
+            pass
+        os.makedirs(os.path.join(self.dir, "other"))
+        os.symlink(os.path.join(self.dir, "other"), os.path.join(self.dir, "d"))  # not checked yet: first use
+        with self.assertRaisesRegex(dfa.IoError, "symbolic link"):
+            s.pause("fs")
+        self.assertFalse(any(dfa.is_paused(f"tms.{k}/fs") for k in ("disk", "host")))
+        self.assertNotIn("fs", s._impl.paused)
+        self.assertTrue(self.intact(blocks))
+        self.assertEqual(os.listdir(os.path.join(self.dir, "other")), [])
+
+    def damaged(self, tag, damage, exc, pattern):
+        """Pauses `tag`, damages its file, checks that resume raises and that the tag stays
+        paused with the file kept; repairs the file and resumes."""
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        blocks = self.fill(s, tag)
+        s.pause(tag)
+        path = os.path.join(self.dir, self.spill_files()[0])
+        with open(path, "rb") as f:
+            good = f.read()
+        damage(path)
+        dfa.trim(0)
+        with self.assertRaisesRegex(exc, pattern.format(path=path)):
+            s.resume(tag)
+        self.assertTrue(dfa.is_paused(f"tms.disk/{tag}"), "the memory was handed back with wrong contents")
+        self.assertIn(tag, s._impl.paused)
+        with self.assertRaisesRegex(exc, pattern.format(path=path)):  # again: still paused, still refused
+            s.resume()
+        if os.path.exists(path):
+            os.unlink(path)
+        with open(path, "wb") as f:
+            f.write(good)
+        s.resume(tag)
+        self.assertTrue(self.intact(blocks))
+        self.assertEqual(self.spill_files(), [])
+
+    def test_a_corrupted_file_raises_naming_it_and_the_tag_stays_paused(self):
+        def flip(path):
+            with open(path, "r+b") as f:
+                f.seek(4096 + (300 << 10) + 7)  # inside the data (after the 4 KiB header)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x10]))
+        self.damaged("cor", flip, dfa.CorruptData, r"{path}: the block at data offset \d+ .* fails its checksum")
+
+    def test_a_truncated_file_is_corrupt(self):
+        self.damaged("tru", lambda p: os.truncate(p, os.path.getsize(p) // 2), dfa.CorruptData,
+                     r"{path} is truncated")
+
+    def test_a_missing_file_is_an_io_error(self):
+        self.damaged("mis", os.unlink, dfa.IoError, r"cannot open {path}")
+
+    def test_a_killed_writers_temporary_file_is_no_backup(self):
+        # A writer killed before its rename leaves <name>.tmp-<random>, never the final name.
+        def killed(path):
+            os.rename(path, path + ".tmp-00112233aabbccdd")
+        self.damaged("kil", killed, dfa.IoError, r"cannot open {path}")
+        stale = [f for f in os.listdir(self.dir) if ".tmp-" in f]
+        self.assertEqual(len(stale), 1, "a temporary file of another writer was removed")
+
+    def test_get_cpu_backup_of_a_disk_region_is_none(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        (p, n), = self.fill(s, "gcb", sizes=(4096,))
+        x = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)
+        self.assertIsNone(s.get_cpu_backup(x))  # as TMS: no host copy
+        with self.assertRaisesRegex(NotImplementedError, "get_cpu_backup"):
+            s.get_cpu_backup(torch.zeros(4))
 
 
 class RoutingOrder(unittest.TestCase):
