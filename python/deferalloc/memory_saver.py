@@ -15,7 +15,8 @@ a reservation of its own.
 Approach:
 * "torch": ``region(tag, enable_cpu_backup)`` opens an internal deferalloc tag per (tag,
   backup) ("tms.host/<tag>" keeps contents in pinned host memory, "tms.discard/<tag>" drops
-  them), so one TMS tag may hold both kinds as in TMS, and routes the thread's allocations to
+  them, "tms.disk/<tag>" spills them to a file), so one TMS tag may hold several kinds as in
+  TMS, and routes the thread's allocations to
   a MemPool of that (tag, backup, device) whose segments come from deferalloc
   (``deferalloc.mem_pool``), kept for the process as TMS keeps its pools; ``pause(tag)`` is
   ``deferalloc.pause`` of both internal tags (the pool's cached segments are paused with the
@@ -752,8 +753,9 @@ def _tag_blocks(itag: str) -> dict:
 # Approach: the disk kind is a third kind beside host and discard.  A pause writes the kind's
 # live memory (torch mode: the allocated blocks of "tms.disk/<tag>", i.e. its MemPool's
 # segments; preload mode: the disk pools' segments from PyTorch's snapshot) to one file per
-# (tag, device), named by process, a per-process count and the tag, in the process-global
-# directory (set_disk_backup_dir, else TMS_DISK_BACKUP_DIR, else /tmp/deferalloc-disk-backup-<uid>),
+# (tag, device), named by the process (pid and a random token), a count and the tag, in the
+# process-global directory (set_disk_backup_dir, else TMS_DISK_BACKUP_DIR, else
+# /tmp/deferalloc-disk-backup-<uid>),
 # staged through chunks of TMS_DISK_BACKUP_CHUNK_MB (256 by default, as TMS); then releases the
 # kinds, host first, then disk and discard as discard: the files are written before anything
 # is released, and a failure at any step resumes what was released (a disk kind reads its file
@@ -764,7 +766,9 @@ def _tag_blocks(itag: str) -> dict:
 # wrong contents.  A segment PyTorch freed while paused is skipped (verified, not copied).
 # Limits: files of a process that died stay in the directory (no process deletes another's);
 # TMS writes one file per allocation kept until it is freed, deferalloc one per tag and device
-# deleted at resume; a directory owned by another user (as /tmp itself) is refused.
+# deleted at resume; a directory owned by another user (as /tmp itself) is refused; a resume
+# that fails after the disk kind came back (the host kind's pinned copy, no memory) leaves
+# the tag paused with that kind backed, as a failed resume of host and discard kinds does.
 
 
 class _DiskBackup:
@@ -774,6 +778,7 @@ class _DiskBackup:
         self.dir = os.path.abspath(env["disk_dir"]) if env["disk_dir"] else None
         self.chunk = (env["disk_chunk_mb"] or _DEFAULT_CHUNK_MB) << 20
         self.count = 0
+        self.token = os.urandom(4).hex()  # with the pid: another process's names never collide
         self.checked: Optional[str] = None  # the directory checked last
 
     def set_dir(self, path) -> None:
@@ -817,7 +822,7 @@ class _DiskBackup:
                     continue
                 self.count += 1
                 safe = "".join(c if c.isalnum() or c in "-_." else f"%{ord(c):02x}" for c in tag)[:96]
-                path = os.path.join(self.directory(), f"dfa-tms-{os.getpid()}-{self.count}-{safe}-d{dev}.spill")
+                path = os.path.join(self.directory(), f"dfa-tms-{os.getpid()}-{self.token}-{self.count}-{safe}-d{dev}.spill")
                 _spill("dfa_spill_save", path, dev, [(a, n) for a, n in ranges], self.chunk)
                 done.append((path, dev, list(ranges)))
         except BaseException:
