@@ -607,7 +607,7 @@ class _Impl:
         done = []
         try:
             for keep in _ordered(keeps, _PAUSE_ORDER):
-                _dfa.pause(self._itag(t, keep), keep="discard" if keep == "disk" else keep)
+                _dfa.pause(self._itag(t, keep), keep=_released_as(keep))
                 done.append(keep)
         except BaseException:
             for keep in done:  # all or nothing
