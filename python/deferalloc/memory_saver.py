@@ -661,7 +661,7 @@ class _Impl:
             found.append((addr, rid.value, keep, size))
         disk = [(addr, size) for addr, _, keep, size in found if keep == "disk"]
         spills = self.disk.save(t, {self._device(): disk}) if disk else []  # Note [Disk backup]: first
-        stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
+        stream = _stream(self._device())
         released = []  # one call per keep, all or nothing
         for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found], _PAUSE_ORDER):
             try:
@@ -678,7 +678,7 @@ class _Impl:
 
     def _preload_resume(self, paused: list, spills: list) -> None:
         lib = _native.allocator()
-        stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
+        stream = _stream(self._device())
         live = []
         for addr, rid, keep, _ in paused:
             now = ctypes.c_uint64()
@@ -845,12 +845,17 @@ class _DiskBackup:
                 pass
 
 
+def _stream(device: int):
+    """The current stream of `device` for the C ABI (None without CUDA: the host driver)."""
+    return _native.stream_ptr(None, torch.device("cuda", device)) if torch.cuda.is_available() else None
+
+
 def _spill(call: str, path: str, device: int, ranges: list, chunk: int) -> None:
     lib = _native.allocator()
     n = len(ranges)
     ptrs = (ctypes.c_void_p * n)(*[a for a, _ in ranges])
     sizes = (ctypes.c_size_t * n)(*[b for _, b in ranges])
-    stream = _native.stream_ptr(None, torch.device("cuda", device)) if torch.cuda.is_available() else None
+    stream = _stream(device)
     _native.allocator.check(getattr(lib, call)(path.encode(), device, n, ptrs, sizes, chunk, stream), call)
 
 

@@ -3,7 +3,7 @@ host driver): the API surface against torch_memory_saver 0.0.10's, argument chec
 refusals with their messages, the TMS_* variables, hook modes, pause/resume bookkeeping of
 the torch hook mode on the host driver, disk backup in the torch hook mode (dfa_malloc blocks
 of the host driver: round trips, directories, corrupt / truncated / missing files, a killed
-writer), configure_subprocess and the two opt-ins (install_as_torch_memory_saver, the shim on
+writer) and the preload hook mode's disk path on reservations, configure_subprocess and the two opt-ins (install_as_torch_memory_saver, the shim on
 PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
 import ctypes
 import inspect
@@ -447,6 +447,62 @@ class DiskBackup(unittest.TestCase):
         self.assertIsNone(s.get_cpu_backup(x))  # as TMS: no host copy
         with self.assertRaisesRegex(NotImplementedError, "get_cpu_backup"):
             s.get_cpu_backup(torch.zeros(4))
+
+
+class PreloadDiskOnTheHostDriver(unittest.TestCase):
+    """The preload hook mode's disk path (its pause and resume of reservations) on the host
+    driver: the tag's segments, which PyTorch's snapshot lists on CUDA, are deferalloc
+    reservations made here (deferred_empty), one disk and one host-backup pool."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="dfa-tms-preload-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        env = clean_env(LD_PRELOAD="/b/libdeferalloc_preload.so", TMS_DISK_BACKUP_DIR=self.dir,
+                        TMS_DISK_BACKUP_CHUNK_MB="1")
+        env.start()
+        self.addCleanup(env.stop)
+        self.impl = ms.TorchMemorySaver()._ensure_initialized()
+        self.ts = {k: dfa.materialize(dfa.deferred_empty(n, dtype=torch.uint8, device="cpu"))
+                   for k, n in (("disk", (3 << 20) + 17), ("disk2", 100), ("host", 1 << 20))}
+        for k, t in self.ts.items():
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(len(k))))
+        self.refs = {k: t.clone() for k, t in self.ts.items()}
+        self.impl.keeps["p"] = {"disk", "host"}
+        segs = [(t.data_ptr(), k.rstrip("2"), t.nbytes) for k, t in self.ts.items()]
+        patch = mock.patch.object(self.impl, "_segments", lambda t: segs)
+        patch.start()
+        self.addCleanup(patch.stop)
+
+    def backed(self):
+        return {k: dfa.is_backed(t) for k, t in self.ts.items()}
+
+    def test_round_trip_and_a_corrupted_file(self):
+        for cycle in range(2):
+            self.impl.pause("p")
+            self.assertEqual(self.backed(), {"disk": False, "disk2": False, "host": False})
+            files = [f for f in os.listdir(self.dir) if f.endswith(".spill")]
+            self.assertEqual(len(files), 1, files)
+            dfa.trim(0)
+            if cycle == 1:  # a flipped byte: refused, released again, the file kept
+                path = os.path.join(self.dir, files[0])
+                with open(path, "r+b") as f:
+                    f.seek(4096 + (2 << 20))
+                    b = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([b[0] ^ 1]))
+                with self.assertRaisesRegex(dfa.CorruptData, path):
+                    self.impl.resume("p")
+                self.assertEqual(self.backed(), {"disk": False, "disk2": False, "host": False},
+                                 "a failed resume handed memory back")
+                self.assertIn("p", self.impl.paused)
+                with open(path, "r+b") as f:
+                    f.seek(4096 + (2 << 20))
+                    f.write(b)
+            self.impl.resume("p")
+            self.assertTrue(all(self.backed().values()))
+            for k, t in self.ts.items():
+                self.assertTrue(torch.equal(t, self.refs[k]), f"{k} differs after resume (cycle {cycle})")
+            self.assertEqual([f for f in os.listdir(self.dir) if f.endswith(".spill")], [])
 
 
 class RoutingOrder(unittest.TestCase):
