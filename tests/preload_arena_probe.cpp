@@ -10,6 +10,8 @@
 //   (b) pause / resume with and without backup keep the addresses, and (backup) the contents;
 //   (c) freeing every segment gives every slab back;
 //   (d) a freed range is reused;
+//   (f) a pause with backup copies exactly the segments' bytes (not the slabs' free tails
+//       nor freed ranges) and a resume restores them, still one mapping per slab;
 //   (e) pause / resume / free / "empty_cache" (freeing) interleaved never release twice, a
 //       second pause or resume is refused, an allocation while paused is served outside;
 //       and 3000 random steps of them, checked after each against a model (segments
@@ -136,6 +138,7 @@ int cycle(const arena_api& api, const char* name, int keep) {
   }
   CHECK(delta(s1, s2, k_unmap) == n_slabs && delta(s1, s2, k_release) == n_slabs);  // pool_cache_mb:0
   CHECK(s1.backed_bytes - s2.backed_bytes == size_t{k_n} * k_seg);  // the memory given back
+  if (keep == DFA_KEEP_HOST) CHECK(s2.backup_bytes - s1.backup_bytes == size_t{k_n} * k_seg);  // (f)
   CHECK(api.pause(name, keep, nullptr) == DFA_ERROR_INVALID_STATE);  // (e) a second pause changes nothing
   CHECK(stats().driver_calls[k_unmap] == s2.driver_calls[k_unmap]);
 
@@ -179,7 +182,7 @@ int interleaved(const arena_api& api) {
 
   CHECK(api.pause(name, DFA_KEEP_HOST, nullptr) == DFA_SUCCESS);
   const dfa_stats s2 = stats();
-  CHECK(s2.backup_bytes - s0.backup_bytes == 8 * k_seg);  // whole slabs
+  CHECK(s2.backup_bytes - s0.backup_bytes == 6 * k_seg);  // the segments' bytes, not the slabs' 8
   void* outside = nullptr;  // paused arena: a reservation of its own, paused by the segment
   CHECK(cudaMalloc(&outside, k_seg) == cudaSuccess && api.owns(outside) == 0);
   dfa_reservation r = 0;
@@ -205,6 +208,50 @@ int interleaved(const arena_api& api) {
 
   CHECK(api.pause(name, DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS);  // empty: nothing to do, no error
   CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+  return 0;
+}
+
+// (f) A newest slab with a free tail, ranges freed between segments (adjacent and not).
+int live_bytes_only(const arena_api& api) {
+  const char* name = "tms.host/live";
+  const dfa_stats s0 = stats();
+  CHECK(api.push(name) == DFA_SUCCESS);
+  std::vector<void*> p(21);  // slabs of 1, 1, 2, 4, 8 segments, then one of 16 with 5 in it
+  for (auto& q : p) CHECK(cudaMalloc(&q, k_seg) == cudaSuccess);
+  CHECK(api.pop() == DFA_SUCCESS && slabs(api, name) == 6);
+  for (int i : {4, 5, 9, 13, 18}) {  // 4 and 5 together, the others alone; every slab keeps a segment
+    CHECK(cudaFree(p[i]) == cudaSuccess);
+    p[i] = nullptr;
+  }
+  size_t live = 0;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i] != nullptr) {
+      CHECK(fill(p[i], 0x31 + static_cast<int>(i), k_seg));
+      live += k_seg;
+    }
+  size_t f[6] = {};
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == live && f[1] == 32 * k_seg);
+  const dfa_stats s1 = stats();
+  CHECK(api.pause(name, DFA_KEEP_HOST, nullptr) == DFA_SUCCESS);
+  const dfa_stats s2 = stats();
+  std::printf("%s: a pause with backup copied %zu bytes: the segments' %zu, of slabs of %zu\n", name,
+              s2.backup_bytes - s1.backup_bytes, live, f[1]);
+  CHECK(s2.backup_bytes - s1.backup_bytes == live);
+  CHECK(delta(s1, s2, k_unmap) == 6 && s1.backed_bytes - s2.backed_bytes == f[1]);
+  CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+  const dfa_stats s3 = stats();
+  CHECK(delta(s2, s3, k_map) == 6 && s3.backup_bytes == s1.backup_bytes && s3.backed_bytes == s1.backed_bytes);
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i] != nullptr) CHECK(byte_at(p[i], 0) == 0x31 + static_cast<int>(i) && byte_at(p[i], k_seg - 1) == 0x31 + static_cast<int>(i));
+  void* again = nullptr;  // a freed range, undefined after the resume, is served again and writable
+  CHECK(api.push(name) == DFA_SUCCESS && cudaMalloc(&again, k_seg) == cudaSuccess && api.pop() == DFA_SUCCESS);
+  CHECK(api.owns(again) == 1 && fill(again, 0x7E, k_seg) && byte_at(again, k_seg - 1) == 0x7E);
+  CHECK(cudaFree(again) == cudaSuccess);
+  for (void* q : p)
+    if (q != nullptr) CHECK(cudaFree(q) == cudaSuccess);
+  const dfa_stats s4 = stats();
+  CHECK(slabs(api, name) == 0 && s4.backed_bytes == s0.backed_bytes && s4.backup_bytes == s0.backup_bytes);
+  CHECK(s4.pool_alive_bytes == s0.pool_alive_bytes);
   return 0;
 }
 
@@ -240,8 +287,12 @@ int random_interleaving(const arena_api& api) {
           ++it;
         }
     } else if (op < 15) {
+      const size_t saved = stats().backup_bytes;
       CHECK((paused ? api.resume(name, nullptr) : api.pause(name, DFA_KEEP_HOST, nullptr)) == DFA_SUCCESS);
       paused = !paused;
+      size_t live_bytes = 0;
+      for (const auto& [a, v] : live) live_bytes += v.first;
+      if (paused) CHECK(stats().backup_bytes - saved == live_bytes);  // (f) the segments' bytes only
       if (!paused)
         for (const auto& [a, v] : live)
           CHECK(byte_at(reinterpret_cast<void*>(a), 0) == v.second &&
@@ -307,6 +358,7 @@ int main() {
   if (cycle(api, "tms.discard/weights", DFA_KEEP_DISCARD) != 0) return 1;
   if (cycle(api, "tms.host/weights", DFA_KEEP_HOST) != 0) return 1;
   if (interleaved(api) != 0) return 1;
+  if (live_bytes_only(api) != 0) return 1;
   if (random_interleaving(api) != 0) return 1;
   if (outside_arena() != 0) return 1;
   std::printf("preload_arena_probe: arenas pass\n");

@@ -93,6 +93,23 @@ TEST_F(c_api, release_and_materialize_many) {
   EXPECT_EQ(dfa_release_many(nullptr, 0, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS);
   ASSERT_EQ(dfa_release_many(rs, n, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
   ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+
+  // Only the kept ranges copied: the last granule of rs[1], the second of rs[4].
+  std::memset(ps[1], 0x41, 2 * g);
+  std::memset(ps[4], 0x44, 5 * g);
+  const dfa_range kept[2] = {{rs[4], g, g}, {rs[1], g, g}};
+  const dfa_range outside[1] = {{rs[0] + 1000, 0, g}};
+  EXPECT_EQ(dfa_release_many_keeping(rs, n, outside, 1, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_release_many_keeping(rs, n, nullptr, 1, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
+  const size_t saved = st.backup_bytes;
+  ASSERT_EQ(dfa_release_many_keeping(rs, n, kept, 2, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
+  EXPECT_EQ(st.backed_bytes, 0u);
+  EXPECT_EQ(st.backup_bytes - saved, 2 * g);
+  ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(ps[1])[g], 0x41);
+  EXPECT_EQ(static_cast<unsigned char*>(ps[4])[2 * g - 1], 0x44);
   for (int i = 0; i < n; ++i) ASSERT_EQ(dfa_free_reservation(rs[i], nullptr), DFA_SUCCESS);
 }
 

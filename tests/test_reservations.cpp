@@ -148,6 +148,44 @@ TEST_F(reservations, partial_restore_keeps_the_rest_of_the_backup) {
   m.free(id);
 }
 
+TEST_F(reservations, release_keeping_copies_only_the_kept_ranges) {
+  auto id = m.reserve(8 * g);
+  const auto maps = d.call_counts()[primitive::map];
+  m.materialize(id, 0, whole, fill_mode::undefined);
+  const auto chunks = d.call_counts()[primitive::map] - maps;
+  auto data = random_bytes(8 * g, 13);
+  upload(d, at(id), data);
+  const range all{id, 0, whole};
+  // Any order; [g, 3g) of two adjacent ranges, then 4g and [6g, 8g): 5 granules of 8.
+  const std::vector<range> kept{{id, 4 * g, g}, {id, 2 * g, g}, {id, g, g}, {id, 6 * g, 2 * g}};
+  const auto unmaps = d.call_counts()[primitive::unmap];
+  m.release_keeping(std::span<const range>(&all, 1), kept);
+  EXPECT_EQ(d.call_counts()[primitive::unmap] - unmaps, chunks) << "whole chunks unmapped, none split";
+  EXPECT_EQ(m.stats().splits, 0u);
+  EXPECT_FALSE(m.is_backed(id, 0, g));
+  EXPECT_EQ(m.info(id).backup_bytes, 5 * g) << "only the kept granules copied";
+  auto other = m.reserve(32 * g);  // the chunks overwritten, then the restore
+  m.materialize(other, 0, whole, fill_mode::undefined);
+  upload(d, at(other), std::vector<std::uint8_t>(32 * g, 0xAB));
+  m.release(other, 0, whole, keep_mode::discard);
+  m.materialize(id, 0, g, fill_mode::restore);  // a granule outside the kept ranges: undefined, no error
+  m.materialize(id, 2 * g, g, fill_mode::restore);
+  EXPECT_EQ(m.info(id).backup_bytes, 4 * g);
+  m.materialize(id, 0, whole, fill_mode::restore);
+  d.synchronize_stream(nullptr);
+  const auto back = download(d, at(id), 8 * g);
+  for (const range& k : kept)
+    EXPECT_TRUE(std::equal(back.begin() + k.offset, back.begin() + k.offset + k.length, data.begin() + k.offset)) << k.offset;
+  EXPECT_EQ(m.info(id).backup_bytes, 0u);
+  m.release_keeping(std::span<const range>(&all, 1), {});  // nothing kept, nothing copied
+  EXPECT_EQ(m.info(id).backup_bytes, 0u);
+  m.materialize(id, 0, whole, fill_mode::restore);
+  m.release(id, 0, whole, keep_mode::discard);  // drops the granules saved without a backup too
+  EXPECT_THROW(m.materialize(id, 0, g, fill_mode::restore), invalid_state);
+  m.free(id);
+  m.free(other);
+}
+
 TEST_F(reservations, find_maps_pointers_to_reservations) {
   auto a = m.reserve(3 * g);
   auto b = m.reserve(g);

@@ -6,6 +6,7 @@
 #include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -108,6 +109,20 @@ dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, 
   });
 }
 
+dfa_status dfa_release_many_keeping(const dfa_reservation* rs, size_t n, const dfa_range* kept, size_t n_kept,
+                                    void* stream) {
+  return on_whole_reservations("dfa_release_many_keeping", rs, n, [&](reservation_manager& m, const std::vector<range>& ws) {
+    if (n_kept != 0) need(kept, "kept");
+    std::vector<range> ks;
+    ks.reserve(n_kept);
+    for (size_t i = 0; i < n_kept; ++i) {
+      if (std::find(rs, rs + n, kept[i].r) == rs + n)
+        throw invalid_argument("kept[" + std::to_string(i) + "] is not in a reservation of rs");
+      ks.push_back({kept[i].r, kept[i].offset, kept[i].length});
+    }
+    m.release_keeping(ws, ks, stream_t{stream});
+  });
+}
 dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream) {
   return on_whole_reservations("dfa_materialize_many", rs, n, [&](reservation_manager& m, const std::vector<range>& ws) {
     m.materialize(ws, detail::enum_from_c<fill_mode>(fill), stream_t{stream});

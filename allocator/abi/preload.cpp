@@ -277,8 +277,9 @@ __attribute__((visibility("default"))) int dfa_preload_arena_pop(void) {
 }
 
 // Releases every slab of the arena (keep: dfa_keep) after `stream`'s work.  Cost: one
-// dfa_release_many: an unmap and a chunk release per slab, one pinned copy per run of
-// adjacent slabs with DFA_KEEP_HOST.
+// dfa_release_many (dfa_release_many_keeping with DFA_KEEP_HOST): an unmap and a chunk
+// release per slab; with DFA_KEEP_HOST one pinned copy per run of adjacent segments, the
+// slabs' free ranges not copied.
 __attribute__((visibility("default"))) int dfa_preload_arena_pause(const char* name, int keep, void* stream) {
   if (name == nullptr || (keep != DFA_KEEP_DISCARD && keep != DFA_KEEP_HOST)) return DFA_ERROR_INVALID_ARGUMENT;
   return g_arenas.pause(name, static_cast<dfa_keep>(keep), stream);

@@ -21,9 +21,12 @@
 // gives the range back to its slab; a slab left without segments is released at once (its
 // chunk goes to the chunk pool, which keeps at most pool_cache_mb and gives the rest to
 // the device), and its address space is reused by later slabs.  Pause is one
-// dfa_release_many of the arena's blocks (each slab unmapped; with DFA_KEEP_HOST one pinned
-// copy per run of adjacent slabs); resume one dfa_materialize per slab at the same address
-// (restored, or left undefined).  So both cost O(slabs), and addresses never change.
+// dfa_release_many of the arena's blocks (each slab unmapped); with DFA_KEEP_HOST,
+// dfa_release_many_keeping, which copies only the segments' bytes (one pinned copy per run of
+// adjacent segments: a slab's free tail and freed ranges hold nothing a caller may read, as
+// PyTorch's free blocks in a segment).  Resume is one dfa_materialize per slab at the same
+// address, restoring the segments and leaving the free ranges undefined (or all of it
+// undefined after a discard).  So both cost O(slabs), and addresses never change.
 // Bound on memory backed but not handed out, per arena: the free tail of the newest slab
 // (smaller than the larger of the segment that opened it and min(512 MiB, what the arena
 // held before it, at least the granularity)), plus, per older slab, a tail smaller than the
@@ -33,7 +36,8 @@
 // Limits: empty_cache gives memory back by whole slabs: a freed segment whose slab still
 // holds another segment stays backed until that one is freed too (the rest of the process,
 // outside arenas, keeps one reservation per segment, given back segment by segment).  A
-// pause with DFA_KEEP_HOST copies the free ranges of the slabs too.  An allocation while
+// range freed while the arena is paused keeps its backup (restored for nothing) unless its
+// slab empties.  An allocation while
 // the arena is paused, or of a segment larger than a block, is served as a reservation of
 // its own (the caller's path), paused by the segment as before.  Blocks are kept for the
 // process (address space only).
@@ -216,6 +220,25 @@ dfa_status arenas::free(const void* p) {
   return DFA_SUCCESS;
 }
 
+// Every slab released, only the segments' bytes copied: the live ranges of each slab (its
+// free ranges' complement; adjacent segments make one range, one copy).
+dfa_status arenas::release_keeping_live(const arena& a, const std::vector<dfa_reservation>& ids, void* stream) {
+  std::vector<dfa_range> live;
+  for (const auto& [sa, s] : a.slabs) {
+    const block& b = a.blocks[s.block];
+    std::uintptr_t pos = sa;
+    const auto keep_to = [&](std::uintptr_t end) {
+      if (end > pos) live.push_back({b.id, pos - b.base, end - pos});
+    };
+    for (const auto& [at, bytes] : s.free) {
+      keep_to(at);
+      pos = at + bytes;
+    }
+    keep_to(sa + s.bytes);
+  }
+  return dfa_release_many_keeping(ids.data(), ids.size(), live.data(), live.size(), stream);
+}
+
 dfa_status arenas::pause(const std::string& name, dfa_keep keep, void* stream) {
   try {
     std::lock_guard lk(mu_);
@@ -225,8 +248,11 @@ dfa_status arenas::pause(const std::string& name, dfa_keep keep, void* stream) {
     if (a.paused) return DFA_ERROR_INVALID_STATE;
     std::vector<dfa_reservation> ids;
     for (const block& b : a.blocks) ids.push_back(b.id);
-    if (!ids.empty())
-      if (const dfa_status st = dfa_release_many(ids.data(), ids.size(), keep, stream); st != DFA_SUCCESS) return st;
+    if (!ids.empty()) {
+      const dfa_status st = keep == DFA_KEEP_HOST ? release_keeping_live(a, ids, stream)
+                                                  : dfa_release_many(ids.data(), ids.size(), keep, stream);
+      if (st != DFA_SUCCESS) return st;
+    }
     a.paused = true;
     a.keep = keep;
     return DFA_SUCCESS;

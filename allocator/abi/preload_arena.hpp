@@ -40,11 +40,12 @@ class arenas {
   // slab stays for later segments and a line on stderr says so).  The caller has waited for
   // the device.
   dfa_status free(const void* p);
-  // Every slab of the arena released in one dfa_release_many (contents kept in pinned host
-  // memory or discarded).  Unknown name: an empty arena is made and paused.
+  // Every slab of the arena released in one call: dfa_release_many_keeping (the segments'
+  // bytes kept in pinned host memory, the free ranges not copied) or dfa_release_many
+  // (discarded).  Unknown name: an empty arena is made and paused.
   dfa_status pause(const std::string& name, dfa_keep keep, void* stream);
-  // Every slab backed again at its address, one dfa_materialize each (restored when paused
-  // with DFA_KEEP_HOST); all or nothing.
+  // Every slab backed again at its address, one dfa_materialize each (its segments restored
+  // when paused with DFA_KEEP_HOST); all or nothing.
   dfa_status resume(const std::string& name, void* stream);
   arena_figures figures(const std::string& name) const;
   // A segment that arena `name` refused (allocate's DFA_ERROR_INVALID_STATE) and the caller
@@ -86,6 +87,7 @@ class arenas {
   static bool take_va(block& b, std::size_t bytes, std::size_t align, std::size_t& offset);
   static void give_back_range(std::map<std::uintptr_t, std::size_t>& free, std::uintptr_t at, std::size_t bytes);
   dfa_status close_slab(arena& a, std::uintptr_t slab_addr);
+  static dfa_status release_keeping_live(const arena& a, const std::vector<dfa_reservation>& ids, void* stream);
 
   mutable std::mutex mu_;
   std::size_t granularity_ = 0;

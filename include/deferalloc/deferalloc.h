@@ -98,6 +98,17 @@ DFA_C_API dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length
  * release enqueues every backup copy before its one host wait (one wait, not n). */
 DFA_C_API dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, void* stream);
 DFA_C_API dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream);
+/* A range of a reservation (dfa_release_many_keeping). */
+typedef struct dfa_range {
+  dfa_reservation r;
+  size_t offset;
+  size_t length;
+} dfa_range;
+/* dfa_release_many with DFA_KEEP_HOST that copies only the `n_kept` ranges `kept` (parts of
+ * the reservations of `rs`, granule-aligned, not overlapping; adjacent ones in one copy): the
+ * other granules released keep nothing, and a later DFA_FILL_RESTORE leaves them undefined. */
+DFA_C_API dfa_status dfa_release_many_keeping(const dfa_reservation* rs, size_t n, const dfa_range* kept, size_t n_kept,
+                                              void* stream);
 /* Releases waits for `stream` too. */
 DFA_C_API dfa_status dfa_record_stream(dfa_reservation r, void* stream);
 /* Releases everything and frees the address range.  Unknown or freed: INVALID_ARGUMENT.

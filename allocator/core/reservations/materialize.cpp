@@ -198,6 +198,7 @@ void reservation_manager::impl::restore_into(const std::vector<run>& runs, strea
   for (const auto& rn : runs) {
     reservation& r = *rn.r;
     for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
+      if (it->second.segment == 0) continue;  // no backup: left undefined (release_keeping)
       const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
       const backup_segment& seg = r.backups.at(it->second.segment);
       streams_.copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset), e - b,

@@ -48,7 +48,7 @@ struct reservation_manager::backup_segment {
 struct reservation_manager::reservation {
   struct saved_run {
     std::size_t end = 0;
-    std::uint64_t segment = 0;
+    std::uint64_t segment = 0;  // 0: released by release_keeping outside its kept ranges, no backup
   };
   reservation_id id{};
   std::uintptr_t base{};
@@ -197,7 +197,9 @@ class reservation_manager::impl {
   void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream);
   // ---- release.cpp ----
   /// Waits for `after` when given, else for every stream that used the ranges and `stream`.
-  void release(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
+  /// `kept` (keep_mode::host only): the parts to back up, else all (release_keeping).
+  void release(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after,
+               const std::span<const range>* kept = nullptr);
   std::vector<range> release_whole_chunks(std::span<const range> ranges, keep_mode keep, stream_t stream);
   // ---- backups.cpp ----
   std::size_t trim_backup_cache(std::size_t keep_bytes);
@@ -231,8 +233,10 @@ class reservation_manager::impl {
   void restore_into(const std::vector<run>& runs, stream_t stream);
   void commit_backed(const std::vector<run>& runs, std::vector<placed_chunks>& pieces, stream_t stream);
   // release.cpp
-  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
+  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after,
+                      const std::span<const range>* kept = nullptr);
   release_plan plan_release(const std::vector<work_item>& ws) const;
+  void plan_copies(release_plan& plan, std::span<const range> kept);
   void back_up_and_wait(release_plan& plan, keep_mode keep, stream_t stream, event_t after);
   void unmap_chunks(release_plan& plan);
   void give_back_hosts(release_plan& plan) noexcept;
