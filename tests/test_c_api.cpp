@@ -107,6 +107,8 @@ TEST_F(c_api, release_and_materialize_many) {
   ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
   EXPECT_EQ(st.backed_bytes, 0u);
   EXPECT_EQ(st.backup_bytes - saved, 2 * g);
+  EXPECT_EQ(dfa_materialize_whole_pieces(rs[1], 0, DFA_WHOLE, static_cast<dfa_fill>(7), nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_materialize_whole_pieces(rs[1], 0, DFA_WHOLE, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
   ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
   EXPECT_EQ(static_cast<unsigned char*>(ps[1])[g], 0x41);
   EXPECT_EQ(static_cast<unsigned char*>(ps[4])[2 * g - 1], 0x44);

@@ -186,6 +186,29 @@ TEST_F(reservations, release_keeping_copies_only_the_kept_ranges) {
   m.free(other);
 }
 
+TEST_F(reservations, materialize_whole_pieces_maps_a_class_in_one_chunk_where_smaller_ones_are_cached) {
+  auto small = m.reserve(8 * g);
+  for (std::size_t i = 0; i < 8; ++i) m.materialize(small, i * g, g, fill_mode::undefined);  // 8 chunks of a granule
+  m.release(small, 0, whole, keep_mode::discard);
+  ASSERT_GE(s.pool->stats().cached_bytes, 8 * g);
+  auto id = m.reserve(8 * g);
+  const range all{id, 0, whole};
+  auto maps = d.call_counts()[primitive::map];
+  m.materialize(std::span<const range>(&all, 1), fill_mode::undefined);
+  EXPECT_EQ(d.call_counts()[primitive::map] - maps, 8u) << "materialize covers a piece with the smaller cached chunks";
+  auto data = random_bytes(8 * g, 14);
+  upload(d, at(id), data);
+  m.release(id, 0, whole, keep_mode::host);
+  maps = d.call_counts()[primitive::map];
+  m.materialize_whole_pieces(std::span<const range>(&all, 1), fill_mode::restore);
+  EXPECT_EQ(d.call_counts()[primitive::map] - maps, 1u) << "one chunk of the piece's class";
+  d.synchronize_stream(nullptr);
+  EXPECT_EQ(download(d, at(id), 8 * g), data);
+  EXPECT_EQ(m.info(id).backed_bytes, 8 * g);
+  m.free(id);
+  m.free(small);
+}
+
 TEST_F(reservations, find_maps_pointers_to_reservations) {
   auto a = m.reserve(3 * g);
   auto b = m.reserve(g);

@@ -56,6 +56,21 @@ dfa_status on_whole_reservations(const char* call, const dfa_reservation* rs, si
   });
 }
 
+// dfa_materialize and dfa_materialize_whole_pieces: one range of a reservation handed out.
+dfa_status materialize_range(const char* call, dfa_reservation r, size_t offset, size_t length, dfa_fill fill,
+                             void* stream, bool whole_pieces) {
+  return guard(call, [&] {
+    // Range-checked by materialize (Note [Enum values from callers]).
+    const auto f = detail::enum_from_c<fill_mode>(fill);
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    const range rg{r, offset, length};
+    if (whole_pieces) m.materialize_whole_pieces(std::span<const range>(&rg, 1), f, stream_t{stream});
+    else m.materialize(r, offset, length, f, stream_t{stream});
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -83,14 +98,10 @@ dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
 }
 
 dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
-  return guard("dfa_materialize", [&] {
-    // Range-checked by materialize (Note [Enum values from callers]).
-    const auto f = detail::enum_from_c<fill_mode>(fill);
-    std::shared_lock<std::shared_mutex> lk;
-    auto& m = *instance(lk).reservations;
-    expect_handed_out(m, r);
-    m.materialize(r, offset, length, f, stream_t{stream});
-  });
+  return materialize_range("dfa_materialize", r, offset, length, fill, stream, false);
+}
+dfa_status dfa_materialize_whole_pieces(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
+  return materialize_range("dfa_materialize_whole_pieces", r, offset, length, fill, stream, true);
 }
 
 dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream) {

@@ -11,8 +11,9 @@
 // region and cuda_graph in hook_mode="preload": one arena per tag and backup kind; the
 // preload library serves one device) are placed in that arena: blocks of address space
 // (dfa_reserve of 64 GiB, another when one is full), and in them slabs, each backed by one
-// chunk mapped whole (dfa_materialize of the slab's range: the chunk pool's classes are
-// powers of two up to 1 GiB, and a slab is one class, aligned to it).  A segment takes the
+// chunk mapped whole (dfa_materialize_whole_pieces of the slab's range: the chunk pool's
+// classes are powers of two up to 1 GiB, a slab is one class, aligned to it, and smaller
+// chunks the pool holds cached do not cut it into many mappings).  A segment takes the
 // best-fitting free range of the slabs, else a new slab is opened: its size doubles with
 // what the arena holds (the largest power of two not above the slabs' bytes), from the
 // granularity up to 512 MiB, never below the segment (rounded up to a power of two; a
@@ -24,9 +25,9 @@
 // dfa_release_many of the arena's blocks (each slab unmapped); with DFA_KEEP_HOST,
 // dfa_release_many_keeping, which copies only the segments' bytes (one pinned copy per run of
 // adjacent segments: a slab's free tail and freed ranges hold nothing a caller may read, as
-// PyTorch's free blocks in a segment).  Resume is one dfa_materialize per slab at the same
-// address, restoring the segments and leaving the free ranges undefined (or all of it
-// undefined after a discard).  So both cost O(slabs), and addresses never change.
+// PyTorch's free blocks in a segment).  Resume is one dfa_materialize_whole_pieces per slab
+// at the same address, restoring the segments and leaving the free ranges undefined (or all
+// of it undefined after a discard).  So both cost O(slabs), and addresses never change.
 // Bound on memory backed but not handed out, per arena: the free tail of the newest slab
 // (smaller than the larger of the segment that opened it and min(512 MiB, what the arena
 // held before it, at least the granularity)), plus, per older slab, a tail smaller than the
@@ -139,7 +140,8 @@ dfa_status arenas::open_slab(arena& a, std::size_t bytes, std::uintptr_t& slab_a
     a.blocks.push_back(std::move(b));
   }
   block& b = a.blocks[bi];
-  if (const dfa_status st = dfa_materialize(b.id, offset, bytes, DFA_FILL_UNDEFINED, nullptr); st != DFA_SUCCESS) {
+  if (const dfa_status st = dfa_materialize_whole_pieces(b.id, offset, bytes, DFA_FILL_UNDEFINED, nullptr);
+      st != DFA_SUCCESS) {
     give_back_range(b.va_free, offset, bytes);
     return st;
   }
@@ -269,7 +271,7 @@ dfa_status arenas::resume(const std::string& name, void* stream) {
   const dfa_fill fill = a.keep == DFA_KEEP_HOST ? DFA_FILL_RESTORE : DFA_FILL_UNDEFINED;
   for (auto it = a.slabs.begin(); it != a.slabs.end(); ++it) {
     const slab& s = it->second;
-    const dfa_status st = dfa_materialize(a.blocks[s.block].id, s.offset, s.bytes, fill, stream);
+    const dfa_status st = dfa_materialize_whole_pieces(a.blocks[s.block].id, s.offset, s.bytes, fill, stream);
     if (st == DFA_SUCCESS) continue;
     for (auto back = a.slabs.begin(); back != it; ++back)  // all or nothing: paused again as they were
       if (dfa_release(a.blocks[back->second.block].id, back->second.offset, back->second.bytes, a.keep, stream) !=

@@ -98,6 +98,11 @@ DFA_C_API dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length
  * release enqueues every backup copy before its one host wait (one wait, not n). */
 DFA_C_API dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, void* stream);
 DFA_C_API dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream);
+/* As dfa_materialize, but each piece of the largest chunk class that fits is one chunk (a
+ * cached one of its class, else a new one) before smaller cached chunks are used: one mapping
+ * for a range of one class that is paused and resumed often. */
+DFA_C_API dfa_status dfa_materialize_whole_pieces(dfa_reservation r, size_t offset, size_t length, dfa_fill fill,
+                                                  void* stream);
 /* A range of a reservation (dfa_release_many_keeping). */
 typedef struct dfa_range {
   dfa_reservation r;

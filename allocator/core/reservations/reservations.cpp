@@ -95,6 +95,9 @@ void reservation_manager::materialize(reservation_id id, std::size_t offset, std
 void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
   impl_->materialize(ranges, fill, stream);
 }
+void reservation_manager::materialize_whole_pieces(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  impl_->materialize(ranges, fill, stream, true);
+}
 void reservation_manager::release(reservation_id id, std::size_t offset, std::size_t length, keep_mode keep,
                                   stream_t stream) {
   const range r{id, offset, length};

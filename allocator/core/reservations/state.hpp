@@ -194,7 +194,8 @@ class reservation_manager::impl {
   reservation_stats stats() const;
   void reset_peak() noexcept;
   // ---- materialize.cpp ----
-  void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream);
+  /// `whole_pieces`: each piece of the largest class one chunk (materialize_whole_pieces).
+  void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream, bool whole_pieces = false);
   // ---- release.cpp ----
   /// Waits for `after` when given, else for every stream that used the ranges and `stream`.
   /// `kept` (keep_mode::host only): the parts to back up, else all (release_keeping).
@@ -224,10 +225,11 @@ class reservation_manager::impl {
   // materialize.cpp
   std::vector<std::size_t> classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const;
   bool reuse_cached(std::size_t pos, std::size_t end, placed_chunks& out);
-  bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, placed_chunks& out);
-  placed_chunks plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs);
+  bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, placed_chunks& out,
+                      bool whole_pieces = false);
+  placed_chunks plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs, bool whole_pieces = false);
   std::vector<run> unbacked_runs(const std::vector<work_item>& ws, fill_mode fill) const;
-  std::vector<placed_chunks> chunks_for(const std::vector<run>& runs);
+  std::vector<placed_chunks> chunks_for(const std::vector<run>& runs, bool whole_pieces);
   void map_and_fill(const std::vector<run>& runs, const std::vector<placed_chunks>& pieces, fill_mode fill,
                     stream_t stream);
   void restore_into(const std::vector<run>& runs, stream_t stream);
