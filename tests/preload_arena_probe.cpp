@@ -15,12 +15,17 @@
 //   (e) pause / resume / free / "empty_cache" (freeing) interleaved never release twice, a
 //       second pause or resume is refused, an allocation while paused is served outside;
 //       and 3000 random steps of them, checked after each against a model (segments
-//       disjoint, chunks alive = slabs backed, contents kept, everything back at the end).
+//       disjoint, chunks alive = slabs backed, contents kept, everything back at the end);
+//   (g) segments above an eighth of the slab cap take slabs of their own bytes (within 1.1x);
+//   (h) allocations racing pauses: in the arena or counted as strays, nothing leaked;
+//   with the argument "unserved" (a DEFERALLOC_CONF the library cannot serve): an arena
+//   cannot be made current.
 #include <cuda_runtime_api.h>
 #include <deferalloc/deferalloc.h>
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <map>
 #include <random>
@@ -28,6 +33,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "probe_check.hpp"
@@ -91,22 +97,25 @@ size_t device_free() {
   return free;
 }
 
-// The slabs that n segments of `seg` bytes take by Note [Preload arenas]'s rule (each slab
-// doubles with what the arena holds, from the granularity g up to 512 MiB, never below the
-// segment rounded up to a power of two).
-size_t expected_slabs(int n, size_t seg, size_t g) {
+// The slabs that n segments of `seg` bytes take by Note [Preload arenas]'s rule (a segment
+// above cap / 8 or above the grown size gets a slab of its own bytes; else a slab of the
+// grown size, which doubles with what the arena holds, from the granularity g up to the cap
+// of 256 granules).  Adds the slabs' bytes to `held_out`.
+size_t expected_slabs(int n, size_t seg, size_t g, size_t* held_out = nullptr) {
+  const size_t cap = 256 * g, need = (seg + g - 1) / g * g;
   size_t held = 0, left = 0, count = 0;
   for (int i = 0; i < n; ++i) {
-    if (left >= seg) {
-      left -= seg;
+    if (left >= need) {
+      left -= need;
       continue;
     }
-    const size_t grown = std::clamp(std::bit_floor(std::max(held, g)), g, size_t{512} << 20);
-    const size_t slab = std::max(grown, std::bit_ceil(seg));
+    const size_t grown = std::clamp(std::bit_floor(std::max(held, g)), g, cap);
+    const size_t slab = need > cap / 8 || need > grown ? need : grown;
     held += slab;
-    left = slab - seg;
+    left = slab - need;
     ++count;
   }
+  if (held_out != nullptr) *held_out = held;
   return count;
 }
 
@@ -118,13 +127,14 @@ int cycle(const arena_api& api, const char* name, int keep) {
   for (int i = 0; i < k_n; ++i) CHECK(cudaMalloc(&p[i], k_seg) == cudaSuccess && api.owns(p[i]) == 1);
   CHECK(api.pop() == DFA_SUCCESS);
   const dfa_stats s1 = stats();
-  // Host: 256 MiB in slabs of 1, 1, 2, 4, ..., 128 MiB, nine slabs; GPU: 8 GiB in 32, 32, 64,
-  // ..., 512 MiB then 14 of 512 MiB, twenty.  One chunk and one mapping each.
+  // 256 segments of 16 granules in slabs of 16, 16, 32, ..., 256 granules (the cap) then 14
+  // of 256 granules, twenty (GPU: 8 GiB in slabs of 32 MiB up to 512 MiB).  One chunk and
+  // one mapping each.
   const size_t n_slabs = slabs(api, name);
   std::printf("%s: %d segments of %zu bytes in %zu slabs: %llu create, %llu map, %llu set_access, %llu reserve\n", name,
               k_n, k_seg, n_slabs, (unsigned long long)delta(s0, s1, k_create), (unsigned long long)delta(s0, s1, k_map),
               (unsigned long long)delta(s0, s1, k_set_access), (unsigned long long)delta(s0, s1, k_reserve));
-  CHECK(n_slabs == expected_slabs(k_n, k_seg, k_seg / 16) && n_slabs == (g_cuda ? 20u : 9u));
+  CHECK(n_slabs == expected_slabs(k_n, k_seg, k_seg / 16) && n_slabs == 20u);
   CHECK(delta(s0, s1, k_create) == n_slabs && delta(s0, s1, k_map) == n_slabs && delta(s0, s1, k_set_access) == n_slabs);
   CHECK(delta(s0, s1, k_reserve) <= 1);
   for (int i = 0; i < k_n; ++i) CHECK(fill(p[i], 0x11 + i % 200, k_seg));
@@ -324,6 +334,104 @@ int random_interleaving(const arena_api& api) {
   return 0;
 }
 
+// (g) Segments above an eighth of the cap (a KV cache of one tensor per layer, 257 to 512
+// MiB at a GPU's 2 MiB granularity: 129 to 255 granules here) take slabs of their own bytes:
+// within 1.1 x the segments' bytes (a power of two each would take up to 2x), one chunk and
+// one mapping each, created, paused and resumed.
+int large_segments(const arena_api& api) {
+  const size_t g = k_seg / 16;
+  for (size_t granules : {129u, 130u, 150u, 200u}) {
+    const char* name = "tms.discard/kv";
+    const size_t bytes = granules * g - 1000;  // PyTorch's sizes need not be granule multiples
+    const dfa_stats s0 = stats();
+    std::vector<void*> p(64);
+    CHECK(api.push(name) == DFA_SUCCESS);
+    for (auto& q : p) CHECK(cudaMalloc(&q, bytes) == cudaSuccess && api.owns(q) == 1);
+    CHECK(api.pop() == DFA_SUCCESS);
+    const dfa_stats s1 = stats();
+    size_t f[6] = {}, model = 0;
+    CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == 64 * granules * g);
+    std::printf("%s: 64 segments of %zu granules: %zu slabs of %zu bytes for %zu (%.3fx)\n", name, granules, f[0],
+                f[1], f[2], double(f[1]) / double(f[2]));
+    CHECK(f[0] == expected_slabs(64, bytes, g, &model) && f[1] == model);
+    CHECK(f[0] == 64 && f[1] * 10 <= f[2] * 11);
+    CHECK(delta(s0, s1, k_create) == 64 && delta(s0, s1, k_map) == 64);
+    CHECK(api.pause(name, DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS);
+    const dfa_stats s2 = stats();
+    CHECK(delta(s1, s2, k_unmap) == 64 && s1.backed_bytes - s2.backed_bytes == f[1]);
+    CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+    CHECK(delta(s2, stats(), k_map) == 64);
+    for (void* q : p) CHECK(fill(q, 0x42, bytes) && cudaFree(q) == cudaSuccess);
+    const dfa_stats s3 = stats();
+    CHECK(slabs(api, name) == 0 && s3.pool_alive_bytes == s0.pool_alive_bytes);
+  }
+  // Small segments first, then large ones: the large ones still cost their own bytes.
+  const char* name = "tms.discard/mixed";
+  std::vector<void*> p;
+  CHECK(api.push(name) == DFA_SUCCESS);
+  for (int i = 0; i < 40; ++i) {
+    void* q = nullptr;
+    CHECK(cudaMalloc(&q, i < 8 ? 2 * g : 150 * g) == cudaSuccess);
+    p.push_back(q);
+  }
+  CHECK(api.pop() == DFA_SUCCESS);
+  size_t f[6] = {};
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == (8 * 2 + 32 * 150) * g);
+  CHECK(f[1] <= f[2] + 16 * g);  // the small segments' slabs: 2, 2, 4, 8 granules
+  for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);
+  return 0;
+}
+
+// (h) Allocations racing pauses and resumes of their arena (a new slab is backed outside the
+// arena's mutex): each segment is in the arena or counted as a stray, the chunks alive are
+// the slabs' and the strays' bytes, and everything goes back at the end.
+int racing_pauses(const arena_api& api) {
+  const char* name = "tms.discard/race";
+  const size_t g = k_seg / 16;
+  const dfa_stats s0 = stats();
+  std::vector<void*> p(400);
+  std::atomic<bool> done{false};
+  std::thread pauser([&] {
+    while (!done.load()) {
+      if (api.pause(name, DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS) api.resume(name, nullptr);
+    }
+  });
+  if (api.push(name) != DFA_SUCCESS) done = true;
+  for (size_t i = 0; i < p.size() && !done.load(); ++i)
+    if (cudaMalloc(&p[i], (1 + i % 7) * 3 * g) != cudaSuccess) p[i] = nullptr;
+  done = true;
+  pauser.join();
+  CHECK(api.pop() == DFA_SUCCESS);
+  size_t in = 0, out = 0, out_bytes = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    CHECK(p[i] != nullptr);
+    if (api.owns(p[i]) == 1) {
+      ++in;
+    } else {
+      ++out;
+      out_bytes += (1 + i % 7) * 3 * g;
+    }
+  }
+  size_t f[6] = {};
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[4] == 0 && f[3] == in && f[5] == out);
+  std::printf("%s: %zu segments in the arena, %zu outside (allocated while paused)\n", name, in, out);
+  CHECK(stats().pool_alive_bytes - s0.pool_alive_bytes == f[1] + out_bytes);
+  for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[0] == 0 && f[5] == 0);
+  CHECK(stats().pool_alive_bytes == s0.pool_alive_bytes);
+  return 0;
+}
+
+// Run with a DEFERALLOC_CONF the library cannot serve (ctest preload_arena_unserved): an
+// arena cannot be made current, since no cudaMalloc of it could be paused.
+int unserved(const arena_api& api) {
+  CHECK(api.push("tms.host/unserved") == DFA_ERROR_INVALID_STATE);
+  CHECK(api.push("") == DFA_SUCCESS && api.pop() == DFA_SUCCESS);  // no arena: always
+  CHECK(api.pop() == DFA_ERROR_INVALID_STATE);
+  std::printf("preload_arena_probe: an arena where the library serves nothing is refused\n");
+  return 0;
+}
+
 // For contrast: the same segments outside an arena, one reservation and one mapping each.
 int outside_arena() {
   const dfa_stats s0 = stats();
@@ -338,15 +446,7 @@ int outside_arena() {
 
 }  // namespace
 
-int main() {
-  const char* driver = nullptr;
-  size_t g = 0;
-  if (dfa_driver_name(&driver) != DFA_SUCCESS || dfa_granularity(&g) != DFA_SUCCESS) {
-    std::printf("SKIPPED: no driver (%s)\n", dfa_last_error());
-    return 77;
-  }
-  g_cuda = std::string(driver) == "cuda";
-  k_seg = 16 * g;
+int main(int argc, char** argv) {
   arena_api api;
   api.push = reinterpret_cast<push_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_push"));
   api.pop = reinterpret_cast<pop_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_pop"));
@@ -355,11 +455,22 @@ int main() {
   api.owns = reinterpret_cast<owns_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_owns"));
   api.figures = reinterpret_cast<figures_fn>(::dlsym(RTLD_DEFAULT, "dfa_preload_arena_figures"));
   CHECK(api.push && api.pop && api.pause && api.resume && api.owns && api.figures);  // LD_PRELOAD set
+  if (argc > 1 && std::string(argv[1]) == "unserved") return unserved(api);
+  const char* driver = nullptr;
+  size_t g = 0;
+  if (dfa_driver_name(&driver) != DFA_SUCCESS || dfa_granularity(&g) != DFA_SUCCESS) {
+    std::printf("SKIPPED: no driver (%s)\n", dfa_last_error());
+    return 77;
+  }
+  g_cuda = std::string(driver) == "cuda";
+  k_seg = 16 * g;
   if (cycle(api, "tms.discard/weights", DFA_KEEP_DISCARD) != 0) return 1;
   if (cycle(api, "tms.host/weights", DFA_KEEP_HOST) != 0) return 1;
   if (interleaved(api) != 0) return 1;
   if (live_bytes_only(api) != 0) return 1;
   if (random_interleaving(api) != 0) return 1;
+  if (large_segments(api) != 0) return 1;
+  if (racing_pauses(api) != 0) return 1;
   if (outside_arena() != 0) return 1;
   std::printf("preload_arena_probe: arenas pass\n");
   return 0;

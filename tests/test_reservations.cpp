@@ -13,6 +13,20 @@ class reservations : public ::testing::Test {
   driver& d = *s.drv;
   std::size_t g = s.drv->granularity();
   void* at(reservation_id id, std::size_t off = 0) { return static_cast<char*>(m.address(id)) + off; }
+  // Contents of a backed reservation of `bytes` kept through a release with backup and a
+  // materialize_whole_pieces that restores them in one mapping.
+  void restored_in_one_chunk(reservation_id id, std::size_t bytes, unsigned seed) {
+    const range all{id, 0, whole};
+    auto data = random_bytes(bytes, seed);
+    upload(d, at(id), data);
+    m.release(id, 0, whole, keep_mode::host);
+    const auto maps = d.call_counts()[primitive::map];
+    m.materialize_whole_pieces(std::span<const range>(&all, 1), fill_mode::restore);
+    EXPECT_EQ(d.call_counts()[primitive::map] - maps, 1u) << "one chunk for the whole range";
+    d.synchronize_stream(nullptr);
+    EXPECT_EQ(download(d, at(id), bytes), data);
+    EXPECT_EQ(m.info(id).backed_bytes, bytes);
+  }
 };
 
 TEST_F(reservations, reserve_takes_no_physical_memory_and_materialize_takes_exactly_its_bytes) {
@@ -196,17 +210,24 @@ TEST_F(reservations, materialize_whole_pieces_maps_a_class_in_one_chunk_where_sm
   auto maps = d.call_counts()[primitive::map];
   m.materialize(std::span<const range>(&all, 1), fill_mode::undefined);
   EXPECT_EQ(d.call_counts()[primitive::map] - maps, 8u) << "materialize covers a piece with the smaller cached chunks";
-  auto data = random_bytes(8 * g, 14);
-  upload(d, at(id), data);
-  m.release(id, 0, whole, keep_mode::host);
-  maps = d.call_counts()[primitive::map];
-  m.materialize_whole_pieces(std::span<const range>(&all, 1), fill_mode::restore);
-  EXPECT_EQ(d.call_counts()[primitive::map] - maps, 1u) << "one chunk of the piece's class";
-  d.synchronize_stream(nullptr);
-  EXPECT_EQ(download(d, at(id), 8 * g), data);
-  EXPECT_EQ(m.info(id).backed_bytes, 8 * g);
+  restored_in_one_chunk(id, 8 * g, 14);
   m.free(id);
   m.free(small);
+}
+
+TEST_F(reservations, materialize_whole_pieces_maps_a_run_of_no_class_in_one_chunk_of_its_size) {
+  auto id = m.reserve(13 * g);  // not a class: 8 + 4 + 1 granules by classes
+  const range all{id, 0, whole};
+  auto maps = d.call_counts()[primitive::map];
+  m.materialize_whole_pieces(std::span<const range>(&all, 1), fill_mode::undefined);
+  EXPECT_EQ(d.call_counts()[primitive::map] - maps, 1u) << "one chunk of 13 granules";
+  restored_in_one_chunk(id, 13 * g, 15);
+  m.release(id, 0, whole, keep_mode::discard);
+  maps = d.call_counts()[primitive::map];
+  m.materialize(std::span<const range>(&all, 1), fill_mode::undefined);
+  EXPECT_GE(d.call_counts()[primitive::map] - maps, 1u);  // materialize: classes (the cached chunk fits none)
+  EXPECT_EQ(m.info(id).backed_bytes, 13 * g);
+  m.free(id);
 }
 
 TEST_F(reservations, find_maps_pointers_to_reservations) {

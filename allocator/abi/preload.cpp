@@ -186,7 +186,10 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   const preload_state& s = state();
   if (!s.enabled || !same_device(s)) {
     if (real().cuda_malloc == nullptr) return cudaErrorInitializationError;
-    return real().cuda_malloc(ptr, size);
+    const cudaError_t e = real().cuda_malloc(ptr, size);
+    // Not ours to pause: counted, so that a pause of the arena looks for it and refuses.
+    if (e == cudaSuccess && !t_arena.empty() && !t_arena.back().empty()) g_arenas.note_stray(t_arena.back(), *ptr);
+    return e;
   }
   if (size == 0) {
     *ptr = nullptr;
@@ -194,7 +197,8 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   }
   const bool arena_current = !t_arena.empty() && !t_arena.back().empty();
   if (arena_current) {
-    // A paused arena, or a segment larger than a block, falls through to a reservation of its own.
+    // A paused arena (or one paused while its new slab was backed), or a segment larger than a
+    // block, falls through to a reservation of its own, counted as a stray below.
     const dfa_status st = g_arenas.allocate(t_arena.back(), size, ptr);
     if (st != DFA_ERROR_INVALID_STATE) return to_cuda_error(st);
   }
@@ -241,7 +245,9 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
     // An interior pointer of one of ours is an error, as it is for the runtime.
     if (ptr != nullptr && state().enabled && dfa_find(ptr, &r) == DFA_SUCCESS) return cudaErrorInvalidValue;
     if (real().cuda_free == nullptr) return ptr == nullptr ? cudaSuccess : cudaErrorInvalidValue;
-    return real().cuda_free(ptr);
+    const cudaError_t e = real().cuda_free(ptr);
+    if (e == cudaSuccess && ptr != nullptr) g_arenas.forget_stray(ptr);  // one the library did not serve
+    return e;
   }
   if (!state().host && real().device_synchronize != nullptr) {
     const cudaError_t e = real().device_synchronize();
@@ -260,8 +266,13 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
 // a dfa_status; the C ABI's calls they make leave dfa_last_error set.
 
 // Makes `name` this thread's current arena (NULL or "": none, until the matching pop).
-// Cost: none.
+// DFA_ERROR_INVALID_STATE, nothing pushed, for an arena where the library does not serve
+// this thread's cudaMallocs (disabled, or the current device is not DEFERALLOC_CONF's): its
+// segments would be the CUDA runtime's, which nothing can pause.  Cost: none (a
+// cudaGetDevice).
 __attribute__((visibility("default"))) int dfa_preload_arena_push(const char* name) {
+  if (name != nullptr && name[0] != '\0' && (!state().enabled || !same_device(state())))
+    return DFA_ERROR_INVALID_STATE;
   try {
     t_arena.emplace_back(name ? name : "");
     return DFA_SUCCESS;
@@ -297,8 +308,25 @@ __attribute__((visibility("default"))) int dfa_preload_arena_owns(const void* pt
   return ptr != nullptr && g_arenas.owns(ptr) ? 1 : 0;
 }
 
+// 1 when `ptr` lies in an arena's address space (inside a segment or not), else 0: the
+// C ABI's dfa_find answers such a pointer with the arena's whole block.  Cost: no lock.
+__attribute__((visibility("default"))) int dfa_preload_arena_contains(const void* ptr) {
+  return ptr != nullptr && g_arenas.contains(ptr) ? 1 : 0;
+}
+
+// out[i] for each of the n pointers: 2 when it is a segment of arena `name`, 1 of another
+// arena, 0 of none (memory_saver's check that an arena holds only its tag's pools' segments).
+// Cost: one lock, n hash look-ups.
+__attribute__((visibility("default"))) int dfa_preload_arena_classify(const char* name, const void* const* ptrs,
+                                                                      size_t n, unsigned char* out) {
+  if (name == nullptr || (n > 0 && (ptrs == nullptr || out == nullptr))) return DFA_ERROR_INVALID_ARGUMENT;
+  g_arenas.classify(name, ptrs, n, out);
+  return DFA_SUCCESS;
+}
+
 // out[0..5]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), and
-// segments the arena refused (while paused) that are served outside it and not freed yet.
+// strays: segments cudaMalloc'ed with the arena current but served outside it, not freed yet
+// (the arena paused, a segment larger than a block, or a call the library does not serve).
 __attribute__((visibility("default"))) int dfa_preload_arena_figures(const char* name, size_t* out) {
   if (name == nullptr || out == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
   const deferalloc::preload::arena_figures f = g_arenas.figures(name);

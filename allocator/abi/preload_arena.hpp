@@ -4,6 +4,8 @@
 
 #include <deferalloc/deferalloc.h>
 
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -21,11 +23,16 @@ struct arena_figures {
   std::size_t live_bytes = 0;   // bytes of the segments placed in them
   std::size_t segments = 0;
   int paused = 0;               // 1 while paused
-  std::size_t strays = 0;       // segments asked of the arena but served outside it (note_stray)
+  // Segments cudaMalloc'ed with the arena current but not placed in it, not freed yet
+  // (note_stray): the arena was paused, the segment was larger than a block, or the library
+  // does not serve the call (another device, disabled).  A pause looks outside the arena
+  // when this is not zero.
+  std::size_t strays = 0;
 };
 
-// Every arena of the process, by name.  Thread-safe (one mutex); the calls return the C
-// ABI's status and leave the thread's dfa_last_error set on failure.
+// Every arena of the process, by name.  Thread-safe (one mutex, Note [Preload arenas]'s
+// Limits say what runs under it); the calls return the C ABI's status and leave the
+// thread's dfa_last_error set on failure.
 class arenas {
  public:
   // Places a segment of `bytes` in arena `name` (made on first use).  DFA_ERROR_INVALID_STATE
@@ -33,8 +40,11 @@ class arenas {
   // another way.  Cost: none when a free range fits, else one dfa_materialize of a new slab
   // (and a dfa_reserve when the arena needs another block).
   dfa_status allocate(const std::string& name, std::size_t bytes, void** out);
-  // Whether `p` is the base of a segment of an arena.
+  // Whether `p` is the base of a segment of an arena.  A pointer outside every arena's
+  // blocks is answered without the mutex (every cudaFree of the process asks).
   bool owns(const void* p) const;
+  // Whether `p` lies in the address space of an arena (a segment or not).
+  bool contains(const void* p) const;
   // Gives a segment's range back to its arena; a slab left without segments is released
   // (one dfa_release: unmapped, or its backup dropped while paused; where that fails, the
   // slab stays for later segments and a line on stderr says so).  The caller has waited for
@@ -48,9 +58,13 @@ class arenas {
   // when paused with DFA_KEEP_HOST); all or nothing.
   dfa_status resume(const std::string& name, void* stream);
   arena_figures figures(const std::string& name) const;
+  // out[i] for each of the n pointers: 2 when it is the base of a segment of arena `name`, 1
+  // of another arena, 0 of none.
+  void classify(const std::string& name, const void* const* ptrs, std::size_t n, unsigned char* out) const;
   // A segment that arena `name` refused (allocate's DFA_ERROR_INVALID_STATE) and the caller
   // served as a reservation of its own, until it is freed (forget_stray): the arena's
-  // figures count it, so that a pause knows to look for segments outside the arena.
+  // figures count it, so that a pause knows to look for segments outside the arena.  Also
+  // for a cudaMalloc the library does not serve while the arena is current (made if new).
   void note_stray(const std::string& name, const void* p);
   void forget_stray(const void* p);
 
@@ -73,6 +87,7 @@ class arenas {
     bool paused = false;
     dfa_keep keep = DFA_KEEP_DISCARD;
     std::size_t strays = 0;
+    std::uint64_t pauses = 0;  // pauses so far: a slab backed outside the mutex checks it
   };
   struct segment {
     arena* a = nullptr;
@@ -80,16 +95,36 @@ class arenas {
     std::size_t bytes = 0;
   };
 
+  // A slab's address space taken under the mutex, backed outside it (allocate).
+  struct pending_slab {
+    std::size_t block = 0, offset = 0, bytes = 0;
+    dfa_reservation id = 0;
+    std::uint64_t pauses = 0;
+  };
+
   std::size_t granularity();
+  std::size_t slab_cap() const;
   std::size_t slab_size(const arena& a, std::size_t need) const;
-  bool place_in_slabs(arena& a, std::size_t need, std::uintptr_t& addr, std::uintptr_t& slab_addr);
-  dfa_status open_slab(arena& a, std::size_t bytes, std::uintptr_t& slab_addr);
+  bool best_fit(arena& a, std::size_t need, std::uintptr_t& slab_addr,
+                std::map<std::uintptr_t, std::size_t>::iterator& at);
+  static void carve(slab& s, std::map<std::uintptr_t, std::size_t>::iterator at, std::size_t need) noexcept;
+  dfa_status take_slab_va(arena& a, std::size_t bytes, pending_slab& out);
   static bool take_va(block& b, std::size_t bytes, std::size_t align, std::size_t& offset);
   static void give_back_range(std::map<std::uintptr_t, std::size_t>& free, std::uintptr_t at, std::size_t bytes);
   dfa_status close_slab(arena& a, std::uintptr_t slab_addr);
   static dfa_status release_keeping_live(const arena& a, const std::vector<dfa_reservation>& ids, void* stream);
 
+  bool in_blocks(std::uintptr_t p) const noexcept;
+  void publish_block(std::uintptr_t base) noexcept;
+
   mutable std::mutex mu_;
+  // The blocks' bases, written under mu_ and read without it (owns); blocks are never freed.
+  // Past k_max_published blocks, owns takes the mutex for every pointer.
+  static constexpr std::size_t k_max_published = 64;
+  std::array<std::atomic<std::uintptr_t>, k_max_published> block_bases_{};
+  std::atomic<std::size_t> published_{0};
+  std::atomic<bool> unpublished_{false};
+  std::atomic<std::size_t> stray_count_{0};  // strays_.size(), read without the mutex
   std::size_t granularity_ = 0;
   std::unordered_map<std::string, std::unique_ptr<arena>> arenas_;
   std::unordered_map<std::uintptr_t, segment> segments_;

@@ -98,9 +98,10 @@ DFA_C_API dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length
  * release enqueues every backup copy before its one host wait (one wait, not n). */
 DFA_C_API dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, void* stream);
 DFA_C_API dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream);
-/* As dfa_materialize, but each piece of the largest chunk class that fits is one chunk (a
+/* As dfa_materialize, but each unbacked run is one chunk of its exact size where one can be
+ * had (cached or new), else each piece of the largest chunk class that fits is one chunk (a
  * cached one of its class, else a new one) before smaller cached chunks are used: one mapping
- * for a range of one class that is paused and resumed often. */
+ * for a range that is paused and resumed often. */
 DFA_C_API dfa_status dfa_materialize_whole_pieces(dfa_reservation r, size_t offset, size_t length, dfa_fill fill,
                                                   void* stream);
 /* A range of a reservation (dfa_release_many_keeping). */

@@ -34,18 +34,27 @@ Approach:
   allocator/abi/preload_arena.cpp).  ``cuda_graph`` captures with the arena current too and
   records the graph's private pool under the tag.  A pause releases the tag's arenas
   (dfa_preload_arena_pause: O(slabs) driver calls, keep host or discard); resume backs their
-  slabs again at the same addresses (restore or undefined).  Segments of the tag outside its
-  arenas (PyTorch's default pool with TMS_INIT_ENABLE=1, which belongs to the tag "default";
-  a pool passed to cuda_graph; segments allocated while the tag was paused) are found in
-  PyTorch's snapshot, each one a reservation of the preload library (dfa_find), and released
-  and backed again as such (dfa_release_many / dfa_materialize_many).
-Limits: memory that does not come through PyTorch's allocator (a library's own cudaMalloc)
-is not paused in either mode; allocating in a paused tag is the caller's error as in TMS
-(torch mode refuses it, preload mode may hand out a released block); a pool shared by
-cuda_graph captures of two tags pauses each tag's arena segments with that tag only;
-get_cpu_backup and disk
-backup raise NotImplementedError (the C ABI has neither a way to read a paused block's host
-copy nor a file tier for tags).
+  slabs again at the same addresses (restore or undefined).  Segments of the tag's pools
+  outside its arenas (PyTorch's default pool with TMS_INIT_ENABLE=1, which belongs to the tag
+  "default"; a pool passed to cuda_graph; segments allocated while the tag was paused or from
+  another thread) are found in PyTorch's snapshot, each one a reservation of the preload
+  library (dfa_find), and released and backed again as such (dfa_release_many /
+  dfa_materialize_many).  The arena follows the thread, PyTorch's pools follow its routing:
+  so every pause first checks, in PyTorch's snapshot of every pool, that no segment of
+  another pool lies in the tag's arena (a region entered inside another library's
+  torch.cuda.use_mem_pool, or an allocation of a stream other than the capture's inside
+  cuda_graph, would put one there) and raises InvalidState, nothing paused, when one does.
+  The kind with a backup is paused first and the discarded kind last, so that a pause that
+  fails has lost no contents the caller keeps (a failure among the discard kind's own calls
+  leaves what it had discarded undefined, as a resume after a pause would).
+Limits: in hook mode "torch", memory that does not come through PyTorch's allocator (a
+library's own cudaMalloc) is not paused; in "preload", a cudaMalloc on the region's thread is
+placed in the arena and paused with it, as TMS's preload mode does.  The preload library
+serves one device (DEFERALLOC_CONF's): a region on another refuses to start.  Allocating in a
+paused tag is the caller's error as in TMS (torch mode refuses it, preload mode may hand out a
+released block); a pool shared by cuda_graph captures of two tags pauses each tag's arena
+segments with that tag only; get_cpu_backup and disk backup raise NotImplementedError (the C
+ABI has neither a way to read a paused block's host copy nor a file tier for tags).
 """
 from __future__ import annotations
 
@@ -153,12 +162,14 @@ def _arena_api():
     allocator/abi/preload_arena.cpp), found in the process; None when the library in
     LD_PRELOAD has none (every segment is then paused as a reservation of its own)."""
     lib = ctypes.CDLL(None)
-    if not hasattr(lib, "dfa_preload_arena_push"):
+    if not hasattr(lib, "dfa_preload_arena_classify"):
         return None
     for name, args in (("dfa_preload_arena_push", [ctypes.c_char_p]), ("dfa_preload_arena_pop", []),
                        ("dfa_preload_arena_pause", [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p]),
                        ("dfa_preload_arena_resume", [ctypes.c_char_p, ctypes.c_void_p]),
                        ("dfa_preload_arena_owns", [ctypes.c_void_p]),
+                       ("dfa_preload_arena_classify", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                                       ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]),
                        ("dfa_preload_arena_figures", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)])):
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -404,7 +415,6 @@ class _Impl:
         self.pools: dict = {}            # (tag, keep, device) -> the region's MemPool, kept for the process (as TMS)
         self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] of cuda_graph (torch mode)
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
-        self.outside: set = set()        # (tag, keep) with a pool whose segments may lie outside the arena (preload)
         self.arenas = None               # the preload library's arena entry points (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         if hook_mode == "preload":
@@ -419,7 +429,6 @@ class _Impl:
             if self.init_enable:
                 self._note(_TAG_DEFAULT, self.init_keep)
                 self.pool_ids.setdefault((_TAG_DEFAULT, self.init_keep), set()).add((0, 0))
-                self.outside.add((_TAG_DEFAULT, self.init_keep))
         elif self.init_enable:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
@@ -452,7 +461,13 @@ class _Impl:
         if self.arenas is None:
             yield
             return
-        _native.allocator.check(self.arenas.dfa_preload_arena_push((name or "").encode()), "dfa_preload_arena_push")
+        st = self.arenas.dfa_preload_arena_push((name or "").encode())
+        if st == _dfa.InvalidState.status:
+            raise _dfa.InvalidState(
+                f"region {name!r}: libdeferalloc_preload.so does not serve this thread's cudaMalloc (device "
+                f"{self._device()} is not DEFERALLOC_CONF's device, or the library is disabled: see its line on "
+                "stderr), so nothing allocated here could be paused")
+        _native.allocator.check(st, "dfa_preload_arena_push")
         try:
             yield
         finally:
@@ -461,7 +476,7 @@ class _Impl:
     def _arena_figures(self, name: str) -> list:
         """[slabs, their bytes, bytes of segments, segments, paused, strays] of an arena."""
         out = (ctypes.c_size_t * 6)()
-        self.arenas.dfa_preload_arena_figures(name.encode(), out)
+        _native.allocator.check(self.arenas.dfa_preload_arena_figures(name.encode(), out), "dfa_preload_arena_figures")
         return list(out)
 
     @staticmethod
@@ -542,8 +557,6 @@ class _Impl:
                 yield
             with self.lock:
                 self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
-                if pool is not None:  # segments made before, maybe outside any arena
-                    self.outside.add((tag, keep))
             return
         itag = self._itag(tag, keep)
         with self.lock:
@@ -650,24 +663,38 @@ class _Impl:
                                    f"{self.margin}: nothing resumed")
 
     # preload mode: the tag's arenas, and its segments outside them (reservations of the preload library)
+    @staticmethod
+    def _snapshot() -> list:
+        """(address, pool id, bytes) of every segment of PyTorch's caching allocator, every pool's."""
+        return [(s["address"], tuple(s.get("segment_pool_id", (0, 0))), s["total_size"])
+                for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)]
+
     def _segments(self, t: str) -> list:
-        """(address, keep, bytes) of every segment of the tag's pools outside its arenas
-        (PyTorch's snapshot of each pool; the default pool's segments picked out of the whole
-        snapshot).  The snapshot is taken only where such segments may be: a pool not made
-        with the arena current, or segments an arena refused while paused."""
+        """(address, keep, bytes) of every segment of the tag's pools outside every arena, in
+        the order the pause takes them (backup first).  Raises InvalidState, nothing paused,
+        when an arena of the tag holds a segment of a pool that is not the tag's (its memory is
+        another pool's: pausing it would break that pool's tensors)."""
+        segs = self._snapshot()
+        addrs = (ctypes.c_void_p * len(segs))(*[a for a, _, _ in segs])
         out = []
-        for keep in sorted(self.keeps[t]):
-            if self.arenas is not None and (t, keep) not in self.outside and \
-                    self._arena_figures(self._itag(t, keep))[5] == 0:
+        for keep in _pause_order(self.keeps[t]):
+            pools = self.pool_ids.get((t, keep), set())
+            if self.arenas is None:
+                out += [(a, keep, size) for a, pid, size in segs if pid in pools]
                 continue
-            for pid in sorted(self.pool_ids.get((t, keep), ())):
-                if pid == (0, 0):
-                    segs = [s for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)
-                            if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
-                else:
-                    segs = torch.cuda.memory.memory_snapshot(pid, include_traces=False)
-                out += [(s["address"], keep, s["total_size"]) for s in segs
-                        if self.arenas is None or not self.arenas.dfa_preload_arena_owns(ctypes.c_void_p(s["address"]))]
+            name = self._itag(t, keep)
+            where = (ctypes.c_ubyte * len(segs))()
+            _native.allocator.check(self.arenas.dfa_preload_arena_classify(name.encode(), addrs, len(segs), where),
+                                    "dfa_preload_arena_classify")
+            for (a, pid, size), w in zip(segs, where):
+                if w == 2 and pid not in pools:
+                    raise _dfa.InvalidState(
+                        f"pause({t!r}): the segment at {a:#x} ({size} bytes) in the tag's arena {name!r} belongs to "
+                        f"PyTorch's pool {pid}, not one of the tag's: allocated on the region's thread for another "
+                        "pool (a region entered inside another torch.cuda.use_mem_pool, or a stream other than the "
+                        "capture's inside cuda_graph). Pausing it would break that pool's tensors. Nothing paused")
+                if w == 0 and pid in pools:
+                    out.append((a, keep, size))
         return out
 
     def _preload_pause(self, t: str) -> list:
@@ -684,18 +711,20 @@ class _Impl:
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
         stream = _native.stream_ptr(None, torch.device("cuda", self._device()))
-        done = []  # all or nothing: one call per arena, then one per keep
+        done = []  # all or nothing: per kind, backup first, its arena then its segments outside
         try:
-            for keep in sorted(self.keeps[t]) if self.arenas is not None else ():
-                name = self._itag(t, keep)
-                held = self._arena_figures(name)[1]
-                _native.allocator.check(self.arenas.dfa_preload_arena_pause(name.encode(), _KEEPS.index(keep), stream),
-                                        "dfa_preload_arena_pause")
-                done.append((name, 0, keep, held))
-            for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found]):
-                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
-                                        "dfa_release_many")
-                done += [f for f in found if f[2] == keep]
+            for keep in _pause_order(self.keeps[t]):
+                if self.arenas is not None:
+                    name = self._itag(t, keep)
+                    held = self._arena_figures(name)[1]
+                    _native.allocator.check(
+                        self.arenas.dfa_preload_arena_pause(name.encode(), _KEEPS.index(keep), stream),
+                        "dfa_preload_arena_pause")
+                    done.append((name, 0, keep, held))
+                for _, ids in _by_keep([(rid, k) for _, rid, k, _ in found if k == keep]):
+                    _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
+                                            "dfa_release_many")
+                    done += [f for f in found if f[2] == keep]
         except BaseException:
             self._preload_resume(done)
             raise
@@ -718,6 +747,13 @@ class _Impl:
         for keep, ids in _by_keep(live):
             fill = 2 if keep == "host" else 0  # restore / undefined
             _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
+
+
+def _pause_order(keeps) -> list:
+    """The kinds of a tag in the order a pause takes them: "host" (kept in pinned memory)
+    first, "discard" last, so that a failure that rolls the pause back has destroyed nothing
+    the caller keeps."""
+    return sorted(keeps, key=lambda k: k != "host")
 
 
 def _by_keep(rows: list) -> list:

@@ -336,11 +336,54 @@ for keep in ("host", "discard"):
             assert not impl.arenas.dfa_preload_arena_owns(q)
             assert lib.cudaFree(q) == 0
     assert all(impl.arenas.dfa_preload_arena_owns(ctypes.c_void_p(a)) for a in segs[keep])
+# PyTorch's snapshot, as the saver reads it: the tag's pools hold the segments
+POOL = {"host": (1, 1), "discard": (1, 2)}
+for keep in ("host", "discard"):
+    impl.pool_ids[("t", keep)] = {POOL[keep]}
+snapshot = [(a, POOL[k], MIB) for k in ("host", "discard") for a in segs[k]]
+impl._snapshot = lambda: snapshot
 figs = {k: impl._arena_figures(impl._itag("t", k)) for k in ("host", "discard")}
-assert all(f[0] <= 7 and f[3] == 64 for f in figs.values()), figs  # 64 MiB: slabs of 1, 1, 2, ..., 32 MiB
+assert all(f[0] == 8 and f[3] == 64 for f in figs.values()), figs  # slabs of 1, 1, 2, 4, 8, then 16 MiB (the cap)
+
+def pause_refused(text):  # _preload_pause raises InvalidState saying `text`, and pauses nothing
+    try:
+        impl._preload_pause("t")
+        raise AssertionError(f"a pause went through where it should say {text!r}")
+    except ms._dfa.InvalidState as e:
+        assert text in str(e), e
+    assert all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
+
+
+# A segment of another pool in the tag's arena (a region inside another use_mem_pool)
+snapshot[5] = (snapshot[5][0], (9, 9), MIB)
+pause_refused("belongs to PyTorch's pool (9, 9)")
+snapshot[5] = (snapshot[5][0], POOL["host"], MIB)
+# A segment of the tag's pool that is no reservation of the library (another device's)
+snapshot.append((0x1000, POOL["discard"], MIB))
+pause_refused("is not a deferalloc reservation")
+snapshot.pop()
+
+# The kind with a backup is paused first: a discard pause that fails leaves the host arena restored
+real_pause = impl.arenas.dfa_preload_arena_pause
+calls = []
+def failing_pause(name, keep, stream):
+    calls.append(name)
+    return 2 if name.startswith(b"tms.discard/") else real_pause(name, keep, stream)
+impl.arenas.dfa_preload_arena_pause = failing_pause
+try:
+    impl._preload_pause("t")
+    raise AssertionError("the failing pause went through")
+except ms._dfa.InvalidState:
+    pass
+impl.arenas.dfa_preload_arena_pause = real_pause
+assert calls == [b"tms.host/t", b"tms.discard/t"], calls
+assert all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
+for i, a in enumerate(segs["host"]):
+    assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, i
+
 for cycle in range(2):
     rows = impl._preload_pause("t")
-    assert sorted(rows) == sorted((impl._itag("t", k), 0, k, figs[k][1]) for k in ("discard", "host")), rows
+    assert rows == [(impl._itag("t", k), 0, k, figs[k][1]) for k in ("host", "discard")], rows
     assert all(impl._arena_figures(impl._itag("t", k))[4] == 1 for k in ("host", "discard"))
     impl._preload_resume(rows)
     impl._preload_resume(rows)  # a retried resume: each arena once
@@ -348,10 +391,27 @@ for cycle in range(2):
         assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, (cycle, i)
     for a in segs["discard"]:
         ctypes.memset(a, 0x5A, MIB)  # backed again, writable
+# deferalloc.release & co. of a tensor in an arena: refused (its reservation is the arena's whole block)
+import deferalloc
+t = torch.frombuffer((ctypes.c_ubyte * MIB).from_address(segs["host"][3] + 4096), dtype=torch.uint8)
+for call in (deferalloc.release, deferalloc.materialize, deferalloc.is_backed):
+    try:
+        call(t)
+        raise AssertionError(f"{call.__name__} of a tensor in an arena went through")
+    except deferalloc.InvalidArgument as e:
+        assert "lies in a preload arena" in str(e), e
+del t
 for keep in ("host", "discard"):
     for a in segs[keep]:
         assert lib.cudaFree(ctypes.c_void_p(a)) == 0
     assert impl._arena_figures(impl._itag("t", keep))[:4] == [0, 0, 0, 0]
+# An arena the library refuses to make current (it does not serve this device): the region raises
+impl.arenas.dfa_preload_arena_push = lambda name: 2 if name else 0
+try:
+    with impl._arena(impl._itag("t", "host")):
+        raise AssertionError("a region whose cudaMallocs nothing could pause started")
+except ms._dfa.InvalidState as e:
+    assert "does not serve this thread's cudaMalloc" in str(e), e
 print("arenas ok")
 """
 

@@ -48,14 +48,26 @@ bool reservation_manager::impl::reuse_cached(std::size_t pos, std::size_t end, p
 // created: Note [Physical memory policy] in chunk_pool.cpp), else a new chunk; a class
 // the pool cannot give is replaced by smaller ones.  Smaller cached chunks are used
 // only when they cover a whole piece, so one small cached chunk never breaks a large
-// range into many small pieces.  With `whole_pieces`, a piece is one chunk whenever one of
-// its class can be had (cached or new) before smaller cached chunks are tried: fewer
-// mappings for a range paused and resumed often, at the cost of creating a chunk while
-// smaller ones stay cached (within pool_cache_mb).  Appends to `out`; returns false when even
+// range into many small pieces.  With `whole_pieces`, a run that is not one class is one
+// chunk of its exact size (any multiple of the granularity: cuMemCreate takes it) where
+// one can be had, and a piece is one chunk whenever one of its class can be had (cached or
+// new) before smaller cached chunks are tried: fewer mappings for a range paused and
+// resumed often, at the cost of creating a chunk while smaller ones stay cached (within
+// pool_cache_mb).  Appends to `out`; returns false when even
 // a granule could not be had (what was appended stays there).
 bool reservation_manager::impl::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
                                          placed_chunks& out, bool whole_pieces) {
   const auto& classes = pool_->classes();
+  if (whole_pieces && end - pos > classes_at(pos, end, max_class).front()) {
+    // Not one class: one chunk of the run's exact size where the pool has or can make one.
+    const std::size_t exact[1] = {end - pos};
+    auto ch = pool_->try_reuse(exact);
+    if (!ch) ch = pool_->try_acquire(end - pos);
+    if (ch) {
+      out.emplace_back(pos, *ch);
+      return true;
+    }
+  }
   while (pos < end) {
     const std::size_t c = classes_at(pos, end, max_class).front();
     if (whole_pieces) {

@@ -102,11 +102,12 @@ class DFA_API reservation_manager {
   void materialize(reservation_id id, std::size_t offset, std::size_t length, fill_mode fill, stream_t stream = nullptr);
   /// The same for many ranges at once.
   void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream = nullptr);
-  /// As materialize(), but each piece of the largest chunk class that fits is backed by one
-  /// chunk (a cached one of its class, else a new one) before smaller cached chunks are
-  /// used: one mapping for a range of one class, paused and resumed often, where smaller
-  /// cached chunks would map it in many.  Cost: as materialize(); may create a chunk while
-  /// smaller ones stay cached (bounded by the pool's cache).
+  /// As materialize(), but each unbacked run is one chunk of its exact size where one can be
+  /// had (cached or new), else each piece of the largest chunk class that fits is one chunk
+  /// (a cached one of its class, else a new one) before smaller cached chunks are used: one
+  /// mapping for a range paused and resumed often, where smaller cached chunks would map it
+  /// in many.  Cost: as materialize(); may create a chunk while smaller ones stay cached
+  /// (bounded by the pool's cache).
   void materialize_whole_pieces(std::span<const range> ranges, fill_mode fill, stream_t stream = nullptr);
 
   /// Unbacks the backed granules of the range (unbacked ones are left alone, except that
