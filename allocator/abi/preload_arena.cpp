@@ -20,8 +20,8 @@
 // above the slabs' bytes, from the granularity up to the cap), gets a slab of exactly its
 // own bytes (rounded up to the granularity); any other segment opens a slab of the grown
 // size, which doubles with what the arena holds.  (A region of one tensor per layer, 257 to
-// 512 MiB each, takes as many slabs as segments and no more memory than they do; 512
-// segments of 16 MiB take 13 slabs.)  cudaFree gives the range back to its slab; a slab left
+// 512 MiB each, takes as many slabs as segments and no more memory than they do; 256
+// segments of 16 MiB take 13 slabs, 512 take 21.)  cudaFree gives the range back to its slab; a slab left
 // without segments is released at once (its chunk goes to the chunk pool, which keeps at
 // most pool_cache_mb and gives the rest to the device), and its address space is reused by
 // later slabs.  Pause is one dfa_release_many of the arena's blocks (each slab unmapped);

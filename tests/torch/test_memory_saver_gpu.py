@@ -16,7 +16,9 @@ with libdeferalloc_preload.so in LD_PRELOAD, beside $DEFERALLOC_LIB):
 * preload mode: 256 segments of 16 MiB in a region take a few slabs of its arena, and a
   discard pause / resume unmaps / maps at most one chunk per slab, with the addresses kept;
   a CPU-backup pause of an arena copies exactly its segments' bytes (not the newest slab's
-  free tail) and its resume restores them.
+  free tail) and its resume restores them; KV layers of 260 / 300 MiB take one slab of their
+  own bytes each (within 1.1x); a use_mem_pool inside a region whose allocation lands in the
+  arena makes a pause raise InvalidState, nothing paused;
 Then, per mode, two processes on one GPU (a third holds ballast so that only one of them fits):
 20 cycles of each pausing while the other works; what one gives back the other maps (>= 95%
 each cycle), free memory does not drift over the cycles, and a paused process holds at most
@@ -371,6 +373,66 @@ class ModeSuite(unittest.TestCase):
             self.assertEqual([int(t[0]) for t in ts], [i % 251 for i in range(40)])
             self.assertEqual([int(t[-1]) for t in ts], [i % 251 for i in range(40)])
         del ts
+
+    def test_9c_preload_large_tensors_take_their_own_bytes(self):
+        """hook_mode="preload": a KV cache of one tensor per layer, 260 and 300 MiB each (above
+        an eighth of the 512 MiB slab cap), takes one slab per tensor of exactly its bytes
+        (within 1.1x, not a power of two each), paused and resumed in one mapping a slab."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        import ctypes
+        lib = preload_lib()
+        figures = (ctypes.c_size_t * 6)()
+        s = saver()
+        with s.region("kv"):
+            ts = [torch.empty((260 if i % 2 else 300) * MIB, dtype=torch.uint8, device="cuda") for i in range(16)]
+        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/kv", figures), 0)
+        slabs, slab_bytes, live = figures[0], figures[1], figures[2]
+        print(f"[{MODE}] 16 KV layers of 260 / 300 MiB: {live / MIB:.0f} MiB of segments in {slabs} slabs of "
+              f"{slab_bytes / MIB:.0f} MiB", flush=True)
+        self.assertEqual(slabs, 16)
+        self.assertLessEqual(slab_bytes, live * 11 // 10)
+        c0, f0 = dfa_stats(lib)["calls"], free_hbm()
+        s.pause("kv")
+        given = free_hbm() - f0
+        c1 = dfa_stats(lib)["calls"]
+        s.resume("kv")
+        torch.cuda.synchronize()
+        c2 = dfa_stats(lib)["calls"]
+        self.assertGaveBack(given, 16 * 280 * MIB)
+        self.assertLessEqual(c1[5] - c0[5], slabs)
+        self.assertLessEqual(c2[4] - c1[4], slabs)
+        for t in ts:
+            t.fill_(7)
+        del ts
+
+    def test_9d_preload_another_pools_segment_in_the_arena_is_refused(self):
+        """hook_mode="preload": a torch.cuda.use_mem_pool entered inside a region: where PyTorch
+        routes the allocation to that pool, its segment lies in the tag's arena and a pause
+        raises InvalidState, nothing paused; where PyTorch keeps the region's pool, the pause
+        goes through."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        import deferalloc as dfa
+        s = saver()
+        other = torch.cuda.MemPool()
+        with s.region("hazard"):
+            w = torch.full((8 * MIB,), 3, dtype=torch.uint8, device="cuda")
+            with torch.cuda.use_mem_pool(other):
+                x = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")
+        in_other = any(seg["address"] <= x.data_ptr() < seg["address"] + seg["total_size"]
+                       for seg in torch.cuda.memory.memory_snapshot(other.id, include_traces=False))
+        print(f"[{MODE}] use_mem_pool inside a region: the allocation went to "
+              f"{'the other pool' if in_other else 'the region pool'}", flush=True)
+        if in_other:  # the last test of the suite: the other pool's segment stays in the arena
+            with self.assertRaisesRegex(dfa.InvalidState, "belongs to PyTorch's pool"):
+                s.pause("hazard")
+            self.assertEqual((int(x[-1]), int(w[0])), (5, 3))  # nothing paused
+            return
+        s.pause("hazard")
+        s.resume("hazard")
+        w.fill_(1)
+        self.assertEqual((int(w[0]), int(x[-1])), (1, 5))
 
 
 # ---- two processes on one GPU ---------------------------------------------------------------------
