@@ -214,11 +214,11 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   try {
     std::lock_guard lk(g_mu);
     g_ours.emplace(addr, r);
-    if (arena_current) g_arenas.note_stray(t_arena.back(), addr);  // the arena refused it
   } catch (...) {
     dfa_free_reservation(r, nullptr);
     return cudaErrorMemoryAllocation;
   }
+  if (arena_current) g_arenas.note_stray(t_arena.back(), addr);  // the arena refused it (not under g_mu)
   *ptr = addr;
   return cudaSuccess;
 }

@@ -7,30 +7,29 @@
 // costs about what one 16 MiB mapping does).  PyTorch's caching allocator makes one
 // cudaMalloc per segment, so a region of 8 GiB of weights in 512 segments, each a
 // reservation of its own, costs 512 mappings each way: as slow as torch_memory_saver.
-// Approach: the segments allocated while a thread has an arena current (memory_saver's
-// region and cuda_graph in hook_mode="preload": one arena per tag and backup kind; the
-// preload library serves one device) are placed in that arena: blocks of address space
-// (dfa_reserve of 64 GiB, another when one is full), and in them slabs, each backed by one
-// chunk mapped whole (dfa_materialize_whole_pieces of the slab's range: one chunk of the
-// range's exact size, cached or new, so smaller chunks the pool holds cached do not cut it
-// into many mappings; where the device cannot give one, pieces of the pool's classes).  A
-// segment takes the best-fitting free range of the slabs, else a new slab is opened.  Its
-// size: the cap is 256 granules (512 MiB at the 2 MiB granularity of current GPUs); a
-// segment above an eighth of the cap, or above the grown size (the largest power of two not
-// above the slabs' bytes, from the granularity up to the cap), gets a slab of exactly its
-// own bytes (rounded up to the granularity); any other segment opens a slab of the grown
-// size, which doubles with what the arena holds.  (A region of one tensor per layer, 257 to
-// 512 MiB each, takes as many slabs as segments and no more memory than they do; 256
-// segments of 16 MiB take 13 slabs, 512 take 21.)  cudaFree gives the range back to its slab; a slab left
-// without segments is released at once (its chunk goes to the chunk pool, which keeps at
-// most pool_cache_mb and gives the rest to the device), and its address space is reused by
-// later slabs.  Pause is one dfa_release_many of the arena's blocks (each slab unmapped);
-// with DFA_KEEP_HOST, dfa_release_many_keeping, which copies only the segments' bytes (one
-// pinned copy per run of adjacent segments: a slab's free tail and freed ranges hold nothing
-// a caller may read, as PyTorch's free blocks in a segment).  Resume is one
-// dfa_materialize_whole_pieces per slab at the same address, restoring the segments and
-// leaving the free ranges undefined (or all of it undefined after a discard).  So both cost
-// O(slabs), and addresses never change.
+// Approach: the segments allocated while a thread has an arena current (memory_saver's region
+// and cuda_graph in hook_mode="preload": one arena per tag and backup kind; the preload
+// library serves one device) are placed in that arena: blocks of address space (dfa_reserve of
+// 64 GiB, another when one is full), and in them slabs, each backed by one chunk mapped whole
+// (dfa_materialize_whole_pieces of the slab's range: one chunk of the range's exact size,
+// cached or new, so smaller chunks the pool holds cached do not cut it into many mappings;
+// where the device cannot give one, pieces of the pool's classes).  A segment takes the
+// best-fitting free range of the slabs, else a new slab is opened.  Its size: the cap is 256
+// granules (512 MiB at the 2 MiB granularity of current GPUs); a segment above an eighth of
+// the cap, or above the grown size (the largest power of two not above the slabs' bytes, from
+// the granularity up to the cap), gets a slab of exactly its own bytes (rounded up to the
+// granularity); any other segment opens a slab of the grown size, which doubles with what the
+// arena holds.  (A region of one tensor per layer, 257 to 512 MiB each, takes as many slabs as
+// segments and no more memory than they do; 256 segments of 16 MiB take 13 slabs, 512 take
+// 21.)  cudaFree gives the range back to its slab; a slab left without segments is released at
+// once (its chunk goes to the chunk pool, which keeps at most pool_cache_mb and gives the rest
+// to the device), and its address space is reused by later slabs.  Pause is one
+// dfa_release_many of the arena's blocks (each slab unmapped); with DFA_KEEP_HOST,
+// dfa_release_many_keeping, which copies only the segments' bytes (one pinned copy per run of
+// adjacent segments: a slab's free tail and freed ranges hold nothing a caller may read, as
+// PyTorch's free blocks in a segment).  Resume is one dfa_materialize_whole_pieces per slab at
+// the same address, restoring the segments and leaving the free ranges undefined (or all of it
+// undefined after a discard).  So both cost O(slabs), and addresses never change.
 // Bound on memory backed but not handed out, per arena (cap C): a slab of a segment's own
 // bytes wastes less than a granule.  A slab of the grown size (at most C) leaves a tail
 // smaller than every segment placed outside it after it was opened (best fit takes the tail
@@ -41,20 +40,21 @@
 // stays (below C) until smaller segments fill it.  Plus the ranges freed inside slabs that
 // still hold a segment.  So segments above C/8 (a KV cache of one tensor per layer) cost
 // their own bytes, within a granule each.
-// Limits: empty_cache gives memory back by whole slabs: a freed segment whose slab still
-// holds another segment stays backed until that one is freed too (the rest of the process,
-// outside arenas, keeps one reservation per segment, given back segment by segment).  A
-// range freed while the arena is paused keeps its backup (restored for nothing) unless its
-// slab empties.  An allocation while the arena is paused, of a segment larger than a block,
-// or that the library does not serve (another device), is served outside the arena and
-// counted as a stray, so that a pause looks for it.  One mutex guards the arenas: a new
-// slab is backed outside it (address space taken under it, the slab added under it after,
-// and given up if a pause came in between: the segment is then served outside the arena),
-// but a pause, a resume and a cudaFree that empties a slab make their driver calls under it,
-// so a cudaFree of an arena segment waits for a pause in progress (a cudaFree of any other
-// pointer does not take it); log lines of the calls made under it are delivered after it is
-// released (Note [Logging outside locks] in log.hpp).  Blocks are kept for the process
-// (address space only).
+// Limits: empty_cache gives memory back by whole slabs: a freed segment whose slab still holds
+// another segment stays backed until that one is freed too (the rest of the process, outside
+// arenas, keeps one reservation per segment, given back segment by segment).  A range freed
+// while the arena is paused keeps its backup (restored for nothing) unless its slab
+// empties.  An allocation while the arena is paused, of a segment larger than a block, or that
+// the library does not serve (another device), is served outside the arena and counted as a
+// stray in its figures (memory_saver's pause finds such segments in PyTorch's snapshot of the
+// tag's pools, and refuses those that are no reservation of the library).  One mutex guards the arenas: a new slab is backed
+// outside it (address space taken under it, the slab added under it after, and given up if a
+// pause came in between: the segment is then served outside the arena), but a pause, a resume
+// and a cudaFree that empties a slab make their driver calls under it, so a cudaFree of an
+// arena segment waits for a pause in progress (a cudaFree of any other pointer does not take
+// it, unless strays are outstanding: it then looks for one); log lines of the calls made under
+// it are delivered after it is released (Note [Logging outside locks] in log.hpp).  Blocks are
+// kept for the process (address space only).
 #include "preload_arena.hpp"
 
 #include <algorithm>

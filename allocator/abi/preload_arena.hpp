@@ -25,8 +25,8 @@ struct arena_figures {
   int paused = 0;               // 1 while paused
   // Segments cudaMalloc'ed with the arena current but not placed in it, not freed yet
   // (note_stray): the arena was paused, the segment was larger than a block, or the library
-  // does not serve the call (another device, disabled).  A pause looks outside the arena
-  // when this is not zero.
+  // does not serve the call (another device, disabled).  Memory the arena's pause leaves
+  // backed (memory_saver's pause finds PyTorch's among them in its snapshot).
   std::size_t strays = 0;
 };
 
@@ -63,8 +63,8 @@ class arenas {
   void classify(const std::string& name, const void* const* ptrs, std::size_t n, unsigned char* out) const;
   // A segment that arena `name` refused (allocate's DFA_ERROR_INVALID_STATE) and the caller
   // served as a reservation of its own, until it is freed (forget_stray): the arena's
-  // figures count it, so that a pause knows to look for segments outside the arena.  Also
-  // for a cudaMalloc the library does not serve while the arena is current (made if new).
+  // figures count it (memory its pause leaves backed).  Also for a cudaMalloc the library
+  // does not serve while the arena is current (the arena made if new).
   void note_stray(const std::string& name, const void* p);
   void forget_stray(const void* p);
 
