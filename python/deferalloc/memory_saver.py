@@ -551,9 +551,11 @@ class _Impl:
             raise RuntimeError("cuda_graph needs CUDA")
         if self.mode == "preload":
             self._note(tag, keep)
-            with self._route(None), self._arena(self._itag(tag, keep)), \
+            # The arena is current inside the capture only: what capture_begin allocates first
+            # (the RNG's graph-safe state, in PyTorch's default pool) stays outside it.
+            with self._route(None), \
                     torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
-                    self._in_region():
+                    self._arena(self._itag(tag, keep)), self._in_region():
                 yield
             with self.lock:
                 self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
