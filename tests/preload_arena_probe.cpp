@@ -386,15 +386,14 @@ int large_segments(const arena_api& api) {
 // arena's mutex): each segment is in the arena or counted as a stray, the chunks alive are
 // the slabs' and the strays' bytes, and everything goes back at the end.
 int racing_pauses(const arena_api& api) {
-  const char* name = "tms.discard/race";
+  const char* name = "tms.host/race";
   const size_t g = k_seg / 16;
   const dfa_stats s0 = stats();
   std::vector<void*> p(400);
   std::atomic<bool> done{false};
-  std::thread pauser([&] {
-    while (!done.load()) {
-      if (api.pause(name, DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS) api.resume(name, nullptr);
-    }
+  std::thread pauser([&] {  // with and without backup in turn
+    for (int i = 0; !done.load(); ++i)
+      if (api.pause(name, i % 2 ? DFA_KEEP_HOST : DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS) api.resume(name, nullptr);
   });
   if (api.push(name) != DFA_SUCCESS) done = true;
   for (size_t i = 0; i < p.size() && !done.load(); ++i)
@@ -418,7 +417,8 @@ int racing_pauses(const arena_api& api) {
   CHECK(stats().pool_alive_bytes - s0.pool_alive_bytes == f[1] + out_bytes);
   for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[0] == 0 && f[5] == 0);
-  CHECK(stats().pool_alive_bytes == s0.pool_alive_bytes);
+  const dfa_stats s1 = stats();
+  CHECK(s1.pool_alive_bytes == s0.pool_alive_bytes && s1.backup_bytes == s0.backup_bytes);
   return 0;
 }
 
