@@ -62,6 +62,29 @@ TEST_F(c_api, reserve_materialize_release_free) {
   EXPECT_STREQ(dfa_last_error(), "");
 }
 
+// A hidden reservation (Note [Hidden reservations]): dfa_find refuses every pointer in it
+// with the owner's words; its owner's calls on the id still act on it; freed, the id is gone.
+TEST_F(c_api, hidden_reservation_is_refused_by_find) {
+  size_t g = 0;
+  dfa_reservation r = 0, found = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  ASSERT_EQ(dfa_reserve(4 * g, &r, &p), DFA_SUCCESS);
+  ASSERT_EQ(dfa_hide_reservation(r, "arena 'x' of a test"), DFA_SUCCESS) << dfa_last_error();
+  for (size_t off : {size_t{0}, g + 7, 4 * g - 1}) {
+    ASSERT_EQ(dfa_find(static_cast<char*>(p) + off, &found), DFA_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dfa_last_error()).find("arena 'x' of a test"), std::string::npos) << dfa_last_error();
+  }
+  EXPECT_EQ(found, 0u);
+  ASSERT_EQ(dfa_materialize_whole_pieces(r, g, g, DFA_FILL_ZERO, nullptr), DFA_SUCCESS) << dfa_last_error();
+  int backed = 0;
+  ASSERT_EQ(dfa_is_backed(r, g, g, &backed), DFA_SUCCESS);
+  EXPECT_EQ(backed, 1);
+  EXPECT_EQ(dfa_hide_reservation(r, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_hide_reservation(r, "gone"), DFA_ERROR_INVALID_ARGUMENT);
+}
+
 // The batched calls: many whole reservations released with their contents kept and backed
 // again bit-exactly, one id that is not a reservation refusing the whole batch.
 TEST_F(c_api, release_and_materialize_many) {

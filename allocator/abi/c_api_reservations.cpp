@@ -158,6 +158,17 @@ dfa_status dfa_free_reservation(dfa_reservation r, void* stream) {
     detail::faults().remove(r);
     std::lock_guard ids(g_ids_mu);
     g_ids.erase(r);
+    g_hidden.erase(r);
+  });
+}
+
+dfa_status dfa_hide_reservation(dfa_reservation r, const char* owner) {
+  return guard("dfa_hide_reservation", [&] {
+    need(owner, "owner");
+    std::shared_lock<std::shared_mutex> lk;
+    expect_handed_out(*instance(lk).reservations, r);
+    std::lock_guard ids(g_ids_mu);
+    g_hidden.insert_or_assign(r, owner);
   });
 }
 
@@ -181,6 +192,13 @@ dfa_status dfa_find(const void* ptr, dfa_reservation* out) {
     if (!handed_out(*id))
       throw invalid_argument("pointer lies in a segment of deferalloc's caching allocator (a dfa_malloc block), "
                              "not in a reservation of dfa_reserve");
+    {
+      std::lock_guard ids(g_ids_mu);
+      if (auto h = g_hidden.find(*id); h != g_hidden.end())
+        throw invalid_argument("pointer lies in " + h->second +
+                               ", whose owner hid it from dfa_find (Note [Hidden reservations]): the reservation "
+                               "calls cannot act on a part of it");
+    }
     *out = *id;
   });
 }

@@ -242,8 +242,10 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
     }
   }
   if (!ours) {
-    // An interior pointer of one of ours is an error, as it is for the runtime.
-    if (ptr != nullptr && state().enabled && dfa_find(ptr, &r) == DFA_SUCCESS) return cudaErrorInvalidValue;
+    // An interior pointer of one of ours (or of an arena's block, which dfa_find refuses) is an
+    // error, as it is for the runtime.
+    if (ptr != nullptr && state().enabled && (g_arenas.contains(ptr) || dfa_find(ptr, &r) == DFA_SUCCESS))
+      return cudaErrorInvalidValue;
     if (real().cuda_free == nullptr) return ptr == nullptr ? cudaSuccess : cudaErrorInvalidValue;
     const cudaError_t e = real().cuda_free(ptr);
     if (e == cudaSuccess && ptr != nullptr) g_arenas.forget_stray(ptr);  // one the library did not serve
@@ -308,8 +310,9 @@ __attribute__((visibility("default"))) int dfa_preload_arena_owns(const void* pt
   return ptr != nullptr && g_arenas.owns(ptr) ? 1 : 0;
 }
 
-// 1 when `ptr` lies in an arena's address space (inside a segment or not), else 0: the
-// C ABI's dfa_find answers such a pointer with the arena's whole block.  Cost: no lock.
+// 1 when `ptr` lies in an arena's address space (inside a segment or not), else 0 (the C
+// ABI's dfa_find refuses such a pointer: the blocks are hidden from it).  Cost: no lock while
+// the process has at most 64 arena blocks (4 TiB of address space), else the arenas' mutex.
 __attribute__((visibility("default"))) int dfa_preload_arena_contains(const void* ptr) {
   return ptr != nullptr && g_arenas.contains(ptr) ? 1 : 0;
 }

@@ -185,7 +185,7 @@ void arenas::carve(slab& s, std::map<std::uintptr_t, std::size_t>::iterator at, 
 }
 
 // Address space for a new slab of `bytes` (a new block where none has room).  Under mu_.
-dfa_status arenas::take_slab_va(arena& a, std::size_t bytes, pending_slab& out) {
+dfa_status arenas::take_slab_va(const std::string& name, arena& a, std::size_t bytes, pending_slab& out) {
   const std::size_t align = std::clamp(std::bit_floor(bytes), granularity_, k_align_cap);
   std::size_t bi = 0;
   for (; bi < a.blocks.size(); ++bi)
@@ -196,6 +196,15 @@ dfa_status arenas::take_slab_va(arena& a, std::size_t bytes, pending_slab& out) 
     b.va_free.emplace(0, k_block_bytes);
     void* base = nullptr;
     if (const dfa_status st = dfa_reserve(k_block_bytes, &b.id, &base); st != DFA_SUCCESS) return st;
+    // Hidden from dfa_find (Note [Hidden reservations] in process_state.cpp): the block holds
+    // many segments, and a reservation call on it would act on all of them.
+    const std::string owner = "arena '" + name +
+                              "' of the preload library (PyTorch segments of a deferalloc.memory_saver region: "
+                              "memory_saver's pause and resume act on them)";
+    if (const dfa_status st = dfa_hide_reservation(b.id, owner.c_str()); st != DFA_SUCCESS) {
+      dfa_free_reservation(b.id, nullptr);
+      return st;
+    }
     b.base = reinterpret_cast<std::uintptr_t>(base);
     take_va(b, bytes, align, out.offset);  // the first range of a fresh block: no allocation
     a.blocks.push_back(std::move(b));
@@ -255,7 +264,7 @@ dfa_status arenas::allocate(const std::string& name, std::size_t bytes, void** o
         *out = reinterpret_cast<void*>(addr);
         return DFA_SUCCESS;
       }
-      if (const dfa_status st = take_slab_va(*a, slab_size(*a, need), p); st != DFA_SUCCESS) return st;
+      if (const dfa_status st = take_slab_va(name, *a, slab_size(*a, need), p); st != DFA_SUCCESS) return st;
     }
     dfa_status st = dfa_materialize_whole_pieces(p.id, p.offset, p.bytes, DFA_FILL_UNDEFINED, nullptr);
     std::size_t spare = 0;  // address space taken but not backed

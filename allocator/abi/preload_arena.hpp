@@ -108,7 +108,7 @@ class arenas {
   bool best_fit(arena& a, std::size_t need, std::uintptr_t& slab_addr,
                 std::map<std::uintptr_t, std::size_t>::iterator& at);
   static void carve(slab& s, std::map<std::uintptr_t, std::size_t>::iterator at, std::size_t need) noexcept;
-  dfa_status take_slab_va(arena& a, std::size_t bytes, pending_slab& out);
+  dfa_status take_slab_va(const std::string& name, arena& a, std::size_t bytes, pending_slab& out);
   static bool take_va(block& b, std::size_t bytes, std::size_t align, std::size_t& offset);
   static void give_back_range(std::map<std::uintptr_t, std::size_t>& free, std::uintptr_t at, std::size_t bytes);
   dfa_status close_slab(arena& a, std::uintptr_t slab_addr);

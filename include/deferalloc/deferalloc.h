@@ -121,8 +121,14 @@ DFA_C_API dfa_status dfa_record_stream(dfa_reservation r, void* stream);
  * (Named dfa_free_reservation so that dfa_free can be CUDAPluggableAllocator's free.) */
 DFA_C_API dfa_status dfa_free_reservation(dfa_reservation r, void* stream);
 DFA_C_API dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* out);
-/* The reservation of dfa_reserve containing `ptr` (a dfa_malloc block: INVALID_ARGUMENT). */
+/* The reservation of dfa_reserve containing `ptr` (a dfa_malloc block, or a reservation
+ * hidden by dfa_hide_reservation: INVALID_ARGUMENT, the message says whose). */
 DFA_C_API dfa_status dfa_find(const void* ptr, dfa_reservation* out);
+/* Hides reservation `r` from dfa_find (until it is freed): a pointer inside it is refused with
+ * INVALID_ARGUMENT naming `owner` (e.g. "the preload library's arena 'x'"), for a reservation
+ * parcelled out to others (many segments in one), that no caller may act on whole for a part
+ * of it.  The calls on the id itself (held by its owner) still act on it. */
+DFA_C_API dfa_status dfa_hide_reservation(dfa_reservation r, const char* owner);
 /* Gives cached chunks back to the driver until at most `keep_bytes` stay cached, and frees
  * the cached pinned backup buffers; `released`: device bytes given back. */
 DFA_C_API dfa_status dfa_trim(size_t keep_bytes, size_t* released);
