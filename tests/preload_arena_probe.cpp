@@ -16,7 +16,8 @@
 //       second pause or resume is refused, an allocation while paused is served outside;
 //       and 3000 random steps of them, checked after each against a model (segments
 //       disjoint, chunks alive = slabs backed, contents kept, everything back at the end);
-//   (g) segments above an eighth of the slab cap take slabs of their own bytes (within 1.1x);
+//   (g) segments above an eighth of the slab cap take slabs of their own bytes (within 1.1x),
+//       and do not make later small segments open slabs of the cap;
 //   (h) allocations racing pauses: in the arena or counted as strays, nothing leaked;
 //   with the argument "unserved" (a DEFERALLOC_CONF the library cannot serve): an arena
 //   cannot be made current.
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <initializer_list>
 #include <map>
 #include <random>
 #include <cstdint>
@@ -34,6 +36,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "probe_check.hpp"
@@ -67,7 +70,7 @@ dfa_stats stats() {
 std::uint64_t delta(const dfa_stats& a, const dfa_stats& b, call c) { return b.driver_calls[c] - a.driver_calls[c]; }
 
 size_t slabs(const arena_api& api, const char* name) {
-  size_t f[6] = {};
+  size_t f[7] = {};
   api.figures(name, f);
   return f[0];
 }
@@ -103,7 +106,7 @@ size_t device_free() {
 // of 256 granules).  Adds the slabs' bytes to `held_out`.
 size_t expected_slabs(int n, size_t seg, size_t g, size_t* held_out = nullptr) {
   const size_t cap = 256 * g, need = (seg + g - 1) / g * g;
-  size_t held = 0, left = 0, count = 0;
+  size_t held = 0, total = 0, left = 0, count = 0;
   for (int i = 0; i < n; ++i) {
     if (left >= need) {
       left -= need;
@@ -111,11 +114,12 @@ size_t expected_slabs(int n, size_t seg, size_t g, size_t* held_out = nullptr) {
     }
     const size_t grown = std::clamp(std::bit_floor(std::max(held, g)), g, cap);
     const size_t slab = need > cap / 8 || need > grown ? need : grown;
-    held += slab;
+    if (need <= cap / 8) held += slab;  // only these slabs count towards the grown size
+    total += slab;
     left = slab - need;
     ++count;
   }
-  if (held_out != nullptr) *held_out = held;
+  if (held_out != nullptr) *held_out = total;
   return count;
 }
 
@@ -183,35 +187,38 @@ int interleaved(const arena_api& api) {
   const dfa_stats s0 = stats();
   CHECK(api.push(name) == DFA_SUCCESS);
   void *a = nullptr, *b = nullptr, *c = nullptr, *b2 = nullptr;
-  CHECK(cudaMalloc(&c, 4 * k_seg) == cudaSuccess && cudaMalloc(&a, k_seg) == cudaSuccess &&
-        cudaMalloc(&b, k_seg) == cudaSuccess);
+  const size_t h = k_seg / 2;
+  CHECK(cudaMalloc(&c, 2 * k_seg) == cudaSuccess && cudaMalloc(&a, h) == cudaSuccess &&
+        cudaMalloc(&b, h) == cudaSuccess);
   const dfa_stats s1 = stats();
   CHECK(cudaFree(b) == cudaSuccess);
-  CHECK(cudaMalloc(&b2, k_seg) == cudaSuccess);
+  CHECK(cudaMalloc(&b2, h) == cudaSuccess);
   CHECK(b2 == b && stats().driver_calls[k_create] == s1.driver_calls[k_create]);  // (d) reused, nothing created
-  CHECK(fill(a, 0x21, k_seg) && fill(c, 0x23, 4 * k_seg));
-  CHECK(slabs(api, name) == 2);  // c in a 4 MiB slab, a and b in the next one (4 MiB)
+  CHECK(fill(a, 0x21, h) && fill(c, 0x23, 2 * k_seg));
+  // c in a slab of its 32 granules (an eighth of the cap: it counts towards the grown size),
+  // a and b in the next one, of the grown size (32 granules)
+  CHECK(slabs(api, name) == 2);
 
   CHECK(api.pause(name, DFA_KEEP_HOST, nullptr) == DFA_SUCCESS);
   const dfa_stats s2 = stats();
-  CHECK(s2.backup_bytes - s0.backup_bytes == 6 * k_seg);  // the segments' bytes, not the slabs' 8
+  CHECK(s2.backup_bytes - s0.backup_bytes == 3 * k_seg);  // the segments' bytes, not the slabs' 4
   void* outside = nullptr;  // paused arena: a reservation of its own, paused by the segment
   CHECK(cudaMalloc(&outside, k_seg) == cudaSuccess && api.owns(outside) == 0);
   dfa_reservation r = 0;
   CHECK(dfa_find(outside, &r) == DFA_SUCCESS);
-  size_t f[6] = {};
+  size_t f[7] = {};
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[4] == 1 && f[5] == 1);  // paused, one stray
   CHECK(cudaFree(outside) == cudaSuccess);
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[5] == 0);
   CHECK(cudaFree(c) == cudaSuccess);  // its slab closes while paused: the backup dropped, nothing unmapped
   const dfa_stats s3 = stats();
-  CHECK(slabs(api, name) == 1 && s2.backup_bytes - s3.backup_bytes == 4 * k_seg);
+  CHECK(slabs(api, name) == 1 && s2.backup_bytes - s3.backup_bytes == 2 * k_seg);
   CHECK(delta(s2, s3, k_unmap) == 1 && delta(s2, s3, k_release) == 1);  // only `outside`'s chunk
 
   CHECK(api.resume(name, nullptr) == DFA_SUCCESS);  // one slab back, restored
   const dfa_stats s4 = stats();
   CHECK(delta(s3, s4, k_map) == 1 && s4.backup_bytes == s0.backup_bytes);
-  CHECK(byte_at(a, k_seg - 1) == 0x21);
+  CHECK(byte_at(a, h - 1) == 0x21);
   CHECK(cudaFree(a) == cudaSuccess && cudaFree(b2) == cudaSuccess);
   CHECK(api.pop() == DFA_SUCCESS && api.pop() == DFA_ERROR_INVALID_STATE);
   const dfa_stats s5 = stats();
@@ -241,7 +248,7 @@ int live_bytes_only(const arena_api& api) {
       CHECK(fill(p[i], 0x31 + static_cast<int>(i), k_seg));
       live += k_seg;
     }
-  size_t f[6] = {};
+  size_t f[7] = {};
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == live && f[1] == 32 * k_seg);
   const dfa_stats s1 = stats();
   CHECK(api.pause(name, DFA_KEEP_HOST, nullptr) == DFA_SUCCESS);
@@ -312,7 +319,7 @@ int random_interleaving(const arena_api& api) {
     } else {
       CHECK((paused ? api.pause(name, DFA_KEEP_HOST, nullptr) : api.resume(name, nullptr)) == DFA_ERROR_INVALID_STATE);
     }
-    size_t f[6] = {};
+    size_t f[7] = {};
     CHECK(api.figures(name, f) == DFA_SUCCESS && f[3] == live.size() && f[4] == (paused ? 1u : 0u));
     size_t bytes = 0;
     std::uintptr_t end = 0;
@@ -336,6 +343,20 @@ int random_interleaving(const arena_api& api) {
   return 0;
 }
 
+// cudaMalloc's of `runs` (count, bytes) in turn with arena `name` current, appended to `out`.
+bool in_arena(const arena_api& api, const char* name, std::initializer_list<std::pair<int, size_t>> runs,
+              std::vector<void*>& out) {
+  if (api.push(name) != DFA_SUCCESS) return false;
+  bool ok = true;
+  for (const auto& [n, bytes] : runs)
+    for (int i = 0; i < n && ok; ++i) {
+      void* q = nullptr;
+      ok = cudaMalloc(&q, bytes) == cudaSuccess;
+      if (ok) out.push_back(q);
+    }
+  return api.pop() == DFA_SUCCESS && ok;
+}
+
 // (g) Segments above an eighth of the cap (a KV cache of one tensor per layer, 257 to 512
 // MiB at a GPU's 2 MiB granularity: 129 to 255 granules here) take slabs of their own bytes:
 // within 1.1 x the segments' bytes (a power of two each would take up to 2x), one chunk and
@@ -351,7 +372,7 @@ int large_segments(const arena_api& api) {
     for (auto& q : p) CHECK(cudaMalloc(&q, bytes) == cudaSuccess && api.owns(q) == 1);
     CHECK(api.pop() == DFA_SUCCESS);
     const dfa_stats s1 = stats();
-    size_t f[6] = {}, model = 0;
+    size_t f[7] = {}, model = 0;
     CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == 64 * granules * g);
     std::printf("%s: 64 segments of %zu granules: %zu slabs of %zu bytes for %zu (%.3fx)\n", name, granules, f[0],
                 f[1], f[2], double(f[1]) / double(f[2]));
@@ -370,17 +391,22 @@ int large_segments(const arena_api& api) {
   // Small segments first, then large ones: the large ones still cost their own bytes.
   const char* name = "tms.discard/mixed";
   std::vector<void*> p;
-  CHECK(api.push(name) == DFA_SUCCESS);
-  for (int i = 0; i < 40; ++i) {
-    void* q = nullptr;
-    CHECK(cudaMalloc(&q, i < 8 ? 2 * g : 150 * g) == cudaSuccess);
-    p.push_back(q);
-  }
-  CHECK(api.pop() == DFA_SUCCESS);
-  size_t f[6] = {};
+  CHECK(in_arena(api, name, {{8, 2 * g}, {32, 150 * g}}, p));
+  size_t f[7] = {};
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == (8 * 2 + 32 * 150) * g);
   CHECK(f[1] <= f[2] + 16 * g);  // the small segments' slabs: 2, 2, 4, 8 granules
   for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);
+  // Large segments first (16 KV layers of 150 granules), then small ones: the small ones'
+  // slabs grow from their own bytes, not from the large ones' (which would open a slab of the
+  // cap for the first 2-granule segment).
+  name = "tms.discard/large_then_small";
+  p.clear();
+  CHECK(in_arena(api, name, {{16, 150 * g}, {8, 2 * g}}, p));
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[2] == (16 * 150 + 8 * 2) * g && f[6] == 24);  // generation
+  std::printf("%s: 16 segments of 150 granules then 8 of 2: %zu slabs of %zu bytes for %zu\n", name, f[0], f[1], f[2]);
+  CHECK(f[1] <= f[2] + 16 * g);  // the small segments' slabs: 2, 2, 4, 8 granules, as without the large ones
+  for (void* q : p) CHECK(cudaFree(q) == cudaSuccess);
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[0] == 0 && f[6] == 24);  // frees leave the generation
   return 0;
 }
 
@@ -413,7 +439,7 @@ int racing_pauses(const arena_api& api) {
       out_bytes += (1 + i % 7) * 3 * g;
     }
   }
-  size_t f[6] = {};
+  size_t f[7] = {};
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[4] == 0 && f[3] == in && f[5] == out);
   std::printf("%s: %zu segments in the arena, %zu outside (allocated while paused)\n", name, in, out);
   CHECK(stats().pool_alive_bytes - s0.pool_alive_bytes == f[1] + out_bytes);

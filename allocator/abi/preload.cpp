@@ -327,9 +327,11 @@ __attribute__((visibility("default"))) int dfa_preload_arena_classify(const char
   return DFA_SUCCESS;
 }
 
-// out[0..5]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), and
-// strays: segments cudaMalloc'ed with the arena current but served outside it, not freed yet
-// (the arena paused, a segment larger than a block, or a call the library does not serve).
+// out[0..6]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), strays:
+// segments cudaMalloc'ed with the arena current but served outside it, not freed yet (the
+// arena paused, a segment larger than a block, or a call the library does not serve), and the
+// generation: segments placed in the arena so far (memory_saver checks the arena's segments'
+// pools again only when it changed).  `out` holds 7 values.
 __attribute__((visibility("default"))) int dfa_preload_arena_figures(const char* name, size_t* out) {
   if (name == nullptr || out == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
   const deferalloc::preload::arena_figures f = g_arenas.figures(name);
@@ -339,6 +341,7 @@ __attribute__((visibility("default"))) int dfa_preload_arena_figures(const char*
   out[3] = f.segments;
   out[4] = static_cast<size_t>(f.paused);
   out[5] = f.strays;
+  out[6] = static_cast<size_t>(f.generation);
   return DFA_SUCCESS;
 }
 

@@ -16,10 +16,12 @@
 // where the device cannot give one, pieces of the pool's classes).  A segment takes the
 // best-fitting free range of the slabs, else a new slab is opened.  Its size: the cap is 256
 // granules (512 MiB at the 2 MiB granularity of current GPUs); a segment above an eighth of
-// the cap, or above the grown size (the largest power of two not above the slabs' bytes, from
-// the granularity up to the cap), gets a slab of exactly its own bytes (rounded up to the
-// granularity); any other segment opens a slab of the grown size, which doubles with what the
-// arena holds.  (A region of one tensor per layer, 257 to 512 MiB each, takes as many slabs as
+// the cap, or above the grown size (the largest power of two not above the bytes of the slabs
+// opened for segments of at most an eighth of the cap, from the granularity up to the cap),
+// gets a slab of exactly its own bytes (rounded up to the granularity); any other segment
+// opens a slab of the grown size, which doubles with what the arena holds in such slabs (so
+// large segments first, a KV cache's layers, do not make a small one open a slab of the
+// cap).  (A region of one tensor per layer, 257 to 512 MiB each, takes as many slabs as
 // segments and no more memory than they do; 256 segments of 16 MiB take 13 slabs, 512 take
 // 21.)  cudaFree gives the range back to its slab; a slab left without segments is released at
 // once (its chunk goes to the chunk pool, which keeps at most pool_cache_mb and gives the rest
@@ -89,11 +91,13 @@ std::size_t arenas::granularity() {
 std::size_t arenas::slab_cap() const { return k_cap_granules * granularity_; }
 
 // `need` is a multiple of the granularity.
-std::size_t arenas::slab_size(const arena& a, std::size_t need) const {
+std::size_t arenas::slab_size(const arena& a, std::size_t need, bool& grows) const {
   const std::size_t cap = slab_cap();
-  const std::size_t grown = std::clamp(std::bit_floor(std::max(a.slab_bytes, granularity_)), granularity_, cap);
-  if (need > cap / 8 || need > grown) return need;  // a slab of its own bytes
-  return grown;
+  // Only the slabs opened for segments of at most cap / 8 count: a region of large segments
+  // (each a slab of its own bytes) does not make the next small segment open a slab of the cap.
+  const std::size_t grown = std::clamp(std::bit_floor(std::max(a.grown_bytes, granularity_)), granularity_, cap);
+  grows = need <= cap / 8;
+  return grows && need <= grown ? grown : need;  // else a slab of its own bytes
 }
 
 bool arenas::in_blocks(std::uintptr_t p) const noexcept {
@@ -225,6 +229,7 @@ dfa_status arenas::close_slab(arena& a, std::uintptr_t slab_addr) {
   if (const dfa_status st = dfa_release(b.id, s.offset, s.bytes, DFA_KEEP_DISCARD, nullptr); st != DFA_SUCCESS)
     return st;  // the slab stays, empty, for later segments
   a.slab_bytes -= s.bytes;
+  if (s.grows) a.grown_bytes -= s.bytes;
   try {
     give_back_range(b.va_free, s.offset, s.bytes);
   } catch (...) {  // the address space is lost for later slabs, nothing else
@@ -261,10 +266,14 @@ dfa_status arenas::allocate(const std::string& name, std::size_t bytes, void** o
         s.live += need;
         a->live_bytes += need;
         ++a->segments;
+        ++a->generation;
         *out = reinterpret_cast<void*>(addr);
         return DFA_SUCCESS;
       }
-      if (const dfa_status st = take_slab_va(name, *a, slab_size(*a, need), p); st != DFA_SUCCESS) return st;
+      bool grows = false;
+      const std::size_t size = slab_size(*a, need, grows);
+      if (const dfa_status st = take_slab_va(name, *a, size, p); st != DFA_SUCCESS) return st;
+      p.grows = grows;
     }
     dfa_status st = dfa_materialize_whole_pieces(p.id, p.offset, p.bytes, DFA_FILL_UNDEFINED, nullptr);
     std::size_t spare = 0;  // address space taken but not backed
@@ -295,6 +304,7 @@ dfa_status arenas::allocate(const std::string& name, std::size_t bytes, void** o
       s.offset = p.offset;
       s.bytes = p.bytes;
       s.live = need;
+      s.grows = p.grows;
       if (p.bytes > need) s.free.emplace(addr + need, p.bytes - need);
       auto it = a->slabs.emplace(addr, std::move(s)).first;
       try {
@@ -307,8 +317,10 @@ dfa_status arenas::allocate(const std::string& name, std::size_t bytes, void** o
       return give_up(DFA_ERROR_OUT_OF_MEMORY);
     }
     a->slab_bytes += p.bytes;
+    if (p.grows) a->grown_bytes += p.bytes;
     a->live_bytes += need;
     ++a->segments;
+    ++a->generation;
     *out = reinterpret_cast<void*>(addr);
     return DFA_SUCCESS;
   } catch (...) {
@@ -428,6 +440,7 @@ arena_figures arenas::figures(const std::string& name) const {
   f.segments = a.segments;
   f.paused = a.paused ? 1 : 0;
   f.strays = a.strays;
+  f.generation = a.generation;
   return f;
 }
 

@@ -28,6 +28,9 @@ struct arena_figures {
   // does not serve the call (another device, disabled).  Memory the arena's pause leaves
   // backed (memory_saver's pause finds PyTorch's among them in its snapshot).
   std::size_t strays = 0;
+  // Segments placed in the arena so far (never decreases): memory_saver's pause checks the
+  // arena's segments' pools again only when it changed (Note [Preload arenas]).
+  std::uint64_t generation = 0;
 };
 
 // Every arena of the process, by name.  Thread-safe (one mutex, Note [Preload arenas]'s
@@ -78,12 +81,15 @@ class arenas {
     std::size_t block = 0;  // index in arena::blocks
     std::size_t offset = 0, bytes = 0;
     std::size_t live = 0;   // bytes of segments in it
+    bool grows = false;     // counted in arena::grown_bytes
     std::map<std::uintptr_t, std::size_t> free;  // address -> bytes not used by a segment
   };
   struct arena {
     std::vector<block> blocks;
     std::map<std::uintptr_t, slab> slabs;  // by address
     std::size_t slab_bytes = 0, live_bytes = 0, segments = 0;
+    std::size_t grown_bytes = 0;  // bytes of the slabs opened for segments of at most cap / 8 (slab_size)
+    std::uint64_t generation = 0;  // segments placed so far
     bool paused = false;
     dfa_keep keep = DFA_KEEP_DISCARD;
     std::size_t strays = 0;
@@ -100,11 +106,14 @@ class arenas {
     std::size_t block = 0, offset = 0, bytes = 0;
     dfa_reservation id = 0;
     std::uint64_t pauses = 0;
+    bool grows = false;  // slab_size's: counted in arena::grown_bytes
   };
 
   std::size_t granularity();
   std::size_t slab_cap() const;
-  std::size_t slab_size(const arena& a, std::size_t need) const;
+  // A new slab's size for a segment of `need` bytes; `grows`: the slab counts towards the
+  // grown size (opened for a segment of at most cap / 8).
+  std::size_t slab_size(const arena& a, std::size_t need, bool& grows) const;
   bool best_fit(arena& a, std::size_t need, std::uintptr_t& slab_addr,
                 std::map<std::uintptr_t, std::size_t>::iterator& at);
   static void carve(slab& s, std::map<std::uintptr_t, std::size_t>::iterator at, std::size_t need) noexcept;

@@ -301,7 +301,7 @@ class ModeSuite(unittest.TestCase):
             self.skipTest("the arenas are hook_mode='preload''s")
         import ctypes
         lib = preload_lib()
-        figures = (ctypes.c_size_t * 6)()
+        figures = (ctypes.c_size_t * 7)()
 
         def calls():
             return dfa_stats(lib)["calls"]
@@ -346,7 +346,7 @@ class ModeSuite(unittest.TestCase):
             self.skipTest("the arenas are hook_mode='preload''s")
         import ctypes
         lib = preload_lib()
-        figures = (ctypes.c_size_t * 6)()
+        figures = (ctypes.c_size_t * 7)()
         s = saver()
         with s.region("live", enable_cpu_backup=True):
             ts = [torch.full((16 * MIB,), i % 251, dtype=torch.uint8, device="cuda") for i in range(40)]
@@ -382,7 +382,7 @@ class ModeSuite(unittest.TestCase):
             self.skipTest("the arenas are hook_mode='preload''s")
         import ctypes
         lib = preload_lib()
-        figures = (ctypes.c_size_t * 6)()
+        figures = (ctypes.c_size_t * 7)()
         s = saver()
         with s.region("kv"):
             ts = [torch.empty((260 if i % 2 else 300) * MIB, dtype=torch.uint8, device="cuda") for i in range(16)]
