@@ -207,7 +207,8 @@ int interleaved(const arena_api& api) {
   dfa_reservation r = 0;
   CHECK(dfa_find(outside, &r) == DFA_SUCCESS);
   size_t f[7] = {};
-  CHECK(api.figures(name, f) == DFA_SUCCESS && f[4] == 1 && f[5] == 1);  // paused, one stray
+  // paused, one stray; the generation counts the 4 segments placed and the stray
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[4] == 1 && f[5] == 1 && f[6] == 5);
   CHECK(cudaFree(outside) == cudaSuccess);
   CHECK(api.figures(name, f) == DFA_SUCCESS && f[5] == 0);
   CHECK(cudaFree(c) == cudaSuccess);  // its slab closes while paused: the backup dropped, nothing unmapped

@@ -330,8 +330,8 @@ __attribute__((visibility("default"))) int dfa_preload_arena_classify(const char
 // out[0..6]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), strays:
 // segments cudaMalloc'ed with the arena current but served outside it, not freed yet (the
 // arena paused, a segment larger than a block, or a call the library does not serve), and the
-// generation: segments placed in the arena so far (memory_saver checks the arena's segments'
-// pools again only when it changed).  `out` holds 7 values.
+// generation: segments placed in the arena and strays noted so far (memory_saver reads
+// PyTorch's snapshot for the arena again only when it changed).  `out` holds 7 values.
 __attribute__((visibility("default"))) int dfa_preload_arena_figures(const char* name, size_t* out) {
   if (name == nullptr || out == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
   const deferalloc::preload::arena_figures f = g_arenas.figures(name);

@@ -459,6 +459,7 @@ void arenas::note_stray(const std::string& name, const void* p) {
   try {
     auto& slot = arenas_[name];
     if (!slot) slot = std::make_unique<arena>();
+    ++slot->generation;  // first: a stray that cannot be counted still makes the next pause look
     if (strays_.emplace(reinterpret_cast<std::uintptr_t>(p), slot.get()).second) {
       ++slot->strays;
       stray_count_.fetch_add(1, std::memory_order_relaxed);

@@ -28,8 +28,8 @@ struct arena_figures {
   // does not serve the call (another device, disabled).  Memory the arena's pause leaves
   // backed (memory_saver's pause finds PyTorch's among them in its snapshot).
   std::size_t strays = 0;
-  // Segments placed in the arena so far (never decreases): memory_saver's pause checks the
-  // arena's segments' pools again only when it changed (Note [Preload arenas]).
+  // Segments placed in the arena, and strays noted, so far (never decreases): memory_saver's
+  // pause reads PyTorch's snapshot for the arena again only when it changed.
   std::uint64_t generation = 0;
 };
 
@@ -89,7 +89,7 @@ class arenas {
     std::map<std::uintptr_t, slab> slabs;  // by address
     std::size_t slab_bytes = 0, live_bytes = 0, segments = 0;
     std::size_t grown_bytes = 0;  // bytes of the slabs opened for segments of at most cap / 8 (slab_size)
-    std::uint64_t generation = 0;  // segments placed so far
+    std::uint64_t generation = 0;  // segments placed and strays noted so far
     bool paused = false;
     dfa_keep keep = DFA_KEEP_DISCARD;
     std::size_t strays = 0;

@@ -36,14 +36,18 @@ Approach:
   (dfa_preload_arena_pause: O(slabs) driver calls, keep host or discard); resume backs their
   slabs again at the same addresses (restore or undefined).  Segments of the tag's pools
   outside its arenas (PyTorch's default pool with TMS_INIT_ENABLE=1, which belongs to the tag
-  "default"; a pool passed to cuda_graph; segments allocated while the tag was paused or from
-  another thread) are found in PyTorch's snapshot, each one a reservation of the preload
+  "default"; a pool passed to cuda_graph; segments allocated while the tag was paused, or on
+  another thread in a capture's pool) are found in PyTorch's snapshot, each one a reservation of the preload
   library (dfa_find), and released and backed again as such (dfa_release_many /
   dfa_materialize_many).  The arena follows the thread, PyTorch's pools follow its routing:
   so every pause first checks, in PyTorch's snapshot of every pool, that no segment of
   another pool lies in the tag's arena (a region entered inside another library's
   torch.cuda.use_mem_pool, or an allocation of a stream other than the capture's inside
   cuda_graph, would put one there) and raises InvalidState, nothing paused, when one does.
+  The check and the look for segments outside read one snapshot per pause() call, and none
+  for a tag whose arenas gained no segment and no stray since its last pause checked them,
+  hold no stray, and whose pools can hold segments only through them (no capture's pool, not
+  PyTorch's default pool): their segments are still of the pools they were checked for.
   The kind with a backup is paused first and the discarded kind last, so that a pause that
   fails has lost no contents the caller keeps (a failure among the discard kind's own calls
   leaves what it had discarded undefined, as a resume after a pause would).
@@ -415,6 +419,8 @@ class _Impl:
         self.pools: dict = {}            # (tag, keep, device) -> the region's MemPool, kept for the process (as TMS)
         self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] of cuda_graph (torch mode)
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
+        self.outside: set = set()        # (tag, keep) whose pools may hold segments outside its arena (preload)
+        self.verified: dict = {}         # (tag, keep) -> its arena's generation its last pause checked (preload)
         self.arenas = None               # the preload library's arena entry points (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         if hook_mode == "preload":
@@ -429,6 +435,7 @@ class _Impl:
             if self.init_enable:
                 self._note(_TAG_DEFAULT, self.init_keep)
                 self.pool_ids.setdefault((_TAG_DEFAULT, self.init_keep), set()).add((0, 0))
+                self.outside.add((_TAG_DEFAULT, self.init_keep))  # PyTorch's default pool: every thread's
         elif self.init_enable:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
@@ -474,8 +481,9 @@ class _Impl:
             self.arenas.dfa_preload_arena_pop()
 
     def _arena_figures(self, name: str) -> list:
-        """[slabs, their bytes, bytes of segments, segments, paused, strays] of an arena."""
-        out = (ctypes.c_size_t * 6)()
+        """[slabs, their bytes, bytes of segments, segments, paused, strays, generation] of an
+        arena (the generation: segments placed in it so far)."""
+        out = (ctypes.c_size_t * 7)()
         _native.allocator.check(self.arenas.dfa_preload_arena_figures(name.encode(), out), "dfa_preload_arena_figures")
         return list(out)
 
@@ -552,13 +560,18 @@ class _Impl:
         if self.mode == "preload":
             self._note(tag, keep)
             # The arena is current inside the capture only: what capture_begin allocates first
-            # (the RNG's graph-safe state, in PyTorch's default pool) stays outside it.
+            # (the RNG's graph-safe state, in PyTorch's default pool) stays outside it.  The
+            # capture's pool is the tag's from the start, so that a capture that raises leaves
+            # no segment of an unknown pool in the arena.  Its stream filter takes other
+            # threads' allocations on the capture stream, and a pool passed in may hold a
+            # capture's made outside the saver: a pause always looks for segments outside.
             with self._route(None), \
-                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
-                    self._arena(self._itag(tag, keep)), self._in_region():
-                yield
-            with self.lock:
-                self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
+                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+                with self.lock:
+                    self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
+                    self.outside.add((tag, keep))
+                with self._arena(self._itag(tag, keep)), self._in_region():
+                    yield
             return
         itag = self._itag(tag, keep)
         with self.lock:
@@ -615,6 +628,7 @@ class _Impl:
             return
         _sync()
         with self.lock:
+            snap = []  # preload mode: PyTorch's snapshot, taken at most once for every tag of this call
             for t in names:
                 if t in self.paused:
                     raise _dfa.InvalidState(f"pause({t!r}): the tag is paused already (resume it first)")
@@ -622,17 +636,21 @@ class _Impl:
                     free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
                     done = []
                     try:
-                        for keep in sorted(self.keeps[t]):
+                        for keep in _pause_order(self.keeps[t]):
                             _dfa.pause(self._itag(t, keep), keep=keep)
                             done.append(keep)
-                    except BaseException:
-                        for keep in done:  # all or nothing
-                            _dfa.resume(self._itag(t, keep))
+                    except BaseException as failed:
+                        try:
+                            for keep in done:  # all or nothing
+                                _dfa.resume(self._itag(t, keep))
+                        except BaseException:
+                            self.paused[t] = [(0, 0, "", 0)]  # paused in part: resume(t) resumes what is
+                            raise failed
                         raise
                     given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
                     self.paused[t] = [(0, 0, "", max(0, given))]  # what the margin check counts at resume
                 else:
-                    self.paused[t] = self._preload_pause(t)
+                    self.paused[t] = self._preload_pause(t, snap)
 
     def resume(self, tag: Optional[str]) -> None:
         names = self._tags(tag, paused=True)
@@ -671,12 +689,31 @@ class _Impl:
         return [(s["address"], tuple(s.get("segment_pool_id", (0, 0))), s["total_size"])
                 for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)]
 
-    def _segments(self, t: str) -> list:
+    def _scan_needed(self, t: str, figs: dict) -> bool:
+        """Whether a pause of tag ``t`` must read PyTorch's snapshot (``figs``: keep -> its
+        arena's figures).  Not when every arena of the tag gained no segment since the check of
+        its last pause (the segments checked then are still of the pools they were), holds no
+        stray, and no pool of the tag can hold a segment outside it (a capture's or PyTorch's
+        default pool can: other threads allocate in them)."""
+        if self.arenas is None:
+            return True
+        return any(f[5] or f[6] != self.verified.get((t, keep)) or (t, keep) in self.outside
+                   for keep, f in figs.items())
+
+    def _segments(self, t: str, snap: list) -> tuple:
         """(address, keep, bytes) of every segment of the tag's pools outside every arena, in
-        the order the pause takes them (backup first).  Raises InvalidState, nothing paused,
-        when an arena of the tag holds a segment of a pool that is not the tag's (its memory is
-        another pool's: pausing it would break that pool's tensors)."""
-        segs = self._snapshot()
+        the order the pause takes them (backup first), and {keep: its arena's generation}.
+        Raises InvalidState, nothing paused, when an arena of the tag holds a segment of a pool
+        that is not the tag's (its memory is another pool's: pausing it would break that pool's
+        tensors).  ``snap`` holds PyTorch's snapshot once a tag of the same pause() read it."""
+        figs = {} if self.arenas is None else \
+            {keep: self._arena_figures(self._itag(t, keep)) for keep in self.keeps[t]}
+        gens = {keep: f[6] for keep, f in figs.items()}
+        if not self._scan_needed(t, figs):
+            return [], gens
+        if not snap:
+            snap.append(self._snapshot())
+        segs = snap[0]
         addrs = (ctypes.c_void_p * len(segs))(*[a for a, _, _ in segs])
         out = []
         for keep in _pause_order(self.keeps[t]):
@@ -697,14 +734,15 @@ class _Impl:
                         "capture's inside cuda_graph). Pausing it would break that pool's tensors. Nothing paused")
                 if w == 0 and pid in pools:
                     out.append((a, keep, size))
-        return out
+        return out, gens
 
-    def _preload_pause(self, t: str) -> list:
+    def _preload_pause(self, t: str, snap: Optional[list] = None) -> list:
         """Pauses the tag; returns its rows for _preload_resume: (arena name, 0, keep, slab
         bytes) per arena, (address, reservation, keep, bytes) per segment outside them."""
         lib = _native.allocator()
         found = []
-        for addr, keep, size in self._segments(t):
+        outside, gens = self._segments(t, [] if snap is None else snap)
+        for addr, keep, size in outside:
             rid = ctypes.c_uint64()
             if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(rid)) != 0:
                 raise _dfa.InvalidState(
@@ -727,9 +765,18 @@ class _Impl:
                     _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(keep), stream),
                                             "dfa_release_many")
                     done += [f for f in found if f[2] == keep]
-        except BaseException:
-            self._preload_resume(done)
+        except BaseException as failed:
+            try:
+                self._preload_resume(done)
+            except BaseException:
+                # The rollback failed too: the tag stays paused in part, recorded so that
+                # resume(t) can finish it (_preload_resume takes each arena once, and a segment
+                # backed again already is backed as it is).
+                self.paused[t] = done
+                raise failed
             raise
+        for keep, gen in gens.items():  # checked and paused: the next pause reads no snapshot for them
+            self.verified[(t, keep)] = gen
         return done
 
     def _preload_resume(self, paused: list) -> None:

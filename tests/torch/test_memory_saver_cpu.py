@@ -251,6 +251,57 @@ class TorchModeOnTheHostDriver(SaverCase):
         self.s.pause("never-used")   # a tag with no allocations holds nothing (as torch_memory_saver)
         self.s.resume("never-used")
 
+    def test_pause_takes_the_backup_kind_first(self):
+        """As in preload mode: a failure that rolls the pause back has discarded nothing."""
+        with self.s.region("o", enable_cpu_backup=True):
+            pass
+        with self.s.region("o"):
+            pass
+        calls = []
+        real = ms._dfa.pause
+
+        def pause(name, keep):
+            calls.append(name)
+            if name.startswith("tms.discard/"):
+                raise dfa.OutOfMemory("mocked pause")
+            return real(name, keep=keep)
+
+        with mock.patch.object(ms._dfa, "pause", pause):
+            with self.assertRaisesRegex(dfa.OutOfMemory, "mocked pause"):
+                self.s.pause("o")
+        self.assertEqual(calls, ["tms.host/o", "tms.discard/o"])
+        self.assertFalse(dfa.is_paused("tms.host/o") or dfa.is_paused("tms.discard/o"))
+        self.s.pause("o")
+        self.s.resume("o")
+
+    def test_failed_rollback_leaves_the_tag_resumable(self):
+        """A pause that fails and whose rollback fails too records the tag as paused, so that
+        resume(tag) finishes it (not a tag stuck half-paused that neither call accepts)."""
+        with self.s.region("r", enable_cpu_backup=True):
+            pass
+        with self.s.region("r"):
+            pass
+        real_pause, real_resume = ms._dfa.pause, ms._dfa.resume
+
+        def pause(name, keep):
+            if name.startswith("tms.discard/"):
+                raise dfa.OutOfMemory("mocked pause")
+            return real_pause(name, keep=keep)
+
+        def resume(name):
+            raise dfa.OutOfMemory("mocked resume")
+
+        with mock.patch.object(ms._dfa, "pause", pause), mock.patch.object(ms._dfa, "resume", resume):
+            with self.assertRaisesRegex(dfa.OutOfMemory, "mocked pause"):
+                self.s.pause("r")
+        self.assertTrue(dfa.is_paused("tms.host/r"))
+        with self.assertRaisesRegex(dfa.InvalidState, "paused already"):
+            self.s.pause("r")
+        self.s.resume("r")  # finishes it
+        self.assertFalse(dfa.is_paused("tms.host/r") or dfa.is_paused("tms.discard/r"))
+        self.s.pause("r")
+        self.s.resume("r")
+
     def test_pause_inside_a_region_refused_and_nothing_paused(self):
         with self.s.region("a"):
             pass
@@ -391,6 +442,70 @@ for cycle in range(2):
         assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, (cycle, i)
     for a in segs["discard"]:
         ctypes.memset(a, 0x5A, MIB)  # backed again, writable
+# A pause whose rollback fails too: the tag stays recorded as paused, and resume finishes it
+real_resume = impl.arenas.dfa_preload_arena_resume
+impl.arenas.dfa_preload_arena_pause = failing_pause
+impl.arenas.dfa_preload_arena_resume = lambda name, stream: 3
+try:
+    impl.pause("t")
+    raise AssertionError("the failing pause went through")
+except ms._dfa.DeferallocError as e:
+    assert "dfa_preload_arena_pause" in str(e), e
+impl.arenas.dfa_preload_arena_pause = real_pause
+impl.arenas.dfa_preload_arena_resume = real_resume
+assert "t" in impl.paused and impl._arena_figures(impl._itag("t", "host"))[4] == 1, impl.paused
+impl.resume("t")
+assert "t" not in impl.paused and all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
+for i, a in enumerate(segs["host"]):
+    assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, i
+
+# One snapshot per pause() call, none where the tag's arenas gained no segment since the last
+# pause checked them, hold no stray, and no pool of the tag can hold segments outside them
+taken = []
+impl._snapshot = lambda: taken.append(1) or snapshot
+impl.verified.clear()
+def cycle(tag=None, snapshots=0):
+    n = len(taken)
+    impl.pause(tag)
+    impl.resume(tag)
+    assert len(taken) - n == snapshots, (tag, len(taken) - n, snapshots)
+cycle("t", 1)
+cycle("t", 0)
+def malloc_in(keep, tag="t"):
+    p = ctypes.c_void_p()
+    with impl._arena(impl._itag(tag, keep)):
+        assert lib.cudaMalloc(ctypes.byref(p), MIB) == 0
+    return p.value
+q = malloc_in("host")  # a new segment: checked again, here of another pool (refused, nothing paused)
+snapshot.append((q, (9, 9), MIB))
+pause_refused("belongs to PyTorch's pool (9, 9)")
+snapshot[-1] = (q, POOL["host"], MIB)
+cycle("t", 1)
+cycle("t", 0)
+impl.pause("t")
+r = malloc_in("discard")  # the arena paused: a stray, served outside it, found in the snapshot and paused
+impl.resume("t")
+snapshot.append((r, POOL["discard"], MIB))
+assert impl._arena_figures(impl._itag("t", "discard"))[5] == 1
+n = len(taken)
+rows = impl._preload_pause("t")
+assert len(taken) == n + 1 and any(row[0] == r for row in rows), rows
+impl._preload_resume(rows)
+cycle("t", 1)  # while the stray lives
+impl._note("u", "discard")
+impl.pool_ids[("u", "discard")] = {(1, 3)}
+u = malloc_in("discard", "u")
+snapshot.append((u, (1, 3), MIB))
+cycle(None, 1)  # two tags, one snapshot
+impl.outside.add(("u", "discard"))  # a capture's pool: looked at every time
+cycle("u", 1)
+cycle("u", 1)
+for a in (q, r, u):
+    assert lib.cudaFree(ctypes.c_void_p(a)) == 0
+    snapshot.pop()
+assert impl._arena_figures(impl._itag("t", "discard"))[5] == 0
+impl._snapshot = lambda: snapshot
+
 # deferalloc.release & co. of a tensor in an arena: refused (its reservation is the arena's whole block)
 import deferalloc
 t = torch.frombuffer((ctypes.c_ubyte * MIB).from_address(segs["host"][3] + 4096), dtype=torch.uint8)
