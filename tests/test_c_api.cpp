@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -185,6 +186,35 @@ TEST_F(c_api, bad_input_table) {
   ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
   EXPECT_EQ(dfa_free_reservation(r, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "double free";
   EXPECT_NE(std::string(dfa_last_error()).find("unknown reservation"), std::string::npos) << dfa_last_error();
+}
+
+// A release that cuts through a chunk larger than the largest class (an exact chunk of
+// dfa_materialize_whole_pieces) splits it (Note [Splitting chunks]): the rest keeps its bytes.
+TEST(c_api_split, chunk_larger_than_the_largest_class) {
+  ASSERT_EQ(dfa_init("driver:host,host_granularity_kb:64,chunk_classes_mb:1"), DFA_SUCCESS) << dfa_last_error();
+  constexpr size_t mib = size_t{1} << 20, bytes = 6 * mib;
+  dfa_reservation r = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_reserve(bytes, &r, &p), DFA_SUCCESS);
+  dfa_stats s0{};
+  ASSERT_EQ(dfa_get_stats(&s0), DFA_SUCCESS);
+  ASSERT_EQ(dfa_materialize_whole_pieces(r, 0, bytes, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_stats s1{};
+  ASSERT_EQ(dfa_get_stats(&s1), DFA_SUCCESS);
+  EXPECT_EQ(s1.driver_calls[4] - s0.driver_calls[4], 1u) << "one map: one chunk of 6 MiB";
+  auto* b = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < bytes; i += 4096) b[i] = static_cast<unsigned char>(i / 4096 % 251);
+  ASSERT_EQ(dfa_release(r, 2 * mib, mib, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  int backed = -1;
+  ASSERT_EQ(dfa_is_backed(r, 2 * mib, mib, &backed), DFA_SUCCESS);
+  EXPECT_EQ(backed, 0);
+  for (auto [off, len] : {std::pair{size_t{0}, 2 * mib}, std::pair{3 * mib, 3 * mib}}) {
+    ASSERT_EQ(dfa_is_backed(r, off, len, &backed), DFA_SUCCESS);
+    EXPECT_EQ(backed, 1);
+    for (size_t i = off; i < off + len; i += 4096) ASSERT_EQ(b[i], i / 4096 % 251) << i;
+  }
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_shutdown(), DFA_SUCCESS);
 }
 
 TEST(c_api_init, unknown_config_key_is_refused_with_the_valid_keys) {

@@ -268,7 +268,7 @@ class reservation_manager::impl {
     buffers bufs;
   };
   std::vector<retired> retired_;
-  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (largest class)
+  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (the largest chunk split so far)
   std::size_t scratch_bytes_ = 0;
   byte_counts counts_;
 };
