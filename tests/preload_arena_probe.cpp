@@ -19,6 +19,7 @@
 //   (g) segments above an eighth of the slab cap take slabs of their own bytes (within 1.1x),
 //       and do not make later small segments open slabs of the cap;
 //   (h) allocations racing pauses: in the arena or counted as strays, nothing leaked;
+//   (i) cudaMalloc / cudaFree racing outside arenas (strays among them): every one succeeds;
 //   with the argument "unserved" (a DEFERALLOC_CONF the library cannot serve): an arena
 //   cannot be made current.
 #include <cuda_runtime_api.h>
@@ -461,6 +462,35 @@ int unserved(const arena_api& api) {
   return 0;
 }
 
+// (i) cudaMalloc / cudaFree racing outside arenas, with strays outstanding (a paused arena's
+// segments): an address freed by one thread and handed to another at once is the other's, so
+// every cudaFree succeeds and nothing is left over.
+int racing_frees(const arena_api& api) {
+  const char* name = "tms.host/race_free";
+  const dfa_stats s0 = stats();
+  CHECK(api.pause(name, DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS);
+  std::vector<std::thread> ts;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([&, t] {
+      const bool in_arena = t % 2 == 0;  // strays of the paused arena, or plain segments
+      if (in_arena && api.push(name) != DFA_SUCCESS) ++failures;
+      for (int i = 0; i < 1500; ++i) {
+        void* q = nullptr;
+        if (cudaMalloc(&q, k_seg) != cudaSuccess || cudaFree(q) != cudaSuccess) ++failures;
+      }
+      if (in_arena && api.pop() != DFA_SUCCESS) ++failures;
+    });
+  for (auto& t : ts) t.join();
+  size_t f[7] = {};
+  CHECK(failures.load() == 0);
+  CHECK(api.figures(name, f) == DFA_SUCCESS && f[5] == 0);
+  CHECK(api.resume(name, nullptr) == DFA_SUCCESS);
+  CHECK(stats().pool_alive_bytes == s0.pool_alive_bytes);
+  std::printf("%s: 6000 cudaMalloc / cudaFree racing on 4 threads, every one served and freed\n", name);
+  return 0;
+}
+
 // For contrast: the same segments outside an arena, one reservation and one mapping each.
 int outside_arena() {
   const dfa_stats s0 = stats();
@@ -500,6 +530,7 @@ int main(int argc, char** argv) {
   if (random_interleaving(api) != 0) return 1;
   if (large_segments(api) != 0) return 1;
   if (racing_pauses(api) != 0) return 1;
+  if (racing_frees(api) != 0) return 1;
   if (outside_arena() != 0) return 1;
   std::printf("preload_arena_probe: arenas pass\n");
   return 0;

@@ -231,6 +231,8 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
     }
     return to_cuda_error(g_arenas.free(ptr));
   }
+  // The entries go before the memory does, and come back if it stays: once the memory is
+  // freed, a concurrent cudaMalloc may get the same address and add its own entries.
   dfa_reservation r = 0;
   bool ours = false;
   if (ptr != nullptr) {
@@ -238,6 +240,7 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
     auto it = g_ours.find(ptr);
     if (it != g_ours.end()) {
       r = it->second;
+      g_ours.erase(it);
       ours = true;
     }
   }
@@ -247,21 +250,26 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
     if (ptr != nullptr && state().enabled && (g_arenas.contains(ptr) || dfa_find(ptr, &r) == DFA_SUCCESS))
       return cudaErrorInvalidValue;
     if (real().cuda_free == nullptr) return ptr == nullptr ? cudaSuccess : cudaErrorInvalidValue;
+    const std::string stray = ptr != nullptr ? g_arenas.forget_stray(ptr) : std::string();  // one not served
     const cudaError_t e = real().cuda_free(ptr);
-    if (e == cudaSuccess && ptr != nullptr) g_arenas.forget_stray(ptr);  // one the library did not serve
+    if (e != cudaSuccess && !stray.empty()) g_arenas.note_stray(stray, ptr);
     return e;
   }
-  if (!state().host && real().device_synchronize != nullptr) {
-    const cudaError_t e = real().device_synchronize();
-    if (e != cudaSuccess) return e;
+  const std::string stray = g_arenas.forget_stray(ptr);
+  cudaError_t e = cudaSuccess;
+  if (!state().host && real().device_synchronize != nullptr) e = real().device_synchronize();
+  const dfa_status st = e == cudaSuccess ? dfa_free_reservation(r, nullptr) : DFA_SUCCESS;
+  if (e != cudaSuccess || st != DFA_SUCCESS) {  // still allocated: its entries back
+    if (!stray.empty()) g_arenas.note_stray(stray, ptr);
+    try {
+      std::lock_guard lk(g_mu);
+      g_ours.emplace(ptr, r);
+    } catch (...) {
+      std::fprintf(stderr, "[deferalloc preload] out of memory: a segment at %p that cudaFree could not free is "
+                   "no longer known as one of ours\n", ptr);
+    }
   }
-  const dfa_status st = dfa_free_reservation(r, nullptr);
-  if (st == DFA_SUCCESS) {
-    g_arenas.forget_stray(ptr);
-    std::lock_guard lk(g_mu);
-    g_ours.erase(ptr);
-  }
-  return to_cuda_error(st);
+  return e != cudaSuccess ? e : to_cuda_error(st);
 }
 
 // The arenas (Note [Preload arenas]), for deferalloc.memory_saver and the tests.  They return
@@ -299,7 +307,8 @@ __attribute__((visibility("default"))) int dfa_preload_arena_pause(const char* n
 }
 
 // Backs every slab of a paused arena again at its address, restored when paused with
-// DFA_KEEP_HOST.  Cost: one dfa_materialize per slab (a chunk, one map, one set_access).
+// DFA_KEEP_HOST.  Cost: one dfa_materialize_whole_pieces per slab (one chunk of the slab's size where
+// the device gives one, one map, one set_access).
 __attribute__((visibility("default"))) int dfa_preload_arena_resume(const char* name, void* stream) {
   if (name == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
   return g_arenas.resume(name, stream);

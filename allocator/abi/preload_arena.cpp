@@ -49,14 +49,21 @@
 // empties.  An allocation while the arena is paused, of a segment larger than a block, or that
 // the library does not serve (another device), is served outside the arena and counted as a
 // stray in its figures (memory_saver's pause finds such segments in PyTorch's snapshot of the
-// tag's pools, and refuses those that are no reservation of the library).  One mutex guards the arenas: a new slab is backed
-// outside it (address space taken under it, the slab added under it after, and given up if a
-// pause came in between: the segment is then served outside the arena), but a pause, a resume
-// and a cudaFree that empties a slab make their driver calls under it, so a cudaFree of an
-// arena segment waits for a pause in progress (a cudaFree of any other pointer does not take
-// it, unless strays are outstanding: it then looks for one); log lines of the calls made under
-// it are delivered after it is released (Note [Logging outside locks] in log.hpp).  Blocks are
-// kept for the process (address space only).
+// tag's pools, and refuses those that are no reservation of the library).  A stray that is no
+// PyTorch segment (a library's own cudaMalloc on the region's thread while the arena is
+// paused, or on a device the library does not serve) is in no PyTorch pool: it is counted but
+// never found nor paused, and stays backed.  The figures' generation counts the segments
+// placed and the strays noted, so that memory_saver reads PyTorch's snapshot again only when
+// an arena changed.  The arenas' blocks are hidden from the C ABI's dfa_find (Note [Hidden
+// reservations] in process_state.cpp): a reservation call would act on a whole block.  One
+// mutex guards the arenas: a new slab is backed outside it (address space taken under it, the
+// slab added under it after, and given up if a pause came in between: the segment is then
+// served outside the arena), but a pause, a resume and a cudaFree that empties a slab make
+// their driver calls under it, so a cudaFree of an arena segment waits for a pause in progress
+// (a cudaFree of any other pointer does not take it while the process has at most 64 arena
+// blocks and no stray is outstanding; otherwise it takes it to look); log lines of the calls
+// made under it are delivered after it is released (Note [Logging outside locks] in log.hpp).
+// Blocks are kept for the process (address space only).
 #include "preload_arena.hpp"
 
 #include <algorithm>
@@ -468,14 +475,21 @@ void arenas::note_stray(const std::string& name, const void* p) {
   }
 }
 
-void arenas::forget_stray(const void* p) {
-  if (stray_count_.load(std::memory_order_relaxed) == 0) return;  // every cudaFree of the process comes here
+std::string arenas::forget_stray(const void* p) {
+  if (stray_count_.load(std::memory_order_relaxed) == 0) return {};  // every cudaFree of the process comes here
   std::lock_guard lk(mu_);
   auto it = strays_.find(reinterpret_cast<std::uintptr_t>(p));
-  if (it == strays_.end()) return;
-  --it->second->strays;
+  if (it == strays_.end()) return {};
+  arena* a = it->second;
+  --a->strays;
   strays_.erase(it);
   stray_count_.fetch_sub(1, std::memory_order_relaxed);
+  try {
+    for (const auto& [name, slot] : arenas_)
+      if (slot.get() == a) return name;
+  } catch (...) {  // the name is for a rare note_stray again only
+  }
+  return {};
 }
 
 }  // namespace deferalloc::preload

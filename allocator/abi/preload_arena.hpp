@@ -40,11 +40,12 @@ class arenas {
  public:
   // Places a segment of `bytes` in arena `name` (made on first use).  DFA_ERROR_INVALID_STATE
   // when the arena is paused or the segment is larger than a block: the caller serves it
-  // another way.  Cost: none when a free range fits, else one dfa_materialize of a new slab
+  // another way.  Cost: none when a free range fits, else one dfa_materialize_whole_pieces of a new slab
   // (and a dfa_reserve when the arena needs another block).
   dfa_status allocate(const std::string& name, std::size_t bytes, void** out);
   // Whether `p` is the base of a segment of an arena.  A pointer outside every arena's
-  // blocks is answered without the mutex (every cudaFree of the process asks).
+  // blocks is answered without the mutex (every cudaFree of the process asks) while the
+  // process has at most 64 arena blocks; past that, every pointer takes the mutex.
   bool owns(const void* p) const;
   // Whether `p` lies in the address space of an arena (a segment or not).
   bool contains(const void* p) const;
@@ -57,7 +58,7 @@ class arenas {
   // bytes kept in pinned host memory, the free ranges not copied) or dfa_release_many
   // (discarded).  Unknown name: an empty arena is made and paused.
   dfa_status pause(const std::string& name, dfa_keep keep, void* stream);
-  // Every slab backed again at its address, one dfa_materialize each (its segments restored
+  // Every slab backed again at its address, one dfa_materialize_whole_pieces each (its segments restored
   // when paused with DFA_KEEP_HOST); all or nothing.
   dfa_status resume(const std::string& name, void* stream);
   arena_figures figures(const std::string& name) const;
@@ -69,7 +70,9 @@ class arenas {
   // figures count it (memory its pause leaves backed).  Also for a cudaMalloc the library
   // does not serve while the arena is current (the arena made if new).
   void note_stray(const std::string& name, const void* p);
-  void forget_stray(const void* p);
+  // Forgets a stray; returns its arena's name ("" when `p` is none), for a note_stray again
+  // where the memory turns out not to be freed.
+  std::string forget_stray(const void* p);
 
  private:
   struct block {
