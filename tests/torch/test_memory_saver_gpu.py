@@ -17,8 +17,9 @@ with libdeferalloc_preload.so in LD_PRELOAD, beside $DEFERALLOC_LIB):
   discard pause / resume unmaps / maps at most one chunk per slab, with the addresses kept;
   a CPU-backup pause of an arena copies exactly its segments' bytes (not the newest slab's
   free tail) and its resume restores them; KV layers of 260 / 300 MiB take one slab of their
-  own bytes each (within 1.1x); a use_mem_pool inside a region whose allocation lands in the
-  arena makes a pause raise InvalidState, nothing paused;
+  own bytes each (within 1.1x); a region inside a use_mem_pool, whose allocation lands in the
+  arena for the other pool, makes a pause raise InvalidState, nothing paused; a cuda_graph
+  capture that raises leaves its pool the tag's (a pause goes through);
 Then, per mode, two processes on one GPU (a third holds ballast so that only one of them fits):
 20 cycles of each pausing while the other works; what one gives back the other maps (>= 95%
 each cycle), free memory does not drift over the cycles, and a paused process holds at most
@@ -407,32 +408,44 @@ class ModeSuite(unittest.TestCase):
         del ts
 
     def test_9d_preload_another_pools_segment_in_the_arena_is_refused(self):
-        """hook_mode="preload": a torch.cuda.use_mem_pool entered inside a region: where PyTorch
-        routes the allocation to that pool, its segment lies in the tag's arena and a pause
-        raises InvalidState, nothing paused; where PyTorch keeps the region's pool, the pause
-        goes through."""
+        """hook_mode="preload": a region entered inside torch.cuda.use_mem_pool: PyTorch routes
+        to the first pool begun on the thread (Note [One routed pool per thread]), so the
+        allocation goes to that pool while the tag's arena is current: its segment lies in the
+        arena and a pause raises InvalidState, nothing paused.  Once that pool is gone, the
+        pause goes through."""
         if MODE != "preload":
             self.skipTest("the arenas are hook_mode='preload''s")
         import deferalloc as dfa
         s = saver()
         other = torch.cuda.MemPool()
-        with s.region("hazard"):
-            w = torch.full((8 * MIB,), 3, dtype=torch.uint8, device="cuda")
-            with torch.cuda.use_mem_pool(other):
-                x = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")
-        in_other = any(seg["address"] <= x.data_ptr() < seg["address"] + seg["total_size"]
-                       for seg in torch.cuda.memory.memory_snapshot(other.id, include_traces=False))
-        print(f"[{MODE}] use_mem_pool inside a region: the allocation went to "
-              f"{'the other pool' if in_other else 'the region pool'}", flush=True)
-        if in_other:  # the last test of the suite: the other pool's segment stays in the arena
-            with self.assertRaisesRegex(dfa.InvalidState, "belongs to PyTorch's pool"):
-                s.pause("hazard")
-            self.assertEqual((int(x[-1]), int(w[0])), (5, 3))  # nothing paused
-            return
+        with torch.cuda.use_mem_pool(other), s.region("hazard"):
+            x = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")
+        with self.assertRaisesRegex(dfa.InvalidState, "belongs to PyTorch's pool"):
+            s.pause("hazard")
+        self.assertEqual(int(x[-1]), 5)  # nothing paused
+        del x
+        torch.cuda.synchronize()
+        del other  # its cached segment freed (no pool routed): out of the arena
+        torch.cuda.empty_cache()
         s.pause("hazard")
         s.resume("hazard")
-        w.fill_(1)
-        self.assertEqual((int(w[0]), int(x[-1])), (1, 5))
+
+    def test_9e_preload_capture_that_raises_keeps_its_pool_the_tags(self):
+        """hook_mode="preload": a cuda_graph capture that raises after allocating leaves its
+        segment in the tag's arena, and its pool is the tag's already: a pause goes through."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        s = saver()
+        g = torch.cuda.CUDAGraph()
+        src = torch.ones((16 * MIB,), dtype=torch.uint8, device="cuda")
+        with self.assertRaisesRegex(RuntimeError, "the capture fails"):
+            with s.cuda_graph(g, tag="graph_raises"):
+                y = src * 2  # in the capture's pool, in the arena
+                raise RuntimeError("the capture fails")
+        del y
+        s.pause("graph_raises")  # before the fix: InvalidState, the pool unknown to the tag
+        s.resume("graph_raises")
+        del g, src
 
 
 # ---- two processes on one GPU ---------------------------------------------------------------------
