@@ -562,16 +562,21 @@ class _Impl:
             # The arena is current inside the capture only: what capture_begin allocates first
             # (the RNG's graph-safe state, in PyTorch's default pool) stays outside it.  The
             # capture's pool is the tag's from the start, so that a capture that raises leaves
-            # no segment of an unknown pool in the arena.  Its stream filter takes other
-            # threads' allocations on the capture stream, and a pool passed in may hold a
-            # capture's made outside the saver: a pause always looks for segments outside.
+            # no segment of an unknown pool in the arena: without a pool given, the capture
+            # gets a new one of ours (graph_pool_handle(), what capture_begin would make
+            # itself), whose id is known before the capture (PyTorch 2.11's graph.pool()
+            # raises until a capture has succeeded).  Its stream filter takes other threads'
+            # allocations on the capture stream, and a pool passed in may hold a capture's made
+            # outside the saver: a pause always looks for segments outside.
+            if pool is None:
+                pool = torch.cuda.graph_pool_handle()
+            with self.lock:
+                self.pool_ids.setdefault((tag, keep), set()).add(tuple(pool))
+                self.outside.add((tag, keep))
             with self._route(None), \
-                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
-                with self.lock:
-                    self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
-                    self.outside.add((tag, keep))
-                with self._arena(self._itag(tag, keep)), self._in_region():
-                    yield
+                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
+                    self._arena(self._itag(tag, keep)), self._in_region():
+                yield
             return
         itag = self._itag(tag, keep)
         with self.lock:

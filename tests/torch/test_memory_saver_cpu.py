@@ -5,6 +5,7 @@ the torch hook mode on the host driver, the preload hook mode's pause and resume
 arenas (a process with the preload library in LD_PRELOAD and segments cudaMalloc'ed through
 it; regions themselves need CUDA), configure_subprocess and the two opt-ins
 (install_as_torch_memory_saver, the shim on PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
+import contextlib
 import inspect
 import os
 import subprocess
@@ -541,6 +542,46 @@ class PreloadArenas(unittest.TestCase):
         r = subprocess.run([sys.executable, "-c", ARENA_CHILD], capture_output=True, text=True, env=env, timeout=120)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertIn("arenas ok", r.stdout)
+
+
+class PreloadCudaGraph(unittest.TestCase):
+    """cuda_graph in hook_mode="preload", PyTorch's capture faked: the capture's pool is the
+    tag's before the capture begins (PyTorch 2.11's CUDAGraph.pool() raises until a capture
+    succeeded), so a capture that raises leaves its pool the tag's."""
+
+    def test_capture_pool_known_before_the_capture(self):
+        with clean_env(LD_PRELOAD="/b/libdeferalloc_preload.so"):
+            impl = ms._Impl("preload")
+        impl.arenas = None  # no arena entry points here: the bookkeeping only
+        seen = []
+
+        class Graph:  # as torch 2.11's CUDAGraph before a successful capture
+            def pool(self):
+                raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            seen.append((pool, set(impl.pool_ids.get(("g", "discard"), set()))))  # what the tag holds at capture_begin
+            yield
+
+        with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+                mock.patch.object(torch.cuda, "graph", graph):
+            with impl.cuda_graph(Graph(), None, None, "global", "g", "discard"):
+                pass
+            pool, held = seen[-1]
+            self.assertIsNotNone(pool, "the capture got no pool of ours: its id would be known only after it")
+            self.assertEqual(held, {tuple(pool)}, "the pool is the tag's before the capture begins")
+            with self.assertRaisesRegex(RuntimeError, "the capture fails"):
+                with impl.cuda_graph(Graph(), None, None, "global", "g", "discard"):
+                    raise RuntimeError("the capture fails")
+            second = tuple(seen[-1][0])
+            self.assertNotEqual(second, tuple(pool), "each capture without a pool gets a new one")
+            self.assertEqual(impl.pool_ids[("g", "discard")], {tuple(pool), second})
+            with impl.cuda_graph(Graph(), (5, 0), None, "global", "g", "discard"):  # a pool passed in: as given
+                pass
+            self.assertEqual(seen[-1][0], (5, 0))
+        self.assertIn((5, 0), impl.pool_ids[("g", "discard")])
+        self.assertIn(("g", "discard"), impl.outside)
 
 
 class ConfigureSubprocess(unittest.TestCase):
