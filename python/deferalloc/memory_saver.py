@@ -41,9 +41,9 @@ Approach:
   library (dfa_find), and released and backed again as such (dfa_release_many /
   dfa_materialize_many).  The arena follows the thread, PyTorch's pools follow its routing:
   so every pause first checks, in PyTorch's snapshot of every pool, that no segment of
-  another pool lies in the tag's arena (a region entered inside another library's
-  torch.cuda.use_mem_pool, or an allocation of a stream other than the capture's inside
-  cuda_graph, would put one there) and raises InvalidState, nothing paused, when one does.
+  another pool lies in the tag's arena (a torch.cuda.use_mem_pool of another library nested
+  with a region, the inner one or the outer one taking the allocations by PyTorch's version,
+  or an allocation of a stream other than the capture's inside cuda_graph, would put one there) and raises InvalidState, nothing paused, when one does.
   The check and the look for segments outside read one snapshot per pause() call, and none
   for a tag whose arenas gained no segment and no stray since its last pause checked them,
   hold no stray, and whose pools can hold segments only through them (no capture's pool, not
@@ -370,16 +370,19 @@ def _sync() -> None:
 
 
 # Note [One routed pool per thread]
-# Rationale: PyTorch routes an allocation to the first pool whose filter matches, in the order
-# the pools began (beginAllocateToPool appends): a MemPool entered inside another one on the
-# same thread (a nested region, disable(), a graph captured inside a region) would never be
-# used, the outer pool taking the allocations.
+# Rationale: PyTorch routes an allocation to one pool whose filter matches: the first in the
+# order the pools began (beginAllocateToPool appends) in older versions, the last begun in
+# newer ones (PyTorch 2.11 searches captures_underway in LIFO order).  With the first, a
+# MemPool entered inside another one on the same thread (a nested region, disable(), a graph
+# captured inside a region) would never be used, the outer pool taking the allocations.
 # Approach: the saver keeps a stack of routed pools per thread and routes only the top one:
 # entering suspends the outer pool (end + release, as torch.cuda.use_mem_pool leaves it) and
 # leaving routes it again (begin).  A capture suspends the region's pool, so its stream
 # filter takes the graph's allocations.
-# Limits: pools routed by other code (torch.cuda.use_mem_pool around a saver region) are not
-# suspended: the outer one keeps winning, as in PyTorch.
+# Limits: pools routed by other code (torch.cuda.use_mem_pool around or inside a saver region)
+# are not suspended: PyTorch picks between that pool and the region's as above, the outer or
+# the inner by its version (a pause then finds the other pool's segments in the tag's arena
+# and refuses: _segments).
 # Note [A MemPool is deleted with no pool routed]
 # Rationale: deleting a torch.cuda.MemPool empties its cache, and PyTorch's allocator refuses to
 # empty a cache while any pool takes allocations (``captures_underway`` not empty: an internal
@@ -735,7 +738,7 @@ class _Impl:
                     raise _dfa.InvalidState(
                         f"pause({t!r}): the segment at {a:#x} ({size} bytes) in the tag's arena {name!r} belongs to "
                         f"PyTorch's pool {pid}, not one of the tag's: allocated on the region's thread for another "
-                        "pool (a region entered inside another torch.cuda.use_mem_pool, or a stream other than the "
+                        "pool (a torch.cuda.use_mem_pool nested with the region, or a stream other than the "
                         "capture's inside cuda_graph). Pausing it would break that pool's tensors. Nothing paused")
                 if w == 0 and pid in pools:
                     out.append((a, keep, size))

@@ -406,7 +406,7 @@ def pause_refused(text):  # _preload_pause raises InvalidState saying `text`, an
     assert all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
 
 
-# A segment of another pool in the tag's arena (a region inside another use_mem_pool)
+# A segment of another pool in the tag's arena (a use_mem_pool nested with a region)
 snapshot[5] = (snapshot[5][0], (9, 9), MIB)
 pause_refused("belongs to PyTorch's pool (9, 9)")
 snapshot[5] = (snapshot[5][0], POOL["host"], MIB)

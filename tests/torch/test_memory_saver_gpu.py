@@ -385,19 +385,26 @@ class ModeSuite(unittest.TestCase):
         lib = preload_lib()
         figures = (ctypes.c_size_t * 7)()
         s = saver()
-        with s.region("kv"):
+        # A tag of its own: the region's MemPool is kept for the process (as TMS keeps its
+        # pools), so under test_2's tag "kv" it still caches test_2's two free 1 GiB segments,
+        # and PyTorch's allocator splits those for the first six layers (300 + 260 + 300 and
+        # 260 + 300 + 260 MiB, best fit) before it cudaMallocs a segment per layer: on the H100
+        # that gave 12 slabs (2 of 1 GiB + 10 layers, 4848 MiB of segments) for 16 layers.
+        with s.region("kv_layers"):
             ts = [torch.empty((260 if i % 2 else 300) * MIB, dtype=torch.uint8, device="cuda") for i in range(16)]
-        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/kv", figures), 0)
+        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/kv_layers", figures), 0)
         slabs, slab_bytes, live = figures[0], figures[1], figures[2]
         print(f"[{MODE}] 16 KV layers of 260 / 300 MiB: {live / MIB:.0f} MiB of segments in {slabs} slabs of "
               f"{slab_bytes / MIB:.0f} MiB", flush=True)
+        self.assertEqual(figures[3], 16)  # one segment per layer
+        self.assertEqual(live, 8 * (260 + 300) * MIB)
         self.assertEqual(slabs, 16)
         self.assertLessEqual(slab_bytes, live * 11 // 10)
         c0, f0 = dfa_stats(lib)["calls"], free_hbm()
-        s.pause("kv")
+        s.pause("kv_layers")
         given = free_hbm() - f0
         c1 = dfa_stats(lib)["calls"]
-        s.resume("kv")
+        s.resume("kv_layers")
         torch.cuda.synchronize()
         c2 = dfa_stats(lib)["calls"]
         self.assertGaveBack(given, 16 * 280 * MIB)
@@ -408,22 +415,33 @@ class ModeSuite(unittest.TestCase):
         del ts
 
     def test_9d_preload_another_pools_segment_in_the_arena_is_refused(self):
-        """hook_mode="preload": a region entered inside torch.cuda.use_mem_pool: PyTorch routes
-        to the first pool begun on the thread (Note [One routed pool per thread]), so the
-        allocation goes to that pool while the tag's arena is current: its segment lies in the
-        arena and a pause raises InvalidState, nothing paused.  Once that pool is gone, the
-        pause goes through."""
+        """hook_mode="preload": a torch.cuda.use_mem_pool nested with a region: PyTorch routes the
+        allocation to one of the two pools begun on the thread, the first begun in older
+        versions, the last in newer ones (2.11 searches its captures_underway in LIFO order).
+        So one nesting or the other puts a segment of that pool in the tag's arena (the arena
+        is current all the while), and a pause raises InvalidState, nothing paused.  Once that
+        pool is gone, the pause goes through."""
         if MODE != "preload":
             self.skipTest("the arenas are hook_mode='preload''s")
+        import ctypes
         import deferalloc as dfa
+        lib = preload_lib()
+        lib.dfa_preload_arena_owns.argtypes = [ctypes.c_void_p]
         s = saver()
         other = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(other), s.region("hazard"):
-            x = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")
+            x = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")  # other's: PyTorch routing FIFO
+        with s.region("hazard"), torch.cuda.use_mem_pool(other):
+            z = torch.full((64 * MIB,), 6, dtype=torch.uint8, device="cuda")  # other's: PyTorch routing LIFO
+        theirs = [seg["address"] for seg in torch.cuda.memory.memory_snapshot(other.id, include_traces=False)]
+        print(f"[{MODE}] use_mem_pool and a region nested: {len(theirs)} segment(s) of the other pool, "
+              f"{sum(lib.dfa_preload_arena_owns(a) for a in theirs)} in the tag's arena", flush=True)
+        self.assertTrue(any(lib.dfa_preload_arena_owns(a) for a in theirs),
+                        "no segment of the other pool lies in the tag's arena: the test sets up nothing to refuse")
         with self.assertRaisesRegex(dfa.InvalidState, "belongs to PyTorch's pool"):
             s.pause("hazard")
-        self.assertEqual(int(x[-1]), 5)  # nothing paused
-        del x
+        self.assertEqual((int(x[-1]), int(z[-1])), (5, 6))  # nothing paused
+        del x, z
         torch.cuda.synchronize()
         del other  # its cached segment freed (no pool routed): out of the arena
         torch.cuda.empty_cache()
