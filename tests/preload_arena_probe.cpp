@@ -21,7 +21,7 @@
 //   (h) allocations racing pauses: in the arena or counted as strays, nothing leaked;
 //   (i) cudaMalloc / cudaFree racing outside arenas (strays among them): every one succeeds;
 //   with the argument "unserved" (a DEFERALLOC_CONF the library cannot serve): an arena
-//   cannot be made current.
+//   cannot be made current; with "race N": (h) alone, N times.
 #include <cuda_runtime_api.h>
 #include <deferalloc/deferalloc.h>
 #include <dlfcn.h>
@@ -29,6 +29,8 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
+#include <cstdlib>
 #include <initializer_list>
 #include <map>
 #include <random>
@@ -420,16 +422,28 @@ int racing_pauses(const arena_api& api) {
   const size_t g = k_seg / 16;
   const dfa_stats s0 = stats();
   std::vector<void*> p(400);
-  std::atomic<bool> done{false};
+  std::atomic<bool> done{false}, finished{false};
+  std::atomic<size_t> made{0};
   std::thread pauser([&] {  // with and without backup in turn
     for (int i = 0; !done.load(); ++i)
       if (api.pause(name, i % 2 ? DFA_KEEP_HOST : DFA_KEEP_DISCARD, nullptr) == DFA_SUCCESS) api.resume(name, nullptr);
   });
+  // A cudaMalloc starved of the arenas' mutex by the pauser (a mutex that the thread unlocking
+  // it takes again first) hung here on a 16-core machine: a failure with a line, not a hang.
+  std::thread watchdog([&] {
+    for (int ms = 0; ms < 120000 && !finished.load(); ms += 10) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (finished.load()) return;
+    std::fprintf(stderr, "%s: %zu of %zu allocations in 120 s: starved by the pauser\n", name, made.load(), p.size());
+    std::fflush(nullptr);
+    std::_Exit(1);
+  });
   if (api.push(name) != DFA_SUCCESS) done = true;
-  for (size_t i = 0; i < p.size() && !done.load(); ++i)
+  for (size_t i = 0; i < p.size() && !done.load(); ++i, ++made)
     if (cudaMalloc(&p[i], (1 + i % 7) * 3 * g) != cudaSuccess) p[i] = nullptr;
   done = true;
   pauser.join();
+  finished = true;
+  watchdog.join();
   CHECK(api.pop() == DFA_SUCCESS);
   size_t in = 0, out = 0, out_bytes = 0;
   for (size_t i = 0; i < p.size(); ++i) {
@@ -523,6 +537,13 @@ int main(int argc, char** argv) {
   }
   g_cuda = std::string(driver) == "cuda";
   k_seg = 16 * g;
+  if (argc > 2 && std::string(argv[1]) == "race") {  // (h) alone, N times: a hang's reproduction
+    const int n = std::atoi(argv[2]);
+    for (int i = 0; i < n; ++i)
+      if (racing_pauses(api) != 0) return 1;
+    std::printf("preload_arena_probe: (h) %d times, no allocation starved\n", n);
+    return 0;
+  }
   if (cycle(api, "tms.discard/weights", DFA_KEEP_DISCARD) != 0) return 1;
   if (cycle(api, "tms.host/weights", DFA_KEEP_HOST) != 0) return 1;
   if (interleaved(api) != 0) return 1;

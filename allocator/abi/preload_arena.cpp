@@ -56,7 +56,8 @@
 // placed and the strays noted, so that memory_saver reads PyTorch's snapshot again only when
 // an arena changed.  The arenas' blocks are hidden from the C ABI's dfa_find (Note [Hidden
 // reservations] in process_state.cpp): a reservation call would act on a whole block.  One
-// mutex guards the arenas: a new slab is backed outside it (address space taken under it, the
+// mutex guards the arenas, handed over in the order it was asked for (fifo_mutex: a thread
+// that pauses and resumes in a loop cannot starve a cudaMalloc or cudaFree waiting for it): a new slab is backed outside it (address space taken under it, the
 // slab added under it after, and given up if a pause came in between: the segment is then
 // served outside the arena), but a pause, a resume and a cudaFree that empties a slab make
 // their driver calls under it, so a cudaFree of an arena segment waits for a pause in progress
@@ -83,7 +84,7 @@ constexpr std::size_t k_align_cap = std::size_t{1} << 30;     // the chunk pool'
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-using locked = detail::log_after_unlock<std::mutex>;
+using locked = detail::log_after_unlock<fifo_mutex>;
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -33,7 +34,37 @@ struct arena_figures {
   std::uint64_t generation = 0;
 };
 
-// Every arena of the process, by name.  Thread-safe (one mutex, Note [Preload arenas]'s
+// A mutex handed over in the order it was asked for (a ticket lock).  The arenas' mutex is
+// one: a pause and a resume hold it for their driver calls (and, with DFA_KEEP_HOST, the
+// copies), and a std::mutex lets the thread that unlocks take it again at once, before a
+// waiter woken by the unlock runs: a thread that pauses and resumes in a loop then starved a
+// cudaMalloc waiting to add its new slab, for good on a machine of many cores
+// (preload_arena_probe (h) hung there).  Here each waiter gets it in its turn.  Cost: a
+// std::mutex and a notify per lock; waiters sleep on a condition variable.
+class fifo_mutex {
+ public:
+  void lock() {
+    std::unique_lock lk(mu_);
+    const std::uint64_t ticket = next_++;
+    turn_.wait(lk, [&] { return serving_ == ticket; });
+  }
+  void unlock() {
+    bool waiters = false;
+    {
+      std::lock_guard lk(mu_);
+      ++serving_;
+      waiters = next_ != serving_;
+    }
+    if (waiters) turn_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable turn_;
+  std::uint64_t next_ = 0, serving_ = 0;  // guarded by mu_
+};
+
+// Every arena of the process, by name.  Thread-safe (one fifo_mutex, Note [Preload arenas]'s
 // Limits say what runs under it); the calls return the C ABI's status and leave the
 // thread's dfa_last_error set on failure.
 class arenas {
@@ -129,7 +160,7 @@ class arenas {
   bool in_blocks(std::uintptr_t p) const noexcept;
   void publish_block(std::uintptr_t base) noexcept;
 
-  mutable std::mutex mu_;
+  mutable fifo_mutex mu_;
   // The blocks' bases, written under mu_ and read without it (owns); blocks are never freed.
   // Past k_max_published blocks, owns takes the mutex for every pointer.
   static constexpr std::size_t k_max_published = 64;
