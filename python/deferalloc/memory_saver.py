@@ -10,8 +10,8 @@ Rationale: torch_memory_saver (TMS) has two ways to see a region's memory: "torc
 CUDAPluggableAllocator MemPool per region) and "preload" (an LD_PRELOAD library through which
 every cudaMalloc of a region becomes pauseable, CUDA graphs' private pools included).
 deferalloc has both underneath: per-tag regions on MemPools whose segments come from its
-caching allocator, and libdeferalloc_preload.so, whose cudaMalloc gives each PyTorch segment
-a reservation of its own.
+caching allocator, and libdeferalloc_preload.so, whose cudaMalloc serves PyTorch's segments
+(a region's in an arena of few large slabs).
 Approach:
 * "torch": ``region(tag, enable_cpu_backup)`` opens an internal deferalloc tag per (tag,
   backup) ("tms.host/<tag>" keeps contents in pinned host memory, "tms.discard/<tag>" drops
@@ -29,20 +29,44 @@ Approach:
   own cudaMalloc during a capture).
 * "preload": the process runs with libdeferalloc_preload.so in LD_PRELOAD (checked at first
   use, as TMS checks its own library).  ``region`` routes allocations to a native MemPool per
-  (tag, backup, device); ``cuda_graph`` records the graph's private pool under the tag.  A
-  pause finds the tag's pools' segments in PyTorch's snapshot, each one a reservation of the
-  preload library (dfa_find), and releases them (dfa_release_many, keep host or discard); resume
-  backs them again at the same addresses (dfa_materialize_many, restore or undefined).  With
-  TMS_INIT_ENABLE=1, PyTorch's default pool belongs to the tag "default" too.
+  (tag, backup, device) and makes the preload library's arena of the same name ("tms.host/<tag>",
+  "tms.discard/<tag>", "tms.disk/<tag>") current on the thread: the segments PyTorch cudaMallocs
+  there are placed in the arena's slabs, a few large mappings (Note [Preload arenas] in
+  allocator/abi/preload_arena.cpp).  ``cuda_graph`` captures with the arena current too and
+  records the graph's private pool under the tag.  A pause releases the tag's arenas
+  (dfa_preload_arena_pause: O(slabs) driver calls, keep host or discard); resume backs their
+  slabs again at the same addresses (restore or undefined).  Segments of the tag's pools
+  outside its arenas (PyTorch's default pool with TMS_INIT_ENABLE=1, which belongs to the tag
+  "default"; a pool passed to cuda_graph; segments allocated while the tag was paused, or on
+  another thread in a capture's pool) are found in PyTorch's snapshot, each one a reservation of the preload
+  library (dfa_find), and released and backed again as such (dfa_release_many /
+  dfa_materialize_many).  The arena follows the thread, PyTorch's pools follow its routing:
+  so every pause first checks, in PyTorch's snapshot of every pool, that no segment of
+  another pool lies in the tag's arena (a torch.cuda.use_mem_pool of another library nested
+  with a region, the inner one or the outer one taking the allocations by PyTorch's version,
+  or an allocation of a stream other than the capture's inside cuda_graph, would put one there) and raises InvalidState, nothing paused, when one does.
+  The check and the look for segments outside read one snapshot per pause() call, and none
+  for a tag whose arenas gained no segment and no stray since its last pause checked them,
+  hold no stray, and whose pools can hold segments only through them (no capture's pool, not
+  PyTorch's default pool): their segments are still of the pools they were checked for.
+  A pause writes the disk kind's files first (Note [Disk backup]), then takes the kind with a
+  host backup, then releases the disk kind and the discarded kind, so that a pause that
+  fails has lost no contents the caller keeps (a failure among the discard kind's own calls
+  leaves what it had discarded undefined, as a resume after a pause would).
 * Disk backup (``enable_disk_backup``; Note [Disk backup]): a third kind beside host backup
-  and discard, in both modes ("tms.disk/<tag>" in torch mode, its own pools in preload
-  mode): a pause writes the kind's live memory to a file (dfa_spill_save) and releases it as
-  discard; resume backs it again and reads the file back into it (dfa_spill_load).
-Limits: memory that does not come through PyTorch's allocator (a library's own cudaMalloc)
-is not paused in either mode; allocating in a paused tag is the caller's error as in TMS
-(torch mode refuses it, preload mode may hand out a released block); get_cpu_backup raises
-NotImplementedError outside disk regions (the C ABI has no way to read a paused block's
-host copy); for a disk region's tensor it returns None, as TMS.
+  and discard, in both modes ("tms.disk/<tag>": a deferalloc tag in torch mode, an arena and
+  its pools in preload mode): a pause writes the kind's live memory to a file (dfa_spill_save)
+  and releases it as discard; resume backs it again and reads the file back into it
+  (dfa_spill_load).
+Limits: in hook mode "torch", memory that does not come through PyTorch's allocator (a
+library's own cudaMalloc) is not paused; in "preload", a cudaMalloc on the region's thread is
+placed in the arena and paused with it, as TMS's preload mode does (in a disk region, saved to
+its file too).  The preload library serves one device (DEFERALLOC_CONF's): a region on another
+refuses to start.  Allocating in a paused tag, or in a tag while it is being paused, is the
+caller's error as in TMS (torch mode refuses the first, preload mode may hand out a released
+block); a pool shared by cuda_graph captures of two tags pauses each tag's arena segments with
+that tag only; get_cpu_backup raises NotImplementedError outside disk regions (the C ABI has no
+way to read a paused block's host copy); for a disk region's tensor it returns None, as TMS.
 """
 from __future__ import annotations
 
@@ -142,6 +166,29 @@ def _check_tag(tag, what: str = "tag") -> str:
 
 
 # ---- paths: the preload library and the shim ---------------------------------------------------
+
+def _arena_api():
+    """The preloaded library's arena entry points (Note [Preload arenas] in
+    allocator/abi/preload_arena.cpp), found in the process; None when the library in
+    LD_PRELOAD has none (every segment is then paused as a reservation of its own)."""
+    lib = ctypes.CDLL(None)
+    if not (hasattr(lib, "dfa_preload_arena_classify") and hasattr(lib, "dfa_preload_arena_segments")):
+        return None
+    for name, args in (("dfa_preload_arena_push", [ctypes.c_char_p]), ("dfa_preload_arena_pop", []),
+                       ("dfa_preload_arena_pause", [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p]),
+                       ("dfa_preload_arena_resume", [ctypes.c_char_p, ctypes.c_void_p]),
+                       ("dfa_preload_arena_owns", [ctypes.c_void_p]),
+                       ("dfa_preload_arena_classify", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                                       ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]),
+                       ("dfa_preload_arena_figures", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]),
+                       ("dfa_preload_arena_segments", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                                                       ctypes.POINTER(ctypes.c_size_t)])):
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
+
 
 def preload_library_path() -> str:
     """libdeferalloc_preload.so beside the libdeferalloc.so this package loads."""
@@ -336,16 +383,19 @@ def _sync() -> None:
 
 
 # Note [One routed pool per thread]
-# Rationale: PyTorch routes an allocation to the first pool whose filter matches, in the order
-# the pools began (beginAllocateToPool appends): a MemPool entered inside another one on the
-# same thread (a nested region, disable(), a graph captured inside a region) would never be
-# used, the outer pool taking the allocations.
+# Rationale: PyTorch routes an allocation to one pool whose filter matches: the first in the
+# order the pools began (beginAllocateToPool appends) in older versions, the last begun in
+# newer ones (PyTorch 2.11 searches captures_underway in LIFO order).  With the first, a
+# MemPool entered inside another one on the same thread (a nested region, disable(), a graph
+# captured inside a region) would never be used, the outer pool taking the allocations.
 # Approach: the saver keeps a stack of routed pools per thread and routes only the top one:
 # entering suspends the outer pool (end + release, as torch.cuda.use_mem_pool leaves it) and
 # leaving routes it again (begin).  A capture suspends the region's pool, so its stream
 # filter takes the graph's allocations.
-# Limits: pools routed by other code (torch.cuda.use_mem_pool around a saver region) are not
-# suspended: the outer one keeps winning, as in PyTorch.
+# Limits: pools routed by other code (torch.cuda.use_mem_pool around or inside a saver region)
+# are not suspended: PyTorch picks between that pool and the region's as above, the outer or
+# the inner by its version (a pause then finds the other pool's segments in the tag's arena
+# and refuses: _segments).
 # Note [A MemPool is deleted with no pool routed]
 # Rationale: deleting a torch.cuda.MemPool empties its cache, and PyTorch's allocator refuses to
 # empty a cache while any pool takes allocations (``captures_underway`` not empty: an internal
@@ -388,6 +438,9 @@ class _Impl:
         self.pools: dict = {}            # (tag, keep, device) -> the region's MemPool, kept for the process (as TMS)
         self.graph_pools: dict = {}      # (tag, keep, device) -> [MemPool] of cuda_graph (torch mode)
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
+        self.outside: set = set()        # (tag, keep) whose pools may hold segments outside its arena (preload)
+        self.verified: dict = {}         # (tag, keep) -> its arena's generation its last pause checked (preload)
+        self.arenas = None               # the preload library's arena entry points (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         self.spills: dict = {}           # tag -> its disk files while paused: [(path, device, [(address, bytes)])]
         if hook_mode == "preload":
@@ -398,9 +451,11 @@ class _Impl:
                     f"exactly once (found {found}, LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}, "
                     f"pid {os.getpid()}): start the process inside configure_subprocess(), or with "
                     f"LD_PRELOAD={preload_library_path()}; or set hook_mode='torch' before first use")
+            self.arenas = _arena_api()
             if self.init_enable:
                 self._note(_TAG_DEFAULT, self.init_keep)
                 self.pool_ids.setdefault((_TAG_DEFAULT, self.init_keep), set()).add((0, 0))
+                self.outside.add((_TAG_DEFAULT, self.init_keep))  # PyTorch's default pool: every thread's
         elif self.init_enable:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
@@ -425,6 +480,32 @@ class _Impl:
             yield
         finally:
             self.local.depth -= 1
+
+    @contextlib.contextmanager
+    def _arena(self, name: Optional[str]):
+        """The thread's cudaMallocs go to the preload library's arena ``name`` (None: to none)
+        until exit (preload mode; nothing without arenas)."""
+        if self.arenas is None:
+            yield
+            return
+        st = self.arenas.dfa_preload_arena_push((name or "").encode())
+        if st == _dfa.InvalidState.status:
+            raise _dfa.InvalidState(
+                f"region {name!r}: libdeferalloc_preload.so does not serve this thread's cudaMalloc (device "
+                f"{self._device()} is not DEFERALLOC_CONF's device, or the library is disabled: see its line on "
+                "stderr), so nothing allocated here could be paused")
+        _native.allocator.check(st, "dfa_preload_arena_push")
+        try:
+            yield
+        finally:
+            self.arenas.dfa_preload_arena_pop()
+
+    def _arena_figures(self, name: str) -> list:
+        """[slabs, their bytes, bytes of segments, segments, paused, strays, generation] of an
+        arena (the generation: segments placed in it so far)."""
+        out = (ctypes.c_size_t * 7)()
+        _native.allocator.check(self.arenas.dfa_preload_arena_figures(name.encode(), out), "dfa_preload_arena_figures")
+        return list(out)
 
     @staticmethod
     def _device() -> int:
@@ -489,7 +570,7 @@ class _Impl:
         with self.lock:
             self.pool_ids.setdefault((tag, keep), set()).add(tuple(pool.id))
         self._note(tag, keep)
-        with self._route(pool), self._in_region():
+        with self._route(pool), self._arena(self._itag(tag, keep)), self._in_region():
             yield
 
     @contextlib.contextmanager
@@ -498,11 +579,24 @@ class _Impl:
             raise RuntimeError("cuda_graph needs CUDA")
         if self.mode == "preload":
             self._note(tag, keep)
-            with self._route(None), torch.cuda.graph(graph, pool=pool, stream=stream,
-                                                      capture_error_mode=capture_error_mode), self._in_region():
-                yield
+            # The arena is current inside the capture only: what capture_begin allocates first
+            # (the RNG's graph-safe state, in PyTorch's default pool) stays outside it.  The
+            # capture's pool is the tag's from the start, so that a capture that raises leaves
+            # no segment of an unknown pool in the arena: without a pool given, the capture
+            # gets a new one of ours (graph_pool_handle(), what capture_begin would make
+            # itself), whose id is known before the capture (PyTorch 2.11's graph.pool()
+            # raises until a capture has succeeded).  Its stream filter takes other threads'
+            # allocations on the capture stream, and a pool passed in may hold a capture's made
+            # outside the saver: a pause always looks for segments outside.
+            if pool is None:
+                pool = torch.cuda.graph_pool_handle()
             with self.lock:
-                self.pool_ids.setdefault((tag, keep), set()).add(tuple(graph.pool()))
+                self.pool_ids.setdefault((tag, keep), set()).add(tuple(pool))
+                self.outside.add((tag, keep))
+            with self._route(None), \
+                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
+                    self._arena(self._itag(tag, keep)), self._in_region():
+                yield
             return
         itag = self._itag(tag, keep)
         with self.lock:
@@ -539,7 +633,7 @@ class _Impl:
         depth = self._depth()
         self.local.depth = 0
         try:
-            with self._route(pool):
+            with self._route(pool), self._arena(None):
                 yield
         finally:
             self.local.depth = depth
@@ -559,13 +653,14 @@ class _Impl:
             return
         _sync()
         with self.lock:
+            snap = []  # preload mode: PyTorch's snapshot, taken at most once for every tag of this call
             for t in names:
                 if t in self.paused:
                     raise _dfa.InvalidState(f"pause({t!r}): the tag is paused already (resume it first)")
                 if self.mode == "torch":
                     self._torch_pause(t)
                 else:
-                    self.paused[t] = self._preload_pause(t)
+                    self.paused[t] = self._preload_pause(t, snap)
 
     def resume(self, tag: Optional[str]) -> None:
         names = self._tags(tag, paused=True)
@@ -609,9 +704,17 @@ class _Impl:
             for keep in _ordered(keeps, _PAUSE_ORDER):
                 _dfa.pause(self._itag(t, keep), keep=_released_as(keep))
                 done.append(keep)
-        except BaseException:
-            for keep in done:  # all or nothing
-                self._torch_resume_keep(t, keep, spills)
+        except BaseException as failed:
+            try:
+                for keep in done:  # all or nothing
+                    self._torch_resume_keep(t, keep, spills)
+            except BaseException:
+                # Paused in part: recorded as paused, so that resume(t) resumes what is (the
+                # disk kind's files kept for it).
+                self.paused[t] = [(0, 0, "", 0)]
+                if spills:
+                    self.spills[t] = spills
+                raise failed
             self.disk.remove(spills)
             raise
         given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
@@ -633,25 +736,83 @@ class _Impl:
             _dfa.pause(itag, keep="discard")  # paused again: no wrong contents handed out
             raise
 
-    # preload mode: the tag's segments are reservations of the preload library
-    def _segments(self, t: str) -> list:
-        """(address, keep, bytes) of every segment of the tag's pools (PyTorch's snapshot of
-        each pool; the default pool's segments picked out of the whole snapshot)."""
-        out = []
-        for keep in sorted(self.keeps[t]):
-            for pid in sorted(self.pool_ids.get((t, keep), ())):
-                if pid == (0, 0):
-                    segs = [s for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)
-                            if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
-                else:
-                    segs = torch.cuda.memory.memory_snapshot(pid, include_traces=False)
-                out += [(s["address"], keep, s["total_size"]) for s in segs]
-        return out
+    # preload mode: the tag's arenas, and its segments outside them (reservations of the preload library)
+    @staticmethod
+    def _snapshot() -> list:
+        """(address, pool id, bytes) of every segment of PyTorch's caching allocator, every pool's."""
+        return [(s["address"], tuple(s.get("segment_pool_id", (0, 0))), s["total_size"])
+                for s in torch.cuda.memory.memory_snapshot(None, include_traces=False)]
 
-    def _preload_pause(self, t: str) -> list:
+    def _arena_segments(self, name: str) -> list:
+        """[(address, bytes)] of every segment placed in arena ``name`` (PyTorch's and a
+        library's own cudaMalloc on the region's thread), by address: what the disk kind's
+        file holds of its arena."""
+        n = ctypes.c_size_t()
+        cap = 0
+        while True:
+            ptrs, sizes = (ctypes.c_void_p * cap)(), (ctypes.c_size_t * cap)()
+            _native.allocator.check(self.arenas.dfa_preload_arena_segments(name.encode(), ptrs, sizes, cap,
+                                                                           ctypes.byref(n)),
+                                    "dfa_preload_arena_segments")
+            if n.value <= cap:
+                return [(ptrs[i], sizes[i]) for i in range(n.value)]
+            cap = n.value + 16  # another thread placed segments meanwhile: asked again
+
+    def _scan_needed(self, t: str, figs: dict) -> bool:
+        """Whether a pause of tag ``t`` must read PyTorch's snapshot (``figs``: keep -> its
+        arena's figures).  Not when every arena of the tag gained no segment since the check of
+        its last pause (the segments checked then are still of the pools they were), holds no
+        stray, and no pool of the tag can hold a segment outside it (a capture's or PyTorch's
+        default pool can: other threads allocate in them).  The disk kind needs no snapshot for
+        its arena's segments: the arena lists them (_arena_segments)."""
+        if self.arenas is None:
+            return True
+        return any(f[5] or f[6] != self.verified.get((t, keep)) or (t, keep) in self.outside
+                   for keep, f in figs.items())
+
+    def _segments(self, t: str, snap: list) -> tuple:
+        """(address, keep, bytes) of every segment of the tag's pools outside every arena, in
+        the order the pause takes them (_PAUSE_ORDER), and {keep: its arena's generation}.
+        Raises InvalidState, nothing paused, when an arena of the tag holds a segment of a pool
+        that is not the tag's (its memory is another pool's: pausing it would break that pool's
+        tensors).  ``snap`` holds PyTorch's snapshot once a tag of the same pause() read it."""
+        figs = {} if self.arenas is None else \
+            {keep: self._arena_figures(self._itag(t, keep)) for keep in self.keeps[t]}
+        gens = {keep: f[6] for keep, f in figs.items()}
+        if not self._scan_needed(t, figs):
+            return [], gens
+        if not snap:
+            snap.append(self._snapshot())
+        segs = snap[0]
+        addrs = (ctypes.c_void_p * len(segs))(*[a for a, _, _ in segs])
+        out = []
+        for keep in _ordered(self.keeps[t], _PAUSE_ORDER):
+            pools = self.pool_ids.get((t, keep), set())
+            if self.arenas is None:
+                out += [(a, keep, size) for a, pid, size in segs if pid in pools]
+                continue
+            name = self._itag(t, keep)
+            where = (ctypes.c_ubyte * len(segs))()
+            _native.allocator.check(self.arenas.dfa_preload_arena_classify(name.encode(), addrs, len(segs), where),
+                                    "dfa_preload_arena_classify")
+            for (a, pid, size), w in zip(segs, where):
+                if w == 2 and pid not in pools:
+                    raise _dfa.InvalidState(
+                        f"pause({t!r}): the segment at {a:#x} ({size} bytes) in the tag's arena {name!r} belongs to "
+                        f"PyTorch's pool {pid}, not one of the tag's: allocated on the region's thread for another "
+                        "pool (a torch.cuda.use_mem_pool nested with the region, or a stream other than the "
+                        "capture's inside cuda_graph). Pausing it would break that pool's tensors. Nothing paused")
+                if w == 0 and pid in pools:
+                    out.append((a, keep, size))
+        return out, gens
+
+    def _preload_pause(self, t: str, snap: Optional[list] = None) -> list:
+        """Pauses the tag; returns its rows for _preload_resume: (arena name, 0, keep, slab
+        bytes) per arena, (address, reservation, keep, bytes) per segment outside them."""
         lib = _native.allocator()
         found = []
-        for addr, keep, size in self._segments(t):
+        outside, gens = self._segments(t, [] if snap is None else snap)
+        for addr, keep, size in outside:
             rid = ctypes.c_uint64()
             if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(rid)) != 0:
                 raise _dfa.InvalidState(
@@ -659,57 +820,107 @@ class _Impl:
                     "libdeferalloc_preload.so in LD_PRELOAD the one beside the libdeferalloc.so this package loads "
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
+        # Note [Disk backup]: the files first, while every kind still holds its contents: the
+        # disk kind's segments outside its arena and those placed in it.
         disk = [(addr, size) for addr, _, keep, size in found if keep == "disk"]
-        spills = self.disk.save(t, {self._device(): disk}) if disk else []  # Note [Disk backup]: first
+        if "disk" in self.keeps[t] and self.arenas is not None:
+            disk += self._arena_segments(self._itag(t, "disk"))
+        spills = self.disk.save(t, {self._device(): sorted(disk)}) if disk else []
         stream = _stream(self._device())
-        released = []  # one call per keep, all or nothing
-        for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found], _PAUSE_ORDER):
+        done = []  # all or nothing: per kind (_PAUSE_ORDER), its arena then its segments outside
+        try:
+            for keep in _ordered(self.keeps[t], _PAUSE_ORDER):
+                released = _KEEPS.index(_released_as(keep))
+                if self.arenas is not None:
+                    name = self._itag(t, keep)
+                    held = self._arena_figures(name)[1]
+                    _native.allocator.check(self.arenas.dfa_preload_arena_pause(name.encode(), released, stream),
+                                            "dfa_preload_arena_pause")
+                    done.append((name, 0, keep, held))
+                for _, ids in _by_keep([(rid, k) for _, rid, k, _ in found if k == keep], _PAUSE_ORDER):
+                    _native.allocator.check(lib.dfa_release_many(ids, len(ids), released, stream),
+                                            "dfa_release_many")
+                    done += [f for f in found if f[2] == keep]
+        except BaseException as failed:
             try:
-                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(_released_as(keep)),
-                                                             stream), "dfa_release_many")
+                self._preload_resume(done, spills)
             except BaseException:
-                self._preload_resume([f for f in found if f[2] in released], spills)
-                self.disk.remove(spills)
-                raise
-            released.append(keep)
+                # The rollback failed too: the tag stays paused in part, recorded so that
+                # resume(t) can finish it (_preload_resume takes each arena once, and a segment
+                # backed again already is backed as it is; the disk kind's files are kept for it).
+                self.paused[t] = done
+                if spills:
+                    self.spills[t] = spills
+                raise failed
+            self.disk.remove(spills)
+            raise
+        for keep, gen in gens.items():  # checked and paused: the next pause reads no snapshot for them
+            self.verified[(t, keep)] = gen
         if spills:
             self.spills[t] = spills
-        return found
+        return done
 
-    def _preload_resume(self, paused: list, spills: list) -> None:
+    def _preload_resume(self, paused: list, spills: Optional[list] = None) -> None:
+        """Backs the rows of _preload_pause again, kind by kind in _RESUME_ORDER: the kind's
+        arena (once: a resume may be retried), then its segments outside it; the disk kind's
+        file is then read back into both (Note [Disk backup]).  A load that fails releases the
+        disk kind again (arena and segments) and raises, nothing else resumed."""
         lib = _native.allocator()
         stream = _stream(self._device())
-        live = []
-        for addr, rid, keep, _ in paused:
-            now = ctypes.c_uint64()
-            if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
-                continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)
-            live.append((rid, keep, addr))
-        for keep, ids in _by_keep([(rid, keep) for rid, keep, _ in live], _RESUME_ORDER):
-            fill = 2 if keep == "host" else 0  # restore / undefined
-            _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
+        for keep in _ordered({row[2] for row in paused}, _RESUME_ORDER):
+            names, live = [], []
+            for addr, rid, k, _ in paused:
+                if k != keep:
+                    continue
+                if isinstance(addr, str):  # an arena
+                    names.append(addr)
+                    continue
+                now = ctypes.c_uint64()
+                if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
+                    continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)
+                live.append((rid, addr))
+            for name in names:  # its slabs at their addresses
+                if self._arena_figures(name)[4]:
+                    _native.allocator.check(self.arenas.dfa_preload_arena_resume(name.encode(), stream),
+                                            "dfa_preload_arena_resume")
+            ids = (ctypes.c_uint64 * len(live))(*[rid for rid, _ in live])
+            if live:
+                fill = 2 if keep == "host" else 0  # restore / undefined
+                _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
             if keep != "disk" or not spills:
                 continue
             try:
-                addrs = {addr for _, k, addr in live if k == "disk"}
-                self.disk.load(spills, lambda dev, addr, size: addr in addrs)
+                addrs = {addr for _, addr in live}
+                placed = {r for name in names for r in self._arena_segments(name)}  # freed ones not read
+                self.disk.load(spills, lambda dev, addr, size: addr in addrs or (addr, size) in placed)
             except BaseException:  # released again: the tag stays paused, no wrong contents handed out
-                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
-                                        "dfa_release_many")
+                for name in names:
+                    _native.allocator.check(self.arenas.dfa_preload_arena_pause(name.encode(), _KEEPS.index("discard"),
+                                                                                stream), "dfa_preload_arena_pause")
+                if live:
+                    _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
+                                            "dfa_release_many")
                 raise
+
+    def _disk_ranges(self, t: str) -> list:
+        """[(address, bytes)] of the disk kind's memory of tag ``t``: while paused, its files'
+        ranges; else its pools' segments (torch mode: the deferalloc tag's blocks; preload mode:
+        PyTorch's snapshot of its pools, and its arena's segments)."""
+        if t in self.paused:
+            return [r for _, _, ranges in self.spills.get(t, []) for r in ranges]
+        if self.mode == "torch":
+            return [r for rows in _tag_blocks(self._itag(t, "disk")).values() for r in rows]
+        pools = self.pool_ids.get((t, "disk"), set())
+        rows = [(a, n) for a, pid, n in self._snapshot() if pid in pools]
+        if self.arenas is not None:
+            rows += self._arena_segments(self._itag(t, "disk"))
+        return rows
 
     def in_disk_region(self, ptr: int, nbytes: int) -> bool:
         """True when [ptr, ptr + nbytes) lies in memory of a disk-backup region."""
         with self.lock:
-            tags = [t for t, keeps in self.keeps.items() if "disk" in keeps]
-            for t in tags:
-                if self.mode == "torch":
-                    rows = [r for rows in _tag_blocks(self._itag(t, "disk")).values() for r in rows]
-                elif t in self.paused:
-                    rows = [(a, n) for a, _, k, n in self.paused[t] if k == "disk"]
-                else:
-                    rows = [(a, n) for a, k, n in self._segments(t) if k == "disk"]
-                if any(a <= ptr and ptr + nbytes <= a + n for a, n in rows):
+            for t in [t for t, keeps in self.keeps.items() if "disk" in keeps]:
+                if any(a <= ptr and ptr + nbytes <= a + n for a, n in self._disk_ranges(t)):
                     return True
         return False
 
@@ -752,7 +963,9 @@ def _tag_blocks(itag: str) -> dict:
 # never torn under its final name, every block verified before it reaches the device).
 # Approach: the disk kind is a third kind beside host and discard.  A pause writes the kind's
 # live memory (torch mode: the allocated blocks of "tms.disk/<tag>", i.e. its MemPool's
-# segments; preload mode: the disk pools' segments from PyTorch's snapshot) to one file per
+# segments; preload mode: the segments placed in the arena "tms.disk/<tag>", which the arena
+# lists (dfa_preload_arena_segments: no snapshot needed), and the disk pools' segments outside
+# it from PyTorch's snapshot) to one file per
 # (tag, device), named by the process (pid and a random token), a count and the tag, in the
 # process-global directory (set_disk_backup_dir, else TMS_DISK_BACKUP_DIR, else
 # /tmp/deferalloc-disk-backup-<uid>),
@@ -760,7 +973,8 @@ def _tag_blocks(itag: str) -> dict:
 # kinds, host first, then disk and discard as discard: the files are written before anything
 # is released, and a failure at any step resumes what was released (a disk kind reads its file
 # back) and removes the files.  A resume backs the disk kind first (contents undefined) and
-# reads its file into it; the file is deleted once every kind of the tag is resumed.  A load
+# reads its file into it (preload mode: the arena's slabs backed again, then its segments and
+# the segments outside read back); the file is deleted once every kind of the tag is resumed.  A load
 # that fails (a missing, corrupt or truncated file) releases the disk kind again, so the tag
 # stays paused with nothing resumed, keeps the file and raises: no tensor is handed back with
 # wrong contents.  A segment PyTorch freed while paused is skipped (verified, not copied).
@@ -769,6 +983,9 @@ def _tag_blocks(itag: str) -> dict:
 # deleted at resume; a directory owned by another user (as /tmp itself) is refused; a resume
 # that fails after the disk kind came back (the host kind's pinned copy, no memory) leaves
 # the tag paused with that kind backed, as a failed resume of host and discard kinds does.
+# In preload mode the file holds the disk arena's segments listed just before its pause: a
+# segment another thread places in the arena in between (allocating in a tag while it is
+# paused, the caller's error) is released without being saved.
 
 
 class _DiskBackup:

@@ -3,8 +3,12 @@ host driver): the API surface against torch_memory_saver 0.0.10's, argument chec
 refusals with their messages, the TMS_* variables, hook modes, pause/resume bookkeeping of
 the torch hook mode on the host driver, disk backup in the torch hook mode (dfa_malloc blocks
 of the host driver: round trips, directories, corrupt / truncated / missing files, a killed
-writer) and the preload hook mode's disk path on reservations, configure_subprocess and the two opt-ins (install_as_torch_memory_saver, the shim on
+writer) and the preload hook mode's disk path on reservations, the preload hook mode's pause
+and resume of a tag's arenas, a disk arena's file included (a process with the preload library
+in LD_PRELOAD and segments cudaMalloc'ed through it; regions themselves need CUDA),
+configure_subprocess and the two opt-ins (install_as_torch_memory_saver, the shim on
 PYTHONPATH).  The memory itself: test_memory_saver_gpu."""
+import contextlib
 import ctypes
 import inspect
 import os
@@ -265,6 +269,57 @@ class TorchModeOnTheHostDriver(SaverCase):
         self.s.pause("never-used")   # a tag with no allocations holds nothing (as torch_memory_saver)
         self.s.resume("never-used")
 
+    def test_pause_takes_the_backup_kind_first(self):
+        """As in preload mode: a failure that rolls the pause back has discarded nothing."""
+        with self.s.region("o", enable_cpu_backup=True):
+            pass
+        with self.s.region("o"):
+            pass
+        calls = []
+        real = ms._dfa.pause
+
+        def pause(name, keep):
+            calls.append(name)
+            if name.startswith("tms.discard/"):
+                raise dfa.OutOfMemory("mocked pause")
+            return real(name, keep=keep)
+
+        with mock.patch.object(ms._dfa, "pause", pause):
+            with self.assertRaisesRegex(dfa.OutOfMemory, "mocked pause"):
+                self.s.pause("o")
+        self.assertEqual(calls, ["tms.host/o", "tms.discard/o"])
+        self.assertFalse(dfa.is_paused("tms.host/o") or dfa.is_paused("tms.discard/o"))
+        self.s.pause("o")
+        self.s.resume("o")
+
+    def test_failed_rollback_leaves_the_tag_resumable(self):
+        """A pause that fails and whose rollback fails too records the tag as paused, so that
+        resume(tag) finishes it (not a tag stuck half-paused that neither call accepts)."""
+        with self.s.region("r", enable_cpu_backup=True):
+            pass
+        with self.s.region("r"):
+            pass
+        real_pause, real_resume = ms._dfa.pause, ms._dfa.resume
+
+        def pause(name, keep):
+            if name.startswith("tms.discard/"):
+                raise dfa.OutOfMemory("mocked pause")
+            return real_pause(name, keep=keep)
+
+        def resume(name):
+            raise dfa.OutOfMemory("mocked resume")
+
+        with mock.patch.object(ms._dfa, "pause", pause), mock.patch.object(ms._dfa, "resume", resume):
+            with self.assertRaisesRegex(dfa.OutOfMemory, "mocked pause"):
+                self.s.pause("r")
+        self.assertTrue(dfa.is_paused("tms.host/r"))
+        with self.assertRaisesRegex(dfa.InvalidState, "paused already"):
+            self.s.pause("r")
+        self.s.resume("r")  # finishes it
+        self.assertFalse(dfa.is_paused("tms.host/r") or dfa.is_paused("tms.discard/r"))
+        self.s.pause("r")
+        self.s.resume("r")
+
     def test_pause_inside_a_region_refused_and_nothing_paused(self):
         with self.s.region("a"):
             pass
@@ -468,8 +523,13 @@ class PreloadDiskOnTheHostDriver(unittest.TestCase):
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(len(k))))
         self.refs = {k: t.clone() for k, t in self.ts.items()}
         self.impl.keeps["p"] = {"disk", "host"}
-        segs = [(t.data_ptr(), k.rstrip("2"), t.nbytes) for k, t in self.ts.items()]
-        patch = mock.patch.object(self.impl, "_segments", lambda t: segs)
+        self.assertIsNone(self.impl.arenas)  # no preload library here: every segment a reservation of its own
+        pools = {"disk": (1, 1), "host": (1, 2)}
+        for keep, pid in pools.items():
+            self.impl.pool_ids[("p", keep)] = {pid}
+        # PyTorch's snapshot (address, pool, bytes), with a segment of a pool not the tag's
+        snap = [(t.data_ptr(), pools[k.rstrip("2")], t.nbytes) for k, t in self.ts.items()] + [(0x1000, (7, 7), 4096)]
+        patch = mock.patch.object(self.impl, "_snapshot", lambda: snap)
         patch.start()
         self.addCleanup(patch.stop)
 
@@ -547,6 +607,310 @@ class RoutingOrder(unittest.TestCase):
             self.assertEqual(len(deleted), 1, "the disable pool outlived the region")
             self.assertEqual(deleted[0][1], [], "the disable pool was deleted while a pool was routed")
             impl.local.depth = 0
+
+
+# Run by PreloadArenas in a process with the preload library in LD_PRELOAD: a tag's segments
+# cudaMalloc'ed with its arenas current, paused and resumed by the saver's preload mode.
+ARENA_CHILD = r"""
+import ctypes
+import torch
+from deferalloc import _native, memory_saver as ms
+
+_native.stream_ptr = lambda stream, device: None  # no CUDA: the null stream
+ms._Impl._device = staticmethod(lambda: 0)
+impl = ms._Impl("preload")
+assert impl.arenas is not None, "the preload library has no arenas"
+lib = ctypes.CDLL(None)
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+lib.cudaFree.argtypes = [ctypes.c_void_p]
+MIB = 1 << 20
+segs = {}
+for keep in ("host", "discard"):
+    impl._note("t", keep)
+    with impl._arena(impl._itag("t", keep)):
+        for i in range(64):
+            p = ctypes.c_void_p()
+            assert lib.cudaMalloc(ctypes.byref(p), MIB) == 0
+            ctypes.memset(p.value, i + 1, MIB)
+            segs.setdefault(keep, []).append(p.value)
+        with impl._arena(None):  # disable(): outside every arena
+            q = ctypes.c_void_p()
+            assert lib.cudaMalloc(ctypes.byref(q), MIB) == 0
+            assert not impl.arenas.dfa_preload_arena_owns(q)
+            assert lib.cudaFree(q) == 0
+    assert all(impl.arenas.dfa_preload_arena_owns(ctypes.c_void_p(a)) for a in segs[keep])
+# PyTorch's snapshot, as the saver reads it: the tag's pools hold the segments
+POOL = {"host": (1, 1), "discard": (1, 2)}
+for keep in ("host", "discard"):
+    impl.pool_ids[("t", keep)] = {POOL[keep]}
+snapshot = [(a, POOL[k], MIB) for k in ("host", "discard") for a in segs[k]]
+impl._snapshot = lambda: snapshot
+figs = {k: impl._arena_figures(impl._itag("t", k)) for k in ("host", "discard")}
+assert all(f[0] == 8 and f[3] == 64 for f in figs.values()), figs  # slabs of 1, 1, 2, 4, 8, then 16 MiB (the cap)
+
+def pause_refused(text):  # _preload_pause raises InvalidState saying `text`, and pauses nothing
+    try:
+        impl._preload_pause("t")
+        raise AssertionError(f"a pause went through where it should say {text!r}")
+    except ms._dfa.InvalidState as e:
+        assert text in str(e), e
+    assert all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
+
+
+# A segment of another pool in the tag's arena (a use_mem_pool nested with a region)
+snapshot[5] = (snapshot[5][0], (9, 9), MIB)
+pause_refused("belongs to PyTorch's pool (9, 9)")
+snapshot[5] = (snapshot[5][0], POOL["host"], MIB)
+# A segment of the tag's pool that is no reservation of the library (another device's)
+snapshot.append((0x1000, POOL["discard"], MIB))
+pause_refused("is not a deferalloc reservation")
+snapshot.pop()
+
+# The kind with a backup is paused first: a discard pause that fails leaves the host arena restored
+real_pause = impl.arenas.dfa_preload_arena_pause
+calls = []
+def failing_pause(name, keep, stream):
+    calls.append(name)
+    return 2 if name.startswith(b"tms.discard/") else real_pause(name, keep, stream)
+def pause_fails_at_discard(pause, tag):  # the discard kind's arena pause fails: the arenas paused, in order
+    calls.clear()
+    impl.arenas.dfa_preload_arena_pause = failing_pause
+    try:
+        pause(tag)
+        raise AssertionError("the failing pause went through")
+    except ms._dfa.InvalidState:
+        pass
+    finally:
+        impl.arenas.dfa_preload_arena_pause = real_pause
+    return list(calls)
+order = pause_fails_at_discard(impl._preload_pause, "t")
+assert order == [b"tms.host/t", b"tms.discard/t"], order
+assert all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
+for i, a in enumerate(segs["host"]):
+    assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, i
+
+for cycle in range(2):
+    rows = impl._preload_pause("t")
+    assert rows == [(impl._itag("t", k), 0, k, figs[k][1]) for k in ("host", "discard")], rows
+    assert all(impl._arena_figures(impl._itag("t", k))[4] == 1 for k in ("host", "discard"))
+    impl._preload_resume(rows)
+    impl._preload_resume(rows)  # a retried resume: each arena once
+    for i, a in enumerate(segs["host"]):
+        assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, (cycle, i)
+    for a in segs["discard"]:
+        ctypes.memset(a, 0x5A, MIB)  # backed again, writable
+# A pause whose rollback fails too: the tag stays recorded as paused, and resume finishes it
+real_resume = impl.arenas.dfa_preload_arena_resume
+impl.arenas.dfa_preload_arena_pause = failing_pause
+impl.arenas.dfa_preload_arena_resume = lambda name, stream: 3
+try:
+    impl.pause("t")
+    raise AssertionError("the failing pause went through")
+except ms._dfa.DeferallocError as e:
+    assert "dfa_preload_arena_pause" in str(e), e
+impl.arenas.dfa_preload_arena_pause = real_pause
+impl.arenas.dfa_preload_arena_resume = real_resume
+assert "t" in impl.paused and impl._arena_figures(impl._itag("t", "host"))[4] == 1, impl.paused
+impl.resume("t")
+assert "t" not in impl.paused and all(impl._arena_figures(impl._itag("t", k))[4] == 0 for k in ("host", "discard"))
+for i, a in enumerate(segs["host"]):
+    assert ctypes.string_at(a, 4) == bytes([i + 1]) * 4, i
+
+# One snapshot per pause() call, none where the tag's arenas gained no segment since the last
+# pause checked them, hold no stray, and no pool of the tag can hold segments outside them
+taken = []
+impl._snapshot = lambda: taken.append(1) or snapshot
+impl.verified.clear()
+def cycle(tag=None, snapshots=0):
+    n = len(taken)
+    impl.pause(tag)
+    impl.resume(tag)
+    assert len(taken) - n == snapshots, (tag, len(taken) - n, snapshots)
+cycle("t", 1)
+cycle("t", 0)
+def malloc_in(keep, tag="t"):
+    p = ctypes.c_void_p()
+    with impl._arena(impl._itag(tag, keep)):
+        assert lib.cudaMalloc(ctypes.byref(p), MIB) == 0
+    return p.value
+q = malloc_in("host")  # a new segment: checked again, here of another pool (refused, nothing paused)
+snapshot.append((q, (9, 9), MIB))
+pause_refused("belongs to PyTorch's pool (9, 9)")
+snapshot[-1] = (q, POOL["host"], MIB)
+cycle("t", 1)
+cycle("t", 0)
+impl.pause("t")
+r = malloc_in("discard")  # the arena paused: a stray, served outside it, found in the snapshot and paused
+impl.resume("t")
+snapshot.append((r, POOL["discard"], MIB))
+assert impl._arena_figures(impl._itag("t", "discard"))[5] == 1
+n = len(taken)
+rows = impl._preload_pause("t")
+assert len(taken) == n + 1 and any(row[0] == r for row in rows), rows
+impl._preload_resume(rows)
+cycle("t", 1)  # while the stray lives
+impl._note("u", "discard")
+impl.pool_ids[("u", "discard")] = {(1, 3)}
+u = malloc_in("discard", "u")
+snapshot.append((u, (1, 3), MIB))
+cycle(None, 1)  # two tags, one snapshot
+impl.outside.add(("u", "discard"))  # a capture's pool: looked at every time
+cycle("u", 1)
+cycle("u", 1)
+for a in (q, r, u):
+    assert lib.cudaFree(ctypes.c_void_p(a)) == 0
+    snapshot.pop()
+assert impl._arena_figures(impl._itag("t", "discard"))[5] == 0
+impl._snapshot = lambda: snapshot
+
+# The disk kind's arena ("tms.disk/<tag>"): its segments written to a file before the arena is
+# released (as discard), read back after its slabs are backed again; a segment freed while
+# paused is verified and not copied; a corrupted file is refused, the arena released again and
+# the tag still paused, and the resume after the file is mended restores every byte
+import glob, os
+impl._note("d", "disk")
+HALF = MIB // 2
+dsegs = []
+with impl._arena(impl._itag("d", "disk")):
+    for i in range(12):
+        p = ctypes.c_void_p()
+        assert lib.cudaMalloc(ctypes.byref(p), HALF) == 0
+        ctypes.memset(p.value, 0x30 + i, HALF)
+        dsegs.append(p.value)
+assert impl._arena_segments("tms.disk/d") == sorted((a, HALF) for a in dsegs), impl._arena_segments("tms.disk/d")
+assert impl._arena_segments("tms.disk/none") == []
+impl.pool_ids[("d", "disk")] = {(1, 4)}
+snapshot += [(a, (1, 4), HALF) for a in dsegs]
+spill_dir = os.environ["TMS_DISK_BACKUP_DIR"]
+for cyc in range(2):
+    impl.pause("d")
+    assert impl._arena_figures("tms.disk/d")[4] == 1
+    assert impl.in_disk_region(dsegs[0] + 8, 8) and not impl.in_disk_region(segs["host"][0], 8)
+    files = glob.glob(os.path.join(spill_dir, "*.spill"))
+    assert len(files) == 1 and "-d-d0.spill" in files[0], files
+    if cyc == 0:  # PyTorch frees a segment while paused (its range back to the paused arena)
+        gone = dsegs.pop()
+        assert lib.cudaFree(ctypes.c_void_p(gone)) == 0
+        snapshot.remove((gone, (1, 4), HALF))
+    else:  # a flipped byte of the first segment: refused, the arena released again, the file kept
+        with open(files[0], "r+b") as f:
+            f.seek(4096 + 10)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 1]))
+        try:
+            impl.resume("d")
+            raise AssertionError("a corrupted file was read back")
+        except ms._dfa.CorruptData as e:
+            assert files[0] in str(e), e
+        assert "d" in impl.paused and impl._arena_figures("tms.disk/d")[4] == 1
+        assert glob.glob(os.path.join(spill_dir, "*.spill")) == files
+        with open(files[0], "r+b") as f:
+            f.seek(4096 + 10)
+            f.write(b)
+    impl.resume("d")
+    assert "d" not in impl.paused and impl._arena_figures("tms.disk/d")[4] == 0
+    assert glob.glob(os.path.join(spill_dir, "*.spill")) == [], "the file outlived the resume"
+    for i, a in enumerate(dsegs):
+        assert ctypes.string_at(a, HALF) == bytes([0x30 + i]) * HALF, (cyc, i)
+# A failure after the file is written (the discard kind's arena) resumes the disk arena from it
+impl._note("d", "discard")
+with impl._arena(impl._itag("d", "discard")):
+    p = ctypes.c_void_p()
+    assert lib.cudaMalloc(ctypes.byref(p), HALF) == 0
+impl.pool_ids[("d", "discard")] = {(1, 5)}
+snapshot.append((p.value, (1, 5), HALF))
+order = pause_fails_at_discard(impl.pause, "d")
+assert order == [b"tms.disk/d", b"tms.discard/d"], order  # the disk kind before the discarded one
+assert "d" not in impl.paused and impl._arena_figures("tms.disk/d")[4] == 0
+assert glob.glob(os.path.join(spill_dir, "*.spill")) == [], "the rolled-back pause left its file"
+for i, a in enumerate(dsegs):
+    assert ctypes.string_at(a, HALF) == bytes([0x30 + i]) * HALF, ("rollback", i)
+assert lib.cudaFree(p) == 0
+snapshot.pop()
+for a in dsegs:
+    assert lib.cudaFree(ctypes.c_void_p(a)) == 0
+    snapshot.remove((a, (1, 4), HALF))
+assert impl._arena_segments("tms.disk/d") == []
+
+# deferalloc.release & co. of a tensor in an arena: refused (its reservation is the arena's whole block)
+import deferalloc
+t = torch.frombuffer((ctypes.c_ubyte * MIB).from_address(segs["host"][3] + 4096), dtype=torch.uint8)
+for call in (deferalloc.release, deferalloc.materialize, deferalloc.is_backed):
+    try:
+        call(t)
+        raise AssertionError(f"{call.__name__} of a tensor in an arena went through")
+    except deferalloc.InvalidArgument as e:
+        assert "lies in a preload arena" in str(e), e
+del t
+for keep in ("host", "discard"):
+    for a in segs[keep]:
+        assert lib.cudaFree(ctypes.c_void_p(a)) == 0
+    assert impl._arena_figures(impl._itag("t", keep))[:4] == [0, 0, 0, 0]
+# An arena the library refuses to make current (it does not serve this device): the region raises
+impl.arenas.dfa_preload_arena_push = lambda name: 2 if name else 0
+try:
+    with impl._arena(impl._itag("t", "host")):
+        raise AssertionError("a region whose cudaMallocs nothing could pause started")
+except ms._dfa.InvalidState as e:
+    assert "does not serve this thread's cudaMalloc" in str(e), e
+print("arenas ok")
+"""
+
+
+class PreloadArenas(unittest.TestCase):
+    def test_pause_resume_of_a_tags_arenas(self):
+        lib = ms.preload_library_path()
+        if not os.path.exists(lib):
+            self.skipTest(f"{lib} is not built")
+        env = {k: v for k, v in os.environ.items() if k not in TMS_ENV}
+        spill_dir = tempfile.mkdtemp(prefix="dfa-tms-arena-")
+        self.addCleanup(shutil.rmtree, spill_dir, True)
+        env.update(LD_PRELOAD=lib, DEFERALLOC_CONF="driver:host,host_granularity_kb:64", TMS_DISK_BACKUP_DIR=spill_dir,
+                   TMS_DISK_BACKUP_CHUNK_MB="1")
+        r = subprocess.run([sys.executable, "-c", ARENA_CHILD], capture_output=True, text=True, env=env, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("arenas ok", r.stdout)
+
+
+class PreloadCudaGraph(unittest.TestCase):
+    """cuda_graph in hook_mode="preload", PyTorch's capture faked: the capture's pool is the
+    tag's before the capture begins (PyTorch 2.11's CUDAGraph.pool() raises until a capture
+    succeeded), so a capture that raises leaves its pool the tag's."""
+
+    def test_capture_pool_known_before_the_capture(self):
+        with clean_env(LD_PRELOAD="/b/libdeferalloc_preload.so"):
+            impl = ms._Impl("preload")
+        impl.arenas = None  # no arena entry points here: the bookkeeping only
+        seen = []
+
+        class Graph:  # as torch 2.11's CUDAGraph before a successful capture
+            def pool(self):
+                raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            seen.append((pool, set(impl.pool_ids.get(("g", "discard"), set()))))  # what the tag holds at capture_begin
+            yield
+
+        with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+                mock.patch.object(torch.cuda, "graph", graph):
+            with impl.cuda_graph(Graph(), None, None, "global", "g", "discard"):
+                pass
+            pool, held = seen[-1]
+            self.assertIsNotNone(pool, "the capture got no pool of ours: its id would be known only after it")
+            self.assertEqual(held, {tuple(pool)}, "the pool is the tag's before the capture begins")
+            with self.assertRaisesRegex(RuntimeError, "the capture fails"):
+                with impl.cuda_graph(Graph(), None, None, "global", "g", "discard"):
+                    raise RuntimeError("the capture fails")
+            second = tuple(seen[-1][0])
+            self.assertNotEqual(second, tuple(pool), "each capture without a pool gets a new one")
+            self.assertEqual(impl.pool_ids[("g", "discard")], {tuple(pool), second})
+            with impl.cuda_graph(Graph(), (5, 0), None, "global", "g", "discard"):  # a pool passed in: as given
+                pass
+            self.assertEqual(seen[-1][0], (5, 0))
+        self.assertIn((5, 0), impl.pool_ids[("g", "discard")])
+        self.assertIn(("g", "discard"), impl.outside)
 
 
 class ConfigureSubprocess(unittest.TestCase):
