@@ -335,6 +335,29 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _sync_devices(devices) -> None:
+    """Waits for every device of `devices` (the current one's sync does not cover the others:
+    a block's last use may be on any stream of its own device).  Nothing without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for dev in sorted(devices):
+            if dev >= 0:
+                torch.cuda.synchronize(dev)
+
+
+def _open_region() -> Optional[str]:
+    """dfa_tag_pause's refusal when a tagged region is open on this thread, else None.
+    Probed with the empty name, which dfa_tag_pause refuses only after that check: nothing
+    is paused either way."""
+    try:
+        _native.allocator.check(_native.allocator().dfa_tag_pause(b"", _KEEPS.index("discard"), None),
+                                "dfa_tag_pause")
+    except _dfa.InvalidState as e:
+        return str(e)
+    except _dfa.InvalidArgument:
+        return None
+    return None
+
+
 # Note [One routed pool per thread]
 # Rationale: PyTorch routes an allocation to the first pool whose filter matches, in the order
 # the pools began (beginAllocateToPool appends): a MemPool entered inside another one on the
@@ -405,6 +428,8 @@ class _Impl:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
                                       "hook_mode='torch' only allocations inside region() reach deferalloc")
+        if env["init_disk_backup"]:
+            self.disk.directory()  # checked (and created) now, as at a disk region's start
 
     # bookkeeping
     def _note(self, tag: str, keep: str) -> None:
@@ -471,6 +496,8 @@ class _Impl:
     # region
     @contextlib.contextmanager
     def region(self, tag: str, keep: str):
+        if keep == "disk":
+            self.disk.directory()  # checked (and created) at the first disk region, not at its first pause
         if not torch.cuda.is_available():  # the host driver (tests): the tag only
             if self.mode == "torch":
                 with _dfa.tag(self._itag(tag, keep)), self._in_region():
@@ -557,6 +584,10 @@ class _Impl:
         names = self._tags(tag, paused=False)
         if not names:
             return
+        if self.mode == "torch":
+            err = _open_region()  # what the first deferalloc.pause would raise, before any file is written
+            if err is not None:
+                raise _dfa.InvalidState(f"pause({names}): {err}; nothing paused")
         _sync()
         with self.lock:
             for t in names:
@@ -575,6 +606,12 @@ class _Impl:
             for t in names:
                 if t not in self.paused:
                     raise _dfa.InvalidState(f"resume({t!r}): the tag is not paused")
+            disk = [t for t in names if "disk" in self.keeps[t]]
+            if self.mode == "torch" and disk:
+                err = _open_region()  # a failed load could not release the disk kind again in there
+                if err is not None:
+                    raise _dfa.InvalidState(f"resume({disk}): {err}: a disk kind's resume needs no region open on "
+                                            "this thread; nothing resumed")
             self._check_margin(names)
             for t in names:
                 spills = self.spills.get(t, [])
@@ -601,36 +638,83 @@ class _Impl:
     # torch mode: the tag's kinds are deferalloc tags
     def _torch_pause(self, t: str) -> None:
         keeps = self.keeps[t]
+        for keep in _ordered(keeps, _PAUSE_ORDER):  # a kind released already: its memory cannot be read
+            itag = self._itag(t, keep)
+            if _dfa.is_paused(itag):
+                raise _dfa.InvalidState(f"pause({t!r}): its kind {itag!r} is paused already (deferalloc.pause() "
+                                        f"without a tag?): resume it (deferalloc.resume({itag!r})) first; nothing "
+                                        "paused")
+        groups = _tag_blocks(self._itag(t, "disk")) if "disk" in keeps else {}
+        _sync_devices(groups)  # the blocks' streams, on every device of the file
         # Note [Disk backup]: the files first, while every kind still holds its contents.
-        spills = self.disk.save(t, _tag_blocks(self._itag(t, "disk"))) if "disk" in keeps else []
-        free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        spills = self.disk.save(t, groups) if groups else []
         done = []
         try:
+            free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
             for keep in _ordered(keeps, _PAUSE_ORDER):
                 _dfa.pause(self._itag(t, keep), keep=_released_as(keep))
                 done.append(keep)
-        except BaseException:
-            for keep in done:  # all or nothing
-                self._torch_resume_keep(t, keep, spills)
+            if "disk" in keeps:
+                self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
+                                    "contents are lost); every kind resumed, nothing paused")
+            given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
+        except BaseException as err:
+            try:
+                for keep in done:  # all or nothing
+                    self._torch_resume_keep(t, keep, spills, check=False)
+            except BaseException as e:
+                self._keep_paused(t, [(0, 0, "", 0)], spills, e)
+                raise err
             self.disk.remove(spills)
             raise
-        given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
         self.paused[t] = [(0, 0, "", max(0, given))]  # what the margin check counts at resume
         if spills:
             self.spills[t] = spills
 
-    def _torch_resume_keep(self, t: str, keep: str, spills: list) -> None:
+    def _keep_paused(self, t: str, rows: list, spills: list, error: BaseException) -> None:
+        """A pause whose rollback failed: the tag is kept as paused with its files (`rows` as
+        self.paused holds them), so that a resume retries (the file is read again)."""
+        self.paused[t] = rows
+        if spills:
+            self.spills[t] = spills
+        _log.warning("deferalloc.memory_saver: pause(%r) failed and its rollback too (%s): the tag stays paused "
+                     "with its files; resume it again", t, error)
+
+    def _check_covered(self, t: str, spills: list, what: str, then: str) -> None:
+        """InvalidState when a live block of the tag's disk kind is in none of its files (one
+        allocated by another thread inside the region while the pause ran)."""
+        saved = {(dev, a, n) for _, dev, ranges in spills for a, n in ranges}
+        missing = [(dev, a, n) for dev, rows in _tag_blocks(self._itag(t, "disk")).items() for a, n in rows
+                   if (dev, a, n) not in saved]
+        if missing:
+            rows = ", ".join(f"{a:#x} ({n} bytes, device {dev})" for dev, a, n in missing[:4])
+            raise _dfa.InvalidState(f"{what}: {len(missing)} block(s) of {self._itag(t, 'disk')!r} are in no disk "
+                                    f"backup file (allocated while the pause ran?): {rows}; they {then}")
+
+    def _torch_resume_keep(self, t: str, keep: str, spills: list, check: bool = True) -> None:
         itag = self._itag(t, keep)
-        if not _dfa.is_paused(itag):
-            return
-        _dfa.resume(itag)
         if keep != "disk" or not spills:
+            if _dfa.is_paused(itag):
+                _dfa.resume(itag)
             return
+        # Note [Disk backup]: while the file exists it holds the only copy: read it whether the
+        # kind is paused or was backed already (deferalloc.resume() without a tag, an earlier
+        # resume whose release after a failed load failed): backed means undefined contents.
         try:
+            if _dfa.is_paused(itag):
+                _dfa.resume(itag)
+            if check:
+                self._check_covered(t, spills, f"resume({t!r})", "would come back with undefined contents "
+                                    "(free them first); nothing resumed")
             live = {d: set(rows) for d, rows in _tag_blocks(itag).items()}
             self.disk.load(spills, lambda dev, addr, size: (addr, size) in live.get(dev, ()))
         except BaseException:
-            _dfa.pause(itag, keep="discard")  # paused again: no wrong contents handed out
+            try:
+                if not _dfa.is_paused(itag):
+                    _dfa.pause(itag, keep="discard")  # paused again: no wrong contents handed out
+            except BaseException as e:  # backed with undefined contents; the next resume reads the file again
+                _log.warning("deferalloc.memory_saver: %r stays backed after its file failed to load (%s); the tag "
+                             "stays paused and its next resume reads the file again", itag, e)
             raise
 
     # preload mode: the tag's segments are reservations of the preload library
@@ -659,19 +743,29 @@ class _Impl:
                     "libdeferalloc_preload.so in LD_PRELOAD the one beside the libdeferalloc.so this package loads "
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
+        for addr, rid, keep, size in found:  # a segment released already: its memory cannot be read
+            backed = ctypes.c_int()
+            _native.allocator.check(lib.dfa_is_backed(rid, 0, size, ctypes.byref(backed)), "dfa_is_backed")
+            if keep == "disk" and not backed.value:
+                raise _dfa.InvalidState(f"pause({t!r}): the disk segment at {addr:#x} ({size} bytes) is not backed "
+                                        "(released by another caller?): nothing paused")
         disk = [(addr, size) for addr, _, keep, size in found if keep == "disk"]
         spills = self.disk.save(t, {self._device(): disk}) if disk else []  # Note [Disk backup]: first
-        stream = _stream(self._device())
         released = []  # one call per keep, all or nothing
-        for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found], _PAUSE_ORDER):
-            try:
+        try:
+            stream = _stream(self._device())
+            for keep, ids in _by_keep([(rid, keep) for _, rid, keep, _ in found], _PAUSE_ORDER):
                 _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index(_released_as(keep)),
                                                              stream), "dfa_release_many")
-            except BaseException:
+                released.append(keep)
+        except BaseException as err:
+            try:
                 self._preload_resume([f for f in found if f[2] in released], spills)
-                self.disk.remove(spills)
-                raise
-            released.append(keep)
+            except BaseException as e:
+                self._keep_paused(t, [f for f in found if f[2] in released], spills, e)
+                raise err
+            self.disk.remove(spills)
+            raise
         if spills:
             self.spills[t] = spills
         return found
@@ -694,8 +788,13 @@ class _Impl:
                 addrs = {addr for _, k, addr in live if k == "disk"}
                 self.disk.load(spills, lambda dev, addr, size: addr in addrs)
             except BaseException:  # released again: the tag stays paused, no wrong contents handed out
-                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
-                                        "dfa_release_many")
+                try:
+                    _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
+                                            "dfa_release_many")
+                except BaseException as e:  # backed with undefined contents; the next resume reads the file again
+                    _log.warning("deferalloc.memory_saver: the disk segments of a tag stay backed after its file "
+                                 "failed to load (%s); the tag stays paused and its next resume reads the file again",
+                                 e)
                 raise
 
     def in_disk_region(self, ptr: int, nbytes: int) -> bool:
@@ -782,13 +881,20 @@ class _DiskBackup:
         self.checked: Optional[str] = None  # the directory checked last
 
     def set_dir(self, path) -> None:
-        path = os.path.abspath(os.fspath(path))
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)  # the parents, as TMS's os.makedirs
-        except OSError as e:
-            raise _dfa.IoError(f"set_disk_backup_dir: cannot create the parents of {path}: {e}") from e
-        self._check(path)
+        path = os.fspath(path)
+        if not path:
+            raise ValueError("set_disk_backup_dir: path must not be empty")
+        path = os.path.abspath(path)
+        self._prepare(path, "set_disk_backup_dir")
         self.dir = path
+
+    def _prepare(self, path: str, what: str) -> None:
+        """Creates the parents (TMS's create_directories), then checks (and creates) the directory."""
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise _dfa.IoError(f"{what}: cannot create the parents of {path}: {e}") from e
+        self._check(path)
 
     def _check(self, path: str) -> None:
         mem = ctypes.c_int()
@@ -802,7 +908,7 @@ class _DiskBackup:
     def directory(self) -> str:
         if self.dir is not None:
             if self.checked != self.dir:
-                self._check(self.dir)
+                self._prepare(self.dir, "TMS_DISK_BACKUP_DIR")
             return self.dir
         default = os.path.join("/tmp", f"deferalloc-disk-backup-{os.geteuid()}")
         try:
@@ -843,6 +949,8 @@ class _DiskBackup:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # the tag is resumed (or its pause rolled back) already: a leftover file only
+                _log.warning("deferalloc.memory_saver: cannot remove the disk backup file %s: %s", path, e)
 
 
 def _stream(device: int):
