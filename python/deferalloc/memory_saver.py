@@ -19,8 +19,8 @@ Approach:
   TMS, and routes the thread's allocations to
   a MemPool of that (tag, backup, device) whose segments come from deferalloc
   (``deferalloc.mem_pool``), kept for the process as TMS keeps its pools; ``pause(tag)`` is
-  ``deferalloc.pause`` of both internal tags (the pool's cached segments are paused with the
-  rest).
+  ``deferalloc.pause`` of its internal tags, up to three, the disk kind's file written first
+  (the pool's cached segments are paused with the rest).
   ``cuda_graph`` captures into a MemPool of its own (deferalloc's segments, the tag current):
   never the region's pool (PyTorch refuses to record one pool twice, and eager tensors
   handed a graph's freed blocks would be overwritten at replay).  deferalloc's allocator
@@ -31,8 +31,9 @@ Approach:
   use, as TMS checks its own library).  ``region`` routes allocations to a native MemPool per
   (tag, backup, device); ``cuda_graph`` records the graph's private pool under the tag.  A
   pause finds the tag's pools' segments in PyTorch's snapshot, each one a reservation of the
-  preload library (dfa_find), and releases them (dfa_release_many, keep host or discard); resume
-  backs them again at the same addresses (dfa_materialize_many, restore or undefined).  With
+  preload library (dfa_find), and releases them (dfa_release_many, keep host or discard, the
+  disk pools' segments written to a file first and released as discard); resume backs them
+  again at the same addresses (dfa_materialize_many, restore or undefined, the file read back).  With
   TMS_INIT_ENABLE=1, PyTorch's default pool belongs to the tag "default" too.
 * Disk backup (``enable_disk_backup``; Note [Disk backup]): a third kind beside host backup
   and discard, in both modes ("tms.disk/<tag>" in torch mode, its own pools in preload
@@ -863,6 +864,16 @@ def _tag_blocks(itag: str) -> dict:
 # that fails (a missing, corrupt or truncated file) releases the disk kind again, so the tag
 # stays paused with nothing resumed, keeps the file and raises: no tensor is handed back with
 # wrong contents.  A segment PyTorch freed while paused is skipped (verified, not copied).
+# The file holds the only copy until a load succeeds: a resume reads it whether or not the disk
+# kind is paused now (deferalloc.resume() without a tag backs it with undefined contents; a
+# release after a failed load may fail), and only a successful load lets it be deleted.  A
+# resume of a disk kind inside a tagged region is refused (the release after a failed load
+# could not run there), as is a pause there (before any file is written).  A pause whose
+# rollback fails keeps the tag paused with its files (the next resume reads them).  A pause
+# waits for every device of its files, refuses a kind released already (deferalloc.pause()
+# without a tag: its memory cannot be read), and rolls back when the disk kind holds a block
+# in no file after the release (another thread allocated in the region meanwhile: that
+# block's contents are lost); a resume refuses such a block.
 # Limits: files of a process that died stay in the directory (no process deletes another's);
 # TMS writes one file per allocation kept until it is freed, deferalloc one per tag and device
 # deleted at resume; a directory owned by another user (as /tmp itself) is refused; a resume
