@@ -690,6 +690,53 @@ class PreloadDiskOnTheHostDriver(unittest.TestCase):
             self.assertEqual([f for f in os.listdir(self.dir) if f.endswith(".spill")], [])
 
 
+    def spills(self):
+        return [f for f in os.listdir(self.dir) if f.endswith(".spill")]
+
+    def resumed_intact(self):
+        self.impl.resume("p")
+        self.assertTrue(all(self.backed().values()))
+        for k, t in self.ts.items():
+            self.assertTrue(torch.equal(t, self.refs[k]), f"{k} differs after resume")
+        self.assertEqual(self.spills(), [])
+
+    def test_a_failed_rollback_keeps_the_tag_paused_with_its_file(self):
+        real_by_keep = ms._by_keep
+
+        def by_keep(rows, order):  # one more release after host and disk, which fails (no such reservation)
+            out = real_by_keep(rows, order)
+            return out + [("discard", (ctypes.c_uint64 * 1)(0xDEAD))] if order == ms._PAUSE_ORDER else out
+        with mock.patch.object(ms, "_by_keep", by_keep), \
+                mock.patch.object(self.impl.disk, "load", side_effect=dfa.IoError("injected: load")), \
+                self.assertLogs("deferalloc", "WARNING"), self.assertRaises(dfa.InvalidArgument):
+            self.impl.pause("p")
+        self.assertIn("p", self.impl.paused, "a failed rollback forgot the paused tag")
+        self.assertEqual(self.backed(), {"disk": False, "disk2": False, "host": False})
+        self.assertEqual(len(self.spills()), 1, "a failed rollback forgot the file")
+        dfa.trim(0)
+        self.resumed_intact()
+
+    def test_a_retried_resume_after_a_failed_release_reads_the_file(self):
+        self.impl.pause("p")
+        dfa.trim(0)
+        real_check = ms._native.allocator.check
+
+        def check(status, call):
+            if call == "dfa_release_many":  # as if it failed: the disk segments backed, undefined contents
+                for k in ("disk", "disk2"):
+                    dfa.materialize(self.ts[k]).fill_(0xEE)
+                raise dfa.InvalidState("injected: the release after the failed load")
+            real_check(status, call)
+        with mock.patch.object(self.impl.disk, "load", side_effect=dfa.IoError("injected: load")), \
+                mock.patch.object(ms._native.allocator, "check", check), self.assertLogs("deferalloc", "WARNING"):
+            with self.assertRaisesRegex(dfa.IoError, "injected: load"):
+                self.impl.resume("p")
+        self.assertIn("p", self.impl.paused)
+        self.assertTrue(self.backed()["disk"])
+        self.assertEqual(len(self.spills()), 1, "the file went with the failed load")
+        self.resumed_intact()
+
+
 class RoutingOrder(unittest.TestCase):
     """PyTorch aborts the process when a MemPool is deleted (its cache emptied) while any pool
     is routed (captures_underway): disable() inside a region must not delete its pool while the
