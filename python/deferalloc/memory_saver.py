@@ -429,8 +429,10 @@ class _Impl:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
                                       "hook_mode='torch' only allocations inside region() reach deferalloc")
-        if env["init_disk_backup"]:
-            self.disk.directory()  # checked (and created) now, as at a disk region's start
+        if env["init_disk_backup"] and self.disk.dir is not None:
+            # TMS_DISK_BACKUP_DIR checked (and created) now, as at a disk region's start; the
+            # default directory waits for its first use (set_disk_backup_dir may name another).
+            self.disk.directory()
 
     # bookkeeping
     def _note(self, tag: str, keep: str) -> None:
