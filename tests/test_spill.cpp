@@ -2,14 +2,19 @@
 // through the C ABI, on the driver under test: round trips bit for bit with chunks
 // smaller and larger than a range, a corrupted, truncated or swapped file refused before
 // wrong bytes count, mismatched ranges, a killed writer's temporary file never taken for
-// a spill, the directory and file checks, a full disk leaving no file.
+// a spill, the directory and file checks, a full disk leaving no file, a header's count
+// refused before it sizes a buffer, the page cache dropped after a save and a load.
 #include <deferalloc/deferalloc.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -142,6 +147,57 @@ TEST_F(Spill, TruncatedOrForeignFilesAreCorruptBeforeAnyCopy) {
   { std::ofstream(dir.path + "/foreign") << std::string(8192, 'x'); }
   EXPECT_EQ(load(dir.path + "/foreign", {pa}, {a}, 64_KiB), DFA_ERROR_CORRUPT);
   EXPECT_NE(std::string(dfa_last_error()).find("not a deferalloc disk spill"), std::string::npos) << dfa_last_error();
+}
+
+// The pages of `path` in the page cache (mincore of a mapping, which faults nothing in).
+std::size_t cached_pages(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const auto bytes = static_cast<std::size_t>(std::filesystem::file_size(path));
+  void* m = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (m == MAP_FAILED) return 0;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((bytes + page - 1) / page);
+  const int rc = ::mincore(m, bytes, in.data());
+  ::munmap(m, bytes);
+  if (rc != 0) return 0;
+  return static_cast<std::size_t>(std::count_if(in.begin(), in.end(), [](unsigned char v) { return (v & 1) != 0; }));
+}
+
+TEST_F(Spill, ThePageCacheIsDroppedAfterASaveAndALoad) {
+  const std::size_t a = 1_MiB;
+  void* pa = range(a, 5);
+  const std::string path = dir.path + "/s";
+  ASSERT_EQ(save(path, {pa}, {a}, 256_KiB), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(cached_pages(path), 0u) << "the page cache kept the file after the save";
+  {
+    std::ifstream f(path, std::ios::binary);  // read in through the cache
+    std::vector<char> all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  if (cached_pages(path) == 0) GTEST_SKIP() << "the file system of " << dir.path << " keeps no page cache";
+  ASSERT_EQ(load(path, {pa}, {a}, 256_KiB), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_TRUE(holds(pa, a, 5));
+  EXPECT_EQ(cached_pages(path), 0u) << "the page cache kept the file after the load";
+}
+
+TEST_F(Spill, AHeadersCountIsCheckedBeforeItSizesABuffer) {
+  const std::size_t a = 256_KiB;
+  void* pa = range(a, 11);
+  const std::string path = dir.path + "/s";
+  ASSERT_EQ(save(path, {pa}, {a}, 64_KiB), DFA_SUCCESS) << dfa_last_error();
+  // A count that the file's size allows but the data's offset does not match: refused from
+  // the fixed header, before a buffer of that many sizes is read and checksummed.
+  std::uint64_t count = 1000;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(16);  // magic (8), version (4), block bytes (4), then the count
+    f.write(reinterpret_cast<const char*>(&count), sizeof count);
+  }
+  EXPECT_EQ(load(path, {pa}, {a}, 64_KiB), DFA_ERROR_CORRUPT);
+  const std::string msg = dfa_last_error();
+  EXPECT_NE(msg.find("has a damaged header"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("checksum mismatch"), std::string::npos) << "the count sized a buffer first: " << msg;
 }
 
 TEST_F(Spill, RangesOtherThanTheFilesAreRefused) {

@@ -138,9 +138,9 @@ DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
  * `n` ranges of device memory (ptrs[i], sizes[i] bytes; host memory on the host driver)
  * of `device` (-1: the instance's) to one file and back, through two pinned staging
  * buffers of up to `chunk_bytes` (rounded up to 64 KiB) copied on `stream`; both wait for
- * their copies before they return.  The file has a header (the ranges' count and sizes),
- * the bytes and a checksum64 per 64 KiB block (Note [Disk spills] in
- * allocator/core/files/spill.cpp). */
+ * their copies before they return, and drop the file's page cache when done.  The file has
+ * a header (the ranges' count and sizes), the bytes and a checksum64 per 64 KiB block
+ * (Note [Disk spills] in allocator/core/files/spill.cpp). */
 /* Writes a temporary file beside `path` (exclusive, 0600, its size reserved first),
  * fsyncs it, renames it to `path`, fsyncs the directory: `path` is the whole file or
  * absent (a full disk or an I/O error: IO, naming the file; `path` not written).  The

@@ -19,8 +19,8 @@ Approach:
   TMS, and routes the thread's allocations to
   a MemPool of that (tag, backup, device) whose segments come from deferalloc
   (``deferalloc.mem_pool``), kept for the process as TMS keeps its pools; ``pause(tag)`` is
-  ``deferalloc.pause`` of both internal tags (the pool's cached segments are paused with the
-  rest).
+  ``deferalloc.pause`` of its internal tags, up to three, the disk kind's file written first
+  (the pool's cached segments are paused with the rest).
   ``cuda_graph`` captures into a MemPool of its own (deferalloc's segments, the tag current):
   never the region's pool (PyTorch refuses to record one pool twice, and eager tensors
   handed a graph's freed blocks would be overwritten at replay).  deferalloc's allocator
@@ -382,6 +382,29 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _sync_devices(devices) -> None:
+    """Waits for every device of `devices` (the current one's sync does not cover the others:
+    a block's last use may be on any stream of its own device).  Nothing without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for dev in sorted(devices):
+            if dev >= 0:
+                torch.cuda.synchronize(dev)
+
+
+def _open_region() -> Optional[str]:
+    """dfa_tag_pause's refusal when a tagged region is open on this thread, else None.
+    Probed with the empty name, which dfa_tag_pause refuses only after that check: nothing
+    is paused either way."""
+    try:
+        _native.allocator.check(_native.allocator().dfa_tag_pause(b"", _KEEPS.index("discard"), None),
+                                "dfa_tag_pause")
+    except _dfa.InvalidState as e:
+        return str(e)
+    except _dfa.InvalidArgument:
+        return None
+    return None
+
+
 # Note [One routed pool per thread]
 # Rationale: PyTorch routes an allocation to one pool whose filter matches: the first in the
 # order the pools began (beginAllocateToPool appends) in older versions, the last begun in
@@ -460,6 +483,10 @@ class _Impl:
             raise NotImplementedError("TMS_INIT_ENABLE=1 makes every allocation of the process pauseable under "
                                       "'default': hook_mode='preload' serves it (PyTorch's default pool); in "
                                       "hook_mode='torch' only allocations inside region() reach deferalloc")
+        if env["init_disk_backup"] and self.disk.dir is not None:
+            # TMS_DISK_BACKUP_DIR checked (and created) now, as at a disk region's start; the
+            # default directory waits for its first use (set_disk_backup_dir may name another).
+            self.disk.directory()
 
     # bookkeeping
     def _note(self, tag: str, keep: str) -> None:
@@ -552,6 +579,8 @@ class _Impl:
     # region
     @contextlib.contextmanager
     def region(self, tag: str, keep: str):
+        if keep == "disk":
+            self.disk.directory()  # checked (and created) at the first disk region, not at its first pause
         if not torch.cuda.is_available():  # the host driver (tests): the tag only
             if self.mode == "torch":
                 with _dfa.tag(self._itag(tag, keep)), self._in_region():
@@ -651,6 +680,10 @@ class _Impl:
         names = self._tags(tag, paused=False)
         if not names:
             return
+        if self.mode == "torch":
+            err = _open_region()  # what the first deferalloc.pause would raise, before any file is written
+            if err is not None:
+                raise _dfa.InvalidState(f"pause({names}): {err}; nothing paused")
         _sync()
         with self.lock:
             snap = []  # preload mode: PyTorch's snapshot, taken at most once for every tag of this call
@@ -670,6 +703,12 @@ class _Impl:
             for t in names:
                 if t not in self.paused:
                     raise _dfa.InvalidState(f"resume({t!r}): the tag is not paused")
+            disk = [t for t in names if "disk" in self.keeps[t]]
+            if self.mode == "torch" and disk:
+                err = _open_region()  # a failed load could not release the disk kind again in there
+                if err is not None:
+                    raise _dfa.InvalidState(f"resume({disk}): {err}: a disk kind's resume needs no region open on "
+                                            "this thread; nothing resumed")
             self._check_margin(names)
             for t in names:
                 spills = self.spills.get(t, [])
@@ -696,44 +735,86 @@ class _Impl:
     # torch mode: the tag's kinds are deferalloc tags
     def _torch_pause(self, t: str) -> None:
         keeps = self.keeps[t]
+        for keep in _ordered(keeps, _PAUSE_ORDER):  # a kind released already: its memory cannot be read
+            itag = self._itag(t, keep)
+            if _dfa.is_paused(itag):
+                raise _dfa.InvalidState(f"pause({t!r}): its kind {itag!r} is paused already (deferalloc.pause() "
+                                        f"without a tag?): resume it (deferalloc.resume({itag!r})) first; nothing "
+                                        "paused")
+        groups = _tag_blocks(self._itag(t, "disk")) if "disk" in keeps else {}
+        _sync_devices(groups)  # the blocks' streams, on every device of the file
         # Note [Disk backup]: the files first, while every kind still holds its contents.
-        spills = self.disk.save(t, _tag_blocks(self._itag(t, "disk"))) if "disk" in keeps else []
-        free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        spills = self.disk.save(t, groups) if groups else []
         done = []
         try:
+            free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
             for keep in _ordered(keeps, _PAUSE_ORDER):
                 _dfa.pause(self._itag(t, keep), keep=_released_as(keep))
                 done.append(keep)
-        except BaseException as failed:
+            if "disk" in keeps:
+                self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
+                                    "contents are lost); every kind resumed, nothing paused")
+            given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
+        except BaseException as err:
             try:
                 for keep in done:  # all or nothing
-                    self._torch_resume_keep(t, keep, spills)
-            except BaseException:
-                # Paused in part: recorded as paused, so that resume(t) resumes what is (the
-                # disk kind's files kept for it).
-                self.paused[t] = [(0, 0, "", 0)]
-                if spills:
-                    self.spills[t] = spills
-                raise failed
+                    self._torch_resume_keep(t, keep, spills, check=False)
+            except BaseException as e:
+                self._keep_paused(t, [(0, 0, "", 0)], spills, e)
+                raise err
             self.disk.remove(spills)
             raise
-        given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
         self.paused[t] = [(0, 0, "", max(0, given))]  # what the margin check counts at resume
         if spills:
             self.spills[t] = spills
 
-    def _torch_resume_keep(self, t: str, keep: str, spills: list) -> None:
+    def _keep_paused(self, t: str, rows: list, spills: list, error: BaseException) -> None:
+        """A pause whose rollback failed: the tag is kept as paused with its files (`rows` as
+        self.paused holds them), so that a resume retries (the file is read again)."""
+        self.paused[t] = rows
+        if spills:
+            self.spills[t] = spills
+        _log.warning("deferalloc.memory_saver: pause(%r) failed and its rollback too (%s): the tag stays paused "
+                     "with its files; resume it again", t, error)
+
+    def _check_covered(self, t: str, spills: list, what: str, then: str, live: Optional[dict] = None) -> None:
+        """InvalidState when a live block of the tag's disk kind is in none of its files (one
+        allocated by another thread inside the region while the pause ran).  ``live``:
+        {device: [(address, bytes)]} of the blocks (preload mode: the disk arena's segments),
+        by default the deferalloc tag's (torch mode)."""
+        saved = {(dev, a, n) for _, dev, ranges in spills for a, n in ranges}
+        if live is None:
+            live = _tag_blocks(self._itag(t, "disk"))
+        missing = [(dev, a, n) for dev, rows in live.items() for a, n in rows if (dev, a, n) not in saved]
+        if missing:
+            rows = ", ".join(f"{a:#x} ({n} bytes, device {dev})" for dev, a, n in missing[:4])
+            raise _dfa.InvalidState(f"{what}: {len(missing)} block(s) of {self._itag(t, 'disk')!r} are in no disk "
+                                    f"backup file (allocated while the pause ran?): {rows}; they {then}")
+
+    def _torch_resume_keep(self, t: str, keep: str, spills: list, check: bool = True) -> None:
         itag = self._itag(t, keep)
-        if not _dfa.is_paused(itag):
-            return
-        _dfa.resume(itag)
         if keep != "disk" or not spills:
+            if _dfa.is_paused(itag):
+                _dfa.resume(itag)
             return
+        # Note [Disk backup]: while the file exists it holds the only copy: read it whether the
+        # kind is paused or was backed already (deferalloc.resume() without a tag, an earlier
+        # resume whose release after a failed load failed): backed means undefined contents.
         try:
+            if _dfa.is_paused(itag):
+                _dfa.resume(itag)
+            if check:
+                self._check_covered(t, spills, f"resume({t!r})", "would come back with undefined contents "
+                                    "(free them first); nothing resumed")
             live = {d: set(rows) for d, rows in _tag_blocks(itag).items()}
             self.disk.load(spills, lambda dev, addr, size: (addr, size) in live.get(dev, ()))
         except BaseException:
-            _dfa.pause(itag, keep="discard")  # paused again: no wrong contents handed out
+            try:
+                if not _dfa.is_paused(itag):
+                    _dfa.pause(itag, keep="discard")  # paused again: no wrong contents handed out
+            except BaseException as e:  # backed with undefined contents; the next resume reads the file again
+                _log.warning("deferalloc.memory_saver: %r stays backed after its file failed to load (%s); the tag "
+                             "stays paused and its next resume reads the file again", itag, e)
             raise
 
     # preload mode: the tag's arenas, and its segments outside them (reservations of the preload library)
@@ -820,15 +901,29 @@ class _Impl:
                     "libdeferalloc_preload.so in LD_PRELOAD the one beside the libdeferalloc.so this package loads "
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
             found.append((addr, rid.value, keep, size))
+        # Up front (Note [Disk backup]): a kind released already cannot be read (nor paused
+        # again): a disk segment outside the arena not backed, an arena of the tag paused.
+        for addr, rid, keep, size in found:
+            backed = ctypes.c_int()
+            _native.allocator.check(lib.dfa_is_backed(rid, 0, size, ctypes.byref(backed)), "dfa_is_backed")
+            if keep == "disk" and not backed.value:
+                raise _dfa.InvalidState(f"pause({t!r}): the disk segment at {addr:#x} ({size} bytes) is not backed "
+                                        "(released by another caller?): nothing paused")
+        if self.arenas is not None:
+            for keep in _ordered(self.keeps[t], _PAUSE_ORDER):
+                name = self._itag(t, keep)
+                if self._arena_figures(name)[4]:
+                    raise _dfa.InvalidState(f"pause({t!r}): its arena {name!r} is paused already (released by "
+                                            "another caller?): nothing paused")
         # Note [Disk backup]: the files first, while every kind still holds its contents: the
         # disk kind's segments outside its arena and those placed in it.
         disk = [(addr, size) for addr, _, keep, size in found if keep == "disk"]
         if "disk" in self.keeps[t] and self.arenas is not None:
             disk += self._arena_segments(self._itag(t, "disk"))
         spills = self.disk.save(t, {self._device(): sorted(disk)}) if disk else []
-        stream = _stream(self._device())
         done = []  # all or nothing: per kind (_PAUSE_ORDER), its arena then its segments outside
         try:
+            stream = _stream(self._device())
             for keep in _ordered(self.keeps[t], _PAUSE_ORDER):
                 released = _KEEPS.index(_released_as(keep))
                 if self.arenas is not None:
@@ -841,17 +936,20 @@ class _Impl:
                     _native.allocator.check(lib.dfa_release_many(ids, len(ids), released, stream),
                                             "dfa_release_many")
                     done += [f for f in found if f[2] == keep]
-        except BaseException as failed:
+                if keep == "disk" and self.arenas is not None:
+                    # a segment placed in the disk arena after its file was written (another
+                    # thread in the region) was released without being written: rolled back
+                    # before the discard kind is touched
+                    self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
+                                        "contents are lost); every kind resumed, nothing paused",
+                                        {self._device(): self._arena_segments(self._itag(t, "disk"))})
+        except BaseException as err:
             try:
-                self._preload_resume(done, spills)
-            except BaseException:
-                # The rollback failed too: the tag stays paused in part, recorded so that
-                # resume(t) can finish it (_preload_resume takes each arena once, and a segment
-                # backed again already is backed as it is; the disk kind's files are kept for it).
-                self.paused[t] = done
-                if spills:
-                    self.spills[t] = spills
-                raise failed
+                # a segment backed again already is backed as it is, each arena taken once
+                self._preload_resume(done, spills, check=False)
+            except BaseException as e:
+                self._keep_paused(t, done, spills, e)
+                raise err
             self.disk.remove(spills)
             raise
         for keep, gen in gens.items():  # checked and paused: the next pause reads no snapshot for them
@@ -860,11 +958,14 @@ class _Impl:
             self.spills[t] = spills
         return done
 
-    def _preload_resume(self, paused: list, spills: Optional[list] = None) -> None:
+    def _preload_resume(self, paused: list, spills: Optional[list] = None, check: bool = True) -> None:
         """Backs the rows of _preload_pause again, kind by kind in _RESUME_ORDER: the kind's
         arena (once: a resume may be retried), then its segments outside it; the disk kind's
-        file is then read back into both (Note [Disk backup]).  A load that fails releases the
-        disk kind again (arena and segments) and raises, nothing else resumed."""
+        file is then read back into both (Note [Disk backup]), whether or not they were paused
+        (the file holds the only copy until it is loaded).  A load that fails releases the
+        disk kind again (arena and segments; a release that fails is a warning, the next resume
+        reads the file again) and raises, nothing else resumed.  ``check``: a segment of the
+        disk arena in no file is refused first, nothing resumed (a pause's rollback skips it)."""
         lib = _native.allocator()
         stream = _stream(self._device())
         for keep in _ordered({row[2] for row in paused}, _RESUME_ORDER):
@@ -879,6 +980,12 @@ class _Impl:
                 if lib.dfa_find(ctypes.c_void_p(addr), ctypes.byref(now)) != 0 or now.value != rid:
                     continue  # PyTorch freed the segment while paused (empty_cache of a pool no longer used)
                 live.append((rid, addr))
+            if keep == "disk" and spills and check:
+                for name in names:  # placed while the arena was backed (after a failed release)
+                    tag = name[len("tms.disk/"):]
+                    self._check_covered(tag, spills, f"resume({tag!r})",
+                                        "would come back with undefined contents (free them first); nothing resumed",
+                                        {self._device(): self._arena_segments(name)})
             for name in names:  # its slabs at their addresses
                 if self._arena_figures(name)[4]:
                     _native.allocator.check(self.arenas.dfa_preload_arena_resume(name.encode(), stream),
@@ -894,12 +1001,17 @@ class _Impl:
                 placed = {r for name in names for r in self._arena_segments(name)}  # freed ones not read
                 self.disk.load(spills, lambda dev, addr, size: addr in addrs or (addr, size) in placed)
             except BaseException:  # released again: the tag stays paused, no wrong contents handed out
-                for name in names:
-                    _native.allocator.check(self.arenas.dfa_preload_arena_pause(name.encode(), _KEEPS.index("discard"),
-                                                                                stream), "dfa_preload_arena_pause")
-                if live:
-                    _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
-                                            "dfa_release_many")
+                try:
+                    for name in names:
+                        _native.allocator.check(self.arenas.dfa_preload_arena_pause(
+                            name.encode(), _KEEPS.index("discard"), stream), "dfa_preload_arena_pause")
+                    if live:
+                        _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
+                                                "dfa_release_many")
+                except BaseException as e:  # backed with undefined contents; the next resume reads the file again
+                    _log.warning("deferalloc.memory_saver: the disk segments of a tag stay backed after its file "
+                                 "failed to load (%s); the tag stays paused and its next resume reads the file again",
+                                 e)
                 raise
 
     def _disk_ranges(self, t: str) -> list:
@@ -978,14 +1090,26 @@ def _tag_blocks(itag: str) -> dict:
 # that fails (a missing, corrupt or truncated file) releases the disk kind again, so the tag
 # stays paused with nothing resumed, keeps the file and raises: no tensor is handed back with
 # wrong contents.  A segment PyTorch freed while paused is skipped (verified, not copied).
+# The file holds the only copy until a load succeeds: a resume reads it whether or not the disk
+# kind is paused now (deferalloc.resume() without a tag backs it with undefined contents; a
+# release after a failed load may fail), and only a successful load lets it be deleted.  A
+# resume of a disk kind inside a tagged region is refused (the release after a failed load
+# could not run there), as is a pause there (before any file is written).  A pause whose
+# rollback fails keeps the tag paused with its files (the next resume reads them).  A pause
+# waits for every device of its files, refuses a kind released already (deferalloc.pause()
+# without a tag: its memory cannot be read; preload mode: a disk segment outside the arena not
+# backed, an arena of the tag paused), and rolls back when the disk kind holds a block in no
+# file after the release (another thread allocated in the region meanwhile: that block's
+# contents are lost; preload mode: a segment placed in the disk arena between the file and the
+# arena's pause, the arena's segments listed again after it); a resume refuses such a block
+# (preload mode: one placed in the disk arena while it stayed backed after a failed release).
 # Limits: files of a process that died stay in the directory (no process deletes another's);
 # TMS writes one file per allocation kept until it is freed, deferalloc one per tag and device
 # deleted at resume; a directory owned by another user (as /tmp itself) is refused; a resume
 # that fails after the disk kind came back (the host kind's pinned copy, no memory) leaves
 # the tag paused with that kind backed, as a failed resume of host and discard kinds does.
-# In preload mode the file holds the disk arena's segments listed just before its pause: a
-# segment another thread places in the arena in between (allocating in a tag while it is
-# paused, the caller's error) is released without being saved.
+# In preload mode a segment of a disk pool outside the arena that another thread allocates
+# after the pause read PyTorch's snapshot is not released (it stays backed, in no file).
 
 
 class _DiskBackup:
@@ -999,13 +1123,20 @@ class _DiskBackup:
         self.checked: Optional[str] = None  # the directory checked last
 
     def set_dir(self, path) -> None:
-        path = os.path.abspath(os.fspath(path))
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)  # the parents, as TMS's os.makedirs
-        except OSError as e:
-            raise _dfa.IoError(f"set_disk_backup_dir: cannot create the parents of {path}: {e}") from e
-        self._check(path)
+        path = os.fspath(path)
+        if not path:
+            raise ValueError("set_disk_backup_dir: path must not be empty")
+        path = os.path.abspath(path)
+        self._prepare(path, "set_disk_backup_dir")
         self.dir = path
+
+    def _prepare(self, path: str, what: str) -> None:
+        """Creates the parents (TMS's create_directories), then checks (and creates) the directory."""
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise _dfa.IoError(f"{what}: cannot create the parents of {path}: {e}") from e
+        self._check(path)
 
     def _check(self, path: str) -> None:
         mem = ctypes.c_int()
@@ -1019,7 +1150,7 @@ class _DiskBackup:
     def directory(self) -> str:
         if self.dir is not None:
             if self.checked != self.dir:
-                self._check(self.dir)
+                self._prepare(self.dir, "TMS_DISK_BACKUP_DIR")
             return self.dir
         default = os.path.join("/tmp", f"deferalloc-disk-backup-{os.geteuid()}")
         try:
@@ -1060,6 +1191,8 @@ class _DiskBackup:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # the tag is resumed (or its pause rolled back) already: a leftover file only
+                _log.warning("deferalloc.memory_saver: cannot remove the disk backup file %s: %s", path, e)
 
 
 def _stream(device: int):

@@ -437,14 +437,199 @@ class DiskBackup(unittest.TestCase):
         blocks = self.fill(s, "fs")
         with s.region("fs", enable_cpu_backup=True):
             pass
-        os.makedirs(os.path.join(self.dir, "other"))
-        os.symlink(os.path.join(self.dir, "other"), os.path.join(self.dir, "d"))  # not checked yet: first use
-        with self.assertRaisesRegex(dfa.IoError, "symbolic link"):
+        shutil.rmtree(os.path.join(self.dir, "d"))  # checked at the first disk region: replaced by a file since
+        open(os.path.join(self.dir, "d"), "w").close()
+        with self.assertRaisesRegex(dfa.IoError, os.path.join(self.dir, "d")):
             s.pause("fs")
         self.assertFalse(any(dfa.is_paused(f"tms.{k}/fs") for k in ("disk", "host")))
         self.assertNotIn("fs", s._impl.paused)
         self.assertTrue(self.intact(blocks))
-        self.assertEqual(os.listdir(os.path.join(self.dir, "other")), [])
+        self.assertEqual(sorted(os.listdir(self.dir)), ["d"])
+
+    def test_the_directory_is_made_with_its_parents_and_checked_at_the_first_disk_region(self):
+        env_dir = os.path.join(self.dir, "x", "y", "z")
+        s = self.saver(TMS_DISK_BACKUP_DIR=env_dir)
+        with s.region("dc"):  # no disk kind: no directory
+            pass
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "x")))
+        with s.region("dc", enable_disk_backup=True):
+            self.assertEqual(stat.S_IMODE(os.stat(env_dir).st_mode), 0o700)  # parents made, as TMS
+        link = os.path.join(self.dir, "link")
+        os.symlink(env_dir, link)
+        s = self.saver(TMS_DISK_BACKUP_DIR=link)
+        with self.assertRaisesRegex(dfa.IoError, f"{link} is a symbolic link"):
+            with s.region("dc2", enable_disk_backup=True):
+                self.fail("a disk region opened on a refused directory")
+        with self.assertRaisesRegex(ValueError, "must not be empty"):
+            s.set_disk_backup_dir("")
+        init_dir = os.path.join(self.dir, "init", "d")
+        self.saver(TMS_DISK_BACKUP_DIR=init_dir, TMS_INIT_ENABLE_DISK_BACKUP="1")._ensure_initialized()
+        self.assertTrue(os.path.isdir(init_dir), "TMS_INIT_ENABLE_DISK_BACKUP: the directory is made at init")
+        with self.assertRaisesRegex(dfa.IoError, "symbolic link"):
+            self.saver(TMS_DISK_BACKUP_DIR=link, TMS_INIT_ENABLE_DISK_BACKUP="1")._ensure_initialized()
+
+    def paused(self, tag):
+        """A saver with `tag`'s disk region paused, its released memory given back (only the
+        file holds the bytes): (saver, blocks)."""
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        blocks = self.fill(s, tag)
+        s.pause(tag)
+        dfa.trim(0)
+        return s, blocks
+
+    def trimming_pause(self, fail=None):
+        """dfa.pause that gives released memory back to the driver (only the file holds the
+        bytes then) and raises InvalidState for the internal tag `fail`."""
+        real = dfa.pause
+
+        def pause(name=None, keep=None, stream=None):
+            if name == fail:
+                raise dfa.InvalidState(f"injected: pause of {name}")
+            real(name, keep, stream)
+            dfa.trim(0)
+        return mock.patch.object(dfa, "pause", pause)
+
+    def test_a_failed_pause_reads_the_disk_kind_back_and_removes_the_file(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        blocks = self.fill(s, "rb")
+        with s.region("rb"):
+            pass
+        with self.trimming_pause(fail="tms.discard/rb"), self.assertRaisesRegex(dfa.InvalidState, "injected"):
+            s.pause("rb")
+        self.assertFalse(dfa.is_paused("tms.disk/rb") or dfa.is_paused("tms.discard/rb"))
+        self.assertNotIn("rb", s._impl.paused)
+        self.assertTrue(self.intact(blocks), "the disk kind was not read back")
+        self.assertEqual(self.spill_files(), [])
+
+    def test_a_failed_rollback_keeps_the_tag_paused_with_its_file(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        blocks = self.fill(s, "rr")
+        with s.region("rr"):
+            pass
+        impl = s._ensure_initialized()
+        real_load = impl.disk.load
+
+        def failing_load(*a):
+            raise dfa.IoError("injected: load")
+        with self.trimming_pause(fail="tms.discard/rr"), mock.patch.object(impl.disk, "load", failing_load), \
+                self.assertLogs("deferalloc", "WARNING"), self.assertRaisesRegex(dfa.InvalidState, "injected"):
+            s.pause("rr")
+        self.assertIn("rr", impl.paused, "a failed rollback forgot the paused tag")
+        self.assertTrue(dfa.is_paused("tms.disk/rr"))
+        self.assertEqual(len(self.spill_files()), 1, "a failed rollback forgot the file")
+        with self.assertRaisesRegex(dfa.InvalidState, "paused already"):  # never a read of released memory
+            s.pause("rr")
+        self.assertIs(impl.disk.load.__func__, real_load.__func__)
+        s.resume("rr")
+        self.assertTrue(self.intact(blocks))
+        self.assertEqual(self.spill_files(), [])
+
+    def test_a_resume_of_a_disk_kind_inside_a_region_is_refused(self):
+        s, blocks = self.paused("ri")
+        with s.region("other"), mock.patch.object(s._impl.disk, "load", side_effect=dfa.IoError("injected")):
+            with self.assertRaisesRegex(dfa.InvalidState, r"resume\(\['ri'\]\).*inside the tagged region"):
+                s.resume("ri")
+        self.assertTrue(dfa.is_paused("tms.disk/ri"), "resumed inside a region")
+        self.assertEqual(len(self.spill_files()), 1)
+        s.resume("ri")
+        self.assertTrue(self.intact(blocks))
+
+    def test_a_pause_inside_a_region_writes_no_file(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        self.fill(s, "pi")
+        impl = s._ensure_initialized()
+        with s.region("other"), mock.patch.object(impl.disk, "save", wraps=impl.disk.save) as save:
+            with self.assertRaisesRegex(dfa.InvalidState, "inside the tagged region"):
+                s.pause("pi")
+        save.assert_not_called()
+        self.assertFalse(dfa.is_paused("tms.disk/pi"))
+
+    def test_deferalloc_resume_without_a_tag_then_the_savers_resume_reads_the_file(self):
+        s, blocks = self.paused("dr")
+        dfa.resume()  # every paused tag, tms.disk/dr among them: backed, contents undefined
+        self.assertFalse(dfa.is_paused("tms.disk/dr"))
+        self.assertEqual(len(self.spill_files()), 1)
+        s.resume("dr")
+        self.assertTrue(self.intact(blocks), "the saver's resume skipped the file")
+        self.assertEqual(self.spill_files(), [])
+
+    def test_a_retried_resume_after_a_failed_release_reads_the_file(self):
+        s, blocks = self.paused("rt")
+        real_pause = dfa.pause
+
+        def pause(name=None, keep=None, stream=None):
+            raise dfa.InvalidState("injected: the release after the failed load")
+        with mock.patch.object(s._impl.disk, "load", side_effect=dfa.IoError("injected: load")), \
+                mock.patch.object(dfa, "pause", pause), self.assertLogs("deferalloc", "WARNING"):
+            with self.assertRaisesRegex(dfa.IoError, "injected: load"):
+                s.resume("rt")
+        self.assertIs(dfa.pause, real_pause)
+        self.assertIn("rt", s._impl.paused)
+        self.assertEqual(len(self.spill_files()), 1, "the file went with the failed load")
+        s.resume("rt")
+        self.assertTrue(self.intact(blocks), "the retried resume skipped the file")
+        self.assertEqual(self.spill_files(), [])
+
+    def test_a_pause_after_deferalloc_pause_of_the_disk_kind_is_refused(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        self.fill(s, "dp")
+        dfa.pause("tms.disk/dp")
+        with self.assertRaisesRegex(dfa.InvalidState, r"pause\('dp'\): its kind 'tms.disk/dp' is paused already"):
+            s.pause("dp")
+        self.assertEqual(self.spill_files(), [])
+        self.assertNotIn("dp", s._impl.paused)
+        dfa.resume("tms.disk/dp")
+        s.pause("dp")
+        s.resume("dp")
+
+    def test_a_block_allocated_while_the_pause_runs_rolls_it_back(self):
+        import threading
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        blocks = self.fill(s, "race")
+        real = dfa.pause
+
+        def pause(name=None, keep=None, stream=None):
+            if name == "tms.disk/race":  # another thread inside the disk region, after the file was written
+                def alloc():
+                    with dfa.tag("tms.disk/race"):
+                        p = self.lib.dfa_malloc(4096, -1, None)
+                        self.blocks.append((p, 4096))
+                th = threading.Thread(target=alloc)
+                th.start()
+                th.join()
+            real(name, keep, stream)
+        with mock.patch.object(dfa, "pause", pause):
+            with self.assertRaisesRegex(dfa.InvalidState, r"pause\('race'\): 1 block\(s\) of 'tms.disk/race' are in "
+                                        "no disk backup file"):
+                s.pause("race")
+        self.assertFalse(dfa.is_paused("tms.disk/race"))
+        self.assertNotIn("race", s._impl.paused)
+        self.assertTrue(self.intact(blocks))
+        self.assertEqual(self.spill_files(), [])
+        s.pause("race")  # the new block is in the file now
+        s.resume("race")
+        self.assertTrue(self.intact(blocks))
+
+    def test_a_resume_refuses_a_block_in_no_file(self):
+        s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
+        blocks = self.fill(s, "cov")
+        s.pause("cov")
+        (path, dev, ranges), = s._impl.spills["cov"]
+        s._impl.spills["cov"] = [(path, dev, ranges[1:])]
+        with self.assertRaisesRegex(dfa.InvalidState, r"resume\('cov'\): 1 block\(s\) .* in no disk backup file"):
+            s.resume("cov")
+        self.assertTrue(dfa.is_paused("tms.disk/cov"))
+        s._impl.spills["cov"] = [(path, dev, ranges)]
+        s.resume("cov")
+        self.assertTrue(self.intact(blocks))
+
+    def test_a_file_that_cannot_be_removed_is_a_warning(self):
+        path = os.path.join(self.dir, "f.spill")
+        open(path, "w").close()
+        with mock.patch.object(os, "unlink", side_effect=PermissionError(13, "Permission denied")), \
+                self.assertLogs("deferalloc", "WARNING") as logs:
+            ms._DiskBackup.remove([(path, 0, [])])
+        self.assertIn(path, logs.output[0])
 
     def damaged(self, tag, damage, exc, pattern):
         """Pauses `tag`, damages its file, checks that resume raises and that the tag stays
@@ -563,6 +748,53 @@ class PreloadDiskOnTheHostDriver(unittest.TestCase):
             for k, t in self.ts.items():
                 self.assertTrue(torch.equal(t, self.refs[k]), f"{k} differs after resume (cycle {cycle})")
             self.assertEqual([f for f in os.listdir(self.dir) if f.endswith(".spill")], [])
+
+    def spills(self):
+        return [f for f in os.listdir(self.dir) if f.endswith(".spill")]
+
+    def resumed_intact(self):
+        self.impl.resume("p")
+        self.assertTrue(all(self.backed().values()))
+        for k, t in self.ts.items():
+            self.assertTrue(torch.equal(t, self.refs[k]), f"{k} differs after resume")
+        self.assertEqual(self.spills(), [])
+
+    def test_a_failed_rollback_keeps_the_tag_paused_with_its_file(self):
+        real_by_keep = ms._by_keep
+
+        def by_keep(rows, order):  # one more release after host and disk, which fails (no such reservation)
+            out = real_by_keep(rows, order)  # (the pause asks for each kind's rows in turn: after the disk kind's)
+            disk = order == ms._PAUSE_ORDER and any(k == "disk" for _, k in rows)
+            return out + [("discard", (ctypes.c_uint64 * 1)(0xDEAD))] if disk else out
+        with mock.patch.object(ms, "_by_keep", by_keep), \
+                mock.patch.object(self.impl.disk, "load", side_effect=dfa.IoError("injected: load")), \
+                self.assertLogs("deferalloc", "WARNING"), self.assertRaises(dfa.InvalidArgument):
+            self.impl.pause("p")
+        self.assertIn("p", self.impl.paused, "a failed rollback forgot the paused tag")
+        self.assertEqual(self.backed(), {"disk": False, "disk2": False, "host": False})
+        self.assertEqual(len(self.spills()), 1, "a failed rollback forgot the file")
+        dfa.trim(0)
+        self.resumed_intact()
+
+    def test_a_retried_resume_after_a_failed_release_reads_the_file(self):
+        self.impl.pause("p")
+        dfa.trim(0)
+        real_check = ms._native.allocator.check
+
+        def check(status, call):
+            if call == "dfa_release_many":  # as if it failed: the disk segments backed, undefined contents
+                for k in ("disk", "disk2"):
+                    dfa.materialize(self.ts[k]).fill_(0xEE)
+                raise dfa.InvalidState("injected: the release after the failed load")
+            real_check(status, call)
+        with mock.patch.object(self.impl.disk, "load", side_effect=dfa.IoError("injected: load")), \
+                mock.patch.object(ms._native.allocator, "check", check), self.assertLogs("deferalloc", "WARNING"):
+            with self.assertRaisesRegex(dfa.IoError, "injected: load"):
+                self.impl.resume("p")
+        self.assertIn("p", self.impl.paused)
+        self.assertTrue(self.backed()["disk"])
+        self.assertEqual(len(self.spills()), 1, "the file went with the failed load")
+        self.resumed_intact()
 
 
 class RoutingOrder(unittest.TestCase):

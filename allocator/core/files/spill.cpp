@@ -26,8 +26,9 @@
 // segment freed while its tag was paused).  A mismatch is corrupt_data naming the file and the offset.
 // Limits: the ranges must be backed memory of the driver's device (a host-driver range
 // that is not faults as the device would); two staging buffers of the chunk size are
-// pinned for the call; the file is in this machine's byte order; the page cache keeps
-// what was written until the kernel drops it (no O_DIRECT: the chunks are not aligned).
+// pinned for the call; the file is in this machine's byte order; no O_DIRECT (the chunks
+// are not aligned): the file's page cache is dropped (POSIX_FADV_DONTNEED, as TMS) once it
+// is fsynced and after a load, so a paused region does not stay in host memory as cache.
 #include "spill.hpp"
 
 #include <deferalloc/core/errors.hpp>
@@ -65,6 +66,16 @@ struct fixed_header {
 static_assert(sizeof(fixed_header) == 48);
 
 std::size_t round_up(std::size_t v, std::size_t m) { return (v + m - 1) / m * m; }
+
+// Drops a written (fsynced, so clean) file's page cache: best effort, the backup stands anyway.
+void drop_page_cache(int fd) { (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED); }
+
+void drop_page_cache(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return;
+  drop_page_cache(fd);
+  ::close(fd);
+}
 
 // The file's layout for ranges of these sizes.
 struct layout {
@@ -260,6 +271,7 @@ void spill_save(const std::string& path, const std::vector<spill_range>& ranges,
     ::unlink(path.c_str());  // not durable: no backup rather than one that may vanish
     throw;
   }
+  drop_page_cache(path);
 }
 
 namespace {
@@ -296,7 +308,10 @@ std::vector<std::uint64_t> check_file(int fd, const std::string& path, std::uint
   if (std::memcmp(f.magic, k_magic, sizeof k_magic) != 0) throw corrupt("is not a deferalloc disk spill (bad magic)");
   if (f.version != k_version)
     throw corrupt("has format version " + std::to_string(f.version) + "; this library reads " + std::to_string(k_version));
-  if (f.block_bytes != spill_block_bytes || f.count > file_size / 8 || f.data_offset > file_size)
+  // The count sizes the header's buffer: bounded by the file and tied to the data's offset
+  // before anything is allocated from it (the header's checksum is verified after).
+  if (f.block_bytes != spill_block_bytes || f.count > file_size / 8 || f.data_offset > file_size ||
+      f.data_offset != round_up(sizeof f + 8 * (f.count + 1), k_page))
     throw corrupt("has a damaged header");
   std::string h(sizeof f + 8 * (f.count + 1), '\0');
   pread_all(fd, h.data(), h.size(), 0, path, k_what);
@@ -362,6 +377,7 @@ void spill_load(const std::string& path, const std::vector<spill_range>& ranges,
     ::close(fd);
     throw;
   }
+  drop_page_cache(fd);
   ::close(fd);
 }
 
