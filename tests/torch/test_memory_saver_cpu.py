@@ -1058,6 +1058,92 @@ assert "d" not in impl.paused and impl._arena_figures("tms.disk/d")[4] == 0
 assert glob.glob(os.path.join(spill_dir, "*.spill")) == [], "the rolled-back pause left its file"
 for i, a in enumerate(dsegs):
     assert ctypes.string_at(a, HALF) == bytes([0x30 + i]) * HALF, ("rollback", i)
+# Note [Disk backup]'s refusals and rollbacks with the disk arena (h30's, on the arenas)
+def spills():
+    return glob.glob(os.path.join(spill_dir, "*.spill"))
+def intact(what):
+    for i, a in enumerate(dsegs):
+        assert ctypes.string_at(a, HALF) == bytes([0x30 + i]) * HALF, (what, i)
+def unpaused():
+    return "d" not in impl.paused and all(impl._arena_figures(impl._itag("d", k))[4] == 0 for k in ("disk", "discard"))
+def raises(call, kind, text):
+    try:
+        call()
+        raise AssertionError(f"went through where it should say {text!r}")
+    except kind as e:
+        assert text in str(e), e
+# A disk arena released already (by another caller): refused up front, no file written
+assert impl.arenas.dfa_preload_arena_pause(b"tms.disk/d", ms._KEEPS.index("host"), None) == 0
+raises(lambda: impl.pause("d"), ms._dfa.InvalidState, "'tms.disk/d' is paused already")
+assert spills() == [] and "d" not in impl.paused and impl._arena_figures("tms.discard/d")[4] == 0
+assert impl.arenas.dfa_preload_arena_resume(b"tms.disk/d", None) == 0
+intact("refused")
+# A segment placed in the disk arena after its file was written (another thread in the region):
+# released without being written, so the pause rolls back (every arena backed, no file), the
+# discard kind untouched
+real_save = impl.disk.save
+late = []
+def racing_save(t, groups):
+    out = real_save(t, groups)
+    assert impl.arenas.dfa_preload_arena_push(b"tms.disk/d") == 0
+    q = ctypes.c_void_p()
+    assert lib.cudaMalloc(ctypes.byref(q), HALF) == 0
+    impl.arenas.dfa_preload_arena_pop()
+    late.append(q.value)
+    return out
+impl.disk.save = racing_save
+paused_names = []
+impl.arenas.dfa_preload_arena_pause = lambda name, keep, stream: paused_names.append(name) or real_pause(name, keep,
+                                                                                                         stream)
+try:
+    raises(lambda: impl.pause("d"), ms._dfa.InvalidState, "are in no disk backup file")
+finally:
+    impl.disk.save = real_save
+    impl.arenas.dfa_preload_arena_pause = real_pause
+assert paused_names == [b"tms.disk/d"], paused_names  # rolled back before the discard kind is released
+assert unpaused() and spills() == [], (impl.paused, spills())
+assert impl.arenas.dfa_preload_arena_owns(ctypes.c_void_p(late[0]))
+intact("racing")
+assert lib.cudaFree(ctypes.c_void_p(late[0])) == 0
+# A pause whose rollback fails too (the discard arena's pause fails, then the file's load):
+# the tag stays paused with its file, and resume reads it
+import contextlib
+real_load = impl.disk.load
+def failing_load(*args):
+    raise ms._dfa.IoError("injected: load")
+@contextlib.contextmanager
+def load_fails_and(pause):  # the file's load fails and the arenas' pause is `pause`, both restored after
+    impl.disk.load, impl.arenas.dfa_preload_arena_pause = failing_load, pause
+    try:
+        yield
+    finally:
+        impl.disk.load, impl.arenas.dfa_preload_arena_pause = real_load, real_pause
+with load_fails_and(failing_pause):
+    raises(lambda: impl.pause("d"), ms._dfa.InvalidState, "dfa_preload_arena_pause")
+assert "d" in impl.paused and impl._arena_figures("tms.disk/d")[4] == 1, impl.paused
+assert len(spills()) == 1, "a failed rollback forgot the file"
+impl.resume("d")
+assert unpaused() and spills() == []
+intact("failed rollback")
+# A resume whose load fails and whose release after it fails too: the disk arena stays backed
+# (undefined contents), the tag paused with its file; a segment placed there meanwhile is in no
+# file (refused, nothing resumed); the next resume reads the file again
+impl.pause("d")
+def failing_release(name, keep, stream):
+    for a in dsegs:
+        ctypes.memset(a, 0xEE, HALF)  # backed, undefined contents
+    return 2
+with load_fails_and(failing_release):
+    raises(lambda: impl.resume("d"), ms._dfa.IoError, "injected: load")
+assert "d" in impl.paused and impl._arena_figures("tms.disk/d")[4] == 0 and len(spills()) == 1
+assert impl._arena_figures("tms.discard/d")[4] == 1, "the discard kind resumed after the disk kind failed"
+q = malloc_in("disk", "d")
+raises(lambda: impl.resume("d"), ms._dfa.InvalidState, "are in no disk backup file")
+assert "d" in impl.paused and impl._arena_figures("tms.discard/d")[4] == 1 and len(spills()) == 1
+assert lib.cudaFree(ctypes.c_void_p(q)) == 0
+impl.resume("d")
+assert unpaused() and spills() == []
+intact("retried resume")
 assert lib.cudaFree(p) == 0
 snapshot.pop()
 for a in dsegs:
