@@ -50,9 +50,10 @@ Approach:
   hold no stray, and whose pools can hold segments only through them (no capture's pool, not
   PyTorch's default pool): their segments are still of the pools they were checked for.
   A pause writes the disk kind's files first (Note [Disk backup]), then takes the kind with a
-  host backup, then releases the disk kind and the discarded kind, so that a pause that
-  fails has lost no contents the caller keeps (a failure among the discard kind's own calls
-  leaves what it had discarded undefined, as a resume after a pause would).
+  host backup, then releases the disk kind (checked to hold no segment in no file) and then
+  the discarded kind, so that a pause that fails and is rolled back has lost no contents the
+  caller keeps (a failure among the discard kind's own calls leaves what it had discarded
+  undefined, as a resume after a pause would; a rollback that fails keeps the tag paused).
 * Disk backup (``enable_disk_backup``; Note [Disk backup]): a third kind beside host backup
   and discard, in both modes ("tms.disk/<tag>": a deferalloc tag in torch mode, an arena and
   its pools in preload mode): a pause writes the kind's live memory to a file (dfa_spill_save)
@@ -751,9 +752,12 @@ class _Impl:
             for keep in _ordered(keeps, _PAUSE_ORDER):
                 _dfa.pause(self._itag(t, keep), keep=_released_as(keep))
                 done.append(keep)
-            if "disk" in keeps:
-                self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
-                                    "contents are lost); every kind resumed, nothing paused")
+                if keep == "disk":
+                    # a block allocated in the disk kind after its file was written (another
+                    # thread in the region) was released without being written: rolled back
+                    # before the discard kind is released (as the preload mode does)
+                    self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
+                                        "contents are lost); every kind resumed, nothing paused")
             given = torch.cuda.mem_get_info()[0] - free0 if torch.cuda.is_available() else 0
         except BaseException as err:
             try:

@@ -586,9 +586,18 @@ class DiskBackup(unittest.TestCase):
         import threading
         s = self.saver(TMS_DISK_BACKUP_DIR=self.dir)
         blocks = self.fill(s, "race")
+        kept = []  # the tag's discard kind: the check runs before it is released
+        with s.region("race"):
+            for n in self.SIZES:
+                p = self.lib.dfa_malloc(n, -1, None)
+                ctypes.memmove(p, random.Random(p ^ n).randbytes(n), n)
+                kept.append((p, n))
+        self.blocks += kept
         real = dfa.pause
+        paused = []
 
         def pause(name=None, keep=None, stream=None):
+            paused.append(name)
             if name == "tms.disk/race":  # another thread inside the disk region, after the file was written
                 def alloc():
                     with dfa.tag("tms.disk/race"):
@@ -602,9 +611,11 @@ class DiskBackup(unittest.TestCase):
             with self.assertRaisesRegex(dfa.InvalidState, r"pause\('race'\): 1 block\(s\) of 'tms.disk/race' are in "
                                         "no disk backup file"):
                 s.pause("race")
-        self.assertFalse(dfa.is_paused("tms.disk/race"))
+        self.assertNotIn("tms.discard/race", paused, "the discard kind was released before the check")
+        self.assertFalse(dfa.is_paused("tms.disk/race") or dfa.is_paused("tms.discard/race"))
         self.assertNotIn("race", s._impl.paused)
         self.assertTrue(self.intact(blocks))
+        self.assertTrue(self.intact(kept), "the discard kind lost its contents in a rolled-back pause")
         self.assertEqual(self.spill_files(), [])
         s.pause("race")  # the new block is in the file now
         s.resume("race")
