@@ -1195,7 +1195,10 @@ class PreloadArenas(unittest.TestCase):
         env = {k: v for k, v in os.environ.items() if k not in TMS_ENV}
         spill_dir = tempfile.mkdtemp(prefix="dfa-tms-arena-")
         self.addCleanup(shutil.rmtree, spill_dir, True)
-        env.update(LD_PRELOAD=lib, DEFERALLOC_CONF="driver:host,host_granularity_kb:64", TMS_DISK_BACKUP_DIR=spill_dir,
+        # pool_cache_mb:0: a released chunk goes back to the host driver, so a skipped load of
+        # the disk arena's file shows (a cached chunk would come back with its old bytes)
+        env.update(LD_PRELOAD=lib, DEFERALLOC_CONF="driver:host,host_granularity_kb:64,pool_cache_mb:0",
+                   TMS_DISK_BACKUP_DIR=spill_dir,
                    TMS_DISK_BACKUP_CHUNK_MB="1")
         r = subprocess.run([sys.executable, "-c", ARENA_CHILD], capture_output=True, text=True, env=env, timeout=120)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
