@@ -966,8 +966,8 @@ class _Impl:
         """Backs the rows of _preload_pause again, kind by kind in _RESUME_ORDER: the kind's
         arena (once: a resume may be retried), then its segments outside it; the disk kind's
         file is then read back into both (Note [Disk backup]), whether or not they were paused
-        (the file holds the only copy until it is loaded).  A load that fails releases the
-        disk kind again (arena and segments; a release that fails is a warning, the next resume
+        (the file holds the only copy until it is loaded).  A step of the disk kind that fails
+        (its arena's resume, its segments' materialize, the load) releases it again (arena and segments; a release that fails is a warning, the next resume
         reads the file again) and raises, nothing else resumed.  ``check``: a segment of the
         disk arena in no file is refused first, nothing resumed (a pause's rollback skips it)."""
         lib = _native.allocator()
@@ -990,33 +990,50 @@ class _Impl:
                     self._check_covered(tag, spills, f"resume({tag!r})",
                                         "would come back with undefined contents (free them first); nothing resumed",
                                         {self._device(): self._arena_segments(name)})
-            for name in names:  # its slabs at their addresses
-                if self._arena_figures(name)[4]:
-                    _native.allocator.check(self.arenas.dfa_preload_arena_resume(name.encode(), stream),
-                                            "dfa_preload_arena_resume")
+            disk = keep == "disk" and bool(spills)
             ids = (ctypes.c_uint64 * len(live))(*[rid for rid, _ in live])
-            if live:
-                fill = 2 if keep == "host" else 0  # restore / undefined
-                _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream), "dfa_materialize_many")
-            if keep != "disk" or not spills:
-                continue
             try:
-                addrs = {addr for _, addr in live}
-                placed = {r for name in names for r in self._arena_segments(name)}  # freed ones not read
-                self.disk.load(spills, lambda dev, addr, size: addr in addrs or (addr, size) in placed)
-            except BaseException:  # released again: the tag stays paused, no wrong contents handed out
-                try:
-                    for name in names:
-                        _native.allocator.check(self.arenas.dfa_preload_arena_pause(
-                            name.encode(), _KEEPS.index("discard"), stream), "dfa_preload_arena_pause")
-                    if live:
-                        _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
-                                                "dfa_release_many")
-                except BaseException as e:  # backed with undefined contents; the next resume reads the file again
-                    _log.warning("deferalloc.memory_saver: the disk segments of a tag stay backed after its file "
-                                 "failed to load (%s); the tag stays paused and its next resume reads the file again",
-                                 e)
+                for name in names:  # its slabs at their addresses
+                    if self._arena_figures(name)[4]:
+                        _native.allocator.check(self.arenas.dfa_preload_arena_resume(name.encode(), stream),
+                                                "dfa_preload_arena_resume")
+                if live:
+                    fill = 2 if keep == "host" else 0  # restore / undefined
+                    _native.allocator.check(lib.dfa_materialize_many(ids, len(ids), fill, stream),
+                                            "dfa_materialize_many")
+                if disk:
+                    addrs = {addr for _, addr in live}
+                    placed = {r for name in names for r in self._arena_segments(name)}  # freed ones not read
+                    self.disk.load(spills, lambda dev, addr, size: addr in addrs or (addr, size) in placed)
+            except BaseException:  # the disk kind released again: the tag stays paused, no wrong contents handed out
+                if disk:
+                    self._release_again(names, live, paused, stream)
                 raise
+
+    def _release_again(self, names: list, live: list, paused: list, stream) -> None:
+        """The disk kind's arenas and segments outside them that are backed, released again (as
+        discard) after its resume failed (the file is kept: the next resume reads it); a release
+        that fails is a warning."""
+        lib = _native.allocator()
+        try:
+            for name in names:
+                if not self._arena_figures(name)[4]:
+                    _native.allocator.check(self.arenas.dfa_preload_arena_pause(
+                        name.encode(), _KEEPS.index("discard"), stream), "dfa_preload_arena_pause")
+            sizes = {addr: size for addr, _, _, size in paused}
+            backed = []
+            for rid, addr in live:
+                b = ctypes.c_int()
+                _native.allocator.check(lib.dfa_is_backed(rid, 0, sizes[addr], ctypes.byref(b)), "dfa_is_backed")
+                if b.value:
+                    backed.append(rid)
+            if backed:
+                ids = (ctypes.c_uint64 * len(backed))(*backed)
+                _native.allocator.check(lib.dfa_release_many(ids, len(ids), _KEEPS.index("discard"), stream),
+                                        "dfa_release_many")
+        except BaseException as e:  # backed with undefined contents; the next resume reads the file again
+            _log.warning("deferalloc.memory_saver: the disk segments of a tag stay backed after its resume failed "
+                         "(%s); the tag stays paused and its next resume reads the file again", e)
 
     def _disk_ranges(self, t: str) -> list:
         """[(address, bytes)] of the disk kind's memory of tag ``t``: while paused, its files'

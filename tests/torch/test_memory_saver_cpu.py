@@ -807,6 +807,26 @@ class PreloadDiskOnTheHostDriver(unittest.TestCase):
         self.assertEqual(len(self.spills()), 1, "the file went with the failed load")
         self.resumed_intact()
 
+    def test_a_failed_materialize_of_the_disk_kind_releases_it_again(self):
+        self.impl.pause("p")
+        dfa.trim(0)
+        real_check = ms._native.allocator.check
+        failed = []
+
+        def check(status, call):
+            if call == "dfa_materialize_many" and not failed:  # the disk kind's, backed already: as if it failed
+                failed.append(call)
+                raise dfa.OutOfMemory("injected: materialize")
+            real_check(status, call)
+        with mock.patch.object(ms._native.allocator, "check", check), \
+                self.assertRaisesRegex(dfa.OutOfMemory, "injected: materialize"):
+            self.impl.resume("p")
+        self.assertEqual(self.backed(), {"disk": False, "disk2": False, "host": False},
+                         "a failed resume left the disk kind backed while the tag is paused")
+        self.assertIn("p", self.impl.paused)
+        self.assertEqual(len(self.spills()), 1, "the file went with the failed resume")
+        self.resumed_intact()
+
 
 class RoutingOrder(unittest.TestCase):
     """PyTorch aborts the process when a MemPool is deleted (its cache emptied) while any pool
