@@ -464,6 +464,7 @@ class _Impl:
         self.pool_ids: dict = {}         # (tag, keep) -> {pool id} whose segments the tag holds (preload mode)
         self.outside: set = set()        # (tag, keep) whose pools may hold segments outside its arena (preload)
         self.verified: dict = {}         # (tag, keep) -> its arena's generation its last pause checked (preload)
+        self.disk_gens: dict = {}        # disk arena name -> its generation when its file was written (while paused)
         self.arenas = None               # the preload library's arena entry points (preload mode)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         self.spills: dict = {}           # tag -> its disk files while paused: [(path, device, [(address, bytes)])]
@@ -719,6 +720,7 @@ class _Impl:
                 else:
                     self._preload_resume(self.paused[t], spills)
                 del self.paused[t]
+                self.disk_gens.pop(self._itag(t, "disk"), None)
                 self.disk.remove(self.spills.pop(t, []))
             _sync()
             if not self.retain:
@@ -922,7 +924,9 @@ class _Impl:
         # Note [Disk backup]: the files first, while every kind still holds its contents: the
         # disk kind's segments outside its arena and those placed in it.
         disk = [(addr, size) for addr, _, keep, size in found if keep == "disk"]
+        gen = None  # the disk arena's generation when its segments were listed for the file
         if "disk" in self.keeps[t] and self.arenas is not None:
+            gen = self._arena_figures(self._itag(t, "disk"))[6]
             disk += self._arena_segments(self._itag(t, "disk"))
         spills = self.disk.save(t, {self._device(): sorted(disk)}) if disk else []
         done = []  # all or nothing: per kind (_PAUSE_ORDER), its arena then its segments outside
@@ -943,10 +947,20 @@ class _Impl:
                 if keep == "disk" and self.arenas is not None:
                     # a segment placed in the disk arena after its file was written (another
                     # thread in the region) was released without being written: rolled back
-                    # before the discard kind is touched
+                    # before the discard kind is touched; so is one placed where a segment
+                    # freed meanwhile was (same address and size: the file would give it the
+                    # old bytes), which only the arena's generation shows
+                    name = self._itag(t, "disk")
                     self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
                                         "contents are lost); every kind resumed, nothing paused",
-                                        {self._device(): self._arena_segments(self._itag(t, "disk"))})
+                                        {self._device(): self._arena_segments(name)})
+                    now = self._arena_figures(name)[6]
+                    if now != gen:
+                        raise _dfa.InvalidState(
+                            f"pause({t!r}): {now - gen} segment(s) were placed in {name!r} (or noted beside it) "
+                            "after its file was listed (allocated while the pause ran?): the file may not hold "
+                            "them; every kind resumed, nothing paused")
+                    self.disk_gens[name] = gen
         except BaseException as err:
             try:
                 # a segment backed again already is backed as it is, each arena taken once
@@ -954,6 +968,7 @@ class _Impl:
             except BaseException as e:
                 self._keep_paused(t, done, spills, e)
                 raise err
+            self.disk_gens.pop(self._itag(t, "disk"), None)
             self.disk.remove(spills)
             raise
         for keep, gen in gens.items():  # checked and paused: the next pause reads no snapshot for them
@@ -967,9 +982,11 @@ class _Impl:
         arena (once: a resume may be retried), then its segments outside it; the disk kind's
         file is then read back into both (Note [Disk backup]), whether or not they were paused
         (the file holds the only copy until it is loaded).  A step of the disk kind that fails
-        (its arena's resume, its segments' materialize, the load) releases it again (arena and segments; a release that fails is a warning, the next resume
-        reads the file again) and raises, nothing else resumed.  ``check``: a segment of the
-        disk arena in no file is refused first, nothing resumed (a pause's rollback skips it)."""
+        (its arena's resume, its segments' materialize, the load) releases it again (arena
+        and segments; a release that fails is a warning, the next resume reads the file
+        again) and raises, nothing else resumed.  ``check``: segments placed in the disk arena
+        since the pause (_check_generation) and one in no file are refused first, nothing
+        resumed (a pause's rollback skips both)."""
         lib = _native.allocator()
         stream = _stream(self._device())
         for keep in _ordered({row[2] for row in paused}, _RESUME_ORDER):
@@ -987,6 +1004,7 @@ class _Impl:
             if keep == "disk" and spills and check:
                 for name in names:  # placed while the arena was backed (after a failed release)
                     tag = name[len("tms.disk/"):]
+                    self._check_generation(tag, name)
                     self._check_covered(tag, spills, f"resume({tag!r})",
                                         "would come back with undefined contents (free them first); nothing resumed",
                                         {self._device(): self._arena_segments(name)})
@@ -1009,6 +1027,25 @@ class _Impl:
                 if disk:
                     self._release_again(names, live, paused, stream)
                 raise
+
+    def _check_generation(self, t: str, name: str) -> None:
+        """InvalidState, nothing resumed, when segments were placed in the disk arena ``name``
+        since its file was written while it was backed (a release after a failed load that
+        failed: nothing is placed in a paused arena, a cudaMalloc there is a stray outside it):
+        one may lie where a segment freed meanwhile was, same address and size, and the file
+        would give it the old bytes.  Refused once: the caller is told to free them, and the
+        next resume reads the file."""
+        if name not in self.disk_gens:
+            return
+        f = self._arena_figures(name)
+        if f[4] or f[6] == self.disk_gens[name]:
+            return
+        placed, self.disk_gens[name] = f[6] - self.disk_gens[name], f[6]
+        raise _dfa.InvalidState(
+            f"resume({t!r}): {placed} segment(s) were placed in {name!r} (or noted beside it) while the tag was "
+            "paused and the arena backed (after a failed release): one at a freed segment's address would get "
+            "the file's old bytes. Free every segment allocated there since the pause, then resume again (this "
+            "is refused once: the next resume reads the file); nothing resumed")
 
     def _release_again(self, names: list, live: list, paused: list, stream) -> None:
         """The disk kind's arenas and segments outside them that are backed, released again (as
@@ -1122,15 +1159,23 @@ def _tag_blocks(itag: str) -> dict:
 # backed, an arena of the tag paused), and rolls back when the disk kind holds a block in no
 # file after the release (another thread allocated in the region meanwhile: that block's
 # contents are lost; preload mode: a segment placed in the disk arena between the file and the
-# arena's pause, the arena's segments listed again after it); a resume refuses such a block
-# (preload mode: one placed in the disk arena while it stayed backed after a failed release).
+# arena's pause, the arena's segments listed again after it, and its generation read before
+# the file's list and after the pause: a segment freed and one of its size placed at its
+# address in between shows only there); a resume refuses such a block (preload mode: one
+# placed in the disk arena while it stayed backed after a failed release, in no file or
+# shown by the arena's generation since the pause: that refusal is given once, telling the
+# caller to free what it placed there, and the next resume reads the file).
 # Limits: files of a process that died stay in the directory (no process deletes another's);
 # TMS writes one file per allocation kept until it is freed, deferalloc one per tag and device
 # deleted at resume; a directory owned by another user (as /tmp itself) is refused; a resume
 # that fails after the disk kind came back (the host kind's pinned copy, no memory) leaves
 # the tag paused with that kind backed, as a failed resume of host and discard kinds does.
 # In preload mode a segment of a disk pool outside the arena that another thread allocates
-# after the pause read PyTorch's snapshot is not released (it stays backed, in no file).
+# after the pause read PyTorch's snapshot is not released (it stays backed, in no file).  In
+# torch mode the checks match blocks by device, address and size only (deferalloc keeps no
+# per-tag count of allocations): a block freed and one of the same size allocated at its
+# address by another thread while the pause (or a resume after a failed release) runs gets
+# the file's old bytes.
 
 
 class _DiskBackup:

@@ -1122,20 +1122,45 @@ def racing_save(t, groups):
     impl.arenas.dfa_preload_arena_pop()
     late.append(q.value)
     return out
-impl.disk.save = racing_save
-paused_names = []
-impl.arenas.dfa_preload_arena_pause = lambda name, keep, stream: paused_names.append(name) or real_pause(name, keep,
-                                                                                                         stream)
-try:
-    raises(lambda: impl.pause("d"), ms._dfa.InvalidState, "are in no disk backup file")
-finally:
-    impl.disk.save = real_save
-    impl.arenas.dfa_preload_arena_pause = real_pause
-assert paused_names == [b"tms.disk/d"], paused_names  # rolled back before the discard kind is released
-assert unpaused() and spills() == [], (impl.paused, spills())
+def pause_rolled_back(save, text):  # a pause with `save` as the file's writer raises `text`, rolled back
+    paused_names = []                # before the discard kind is released: every arena backed, no file
+    impl.disk.save = save
+    impl.arenas.dfa_preload_arena_pause = lambda name, keep, stream: paused_names.append(name) or \
+        real_pause(name, keep, stream)
+    try:
+        raises(lambda: impl.pause("d"), ms._dfa.InvalidState, text)
+    finally:
+        impl.disk.save = real_save
+        impl.arenas.dfa_preload_arena_pause = real_pause
+    assert paused_names == [b"tms.disk/d"], paused_names
+    assert unpaused() and spills() == [] and impl.disk_gens == {}, (impl.paused, spills(), impl.disk_gens)
+pause_rolled_back(racing_save, "are in no disk backup file")
 assert impl.arenas.dfa_preload_arena_owns(ctypes.c_void_p(late[0]))
 intact("racing")
 assert lib.cudaFree(ctypes.c_void_p(late[0])) == 0
+# A segment freed and one of the same size placed at its address after the file was written (the
+# file's ranges still match): the arena's generation shows it, rolled back the same way
+def replace(addr):  # frees the disk segment at `addr` and places new ones in the arena until one lands there
+    assert lib.cudaFree(ctypes.c_void_p(addr)) == 0
+    others = []
+    while len(others) < 64:
+        p = ctypes.c_void_p()
+        with impl._arena("tms.disk/d"):
+            assert lib.cudaMalloc(ctypes.byref(p), HALF) == 0
+        q = p.value
+        if q == addr:
+            break
+        others.append(q)
+    for o in others:
+        assert lib.cudaFree(ctypes.c_void_p(o)) == 0
+    assert q == addr, "the freed place was never taken again"
+def replacing_save(t, groups):
+    out = real_save(t, groups)
+    replace(dsegs[3])
+    ctypes.memset(dsegs[3], 0x30 + 3, HALF)  # its new owner's bytes (the old ones, for intact())
+    return out
+pause_rolled_back(replacing_save, "1 segment(s) were placed in 'tms.disk/d'")
+intact("replaced")
 # A pause whose rollback fails too (the discard arena's pause fails, then the file's load):
 # the tag stays paused with its file, and resume reads it
 import contextlib
@@ -1169,12 +1194,26 @@ with load_fails_and(failing_release):
 assert "d" in impl.paused and impl._arena_figures("tms.disk/d")[4] == 0 and len(spills()) == 1
 assert impl._arena_figures("tms.discard/d")[4] == 1, "the discard kind resumed after the disk kind failed"
 q = malloc_in("disk", "d")
-raises(lambda: impl.resume("d"), ms._dfa.InvalidState, "are in no disk backup file")
+raises(lambda: impl.resume("d"), ms._dfa.InvalidState, "1 segment(s) were placed in 'tms.disk/d'")
 assert "d" in impl.paused and impl._arena_figures("tms.discard/d")[4] == 1 and len(spills()) == 1
+raises(lambda: impl.resume("d"), ms._dfa.InvalidState, "are in no disk backup file")  # still there
 assert lib.cudaFree(ctypes.c_void_p(q)) == 0
 impl.resume("d")
 assert unpaused() and spills() == []
 intact("retried resume")
+# The same with a segment freed and one of its size placed at its address (the file's ranges
+# still match): refused once by the arena's generation, its new bytes untouched
+impl.pause("d")
+with load_fails_and(failing_release):
+    raises(lambda: impl.resume("d"), ms._dfa.IoError, "injected: load")
+replace(dsegs[3])
+q = dsegs[3]
+ctypes.memset(q, 0x77, HALF)
+raises(lambda: impl.resume("d"), ms._dfa.InvalidState, "1 segment(s) were placed in 'tms.disk/d'")
+assert "d" in impl.paused and ctypes.string_at(q, HALF) == b"\x77" * HALF, "the refused resume wrote the segment"
+impl.resume("d")  # refused once: the caller was told
+assert unpaused() and spills() == [] and impl.disk_gens == {}
+intact("replaced while paused")
 assert lib.cudaFree(p) == 0
 snapshot.pop()
 for a in dsegs:
