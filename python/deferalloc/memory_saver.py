@@ -63,7 +63,8 @@ Limits: in hook mode "torch", memory that does not come through PyTorch's alloca
 library's own cudaMalloc) is not paused; in "preload", a cudaMalloc on the region's thread is
 placed in the arena and paused with it, as TMS's preload mode does (in a disk region, saved to
 its file too).  The preload library serves one device (DEFERALLOC_CONF's): a region on another
-refuses to start.  Allocating in a paused tag, or in a tag while it is being paused, is the
+refuses to start, and pause/resume sync, stream and name files by that device (its first
+arena's), whichever device is current on the calling thread.  Allocating in a paused tag, or in a tag while it is being paused, is the
 caller's error as in TMS (torch mode refuses the first, preload mode may hand out a released
 block); a pool shared by cuda_graph captures of two tags pauses each tag's arena segments with
 that tag only; get_cpu_backup raises NotImplementedError outside disk regions (the C ABI has no
@@ -466,6 +467,7 @@ class _Impl:
         self.verified: dict = {}         # (tag, keep) -> its arena's generation its last pause checked (preload)
         self.disk_gens: dict = {}        # disk arena name -> its generation when its file was written (while paused)
         self.arenas = None               # the preload library's arena entry points (preload mode)
+        self.arena_device: Optional[int] = None  # the device the preload library serves (its first arena's)
         self.paused: dict = {}           # tag -> [(address, reservation, keep, bytes)] (torch: one row, the bytes)
         self.spills: dict = {}           # tag -> its disk files while paused: [(path, device, [(address, bytes)])]
         if hook_mode == "preload":
@@ -524,6 +526,8 @@ class _Impl:
                 f"{self._device()} is not DEFERALLOC_CONF's device, or the library is disabled: see its line on "
                 "stderr), so nothing allocated here could be paused")
         _native.allocator.check(st, "dfa_preload_arena_push")
+        if name and self.arena_device is None:
+            self.arena_device = self._device()  # the one device the library serves (it took the push)
         try:
             yield
         finally:
@@ -539,6 +543,12 @@ class _Impl:
     @staticmethod
     def _device() -> int:
         return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+    def _preload_device(self) -> int:
+        """The device of the preload library's segments (preload mode): the one it serves, as
+        its first arena made current showed, else the current one (TMS_INIT_ENABLE before any
+        region).  Not the current device of the thread that pauses: it may be another."""
+        return self.arena_device if self.arena_device is not None else self._device()
 
     # routing: Note [One routed pool per thread]
     @contextlib.contextmanager
@@ -686,7 +696,9 @@ class _Impl:
             err = _open_region()  # what the first deferalloc.pause would raise, before any file is written
             if err is not None:
                 raise _dfa.InvalidState(f"pause({names}): {err}; nothing paused")
-        _sync()
+            _sync()
+        else:
+            _sync_devices({self._device(), self._preload_device()})
         with self.lock:
             snap = []  # preload mode: PyTorch's snapshot, taken at most once for every tag of this call
             for t in names:
@@ -722,7 +734,10 @@ class _Impl:
                 del self.paused[t]
                 self.disk_gens.pop(self._itag(t, "disk"), None)
                 self.disk.remove(self.spills.pop(t, []))
-            _sync()
+            if self.mode == "torch":
+                _sync()
+            else:
+                _sync_devices({self._device(), self._preload_device()})
             if not self.retain:
                 _dfa.trim(_SIZE_MAX)  # frees the cached pinned backups, keeps the device chunks cached
 
@@ -928,10 +943,11 @@ class _Impl:
         if "disk" in self.keeps[t] and self.arenas is not None:
             gen = self._arena_figures(self._itag(t, "disk"))[6]
             disk += self._arena_segments(self._itag(t, "disk"))
-        spills = self.disk.save(t, {self._device(): sorted(disk)}) if disk else []
+        dev = self._preload_device()
+        spills = self.disk.save(t, {dev: sorted(disk)}) if disk else []
         done = []  # all or nothing: per kind (_PAUSE_ORDER), its arena then its segments outside
         try:
-            stream = _stream(self._device())
+            stream = _stream(dev)
             for keep in _ordered(self.keeps[t], _PAUSE_ORDER):
                 released = _KEEPS.index(_released_as(keep))
                 if self.arenas is not None:
@@ -953,7 +969,7 @@ class _Impl:
                     name = self._itag(t, "disk")
                     self._check_covered(t, spills, f"pause({t!r})", "were released without being written (their "
                                         "contents are lost); every kind resumed, nothing paused",
-                                        {self._device(): self._arena_segments(name)})
+                                        {dev: self._arena_segments(name)})
                     now = self._arena_figures(name)[6]
                     if now != gen:
                         raise _dfa.InvalidState(
@@ -988,7 +1004,8 @@ class _Impl:
         since the pause (_check_generation) and one in no file are refused first, nothing
         resumed (a pause's rollback skips both)."""
         lib = _native.allocator()
-        stream = _stream(self._device())
+        dev = self._preload_device()
+        stream = _stream(dev)
         for keep in _ordered({row[2] for row in paused}, _RESUME_ORDER):
             names, live = [], []
             for addr, rid, k, _ in paused:
@@ -1007,7 +1024,7 @@ class _Impl:
                     self._check_generation(tag, name)
                     self._check_covered(tag, spills, f"resume({tag!r})",
                                         "would come back with undefined contents (free them first); nothing resumed",
-                                        {self._device(): self._arena_segments(name)})
+                                        {dev: self._arena_segments(name)})
             disk = keep == "disk" and bool(spills)
             ids = (ctypes.c_uint64 * len(live))(*[rid for rid, _ in live])
             try:

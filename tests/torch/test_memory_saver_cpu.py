@@ -1076,6 +1076,23 @@ for cyc in range(2):
     assert glob.glob(os.path.join(spill_dir, "*.spill")) == [], "the file outlived the resume"
     for i, a in enumerate(dsegs):
         assert ctypes.string_at(a, HALF) == bytes([0x30 + i]) * HALF, (cyc, i)
+# Paused and resumed from a thread whose current device is another: the file, the streams and
+# the syncs are the preload library's device's (its arenas' device), not the current one
+assert impl.arena_device == 0, impl.arena_device
+real_stream, real_sync, devices = ms._stream, ms._sync_devices, []
+ms._Impl._device = staticmethod(lambda: 1)
+ms._stream = lambda device: devices.append(device) or real_stream(device)
+ms._sync_devices = lambda devs: devices.append(tuple(sorted(devs)))
+try:
+    impl.pause("d")
+    files = glob.glob(os.path.join(spill_dir, "*.spill"))
+    assert len(files) == 1 and files[0].endswith("-d-d0.spill"), files
+    impl.resume("d")
+finally:
+    ms._Impl._device, ms._stream, ms._sync_devices = staticmethod(lambda: 0), real_stream, real_sync
+assert devices and all(d in (0, (0, 1)) for d in devices), devices
+for i, a in enumerate(dsegs):
+    assert ctypes.string_at(a, HALF) == bytes([0x30 + i]) * HALF, ("another device current", i)
 # A failure after the file is written (the discard kind's arena) resumes the disk arena from it
 impl._note("d", "discard")
 with impl._arena(impl._itag("d", "discard")):
