@@ -701,13 +701,14 @@ class _Impl:
             _sync_devices({self._device(), self._preload_device()})
         with self.lock:
             snap = []  # preload mode: PyTorch's snapshot, taken at most once for every tag of this call
-            for t in names:
-                if t in self.paused:
-                    raise _dfa.InvalidState(f"pause({t!r}): the tag is paused already (resume it first)")
-                if self.mode == "torch":
-                    self._torch_pause(t)
-                else:
-                    self.paused[t] = self._preload_pause(t, snap)
+            for i, t in enumerate(names):
+                with _partly("pause", names, i):
+                    if t in self.paused:
+                        raise _dfa.InvalidState(f"pause({t!r}): the tag is paused already (resume it first)")
+                    if self.mode == "torch":
+                        self._torch_pause(t)
+                    else:
+                        self.paused[t] = self._preload_pause(t, snap)
 
     def resume(self, tag: Optional[str]) -> None:
         names = self._tags(tag, paused=True)
@@ -724,13 +725,14 @@ class _Impl:
                     raise _dfa.InvalidState(f"resume({disk}): {err}: a disk kind's resume needs no region open on "
                                             "this thread; nothing resumed")
             self._check_margin(names)
-            for t in names:
+            for i, t in enumerate(names):
                 spills = self.spills.get(t, [])
-                if self.mode == "torch":
-                    for keep in _ordered(self.keeps[t], _RESUME_ORDER):
-                        self._torch_resume_keep(t, keep, spills)
-                else:
-                    self._preload_resume(self.paused[t], spills)
+                with _partly("resume", names, i):
+                    if self.mode == "torch":
+                        for keep in _ordered(self.keeps[t], _RESUME_ORDER):
+                            self._torch_resume_keep(t, keep, spills)
+                    else:
+                        self._preload_resume(self.paused[t], spills)
                 del self.paused[t]
                 self.disk_gens.pop(self._itag(t, "disk"), None)
                 self.disk.remove(self.spills.pop(t, []))
@@ -1110,6 +1112,19 @@ class _Impl:
                 if any(a <= ptr and ptr + nbytes <= a + n for a, n in self._disk_ranges(t)):
                     return True
         return False
+
+
+@contextlib.contextmanager
+def _partly(call: str, names: list, i: int):
+    """pause(None) / resume(None) take the tags one by one, each all or nothing, and stop at the
+    first that fails: the tags done before it stay done (logged, so the caller knows which)."""
+    try:
+        yield
+    except BaseException as e:
+        if i:
+            _log.warning("deferalloc.memory_saver: %s(): %r failed (%s) after %s were done (they stay so); not tried: "
+                         "%s", call, names[i], e, names[:i], names[i + 1:])
+        raise
 
 
 def _released_as(keep: str) -> str:

@@ -269,6 +269,33 @@ class TorchModeOnTheHostDriver(SaverCase):
         self.s.pause("never-used")   # a tag with no allocations holds nothing (as torch_memory_saver)
         self.s.resume("never-used")
 
+    def test_pause_and_resume_of_every_tag_stop_at_the_first_failure_and_say_what_was_done(self):
+        for t in ("a", "b", "c"):
+            with self.s.region(t):
+                pass
+        real_pause, real_resume = ms._dfa.pause, ms._dfa.resume
+
+        def failing(real, name):
+            def call(tag, **kw):
+                if tag == name:
+                    raise dfa.OutOfMemory("mocked")
+                return real(tag, **kw)
+            return call
+        with mock.patch.object(ms._dfa, "pause", failing(real_pause, "tms.discard/b")), \
+                self.assertLogs("deferalloc", "WARNING") as log, self.assertRaisesRegex(dfa.OutOfMemory, "mocked"):
+            self.s.pause()
+        self.assertIn("pause(): 'b' failed (mocked) after ['a'] were done (they stay so); not tried: ['c']",
+                      log.output[0])
+        self.assertEqual([dfa.is_paused(f"tms.discard/{t}") for t in "abc"], [True, False, False])
+        self.s.pause()  # b and c
+        with mock.patch.object(ms._dfa, "resume", failing(real_resume, "tms.discard/b")), \
+                self.assertLogs("deferalloc", "WARNING") as log, self.assertRaisesRegex(dfa.OutOfMemory, "mocked"):
+            self.s.resume()
+        self.assertIn("resume(): 'b' failed (mocked) after ['a'] were done", log.output[0])
+        self.assertEqual([dfa.is_paused(f"tms.discard/{t}") for t in "abc"], [False, True, True])
+        self.s.resume()
+        self.assertFalse(any(dfa.is_paused(f"tms.discard/{t}") for t in "abc"))
+
     def test_pause_takes_the_backup_kind_first(self):
         """As in preload mode: a failure that rolls the pause back has discarded nothing."""
         with self.s.region("o", enable_cpu_backup=True):
