@@ -914,7 +914,7 @@ class _Impl:
         """Pauses the tag; returns its rows for _preload_resume: (arena name, 0, keep, slab
         bytes) per arena, (address, reservation, keep, bytes) per segment outside them."""
         lib = _native.allocator()
-        found = []
+        found, seen = [], set()
         outside, gens = self._segments(t, [] if snap is None else snap)
         for addr, keep, size in outside:
             rid = ctypes.c_uint64()
@@ -923,6 +923,9 @@ class _Impl:
                     f"pause({t!r}): the segment at {addr:#x} ({size} bytes) is not a deferalloc reservation: is "
                     "libdeferalloc_preload.so in LD_PRELOAD the one beside the libdeferalloc.so this package loads "
                     f"({_native.library_path()}), and DEFERALLOC_CONF's device this one? Nothing paused")
+            if rid.value in seen:  # a pool of two kinds of the tag (one passed to two captures): its first
+                continue           # kind in _PAUSE_ORDER takes it (the one that keeps most)
+            seen.add(rid.value)
             found.append((addr, rid.value, keep, size))
         # Up front (Note [Disk backup]): a kind released already cannot be read (nor paused
         # again): a disk segment outside the arena not backed, an arena of the tag paused.

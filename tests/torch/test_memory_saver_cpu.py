@@ -834,6 +834,15 @@ class PreloadDiskOnTheHostDriver(unittest.TestCase):
         self.assertEqual(len(self.spills()), 1, "the file went with the failed load")
         self.resumed_intact()
 
+    def test_a_pool_of_two_kinds_pauses_its_segments_once(self):
+        self.impl.pool_ids[("p", "disk")].add((1, 2))  # the host kind's pool is the disk kind's too
+        self.impl.pause("p")
+        rids = [row[1] for row in self.impl.paused["p"]]
+        self.assertEqual(len(rids), len(set(rids)), self.impl.paused["p"])
+        self.assertEqual([row[2] for row in self.impl.paused["p"]], ["host", "disk", "disk"])  # host's: host first
+        dfa.trim(0)
+        self.resumed_intact()
+
     def test_a_failed_materialize_of_the_disk_kind_releases_it_again(self):
         self.impl.pause("p")
         dfa.trim(0)
