@@ -3,12 +3,13 @@
 # every gpu ctest, the acceptance scripts and benchmarks of the issues, a short table last.
 #   scripts/gpu_round.sh [build] [ctest] [multi] [tms] [drop_in] [rl] [optim] [diag] [megatron] [megatron_dp2]
 #     [overlap] [filetier] [ckpt] [stress] [stress_bg] [stress_wait] [bench] [compare] [fp32pair] [wheel] [nccl]
-#     [vmm_probe] [sib] [megatron_bench] [curves]
+#     [vmm_probe] [sib] [megatron_bench] [curves] [arena_loop]
 #   (default: all but multi, diag, megatron_dp2, drop_in, rl, filetier, compare, fp32pair, wheel, nccl,
-#   vmm_probe, sib, megatron_bench and curves: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
+#   vmm_probe, sib, megatron_bench, curves and arena_loop: the two-GPU steps, the diagnostic, the torch_memory_saver drop-in's benchmark and RL
 #   cycle, the file tier against the disk, the before/after comparisons, the wheel's build and check, the
 #   footprint of single-rank NCCL communicators, the driver's VMM call costs (needs no build), the
-#   diagnosis of the step inside Megatron's backward, the Megatron benchmark and its loss curves).
+#   diagnosis of the step inside Megatron's backward, the Megatron benchmark and its loss curves,
+#   the preload arenas' contention loop).
 #   sib: benchmarks/megatron/sib.py, why step_in_backward costs more than the plain step under
 #   megatron-core (newest wheel of .whl/megatron/, in /tmp/site-mc; HybridModel 0.54 G params, host
 #   tier): resident, plain, inside, inside_noclip, inside_keep (keep_window:1), inside_b160m (bucket
@@ -171,6 +172,22 @@ if has tms; then
 fi
 # deferalloc.memory_saver (torch_memory_saver's API) against torch_memory_saver 0.0.10: 8 GiB in
 # 512 tensors, both hook modes, CPU backup and discard (benchmarks/pause_resume/bench_drop_in.py).
+# The preload arenas under contention on this machine's cores: tests/preload_arena_probe (its
+# racing case (h) alone, `race N`) DFA_ARENA_LOOPS times (default 50) on the host driver and on
+# CUDA, each run under a 120 s timeout; the first hang or failure stops its loop (after the
+# build of preload_arena_probe). The row: runs passed per driver.
+if has arena_loop; then
+  for drv in host cuda; do
+    conf="driver:$drv,pool_cache_mb:0"; [ "$drv" = host ] && conf="driver:host,host_granularity_kb:64,pool_cache_mb:0"
+    ok=0; s=$SECONDS; n=${DFA_ARENA_LOOPS:-50}
+    for i in $(seq "$n"); do
+      if LD_PRELOAD=$B/allocator/libdeferalloc_preload.so DEFERALLOC_CONF=$conf timeout 120 \
+           "$B/tests/preload_arena_probe" race 5 > "$L/arena_loop_$drv.log" 2>&1; then ok=$((ok + 1)); else
+        echo "run $i rc=$?" >> "$L/arena_loop_$drv.log"; break; fi
+    done
+    row "arena_loop_$drv" "$ok of $n runs passed $((SECONDS - s))s"
+  done
+fi
 if has drop_in; then
   tms=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
   run bench_drop_in 420 python3 benchmarks/pause_resume/bench_drop_in.py --build "$B" ${tms:+--tms-wheel $tms} \

@@ -67,6 +67,7 @@ LAYERS = [
     ("allocator/core/settings", 1.1),     #   the rows of every settings table,
     ("allocator/core/driver", 1.1),       #   the driver (VMM primitives, streams and copies),
     ("allocator/core/errors", 1.1),       #   the typed errors,
+    ("allocator/core/files", 1.1),        #   the file machinery (checked files, checksum64) and disk spills,
     ("allocator/core/chunk_pool", 1.2),   #   the chunk pool,
     ("allocator/core/pinned_pool", 1.2),  #   the pinned pool (the host backup tier),
     ("allocator/core/reservations", 1.3), #   the reservations and their backups,
@@ -99,8 +100,9 @@ LAYERS += [
 ]
 # Where a quoted include that is not beside its file is looked up (the CMake targets'
 # private include directories and the internal targets deferalloc_log / deferalloc_abi_guard /
-# deferalloc_setting_rows).
-INCLUDE_ROOTS = ["include", "allocator", "allocator/core/log", "allocator/core/settings", "allocator/abi", "optimizer"]
+# deferalloc_setting_rows / deferalloc_files).
+INCLUDE_ROOTS = ["include", "allocator", "allocator/core/log", "allocator/core/settings", "allocator/core/files",
+                 "allocator/abi", "optimizer"]
 SOURCE_EXT = (".cpp", ".hpp", ".h", ".cu", ".cuh", ".py")
 LIBRARY = ["allocator", "optimizer", "include", "python/deferalloc"]
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)

@@ -8,13 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
-#define CHECK(cond)                                                 \
-  do {                                                              \
-    if (!(cond)) {                                                  \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);  \
-      return 1;                                                     \
-    }                                                               \
-  } while (0)
+#include "probe_check.hpp"
 
 int main() {
   void* p = nullptr;

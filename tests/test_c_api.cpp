@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -62,6 +63,29 @@ TEST_F(c_api, reserve_materialize_release_free) {
   EXPECT_STREQ(dfa_last_error(), "");
 }
 
+// A hidden reservation (Note [Hidden reservations]): dfa_find refuses every pointer in it
+// with the owner's words; its owner's calls on the id still act on it; freed, the id is gone.
+TEST_F(c_api, hidden_reservation_is_refused_by_find) {
+  size_t g = 0;
+  dfa_reservation r = 0, found = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_granularity(&g), DFA_SUCCESS);
+  ASSERT_EQ(dfa_reserve(4 * g, &r, &p), DFA_SUCCESS);
+  ASSERT_EQ(dfa_hide_reservation(r, "arena 'x' of a test"), DFA_SUCCESS) << dfa_last_error();
+  for (size_t off : {size_t{0}, g + 7, 4 * g - 1}) {
+    ASSERT_EQ(dfa_find(static_cast<char*>(p) + off, &found), DFA_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dfa_last_error()).find("arena 'x' of a test"), std::string::npos) << dfa_last_error();
+  }
+  EXPECT_EQ(found, 0u);
+  ASSERT_EQ(dfa_materialize_whole_pieces(r, g, g, DFA_FILL_ZERO, nullptr), DFA_SUCCESS) << dfa_last_error();
+  int backed = 0;
+  ASSERT_EQ(dfa_is_backed(r, g, g, &backed), DFA_SUCCESS);
+  EXPECT_EQ(backed, 1);
+  EXPECT_EQ(dfa_hide_reservation(r, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_hide_reservation(r, "gone"), DFA_ERROR_INVALID_ARGUMENT);
+}
+
 // The batched calls: many whole reservations released with their contents kept and backed
 // again bit-exactly, one id that is not a reservation refusing the whole batch.
 TEST_F(c_api, release_and_materialize_many) {
@@ -93,6 +117,25 @@ TEST_F(c_api, release_and_materialize_many) {
   EXPECT_EQ(dfa_release_many(nullptr, 0, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS);
   ASSERT_EQ(dfa_release_many(rs, n, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
   ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+
+  // Only the kept ranges copied: the last granule of rs[1], the second of rs[4].
+  std::memset(ps[1], 0x41, 2 * g);
+  std::memset(ps[4], 0x44, 5 * g);
+  const dfa_range kept[2] = {{rs[4], g, g}, {rs[1], g, g}};
+  const dfa_range outside[1] = {{rs[0] + 1000, 0, g}};
+  EXPECT_EQ(dfa_release_many_keeping(rs, n, outside, 1, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dfa_release_many_keeping(rs, n, nullptr, 1, nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
+  const size_t saved = st.backup_bytes;
+  ASSERT_EQ(dfa_release_many_keeping(rs, n, kept, 2, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_get_stats(&st), DFA_SUCCESS);
+  EXPECT_EQ(st.backed_bytes, 0u);
+  EXPECT_EQ(st.backup_bytes - saved, 2 * g);
+  EXPECT_EQ(dfa_materialize_whole_pieces(rs[1], 0, DFA_WHOLE, static_cast<dfa_fill>(7), nullptr), DFA_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dfa_materialize_whole_pieces(rs[1], 0, DFA_WHOLE, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
+  ASSERT_EQ(dfa_materialize_many(rs, n, DFA_FILL_RESTORE, nullptr), DFA_SUCCESS) << dfa_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(ps[1])[g], 0x41);
+  EXPECT_EQ(static_cast<unsigned char*>(ps[4])[2 * g - 1], 0x44);
   for (int i = 0; i < n; ++i) ASSERT_EQ(dfa_free_reservation(rs[i], nullptr), DFA_SUCCESS);
 }
 
@@ -143,6 +186,35 @@ TEST_F(c_api, bad_input_table) {
   ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
   EXPECT_EQ(dfa_free_reservation(r, nullptr), DFA_ERROR_INVALID_ARGUMENT) << "double free";
   EXPECT_NE(std::string(dfa_last_error()).find("unknown reservation"), std::string::npos) << dfa_last_error();
+}
+
+// A release that cuts through a chunk larger than the largest class (an exact chunk of
+// dfa_materialize_whole_pieces) splits it (Note [Splitting chunks]): the rest keeps its bytes.
+TEST(c_api_split, chunk_larger_than_the_largest_class) {
+  ASSERT_EQ(dfa_init("driver:host,host_granularity_kb:64,chunk_classes_mb:1"), DFA_SUCCESS) << dfa_last_error();
+  constexpr size_t mib = size_t{1} << 20, bytes = 6 * mib;
+  dfa_reservation r = 0;
+  void* p = nullptr;
+  ASSERT_EQ(dfa_reserve(bytes, &r, &p), DFA_SUCCESS);
+  dfa_stats s0{};
+  ASSERT_EQ(dfa_get_stats(&s0), DFA_SUCCESS);
+  ASSERT_EQ(dfa_materialize_whole_pieces(r, 0, bytes, DFA_FILL_UNDEFINED, nullptr), DFA_SUCCESS) << dfa_last_error();
+  dfa_stats s1{};
+  ASSERT_EQ(dfa_get_stats(&s1), DFA_SUCCESS);
+  EXPECT_EQ(s1.driver_calls[4] - s0.driver_calls[4], 1u) << "one map: one chunk of 6 MiB";
+  auto* b = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < bytes; i += 4096) b[i] = static_cast<unsigned char>(i / 4096 % 251);
+  ASSERT_EQ(dfa_release(r, 2 * mib, mib, DFA_KEEP_DISCARD, nullptr), DFA_SUCCESS) << dfa_last_error();
+  int backed = -1;
+  ASSERT_EQ(dfa_is_backed(r, 2 * mib, mib, &backed), DFA_SUCCESS);
+  EXPECT_EQ(backed, 0);
+  for (auto [off, len] : {std::pair{size_t{0}, 2 * mib}, std::pair{3 * mib, 3 * mib}}) {
+    ASSERT_EQ(dfa_is_backed(r, off, len, &backed), DFA_SUCCESS);
+    EXPECT_EQ(backed, 1);
+    for (size_t i = off; i < off + len; i += 4096) ASSERT_EQ(b[i], i / 4096 % 251) << i;
+  }
+  ASSERT_EQ(dfa_free_reservation(r, nullptr), DFA_SUCCESS);
+  EXPECT_EQ(dfa_shutdown(), DFA_SUCCESS);
 }
 
 TEST(c_api_init, unknown_config_key_is_refused_with_the_valid_keys) {

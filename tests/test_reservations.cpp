@@ -13,6 +13,20 @@ class reservations : public ::testing::Test {
   driver& d = *s.drv;
   std::size_t g = s.drv->granularity();
   void* at(reservation_id id, std::size_t off = 0) { return static_cast<char*>(m.address(id)) + off; }
+  // Contents of a backed reservation of `bytes` kept through a release with backup and a
+  // materialize_whole_pieces that restores them in one mapping.
+  void restored_in_one_chunk(reservation_id id, std::size_t bytes, unsigned seed) {
+    const range all{id, 0, whole};
+    auto data = random_bytes(bytes, seed);
+    upload(d, at(id), data);
+    m.release(id, 0, whole, keep_mode::host);
+    const auto maps = d.call_counts()[primitive::map];
+    m.materialize_whole_pieces(std::span<const range>(&all, 1), fill_mode::restore);
+    EXPECT_EQ(d.call_counts()[primitive::map] - maps, 1u) << "one chunk for the whole range";
+    d.synchronize_stream(nullptr);
+    EXPECT_EQ(download(d, at(id), bytes), data);
+    EXPECT_EQ(m.info(id).backed_bytes, bytes);
+  }
 };
 
 TEST_F(reservations, reserve_takes_no_physical_memory_and_materialize_takes_exactly_its_bytes) {
@@ -145,6 +159,74 @@ TEST_F(reservations, partial_restore_keeps_the_rest_of_the_backup) {
   m.materialize(id, 0, whole, fill_mode::restore);
   EXPECT_EQ(download(d, at(id), 4 * g), data);
   EXPECT_EQ(m.info(id).backup_bytes, 0u);
+  m.free(id);
+}
+
+TEST_F(reservations, release_keeping_copies_only_the_kept_ranges) {
+  auto id = m.reserve(8 * g);
+  const auto maps = d.call_counts()[primitive::map];
+  m.materialize(id, 0, whole, fill_mode::undefined);
+  const auto chunks = d.call_counts()[primitive::map] - maps;
+  auto data = random_bytes(8 * g, 13);
+  upload(d, at(id), data);
+  const range all{id, 0, whole};
+  // Any order; [g, 3g) of two adjacent ranges, then 4g and [6g, 8g): 5 granules of 8.
+  const std::vector<range> kept{{id, 4 * g, g}, {id, 2 * g, g}, {id, g, g}, {id, 6 * g, 2 * g}};
+  const auto unmaps = d.call_counts()[primitive::unmap];
+  m.release_keeping(std::span<const range>(&all, 1), kept);
+  EXPECT_EQ(d.call_counts()[primitive::unmap] - unmaps, chunks) << "whole chunks unmapped, none split";
+  EXPECT_EQ(m.stats().splits, 0u);
+  EXPECT_FALSE(m.is_backed(id, 0, g));
+  EXPECT_EQ(m.info(id).backup_bytes, 5 * g) << "only the kept granules copied";
+  auto other = m.reserve(32 * g);  // the chunks overwritten, then the restore
+  m.materialize(other, 0, whole, fill_mode::undefined);
+  upload(d, at(other), std::vector<std::uint8_t>(32 * g, 0xAB));
+  m.release(other, 0, whole, keep_mode::discard);
+  m.materialize(id, 0, g, fill_mode::restore);  // a granule outside the kept ranges: undefined, no error
+  m.materialize(id, 2 * g, g, fill_mode::restore);
+  EXPECT_EQ(m.info(id).backup_bytes, 4 * g);
+  m.materialize(id, 0, whole, fill_mode::restore);
+  d.synchronize_stream(nullptr);
+  const auto back = download(d, at(id), 8 * g);
+  for (const range& k : kept)
+    EXPECT_TRUE(std::equal(back.begin() + k.offset, back.begin() + k.offset + k.length, data.begin() + k.offset)) << k.offset;
+  EXPECT_EQ(m.info(id).backup_bytes, 0u);
+  m.release_keeping(std::span<const range>(&all, 1), {});  // nothing kept, nothing copied
+  EXPECT_EQ(m.info(id).backup_bytes, 0u);
+  m.materialize(id, 0, whole, fill_mode::restore);
+  m.release(id, 0, whole, keep_mode::discard);  // drops the granules saved without a backup too
+  EXPECT_THROW(m.materialize(id, 0, g, fill_mode::restore), invalid_state);
+  m.free(id);
+  m.free(other);
+}
+
+TEST_F(reservations, materialize_whole_pieces_maps_a_class_in_one_chunk_where_smaller_ones_are_cached) {
+  auto small = m.reserve(8 * g);
+  for (std::size_t i = 0; i < 8; ++i) m.materialize(small, i * g, g, fill_mode::undefined);  // 8 chunks of a granule
+  m.release(small, 0, whole, keep_mode::discard);
+  ASSERT_GE(s.pool->stats().cached_bytes, 8 * g);
+  auto id = m.reserve(8 * g);
+  const range all{id, 0, whole};
+  auto maps = d.call_counts()[primitive::map];
+  m.materialize(std::span<const range>(&all, 1), fill_mode::undefined);
+  EXPECT_EQ(d.call_counts()[primitive::map] - maps, 8u) << "materialize covers a piece with the smaller cached chunks";
+  restored_in_one_chunk(id, 8 * g, 14);
+  m.free(id);
+  m.free(small);
+}
+
+TEST_F(reservations, materialize_whole_pieces_maps_a_run_of_no_class_in_one_chunk_of_its_size) {
+  auto id = m.reserve(13 * g);  // not a class: 8 + 4 + 1 granules by classes
+  const range all{id, 0, whole};
+  auto maps = d.call_counts()[primitive::map];
+  m.materialize_whole_pieces(std::span<const range>(&all, 1), fill_mode::undefined);
+  EXPECT_EQ(d.call_counts()[primitive::map] - maps, 1u) << "one chunk of 13 granules";
+  restored_in_one_chunk(id, 13 * g, 15);
+  m.release(id, 0, whole, keep_mode::discard);
+  maps = d.call_counts()[primitive::map];
+  m.materialize(std::span<const range>(&all, 1), fill_mode::undefined);
+  EXPECT_GE(d.call_counts()[primitive::map] - maps, 1u);  // materialize: classes (the cached chunk fits none)
+  EXPECT_EQ(m.info(id).backed_bytes, 13 * g);
   m.free(id);
 }
 

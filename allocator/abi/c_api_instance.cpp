@@ -40,6 +40,7 @@ dfa_status dfa_shutdown(void) {
     {
       std::lock_guard ids(g_ids_mu);
       g_ids.clear();
+      g_hidden.clear();
     }
     detail::faults().clear();
     g_report_faults.store(false);

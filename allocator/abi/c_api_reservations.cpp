@@ -6,6 +6,7 @@
 #include <deferalloc/core/errors.hpp>
 #include <deferalloc/deferalloc.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -55,6 +56,21 @@ dfa_status on_whole_reservations(const char* call, const dfa_reservation* rs, si
   });
 }
 
+// dfa_materialize and dfa_materialize_whole_pieces: one range of a reservation handed out.
+dfa_status materialize_range(const char* call, dfa_reservation r, size_t offset, size_t length, dfa_fill fill,
+                             void* stream, bool whole_pieces) {
+  return guard(call, [&] {
+    // Range-checked by materialize (Note [Enum values from callers]).
+    const auto f = detail::enum_from_c<fill_mode>(fill);
+    std::shared_lock<std::shared_mutex> lk;
+    auto& m = *instance(lk).reservations;
+    expect_handed_out(m, r);
+    const range rg{r, offset, length};
+    if (whole_pieces) m.materialize_whole_pieces(std::span<const range>(&rg, 1), f, stream_t{stream});
+    else m.materialize(r, offset, length, f, stream_t{stream});
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -82,14 +98,10 @@ dfa_status dfa_reserve(size_t bytes, dfa_reservation* out, void** address) {
 }
 
 dfa_status dfa_materialize(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
-  return guard("dfa_materialize", [&] {
-    // Range-checked by materialize (Note [Enum values from callers]).
-    const auto f = detail::enum_from_c<fill_mode>(fill);
-    std::shared_lock<std::shared_mutex> lk;
-    auto& m = *instance(lk).reservations;
-    expect_handed_out(m, r);
-    m.materialize(r, offset, length, f, stream_t{stream});
-  });
+  return materialize_range("dfa_materialize", r, offset, length, fill, stream, false);
+}
+dfa_status dfa_materialize_whole_pieces(dfa_reservation r, size_t offset, size_t length, dfa_fill fill, void* stream) {
+  return materialize_range("dfa_materialize_whole_pieces", r, offset, length, fill, stream, true);
 }
 
 dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length, dfa_keep keep, void* stream) {
@@ -108,6 +120,20 @@ dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, 
   });
 }
 
+dfa_status dfa_release_many_keeping(const dfa_reservation* rs, size_t n, const dfa_range* kept, size_t n_kept,
+                                    void* stream) {
+  return on_whole_reservations("dfa_release_many_keeping", rs, n, [&](reservation_manager& m, const std::vector<range>& ws) {
+    if (n_kept != 0) need(kept, "kept");
+    std::vector<range> ks;
+    ks.reserve(n_kept);
+    for (size_t i = 0; i < n_kept; ++i) {
+      if (std::find(rs, rs + n, kept[i].r) == rs + n)
+        throw invalid_argument("kept[" + std::to_string(i) + "] is not in a reservation of rs");
+      ks.push_back({kept[i].r, kept[i].offset, kept[i].length});
+    }
+    m.release_keeping(ws, ks, stream_t{stream});
+  });
+}
 dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream) {
   return on_whole_reservations("dfa_materialize_many", rs, n, [&](reservation_manager& m, const std::vector<range>& ws) {
     m.materialize(ws, detail::enum_from_c<fill_mode>(fill), stream_t{stream});
@@ -132,6 +158,17 @@ dfa_status dfa_free_reservation(dfa_reservation r, void* stream) {
     detail::faults().remove(r);
     std::lock_guard ids(g_ids_mu);
     g_ids.erase(r);
+    g_hidden.erase(r);
+  });
+}
+
+dfa_status dfa_hide_reservation(dfa_reservation r, const char* owner) {
+  return guard("dfa_hide_reservation", [&] {
+    need(owner, "owner");
+    std::shared_lock<std::shared_mutex> lk;
+    expect_handed_out(*instance(lk).reservations, r);
+    std::lock_guard ids(g_ids_mu);
+    g_hidden.insert_or_assign(r, owner);
   });
 }
 
@@ -155,6 +192,13 @@ dfa_status dfa_find(const void* ptr, dfa_reservation* out) {
     if (!handed_out(*id))
       throw invalid_argument("pointer lies in a segment of deferalloc's caching allocator (a dfa_malloc block), "
                              "not in a reservation of dfa_reserve");
+    {
+      std::lock_guard ids(g_ids_mu);
+      if (auto h = g_hidden.find(*id); h != g_hidden.end())
+        throw invalid_argument("pointer lies in " + h->second +
+                               ", whose owner hid it from dfa_find (Note [Hidden reservations]): the reservation "
+                               "calls cannot act on a part of it");
+    }
     *out = *id;
   });
 }

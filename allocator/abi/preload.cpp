@@ -19,6 +19,11 @@
 // instance, the C ABI's).  Allocations on a device other than the instance's go to the
 // real cudaMalloc.
 //
+// Segments allocated while the thread has an arena current (dfa_preload_arena_push, what
+// deferalloc.memory_saver's regions do) are placed in that arena's large slabs instead, so
+// that a pause and a resume cost O(slabs) driver calls (Note [Preload arenas] in
+// preload_arena.cpp); the arena entry points below are found by ctypes or dlsym.
+//
 // Limits: cudaMallocAsync / cudaFreeAsync are not interposed: their memory belongs to
 // CUDA's stream-ordered pools, which PyTorch's cudaMallocAsync backend configures and
 // measures through pool attributes (cudaMemPoolSetAttribute, cudaMemPoolTrimTo); serving
@@ -40,6 +45,9 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
+
+#include "preload_arena.hpp"
 
 namespace {
 
@@ -48,6 +56,10 @@ namespace {
 // that runs after ours would otherwise find the map gone.
 std::mutex& g_mu = *new std::mutex;
 std::unordered_map<void*, dfa_reservation>& g_ours = *new std::unordered_map<void*, dfa_reservation>;
+
+// The arenas, and this thread's current one (empty: none; the top of a stack).
+deferalloc::preload::arenas& g_arenas = *new deferalloc::preload::arenas;
+thread_local std::vector<std::string> t_arena;
 
 using malloc_fn = cudaError_t (*)(void**, size_t);
 using free_fn = cudaError_t (*)(void*);
@@ -174,11 +186,21 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
   const preload_state& s = state();
   if (!s.enabled || !same_device(s)) {
     if (real().cuda_malloc == nullptr) return cudaErrorInitializationError;
-    return real().cuda_malloc(ptr, size);
+    const cudaError_t e = real().cuda_malloc(ptr, size);
+    // Not ours to pause: counted, so that a pause of the arena looks for it and refuses.
+    if (e == cudaSuccess && !t_arena.empty() && !t_arena.back().empty()) g_arenas.note_stray(t_arena.back(), *ptr);
+    return e;
   }
   if (size == 0) {
     *ptr = nullptr;
     return cudaSuccess;
+  }
+  const bool arena_current = !t_arena.empty() && !t_arena.back().empty();
+  if (arena_current) {
+    // A paused arena (or one paused while its new slab was backed), or a segment larger than a
+    // block, falls through to a reservation of its own, counted as a stray below.
+    const dfa_status st = g_arenas.allocate(t_arena.back(), size, ptr);
+    if (st != DFA_ERROR_INVALID_STATE) return to_cuda_error(st);
   }
   dfa_reservation r = 0;
   void* addr = nullptr;
@@ -196,11 +218,21 @@ __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t
     dfa_free_reservation(r, nullptr);
     return cudaErrorMemoryAllocation;
   }
+  if (arena_current) g_arenas.note_stray(t_arena.back(), addr);  // the arena refused it (not under g_mu)
   *ptr = addr;
   return cudaSuccess;
 }
 
 __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
+  if (ptr != nullptr && g_arenas.owns(ptr)) {
+    if (!state().host && real().device_synchronize != nullptr) {
+      const cudaError_t e = real().device_synchronize();
+      if (e != cudaSuccess) return e;
+    }
+    return to_cuda_error(g_arenas.free(ptr));
+  }
+  // The entries go before the memory does, and come back if it stays: once the memory is
+  // freed, a concurrent cudaMalloc may get the same address and add its own entries.
   dfa_reservation r = 0;
   bool ours = false;
   if (ptr != nullptr) {
@@ -208,25 +240,140 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* ptr) {
     auto it = g_ours.find(ptr);
     if (it != g_ours.end()) {
       r = it->second;
+      g_ours.erase(it);
       ours = true;
     }
   }
   if (!ours) {
-    // An interior pointer of one of ours is an error, as it is for the runtime.
-    if (ptr != nullptr && state().enabled && dfa_find(ptr, &r) == DFA_SUCCESS) return cudaErrorInvalidValue;
+    // An interior pointer of one of ours (or of an arena's block, which dfa_find refuses) is an
+    // error, as it is for the runtime.
+    if (ptr != nullptr && state().enabled && (g_arenas.contains(ptr) || dfa_find(ptr, &r) == DFA_SUCCESS))
+      return cudaErrorInvalidValue;
     if (real().cuda_free == nullptr) return ptr == nullptr ? cudaSuccess : cudaErrorInvalidValue;
-    return real().cuda_free(ptr);
+    const std::string stray = ptr != nullptr ? g_arenas.forget_stray(ptr) : std::string();  // one not served
+    const cudaError_t e = real().cuda_free(ptr);
+    if (e != cudaSuccess && !stray.empty()) g_arenas.note_stray(stray, ptr);
+    return e;
   }
-  if (!state().host && real().device_synchronize != nullptr) {
-    const cudaError_t e = real().device_synchronize();
-    if (e != cudaSuccess) return e;
+  const std::string stray = g_arenas.forget_stray(ptr);
+  cudaError_t e = cudaSuccess;
+  if (!state().host && real().device_synchronize != nullptr) e = real().device_synchronize();
+  const dfa_status st = e == cudaSuccess ? dfa_free_reservation(r, nullptr) : DFA_SUCCESS;
+  if (e != cudaSuccess || st != DFA_SUCCESS) {  // still allocated: its entries back
+    if (!stray.empty()) g_arenas.note_stray(stray, ptr);
+    try {
+      std::lock_guard lk(g_mu);
+      g_ours.emplace(ptr, r);
+    } catch (...) {
+      std::fprintf(stderr, "[deferalloc preload] out of memory: a segment at %p that cudaFree could not free is "
+                   "no longer known as one of ours\n", ptr);
+    }
   }
-  const dfa_status st = dfa_free_reservation(r, nullptr);
-  if (st == DFA_SUCCESS) {
-    std::lock_guard lk(g_mu);
-    g_ours.erase(ptr);
+  return e != cudaSuccess ? e : to_cuda_error(st);
+}
+
+// The arenas (Note [Preload arenas]), for deferalloc.memory_saver and the tests.  They return
+// a dfa_status; the C ABI's calls they make leave dfa_last_error set.
+
+// Makes `name` this thread's current arena (NULL or "": none, until the matching pop).
+// DFA_ERROR_INVALID_STATE, nothing pushed, for an arena where the library does not serve
+// this thread's cudaMallocs (disabled, or the current device is not DEFERALLOC_CONF's): its
+// segments would be the CUDA runtime's, which nothing can pause.  Cost: none (a
+// cudaGetDevice).
+__attribute__((visibility("default"))) int dfa_preload_arena_push(const char* name) {
+  if (name != nullptr && name[0] != '\0' && (!state().enabled || !same_device(state())))
+    return DFA_ERROR_INVALID_STATE;
+  try {
+    t_arena.emplace_back(name ? name : "");
+    return DFA_SUCCESS;
+  } catch (...) {
+    return DFA_ERROR_OUT_OF_MEMORY;
   }
-  return to_cuda_error(st);
+}
+
+__attribute__((visibility("default"))) int dfa_preload_arena_pop(void) {
+  if (t_arena.empty()) return DFA_ERROR_INVALID_STATE;
+  t_arena.pop_back();
+  return DFA_SUCCESS;
+}
+
+// Releases every slab of the arena (keep: dfa_keep) after `stream`'s work.  Cost: one
+// dfa_release_many (dfa_release_many_keeping with DFA_KEEP_HOST): an unmap and a chunk
+// release per slab; with DFA_KEEP_HOST one pinned copy per run of adjacent segments, the
+// slabs' free ranges not copied.
+__attribute__((visibility("default"))) int dfa_preload_arena_pause(const char* name, int keep, void* stream) {
+  if (name == nullptr || (keep != DFA_KEEP_DISCARD && keep != DFA_KEEP_HOST)) return DFA_ERROR_INVALID_ARGUMENT;
+  return g_arenas.pause(name, static_cast<dfa_keep>(keep), stream);
+}
+
+// Backs every slab of a paused arena again at its address, restored when paused with
+// DFA_KEEP_HOST.  Cost: one dfa_materialize_whole_pieces per slab (one chunk of the slab's size where
+// the device gives one, one map, one set_access).
+__attribute__((visibility("default"))) int dfa_preload_arena_resume(const char* name, void* stream) {
+  if (name == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
+  return g_arenas.resume(name, stream);
+}
+
+// 1 when `ptr` is a segment placed in an arena, else 0.
+__attribute__((visibility("default"))) int dfa_preload_arena_owns(const void* ptr) {
+  return ptr != nullptr && g_arenas.owns(ptr) ? 1 : 0;
+}
+
+// 1 when `ptr` lies in an arena's address space (inside a segment or not), else 0 (the C
+// ABI's dfa_find refuses such a pointer: the blocks are hidden from it).  Cost: no lock while
+// the process has at most 64 arena blocks (4 TiB of address space), else the arenas' mutex.
+__attribute__((visibility("default"))) int dfa_preload_arena_contains(const void* ptr) {
+  return ptr != nullptr && g_arenas.contains(ptr) ? 1 : 0;
+}
+
+// out[i] for each of the n pointers: 2 when it is a segment of arena `name`, 1 of another
+// arena, 0 of none (memory_saver's check that an arena holds only its tag's pools' segments).
+// Cost: one lock, n hash look-ups.
+__attribute__((visibility("default"))) int dfa_preload_arena_classify(const char* name, const void* const* ptrs,
+                                                                      size_t n, unsigned char* out) {
+  if (name == nullptr || (n > 0 && (ptrs == nullptr || out == nullptr))) return DFA_ERROR_INVALID_ARGUMENT;
+  g_arenas.classify(name, ptrs, n, out);
+  return DFA_SUCCESS;
+}
+
+// The segments placed in arena `name`, by address: *n is set to their count, and ptrs[i],
+// sizes[i] (the bytes placed, at least the cudaMalloc's) filled for i < min(*n, cap) (cap 0
+// asks the count only).  memory_saver's disk kind writes these ranges to its file before the
+// arena's pause and reads them back after its resume.  Cost: one lock, a pass over every
+// arena's segments.
+__attribute__((visibility("default"))) int dfa_preload_arena_segments(const char* name, void** ptrs, size_t* sizes,
+                                                                      size_t cap, size_t* n) {
+  if (name == nullptr || n == nullptr || (cap > 0 && (ptrs == nullptr || sizes == nullptr)))
+    return DFA_ERROR_INVALID_ARGUMENT;
+  try {
+    const auto segs = g_arenas.segments(name);
+    *n = segs.size();
+    for (size_t i = 0; i < segs.size() && i < cap; ++i) {
+      ptrs[i] = reinterpret_cast<void*>(segs[i].first);
+      sizes[i] = segs[i].second;
+    }
+    return DFA_SUCCESS;
+  } catch (...) {
+    return DFA_ERROR_OUT_OF_MEMORY;
+  }
+}
+
+// out[0..6]: slabs, their bytes, bytes of segments in them, segments, paused (0 / 1), strays:
+// segments cudaMalloc'ed with the arena current but served outside it, not freed yet (the
+// arena paused, a segment larger than a block, or a call the library does not serve), and the
+// generation: segments placed in the arena and strays noted so far (memory_saver reads
+// PyTorch's snapshot for the arena again only when it changed).  `out` holds 7 values.
+__attribute__((visibility("default"))) int dfa_preload_arena_figures(const char* name, size_t* out) {
+  if (name == nullptr || out == nullptr) return DFA_ERROR_INVALID_ARGUMENT;
+  const deferalloc::preload::arena_figures f = g_arenas.figures(name);
+  out[0] = f.slabs;
+  out[1] = f.slab_bytes;
+  out[2] = f.live_bytes;
+  out[3] = f.segments;
+  out[4] = static_cast<size_t>(f.paused);
+  out[5] = f.strays;
+  out[6] = static_cast<size_t>(f.generation);
+  return DFA_SUCCESS;
 }
 
 }  // extern "C"

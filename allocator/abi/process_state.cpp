@@ -65,6 +65,13 @@ std::vector<std::string>& thread_tags() {
 // segment's id with INVALID_ARGUMENT saying why.  Cost: one mutex and a hash lookup.
 std::mutex& g_ids_mu = *new std::mutex;
 std::unordered_set<dfa_reservation>& g_ids = *new std::unordered_set<dfa_reservation>;  // guarded by g_ids_mu
+// Note [Hidden reservations]: a reservation its owner parcels out to others (the preload
+// library's arena blocks, each holding many PyTorch segments) is hidden from dfa_find: a
+// pointer inside it gets INVALID_ARGUMENT with the owner's words, not the id of the whole
+// block, so that no face (deferalloc.release, the LibTorch face's release / materialize /
+// is_backed) acts on a whole block for one tensor.  The owner keeps using the id it holds.
+std::unordered_map<dfa_reservation, std::string>& g_hidden =
+    *new std::unordered_map<dfa_reservation, std::string>;  // guarded by g_ids_mu
 
 bool handed_out(dfa_reservation r) {
   std::lock_guard lk(g_ids_mu);

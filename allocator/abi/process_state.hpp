@@ -14,6 +14,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -50,6 +51,8 @@ std::vector<std::string>& thread_tags();
 /// The ids dfa_reserve handed out (Note [Reservations of the ABI]).
 extern std::mutex& g_ids_mu;
 extern std::unordered_set<dfa_reservation>& g_ids;  // guarded by g_ids_mu
+/// Reservations their owner hid from dfa_find (dfa_hide_reservation), with the owner's words.
+extern std::unordered_map<dfa_reservation, std::string>& g_hidden;  // guarded by g_ids_mu
 bool handed_out(dfa_reservation r);
 /// Throws invalid_argument unless dfa_reserve handed `r` out.
 void expect_handed_out(const reservation_manager& m, dfa_reservation r);

@@ -233,12 +233,13 @@ int main(int argc, char** argv) {
   // in memory, so theirs is a write of the bytes (save) or a read (load).
   const std::string state_file = cfg.directory + "/deferalloc-rank0.state";
   std::uint64_t slot_bytes = 0, ckpt_bytes = 0;  // the file tier's slot; the checkpoint's data files
+  using store = optim::detail::file_store;  // optim::detail: deferalloc::detail is visible too
   for (std::size_t done = 0; done < numel; done += std::size_t{256} << 20) {
-    const std::size_t n = std::min(std::size_t{256} << 20, numel - done), io = detail::file_store::io_bytes(n);
-    slot_bytes += 3 * ((io + detail::file_store::block - 1) / detail::file_store::block * detail::file_store::block);
+    const std::size_t n = std::min(std::size_t{256} << 20, numel - done), io = store::io_bytes(n);
+    slot_bytes += 3 * ((io + store::block - 1) / store::block * store::block);
     ckpt_bytes += 3 * io;
   }
-  const std::uint64_t slot1 = 2 * detail::file_store::align + slot_bytes;
+  const std::uint64_t slot1 = 2 * store::align + slot_bytes;
 
   struct row {
     std::string op, key;

@@ -98,18 +98,67 @@ DFA_C_API dfa_status dfa_release(dfa_reservation r, size_t offset, size_t length
  * release enqueues every backup copy before its one host wait (one wait, not n). */
 DFA_C_API dfa_status dfa_release_many(const dfa_reservation* rs, size_t n, dfa_keep keep, void* stream);
 DFA_C_API dfa_status dfa_materialize_many(const dfa_reservation* rs, size_t n, dfa_fill fill, void* stream);
+/* As dfa_materialize, but each unbacked run is one chunk of its exact size where one can be
+ * had (cached or new), else each piece of the largest chunk class that fits is one chunk (a
+ * cached one of its class, else a new one) before smaller cached chunks are used: one mapping
+ * for a range that is paused and resumed often. */
+DFA_C_API dfa_status dfa_materialize_whole_pieces(dfa_reservation r, size_t offset, size_t length, dfa_fill fill,
+                                                  void* stream);
+/* A range of a reservation (dfa_release_many_keeping). */
+typedef struct dfa_range {
+  dfa_reservation r;
+  size_t offset;
+  size_t length;
+} dfa_range;
+/* dfa_release_many with DFA_KEEP_HOST that copies only the `n_kept` ranges `kept` (parts of
+ * the reservations of `rs`, granule-aligned, not overlapping; adjacent ones in one copy): the
+ * other granules released keep nothing, and a later DFA_FILL_RESTORE leaves them undefined. */
+DFA_C_API dfa_status dfa_release_many_keeping(const dfa_reservation* rs, size_t n, const dfa_range* kept, size_t n_kept,
+                                              void* stream);
 /* Releases waits for `stream` too. */
 DFA_C_API dfa_status dfa_record_stream(dfa_reservation r, void* stream);
 /* Releases everything and frees the address range.  Unknown or freed: INVALID_ARGUMENT.
  * (Named dfa_free_reservation so that dfa_free can be CUDAPluggableAllocator's free.) */
 DFA_C_API dfa_status dfa_free_reservation(dfa_reservation r, void* stream);
 DFA_C_API dfa_status dfa_is_backed(dfa_reservation r, size_t offset, size_t length, int* out);
-/* The reservation of dfa_reserve containing `ptr` (a dfa_malloc block: INVALID_ARGUMENT). */
+/* The reservation of dfa_reserve containing `ptr` (a dfa_malloc block, or a reservation
+ * hidden by dfa_hide_reservation: INVALID_ARGUMENT, the message says whose). */
 DFA_C_API dfa_status dfa_find(const void* ptr, dfa_reservation* out);
+/* Hides reservation `r` from dfa_find (until it is freed): a pointer inside it is refused with
+ * INVALID_ARGUMENT naming `owner` (e.g. "the preload library's arena 'x'"), for a reservation
+ * parcelled out to others (many segments in one), that no caller may act on whole for a part
+ * of it.  The calls on the id itself (held by its owner) still act on it. */
+DFA_C_API dfa_status dfa_hide_reservation(dfa_reservation r, const char* owner);
 /* Gives cached chunks back to the driver until at most `keep_bytes` stay cached, and frees
  * the cached pinned backup buffers; `released`: device bytes given back. */
 DFA_C_API dfa_status dfa_trim(size_t keep_bytes, size_t* released);
 DFA_C_API dfa_status dfa_get_stats(dfa_stats* out);
+
+/* ---- Disk spills (torch_memory_saver's disk backup; deferalloc.memory_saver) ----------
+ * `n` ranges of device memory (ptrs[i], sizes[i] bytes; host memory on the host driver)
+ * of `device` (-1: the instance's) to one file and back, through two pinned staging
+ * buffers of up to `chunk_bytes` (rounded up to 64 KiB) copied on `stream`; both wait for
+ * their copies before they return, and drop the file's page cache when done.  The file has
+ * a header (the ranges' count and sizes), the bytes and a checksum64 per 64 KiB block
+ * (Note [Disk spills] in allocator/core/files/spill.cpp). */
+/* Writes a temporary file beside `path` (exclusive, 0600, its size reserved first),
+ * fsyncs it, renames it to `path`, fsyncs the directory: `path` is the whole file or
+ * absent (a full disk or an I/O error: IO, naming the file; `path` not written).  The
+ * directory is made (0700) if missing and refused (IO) unless owned by this user and not
+ * a symbolic link.  An existing `path` is replaced. */
+DFA_C_API dfa_status dfa_spill_save(const char* path, int device, size_t n, void* const* ptrs, const size_t* sizes,
+                                    size_t chunk_bytes, void* stream);
+/* Reads `path` into the ranges, which must have the count and sizes it was saved with
+ * (else INVALID_ARGUMENT naming the file); each block's checksum is verified before its
+ * bytes reach the device.  A range whose ptrs[i] is NULL is verified and skipped.  A damaged or truncated file: CORRUPT naming the file (and the
+ * offset of a bad block); missing, a symbolic link or another user's: IO.  On an error
+ * the ranges' contents are undefined.  The file is left as it is. */
+DFA_C_API dfa_status dfa_spill_load(const char* path, int device, size_t n, void* const* ptrs, const size_t* sizes,
+                                    size_t chunk_bytes, void* stream);
+/* Makes `dir` (0700) unless it exists, then refuses it (IO) unless it is a directory
+ * owned by this user and not a symbolic link.  *in_memory (may be NULL) = 1 when it is
+ * tmpfs or ramfs (spills there hold host memory). */
+DFA_C_API dfa_status dfa_spill_check_dir(const char* dir, int* in_memory);
 
 /* ---- PyTorch faces: the caching allocator, tags, statistics, DLPack ---------------
  * One caching allocator per device, created on first use on top of the instance

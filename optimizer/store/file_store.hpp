@@ -20,6 +20,8 @@
 
 #include <sys/types.h>
 
+#include "durable_files.hpp"
+
 namespace deferalloc::optim::detail {
 
 /// A group of I/O requests that completes together; wait() throws io_error (or
@@ -239,8 +241,7 @@ class file_store {
   std::uint64_t countdown_[3] = {0, 0, 0};
 };
 
-/// 64-bit checksum for corruption detection (not cryptographic), ~10 GB/s per core.
-/// Exported for the checkpoint benchmark, which measures its cost.
-DFA_API std::uint64_t checksum64(const void* data, std::size_t bytes, std::uint64_t seed = 0);
+/// The checksum of the library's files (durable_files.hpp; exported from libdeferalloc).
+using deferalloc::detail::checksum64;
 
 }  // namespace deferalloc::optim::detail

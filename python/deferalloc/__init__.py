@@ -201,11 +201,32 @@ def deferred_empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
         raise
 
 
+_arena_contains = []  # [the preload library's dfa_preload_arena_contains, or None], looked up once
+
+
+def _in_preload_arena(ptr: int) -> bool:
+    """Whether ``ptr`` lies in an arena of libdeferalloc_preload.so (Note [Preload arenas] in
+    allocator/abi/preload_arena.cpp): a block of 64 GiB that holds many segments."""
+    if not _arena_contains:
+        fn = getattr(ctypes.CDLL(None), "dfa_preload_arena_contains", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        _arena_contains.append(fn)
+    return _arena_contains[0] is not None and _arena_contains[0](ctypes.c_void_p(ptr)) == 1
+
+
 def _reservation(t: torch.Tensor) -> int:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor made by deferred_empty, not {type(t).__name__}")
+    ptr = t.untyped_storage().data_ptr()
+    if _in_preload_arena(ptr):
+        raise InvalidArgument(
+            f"the tensor at {ptr:#x} lies in a preload arena (a memory_saver region in hook_mode='preload'), whose "
+            "reservation is a whole block of many segments: release / materialize / is_backed would act on all of "
+            "them. Pause and resume it with memory_saver")
     rid = ctypes.c_uint64()
-    _check(_load().dfa_find(ctypes.c_void_p(t.untyped_storage().data_ptr()), ctypes.byref(rid)), "dfa_find")
+    _check(_load().dfa_find(ctypes.c_void_p(ptr), ctypes.byref(rid)), "dfa_find")
     return rid.value
 
 

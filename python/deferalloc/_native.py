@@ -109,6 +109,11 @@ def _allocator_signatures() -> dict:
         "dfa_clear_last_refusal": (None, []),
         "dfa_memory_snapshot": (c.c_int, [c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)]),
         "dfa_record_memory_history": (c.c_int, [c.c_size_t]),
+        "dfa_spill_save": (c.c_int, [c.c_char_p, c.c_int, c.c_size_t, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
+                                     c.c_size_t, c.c_void_p]),
+        "dfa_spill_load": (c.c_int, [c.c_char_p, c.c_int, c.c_size_t, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t),
+                                     c.c_size_t, c.c_void_p]),
+        "dfa_spill_check_dir": (c.c_int, [c.c_char_p, c.POINTER(c.c_int)]),
     }
 
 

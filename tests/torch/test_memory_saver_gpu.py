@@ -12,7 +12,21 @@ with libdeferalloc_preload.so in LD_PRELOAD, beside $DEFERALLOC_LIB):
 * pause / resume / torch.cuda.empty_cache / deferalloc.empty_cache in every order of four:
   a second pause or resume is refused (InvalidState) and changes nothing, contents survive;
 * memory_margin_bytes refuses a resume without the margin (nothing resumed);
-  retain_cpu_backup=False; get_cpu_backup and disk backup refused.
+  retain_cpu_backup=False; get_cpu_backup refused outside disk regions;
+* preload mode: 256 segments of 16 MiB in a region take a few slabs of its arena, and a
+  discard pause / resume unmaps / maps at most one chunk per slab, with the addresses kept;
+  a CPU-backup pause of an arena copies exactly its segments' bytes (not the newest slab's
+  free tail) and its resume restores them; KV layers of 260 / 300 MiB take one slab of their
+  own bytes each (within 1.1x); a region inside a use_mem_pool, whose allocation lands in the
+  arena for the other pool, makes a pause raise InvalidState, nothing paused; a cuda_graph
+  capture that raises leaves its pool the tag's (a pause goes through);
+* disk backup (test_9f): a region with enable_disk_backup gives back >= 99% of 1 GiB at pause,
+  its file in the directory of set_disk_backup_dir, and comes back bit for bit at the same
+  addresses with staging chunks smaller and larger than a segment, the file deleted (in preload
+  mode its segments lie in the arena "tms.disk/<tag>", paused and backed again by slabs); a CUDA
+  graph reading the region's tensors replays bit-identically after pause/resume; a corrupted
+  file makes resume raise CorruptData naming it, the memory given back again (the tag stays
+  paused), and once repaired the resume restores every byte; get_cpu_backup of its tensors is None.
 Then, per mode, two processes on one GPU (a third holds ballast so that only one of them fits):
 20 cycles of each pausing while the other works; what one gives back the other maps (>= 95%
 each cycle), free memory does not drift over the cycles, and a paused process holds at most
@@ -54,6 +68,30 @@ def free_hbm() -> int:
 def saver():
     from deferalloc.memory_saver import torch_memory_saver
     return torch_memory_saver
+
+
+def preload_lib():
+    """The process's symbols (the preload library and libdeferalloc, both loaded at start),
+    with dfa_preload_arena_figures typed."""
+    import ctypes
+    lib = ctypes.CDLL(None)
+    lib.dfa_preload_arena_figures.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
+    return lib
+
+
+def dfa_stats(lib) -> dict:
+    """dfa_get_stats: backup bytes and the driver calls (reserve, free_reservation, create,
+    release, map, unmap, set_access, host_alloc)."""
+    import ctypes
+
+    class Stats(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("reservations", "reserved", "backed", "peak", "backup", "alive",
+                                                   "cached", "pinned")] + \
+                   [("created", ctypes.c_uint64), ("reused", ctypes.c_uint64), ("calls", ctypes.c_uint64 * 8)]
+    st = Stats()
+    if lib.dfa_get_stats(ctypes.byref(st)) != 0:
+        raise RuntimeError("dfa_get_stats failed")
+    return {"backup": st.backup, "calls": list(st.calls)}
 
 
 def filled(n_tensors: int, numel: int, base: float = 0.0):
@@ -255,13 +293,284 @@ class ModeSuite(unittest.TestCase):
         self.assertEqual(s.hook_mode, MODE)
         with self.assertRaises(NotImplementedError):
             s.get_cpu_backup(t)
-        with self.assertRaises(NotImplementedError):
-            s.set_disk_backup_dir("/tmp")
-        with self.assertRaises(NotImplementedError):
-            with s.region("r2", enable_disk_backup=True):
+        with self.assertRaisesRegex(ValueError, "mutually exclusive"):
+            with s.region("r2", enable_cpu_backup=True, enable_disk_backup=True):
                 pass
         s.pause()     # every tag
         s.resume()
+
+    def test_9_preload_discard_in_few_mappings(self):
+        """hook_mode="preload": 4 GiB in 256 segments of 16 MiB lie in a few slabs of the
+        region's arena (Note [Preload arenas]): pause and resume unmap and map O(slabs), not
+        256, give the memory back, and keep the addresses."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        import ctypes
+        lib = preload_lib()
+        figures = (ctypes.c_size_t * 7)()
+
+        def calls():
+            return dfa_stats(lib)["calls"]
+
+        s = saver()
+        with s.region("mappings"):
+            ts = [torch.empty(16 * MIB, dtype=torch.uint8, device="cuda") for _ in range(256)]
+        ptrs = [t.data_ptr() for t in ts]
+        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/mappings", figures), 0)
+        slabs, slab_bytes = figures[0], figures[1]
+        print(f"[{MODE}] 256 x 16 MiB in {slabs} slabs of {slab_bytes / GIB:.3f} GiB", flush=True)
+        self.assertLessEqual(slabs, 16)  # 16, 16, 32, ..., 512 MiB: 7 slabs for the first GiB, then 6 of 512
+        self.assertLessEqual(slab_bytes, 4 * GIB + 512 * MIB)
+        for _ in range(3):
+            c0, f0 = calls(), free_hbm()
+            t0 = time.perf_counter()
+            s.pause("mappings")
+            t1 = time.perf_counter()
+            given = free_hbm() - f0
+            c1 = calls()
+            t2 = time.perf_counter()
+            s.resume("mappings")
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            c2 = calls()
+            print(f"[{MODE}] discard of 4 GiB in 256 segments: pause {1e3 * (t1 - t0):.2f} ms "
+                  f"({c1[5] - c0[5]} unmaps), resume {1e3 * (t3 - t2):.2f} ms ({c2[4] - c1[4]} maps), "
+                  f"gave back {given / GIB:.3f} GiB", flush=True)
+            self.assertGaveBack(given, 4 * GIB)
+            self.assertLessEqual(c1[5] - c0[5], slabs)
+            self.assertLessEqual(c2[4] - c1[4], slabs)  # one chunk a slab, even where smaller ones are cached
+            self.assertEqual([t.data_ptr() for t in ts], ptrs)
+        for i, t in enumerate(ts):
+            t.fill_(i % 251)
+        self.assertEqual([int(t[-1]) for t in ts[:3]], [0, 1, 2])
+
+    def test_9b_preload_backup_copies_the_segments_only(self):
+        """hook_mode="preload", CPU backup: 40 segments of 16 MiB (640 MiB) lie in slabs of 16,
+        16, 32, ..., 512 MiB (1 GiB, the last 384 MiB a free tail); a pause copies the 640 MiB
+        only, a resume restores them bit for bit, one map a slab."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        import ctypes
+        lib = preload_lib()
+        figures = (ctypes.c_size_t * 7)()
+        s = saver()
+        with s.region("live", enable_cpu_backup=True):
+            ts = [torch.full((16 * MIB,), i % 251, dtype=torch.uint8, device="cuda") for i in range(40)]
+        ptrs = [t.data_ptr() for t in ts]
+        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.host/live", figures), 0)
+        slabs, slab_bytes, live = figures[0], figures[1], figures[2]
+        print(f"[{MODE}] 40 x 16 MiB: {live / MIB:.0f} MiB of segments in {slabs} slabs of {slab_bytes / MIB:.0f} MiB",
+              flush=True)
+        self.assertEqual(live, 40 * 16 * MIB)
+        self.assertGreater(slab_bytes, live)  # a free tail that a backup must not copy
+        for _ in range(2):
+            b0 = dfa_stats(lib)
+            s.pause("live")
+            b1 = dfa_stats(lib)
+            s.resume("live")
+            torch.cuda.synchronize()
+            b2 = dfa_stats(lib)
+            print(f"[{MODE}] backup pause copied {(b1['backup'] - b0['backup']) / MIB:.0f} MiB, "
+                  f"resume {b2['calls'][4] - b1['calls'][4]} maps", flush=True)
+            self.assertEqual(b1["backup"] - b0["backup"], live)
+            self.assertEqual(b2["backup"], b0["backup"])
+            self.assertLessEqual(b2["calls"][4] - b1["calls"][4], slabs)
+            self.assertEqual([t.data_ptr() for t in ts], ptrs)
+            self.assertEqual([int(t[0]) for t in ts], [i % 251 for i in range(40)])
+            self.assertEqual([int(t[-1]) for t in ts], [i % 251 for i in range(40)])
+        del ts
+
+    def test_9c_preload_large_tensors_take_their_own_bytes(self):
+        """hook_mode="preload": a KV cache of one tensor per layer, 260 and 300 MiB each (above
+        an eighth of the 512 MiB slab cap), takes one slab per tensor of exactly its bytes
+        (within 1.1x, not a power of two each), paused and resumed in one mapping a slab."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        import ctypes
+        lib = preload_lib()
+        figures = (ctypes.c_size_t * 7)()
+        s = saver()
+        # A tag of its own: the region's MemPool is kept for the process (as TMS keeps its
+        # pools), so under test_2's tag "kv" it still caches test_2's two free 1 GiB segments,
+        # and PyTorch's allocator splits those for the first six layers (300 + 260 + 300 and
+        # 260 + 300 + 260 MiB, best fit) before it cudaMallocs a segment per layer: on the H100
+        # that gave 12 slabs (2 of 1 GiB + 10 layers, 4848 MiB of segments) for 16 layers.
+        with s.region("kv_layers"):
+            ts = [torch.empty((260 if i % 2 else 300) * MIB, dtype=torch.uint8, device="cuda") for i in range(16)]
+        self.assertEqual(lib.dfa_preload_arena_figures(b"tms.discard/kv_layers", figures), 0)
+        slabs, slab_bytes, live = figures[0], figures[1], figures[2]
+        print(f"[{MODE}] 16 KV layers of 260 / 300 MiB: {live / MIB:.0f} MiB of segments in {slabs} slabs of "
+              f"{slab_bytes / MIB:.0f} MiB", flush=True)
+        self.assertEqual(figures[3], 16)  # one segment per layer
+        self.assertEqual(live, 8 * (260 + 300) * MIB)
+        self.assertEqual(slabs, 16)
+        self.assertLessEqual(slab_bytes, live * 11 // 10)
+        c0, f0 = dfa_stats(lib)["calls"], free_hbm()
+        s.pause("kv_layers")
+        given = free_hbm() - f0
+        c1 = dfa_stats(lib)["calls"]
+        s.resume("kv_layers")
+        torch.cuda.synchronize()
+        c2 = dfa_stats(lib)["calls"]
+        self.assertGaveBack(given, 16 * 280 * MIB)
+        self.assertLessEqual(c1[5] - c0[5], slabs)
+        self.assertLessEqual(c2[4] - c1[4], slabs)
+        for t in ts:
+            t.fill_(7)
+        del ts
+
+    def test_9d_preload_another_pools_segment_in_the_arena_is_refused(self):
+        """hook_mode="preload": a torch.cuda.use_mem_pool nested with a region: PyTorch routes the
+        allocation to one of the two pools begun on the thread, the first begun in older
+        versions, the last in newer ones (2.11 searches its captures_underway in LIFO order).
+        So one nesting or the other puts a segment of that pool in the tag's arena (the arena
+        is current all the while), and a pause raises InvalidState, nothing paused.  Once that
+        pool is gone, the pause goes through."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        import ctypes
+        import deferalloc as dfa
+        lib = preload_lib()
+        lib.dfa_preload_arena_owns.argtypes = [ctypes.c_void_p]
+        s = saver()
+        other = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(other), s.region("hazard"):
+            x = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")  # other's: PyTorch routing FIFO
+        with s.region("hazard"), torch.cuda.use_mem_pool(other):
+            z = torch.full((64 * MIB,), 6, dtype=torch.uint8, device="cuda")  # other's: PyTorch routing LIFO
+        theirs = [seg["address"] for seg in torch.cuda.memory.memory_snapshot(other.id, include_traces=False)]
+        print(f"[{MODE}] use_mem_pool and a region nested: {len(theirs)} segment(s) of the other pool, "
+              f"{sum(lib.dfa_preload_arena_owns(a) for a in theirs)} in the tag's arena", flush=True)
+        self.assertTrue(any(lib.dfa_preload_arena_owns(a) for a in theirs),
+                        "no segment of the other pool lies in the tag's arena: the test sets up nothing to refuse")
+        with self.assertRaisesRegex(dfa.InvalidState, "belongs to PyTorch's pool"):
+            s.pause("hazard")
+        self.assertEqual((int(x[-1]), int(z[-1])), (5, 6))  # nothing paused
+        del x, z
+        torch.cuda.synchronize()
+        del other  # its cached segment freed (no pool routed): out of the arena
+        torch.cuda.empty_cache()
+        s.pause("hazard")
+        s.resume("hazard")
+
+    def test_9e_preload_capture_that_raises_keeps_its_pool_the_tags(self):
+        """hook_mode="preload": a cuda_graph capture that raises after allocating leaves its
+        segment in the tag's arena, and its pool is the tag's already: a pause goes through."""
+        if MODE != "preload":
+            self.skipTest("the arenas are hook_mode='preload''s")
+        s = saver()
+        g = torch.cuda.CUDAGraph()
+        src = torch.ones((16 * MIB,), dtype=torch.uint8, device="cuda")
+        with self.assertRaisesRegex(RuntimeError, "the capture fails"):
+            with s.cuda_graph(g, tag="graph_raises"):
+                y = src * 2  # in the capture's pool, in the arena
+                raise RuntimeError("the capture fails")
+        del y
+        s.pause("graph_raises")  # before the fix: InvalidState, the pool unknown to the tag
+        s.resume("graph_raises")
+        del g, src
+
+    def test_9f_disk_backup(self):
+        import tempfile
+        import deferalloc as dfa
+        s = saver()
+        d = tempfile.mkdtemp(prefix="dfa-tms-disk-gpu-")
+        s.set_disk_backup_dir(d)
+        n = 64 * MIB  # 256 MiB per tensor
+        with s.region("dw", enable_disk_backup=True):
+            ws = [torch.randn(n, device="cuda") for _ in range(4)]  # 1 GiB
+            odd = torch.randint(0, 255, (12345,), dtype=torch.uint8, device="cuda")  # a small segment
+        refs = [t.clone() for t in ws + [odd]]  # outside every region
+        live = sum(t.nbytes for t in ws)
+        self.assertIsNone(s.get_cpu_backup(ws[0]))  # as TMS: a disk region has no host copy
+        arena = None
+        if MODE == "preload":  # the segments lie in the arena "tms.disk/dw" (Note [Preload arenas])
+            import ctypes
+            lib = preload_lib()
+            arena = (ctypes.c_size_t * 7)()
+            self.assertEqual(lib.dfa_preload_arena_figures(b"tms.disk/dw", arena), 0)
+            print(f"[{MODE}] disk region: {arena[3]} segments in {arena[0]} slabs of the arena", flush=True)
+            self.assertGreaterEqual(arena[2], live)  # every large tensor's segment placed in it
+            self.assertGreaterEqual(arena[3], 5)
+
+        def f():
+            return (ws[0] * ws[1]).sin() + ws[2]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            f()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with s.cuda_graph(g, tag="dgraph"):
+            y = f()
+        g.replay()
+        torch.cuda.synchronize()
+        yref = y.clone()
+
+        def same() -> bool:
+            return all(torch.equal(t, r) for t, r in zip(ws + [odd], refs))
+
+        def ballast(nbytes: int) -> None:
+            """Overwrites the memory the pause freed (a tensor outside every region, filled and
+            freed again, deferalloc's cached chunks given back first and after), so that a resume
+            whose file is not read back cannot find the old bytes on the same physical pages."""
+            dfa.trim(0)
+            nbytes = min(nbytes, free_hbm() - 256 * MIB)
+            if nbytes > 0:
+                b = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device="cuda")
+                torch.cuda.synchronize()
+                del b
+            torch.cuda.empty_cache()
+            dfa.trim(0)
+
+        for chunk in (1 * MIB, 16 * MIB, 512 * MIB):  # smaller than a segment, and larger than all
+            s._impl.disk.chunk = chunk
+            f0 = free_hbm()
+            s.pause("dw")
+            given = free_hbm() - f0
+            files = [x for x in os.listdir(d) if x.endswith(".spill")]
+            print(f"[{MODE}] disk backup (chunk {chunk // MIB} MiB): pause gave back {given / GIB:.3f} GiB of "
+                  f"{live / GIB:.3f}; files {files}", flush=True)
+            self.assertGaveBack(given, live, "a disk-backup pause")
+            if arena is not None:
+                self.assertEqual(lib.dfa_preload_arena_figures(b"tms.disk/dw", arena), 0)
+                self.assertEqual(arena[4], 1, "the disk arena is not paused")
+            self.assertEqual(len(files), 1, files)
+            self.assertGreaterEqual(os.path.getsize(os.path.join(d, files[0])), live)
+            s.pause("dgraph")
+            s.resume("dgraph")
+            ballast(given)
+            s.resume("dw")
+            self.assertTrue(same(), f"contents differ after a disk-backup resume (chunk {chunk})")
+            self.assertEqual([x for x in os.listdir(d) if x.endswith(".spill")], [], "the file outlived the resume")
+            y.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            self.assertTrue(torch.equal(y, yref), "graph replay over a disk region differs after pause/resume")
+
+        # A corrupted file: resume raises naming it, and the memory is given back again.
+        f0 = free_hbm()
+        s.pause("dw")
+        paused_free = free_hbm()
+        path = os.path.join(d, [x for x in os.listdir(d) if x.endswith(".spill")][0])
+        with open(path, "r+b") as fh:
+            fh.seek(4096 + 12345)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        with self.assertRaisesRegex(dfa.CorruptData, path):
+            s.resume("dw")
+        self.assertGreaterEqual(free_hbm(), paused_free - cache_bound(), "a failed resume kept the memory")
+        with self.assertRaises(dfa.InvalidState):
+            s.pause("dw")  # still paused
+        with open(path, "r+b") as fh:
+            fh.seek(4096 + 12345)
+            fh.write(byte)
+        ballast(paused_free - f0)
+        s.resume("dw")
+        self.assertTrue(same(), "contents differ after the repaired file's resume")
+        self.assertLessEqual(abs(free_hbm() - f0), cache_bound() + 16 * MIB)
+        os.rmdir(d)
 
 
 # ---- two processes on one GPU ---------------------------------------------------------------------

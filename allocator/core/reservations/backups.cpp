@@ -18,6 +18,10 @@ void reservation_manager::impl::drop_backup_granules(reservation& r, std::size_t
   r.cut_saved(end);
   const std::size_t g = granularity_;
   for (auto it = r.saved.lower_bound(begin); it != r.saved.end() && it->first < end;) {
+    if (it->second.segment == 0) {  // released outside release_keeping's kept ranges: no backup
+      it = r.saved.erase(it);
+      continue;
+    }
     const std::size_t n = (it->second.end - it->first) / g;
     auto seg = r.backups.find(it->second.segment);
     r.saved_granules -= n;

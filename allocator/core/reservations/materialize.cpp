@@ -48,13 +48,38 @@ bool reservation_manager::impl::reuse_cached(std::size_t pos, std::size_t end, p
 // created: Note [Physical memory policy] in chunk_pool.cpp), else a new chunk; a class
 // the pool cannot give is replaced by smaller ones.  Smaller cached chunks are used
 // only when they cover a whole piece, so one small cached chunk never breaks a large
-// range into many small pieces.  Appends to `out`; returns false when even a granule
-// could not be had (what was appended stays there).
+// range into many small pieces.  With `whole_pieces`, a run that is not one class is one
+// chunk of its exact size (any multiple of the granularity: cuMemCreate takes it) where
+// one can be had, and a piece is one chunk whenever one of its class can be had (cached or
+// new) before smaller cached chunks are tried: fewer mappings for a range paused and
+// resumed often, at the cost of creating a chunk while smaller ones stay cached (within
+// pool_cache_mb).  Appends to `out`; returns false when even
+// a granule could not be had (what was appended stays there).
 bool reservation_manager::impl::acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class,
-                                         placed_chunks& out) {
+                                         placed_chunks& out, bool whole_pieces) {
   const auto& classes = pool_->classes();
+  if (whole_pieces && end - pos > classes_at(pos, end, max_class).front()) {
+    // Not one class: one chunk of the run's exact size where the pool has or can make one.
+    const std::size_t exact[1] = {end - pos};
+    auto ch = pool_->try_reuse(exact);
+    if (!ch) ch = pool_->try_acquire(end - pos);
+    if (ch) {
+      out.emplace_back(pos, *ch);
+      return true;
+    }
+  }
   while (pos < end) {
     const std::size_t c = classes_at(pos, end, max_class).front();
+    if (whole_pieces) {
+      const std::size_t one[1] = {c};
+      auto ch = pool_->try_reuse(one);
+      if (!ch) ch = pool_->try_acquire(c);
+      if (ch) {
+        out.emplace_back(pos, *ch);
+        pos += c;
+        continue;
+      }
+    }
     if (reuse_cached(pos, pos + c, out)) {
       pos += c;
       continue;
@@ -64,7 +89,7 @@ bool reservation_manager::impl::acquire_pieces(std::size_t pos, std::size_t end,
     } else {
       if (c == granularity_) return false;
       auto smaller = std::prev(std::lower_bound(classes.begin(), classes.end(), c));
-      if (!acquire_pieces(pos, pos + c, *smaller, out)) return false;
+      if (!acquire_pieces(pos, pos + c, *smaller, out, whole_pieces)) return false;
     }
     pos += c;
   }
@@ -73,13 +98,13 @@ bool reservation_manager::impl::acquire_pieces(std::size_t pos, std::size_t end,
 
 // Chunks for every run (begin, end): all or none.  @throws out_of_memory
 reservation_manager::impl::placed_chunks reservation_manager::impl::plan_chunks(
-    const std::vector<std::pair<std::size_t, std::size_t>>& runs) {
+    const std::vector<std::pair<std::size_t, std::size_t>>& runs, bool whole_pieces) {
   placed_chunks out;
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool ok = true;
     try {
       for (const auto& [b, e] : runs)
-        if (!(ok = acquire_pieces(b, e, pool_->classes().back(), out))) break;
+        if (!(ok = acquire_pieces(b, e, pool_->classes().back(), out, whole_pieces))) break;
     } catch (...) {
       for (auto& [pos, c] : out) pool_->give_back(c);
       throw;
@@ -115,13 +140,14 @@ struct reservation_manager::impl::run {
   std::vector<std::pair<std::size_t, std::size_t>> parts;
 };
 
-void reservation_manager::impl::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+void reservation_manager::impl::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream,
+                                            bool whole_pieces) {
   expect_valid(fill, "materialize");
   detail::log_after_unlock lk(mu_);
   reap_retired(false);
   const std::vector<run> runs = unbacked_runs(resolve(ranges), fill);
   if (runs.empty()) return;  // already backed: a no-op
-  std::vector<placed_chunks> pieces = chunks_for(runs);
+  std::vector<placed_chunks> pieces = chunks_for(runs, whole_pieces);
   map_and_fill(runs, pieces, fill, stream);
   commit_backed(runs, pieces, stream);
 }
@@ -150,10 +176,11 @@ std::vector<reservation_manager::impl::run> reservation_manager::impl::unbacked_
 
 // Chunks for all runs (offsets are per reservation, so planned run by run but all or
 // nothing).  @throws out_of_memory
-std::vector<reservation_manager::impl::placed_chunks> reservation_manager::impl::chunks_for(const std::vector<run>& runs) {
+std::vector<reservation_manager::impl::placed_chunks> reservation_manager::impl::chunks_for(const std::vector<run>& runs,
+                                                                                           bool whole_pieces) {
   std::vector<placed_chunks> pieces(runs.size());
   try {
-    for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks(runs[i].parts);
+    for (std::size_t i = 0; i < runs.size(); ++i) pieces[i] = plan_chunks(runs[i].parts, whole_pieces);
   } catch (...) {
     for (auto& ps : pieces)
       for (auto& [pos, c] : ps) pool_->give_back(c);
@@ -198,6 +225,7 @@ void reservation_manager::impl::restore_into(const std::vector<run>& runs, strea
   for (const auto& rn : runs) {
     reservation& r = *rn.r;
     for (auto it = r.saved_from(rn.begin); it != r.saved.end() && it->first < rn.end; ++it) {
+      if (it->second.segment == 0) continue;  // no backup: left undefined (release_keeping)
       const std::size_t b = std::max(it->first, rn.begin), e = std::min(it->second.end, rn.end);
       const backup_segment& seg = r.backups.at(it->second.segment);
       streams_.copy_async(reinterpret_cast<void*>(r.base + b), static_cast<const char*>(seg.host) + (b - seg.offset), e - b,

@@ -12,13 +12,16 @@ namespace deferalloc {
 
 // ---- release ------------------------------------------------------------------------
 
-void reservation_manager::impl::release(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after) {
+void reservation_manager::impl::release(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after,
+                                        const std::span<const range>* kept) {
   detail::log_after_unlock lk(mu_);
-  release_locked(ranges, keep, stream, after);
+  release_locked(ranges, keep, stream, after, kept);
 }
 
 // What a release unmaps: the chunks inside its ranges (`victims`), in runs of adjacent
-// chunks (`runs`: one backup buffer each), and the reservations it touches.
+// chunks (`runs`), what it backs up (`copies`: one pinned buffer each; the runs
+// themselves, or with release_keeping their parts inside the kept ranges), and the
+// reservations it touches.
 struct reservation_manager::impl::release_plan {
   struct victim {
     reservation* r;
@@ -31,12 +34,12 @@ struct reservation_manager::impl::release_plan {
     void* host = nullptr;
   };
   std::vector<victim> victims;
-  std::vector<run> runs;
+  std::vector<run> runs, copies;
   std::vector<reservation*> touched;
 };
 
 void reservation_manager::impl::release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream,
-                                               event_t after) {
+                                               event_t after, const std::span<const range>* kept) {
   expect_valid(keep, "release");
   reap_retired(false);
   const std::vector<work_item> ws = resolve(ranges);
@@ -47,6 +50,8 @@ void reservation_manager::impl::release_locked(std::span<const range> ranges, ke
     split_at(*w.r, w.end, stream, after);
   }
   release_plan plan = plan_release(ws);
+  if (kept != nullptr) plan_copies(plan, *kept);
+  else if (keep == keep_mode::host) plan.copies = plan.runs;
   if (!plan.victims.empty()) {
     back_up_and_wait(plan, keep, stream, after);
     unmap_chunks(plan);
@@ -69,20 +74,38 @@ reservation_manager::impl::release_plan reservation_manager::impl::plan_release(
   return plan;
 }
 
-// Backs the runs up (keep_mode::host: into pinned buffers, on the copy stream after the
+// The parts of the runs inside `kept`, adjacent ones merged (kept ranges may be given in
+// any order and may touch; they must not overlap, as a batch's ranges must not).
+void reservation_manager::impl::plan_copies(release_plan& plan, std::span<const range> kept) {
+  const std::vector<work_item> ks = resolve(kept);  // sorted by reservation, then offset
+  std::size_t k = 0;
+  for (const auto& rn : plan.runs) {  // sorted the same way
+    const auto before = [&](const work_item& w) {
+      return w.r != rn.r ? std::less<reservation*>()(w.r, rn.r) : w.end <= rn.begin;
+    };
+    while (k < ks.size() && before(ks[k])) ++k;
+    for (std::size_t i = k; i < ks.size() && ks[i].r == rn.r && ks[i].begin < rn.end; ++i) {
+      const std::size_t b = std::max(ks[i].begin, rn.begin), e = std::min(ks[i].end, rn.end);
+      if (!plan.copies.empty() && plan.copies.back().r == rn.r && plan.copies.back().end == b) plan.copies.back().end = e;
+      else plan.copies.push_back({rn.r, b, e});
+    }
+  }
+}
+
+// Backs the copies up (keep_mode::host: into pinned buffers, on the copy stream after the
 // users' events) and waits for the users: the caller's event `after`, or events recorded
 // now on every stream that used the ranges.  On failure the buffers go back.
 void reservation_manager::impl::back_up_and_wait(release_plan& plan, keep_mode keep, stream_t stream, event_t after) {
   std::vector<event_t> users;
   try {
     if (keep == keep_mode::host)
-      for (auto& rn : plan.runs) rn.host = pinned_->acquire(rn.end - rn.begin);
+      for (auto& rn : plan.copies) rn.host = pinned_->acquire(rn.end - rn.begin);
     if (after == nullptr) users = record_users(plan.touched, stream);
     std::vector<event_t> waits = users;
     if (after != nullptr) waits.push_back(after);
     if (keep == keep_mode::host) {
       for (event_t e : waits) streams_.stream_wait(copy_stream_, e);
-      for (auto& rn : plan.runs)
+      for (auto& rn : plan.copies)
         streams_.copy_async(rn.host, reinterpret_cast<const void*>(rn.r->base + rn.begin), rn.end - rn.begin, copy_stream_);
       streams_.synchronize_stream(copy_stream_);
     } else {
@@ -102,7 +125,8 @@ void reservation_manager::impl::back_up_and_wait(release_plan& plan, keep_mode k
 }
 
 void reservation_manager::impl::give_back_hosts(release_plan& plan) noexcept {
-  for (auto& rn : plan.runs) {
+  for (auto& rn : plan.copies) {
+    if (rn.host == nullptr) continue;
     pinned_->give_back(rn.host, rn.end - rn.begin);
     rn.host = nullptr;
   }
@@ -139,14 +163,22 @@ void reservation_manager::impl::commit_released(const std::vector<work_item>& ws
     v.r->chunks.erase(v.pos);
     pool_->give_back(v.c);
   }
+  std::size_t c = 0;  // plan.copies lie inside plan.runs, in the same order
   for (const auto& rn : plan.runs) {
     reservation& r = *rn.r;
     if (keep == keep_mode::host) {
-      const std::uint64_t sid = r.next_segment++;
-      r.backups.emplace(sid, backup_segment{rn.begin, rn.end - rn.begin, rn.host, (rn.end - rn.begin) / g});
-      r.saved.emplace(rn.begin, reservation::saved_run{rn.end, sid});
-      r.saved_granules += (rn.end - rn.begin) / g;
-      counts_.saved(rn.end - rn.begin);
+      std::size_t pos = rn.begin;  // what lies outside the copies is saved without a backup
+      for (; c < plan.copies.size() && plan.copies[c].r == &r && plan.copies[c].begin < rn.end; ++c) {
+        const auto& cp = plan.copies[c];
+        if (cp.begin > pos) r.saved.emplace(pos, reservation::saved_run{cp.begin, 0});
+        const std::uint64_t sid = r.next_segment++;
+        r.backups.emplace(sid, backup_segment{cp.begin, cp.end - cp.begin, cp.host, (cp.end - cp.begin) / g});
+        r.saved.emplace(cp.begin, reservation::saved_run{cp.end, sid});
+        r.saved_granules += (cp.end - cp.begin) / g;
+        counts_.saved(cp.end - cp.begin);
+        pos = cp.end;
+      }
+      if (pos < rn.end) r.saved.emplace(pos, reservation::saved_run{rn.end, 0});
     }
     r.backed_granules -= (rn.end - rn.begin) / g;
     counts_.unbacked(rn.end - rn.begin);

@@ -26,7 +26,10 @@
 //    chunks inside are backed up (one pinned buffer per contiguous run, copies on the
 //    copy stream after it waited for events recorded on every stream that used the
 //    range), the host waits for those events only, then one cuMemUnmap per chunk and
-//    the chunks go back to the pool.
+//    the chunks go back to the pool.  release_keeping copies only the ranges its caller
+//    names (the rest of the chunks holds nothing worth keeping): the other granules
+//    released get saved runs without a backup segment (segment 0), which a restore
+//    leaves undefined and which count as saved for the restore's check only.
 //  - every step that can fail comes before the commit, and a failure undoes the steps
 //    before it: chunks return to the pool, mappings are removed or restored, backup
 //    buffers are given back.  State changes only at the commit.
@@ -92,6 +95,9 @@ void reservation_manager::materialize(reservation_id id, std::size_t offset, std
 void reservation_manager::materialize(std::span<const range> ranges, fill_mode fill, stream_t stream) {
   impl_->materialize(ranges, fill, stream);
 }
+void reservation_manager::materialize_whole_pieces(std::span<const range> ranges, fill_mode fill, stream_t stream) {
+  impl_->materialize(ranges, fill, stream, true);
+}
 void reservation_manager::release(reservation_id id, std::size_t offset, std::size_t length, keep_mode keep,
                                   stream_t stream) {
   const range r{id, offset, length};
@@ -103,6 +109,10 @@ void reservation_manager::release(std::span<const range> ranges, keep_mode keep,
 std::vector<range> reservation_manager::release_whole_chunks(std::span<const range> ranges, keep_mode keep,
                                                              stream_t stream) {
   return impl_->release_whole_chunks(ranges, keep, stream);
+}
+void reservation_manager::release_keeping(std::span<const range> ranges, std::span<const range> kept,
+                                          stream_t stream) {
+  impl_->release(ranges, keep_mode::host, stream, nullptr, &kept);
 }
 void reservation_manager::release_after(std::span<const range> ranges, keep_mode keep, event_t last_use) {
   DFA_EXPECTS(last_use != nullptr, "release_after: last_use is null");

@@ -2,6 +2,8 @@
 #include <deferalloc/core/errors.hpp>
 #include <deferalloc/core/reservations.hpp>
 
+#include <algorithm>
+
 #include "core/reservations/state.hpp"
 #include "log.hpp"
 
@@ -25,6 +27,8 @@ namespace deferalloc {
 // caching allocator (empty_cache, the out-of-memory retry, pause) gives memory back with
 // release_whole_chunks, which releases only chunks that lie wholly inside its ranges and
 // so needs no new chunk (freeing cache works when memory is full) and moves nothing.
+// The scratch range is reserved at the first split, of the largest class's bytes, and
+// reserved again larger for a chunk above it (an exact chunk of materialize_whole_pieces).
 void reservation_manager::impl::split_at(reservation& r, std::size_t cut, stream_t stream, event_t after) {
   auto it = r.chunks.upper_bound(cut);
   if (it == r.chunks.begin()) return;
@@ -38,9 +42,15 @@ void reservation_manager::impl::split_at(reservation& r, std::size_t cut, stream
   bool old_unmapped = false;
   std::vector<event_t> users;
   try {
-    if (scratch_ == 0) {
-      scratch_bytes_ = pool_->classes().back();
-      scratch_ = vmm_.reserve(scratch_bytes_, scratch_bytes_);
+    if (scratch_bytes_ < old.bytes) {
+      // The largest class, or an exact chunk's own bytes (dfa_materialize_whole_pieces makes
+      // chunks of any size): the range grows to the largest chunk split so far.
+      const std::size_t largest = pool_->classes().back();
+      const std::size_t bytes = std::max(largest, old.bytes);
+      const std::uintptr_t va = vmm_.reserve(bytes, largest);
+      if (scratch_ != 0) vmm_.free_reservation(scratch_, scratch_bytes_);
+      scratch_ = va;
+      scratch_bytes_ = bytes;
     }
     for (auto& [pos, c] : pieces) {
       vmm_.map(scratch_ + (pos - a), c.bytes, c.handle);

@@ -48,7 +48,7 @@ struct reservation_manager::backup_segment {
 struct reservation_manager::reservation {
   struct saved_run {
     std::size_t end = 0;
-    std::uint64_t segment = 0;
+    std::uint64_t segment = 0;  // 0: released by release_keeping outside its kept ranges, no backup
   };
   reservation_id id{};
   std::uintptr_t base{};
@@ -194,10 +194,13 @@ class reservation_manager::impl {
   reservation_stats stats() const;
   void reset_peak() noexcept;
   // ---- materialize.cpp ----
-  void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream);
+  /// `whole_pieces`: each piece of the largest class one chunk (materialize_whole_pieces).
+  void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream, bool whole_pieces = false);
   // ---- release.cpp ----
   /// Waits for `after` when given, else for every stream that used the ranges and `stream`.
-  void release(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
+  /// `kept` (keep_mode::host only): the parts to back up, else all (release_keeping).
+  void release(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after,
+               const std::span<const range>* kept = nullptr);
   std::vector<range> release_whole_chunks(std::span<const range> ranges, keep_mode keep, stream_t stream);
   // ---- backups.cpp ----
   std::size_t trim_backup_cache(std::size_t keep_bytes);
@@ -222,17 +225,20 @@ class reservation_manager::impl {
   // materialize.cpp
   std::vector<std::size_t> classes_at(std::size_t pos, std::size_t end, std::size_t max_class) const;
   bool reuse_cached(std::size_t pos, std::size_t end, placed_chunks& out);
-  bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, placed_chunks& out);
-  placed_chunks plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs);
+  bool acquire_pieces(std::size_t pos, std::size_t end, std::size_t max_class, placed_chunks& out,
+                      bool whole_pieces = false);
+  placed_chunks plan_chunks(const std::vector<std::pair<std::size_t, std::size_t>>& runs, bool whole_pieces = false);
   std::vector<run> unbacked_runs(const std::vector<work_item>& ws, fill_mode fill) const;
-  std::vector<placed_chunks> chunks_for(const std::vector<run>& runs);
+  std::vector<placed_chunks> chunks_for(const std::vector<run>& runs, bool whole_pieces);
   void map_and_fill(const std::vector<run>& runs, const std::vector<placed_chunks>& pieces, fill_mode fill,
                     stream_t stream);
   void restore_into(const std::vector<run>& runs, stream_t stream);
   void commit_backed(const std::vector<run>& runs, std::vector<placed_chunks>& pieces, stream_t stream);
   // release.cpp
-  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after);
+  void release_locked(std::span<const range> ranges, keep_mode keep, stream_t stream, event_t after,
+                      const std::span<const range>* kept = nullptr);
   release_plan plan_release(const std::vector<work_item>& ws) const;
+  void plan_copies(release_plan& plan, std::span<const range> kept);
   void back_up_and_wait(release_plan& plan, keep_mode keep, stream_t stream, event_t after);
   void unmap_chunks(release_plan& plan);
   void give_back_hosts(release_plan& plan) noexcept;
@@ -262,7 +268,7 @@ class reservation_manager::impl {
     buffers bufs;
   };
   std::vector<retired> retired_;
-  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (largest class)
+  std::uintptr_t scratch_ = 0;  // address range for splitting chunks (the largest chunk split so far)
   std::size_t scratch_bytes_ = 0;
   byte_counts counts_;
 };

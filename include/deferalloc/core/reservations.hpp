@@ -23,6 +23,7 @@ enum class fill_mode {
   undefined,  ///< whatever the chunk held
   zero,       ///< zeros, written on the caller's stream
   restore,    ///< the contents kept by an earlier release(keep_mode::host); every granule must have one
+              ///< (granules a release_keeping left outside its kept ranges come back undefined)
 };
 /// What a release does with the contents.
 enum class keep_mode {
@@ -101,6 +102,13 @@ class DFA_API reservation_manager {
   void materialize(reservation_id id, std::size_t offset, std::size_t length, fill_mode fill, stream_t stream = nullptr);
   /// The same for many ranges at once.
   void materialize(std::span<const range> ranges, fill_mode fill, stream_t stream = nullptr);
+  /// As materialize(), but each unbacked run is one chunk of its exact size where one can be
+  /// had (cached or new), else each piece of the largest chunk class that fits is one chunk
+  /// (a cached one of its class, else a new one) before smaller cached chunks are used: one
+  /// mapping for a range paused and resumed often, where smaller cached chunks would map it
+  /// in many.  Cost: as materialize(); may create a chunk while smaller ones stay cached
+  /// (bounded by the pool's cache).
+  void materialize_whole_pieces(std::span<const range> ranges, fill_mode fill, stream_t stream = nullptr);
 
   /// Unbacks the backed granules of the range (unbacked ones are left alone, except that
   /// keep_mode::discard drops their backups).  Waits on the host for events recorded on
@@ -124,6 +132,16 @@ class DFA_API reservation_manager {
   /// Cost: as release() for the chunks released; no driver call when none.
   /// @throws invalid_argument, out_of_memory (backup memory), cuda_error
   std::vector<range> release_whole_chunks(std::span<const range> ranges, keep_mode keep, stream_t stream = nullptr);
+
+  /// As the batched release() with keep_mode::host, but only the parts of the released
+  /// chunks inside `kept` (ranges of the same reservations, granule-aligned) are copied to
+  /// pinned memory, adjacent ones in one copy; the other granules released keep nothing.  A
+  /// later materialize(fill_mode::restore) of the ranges restores the kept parts and leaves
+  /// the rest undefined (as fill_mode::undefined would).  For a caller that places its own
+  /// blocks in large chunks and knows which of their bytes are live.  Cost: as release(),
+  /// with the bytes of `kept` copied instead of the chunks'.
+  /// @throws invalid_argument, out_of_memory (backup memory), cuda_error
+  void release_keeping(std::span<const range> ranges, std::span<const range> kept, stream_t stream = nullptr);
 
   /// As the batched release(), for a caller that knows exactly when its last use of the
   /// ranges completes: waits for `last_use` (an event of this driver) and for no stream.
