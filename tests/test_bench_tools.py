@@ -171,6 +171,21 @@ def main() -> int:
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_json.py"), "missed",
                             os.path.join(tmp, "never-written.json")], capture_output=True, text=True)
         check("a run that wrote no JSON has no figures", r.returncode == 1 and "no figures" in r.stdout, r.stdout)
+    # benchmarks/megatron/_runner.analyse: a step carried across the next forward leaves the last
+    # iteration's pass to the process's drain, after that iteration ended; it is in no iteration
+    # (counted in the last one, the file tier's median of 2 read 1.44x the state's bytes).
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "megatron"))
+    import _runner
+    its, passes, t = [], [], 0.0
+    for k in range(4):
+        its.append({"start": t, "zeroed": t + 0.01, "fb_end": t + 5.0, "end": t + 6.0, "counts": {}})
+        for a, b, n in ((t + 0.02, t + 4.9, 7), (t + 5.0, t + 5.9, 1)):  # across fb, then the step
+            passes.append({"t0": a, "t1": b, "bytes": 2 * n, "to": n, "from": n, "host": 0.0})
+        t += 6.0 + 1e-4
+    passes.append({"t0": t + 1e-4, "t1": t + 5.0, "bytes": 14, "to": 7, "from": 7, "host": 0.0})  # the drain
+    m = _runner.analyse({"iterations": its, "passes": passes}, 2)
+    check("analyse: a pass after the last iteration ended is in no iteration",
+          m["to_bytes"] == 8 and m["passes"] == 2, f"to_bytes {m['to_bytes']}, passes {m['passes']}")
     if len(sys.argv) > 1:  # a bench_overlap JSON (the bench_overlap_smoke test's): its checks carry the marks
         with open(sys.argv[1]) as f:
             checks = {c["check"]: c for c in json.load(f)["extra"]["checks"]}

@@ -201,7 +201,9 @@ def analyse(r: dict, last: int) -> dict:
     rows = []
     for i in range(max(0, len(all_its) - last), len(all_its)):
         it = all_its[i]
-        nxt = all_its[i + 1]["start"] if i + 1 < len(all_its) else float("inf")
+        # A pass after the last iteration's end (the step carried across a next forward that never
+        # came, run when the process drains) belongs to no timed iteration.
+        nxt = all_its[i + 1]["start"] if i + 1 < len(all_its) else it["end"]
         phases = {"wait": (it["start"], it["zeroed"]), "fb": (it["zeroed"], it["fb_end"]),
                   "step": (it["fb_end"], it["end"])}
         # Counted in the iteration they start in; their time in each phase they overlap.
