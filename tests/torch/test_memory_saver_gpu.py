@@ -646,6 +646,8 @@ class Proc:
             self.p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.p.kill()
+            self.p.wait()
+        self.p.stdout.close()
 
 
 def mode_env(mode: str) -> dict:
@@ -732,6 +734,7 @@ def two_processes(mode: str, cycles: int = 20, size: int = 16 * GIB) -> list:
         if ballast is not None:
             ballast.stdin.close()
             ballast.wait(timeout=60)
+            ballast.stdout.close()
     return bad
 
 
