@@ -105,6 +105,23 @@ def intact(ts, base: float = 0.0) -> bool:
     return bool(torch.equal(lo, want) and torch.equal(hi, want))
 
 
+def captured(s, f, tag: str, warmups: int):
+    """f warmed up on a side stream (as torch.cuda.graphs asks), then captured under
+    ``s.cuda_graph`` into ``tag`` and replayed once: (the graph, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with s.cuda_graph(g, tag=tag):
+        y = f()
+    g.replay()
+    torch.cuda.synchronize()
+    return g, y
+
+
 class ModeSuite(unittest.TestCase):
     """One hook mode (MODE), in this process."""
 
@@ -155,17 +172,7 @@ class ModeSuite(unittest.TestCase):
             tmp = x * w          # an intermediate freed inside the capture
             return tmp.sin() + b
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with s.cuda_graph(g, tag="graph"):
-            y = f()
-        g.replay()
-        torch.cuda.synchronize()
+        g, y = captured(s, f, "graph", 2)
         ref = y.clone()
         self.assertTrue(torch.equal(ref, f()), "graph and eager differ before any pause")
         graph_bytes = sum(seg["total_size"] for seg in torch.cuda.memory.memory_snapshot(g.pool(), include_traces=False))
@@ -495,16 +502,7 @@ class ModeSuite(unittest.TestCase):
 
         def f():
             return (ws[0] * ws[1]).sin() + ws[2]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            f()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with s.cuda_graph(g, tag="dgraph"):
-            y = f()
-        g.replay()
-        torch.cuda.synchronize()
+        g, y = captured(s, f, "dgraph", 1)
         yref = y.clone()
 
         def same() -> bool:
