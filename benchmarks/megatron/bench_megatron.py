@@ -4,7 +4,7 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, all), one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -14,6 +14,12 @@ Rows (``--rows``, comma-separated names or the sets host, file, all), one proces
                            (step_in_backward=True) or inside backward and across the next forward
                            (fwd: step_overlap_forward=True, with DDP's overlap_param_gather),
                            moment_dtype, tier (file: a directory under --dir)
+  fwd{c2,call}_{fp32,bf16,int8}_host
+                           a fwd row with coalesced bucket passes (train_gpt.py --coalesce 2: at most
+                           two bucket groups whose grads are done per engine pass; --coalesce 0, call:
+                           all of them), judged as the fwd rows and also beside their fwd twin
+                           (iteration / fwd_<dtype>_host's, no target); the set coalesce: each dtype's
+                           plain, fwd and fwdc2 rows, and fwdcall_fp32_host
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
   odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
@@ -74,11 +80,20 @@ STATE_DIR = "{state_dir}"  # in a file row's options: its state directory under 
 DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "inside", "fwd")
 MODE_OPTS = {"plain": [], "inside": ["--step-in-backward"],
              "fwd": ["--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"]}
+# The fwd rows with coalesced bucket passes (host tier, whose default is one bucket group a
+# pass): the name's suffix to fwd -> train_gpt.py's --coalesce.
+COALESCE = {"c2": ["--coalesce", "2"], "call": ["--coalesce", "0"]}
 
 
 def overlapped(name: str) -> bool:
     """A row whose step overlaps backward (and, fwd, the next forward): bound max(resident, transfer)."""
     return name.startswith(("inside", "fwd")) or name == "auto_inside_host"
+
+
+def fwd_twin(name: str) -> str | None:
+    """A coalesced fwd row's uncoalesced twin (fwdc2_fp32_host -> fwd_fp32_host); None for others."""
+    mode, _, rest = name.partition("_")
+    return f"fwd_{rest}" if mode in (f"fwd{k}" for k in COALESCE) else None
 
 
 def row_table() -> dict:
@@ -92,6 +107,9 @@ def row_table() -> dict:
                 opts = TIMING + ["--deferalloc", tier, "--moment-dtype", dtype] + \
                     (["--directory", STATE_DIR] if tier == "file" else [])
                 rows[f"{mode}_{dtype}_{tier}"] = (opts + MODE_OPTS[mode], {}, tier, f"plain_{dtype}_{tier}")
+    for k, extra in COALESCE.items():
+        for dtype in DTYPES:
+            rows[f"fwd{k}_{dtype}_host"] = (rows[f"fwd_{dtype}_host"][0] + extra, {}, "host", f"plain_{dtype}_host")
     for mode in ("plain", "inside"):
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
         rows[f"auto_{mode}_host"] = (opts + MODE_OPTS[mode], {"streamed_fraction": 0.5}, "host", "auto_plain_host")
@@ -106,9 +124,12 @@ SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in 
         "file": ["plain_fp32_file", "odirect_file"] + [f"{m}_{d}_file" for d in DTYPES for m in ("plain", "inside")
                                                        if f"{m}_{d}_file" != "plain_fp32_file"]
         + [f"fwd_{d}_file" for d in DTYPES]}
+# Coalesced passes beside the rows they are judged against (their plain and fwd twins), FP32 first.
+SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2")
+                    + (("fwdcall",) if d == "fp32" else ())]
 SETS["all"] = SETS["host"] + SETS["file"]
-SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "plain_int8_file",
-              "auto_plain_host",
+SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host",
+              "plain_int8_file", "auto_plain_host",
               "plain_fp32_file", "odirect_file"]
 
 
@@ -211,6 +232,11 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
                 r = it[name] / it[plain]
                 results.append(res(f"{name}: iteration / {plain}'s", r, "x"))
                 verdicts.append(f"{name} / {plain}: {r:.2f}x (target <= 1)" + ("" if r <= 1.0 else " MISSED"))
+            fwd = fwd_twin(name)
+            if fwd in it:  # what coalescing the passes changed (no target yet)
+                r = it[name] / it[fwd]
+                results.append(res(f"{name}: iteration / {fwd}'s", r, "x"))
+                verdicts.append(f"{name} / {fwd}: {r:.2f}x")
     for dtype, target in (("fp32", 1.5), ("bf16", 2.2)):
         for name in (f"inside_{dtype}_host", f"fwd_{dtype}_host"):
             if "hdo" in it and name in it:

@@ -103,6 +103,9 @@ def parse_args(argv=None):
     ap.add_argument("--step-overlap-forward", action="store_true",
                     help="--step-in-backward with --overlap-param-gather: the step also overlaps the next forward "
                          "(stream_optimizer_state(step_overlap_forward=True))")
+    ap.add_argument("--coalesce", type=int, metavar="N",
+                    help="--step-in-backward: at most N bucket groups whose grads are done per engine pass, 0: all "
+                         "(stream_optimizer_state(coalesce=N)); default: the tier's (host: one a pass)")
     ap.add_argument("--offload-grads", action="store_true",
                     help="after each optimizer step, DDP's offload_grad_buffers() and restore_grad_buffers() "
                          "(megatron-core 0.19's colocation API; the summary's grad_offloads counts them)")
@@ -160,6 +163,7 @@ def parse_args(argv=None):
                                        ("--resident-mb", args.resident_mb is not None),
                                        ("--step-in-backward", bool(args.step_in_backward)),
                                        ("--step-overlap-forward", args.step_overlap_forward),
+                                       ("--coalesce", args.coalesce is not None),
                                        ("--overlap-param-gather", args.overlap_param_gather),
                                        ("--tp", args.tp > 1), ("--pp", args.pp > 1)) if on]
         if clash:
@@ -411,8 +415,8 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                     release_torch_cache=args.release_torch_cache,
                                                     step_in_backward=args.step_in_backward,
                                                     step_overlap_forward=args.step_overlap_forward,
-                                                    clip_policy=args.clip_policy, moment_dtype=args.moment_dtype,
-                                                    resident_mb=args.resident_mb)
+                                                    coalesce=args.coalesce, clip_policy=args.clip_policy,
+                                                    moment_dtype=args.moment_dtype, resident_mb=args.resident_mb)
     import deferalloc.megatron
     # Main params as deferalloc handles from construction on (no FP32 copy is ever made),
     # then the streamed engine: the two deferalloc lines of a Megatron script.
@@ -423,7 +427,7 @@ def build_optimizer(args, ddp, stream: bool = True):
                                                           release_torch_cache=args.release_torch_cache,
                                                           step_in_backward=args.step_in_backward,
                                                           step_overlap_forward=args.step_overlap_forward,
-                                                          clip_policy=args.clip_policy,
+                                                          coalesce=args.coalesce, clip_policy=args.clip_policy,
                                                           moment_dtype=args.moment_dtype,
                                                           resident_mb=args.resident_mb)
     return optimizer, streamed

@@ -224,6 +224,13 @@ step_overlap_forward=True)``:
    the params or the grad buffers directly.
  - the engine keeps its window backed between passes (``keep_window:1`` is added to the
    settings unless they name keep_window): an iteration's bucket passes run back to back.
+ - ``coalesce`` (BackwardOverlap's, Note [Overlap with backward]; also with
+   ``step_in_backward`` alone): the worker puts up to k queued bucket groups whose grads are
+   done into one engine pass (True or 0: all of them), the k with the smallest ``order`` (the
+   ones the next forward needs first), so that an iteration's passes fill and drain the
+   engine's pipeline fewer times.  The cost: a bucket group's param all-gather, and so its
+   module's forward, waits for the end of the whole pass it is in.  The host tier's default
+   stays one bucket group a pass.
  - ``step_in_backward="auto"`` times whole iterations: a boundary is the first
    ``zero_grad_buffer`` after an optimizer step (the next iteration's start), read after
    the device's work is done but without waiting for the steps; the probe's plan, choice
@@ -709,7 +716,8 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
                            release_torch_cache: bool = False, step_in_backward: bool | str = False,
                            clip_policy: str = "auto", moment_dtype: str = "fp32",
                            resident_mb: int | str | None = None, resume: bool = False,
-                           step_overlap_forward: bool = False) -> list[StreamedMegatronAdamW]:
+                           step_overlap_forward: bool = False,
+                           coalesce: bool | int | None = None) -> list[StreamedMegatronAdamW]:
     """Moves the FP32 main params and Adam moments of ``optimizer`` (a megatron-core
     DistributedOptimizer, or a ChainedOptimizer of them, as ``get_megatron_optimizer``
     returns) into deferalloc's streamed engine.
@@ -751,6 +759,14 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
             engine keeps its window backed between passes (``keep_window:1`` unless
             ``settings`` names keep_window); "auto" times whole iterations (Note [The step
             across the next forward]).  Off by default.
+        coalesce: with ``step_in_backward`` (True or "auto"; refused without it): bucket groups
+            per engine pass, as ``deferalloc.overlap.BackwardOverlap``'s.  True or 0: every
+            queued bucket group whose grads are done in one pass; an int k >= 1: at most k of
+            them, those the next forward needs first; False or 1: one a pass.  None (default):
+            BackwardOverlap's per-tier default (one a pass on the host and device tiers, all on
+            the file tier).  Fewer passes fill and drain the engine's pipeline less often; a
+            bucket group's param all-gather waits for the whole pass it is in (Note [The step
+            across the next forward]).
         resume: file tier: continue from the state files in ``directory`` (their last committed
             step: main params, moments, step counts; the model params are written as
             BF16(main)) instead of starting from the model; a missing state file starts fresh,
@@ -769,15 +785,7 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
     """
     adapter = _adapter()
     chain = streamed_optimizers(optimizer)
-    if step_in_backward not in (True, False, "auto"):
-        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: step_in_backward "
-                                   f"{step_in_backward!r} (True, False or \"auto\")")
-    if step_overlap_forward not in (True, False):
-        raise InvalidArgumentError(f"deferalloc.megatron.stream_optimizer_state: step_overlap_forward "
-                                   f"{step_overlap_forward!r} (True or False)")
-    if step_overlap_forward and not step_in_backward:
-        raise InvalidArgumentError("deferalloc.megatron.stream_optimizer_state: step_overlap_forward=True needs "
-                                   "step_in_backward (True or \"auto\")")
+    _check_step_options(step_in_backward, step_overlap_forward, coalesce)
     if step_in_backward:
         _refuse_backward_step(chain, clip_policy, step_overlap_forward)
     if step_overlap_forward and "keep_window" not in (settings or ""):
@@ -798,8 +806,26 @@ def stream_optimizer_state(optimizer, tier: str = "host", directory: str | None 
         torch.cuda.empty_cache()
     if step_in_backward:
         _BackwardStep.attach_all(optimizer, chain, clip_policy, auto=step_in_backward == "auto",
-                                 overlap_forward=step_overlap_forward)
+                                 overlap_forward=step_overlap_forward, coalesce=coalesce)
     return out
+
+
+def _check_step_options(step_in_backward, step_overlap_forward, coalesce) -> None:
+    """stream_optimizer_state's options of the step inside backward, each a value it takes and
+    one that goes with the others (checked before anything changes)."""
+    where = "deferalloc.megatron.stream_optimizer_state"
+    if step_in_backward not in (True, False, "auto"):
+        raise InvalidArgumentError(f"{where}: step_in_backward {step_in_backward!r} (True, False or \"auto\")")
+    if step_overlap_forward not in (True, False):
+        raise InvalidArgumentError(f"{where}: step_overlap_forward {step_overlap_forward!r} (True or False)")
+    if step_overlap_forward and not step_in_backward:
+        raise InvalidArgumentError(f"{where}: step_overlap_forward=True needs step_in_backward (True or \"auto\")")
+    if coalesce is not None and (not isinstance(coalesce, int) or coalesce < 0):
+        raise InvalidArgumentError(f"{where}: coalesce {coalesce!r} (None, True, False or a number of bucket "
+                                   "groups >= 0; 0: all)")
+    if coalesce is not None and not step_in_backward:
+        raise InvalidArgumentError(f"{where}: coalesce={coalesce!r} needs step_in_backward (True or \"auto\"): "
+                                   "the plain step is one engine pass")
 
 
 def _resident_budgets(chain, resident_mb, tier: str, window_mb: int, moment_dtype: str) -> list:
@@ -915,7 +941,7 @@ class _BackwardStep(BackwardOverlap):
     active = True  # this iteration steps inside backward (False: Megatron's hooks pass through, the plain step)
     aside = None  # the _StepAside choosing ``active`` (step_in_backward="auto")
 
-    def __init__(self, dopt, clip_policy: str, overlap_forward: bool = False):
+    def __init__(self, dopt, clip_policy: str, overlap_forward: bool = False, coalesce: bool | int | None = None):
         self.dopt = dopt
         self.overlap_forward = overlap_forward  # Note [The step across the next forward]
         self._groups = []  # (bucket group, [(handle, model param, range)])
@@ -931,7 +957,7 @@ class _BackwardStep(BackwardOverlap):
                     # forward needs a chunk's last bucket group first, the first chunk first.
                     orders.append((ci, len(groups) - 1 - j))
         clip = dopt.config.clip_grad if dopt.config.clip_grad > 0.0 else None
-        super().__init__(dopt.optimizer, None, max_grad_norm=clip, clip_policy=clip_policy,
+        super().__init__(dopt.optimizer, None, max_grad_norm=clip, clip_policy=clip_policy, coalesce=coalesce,
                          buckets=[[h for h, _, _ in pairs] for _, pairs in self._groups])
         if overlap_forward:  # (else BackwardOverlap's order: the same for one model chunk)
             rank = {k: r for r, k in enumerate(sorted(range(len(orders)), key=orders.__getitem__))}
@@ -965,8 +991,8 @@ class _BackwardStep(BackwardOverlap):
 
     @classmethod
     def attach_all(cls, optimizer, chain, clip_policy: str, auto: bool = False,
-                   overlap_forward: bool = False) -> None:
-        steps = [cls.attach(dopt, clip_policy, overlap_forward) for dopt in chain]
+                   overlap_forward: bool = False, coalesce: bool | int | None = None) -> None:
+        steps = [cls.attach(dopt, clip_policy, overlap_forward, coalesce) for dopt in chain]
         if auto:
             aside = _StepAside(steps, whole_iterations=overlap_forward)
             for st in steps:
@@ -986,8 +1012,9 @@ class _BackwardStep(BackwardOverlap):
             optimizer.get_grad_norm = types.MethodType(get_grad_norm, optimizer)
 
     @classmethod
-    def attach(cls, dopt, clip_policy: str, overlap_forward: bool = False) -> "_BackwardStep":
-        self = cls(dopt, clip_policy, overlap_forward)
+    def attach(cls, dopt, clip_policy: str, overlap_forward: bool = False,
+               coalesce: bool | int | None = None) -> "_BackwardStep":
+        self = cls(dopt, clip_policy, overlap_forward, coalesce)
         for (bg, pairs), b in zip(self._groups, self.buckets):
             self._wrap_bucket_group(bg, pairs, b)
         chunks_done = set()

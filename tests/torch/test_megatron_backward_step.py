@@ -21,13 +21,17 @@ firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
      bit-identical to both, and some bucket groups' grads zeroed behind their step; also with
      gradient accumulation (DP 2, 2 micro-batches, clipping always firing, policy "auto": the
      buckets held and stepped after Megatron's clip) against Megatron's own and the plain step;
+     and with coalesced bucket passes (``coalesce``: train_gpt.py --coalesce 2 at DP 1, never
+     firing; --coalesce 0, every done bucket group in one pass, at DP 2, always firing, so the
+     redos coalesce too): bit-identical to both, with fewer engine passes than bucket steps;
   4. what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
      distributed-optimizer instances, an unknown clip policy; step_overlap_forward without
-     overlap_param_gather or with a chain of two; reduce_scatter_with_fp32_accumulation);
+     overlap_param_gather or with a chain of two; reduce_scatter_with_fp32_accumulation), and so
+     is a bad ``coalesce`` (negative, not a bool or an int, or without step_in_backward);
   5. (megatron-core 0.19 on) DDP's offload_grad_buffers / restore_grad_buffers after each
      step while the slowed steps across the next forward still read the grad buffers (DP 1,
      never firing): they wait for the steps, bit-identical to the plain step.
-Exit 0 / 1; 77 without megatron-core.  Nineteen torchrun launches (1 or 2 processes each).
+Exit 0 / 1; 77 without megatron-core.  Twenty-three torchrun launches (1 or 2 processes each).
 """
 from __future__ import annotations
 
@@ -79,6 +83,29 @@ def refusals() -> list:
     rows.append(("accepted: BF16 without a scaler (a chain of two)", "accepted" if ok else "refused", ok))
     ok = not refused([dopt()], overlap_forward=True)
     rows.append(("accepted: step_overlap_forward with overlap_param_gather", "accepted" if ok else "refused", ok))
+    return rows + coalesce_refusals()
+
+
+def coalesce_refusals() -> list:
+    """stream_optimizer_state's refusals of a bad ``coalesce``, before it reads the optimizer
+    (a stand-in object here)."""
+    from deferalloc.megatron import stream_optimizer_state
+    from deferalloc.optim import InvalidArgumentError
+
+    rows = []
+    for what, kw in {"coalesce -1": dict(step_in_backward=True, coalesce=-1),
+                     "coalesce 2.0 (not an int)": dict(step_in_backward=True, coalesce=2.0),
+                     "coalesce '2' (not an int)": dict(step_in_backward=True, coalesce="2"),
+                     "coalesce 2 without step_in_backward": dict(coalesce=2),
+                     "coalesce True without step_in_backward": dict(coalesce=True)}.items():
+        try:
+            stream_optimizer_state(object(), **kw)
+            got = "accepted"
+        except InvalidArgumentError as e:
+            got = "refused" if "coalesce" in str(e) else f"refused for another reason: {e}"
+        except Exception as e:  # noqa: BLE001 - reached the optimizer: not refused early
+            got = f"not refused early: {type(e).__name__}: {e}"
+        rows.append((f"refused: {what}", got, got == "refused"))
     return rows
 
 
@@ -128,6 +155,10 @@ def main() -> int:
                                    "--overlap-param-gather", "--step-overlap-forward"]
             if dp == 1 and clip == "never" and colocation:  # offload / restore while the steps run
                 variants["forward-offload"] = [*variants["forward"], "--offload-grads"]
+            # Coalesced passes: at most 2 bucket groups a pass (DP 1, committed speculations),
+            # every done one in a pass (DP 2, every speculation redone); two launches (the CI budget).
+            if (dp, clip) in ((1, "never"), (2, "always")):
+                variants["forward-coalesce"] = [*variants["forward"], "--coalesce", "2" if dp == 1 else "0"]
             for name, extra in variants.items():
                 r = run(f"backward-{name}", ["--deferalloc", "host", "--step-in-backward", *extra],
                         SLOW_STEPS if name.startswith("forward") else EXAMPLE)
@@ -137,12 +168,14 @@ def main() -> int:
                 if clip == "never":  # the first iteration holds, the others speculate and commit
                     path = st.get("speculations") == STEPS - 1 and st.get("commits") == STEPS - 1 and \
                         st.get("redos") == 0
-                elif name in ("speculate", "forward"):  # every speculation discarded, every bucket redone
+                elif name in ("speculate", "forward", "forward-coalesce"):  # every speculation discarded, redone
                     path = st.get("speculations") == STEPS and st.get("redos") == STEPS and st.get("commits") == 0
                 else:  # clipping fires: auto never speculates
                     path = st.get("speculations") == 0 and st.get("speculative_steps") == 0
-                if name == "forward":  # the next iteration started while steps ran: zeroed behind them
+                if name in ("forward", "forward-coalesce"):  # the next iteration started while steps ran
                     path = path and st.get("zeroed_behind_steps", 0) > 0
+                if name == "forward-coalesce":  # some passes stepped more than one bucket group
+                    path = path and 0 < st.get("passes", 0) < st.get("buckets", 0)
                 if name == "forward-offload":  # (the offload waited for every step: nothing left to zero behind)
                     path = path and (r or {}).get("grad_offloads") == STEPS
                 what = f"DP {dp}, clipping {clip}: step inside backward ({' '.join(extra)}) == plain == own"
