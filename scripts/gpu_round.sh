@@ -94,7 +94,7 @@ run() {  # name, timeout seconds, command...
 }
 if has build; then
   prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-  # ctest's test_megatron_gpu runs on the newest megatron-core of .whl/megatron/ (unpacked apart
+  # ctest's test_megatron_gpu_<part> run on the newest megatron-core of .whl/megatron/ (unpacked apart
   # from /tmp/site, so that the megatron step's per-version runs see only their own).
   mc_path=${site:-}
   newest=$(ls .whl/megatron/megatron_core-*.whl 2>/dev/null | sort -V | tail -1)
@@ -261,21 +261,25 @@ if has diag; then  # StreamedAdamW vs torch's fused AdamW, element by element
   cat "$L/diag_adamw.log" | grep -v Warning | tail -14
 fi
 if has megatron && [ -f tests/torch/test_megatron_gpu.py ]; then
-  # Six torchrun processes per megatron-core (about 5-7 minutes each); the figures as JSON in
-  # $R/test_megatron_gpu[_<version>].json.  Each wheel in .whl/megatron/ (one per
-  # tested version, outside .whl/*.whl so that they are not installed together) runs alone.
-  # DFA_MEGATRON_VERSION=0.19.2 runs that one only (one version fits a 10-minute call).
+  # test_megatron_gpu's parts, DFA_MEGATRON_PARTS (default "exact file timing"; each part about
+  # 2-3 minutes, so one or two parts to a 10-minute call; "all": the whole in one process, about
+  # 7 minutes), each part once per megatron-core; the figures as JSON in
+  # $R/test_megatron_gpu_<part>[_<version>].json (benchmarks/plot.py merges the parts' files by
+  # name).  Each wheel in .whl/megatron/ (one per tested version, outside .whl/*.whl so that they
+  # are not installed together) runs alone.  DFA_MEGATRON_VERSION=0.19.2 runs that one only.
   mcs=$(ls .whl/megatron/megatron_core-${DFA_MEGATRON_VERSION:-}*.whl 2>/dev/null)
-  if [ -z "$mcs" ]; then
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron 570 python3 tests/torch/test_megatron_gpu.py \
-      --json "$R/test_megatron_gpu.json" ${DFA_MEGATRON_ARGS:-}
-    tail -24 "$L/megatron.log"
-  fi
-  for w in $mcs; do
-    v=$(basename "$w" | cut -d- -f2)
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 run megatron_$v 570 python3 tests/torch/test_megatron_gpu.py --megatron-wheel "$w" \
-      --json "$R/test_megatron_gpu_$v.json" ${DFA_MEGATRON_ARGS:-}
-    tail -24 "$L/megatron_$v.log"
+  for part in ${DFA_MEGATRON_PARTS:-exact file timing}; do
+    if [ -z "$mcs" ]; then
+      CUBLAS_WORKSPACE_CONFIG=:4096:8 run "megatron_$part" 570 python3 tests/torch/test_megatron_gpu.py \
+        --part "$part" --json "$R/test_megatron_gpu_$part.json" ${DFA_MEGATRON_ARGS:-}
+      tail -24 "$L/megatron_$part.log"
+    fi
+    for w in $mcs; do
+      v=$(basename "$w" | cut -d- -f2)
+      CUBLAS_WORKSPACE_CONFIG=:4096:8 run "megatron_${part}_$v" 570 python3 tests/torch/test_megatron_gpu.py \
+        --megatron-wheel "$w" --part "$part" --json "$R/test_megatron_gpu_${part}_$v.json" ${DFA_MEGATRON_ARGS:-}
+      tail -24 "$L/megatron_${part}_$v.log"
+    done
   done
 fi
 # A benchmark of benchmarks/megatron/ (sib, megatron_bench; the header says what runs) on the

@@ -3,7 +3,9 @@
 benchmarks/bench_json.py convert reads a repeated row by its median and records how far its
 repetitions spread (over several processes' runs too); benchmarks/compare_builds.py calls a change "noise" when that spread is wider
 than the tolerance and "outside" when it is not, and names the two builds when given labels; bench_json.py missed keeps a run that missed only
-performance targets; given a bench_overlap JSON, that its checks carry the marks."""
+performance targets; given a bench_overlap JSON, that its checks carry the marks; and that
+tests/torch/test_megatron_gpu.py's parts, evaluated on made-up run summaries, each report only
+checks and figures of the whole run (none of a run the part does not do), all of them together."""
 from __future__ import annotations
 
 import json
@@ -55,6 +57,63 @@ def convert(tmp: str, tag: str, rows: dict, *extra: str, more: tuple[str, ...] =
                     *extra], check=True, stdout=subprocess.DEVNULL)
     with open(dst) as f:
         return json.load(f)
+
+
+def megatron_summary(name: str) -> dict:
+    """A made-up train_gpt.py summary of test_megatron_gpu's run ``name`` on which every check
+    passes: the same loss at each step in every run, Megatron's own HBM 20 GiB, the tiers' 10."""
+    steps = 14 if name == "deferalloc-auto-timing" else 4 if "timing" in name or "bf16" in name else 20
+    gib = 2**30
+    between = {"used": 9 * gib, "torch_reserved": 8 * gib, "torch_allocated": 7 * gib}
+    return {"params": 500_000_000, "model_class": "HybridModel",
+            "losses": {str(k): 10 - k / 8 for k in range(11 if name.endswith("resumed") else 1, steps + 1)},
+            "peak_hbm": (20 if name.startswith("megatron") else 10) * gib,
+            "between_hbm": (19 if name.startswith("megatron") else 9) * gib,
+            "hbm": {"between": between, "non_torch_between": gib}, "engine_peak_backed": 256 * 2**20,
+            "optimizer_seconds": [1.0 if "hdo" in name else 0.1] * steps, "step_seconds": [0.2] * steps,
+            "reference": [{"inner": "torch.optim.adamw.AdamW", "fused": ["True"], "param_dtypes": ["torch.float32"],
+                           "lr_type": "float", "hdo": {"cpu_optimizers": 1}}],
+            "engine": [{"seconds": 0.1, "map_seconds": 0.01, "retire_seconds": 0.01, "pieces": 8,
+                        "python_seconds": 0.001}],
+            "backward_step": {"step_aside": "plain"}, "saved_digest": "d", "loaded_digest": "d"}
+
+
+def megatron_parts() -> None:
+    """test_megatron_gpu's parts (PARTS) against --part all, on megatron_summary's runs."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "torch"))
+    import argparse
+    import test_megatron_gpu as mg
+    args = argparse.Namespace(perf_targets="report", steps=20, save_at=10, auto_steps=14, window_mb=512,
+                              model="m", timing_model="m")
+
+    def evaluate(part: str, failed: str = "") -> tuple[set, set]:
+        runs = {r: None if r == failed else megatron_summary(r) for r in mg.runs_of(part)}
+        rows, results = mg.evaluate(args, runs, 50e9 if "deferalloc-host-timing" in runs else None)
+        return set(rows), {json.dumps(r, sort_keys=True) for r in results}
+
+    every_rows, every_figures = evaluate("all")
+    check("test_megatron_gpu all: every check passes on the made-up runs",
+          all(ok is not False for _, _, ok in every_rows), str(sorted(r for r in every_rows if r[2] is False)))
+    check("test_megatron_gpu: the parts' runs are all the runs",
+          set().union(*map(mg.runs_of, mg.PARTS)) == set(mg.RUNS), ", ".join(mg.PARTS))
+    union_rows, union_figures = set(), set()
+    for part in mg.PARTS:
+        rows, figures = evaluate(part)
+        union_rows |= rows
+        union_figures |= figures
+        check(f"test_megatron_gpu {part}: its checks are checks of the whole run, none failing", rows <= every_rows,
+              str(sorted(rows - every_rows)))
+        check(f"test_megatron_gpu {part}: its figures are figures of the whole run", figures <= every_figures,
+              str(sorted(figures - every_figures)))
+    check("test_megatron_gpu: the parts' checks are all the checks", union_rows == every_rows,
+          str(sorted(every_rows - union_rows)))
+    check("test_megatron_gpu: the parts' figures are all the figures", union_figures == every_figures,
+          str(sorted(every_figures - union_figures)))
+    for part in mg.PARTS:  # a run of the part that failed fails a check of it
+        for run in mg.runs_of(part):
+            rows, _ = evaluate(part, failed=run)
+            failed = sorted(what.strip() for what, _, ok in rows if ok is False)
+            check(f"test_megatron_gpu {part}: {run} failed fails a check", bool(failed), "; ".join(failed))
 
 
 def main() -> int:
@@ -186,6 +245,7 @@ def main() -> int:
     m = _runner.analyse({"iterations": its, "passes": passes}, 2)
     check("analyse: a pass after the last iteration ended is in no iteration",
           m["to_bytes"] == 8 and m["passes"] == 2, f"to_bytes {m['to_bytes']}, passes {m['passes']}")
+    megatron_parts()
     if len(sys.argv) > 1:  # a bench_overlap JSON (the bench_overlap_smoke test's): its checks carry the marks
         with open(sys.argv[1]) as f:
             checks = {c["check"]: c for c in json.load(f)["extra"]["checks"]}

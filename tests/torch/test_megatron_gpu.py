@@ -1,8 +1,9 @@
-"""GPU acceptance of deferalloc.megatron, one H200, about 6-8 minutes per
-megatron-core version.
+"""GPU acceptance of deferalloc.megatron on one GPU, in three parts of about 2-3 minutes each
+per megatron-core version on an H100 (a device call runs at most 10 minutes, build included).
 
 Runs examples/megatron/train_gpt.py under torchrun (1 GPU, the model class the installed
-megatron-core recommends, local specs, BF16 params, DistributedOptimizer) eight times and checks:
+megatron-core recommends, local specs, BF16 params, DistributedOptimizer), eleven runs in all,
+and checks:
   (a) Megatron's own run steps with torch.optim.AdamW(fused=True) (torch._fused_adamw_, the
       arithmetic the engine reproduces), and 20 steps give losses bit-identical with
       deferalloc (host and file tiers) to it (deterministic settings);
@@ -25,27 +26,40 @@ megatron-core recommends, local specs, BF16 params, DistributedOptimizer) eight 
       never reached (1e9), the resident and HDO runs Megatron's defaults of the example.  Targets (reported): step inside backward
       <= 1.2x resident, HDO >= 2x deferalloc's iteration; and the step across the next forward
       (``step_overlap_forward``, with overlap_param_gather): losses bit-identical to the plain
-      timing run's, its iteration <= the plain run's (reported); BF16 grad buffers
-      (``--bf16-grads``) on the device tier, the step across the next forward with every
-      bucket held for Megatron's clip (policy after: the passes read Megatron's ``.float()``
-      copies of the grads): losses bit-identical to the plain step's at the same settings;
+      timing run's, its iteration <= the plain run's (reported);
   (f) ``step_in_backward="auto"`` (Note [Stepping aside]) on the timing model, --auto-steps
       steps with the same settings: its losses bit-identical to the plain timing run's for the
       steps both ran, its choice and probe times printed, and the median of its iterations
       after the probe (steps 9 on) <= 1.1x the faster of the plain and inside-backward runs'
-      (reported).
+      (reported);
+  (g) BF16 grad buffers (``--bf16-grads``) on the device tier, the step across the next
+      forward with every bucket held for Megatron's clip (policy after: the passes read
+      Megatron's ``.float()`` copies of the grads), on the timing model: losses bit-identical
+      to the plain step's at the same settings.
+--part picks the runs and their checks (PARTS; a check comparing two runs is in the part that
+does both, and a part reports only the checks of its runs; Megatron's own 20-step run is in
+each, as the reference of (a) and (b) and the resident iteration of (e)):
+  exact   (a), (b) host tier, (d), (g): Megatron's own, host, host resumed, the BF16-grads
+          pair (about 150 s on an H100, estimated from the whole run's);
+  file    (a), (b) file tier: Megatron's own, file (90-190 s, estimated: the file run's steps
+          take 2-6 s each, as the disk goes);
+  timing  (c), (e), (f): Megatron's own, the host, HDO, inside-backward, across-the-forward
+          and auto timing runs (about 170 s, estimated);
+  all     every run and check in one process (the default; 400-450 s on an H100).
 The model is the one each megatron-core recommends (GPTModel; HybridModel from 0.19 on) at
 0.54 G params for every run (--model, --timing-model).  One megatron-core per invocation:
 --megatron-wheel installs that wheel alone into a directory of its own.
 
     DEFERALLOC_LIB=build/allocator/libdeferalloc.so PYTHONPATH=python:/tmp/site \\
-      python tests/torch/test_megatron_gpu.py [--json out.json] [--megatron-wheel megatron_core-0.16.1-*.whl]
+      python tests/torch/test_megatron_gpu.py [--part exact|file|timing] [--json out.json] \\
+      [--megatron-wheel megatron_core-0.16.1-*.whl]
 
 (--megatron-wheel installs the wheel with --no-deps into a temporary directory; without
 it megatron-core must be importable.)  --json writes the figures as {"benchmark":
 "test_megatron_gpu", "schema": 1, "device", "command", "results": [{"name", "value", "unit",
-"baseline"}], "extra"}.  Exit 0 when every check passes, 1 when one fails, 77 without a
-GPU or megatron-core.  Prints a table last.
+"baseline"}], "extra"} (``extra.part``: the part; benchmarks/plot.py merges the parts' files
+by file name).  Exit 0 when every check passes, 1 when one fails, 77 without a GPU or
+megatron-core.  Prints a table last.
 """
 from __future__ import annotations
 
@@ -60,6 +74,25 @@ import time
 from megatron_runs import probe_megatron, report, torchrun, work_dir
 
 MIB = 2**20
+
+# The runs in the order they go (deferalloc-host-resumed loads deferalloc-host's checkpoint),
+# and the runs of each part.  tests/test_bench_tools.py evaluates each part on made-up summaries:
+# its checks and figures are the whole run's, and the parts together give all of them.
+RUNS = ("megatron", "deferalloc-host", "deferalloc-file", "deferalloc-host-resumed", "deferalloc-host-timing",
+        "megatron-hdo-timing", "deferalloc-backward-timing", "deferalloc-forward-timing",
+        "deferalloc-bf16grads-plain", "deferalloc-bf16grads-forward", "deferalloc-auto-timing")
+PARTS = {
+    "exact": ("megatron", "deferalloc-host", "deferalloc-host-resumed", "deferalloc-bf16grads-plain",
+              "deferalloc-bf16grads-forward"),
+    "file": ("megatron", "deferalloc-file"),
+    "timing": ("megatron", "deferalloc-host-timing", "megatron-hdo-timing", "deferalloc-backward-timing",
+               "deferalloc-forward-timing", "deferalloc-auto-timing"),
+}
+
+
+def runs_of(part: str) -> tuple[str, ...]:
+    """The runs of ``part`` ("all": every one) in the order they go."""
+    return RUNS if part == "all" else tuple(r for r in RUNS if r in PARTS[part])
 
 
 def duplex_bandwidth(torch, mib: int = 512, reps: int = 5) -> float:
@@ -86,6 +119,8 @@ def duplex_bandwidth(torch, mib: int = 512, reps: int = 5) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--megatron-wheel")
+    ap.add_argument("--part", default="all", choices=["all", *PARTS],
+                    help="the runs and checks of one part (the module's docstring says which), or all of them")
     ap.add_argument("--json", help="write the figures here (schema 1)")
     ap.add_argument("--perf-targets", default="fail", choices=["fail", "report"],
                     help="report: performance targets are printed but do not fail (ctest: targets live in benchmarks)")
@@ -100,7 +135,6 @@ def main() -> int:
     ap.add_argument("--timing-model", default="--layers 8 --hidden 2048 --heads 16 --vocab 32768 --seq 512 --batch 2",
                     help="train_gpt.py's model options for (c), one string")
     args = ap.parse_args()
-    model, timing_model = shlex.split(args.model), shlex.split(args.timing_model)
 
     import torch
     if not torch.cuda.is_available():
@@ -121,64 +155,79 @@ def main() -> int:
         return 77
 
     wall = {}
-
-    def run(name: str, opts: list[str], extra: list[str]) -> dict | None:
-        return torchrun(name, 1, [*opts, "--window-mb", str(args.window_mb), *extra], env, work, wall)
-
-    # The 168 M runs: the window takes what torch keeps cached (Note [The window and torch's
-    # cache] in deferalloc/megatron.py); the timing runs: the plain step.
-    steps = ["--steps", str(args.steps)]
-    dfa = ["--release-torch-cache"]
-    timing = ["--steps", str(args.timing_steps)]
-    runs = {"megatron": run("megatron", model, steps)}
-    runs["deferalloc-host"] = run("deferalloc-host", model, steps + dfa + [
-        "--deferalloc", "host", "--save", f"{work}/ckpt_host", "--save-at", str(args.save_at)])
-    runs["deferalloc-file"] = run("deferalloc-file", model, steps + dfa + ["--deferalloc", "file", "--directory",
-                                                                     f"{work}/state"])
-    runs["deferalloc-host-resumed"] = run("deferalloc-host-resumed", model, steps + dfa + [
-        "--deferalloc", "host", "--load", f"{work}/ckpt_host"])
-    # The two deferalloc timing runs differ only in --step-in-backward: both reduce with
-    # overlap_grad_reduce and clip at a norm never reached (the step inside backward then
-    # speculates and commits from its second iteration: its best case; a clip that fires every
-    # iteration makes it the plain step after backward, deferalloc.overlap's "after" mode).
-    unclipped = ["--overlap-grad-reduce", "--clip-grad", "1e9"]
-    runs["deferalloc-host-timing"] = run("deferalloc-host-timing", timing_model, timing + unclipped + [
-        "--deferalloc", "host"])
-    runs["megatron-hdo-timing"] = run("megatron-hdo-timing", timing_model, timing + ["--hdo"])
-    runs["deferalloc-backward-timing"] = run("deferalloc-backward-timing", timing_model, timing + unclipped + [
-        "--deferalloc", "host", "--step-in-backward"])
-    runs["deferalloc-forward-timing"] = run("deferalloc-forward-timing", timing_model, timing + unclipped + [
-        "--deferalloc", "host", "--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"])
-    # BF16 grad buffers, the device tier, every bucket held for Megatron's clip (policy after):
-    # each pass reads Megatron's .float() copies of the grads, made on the compute stream, while
-    # the next forward allocates (Note [Grads freed behind a queued pass]).
-    bf16 = timing + ["--overlap-grad-reduce", "--bf16-grads", "--deferalloc", "device"]
-    runs["deferalloc-bf16grads-plain"] = run("deferalloc-bf16grads-plain", timing_model, bf16)
-    runs["deferalloc-bf16grads-forward"] = run("deferalloc-bf16grads-forward", timing_model, bf16 + [
-        "--step-in-backward", "--clip-policy", "after", "--overlap-param-gather", "--step-overlap-forward"])
-    if args.auto_steps:
-        runs["deferalloc-auto-timing"] = run("deferalloc-auto-timing", timing_model, [
-            "--steps", str(args.auto_steps), *unclipped, "--deferalloc", "host", "--step-in-backward", "auto"])
+    plan = planned_runs(args, work)
+    runs = {}
+    for name in runs_of(args.part):
+        if name in plan:
+            opts, extra = plan[name]
+            runs[name] = torchrun(name, 1, [*opts, "--window-mb", str(args.window_mb), *extra], env, work, wall)
     # This process touches the GPU only now: cuMemGetInfo is device-wide.
-    link = duplex_bandwidth(torch)
+    link = duplex_bandwidth(torch) if "deferalloc-host-timing" in runs else None
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     rows, results = evaluate(args, runs, link)
-    n, n_t = (runs["megatron"] or {}).get("params"), (runs["deferalloc-host-timing"] or {}).get("params")
-    model_class = (runs["megatron"] or {}).get("model_class", "?")
-    print(f"\nmegatron-core {version} {model_class}, {(n or 0) / 1e9:.2f} G params ({(n_t or 0) / 1e9:.2f} G for "
-          f"timing), window {args.window_mb} MiB, {device}")
-    extra = {"megatron_core": version, "model_class": model_class, "model": args.model, "timing_model": args.timing_model, "params": n, "timing_params": n_t,
-             "window_mb": args.window_mb, "steps": args.steps, "wall_seconds": wall,
+    n, n_t = (runs.get("megatron") or {}).get("params"), (runs.get("deferalloc-host-timing") or {}).get("params")
+    model_class = (runs.get("megatron") or {}).get("model_class", "?")
+    print(f"\nmegatron-core {version} {model_class}, {(n or 0) / 1e9:.2f} G params"
+          + (f" ({n_t / 1e9:.2f} G for timing)" if n_t else "") + f", window {args.window_mb} MiB, part {args.part}, "
+          f"{device}")
+    extra = {"megatron_core": version, "part": args.part, "model_class": model_class, "model": args.model,
+             "timing_model": args.timing_model, "params": n, "timing_params": n_t, "window_mb": args.window_mb, "steps": args.steps, "wall_seconds": wall,
              "runs": {k: ({kk: vv for kk, vv in v.items() if kk not in ("saved_digest", "loaded_digest")}
                           if v else None) for k, v in runs.items()}}
     return 1 if report("test_megatron_gpu", device, rows, results, extra, args.json) else 0
 
 
-def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
+def planned_runs(args, work: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Each run's train_gpt.py options (its model's, the others but --window-mb), in RUNS' order;
+    the 'auto' run only with --auto-steps."""
+    model, timing_model = shlex.split(args.model), shlex.split(args.timing_model)
+    # The 168 M runs: the window takes what torch keeps cached (Note [The window and torch's
+    # cache] in deferalloc/megatron.py); the timing runs: the plain step.
+    steps = ["--steps", str(args.steps)]
+    dfa = ["--release-torch-cache"]
+    timing = ["--steps", str(args.timing_steps)]
+    # The two deferalloc timing runs differ only in --step-in-backward: both reduce with
+    # overlap_grad_reduce and clip at a norm never reached (the step inside backward then
+    # speculates and commits from its second iteration: its best case; a clip that fires every
+    # iteration makes it the plain step after backward, deferalloc.overlap's "after" mode).
+    unclipped = ["--overlap-grad-reduce", "--clip-grad", "1e9"]
+    # BF16 grad buffers, the device tier, every bucket held for Megatron's clip (policy after):
+    # each pass reads Megatron's .float() copies of the grads, made on the compute stream, while
+    # the next forward allocates (Note [Grads freed behind a queued pass]).
+    bf16 = timing + ["--overlap-grad-reduce", "--bf16-grads", "--deferalloc", "device"]
+    plan = {
+        "megatron": (model, steps),
+        "deferalloc-host": (model, steps + dfa + ["--deferalloc", "host", "--save", f"{work}/ckpt_host",
+                                                  "--save-at", str(args.save_at)]),
+        "deferalloc-file": (model, steps + dfa + ["--deferalloc", "file", "--directory", f"{work}/state"]),
+        "deferalloc-host-resumed": (model, steps + dfa + ["--deferalloc", "host", "--load", f"{work}/ckpt_host"]),
+        "deferalloc-host-timing": (timing_model, timing + unclipped + ["--deferalloc", "host"]),
+        "megatron-hdo-timing": (timing_model, timing + ["--hdo"]),
+        "deferalloc-backward-timing": (timing_model, timing + unclipped + ["--deferalloc", "host",
+                                                                           "--step-in-backward"]),
+        "deferalloc-forward-timing": (timing_model, timing + unclipped + [
+            "--deferalloc", "host", "--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"]),
+        "deferalloc-bf16grads-plain": (timing_model, bf16),
+        "deferalloc-bf16grads-forward": (timing_model, bf16 + [
+            "--step-in-backward", "--clip-policy", "after", "--overlap-param-gather", "--step-overlap-forward"]),
+        "deferalloc-auto-timing": (timing_model, ["--steps", str(args.auto_steps), *unclipped, "--deferalloc", "host",
+                                                  "--step-in-backward", "auto"]),
+    }
+    if not args.auto_steps:
+        del plan["deferalloc-auto-timing"]
+    return plan
+
+
+def evaluate(args, runs: dict, link: float | None) -> tuple[list, list]:
     """The checks (what, value, ok: True / False / None for a figure shown beside them) and
-    the JSON results of the eight runs' summaries; ``link``: duplex bytes/s each way."""
-    own, host, file_ = runs["megatron"], runs["deferalloc-host"], runs["deferalloc-file"]
-    resumed, host_t, hdo_t = runs["deferalloc-host-resumed"], runs["deferalloc-host-timing"], runs["megatron-hdo-timing"]
+    the JSON results of the runs' summaries; ``runs``: the part's runs only (None: one that
+    failed), so that a check of a run the part did not do is left out; ``link``: duplex
+    bytes/s each way (None: not measured, the part has no (c))."""
+    did = runs.__contains__
+    own, host, file_ = runs.get("megatron"), runs.get("deferalloc-host"), runs.get("deferalloc-file")
+    resumed, host_t, hdo_t = (runs.get(k) for k in ("deferalloc-host-resumed", "deferalloc-host-timing",
+                                                    "megatron-hdo-timing"))
+    tiers = [(name, runs[k]) for name, k in (("host", "deferalloc-host"), ("file", "deferalloc-file")) if did(k)]
     rows: list[tuple[str, str, bool | None]] = []
     results: list[dict] = []
 
@@ -203,13 +252,14 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         return next((int(k) for k in sorted(a["losses"], key=int) if b["losses"].get(k) != a["losses"][k]), None)
 
     # (a) what Megatron's own run stepped with, and the losses.
-    ref = (own or {}).get("reference", [{}])
-    torch_fused = bool(own) and all(d.get("inner") == "torch.optim.adamw.AdamW" and d.get("fused") == ["True"]
-                                    and d.get("param_dtypes") == ["torch.float32"] for d in ref)
-    check("Megatron's reference: torch.optim.AdamW(fused=True) on FP32 main params",
-          ", ".join(f"{d.get('inner')} fused={d.get('fused')} lr {d.get('lr_type')}" for d in ref) or "run failed",
-          torch_fused)
-    for name, r in (("host", host), ("file", file_)):
+    if did("megatron"):
+        ref = (own or {}).get("reference", [{}])
+        torch_fused = bool(own) and all(d.get("inner") == "torch.optim.adamw.AdamW" and d.get("fused") == ["True"]
+                                        and d.get("param_dtypes") == ["torch.float32"] for d in ref)
+        check("Megatron's reference: torch.optim.AdamW(fused=True) on FP32 main params",
+              ", ".join(f"{d.get('inner')} fused={d.get('fused')} lr {d.get('lr_type')}" for d in ref) or "run failed",
+              torch_fused)
+    for name, r in tiers:
         ok = same_losses(r, own)
         diff = first_difference(r, own)
         check(f"losses {name} == Megatron FP32 ({args.steps} steps)",
@@ -218,14 +268,14 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         if diff:
             figure(f"first_differing_step_{name}", diff, "step")
 
-    # (b) HBM.
+    # (b) HBM: against the part's first tier (host when it has one), as the figures' baseline.
     n = own["params"] if own else None
-    if own and host:
+    if own and tiers and tiers[0][1]:
         bound = 12 * n - args.window_mb * MIB
         figure("hbm_saving_required", bound / MIB, "MiB")
         figure("peak_hbm_megatron", own["peak_hbm"] / MIB, "MiB")
         figure("between_hbm_megatron", own["between_hbm"] / MIB, "MiB")
-        for name, r in (("host", host), ("file", file_)):
+        for name, r in tiers:
             if r is None:
                 continue
             saved = own["peak_hbm"] - r["peak_hbm"]
@@ -237,7 +287,7 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
                   f"{saved_between / 2**30:.2f} GiB", saved_between >= bound)
             figure(f"peak_hbm_{name}", r["peak_hbm"] / MIB, "MiB", "peak_hbm_megatron")
             figure(f"between_hbm_{name}", r["between_hbm"] / MIB, "MiB", "between_hbm_megatron")
-        for name, r in (("megatron", own), ("host", host), ("file", file_)):
+        for name, r in (("megatron", own), *tiers):
             if r and "hbm" in r:
                 b = r["hbm"]["between"]
                 check(f"  HBM between steps, {name}: used / torch reserved / allocated / other",
@@ -245,9 +295,10 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
                       f"{r['hbm']['non_torch_between'] / MIB:.0f} MiB", None)
                 figure(f"non_torch_hbm_between_{name}", r["hbm"]["non_torch_between"] / MIB, "MiB",
                        None if name == "megatron" else "non_torch_hbm_between_megatron")
-        check("engine peak state HBM <= window", f"{host.get('engine_peak_backed', 0) / MIB:.0f} MiB",
-              host.get("engine_peak_backed", 1 << 62) <= args.window_mb * MIB)
-        figure("engine_peak_state_hbm", host.get("engine_peak_backed", 0) / MIB, "MiB")
+        if host:
+            check("engine peak state HBM <= window", f"{host.get('engine_peak_backed', 0) / MIB:.0f} MiB",
+                  host.get("engine_peak_backed", 1 << 62) <= args.window_mb * MIB)
+            figure("engine_peak_state_hbm", host.get("engine_peak_backed", 0) / MIB, "MiB")
 
     # (c) step time on the timing model; the first step (first touch of pinned memory) untimed.
     def timed(r):
@@ -256,7 +307,7 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
     t_host, t_hdo = timed(host_t), timed(hdo_t)
     t_own_small, t_host_small = timed(own), timed(host)
     n_t = (host_t or hdo_t or {}).get("params")
-    figure("link_duplex_each_way", link / 1e9, "GB/s")
+    figure("link_duplex_each_way", link and link / 1e9, "GB/s")
     figure("optimizer_step_megatron_small", t_own_small and t_own_small * 1e3, "ms")
     figure("optimizer_step_host_small", t_host_small and t_host_small * 1e3, "ms", "optimizer_step_megatron_small")
     if t_host and t_hdo:
@@ -281,16 +332,40 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         figure("throughput_host", n_t / t_host / 1e9, "Gparam/s", "throughput_hdo")
         figure("engine_pass_host", e["seconds"] * 1e3, "ms")
         figure("engine_map_retire_host", (e["map_seconds"] + e["retire_seconds"]) * 1e3, "ms")
-    else:
+    elif did("deferalloc-host-timing") or did("megatron-hdo-timing"):
         check("optimizer step: HDO / deferalloc host (>= 5)", "a timing run failed", False)  # not a target: it failed
 
-    # (e) whole iterations (forward, backward, grad sync, step), the first untimed: the same
-    # model when --model and --timing-model agree (the default).
+    # (e), (f): the timing part's.
+    if did("deferalloc-host-timing"):
+        evaluate_iterations(args, runs, check, figure)
+
+    # (d) checkpoint.
+    if did("deferalloc-host-resumed"):
+        ok = same_losses(resumed, host, args.save_at + 1) and resumed is not None \
+            and resumed.get("loaded_digest") == host.get("saved_digest")
+        check(f"save at {args.save_at}, load in a new process, continue to {args.steps}",
+              "identical" if ok else "differ / failed", ok)
+        figure("checkpoint_resume_identical", int(ok), "bool")
+
+    # (g) BF16 grads.
+    if did("deferalloc-bf16grads-plain"):
+        a, b = runs.get("deferalloc-bf16grads-plain"), runs.get("deferalloc-bf16grads-forward")
+        ok = bool(a and b) and a["losses"] == b["losses"]
+        check("BF16 grads, device tier, held buckets across the next forward: losses == plain",
+              "bit-identical" if ok else f"differ / failed ({(b or {}).get('backward_step')})", ok)
+    return rows, results
+
+
+def evaluate_iterations(args, runs: dict, check, figure) -> None:
+    """(e) and (f): whole iterations (forward, backward, grad sync, step), the first untimed,
+    and the 'auto' run; the resident one is Megatron's own run's when --model and
+    --timing-model agree (the default)."""
     def iteration(r):
         return statistics.median(r["step_seconds"][1:]) if r and len(r.get("step_seconds", [])) > 1 else None
 
+    own, host_t, hdo_t = runs.get("megatron"), runs.get("deferalloc-host-timing"), runs.get("megatron-hdo-timing")
     same_model = args.model == args.timing_model
-    backward_t = runs["deferalloc-backward-timing"]
+    backward_t = runs.get("deferalloc-backward-timing")
     it = {"resident": iteration(own) if same_model else None, "hdo": iteration(hdo_t),
           "deferalloc plain": iteration(host_t), "step inside backward": iteration(backward_t)}
     check("iteration time: resident / HDO(offload 1.0) / deferalloc plain / step inside backward",
@@ -318,10 +393,6 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
         check("iteration: step across the next forward / deferalloc plain (<= 1.0)", f"{ratio:.2f}x", ratio <= 1.0,
               perf=True)
     figure("iteration_step_across_next_forward", it_fwd and it_fwd * 1e3, "ms")
-    a, b = runs.get("deferalloc-bf16grads-plain"), runs.get("deferalloc-bf16grads-forward")
-    ok = bool(a and b) and a["losses"] == b["losses"]
-    check("  BF16 grads, device tier, held buckets across the next forward: losses == plain",
-          "bit-identical" if ok else f"differ / failed ({(b or {}).get('backward_step')})", ok)
     for name, v in it.items():
         figure(f"iteration_{name.replace(' ', '_')}", v and v * 1e3, "ms")
     if it["hdo"] and it["deferalloc plain"]:
@@ -332,7 +403,7 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
 
     # (f) step_in_backward="auto": 2 warm-up + 6 probe iterations, then the chosen mode.
     auto_t = runs.get("deferalloc-auto-timing")
-    if args.auto_steps:
+    if args.auto_steps and "deferalloc-auto-timing" in runs:
         n = min(len(host_t["losses"]) if host_t else 0, args.auto_steps)
         ok = bool(auto_t and host_t) and all(auto_t["losses"][k] == host_t["losses"][k] for k in host_t["losses"]
                                              if int(k) <= n)
@@ -349,14 +420,6 @@ def evaluate(args, runs: dict, link: float) -> tuple[list, list]:
             figure("iteration_step_in_backward_auto", statistics.median(after) * 1e3, "ms")
         elif args.auto_steps > 8:
             check("iteration: 'auto' after its probe", "a timing run failed", False)
-
-    # (d) checkpoint.
-    ok = same_losses(resumed, host, args.save_at + 1) and resumed is not None \
-        and resumed.get("loaded_digest") == host.get("saved_digest")
-    check(f"save at {args.save_at}, load in a new process, continue to {args.steps}",
-          "identical" if ok else "differ / failed", ok)
-    figure("checkpoint_resume_identical", int(ok), "bool")
-    return rows, results
 
 
 if __name__ == "__main__":
