@@ -4,7 +4,7 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, coalesce, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, all), one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -20,6 +20,11 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, all), 
                            all of them), judged as the fwd rows and also beside their fwd twin
                            (iteration / fwd_<dtype>_host's, no target); the set coalesce: each dtype's
                            plain, fwd and fwdc2 rows, and fwdcall_fp32_host
+  fwd{sw,c2sw}_{fp32,bf16,int8}_host
+                           a fwd row (sw) or fwdc2 row (c2sw) under sys.setswitchinterval(0.0002)
+                           (train_gpt.py --switch-interval: the training loop hands the GIL to the
+                           optimizer's worker within 0.2 ms instead of 5), judged as the fwd rows and
+                           beside their fwd twin; the set gil: each dtype's plain, fwd, fwdc2, fwdsw, fwdc2sw
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
   odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
@@ -81,8 +86,9 @@ DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "in
 MODE_OPTS = {"plain": [], "inside": ["--step-in-backward"],
              "fwd": ["--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"]}
 # The fwd rows with coalesced bucket passes (host tier, whose default is one bucket group a
-# pass): the name's suffix to fwd -> train_gpt.py's --coalesce.
-COALESCE = {"c2": ["--coalesce", "2"], "call": ["--coalesce", "0"]}
+# pass) or a shorter GIL hand-over: the name's suffix to fwd -> train_gpt.py's options.
+COALESCE = {"c2": ["--coalesce", "2"], "call": ["--coalesce", "0"], "sw": ["--switch-interval", "0.0002"],
+            "c2sw": ["--coalesce", "2", "--switch-interval", "0.0002"]}
 
 
 def overlapped(name: str) -> bool:
@@ -127,6 +133,7 @@ SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in 
 # Coalesced passes beside the rows they are judged against (their plain and fwd twins), FP32 first.
 SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2")
                     + (("fwdcall",) if d == "fp32" else ())]
+SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2", "fwdsw", "fwdc2sw")]
 SETS["all"] = SETS["host"] + SETS["file"]
 SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host",
               "plain_int8_file", "auto_plain_host",
@@ -320,7 +327,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="054", choices=list(MODELS))
     ap.add_argument("--model-args", help="train_gpt.py's model options, one string (instead of --model's)")
-    ap.add_argument("--rows", default="host", help="names or sets (host, file, all), comma-separated; choices: "
+    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, all), comma-separated; choices: "
                                                    + ",".join(ROWS))
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
     ap.add_argument("--window-mb", type=int, default=512)

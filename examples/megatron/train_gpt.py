@@ -106,6 +106,10 @@ def parse_args(argv=None):
     ap.add_argument("--coalesce", type=int, metavar="N",
                     help="--step-in-backward: at most N bucket groups whose grads are done per engine pass, 0: all "
                          "(stream_optimizer_state(coalesce=N)); default: the tier's (host: one a pass)")
+    ap.add_argument("--switch-interval", type=float, metavar="S",
+                    help="sys.setswitchinterval(S) before training (Python's GIL hand-over interval, default "
+                         "0.005 s): how long the optimizer's worker thread may wait for the GIL that the training "
+                         "loop holds")
     ap.add_argument("--offload-grads", action="store_true",
                     help="after each optimizer step, DDP's offload_grad_buffers() and restore_grad_buffers() "
                          "(megatron-core 0.19's colocation API; the summary's grad_offloads counts them)")
@@ -854,6 +858,8 @@ def start_sampling(sampler: HbmSampler) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.directory:
         os.makedirs(args.directory, exist_ok=True)  # the file tier's directory must exist
     setup(args)
