@@ -61,7 +61,12 @@ Approach
        multiply by 1.0 is exact) the steps stand and the worker commits them.  When it is
        below 1 the buckets still queued are dropped, the one being stepped is waited for,
        the speculation is discarded (kept copies written back), the gradients clipped,
-       and every bucket queued again (``redos``) as in the other mode;
+       and every bucket queued again (``redos``) as in the other mode.  Under "auto" a
+       bucket holding a shard the engine cannot keep (a resident one) does not speculate:
+       it waits for the coefficient as in the other mode, while the others speculate
+       (copying a resident shard's state out each iteration cost more than the whole
+       step: Megatron's 1.1 G model with resident_mb="auto", about half its state resident,
+       took 1,574 ms an iteration inside backward against 299 ms plain on an H100);
      * not speculating: the buckets wait; at ``step()`` the gradients are clipped and
        every bucket is queued, in the forward's order, to be stepped plainly while the
        next forward runs (it waits per module).
@@ -82,7 +87,7 @@ Approach
 Limits: the engine's second copy doubles the pinned host memory of the state (12 B/param
 more with fp32 moments), allocated at the first speculative iteration; shards the engine
 cannot keep still cost a host memcpy of 12 B/param per speculative step (resident
-shards: a D2H copy).  A parameter used outside its own module's forward is not waited
+shards: a D2H copy) under clip_policy "speculate" or ``engine_speculation=False``.  A parameter used outside its own module's forward is not waited
 for by that forward.  The gradients must not be modified after their bucket is
 complete until ``step()``; a backward outside ``accumulating()`` is taken as the last
 of its step.  Clipping's norm is the L2 norm over the optimizer's parameters in its
@@ -314,10 +319,17 @@ class BackwardOverlap:
         self.opt.initialize_state()  # the state starts from the parameters' values at the first step
         if self._speculable is None:  # (initialize picks the resident shards)
             self._speculable = {p: self.engine_speculation and self.opt.can_speculate(p) for p in self.opt.held_params}
-        if self.max_grad_norm is not None and not self._speculate:
+        if self.max_grad_norm is not None and (not self._speculate or self._would_copy(params)):
             self._held.append((b, params))
             return
         self._queue(b, params, speculative=self.max_grad_norm is not None, prepare=prepare)
+
+    def _would_copy(self, params: list) -> bool:
+        """Under clip_policy "auto", whether speculating on ``params`` would copy a shard's
+        state out first (a resident shard, which the engine cannot keep): such a bucket is
+        held for the clip coefficient instead (Note [Overlap with backward], clipping)."""
+        return self.clip_policy == "auto" and self.engine_speculation and not all(
+            self._speculable[p] for p in params)
 
     def _queue(self, b: _Bucket, params: list, speculative: bool, prepare=None) -> None:
         b.idle.wait()  # the previous iteration's step of this bucket

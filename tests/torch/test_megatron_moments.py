@@ -9,7 +9,10 @@ layout, the tiny 2-layer model of test_megatron_parallel.py is built five times,
             test_megatron_dp2_cpu and test_megatron_parallel check it bit-identical to
             Megatron's own optimizer);
   resident: FP32 moments, resident_mb=1 (the first shards resident, the rest streamed):
-            losses and final state bit-identical to fp32's;
+            losses and final state bit-identical to fp32's; at DP 1 also the same with clipping
+            never firing, the plain step and the step inside backward (bit-identical; clip policy
+            auto: the buckets with a resident shard wait for the clip coefficient, the others
+            speculate, no state is copied out);
   bf16:     BF16 moments: losses within a relative TOLERANCE of fp32's; a dist-checkpoint
             saved after step 2;
   fp32 <- bf16: that checkpoint loaded with FP32 moments: the loaded state equals the saved
@@ -74,7 +77,7 @@ def worker(argv: list[str]) -> int:
 
 
 def layout_runs(train_gpt, layout: list[str], work: str) -> dict:
-    """The layout's five runs (the module's docstring); what each gave."""
+    """The layout's runs (the module's docstring); what each gave."""
     import torch
     device = torch.device("cpu")
     out: dict = {}
@@ -93,6 +96,9 @@ def layout_runs(train_gpt, layout: list[str], work: str) -> dict:
                 r["saved_digest"] = train_gpt.state_digest(optimizer)
         if steps:
             r["final_digest"] = train_gpt.state_digest(optimizer)
+        if streamed[0].backward_step is not None:
+            streamed[0].backward_step.synchronize()
+            r["counts"] = streamed[0].backward_step.stats()
         if args.resident_mb:  # (a resident shard cannot speculate; a streamed one on the host tier can)
             held = [(s, p) for s in streamed for p in s.held_params]
             resident = sum(not s.can_speculate(p) for s, p in held)
@@ -102,6 +108,10 @@ def layout_runs(train_gpt, layout: list[str], work: str) -> dict:
 
     run("fp32", [])
     run("resident", ["--resident-mb", "1"])
+    if not layout:  # DP 1: the step inside backward with resident shards, clipping never firing
+        never = ["--resident-mb", "1", "--clip-grad", "1e9", "--overlap-grad-reduce", "--bucket-size", "2000"]
+        run("resident_noclip", never)
+        run("resident_inside", never + ["--step-in-backward"])
     run("bf16", ["--moment-dtype", "bf16"], save_at=2)
     run("fp32_from_bf16", [], steps=(), load=os.path.join(work, "bf16"))
     run("int8_from_bf16", ["--moment-dtype", "int8"], steps=(3, 4), load=os.path.join(work, "bf16"))
@@ -205,6 +215,17 @@ def layout_rows(name: str, r: dict) -> list:
     resident, streamed = r["resident"]["resident_shards"]
     rows.append((f"{name}: resident_mb=1 keeps some shards resident, streams the rest",
                  f"{resident} resident, {streamed} streamed", resident > 0 and streamed > 0))
+    if "resident_inside" in r:
+        a, b = r["resident_inside"], r["resident_noclip"]
+        ok = a["losses"] == b["losses"] and a["final_digest"] == b["final_digest"]
+        rows.append((f"{name}: resident_mb=1, step inside backward == plain (clip never firing; losses, final state)",
+                     "bit-identical" if ok else "differ", ok))
+        c = a.get("counts", {})
+        ok = c.get("kept_copies") == 0 and c.get("speculative_steps", 0) > 0
+        rows.append((f"{name}: resident_mb=1, inside backward, clip policy auto: the buckets with a resident shard "
+                     "wait for the clip coefficient (no state copied out), the others speculate",
+                     f"kept_copies {c.get('kept_copies')}, speculative steps {c.get('speculative_steps')}, "
+                     f"buckets {c.get('buckets')}", ok))
     ok, worst = close(r["bf16"]["losses"], fp32["losses"], range(1, 5))
     rows.append((f"{name}: bf16 moments, losses vs fp32 (relative, <= {TOLERANCE:g})", f"{worst:.2e}", ok))
     ok = r["fp32_from_bf16"]["loaded_digest"] == r["bf16"]["saved_digest"]

@@ -214,6 +214,22 @@ class Overlap(unittest.TestCase):
             if "resident_mb" in kw:
                 self.assertTrue(0 < resident < len(got[1].held_params), f"resident_mb={RESIDENT_MB} should make some parameters resident")
 
+    def test_auto_holds_resident_buckets_instead_of_copying_them(self):
+        # clip_policy "auto": a bucket with a resident shard waits for the clip coefficient
+        # (no copy of its state); the streamed buckets still speculate.  Clipping never
+        # firing (max_norm 1e9) and firing on the later steps (1.0): both bit-identical.
+        for max_norm in (1e9, 1.0):
+            plain = train(6, "plain", max_norm=max_norm, resident_mb=RESIDENT_MB)
+            got = train(6, "overlap", max_norm=max_norm, bucket_mb=0, resident_mb=RESIDENT_MB)
+            self.same(plain, got)
+            resident = sum(not got[1].can_speculate(p) for p in got[1].held_params)
+            self.assertTrue(0 < resident < len(got[1].held_params), "the test needs resident and streamed shards")
+            self.assertEqual(got[3]["kept_copies"], 0, max_norm)
+            if max_norm > 1:
+                self.assertEqual(got[3]["speculations"], 5, "every iteration after the first speculates")
+                self.assertEqual(got[3]["speculative_steps"], 5 * (len(got[1].held_params) - resident),
+                                 "one parameter a bucket: the streamed ones speculate, the resident ones wait")
+
     def test_clipping_never_always_every_other_iteration(self):
         # The inputs' scale sets the gradient norm: 1 stays under max_norm 1e3 and 1e3
         # above it.  Every policy is bit-identical to clip_grad_norm_ + step().
