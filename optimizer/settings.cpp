@@ -53,6 +53,8 @@ const row k_table[] = {
      [](optimizer_config& c, const row& r, const config_value& v) { c.io_request_bytes = mb(r, v); }},
     {"keep_window", "flag", 0, k_any, "0 or any other integer", "0", "keep the window's slots backed between passes",
      [](optimizer_config& c, const row& r, const config_value& v) { c.keep_window = num(r, v) != 0; }},
+    {"pass_taper", "flag", 0, k_any, "0 or any other integer", "0", "cut each pass's first and last pieces smaller",
+     [](optimizer_config& c, const row& r, const config_value& v) { c.pass_taper = num(r, v) != 0; }},
     {"resident_mb", "MB", 0, k_max_mb, nullptr, "0", "host and file tiers: HBM for shards kept resident",
      [](optimizer_config& c, const row& r, const config_value& v) { c.resident_bytes = mb(r, v); }},
     {"moments", "name", 0, 0, "fp32, bf16, int8", "fp32", "storage of the Adam moments at home",

@@ -321,7 +321,7 @@ std::vector<piece_ref> streamed_adamw::impl::pieces(pass_kind kind, std::span<co
   for (std::size_t s = 0; s < shards.size(); ++s)
     selected[s] = !shards[s].resident && (kind == pass_kind::step || durable || !param_is_main(shards[s].info)) &&
                   (grads.empty() || grads[s] != nullptr || (!in_place() && !speculative && !shards[s].speculative));
-  return cut_pieces(shards, selected, shape.piece, shape.align);
+  return cut_pieces(shards, selected, shape.piece, shape.align, cfg.pass_taper);
 }
 
 adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) const {

@@ -95,11 +95,40 @@ constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB o
 // arithmetic is elementwise and int8 blocks and the dither are indexed from the shard's
 // start, so the results do not depend on the cut (tests check it bit for bit); a retry
 // of a failed step selects the same shards, so it cuts the same pieces.
+// Taper (pass_taper): the fill is the first piece's fetch alone and the drain the last
+// piece's write-back alone, each a piece's transfer in one direction; Megatron's bucket
+// passes (about 20 pieces each, ten an iteration) left about 1 ms of each pass so on an
+// H100.  With the taper the pass's first piece is cut into n/4, n/4, n/2 and its last into
+// n/2, n/4, n/4 (never below `align`; n the pass's piece), so both take a quarter as long
+// while the pieces between keep their size (no more per-piece cost than two more pieces
+// at each end).  The cut is on multiples of `align` from the shard's start, as every cut.
 // Limits: more than 24 pieces a pass gave no further gain, and the full-state step is
 // unchanged by the cut; the figures of each way of cutting are in docs/BENCHMARKS.md
-// ("Pass pieces").
+// ("Pass pieces").  The taper is off by default until it is timed on a GPU.
+namespace {
+// [e0, e0 + n) of shard s cut at e0 + t, e0 + 2t, ... (sizes t, t, 2t, ...) while a cut
+// leaves something after it; `small_last`: at end - t, end - 2t, ... rounded down to `align`
+// from the shard's start instead (sizes ..., 2t, t at the end).
+void cut_tapered(std::vector<piece_ref>& out, std::size_t s, std::size_t e0, std::size_t n, std::size_t t,
+                 std::size_t align, bool small_last) {
+  std::vector<std::size_t> cuts;  // offsets from e0, increasing
+  for (std::size_t k = t; k < n; k *= 2) {
+    const std::size_t at = small_last ? (n - k) / align * align : k;
+    if (at > 0 && at < n) cuts.push_back(at);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  std::size_t from = 0;
+  for (std::size_t at : cuts) {
+    out.push_back({s, e0 + from, at - from});
+    from = at;
+  }
+  out.push_back({s, e0 + from, n - from});
+}
+}  // namespace
+
 std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<bool>& selected,
-                                  std::size_t window_piece, std::size_t align) {
+                                  std::size_t window_piece, std::size_t align, bool taper) {
   std::size_t total = 0;
   for (std::size_t s = 0; s < shards.size(); ++s)
     if (selected[s]) total += shards.numel(s);
@@ -112,7 +141,25 @@ std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<b
   for (std::size_t s = 0; s < shards.size(); ++s)
     if (selected[s])
       for (std::size_t e0 = 0; e0 < shards.numel(s); e0 += n) out.push_back({s, e0, std::min(n, shards.numel(s) - e0)});
-  return out;
+  const std::size_t t = std::max(n / 4, align);
+  if (!taper || t >= n || out.empty()) return out;
+  // The first piece cut from its start, the last from its end (one piece: both ends).
+  std::vector<piece_ref> head, tail;
+  const piece_ref first = out.front(), last = out.back();
+  if (out.size() == 1) {
+    cut_tapered(head, first.shard, first.e0, first.n, t, align, false);
+    piece_ref end = head.back();
+    head.pop_back();
+    cut_tapered(tail, end.shard, end.e0, end.n, t, align, true);
+    head.insert(head.end(), tail.begin(), tail.end());
+    return head;
+  }
+  cut_tapered(head, first.shard, first.e0, first.n, t, align, false);
+  cut_tapered(tail, last.shard, last.e0, last.n, t, align, true);
+  std::vector<piece_ref> tapered = head;
+  tapered.insert(tapered.end(), out.begin() + 1, out.end() - 1);
+  tapered.insert(tapered.end(), tail.begin(), tail.end());
+  return tapered;
 }
 
 window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, step_inputs step)

@@ -45,9 +45,9 @@ struct step_inputs {
 
 /// The pieces of a pass over the shards `selected` (Note [Pass pieces]): the window's
 /// piece of `window_piece` elements halved while the pass keeps 12 to 24 pieces, on
-/// multiples of `align` elements.
+/// multiples of `align` elements; `taper`: the pass's first and last pieces cut smaller.
 std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<bool>& selected,
-                                  std::size_t window_piece, std::size_t align);
+                                  std::size_t window_piece, std::size_t align, bool taper = false);
 
 /// One pass over plan.pieces (Note [Window pipeline]).
 class window_pipeline {

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <tuple>
 
 #include <deferalloc/deferalloc.h>
 
@@ -392,6 +393,41 @@ TEST(optimizer, a_pass_is_cut_finer_than_the_window_and_the_bits_do_not_change) 
   }
   expect_same(results[0], results[1], "a window of 8 Mi-element pieces vs 1");
   expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
+}
+
+// Note [Pass pieces], the taper (pass_taper): the pass's first piece is cut into a quarter,
+// a quarter and a half, its last into a half, a quarter and a quarter (a piece shorter than
+// a quarter is left whole); the bits do not change.
+TEST(optimizer, a_tapered_pass_cuts_its_end_pieces_and_the_bits_do_not_change) {
+  auto d = make_driver();
+  const std::size_t mi = std::size_t{1} << 20;
+  // {4 Mi + 5, 3001}: 5 + 1 pieces of 1 Mi elements, the first cut in 3 (the last is
+  // tiny): 8.  {4 Mi}: 4 pieces, the first and the last cut in 3: 8.
+  for (const auto& [sizes, untapered, tapered] :
+       {std::tuple{std::vector<std::size_t>{4 * mi + 5, 3001}, 6u, 8u}, std::tuple{std::vector<std::size_t>{4 * mi}, 4u, 8u}}) {
+    problem p = make_problem(d->granularity(), 3);
+    p.sizes = sizes;
+    p.params.clear();
+    p.grads.assign(p.steps, {});
+    for (std::size_t s = 0; s < p.sizes.size(); ++s) p.params.push_back(random_bf16(p.sizes[s], 20 + s, 1.0f));
+    for (int t = 0; t < p.steps; ++t)
+      for (std::size_t s = 0; s < p.sizes.size(); ++s) p.grads[t].push_back(random_bf16(p.sizes[s], 2000 * t + s, 0.1f));
+    p.window = 3 * 12 * 8 * mi;
+    std::vector<result> results;
+    for (bool taper : {false, true}) {
+      optimizer_config cfg = config_for(tier::host);
+      cfg.pass_taper = taper;
+      run r(d, p, cfg);
+      r.opt->initialize();
+      for (int s = 0; s < p.steps; ++s) {
+        r.step(s);
+        EXPECT_EQ(r.opt->last_report().pieces, taper ? tapered : untapered) << sizes.size() << " shards, taper " << taper;
+      }
+      results.push_back(r.state());
+    }
+    expect_same(results[0], results[1], "tapered vs untapered passes");
+    expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
+  }
 }
 
 // Note [Resident shards]: a resident shard costs its elements rounded up to the granule,

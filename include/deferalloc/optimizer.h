@@ -76,6 +76,7 @@ typedef struct dfa_optimizer_config {
   uint64_t resident_mb;      /* host tier: HBM for shards kept resident */
   int moments;               /* dfa_moments: storage of the Adam moments at home */
   int progress_line;         /* print a progress line during a long initialize() */
+  int pass_taper;            /* cut each pass's first and last pieces smaller */
 } dfa_optimizer_config;
 
 /* Fills *c with the defaults (those of docs/SETTINGS.md); c->struct_size must be set first. */

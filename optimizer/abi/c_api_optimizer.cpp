@@ -109,6 +109,7 @@ engine_settings from_config(const dfa_optimizer_config* c) {
   set("resident_mb", std::to_string(c->resident_mb));
   set("moments", to_string(static_cast<moment_format>(enumerator("moments", c->moments, DFA_MOMENTS_INT8))));
   set("progress_line", flag(c->progress_line));
+  set("pass_taper", flag(c->pass_taper));
   return e;
 }
 
@@ -145,6 +146,7 @@ void copy_field(dfa_optimizer_config& c, const std::string& key, const optimizer
   else if (key == "resident_mb") c.resident_mb = oc.resident_bytes >> 20;
   else if (key == "moments") c.moments = static_cast<int>(oc.moments);
   else if (key == "progress_line") c.progress_line = oc.progress_line ? 1 : 0;
+  else if (key == "pass_taper") c.pass_taper = oc.pass_taper ? 1 : 0;
   else throw invalid_argument("dfa_opt_config_apply_text: no field for the optimizer key '" + key + "'");
 }
 
@@ -223,6 +225,7 @@ dfa_status dfa_opt_config_init(dfa_optimizer_config* c) {
     c->resident_mb = d.resident_bytes >> 20;
     c->moments = static_cast<int>(d.moments);
     c->progress_line = d.progress_line;
+    c->pass_taper = d.pass_taper;
   });
 }
 

@@ -94,6 +94,10 @@ struct optimizer_config {
   /// their chunks (the window's HBM stays taken between steps, and back-to-back passes, as
   /// the buckets of a step overlapped with backward, map nothing).  Note [Window slots].
   bool keep_window = false;
+  /// Streamed tiers: cut each pass's first and last pieces smaller (a quarter of the
+  /// pass's piece, then a half), so that the pass fills and drains its pipeline sooner.
+  /// Note [Pass pieces].
+  bool pass_taper = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
