@@ -4,7 +4,7 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, all), one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -25,6 +25,11 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, a
                            (train_gpt.py --switch-interval: the training loop hands the GIL to the
                            optimizer's worker within 0.2 ms instead of 5), judged as the fwd rows and
                            beside their fwd twin; the set gil: each dtype's plain, fwd, fwdc2, fwdsw, fwdc2sw
+  {plain,fwd}tp_{fp32,bf16,int8}_host
+                           a plain or fwd row with the engine's tapered passes (DEFERALLOC_CONF
+                           pass_taper:1: each pass's first and last pieces cut smaller, so it fills
+                           and drains its pipeline sooner), judged as its mode and beside its twin
+                           without the taper; the set taper: each dtype's plain, plaintp, fwd, fwdtp
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
   odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
@@ -96,10 +101,18 @@ def overlapped(name: str) -> bool:
     return name.startswith(("inside", "fwd")) or name == "auto_inside_host"
 
 
+# Rows with the engine's tapered passes (DEFERALLOC_CONF pass_taper:1, Note [Pass pieces] in
+# optimizer/window_pipeline.cpp), host tier: the name's suffix to plain or fwd -> the setting.
+TAPER = {"tp": "pass_taper:1"}
+
+
 def fwd_twin(name: str) -> str | None:
-    """A coalesced fwd row's uncoalesced twin (fwdc2_fp32_host -> fwd_fp32_host); None for others."""
+    """A coalesced or tapered row's twin without it (fwdc2_fp32_host -> fwd_fp32_host,
+    plaintp_bf16_host -> plain_bf16_host); None for others."""
     mode, _, rest = name.partition("_")
-    return f"fwd_{rest}" if mode in (f"fwd{k}" for k in COALESCE) else None
+    if mode in (f"plain{k}" for k in TAPER):
+        return f"plain_{rest}"
+    return f"fwd_{rest}" if mode in (f"fwd{k}" for k in (*COALESCE, *TAPER)) else None
 
 
 def row_table() -> dict:
@@ -116,6 +129,11 @@ def row_table() -> dict:
     for k, extra in COALESCE.items():
         for dtype in DTYPES:
             rows[f"fwd{k}_{dtype}_host"] = (rows[f"fwd_{dtype}_host"][0] + extra, {}, "host", f"plain_{dtype}_host")
+    for k, conf in TAPER.items():
+        for dtype in DTYPES:
+            for mode in ("plain", "fwd"):
+                rows[f"{mode}{k}_{dtype}_host"] = (rows[f"{mode}_{dtype}_host"][0], {"conf": conf}, "host",
+                                                   f"plain_{dtype}_host")
     for mode in ("plain", "inside"):
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
         rows[f"auto_{mode}_host"] = (opts + MODE_OPTS[mode], {"streamed_fraction": 0.5}, "host", "auto_plain_host")
@@ -134,8 +152,9 @@ SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in 
 SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2")
                     + (("fwdcall",) if d == "fp32" else ())]
 SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2", "fwdsw", "fwdc2sw")]
+SETS["taper"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "plaintp", "fwd", "fwdtp")]
 SETS["all"] = SETS["host"] + SETS["file"]
-SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host",
+SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host", "fwdtp_fp32_host",
               "plain_int8_file", "auto_plain_host",
               "plain_fp32_file", "odirect_file"]
 
@@ -239,11 +258,11 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
                 r = it[name] / it[plain]
                 results.append(res(f"{name}: iteration / {plain}'s", r, "x"))
                 verdicts.append(f"{name} / {plain}: {r:.2f}x (target <= 1)" + ("" if r <= 1.0 else " MISSED"))
-            fwd = fwd_twin(name)
-            if fwd in it:  # what coalescing the passes changed (no target yet)
-                r = it[name] / it[fwd]
-                results.append(res(f"{name}: iteration / {fwd}'s", r, "x"))
-                verdicts.append(f"{name} / {fwd}: {r:.2f}x")
+        fwd = fwd_twin(name)
+        if fwd in it:  # what coalescing or tapering the passes changed (no target yet)
+            r = it[name] / it[fwd]
+            results.append(res(f"{name}: iteration / {fwd}'s", r, "x"))
+            verdicts.append(f"{name} / {fwd}: {r:.2f}x")
     for dtype, target in (("fp32", 1.5), ("bf16", 2.2)):
         for name in (f"inside_{dtype}_host", f"fwd_{dtype}_host"):
             if "hdo" in it and name in it:
@@ -327,7 +346,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="054", choices=list(MODELS))
     ap.add_argument("--model-args", help="train_gpt.py's model options, one string (instead of --model's)")
-    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, all), comma-separated; choices: "
+    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, taper, all), comma-separated; choices: "
                                                    + ",".join(ROWS))
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
     ap.add_argument("--window-mb", type=int, default=512)
@@ -376,8 +395,10 @@ def main(argv=None) -> int:
             max(drv.longest, 1.0) * 1.1
         if a.smoke and name in ("resident", "odirect_file"):
             child_opts = {**child_opts, "digest": True}  # baseline_matches compares them
+        conf = child_opts.get("conf")  # (the child's DEFERALLOC_CONF, not one of its options)
+        child_opts = {k: v for k, v in child_opts.items() if k != "conf"}
         drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},
-                a.file_median_of if file else a.median_of, estimate=estimate, port=29650 + i)
+                a.file_median_of if file else a.median_of, conf=conf, estimate=estimate, port=29650 + i)
         if file:
             shutil.rmtree(state_dir, ignore_errors=True)  # the disk holds one state file at a time
             t0 = drv.spent()
