@@ -4,7 +4,7 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, clip, all), one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -30,6 +30,11 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, t
                            pass_taper:1: each pass's first and last pieces cut smaller, so it fills
                            and drains its pipeline sooner), judged as its mode and beside its twin
                            without the taper; the set taper: each dtype's plain, plaintp, fwd, fwdtp
+  {plain,fwd}clip_{fp32,bf16,int8}_host
+                           a plain or fwd row whose clipping fires at every step (--clip-grad 1e-3;
+                           the others never clip): fwdclip judged against plainclip (the policy then
+                           steps after Megatron's clip, across the next forward), both beside their
+                           unclipped twin; the set clip
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
   odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
@@ -104,15 +109,19 @@ def overlapped(name: str) -> bool:
 # Rows with the engine's tapered passes (DEFERALLOC_CONF pass_taper:1, Note [Pass pieces] in
 # optimizer/window_pipeline.cpp), host tier: the name's suffix to plain or fwd -> the setting.
 TAPER = {"tp": "pass_taper:1"}
+# Rows whose clipping fires at every step (Megatron's clip_grad 1e-3 against grad norms of
+# about 1), host tier: the name's suffix to plain or fwd -> train_gpt.py's options (the last
+# --clip-grad wins over TIMING's 1e9).
+CLIP = {"clip": ["--clip-grad", "1e-3"]}
 
 
 def fwd_twin(name: str) -> str | None:
     """A coalesced or tapered row's twin without it (fwdc2_fp32_host -> fwd_fp32_host,
     plaintp_bf16_host -> plain_bf16_host); None for others."""
     mode, _, rest = name.partition("_")
-    if mode in (f"plain{k}" for k in TAPER):
+    if mode in (f"plain{k}" for k in (*TAPER, *CLIP)):
         return f"plain_{rest}"
-    return f"fwd_{rest}" if mode in (f"fwd{k}" for k in (*COALESCE, *TAPER)) else None
+    return f"fwd_{rest}" if mode in (f"fwd{k}" for k in (*COALESCE, *TAPER, *CLIP)) else None
 
 
 def row_table() -> dict:
@@ -134,6 +143,11 @@ def row_table() -> dict:
             for mode in ("plain", "fwd"):
                 rows[f"{mode}{k}_{dtype}_host"] = (rows[f"{mode}_{dtype}_host"][0], {"conf": conf}, "host",
                                                    f"plain_{dtype}_host")
+    for k, extra in CLIP.items():
+        for dtype in DTYPES:
+            for mode in ("plain", "fwd"):  # judged against the plain row that clips too
+                rows[f"{mode}{k}_{dtype}_host"] = (rows[f"{mode}_{dtype}_host"][0] + extra, {}, "host",
+                                                   f"plain{k}_{dtype}_host")
     for mode in ("plain", "inside"):
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
         rows[f"auto_{mode}_host"] = (opts + MODE_OPTS[mode], {"streamed_fraction": 0.5}, "host", "auto_plain_host")
@@ -152,6 +166,7 @@ SETS = {"host": ["resident", "hdo"] + [f"{m}_{d}_host" for d in DTYPES for m in 
 SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2")
                     + (("fwdcall",) if d == "fp32" else ())]
 SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2", "fwdsw", "fwdc2sw")]
+SETS["clip"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plainclip", "fwdclip")]
 SETS["taper"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "plaintp", "fwd", "fwdtp")]
 SETS["all"] = SETS["host"] + SETS["file"]
 SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host", "fwdtp_fp32_host",
@@ -346,7 +361,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="054", choices=list(MODELS))
     ap.add_argument("--model-args", help="train_gpt.py's model options, one string (instead of --model's)")
-    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, taper, all), comma-separated; choices: "
+    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, taper, clip, all), comma-separated; choices: "
                                                    + ",".join(ROWS))
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
     ap.add_argument("--window-mb", type=int, default=512)
