@@ -19,12 +19,16 @@ unset DEFERALLOC_LIB DEFERALLOC_CONF PYTHONPATH
 [ -x "$work/v/bin/python" ] || python3 -m venv "$work/v"
 offline=()
 [ -n "${DFA_PIP_FIND_LINKS:-}" ] && offline=(--no-index --find-links "$DFA_PIP_FIND_LINKS")
+own=$("$work/v/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# A run before this one left the .pth below in v: pip's isolated build would then see the
+# torch venv's packages, and scikit-build-core asks for the `cmake` package when it can
+# import one (which offline, the GPU machine, no folder provides): the build runs without it.
+rm -f "$own/deferalloc_ci_torch.pth"
 t0=$SECONDS
 "$work/v/bin/pip" install --quiet --disable-pip-version-check "${offline[@]}" "$src" -C "build-dir=$work/pip-build"
 echo "pip install .: $((SECONDS - t0)) s"
 if [ -n "$torch_py" ]; then
   site=$("$torch_py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-  own=$("$work/v/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site" > "$own/deferalloc_ci_torch.pth"
 fi
 # Where a GPU is, the same wheel must give CUDA tensors (driver:auto picks the GPU).
