@@ -143,22 +143,18 @@ std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<b
       for (std::size_t e0 = 0; e0 < shards.numel(s); e0 += n) out.push_back({s, e0, std::min(n, shards.numel(s) - e0)});
   const std::size_t t = std::max(n / 4, align);
   if (!taper || t >= n || out.empty()) return out;
-  // The first piece cut from its start, the last from its end (one piece: both ends).
-  std::vector<piece_ref> head, tail;
-  const piece_ref first = out.front(), last = out.back();
+  // The first piece cut from its start, the last from its end (one piece: the last of the
+  // first's cuts).
+  std::vector<piece_ref> tapered;
+  cut_tapered(tapered, out.front().shard, out.front().e0, out.front().n, t, align, false);
+  piece_ref end = out.back();
   if (out.size() == 1) {
-    cut_tapered(head, first.shard, first.e0, first.n, t, align, false);
-    piece_ref end = head.back();
-    head.pop_back();
-    cut_tapered(tail, end.shard, end.e0, end.n, t, align, true);
-    head.insert(head.end(), tail.begin(), tail.end());
-    return head;
+    end = tapered.back();
+    tapered.pop_back();
+  } else {
+    tapered.insert(tapered.end(), out.begin() + 1, out.end() - 1);
   }
-  cut_tapered(head, first.shard, first.e0, first.n, t, align, false);
-  cut_tapered(tail, last.shard, last.e0, last.n, t, align, true);
-  std::vector<piece_ref> tapered = head;
-  tapered.insert(tapered.end(), out.begin() + 1, out.end() - 1);
-  tapered.insert(tapered.end(), tail.begin(), tail.end());
+  cut_tapered(tapered, end.shard, end.e0, end.n, t, align, true);
   return tapered;
 }
 

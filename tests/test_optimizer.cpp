@@ -402,9 +402,11 @@ TEST(optimizer, a_tapered_pass_cuts_its_end_pieces_and_the_bits_do_not_change) {
   auto d = make_driver();
   const std::size_t mi = std::size_t{1} << 20;
   // {4 Mi + 5, 3001}: 5 + 1 pieces of 1 Mi elements, the first cut in 3 (the last is
-  // tiny): 8.  {4 Mi}: 4 pieces, the first and the last cut in 3: 8.
+  // tiny): 8.  {4 Mi}: 4 pieces, the first and the last cut in 3: 8.  {1 Mi}: one piece,
+  // cut from its start (a quarter, a quarter, a half) and that half from its end: 4.
   for (const auto& [sizes, untapered, tapered] :
-       {std::tuple{std::vector<std::size_t>{4 * mi + 5, 3001}, 6u, 8u}, std::tuple{std::vector<std::size_t>{4 * mi}, 4u, 8u}}) {
+       {std::tuple{std::vector<std::size_t>{4 * mi + 5, 3001}, 6u, 8u}, std::tuple{std::vector<std::size_t>{4 * mi}, 4u, 8u},
+        std::tuple{std::vector<std::size_t>{mi}, 1u, 4u}}) {
     problem p = make_problem(d->granularity(), 3);
     p.sizes = sizes;
     p.params.clear();
