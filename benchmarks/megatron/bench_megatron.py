@@ -95,10 +95,6 @@ STATE_DIR = "{state_dir}"  # in a file row's options: its state directory under 
 DTYPES, TIERS, MODES = ("fp32", "bf16", "int8"), ("host", "file"), ("plain", "inside", "fwd")
 MODE_OPTS = {"plain": [], "inside": ["--step-in-backward"],
              "fwd": ["--step-in-backward", "--overlap-param-gather", "--step-overlap-forward"]}
-# The fwd rows with coalesced bucket passes (host tier, whose default is one bucket group a
-# pass) or a shorter GIL hand-over: the name's suffix to fwd -> train_gpt.py's options.
-COALESCE = {"c2": ["--coalesce", "2"], "call": ["--coalesce", "0"], "sw": ["--switch-interval", "0.0002"],
-            "c2sw": ["--coalesce", "2", "--switch-interval", "0.0002"]}
 
 
 def overlapped(name: str) -> bool:
@@ -106,22 +102,30 @@ def overlapped(name: str) -> bool:
     return name.startswith(("inside", "fwd")) or name == "auto_inside_host"
 
 
-# Rows with the engine's tapered passes (DEFERALLOC_CONF pass_taper:1, Note [Pass pieces] in
-# optimizer/window_pipeline.cpp), host tier: the name's suffix to plain or fwd -> the setting.
-TAPER = {"tp": "pass_taper:1"}
-# Rows whose clipping fires at every step (Megatron's clip_grad 1e-3 against grad norms of
-# about 1), host tier: the name's suffix to plain or fwd -> train_gpt.py's options (the last
-# --clip-grad wins over TIMING's 1e9).
-CLIP = {"clip": ["--clip-grad", "1e-3"]}
+# Variants of the host tier's plain and fwd rows: the name's suffix -> (the modes it varies,
+# train_gpt.py's options added, the child's DEFERALLOC_CONF added, whether its plain twin is
+# the plain row of the same variant).  c2 / call: coalesced bucket passes (the host tier's
+# default is one bucket group a pass); sw / c2sw: a shorter GIL hand-over; tp: the engine's
+# tapered passes (Note [Pass pieces] in optimizer/window_pipeline.cpp); clip: clipping firing
+# at every step (Megatron's clip_grad 1e-3 against grad norms of about 1; the last --clip-grad
+# wins over TIMING's 1e9), judged against the plain row that clips too.
+VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
+            "call": (("fwd",), ["--coalesce", "0"], None, False),
+            "sw": (("fwd",), ["--switch-interval", "0.0002"], None, False),
+            "c2sw": (("fwd",), ["--coalesce", "2", "--switch-interval", "0.0002"], None, False),
+            "tp": (("plain", "fwd"), [], "pass_taper:1", False),
+            "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True)}
 
 
 def fwd_twin(name: str) -> str | None:
-    """A coalesced or tapered row's twin without it (fwdc2_fp32_host -> fwd_fp32_host,
-    plaintp_bf16_host -> plain_bf16_host); None for others."""
+    """A variant row's twin without it (fwdc2_fp32_host -> fwd_fp32_host, plaintp_bf16_host ->
+    plain_bf16_host); None for others."""
     mode, _, rest = name.partition("_")
-    if mode in (f"plain{k}" for k in (*TAPER, *CLIP)):
-        return f"plain_{rest}"
-    return f"fwd_{rest}" if mode in (f"fwd{k}" for k in (*COALESCE, *TAPER, *CLIP)) else None
+    for k, (modes, _, _, _) in VARIANTS.items():
+        for m in modes:
+            if mode == m + k:
+                return f"{m}_{rest}"
+    return None
 
 
 def row_table() -> dict:
@@ -135,19 +139,12 @@ def row_table() -> dict:
                 opts = TIMING + ["--deferalloc", tier, "--moment-dtype", dtype] + \
                     (["--directory", STATE_DIR] if tier == "file" else [])
                 rows[f"{mode}_{dtype}_{tier}"] = (opts + MODE_OPTS[mode], {}, tier, f"plain_{dtype}_{tier}")
-    for k, extra in COALESCE.items():
+    for k, (modes, extra, conf, own_plain) in VARIANTS.items():
         for dtype in DTYPES:
-            rows[f"fwd{k}_{dtype}_host"] = (rows[f"fwd_{dtype}_host"][0] + extra, {}, "host", f"plain_{dtype}_host")
-    for k, conf in TAPER.items():
-        for dtype in DTYPES:
-            for mode in ("plain", "fwd"):
-                rows[f"{mode}{k}_{dtype}_host"] = (rows[f"{mode}_{dtype}_host"][0], {"conf": conf}, "host",
-                                                   f"plain_{dtype}_host")
-    for k, extra in CLIP.items():
-        for dtype in DTYPES:
-            for mode in ("plain", "fwd"):  # judged against the plain row that clips too
-                rows[f"{mode}{k}_{dtype}_host"] = (rows[f"{mode}_{dtype}_host"][0] + extra, {}, "host",
-                                                   f"plain{k}_{dtype}_host")
+            for mode in modes:
+                rows[f"{mode}{k}_{dtype}_host"] = (rows[f"{mode}_{dtype}_host"][0] + extra,
+                                                   {"conf": conf} if conf else {}, "host",
+                                                   f"plain{k if own_plain else ''}_{dtype}_host")
     for mode in ("plain", "inside"):
         opts = TIMING + ["--deferalloc", "host", "--resident-mb", "auto"]
         rows[f"auto_{mode}_host"] = (opts + MODE_OPTS[mode], {"streamed_fraction": 0.5}, "host", "auto_plain_host")
