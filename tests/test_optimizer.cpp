@@ -396,17 +396,21 @@ TEST(optimizer, a_pass_is_cut_finer_than_the_window_and_the_bits_do_not_change) 
 }
 
 // Note [Pass pieces], the taper (pass_taper): the pass's first piece is cut into a quarter,
-// a quarter and a half, its last into a half, a quarter and a quarter (a piece shorter than
-// a quarter is left whole); the bits do not change.
-TEST(optimizer, a_tapered_pass_cuts_its_end_pieces_and_the_bits_do_not_change) {
-  auto d = make_driver();
+// a quarter and a half, its last into a half, a quarter and a quarter (never below the
+// granule: a piece of two granules is cut in halves); the bits do not change.
+void tapered_passes(const std::shared_ptr<deferalloc::driver>& d) {
+  SCOPED_TRACE("granule " + std::to_string(d->granularity()));
   const std::size_t mi = std::size_t{1} << 20;
-  // {4 Mi + 5, 3001}: 5 + 1 pieces of 1 Mi elements, the first cut in 3 (the last is
-  // tiny): 8.  {4 Mi}: 4 pieces, the first and the last cut in 3: 8.  {1 Mi}: one piece,
-  // cut from its start (a quarter, a quarter, a half) and that half from its end: 4.
+  // The pieces are 1 Mi elements.  Host driver (64 KiB granules): {4 Mi + 5, 3001}: 5 + 1
+  // pieces, the first cut in 3 (the last is tiny): 8.  {4 Mi}: 4 pieces, the first and the
+  // last cut in 3: 8.  {1 Mi}: one piece, cut from its start (a quarter, a quarter, a half)
+  // and that half from its end: 4.  CUDA driver (2 MiB granules, 512 Ki elements: a
+  // quarter piece is below the granule): each end piece in halves: 7, 6 and 2.
+  const bool quarters = mi / 4 >= d->granularity() / 4;
   for (const auto& [sizes, untapered, tapered] :
-       {std::tuple{std::vector<std::size_t>{4 * mi + 5, 3001}, 6u, 8u}, std::tuple{std::vector<std::size_t>{4 * mi}, 4u, 8u},
-        std::tuple{std::vector<std::size_t>{mi}, 1u, 4u}}) {
+       {std::tuple{std::vector<std::size_t>{4 * mi + 5, 3001}, 6u, quarters ? 8u : 7u},
+        std::tuple{std::vector<std::size_t>{4 * mi}, 4u, quarters ? 8u : 6u},
+        std::tuple{std::vector<std::size_t>{mi}, 1u, quarters ? 4u : 2u}}) {
     problem p = make_problem(d->granularity(), 3);
     p.sizes = sizes;
     p.params.clear();
@@ -430,6 +434,13 @@ TEST(optimizer, a_tapered_pass_cuts_its_end_pieces_and_the_bits_do_not_change) {
     expect_same(results[0], results[1], "tapered vs untapered passes");
     expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
   }
+}
+
+TEST(optimizer, a_tapered_pass_cuts_its_end_pieces_and_the_bits_do_not_change) {
+  // This suite's driver, and a host driver with the CUDA driver's 2 MiB granules (both
+  // cuts checked without a GPU).
+  for (const auto& d : {make_driver(), deferalloc::make_host_driver({2_MiB, 1_GiB})})
+    tapered_passes(d);
 }
 
 // Note [Resident shards]: a resident shard costs its elements rounded up to the granule,

@@ -4,7 +4,7 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, clip, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, clip, bucket, all), one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -35,6 +35,12 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, t
                            the others never clip): fwdclip judged against plainclip (the policy then
                            steps after Megatron's clip, across the next forward), both beside their
                            unclipped twin; the set clip
+  fwd{b20,tpb20}_{fp32,bf16,int8}_host
+                           a fwd row (b20) or fwdtp row (tpb20) with DDP's bucket_size 20 M params
+                           (train_gpt.py --bucket-size; Megatron's default at DP 1 is 40 M): smaller bucket
+                           groups are final sooner in backward, so the link waits less for the first
+                           one, at the cost of more passes to fill and drain; judged as the fwd rows and
+                           beside their fwd twin; the set bucket: each dtype's fwd, fwdtp, fwdb20, fwdtpb20
   auto_{plain,inside}_host resident_mb="auto" (fp32 moments) under a budget that leaves about half of
                            the state streamed (_runner.py's Note [The auto budget's ballast])
   odirect_file             the synchronous O_DIRECT baseline a Megatron user has today (train_gpt.py
@@ -114,7 +120,9 @@ VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "sw": (("fwd",), ["--switch-interval", "0.0002"], None, False),
             "c2sw": (("fwd",), ["--coalesce", "2", "--switch-interval", "0.0002"], None, False),
             "tp": (("plain", "fwd"), [], "pass_taper:1", False),
-            "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True)}
+            "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True),
+            "b20": (("fwd",), ["--bucket-size", "20000000"], None, False),
+            "tpb20": (("fwd",), ["--bucket-size", "20000000"], "pass_taper:1", False)}
 
 
 def fwd_twin(name: str) -> str | None:
@@ -165,6 +173,7 @@ SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "f
 SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2", "fwdsw", "fwdc2sw")]
 SETS["clip"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plainclip", "fwdclip")]
 SETS["taper"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "plaintp", "fwd", "fwdtp")]
+SETS["bucket"] = [f"{m}_{d}_host" for d in DTYPES for m in ("fwd", "fwdtp", "fwdb20", "fwdtpb20")]
 SETS["all"] = SETS["host"] + SETS["file"]
 SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host", "fwdtp_fp32_host",
               "plain_int8_file", "auto_plain_host",
@@ -358,7 +367,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="054", choices=list(MODELS))
     ap.add_argument("--model-args", help="train_gpt.py's model options, one string (instead of --model's)")
-    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, taper, clip, all), comma-separated; choices: "
+    ap.add_argument("--rows", default="host", help="names or sets (host, file, coalesce, gil, taper, clip, bucket, all), comma-separated; choices: "
                                                    + ",".join(ROWS))
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
     ap.add_argument("--window-mb", type=int, default=512)

@@ -63,7 +63,7 @@ PCIE_BPS = 51e9  # duplex pinned copy each way on the H200 machine, when not mea
 # The acceptance marks: iteration / resident (clipping never and always fires), iteration
 # / max(fwd+bwd, transfer) where fwd+bwd is the shorter; the largest loss gap (%) of compressed
 # moments to FP32 ones.  (The file tier's marks are bench_file_tier.py's.)
-TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.25, small_vs_bound=1.10, bf16_loss=0.5,
+TARGETS = dict(overlap_vs_resident=1.10, clip_always_vs_resident=1.30, small_vs_bound=1.10, bf16_loss=0.5,
                int8_loss=1.0)
 
 
