@@ -74,6 +74,10 @@ finish() {
 trap finish EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$L/gpu.txt" 2>&1
 cat "$L/gpu.txt"
+# The host beside the GPU (its CPUs and NUMA nodes): hosts of one GPU kind differ in what the
+# CPU-side figures (HybridDeviceOptimizer, the training loop's launch rate) and the pinned
+# copies reach.
+{ lscpu; command -v numactl > /dev/null && numactl --hardware; nvidia-smi topo -m; } > "$L/host.txt" 2>&1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$L/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} && site=/tmp/site

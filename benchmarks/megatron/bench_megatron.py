@@ -65,7 +65,8 @@ step's speed-up over it (iteration over iteration; issue target >= 1.5x).  Its l
 resident's bit for bit (clip never reached: the same fused AdamW arithmetic), and under --smoke
 the final state's digest too (--smoke fails if either differs).
 
-Iterations: ``--steps`` (6) per row, medians of the last ``--median-of`` (4); file tier
+Iterations: ``--steps`` (8) per row, medians of the last ``--median-of`` (4: the first four hold
+the fwd rows' warm-up, its speculative first iterations, which lasted three on a slow host); file tier
 ``--file-steps`` (4), the last ``--file-median-of`` (2).  A row is started only where it ends
 within ``--budget-s`` at the longest row's time so far (file rows: the longest file row's).
 ``--json-dir DIR`` writes DIR/megatron_bench_<model>_<rows>.json (benchmarks/bench_json.py's
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
                                                    + ",".join(ROWS))
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
     ap.add_argument("--window-mb", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--median-of", type=int, default=4)
     ap.add_argument("--file-steps", type=int, default=4)
     ap.add_argument("--file-median-of", type=int, default=2)
