@@ -111,9 +111,14 @@ DistributedOptimizer holds of the group's params) instead of its own gradient ho
    No communication of its own: Megatron's reduce-scatter, on Megatron's communicator.
    (0.19's promoted FP32 main grads are read from the reduced comm buffer, the values
    Megatron's finish_grad_sync copies back.)
- - Megatron's step: ``prepare_grads`` is wrapped to let the pass in flight finish and start
-   no other until the inner step (Megatron reads and clips the grads meanwhile: no engine
-   pass runs beside it).
+ - Megatron's step: the worker goes on stepping the queued buckets while Megatron prepares,
+   norms and clips the grads before the inner step (the last bucket group's pass starts when
+   its grads are done, not after Megatron's norm).  Beside the passes Megatron's step only
+   reads the grads (``prepare_grads`` takes views or FP32 copies; a grad scaler, which would unscale
+   them in place, is refused), except when clipping fires: then it scales them in place, and
+   every pass of that iteration is speculative and discarded (below), so a pass that read
+   them mid-scale is redone from the clipped grads.  (A worker paused through Megatron's
+   step leaves the link idle for as long as Megatron's norm takes, each iteration.)
  - clipping: Megatron computes the norm (over the DP and model-parallel groups) after
    backward.  ``clip_grad_norm`` (a DistributedOptimizer's) or ``get_grad_norm`` (a
    ChainedOptimizer's) is wrapped to record the norm; the inner step (called by Megatron's
@@ -1054,14 +1059,6 @@ class _BackwardStep(BackwardOverlap):
                 return type(opt).zero_grad(opt, set_to_none, *a, **k)
             dopt.zero_grad = types.MethodType(zero_grad, dopt)
 
-        def prepare_grads(opt, *a, **k):
-            # Megatron's step reads and clips the grads the bucket passes read: none runs
-            # meanwhile (the queued ones resume, or are dropped, at the inner step).
-            if self.active:
-                self.pause_worker()
-            return type(opt).prepare_grads(opt, *a, **k)
-        dopt.prepare_grads = types.MethodType(prepare_grads, dopt)
-
         def clip_grad_norm(opt, clip_grad, *a, **k):
             self.norm = type(opt).clip_grad_norm(opt, clip_grad, *a, **k)
             self.norm_owner = opt
@@ -1101,10 +1098,6 @@ class _BackwardStep(BackwardOverlap):
         bg.start_grad_sync = grads_reduced
         bg.start_param_sync = params_gathered
 
-    def synchronize(self) -> None:
-        self.resume_worker()  # (a step Megatron left after prepare_grads: nothing stays paused)
-        super().synchronize()
-
     def _zero_per_bucket(self, chunk, megatron_zero) -> bool:
         """``chunk.zero_grad_buffer()`` without waiting for the steps (Note [The step across
         the next forward]): Megatron's own bookkeeping at once (its method runs with each
@@ -1112,9 +1105,6 @@ class _BackwardStep(BackwardOverlap):
         worker, the rest of each buffer (padding outside the buckets) now.  False (nothing
         done): a buffer with 0.19's separate FP32 main grads (``extra_main_grads``, zeroed by
         its ``reset``), left to the waiting path."""
-        # (a step Megatron's prepare_grads paused and no inner step resumed: the zeroing
-        # queued below must not wait on a paused worker)
-        self.resume_worker()
         buffers = list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []))
         if any(getattr(buf, "extra_main_grads", None) for buf in buffers):
             return False
@@ -1168,7 +1158,6 @@ class _BackwardStep(BackwardOverlap):
 
     def end_iteration(self) -> None:
         """The inner optimizer's step: Megatron has prepared (and clipped) the main grads."""
-        self.resume_worker()
         if self.max_grad_norm is None:
             self.finish_iteration(None)
             return
