@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=20, help="steps per trailing window (Note [Loss-curve tolerance])")
     ap.add_argument("--band", type=float, nargs=2, metavar=("BF16", "INT8"),
                     default=[BANDS["bf16"], BANDS["int8"]],
-                    help="every window's mean within this relative band of fp32's")
+                    help="no window's mean above fp32's by more than this (relative)")
     ap.add_argument("--perturb", type=float, default=1e-6,
                     help="fp32p's learning rate is the model's times (1 + this); 0: no fp32p run")
     ap.add_argument("--window-mb", type=int, default=512)
