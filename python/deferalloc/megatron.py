@@ -115,16 +115,17 @@ DistributedOptimizer holds of the group's params) instead of its own gradient ho
    norms and clips the grads before the inner step (the last bucket group's pass starts when
    its grads are done, not after Megatron's norm).  Beside the passes Megatron's step only
    reads the grads (``prepare_grads`` takes views or FP32 copies; a grad scaler, which would unscale
-   them in place, is refused), except when clipping fires: then it scales them in place, and
-   every pass of that iteration is speculative and discarded (below), so a pass that read
-   them mid-scale is redone from the clipped grads.  (A worker paused through Megatron's
+   them in place, is refused) or multiplies them in place by min(coefficient, 1) (0.17 on,
+   where the norm is a GPU tensor: every iteration), which is by exactly 1.0 unless clipping
+   fires; then every pass of that iteration is speculative and discarded (below), so a pass
+   that read them mid-scale is redone from the clipped grads.  (A worker paused through Megatron's
    step leaves the link idle for as long as Megatron's norm takes, each iteration.)
  - clipping: Megatron computes the norm (over the DP and model-parallel groups) after
    backward.  ``clip_grad_norm`` (a DistributedOptimizer's) or ``get_grad_norm`` (a
    ChainedOptimizer's) is wrapped to record the norm; the inner step (called by Megatron's
    ``step_with_ready_grads`` after it clipped) applies Megatron's own rule, clip_coeff =
    clip_grad / (norm + 1e-6) < 1.0 (and 0.19's separate grad-norm groups).  Not fired: the
-   speculative steps are committed (Megatron left the grads unchanged).  Fired: the
+   speculative steps are committed (Megatron left the grads' values unchanged).  Fired: the
    speculation is discarded and every bucket stepped again from Megatron's clipped grads.
    Whether to speculate is deferalloc.overlap's policy (``clip_policy``, "auto" by default:
    speculate while clipping fired in fewer than a quarter of the recent iterations; held
@@ -1148,13 +1149,15 @@ class _BackwardStep(BackwardOverlap):
     def _megatron_clipped(self) -> bool:
         """Whether Megatron clipped this iteration's grads: its rule (clip_grad_by_total_norm_fp32:
         clip_coeff = clip_grad / (norm + 1e-6) < 1.0 clips), for the total norm and 0.19's
-        separate grad-norm groups; a norm not seen counts as fired (redone: exact)."""
+        separate grad-norm groups; a norm not seen, or NaN, counts as fired (redone from the
+        grads Megatron left: exact; with a NaN norm 0.17's tensor path multiplies every grad
+        by NaN)."""
         norm, self.norm = self.norm, None
         if norm is None:
             return True
         clip = self.max_grad_norm
         norms = [norm, *(getattr(self.norm_owner, "grad_norms_by_group", None) or {}).values()]
-        return any(bool(clip / (n + 1.0e-6) < 1.0) for n in norms if n is not None)
+        return any(not bool(clip / (n + 1.0e-6) >= 1.0) for n in norms if n is not None)
 
     def end_iteration(self) -> None:
         """The inner optimizer's step: Megatron has prepared (and clipped) the main grads."""

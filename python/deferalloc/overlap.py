@@ -218,7 +218,7 @@ class BackwardOverlap:
         self._pending: list[_Item] = []
         self._busy = 0
         self._stop = False
-        self._paused = False  # the worker takes nothing new (_pause / _resume)
+        self._paused = False  # the worker takes nothing new (pause_worker / resume_worker)
         self._seq = 0
         self._gen = 0
         self._accumulating = False
@@ -253,7 +253,8 @@ class BackwardOverlap:
     # ``iteration`` are read-only; ``bucket_ready`` queues a bucket, ``wait_buckets`` waits
     # for buckets' steps, ``run_after`` queues an action behind a bucket's step (on the
     # worker, before the bucket counts as done), ``pause_worker`` / ``resume_worker`` hold
-    # the worker between items, ``finish_iteration(settle)`` ends an iteration and
+    # the worker between items (a driver ordering its own work against the passes; tests
+    # use them), ``finish_iteration(settle)`` ends an iteration and
     # ``settle(fired, clip)`` keeps or redoes a clipping speculation.  A subclass may override ``complete_bucket`` (a bucket
     # whose gradients are final at step()) and set ``own_norms = False`` (the driver clips);
     # a driver may set each bucket's ``order`` (smaller: the next forward needs it sooner;
@@ -350,7 +351,7 @@ class BackwardOverlap:
             self._cv.notify_all()
 
     def pause_worker(self) -> None:
-        """The worker finishes the item it is on and takes nothing new until _resume()."""
+        """The worker finishes the item it is on and takes nothing new until resume_worker()."""
         with self._cv:
             self._paused = True
             while self._busy:

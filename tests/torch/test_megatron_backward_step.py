@@ -24,7 +24,7 @@ firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
      and with coalesced bucket passes (``coalesce``: train_gpt.py --coalesce 2 at DP 1, never
      firing; --coalesce 0, every done bucket group in one pass, at DP 2, always firing, so the
      redos coalesce too): bit-identical to both, with fewer engine passes than bucket steps;
-  4. what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
+  4. Megatron's clip rule as the inner step reads it (a NaN norm counts as fired); what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
      distributed-optimizer instances, an unknown clip policy; step_overlap_forward without
      overlap_param_gather or with a chain of two; reduce_scatter_with_fp32_accumulation), and so
      is a bad ``coalesce`` (negative, not a bool or an int, or without step_in_backward);
@@ -83,7 +83,28 @@ def refusals() -> list:
     rows.append(("accepted: BF16 without a scaler (a chain of two)", "accepted" if ok else "refused", ok))
     ok = not refused([dopt()], overlap_forward=True)
     rows.append(("accepted: step_overlap_forward with overlap_param_gather", "accepted" if ok else "refused", ok))
-    return rows + coalesce_refusals()
+    return rows + coalesce_refusals() + clip_rule()
+
+
+def clip_rule() -> list:
+    """Whether Megatron clipped, by its rule clip_grad / (norm + 1e-6) < 1.0, on stand-ins: a
+    norm above clip_grad fired, one below did not, a NaN norm (or one not seen) counts as
+    fired (0.17's tensor path multiplies every grad by NaN: only a redo is exact)."""
+    import math
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from deferalloc.megatron import _BackwardStep
+    rows = []
+    for what, norm, fired in (("norm 2.0", 2.0, True), ("norm 0.5", 0.5, False), ("norm NaN", math.nan, True),
+                              ("norm NaN (a tensor)", torch.tensor(math.nan), True),
+                              ("norm 0.5 (a tensor)", torch.tensor(0.5), False), ("no norm seen", None, True)):
+        st = NS(norm=norm, max_grad_norm=1.0, norm_owner=None)
+        got = _BackwardStep._megatron_clipped(st)
+        rows.append((f"clip_grad 1.0, {what}: counted as {'fired' if fired else 'not fired'}",
+                     "fired" if got else "not fired", got == fired and st.norm is None))
+    return rows
 
 
 def coalesce_refusals() -> list:
