@@ -114,12 +114,12 @@ DistributedOptimizer holds of the group's params) instead of its own gradient ho
  - Megatron's step: the worker goes on stepping the queued buckets while Megatron prepares,
    norms and clips the grads before the inner step (the last bucket group's pass starts when
    its grads are done, not after Megatron's norm).  Beside the passes Megatron's step only
-   reads the grads (``prepare_grads`` takes views or FP32 copies; a grad scaler, which would unscale
-   them in place, is refused) or multiplies them in place by min(coefficient, 1) (0.17 on,
-   where the norm is a GPU tensor: every iteration), which is by exactly 1.0 unless clipping
-   fires; then every pass of that iteration is speculative and discarded (below), so a pass
-   that read them mid-scale is redone from the clipped grads.  (A worker paused through Megatron's
-   step leaves the link idle for as long as Megatron's norm takes, each iteration.)
+   reads the grads (``prepare_grads`` takes views or FP32 copies; a grad scaler, which would
+   unscale them in place, is refused) or multiplies them in place by min(coefficient, 1)
+   (0.17 on, where the norm is a GPU tensor: every iteration), which is by exactly 1.0 unless
+   clipping fires; then every pass of that iteration is speculative and discarded (below),
+   so a pass that read them mid-scale is redone from the clipped grads.  (A worker paused
+   through Megatron's step leaves the link idle for as long as Megatron's norm takes.)
  - clipping: Megatron computes the norm (over the DP and model-parallel groups) after
    backward.  ``clip_grad_norm`` (a DistributedOptimizer's) or ``get_grad_norm`` (a
    ChainedOptimizer's) is wrapped to record the norm; the inner step (called by Megatron's
@@ -292,7 +292,7 @@ from . import deferred_empty
 from . import _native
 from ._logging import logger
 from .optim import InvalidArgumentError, InvalidStateError, StreamedAdamW, resident_budgets
-from .overlap import BackwardOverlap
+from .overlap import BackwardOverlap, clip_fired
 
 __all__ = ["stream_optimizer_state", "deferred_main_params", "StreamedMegatronAdamW", "TESTED_VERSIONS",
            "megatron_core_version",
@@ -1157,7 +1157,7 @@ class _BackwardStep(BackwardOverlap):
             return True
         clip = self.max_grad_norm
         norms = [norm, *(getattr(self.norm_owner, "grad_norms_by_group", None) or {}).values()]
-        return any(not bool(clip / (n + 1.0e-6) >= 1.0) for n in norms if n is not None)
+        return any(clip_fired(clip, n) for n in norms if n is not None)
 
     def end_iteration(self) -> None:
         """The inner optimizer's step: Megatron has prepared (and clipped) the main grads."""

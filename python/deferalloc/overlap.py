@@ -154,6 +154,15 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def clip_fired(max_norm: float, norm) -> bool:
+    """Whether clipping to ``max_norm`` changes grads of total norm ``norm`` (a float or a
+    tensor): torch's and Megatron's rule, coefficient max_norm / (norm + 1e-6) below 1.0
+    (else they multiply by exactly 1.0, or not at all: no change).  A NaN norm counts as
+    fired: the coefficient is NaN, and only a step from the grads left after the clip is
+    exact."""
+    return not bool(max_norm / (norm + 1e-6) >= 1.0)
+
+
 class BackwardOverlap:
     """Steps ``opt``'s parameters during backward.  See Note [Overlap with backward].
 
@@ -605,9 +614,8 @@ class BackwardOverlap:
         if not params:
             return
         total = self._total_norm(params)
-        coef = self.max_grad_norm / (total + 1e-6)
-        fired = not bool(coef >= 1.0)  # else torch multiplies by exactly 1.0: no change (NaN: fired)
-        self.settle(fired, lambda: torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total))
+        self.settle(clip_fired(self.max_grad_norm, total),
+                    lambda: torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total))
 
     def settle(self, fired: bool, clip) -> None:
         """Speculation kept (commit) or discarded and redone, once whether clipping

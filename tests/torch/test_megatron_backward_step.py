@@ -24,7 +24,8 @@ firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
      and with coalesced bucket passes (``coalesce``: train_gpt.py --coalesce 2 at DP 1, never
      firing; --coalesce 0, every done bucket group in one pass, at DP 2, always firing, so the
      redos coalesce too): bit-identical to both, with fewer engine passes than bucket steps;
-  4. Megatron's clip rule as the inner step reads it (a NaN norm counts as fired); what cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
+  4. Megatron's clip rule as the inner step reads it (a NaN norm counts as fired); what
+     cannot be made exact is refused (a grad scaler, grad_norm_skip_threshold, several
      distributed-optimizer instances, an unknown clip policy; step_overlap_forward without
      overlap_param_gather or with a chain of two; reduce_scatter_with_fp32_accumulation), and so
      is a bad ``coalesce`` (negative, not a bool or an int, or without step_in_backward);
@@ -83,7 +84,7 @@ def refusals() -> list:
     rows.append(("accepted: BF16 without a scaler (a chain of two)", "accepted" if ok else "refused", ok))
     ok = not refused([dopt()], overlap_forward=True)
     rows.append(("accepted: step_overlap_forward with overlap_param_gather", "accepted" if ok else "refused", ok))
-    return rows + coalesce_refusals() + clip_rule()
+    return rows + coalesce_refusals()
 
 
 def clip_rule() -> list:
@@ -152,7 +153,7 @@ def main() -> int:
     env = dict(os.environ)
     work = work_dir("dfa_megatron_backward_step_")
     wall: dict[str, float] = {}
-    rows = refusals()
+    rows = refusals() + clip_rule()
     # 0.19's colocation API (DDP's offload_grad_buffers / restore_grad_buffers)
     colocation = tuple(int(x) for x in version.split(".")[:2]) >= (0, 19)
     for dp in (1, 2):
