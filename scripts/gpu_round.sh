@@ -29,7 +29,7 @@
 #   shown by plot.py.  DFA_MB_SECONDS (default 570) bounds the step (rows that would not end in time
 #   are skipped: run the rest in another call).
 #   curves: benchmarks/megatron/loss_curves.py (same megatron-core as sib): Megatron's own optimizer
-#   and the host tier with fp32, bf16 and int8 moments, 200 steps each of a 17 M-param model on
+#   and the host tier with fp32, bf16 and int8 moments, 200 steps each of a 21 M-param model on
 #   train_gpt's --data pattern, one process each; fp32 bit-identical to Megatron's at every step,
 #   bf16 / int8 within its tolerance; $R/megatron_loss_curves.json (plot.py draws the curves).
 #   DFA_CURVES_SECONDS (default 570) bounds the step, DFA_CURVES_ARGS adds arguments (split at

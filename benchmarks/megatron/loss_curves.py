@@ -23,7 +23,7 @@ results; a table last.
       python3 benchmarks/megatron/loss_curves.py --json out/megatron_loss_curves.json
     python3 benchmarks/megatron/loss_curves.py --smoke --json out/x.json  # CPU: tiny model, 6 steps
 
-The default model (4 layers, hidden 512, vocab 8192, seq 256, batch 8: about 17 M params)
+The default model (4 layers, hidden 512, vocab 8192, seq 256, batch 8: about 21 M params)
 keeps the five runs of 200 steps inside one 10-minute call: on an H100 an estimated 20-40 ms a
 step (the state moves 0.2 GB each way; Megatron's Python and the data's rows dominate) and
 20-40 s to start each process (measured on an H100: the four runs of the first version in 91 s).  ``--smoke`` (CPU,
