@@ -148,8 +148,10 @@ def child(argv: list[str]) -> int:
         t_start = time.perf_counter()
         loss, _, opt_s = tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not nosync)
         t_end = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()  # what the next start waits for is this iteration's (Note [The iteration's time])
         iters.append({"start": t_start, "zeroed": marks.get("zeroed", t_start), "fb_end": t_end - opt_s,
-                      "end": t_end, "loss": loss,
+                      "end": t_end, "done": time.perf_counter(), "loss": loss,
                       "counts": dict(backward_step.stats()) if backward_step is not None else {}})
     if backward_step is not None:
         backward_step.synchronize()  # the last iteration's passes (the next forward would wait for them)
@@ -193,13 +195,39 @@ def overlap_seconds(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def iteration_seconds(its: list[dict], i: int) -> float | None:
+    """Iteration ``i``'s time (Note [The iteration's time]): to its ``done`` mark, or, in a run
+    that recorded none, to the next iteration's start (None for its last iteration)."""
+    it = its[i]
+    if "done" in it:
+        return it["done"] - it["start"]
+    return its[i + 1]["start"] - it["start"] if i + 1 < len(its) else None
+
+
 def analyse(r: dict, last: int) -> dict:
     """Medians over the last ``last`` iterations: the iteration, its phases, the pass time in
     each phase, passes and bytes per iteration (both ways, and each way: ``to_bytes`` read
-    into HBM, ``from_bytes`` written back); the counters' totals."""
+    into HBM, ``from_bytes`` written back); the counters' totals.
+
+    Note [The iteration's time]
+    Rationale: the child synchronises the device before each iteration's start, so that an
+    iteration's clock covers its own GPU work.  With the step across the next forward the
+    optimizer's step returns with passes still in flight on the engine's streams: timed to
+    the step's return (``end``), an iteration left out the wait for them before the next
+    start (3-5 ms of an 85-160 ms iteration on an H100, where the plain rows wait 0.05 ms), so
+    it read shorter than the loop's period.
+    Approach: an iteration runs from its start to ``done``, the device synchronised after the
+    step (the next start's synchronisation then finds nothing left), so the sum of the
+    iterations is the loop's wall clock.  Runs recorded before ``done`` existed are read from
+    each start to the next one's, the window moved back by one iteration (the last has no
+    next start).
+    Limits: the synchronisation itself keeps the next forward from starting beside the
+    passes still in flight (a loop without it overlaps them); the phases (``wait``, ``fb``,
+    ``step``) stay the host's marks up to the step's return."""
     all_its = r["iterations"]
+    n = len(all_its) if not all_its or "done" in all_its[-1] else len(all_its) - 1
     rows = []
-    for i in range(max(0, len(all_its) - last), len(all_its)):
+    for i in range(max(0, n - last), n):
         it = all_its[i]
         # A pass after the last iteration's end (the step carried across a next forward that never
         # came, run when the process drains) belongs to no timed iteration.
@@ -209,7 +237,7 @@ def analyse(r: dict, last: int) -> dict:
         # Counted in the iteration they start in; their time in each phase they overlap.
         mine = [p for p in r["passes"] if it["start"] <= p["t0"] < nxt]
         near = [p for p in r["passes"] if p["t1"] > it["start"] and p["t0"] < it["end"]]
-        row = {"iteration": it["end"] - it["start"], "passes": len(mine),
+        row = {"iteration": iteration_seconds(all_its, i), "passes": len(mine),
                "bytes": sum(p["bytes"] for p in mine), "to_bytes": sum(p.get("to", 0) for p in mine),
                "from_bytes": sum(p.get("from", 0) for p in mine),
                "pass_seconds": sum(p["t1"] - p["t0"] for p in mine),
@@ -221,7 +249,7 @@ def analyse(r: dict, last: int) -> dict:
     med = {k: statistics.median(x[k] for x in rows) for k in rows[0]} if rows else {}
     counts = r["iterations"][-1]["counts"] if r["iterations"] else {}
     med.update(counts={**counts, "discards": r.get("discards", 0)}, peak_hbm=r.get("peak_hbm"),
-               per_iteration_ms=[round((x["end"] - x["start"]) * 1e3, 1) for x in r["iterations"]],
+               per_iteration_ms=[round(t * 1e3, 1) for t in (iteration_seconds(all_its, i) for i in range(n))],
                step_aside=r.get("step_aside"))
     return med
 

@@ -67,7 +67,10 @@ the final state's digest too (--smoke fails if either differs).
 
 Iterations: ``--steps`` (8) per row, medians of the last ``--median-of`` (4: the first four hold
 the fwd rows' warm-up, its speculative first iterations, which lasted three on a slow host); file tier
-``--file-steps`` (4), the last ``--file-median-of`` (2).  A row is started only where it ends
+``--file-steps`` (4), the last ``--file-median-of`` (2).  An iteration runs from its start (the
+device synchronised) until the device has finished what it queued, the step's passes still in
+flight included (Note [The iteration's time] in _runner.py); ``--reanalyse JSON --logs DIR``
+rebuilds an earlier run's JSON from its logs with the current analysis.  A row is started only where it ends
 within ``--budget-s`` at the longest row's time so far (file rows: the longest file row's).
 ``--json-dir DIR`` writes DIR/megatron_bench_<model>_<rows>.json (benchmarks/bench_json.py's
 schema, benchmark "megatron_bench"), rewritten after every row (extra.complete: whether the run
@@ -83,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -336,15 +340,19 @@ def baseline_matches(drv) -> bool | None:
     return same
 
 
-def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], final: bool) -> dict:
-    """The bounds of the rows run so far, their JSON (--json-dir) and, ``final``, the table."""
+def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], final: bool,
+           reanalysed_from: str | None = None) -> dict:
+    """The bounds of the rows run so far, their JSON (--json-dir) and, ``final``, the table
+    (``reanalysed_from``: the command of the run whose logs --reanalyse read)."""
     # --smoke: a nominal 10 GB/s for the host tier's bound (no GPU), so that its code runs.
     bnd = bounds(a, drv, dd_cache, 10e9 if a.smoke else bound.get("duplex_bytes_per_s"))
     results, lines = results_and_table(drv, bnd, bound, dd_cache)
     params = next((r["params"] for r in drv.raw.values()), None)
     head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
             f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
-            f"{a.file_median_of} of {a.file_steps}), {drv.spent():.0f} s")
+            f"{a.file_median_of} of {a.file_steps}), {sum(drv.took.values()) if reanalysed_from else drv.spent():.0f} s")
+    if reanalysed_from:
+        head += f"; re-analysed (Note [The iteration's time] in _runner.py) from the logs of: {reanalysed_from}"
     if final:
         print("\n" + head + "\n" + "\n".join(lines), flush=True)
     if a.json_dir and results:
@@ -364,7 +372,48 @@ def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], fi
     return bnd
 
 
-def main(argv=None) -> int:
+def smoke_options(a) -> tuple[str, list[str]]:
+    """--smoke's model, rows and iterations (set in ``a``): the model and the rows."""
+    # 16 MiB: int8 moments on the file tier need 12 MiB a piece in flight.
+    a.window_mb, a.rows = 16, "smoke"
+    a.steps = a.file_steps = 3
+    a.median_of = a.file_median_of = 2
+    return _runner.SMOKE_MODEL, list(SMOKE_ROWS)
+
+
+def reanalyse(a) -> int:
+    """--reanalyse: the results of an earlier run rebuilt from its --logs (each row's raw
+    figures, as its child wrote them) with this file's analysis, under the run's own options
+    and bounds (the duplex rate and dd figures its JSON holds); no process started.  The JSON
+    goes to --json-dir under the run's file name."""
+    with open(a.reanalyse) as f:
+        old = json.load(f)
+    ex = old["extra"]
+    argv = shlex.split(old["command"])
+    run = parser().parse_args(argv[argv.index(next(x for x in argv if x.endswith("bench_megatron.py"))) + 1:])
+    run.json_dir, run.logs = a.json_dir, a.logs
+    if run.smoke:
+        smoke_options(run)
+    drv = _runner.Driver("megatron_bench", a.logs, 0.0, 0.0)
+    drv.took = dict(ex.get("took_s", {}))
+    for name in ex["rows"]:
+        path = os.path.join(a.logs, f"{name}.json")
+        if not os.path.exists(path):
+            drv.analysed[name] = ex["analysed"].get(name) or {"error": f"no {path}"}
+            continue
+        with open(path) as f:
+            drv.raw[name] = json.load(f)
+        file = ROWS[name][2] == "file"
+        last = min(run.file_median_of if file else run.median_of, max(1, len(drv.raw[name]["iterations"]) - 1))
+        drv.analysed[name] = _runner.analyse(drv.raw[name], last)
+    dd_cache = {(round(d["read_bytes"] / 1e7), round(d["write_bytes"] / 1e7)): d for d in ex.get("dd", [])
+                if "read_bytes" in d}
+    report(run, drv, ex.get("bound", {}), dd_cache, ex["model"], ex["rows"], final=True,
+           reanalysed_from=old["command"])
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="054", choices=list(MODELS))
     ap.add_argument("--model-args", help="train_gpt.py's model options, one string (instead of --model's)")
@@ -382,17 +431,25 @@ def main(argv=None) -> int:
     ap.add_argument("--json-dir", help="write megatron_bench_<model>_<rows>.json here")
     ap.add_argument("--logs", help="keep each process's output here (default: a temporary directory)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, 3 iterations, " + ",".join(SMOKE_ROWS))
+    ap.add_argument("--reanalyse", metavar="JSON", help="rebuild JSON (an earlier run's --json-dir file) from that "
+                                                        "run's --logs with this analysis; runs nothing")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
+    if a.reanalyse:
+        if not a.logs:
+            ap.error("--reanalyse needs the run's --logs")
+        return reanalyse(a)
     model = a.model_args or MODELS[a.model]
     names = expand(a.rows)
     if a.smoke:
         if not _runner.megatron_importable():
             print("SKIP: megatron-core not importable")
             return 77
-        # 16 MiB: int8 moments on the file tier need 12 MiB a piece in flight.
-        model, names, a.window_mb, a.rows = _runner.SMOKE_MODEL, list(SMOKE_ROWS), 16, "smoke"
-        a.steps = a.file_steps = 3
-        a.median_of = a.file_median_of = 2
+        model, names = smoke_options(a)
     bad = [n for n in names if n not in ROWS]
     if bad:
         ap.error(f"unknown rows {bad} (choices: {', '.join(ROWS)}, or {', '.join(SETS)})")

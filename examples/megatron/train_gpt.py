@@ -25,7 +25,7 @@ Prints one line per step (loss as a float hex, optimizer-phase seconds) and a JS
 (``--summary FILE``): losses, peak HBM sampled through the steps with cuMemGetInfo (a thread
 polling torch.cuda.mem_get_info), HBM in use between steps with torch's reserved and
 allocated bytes beside it, optimizer-phase times, whole-iteration times (``step_seconds``:
-forward, backward, grad sync and step), the engine's per-step pass statistics
+forward, backward, grad sync and step, until the device has finished them), the engine's per-step pass statistics
 (``engine``: seconds, host time mapping / retiring pieces, pieces, bytes), the parameter
 count.  ``--save DIR --save-at N`` saves with Megatron's dist-checkpointing after step N;
 ``--load DIR`` loads one and continues from the step after it.
@@ -888,7 +888,11 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         t_step = time.perf_counter()
         loss, grad_norm, seconds = train_step(args, ddp, optimizer, step, device)
-        step_seconds.append(time.perf_counter() - t_step)  # train_step ends synchronised
+        if cuda:
+            # (the step across the next forward returns with passes in flight: the next
+            # synchronisation would wait for them outside every iteration's time)
+            torch.cuda.synchronize()
+        step_seconds.append(time.perf_counter() - t_step)
         opt_seconds.append(seconds)
         if k >= warm:
             between.append({"used": sampler.used(), "torch_reserved": torch.cuda.memory_reserved() if cuda else 0,
