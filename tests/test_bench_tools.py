@@ -245,6 +245,17 @@ def main() -> int:
     m = _runner.analyse({"iterations": its, "passes": passes}, 2)
     check("analyse: a pass after the last iteration ended is in no iteration",
           m["to_bytes"] == 8 and m["passes"] == 2, f"to_bytes {m['to_bytes']}, passes {m['passes']}")
+    # Note [The iteration's time]: without a ``done`` mark an iteration runs to the next start
+    # (the wait before it included), the last one left out; with it, to ``done``.
+    check("analyse: a run without done marks times each iteration to the next start",
+          abs(m["iteration"] - (6.0 + 1e-4)) < 1e-9 and m["per_iteration_ms"] == [6000.1] * 3,
+          f"iteration {m['iteration']}, per iteration {m['per_iteration_ms']}")
+    for it in its:
+        it["done"] = it["end"] + 0.004  # the device still busy with passes the step left in flight
+    m = _runner.analyse({"iterations": its, "passes": passes}, 2)
+    check("analyse: an iteration runs to its done mark, the last one included",
+          abs(m["iteration"] - 6.004) < 1e-9 and len(m["per_iteration_ms"]) == 4 and m["to_bytes"] == 8,
+          f"iteration {m['iteration']}, per iteration {m['per_iteration_ms']}, to_bytes {m['to_bytes']}")
     megatron_parts()
     if len(sys.argv) > 1:  # a bench_overlap JSON (the bench_overlap_smoke test's): its checks carry the marks
         with open(sys.argv[1]) as f:
