@@ -390,7 +390,8 @@ def reanalyse(a) -> int:
         old = json.load(f)
     ex = old["extra"]
     argv = shlex.split(old["command"])
-    run = parser().parse_args(argv[argv.index(next(x for x in argv if x.endswith("bench_megatron.py"))) + 1:])
+    script = next(k for k, x in enumerate(argv) if x.endswith("bench_megatron.py"))
+    run = parser().parse_args(argv[script + 1:])
     run.json_dir, run.logs = a.json_dir, a.logs
     if run.smoke:
         smoke_options(run)
