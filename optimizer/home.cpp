@@ -231,7 +231,7 @@ class host_home final : public home, public piece_mover, public second_copy {
 home_traits traits_of(tier t, moment_format moments) {
   switch (t) {
     case tier::device: return {.streamed = false};
-    case tier::host: return {};
+    case tier::host: return {.chains_passes = true};
     // Pieces are whole checksum blocks (Note [File tier integrity]) of every array: a
     // moment's pieces are whole segments of its format (Note [File tier moments]).  Its
     // reads ahead and staging ring are `depth` pieces deep; its figures (bench_checkpoint,

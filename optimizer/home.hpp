@@ -65,6 +65,7 @@ struct pass_plan {
   std::size_t depth = 1;        // pieces in flight (the window's slots)
   std::size_t window_piece = 0;  // elements of a window slot (the largest piece)
   bool durable_params = false;   // the home's home_traits::durable_params
+  bool chain = false;            // leave the last write-backs to the next pass (Note [Chained passes])
 };
 
 /// What a home is built from: the lower layers and the shard table, which outlive it.
@@ -84,6 +85,8 @@ struct home_traits {
   int default_depth = 8;         // pieces in flight when the configuration leaves depth at 0 (Note [Window slots])
   bool whole_arrays = false;     // state ranges are whole arrays only (file)
   bool durable_params = false;   // keeps a copy of FP32 parameters as main (file: Note [The parameter is the truth])
+  bool chains_passes = false;    // retire() is the pipeline's wait only (host): a pass may leave its last
+                                 // write-backs to the next (Note [Chained passes])
 };
 
 /// An FP32 parameter is its shard's main (Note [The parameter is the truth] in

@@ -194,6 +194,9 @@ struct streamed_adamw::impl {
   /// Before a call that reads, steps or saves the state: publishes an implicit write,
   /// refuses (invalid_state) while an explicit one is open.
   void settle_writes(const char* fn);
+  /// Waits on the host for the write-backs a chained pass left in flight (Note [Chained
+  /// passes] in window_pipeline.cpp); nothing when none.
+  void settle_passes();
 
   /// The checks step() and step_speculative() share.
   void check_step(const char* fn, std::span<const void* const> grads, std::span<const value_type> gts,
@@ -294,11 +297,17 @@ struct streamed_adamw::impl {
   /// fixed order: open_state, initialized, settle_writes, refuse_if_speculating,
   /// refuse_in_child.  An entry whose checks run in another order (or between its own
   /// argument checks) calls require() more than once.  The messages are fn's, as the
-  /// checks themselves write them.
+  /// checks themselves write them.  Every entry first waits for the write-backs a chained
+  /// pass left in flight (settle_passes, Note [Chained passes] in window_pipeline.cpp) but
+  /// those that take `keeps_passes`: the steps (whose passes order themselves after them on
+  /// the device) and the hyper-parameter setters (the passes took their scalars already).
   /// Limits: not on any hot path (once per call); checks that only one entry makes stay in it.
+  struct keeps_passes_t {};
+  static constexpr keeps_passes_t keeps_passes{};
   class entry_guard {
    public:
-    explicit entry_guard(impl& self) : self_(self), lk_(self.mu) {}
+    explicit entry_guard(impl& self) : self_(self), lk_(self.mu) { self_.settle_passes(); }
+    entry_guard(impl& self, keeps_passes_t) : self_(self), lk_(self.mu) {}
     entry_guard(impl& self, const char* fn, unsigned needs) : entry_guard(self) { require(fn, needs); }
     entry_guard(const entry_guard&) = delete;
     entry_guard& operator=(const entry_guard&) = delete;

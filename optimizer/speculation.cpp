@@ -63,7 +63,7 @@ void streamed_adamw::impl::refuse_if_speculating(const char* fn) const {
 void streamed_adamw::step_speculative(std::span<const void* const> grads, std::span<const value_type> gts,
                                       float grad_scale, stream_t stream) {
   auto& self = *impl_;
-  impl::entry_guard g(self);
+  impl::entry_guard g(self, impl::keeps_passes);
   self.check_step("step_speculative", grads, gts, grad_scale);
   g.require("step_speculative", entry_needs::settled);
   second_copy* copies = self.tier_home->speculation();
@@ -102,7 +102,8 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
     self.forget_edit_hashes();
     throw;
   }
-  self.report_edits();
+  // A chained pass's kernels may still run: the next step reports its edits (Note [Chained passes]).
+  if (!self.slots || self.slots->chain.unwaited == 0) self.report_edits();
   self.hash_written(grads);
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     if (grads[s] != nullptr) self.shards.mark_speculative(s);

@@ -229,14 +229,14 @@ const std::vector<shard_info>& streamed_adamw::shards() const { return impl_->sh
 const optimizer_config& streamed_adamw::config() const { return impl_->cfg; }
 void streamed_adamw::set_hyper(const adamw_params& p) {
   validate(p);
-  impl::entry_guard guard(*impl_);
+  impl::entry_guard guard(*impl_, impl::keeps_passes);
   impl_->cfg.adamw = p;
   for (auto& [g, h] : impl_->groups) h = p;
 }
 void streamed_adamw::set_group(int g, const adamw_params& p) {
   DFA_EXPECTS(g >= 0, "set_group: group " + std::to_string(g) + " is negative");
   validate(p);
-  impl::entry_guard guard(*impl_);
+  impl::entry_guard guard(*impl_, impl::keeps_passes);
   impl_->groups[g] = p;
 }
 adamw_params streamed_adamw::group(int g) const {
@@ -332,6 +332,10 @@ adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) con
   return k;
 }
 
+void streamed_adamw::impl::settle_passes() {
+  if (slots) settle_chain(*drv, *streams, *slots);
+}
+
 void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const> grads, std::span<const value_type> gts,
                                     float grad_scale, stream_t user, std::size_t skip, bool speculative) {
   pass_plan plan;
@@ -350,6 +354,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.depth = static_cast<std::size_t>(cfg.depth);
   plan.window_piece = shape.piece;
   plan.durable_params = tier_home->traits().durable_params;
+  plan.chain = kind == pass_kind::step && cfg.keep_window && cfg.pass_chain && tier_home->traits().chains_passes;
   step_inputs step{grads, gts, {}, {}, {}};
   if (speculative) step.saved_params = saved_params;
   if (kind == pass_kind::step) step.edit_checks = edit_checked;
@@ -422,7 +427,7 @@ void streamed_adamw::step(std::span<const void* const> grads, grad_type gt, floa
 void streamed_adamw::step(std::span<const void* const> grads, std::span<const value_type> gts, float grad_scale,
                           stream_t stream) {
   auto& self = *impl_;
-  impl::entry_guard g(self);
+  impl::entry_guard g(self, impl::keeps_passes);
   self.check_step("step", grads, gts, grad_scale);
   g.require("step", entry_needs::settled);
   for (std::size_t s = 0; s < self.shards.size(); ++s)

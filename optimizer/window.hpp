@@ -58,6 +58,17 @@ class window {
   /// Gives every slot's chunks back to the pool after the work on `s`.
   void release(stream_t s);
 
+  /// The slots across passes (Note [Chained passes] in window_pipeline.cpp): the slot the
+  /// next pass's first piece takes, and how many slots before it hold a piece whose
+  /// write-back no host wait has covered (the last of them written back last), under the
+  /// depth of the pass that left them.
+  struct ring {
+    std::size_t next = 0;
+    std::size_t unwaited = 0;
+    std::size_t depth = 0;
+  };
+  ring chain;
+
  private:
   struct slot_arrays {
     per_array<reservation_id> res{};

@@ -164,6 +164,37 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
   write_back_issued_.assign(pieces(), false);
 }
 
+// Note [Chained passes]
+// Rationale: a pass ends by waiting on the host for its last write-backs (the drain, a
+// piece's D2H alone on the link), and the caller then prepares the next pass (Megatron's
+// bucket passes across the next forward: its worker thread, about 1 ms of Python between
+// two passes on an H100) while the link idles.  Ten or more such passes an iteration left
+// 10-20 ms of each iteration's transfer unused.  On the host tier nothing but that wait
+// happens when a piece retires (host_home::retire is empty): the host need not wait at all.
+// Approach: a chained pass (pass_plan::chain: a step on a tier whose traits chain, with
+// keep_window and pass_chain) returns once its last pieces are enqueued.  The window's ring
+// (window::chain) keeps where it stopped: the next pass's pieces take the slots after it
+// (the oldest pieces' slots first, most already written back), its H2D copies wait on the
+// device for the previous pass's kernels, a fetch into a slot still being written back
+// waits on the device for that write-back, and its kernels wait for the previous pass's
+// last write-back: the new pass fills while the old one drains, and the host never waits.
+// The kernels of a chained pass are done when the user's stream has waited for exec (what
+// the BF16 params and the next forward need); its write-backs (the state at home) are
+// waited for by the next pass that is not chained and by every entry of the optimizer that
+// is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
+// state read, the destructor), so no caller sees a state still in flight.
+// Limits: host tier only (the file tier persists a piece when it retires: its passes end
+// as before).  A CUDA error of a chained tail is reported by the call that waits for it,
+// one call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
+// enqueued, not written back.
+void settle_chain(stream_ops& ops, stream_set& streams, window& slots) {
+  window::ring& r = slots.chain;
+  if (r.unwaited == 0) return;
+  const std::size_t last = (r.next + r.depth - 1) % r.depth;
+  r.unwaited = 0;
+  ops.synchronize(streams.event(1 + last * 3 + 2));
+}
+
 void window_pipeline::run(stream_t user, step_report& report) {
   const auto t0 = clk::now();
   const std::size_t skip = plan_.skip, depth = plan_.depth;
@@ -171,6 +202,20 @@ void window_pipeline::run(stream_t user, step_report& report) {
   report = step_report{};
   progress_.emplace(parts_.cfg, phase(), params_);
   parts_.pool.reset_peak();
+  window::ring& ring = parts_.slots.chain;
+  try {
+    if (ring.unwaited > 0 && (!plan_.chain || ring.depth != depth)) settle_chain(parts_.ops, parts_.streams, parts_.slots);
+  } catch (...) {
+    fail();
+  }
+  // Note [Chained passes]: the slots after the previous pass's, ordered on the device.
+  inherited_ = ring.unwaited;
+  base_ = inherited_ > 0 ? ring.next : 0;
+  if (inherited_ > 0) {
+    const stream_t exec = parts_.streams.exec();
+    parts_.streams.after(parts_.streams.h2d(), exec);
+    parts_.ops.stream_wait(exec, parts_.streams.event(1 + ((base_ + depth - 1) % depth) * 3 + 2));
+  }
   parts_.mover.begin_pass(plan_, report);
   // The kernels read what the user's stream produced (gradients, BF16 params).
   parts_.streams.after(parts_.streams.exec(), user);
@@ -189,7 +234,16 @@ void window_pipeline::run(stream_t user, step_report& report) {
       compute(i);
       write_back(i);
     }
-    for (std::size_t j = pieces() > depth ? std::max(skip, pieces() - depth) : skip; j < pieces(); ++j) retire(j);
+    const std::size_t tail = pieces() > depth ? std::max(skip, pieces() - depth) : skip;
+    if (plan_.chain) {  // Note [Chained passes]: the next pass or entry waits for the tail
+      for (std::size_t j = tail; j < pieces(); ++j) done_params_ += piece(j).n;
+      progress_->report(done_params_);
+      const std::size_t n = pieces() - skip;
+      ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0)), depth};
+    } else {
+      for (std::size_t j = tail; j < pieces(); ++j) retire(j);
+      ring = {};
+    }
     parts_.mover.end_pass();
   } catch (...) {
     fail();
@@ -214,15 +268,17 @@ std::size_t window_pipeline::written() const {
   return n;
 }
 
-// Piece i's slot of the event ring: 0 fetched, 1 computed, 2 written back.
+// Piece i's slot of the window: after the previous pass's when it chained (Note [Chained
+// passes]), else from slot 0.
+std::size_t window_pipeline::slot_index(std::size_t i) const { return (base_ + i - plan_.skip) % plan_.depth; }
+
+// Piece i's slot's events: 0 fetched, 1 computed, 2 written back.
 event_t window_pipeline::event(std::size_t i, int which) {
-  return parts_.streams.event(1 + (i % plan_.depth) * 3 + static_cast<std::size_t>(which));
+  return parts_.streams.event(1 + slot_index(i) * 3 + static_cast<std::size_t>(which));
 }
 
 // Piece i's slot of the window (Note [Window slots]): its arrays' device addresses.
-const per_array<float*>& window_pipeline::slot_of(std::size_t i) const {
-  return parts_.slots.slot((i - plan_.skip) % plan_.depth);
-}
+const per_array<float*>& window_pipeline::slot_of(std::size_t i) const { return parts_.slots.slot(slot_index(i)); }
 
 const char* window_pipeline::phase() const {
   return plan_.kind == pass_kind::init ? "init" : plan_.kind == pass_kind::step ? "step" : "sync";
@@ -240,7 +296,9 @@ void window_pipeline::back_slots() {
   const std::size_t g = parts_.pool.granularity();
   const std::size_t need = (longest * 4 + g - 1) / g * g;
   const auto t = clk::now();
-  if (parts_.slots.back(std::min(pieces() - plan_.skip, plan_.depth), first_arrays(plan_.arrays), need,
+  // (A pass after a chained one starts at any slot: it backs them all.)
+  const std::size_t count = base_ == 0 ? std::min(pieces() - plan_.skip, plan_.depth) : plan_.depth;
+  if (parts_.slots.back(count, first_arrays(plan_.arrays), need,
                         parts_.streams.h2d()))
     report_->map_seconds += since(t);
 }
@@ -268,8 +326,10 @@ void window_pipeline::fetch(std::size_t i) {
   auto& ops = parts_.ops;
   const stream_t h2d = parts_.streams.h2d();
   // The slot's previous piece is written back (retire() waited for it on the host; the
-  // wait keeps the order on the device too).
-  if (i >= plan_.skip + plan_.depth) ops.stream_wait(h2d, event(i - plan_.depth, 2));
+  // wait keeps the order on the device too); of a chained previous pass's, on the device
+  // only (Note [Chained passes]).
+  const std::size_t j = i - plan_.skip;
+  if (j >= plan_.depth || j + inherited_ >= plan_.depth) ops.stream_wait(h2d, event(i, 2));
   if (steps_param(p)) {
     float* keep = p.shard < step_.saved_params.size() ? step_.saved_params[p.shard] : nullptr;
     if (keep && step_.grads[p.shard] != nullptr) {
@@ -352,6 +412,7 @@ void window_pipeline::retire(std::size_t i) {
 
 // Drain: every stream and every I/O request, then give the window back; rethrows.
 void window_pipeline::fail() {
+  parts_.slots.chain = {};  // (the streams' synchronisation below covers a chained tail)
   try {
     parts_.streams.synchronize();
   } catch (...) {

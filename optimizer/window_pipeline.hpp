@@ -49,6 +49,10 @@ struct step_inputs {
 std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<bool>& selected,
                                   std::size_t window_piece, std::size_t align, bool taper = false);
 
+/// Waits on the host for the write-backs a chained pass left in flight (Note [Chained
+/// passes]); nothing when none.
+void settle_chain(stream_ops& ops, stream_set& streams, window& slots);
+
 /// One pass over plan.pieces (Note [Window pipeline]).
 class window_pipeline {
  public:
@@ -68,6 +72,7 @@ class window_pipeline {
  private:
   std::size_t pieces() const { return plan_.pieces.size(); }
   const piece_ref& piece(std::size_t i) const { return plan_.pieces[i]; }
+  std::size_t slot_index(std::size_t i) const;
   event_t event(std::size_t i, int which);
   const per_array<float*>& slot_of(std::size_t i) const;
   const char* phase() const;
@@ -91,6 +96,8 @@ class window_pipeline {
   std::size_t current_ = 0;                    // the piece being enqueued (for a failure's message)
   std::vector<bool> write_back_issued_;
   std::size_t fetched_ = 0;  // pieces whose fetch was issued
+  std::size_t base_ = 0;       // the slot of the first piece (Note [Chained passes])
+  std::size_t inherited_ = 0;  // slots the previous, chained pass left unwaited
 };
 
 }  // namespace deferalloc::optim

@@ -4,7 +4,7 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, clip, bucket, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, chain, clip, bucket, all), one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -30,6 +30,11 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, t
                            pass_taper:1: each pass's first and last pieces cut smaller, so it fills
                            and drains its pipeline sooner), judged as its mode and beside its twin
                            without the taper; the set taper: each dtype's plain, plaintp, fwd, fwdtp
+  fwdnc_{fp32,bf16,int8}_host
+                           a fwd row with the engine's chained passes off (DEFERALLOC_CONF pass_chain:0:
+                           each bucket pass waits on the host for its last write-backs before it
+                           returns, as before chained passes), judged as the fwd rows and beside its
+                           fwd twin; the set chain: each dtype's plain, fwd, fwdnc
   {plain,fwd}clip_{fp32,bf16,int8}_host
                            a plain or fwd row whose clipping fires at every step (--clip-grad 1e-3;
                            the others never clip): fwdclip judged against plainclip (the policy then
@@ -117,7 +122,8 @@ def overlapped(name: str) -> bool:
 # train_gpt.py's options added, the child's DEFERALLOC_CONF added, whether its plain twin is
 # the plain row of the same variant).  c2 / call: coalesced bucket passes (the host tier's
 # default is one bucket group a pass); sw / c2sw: a shorter GIL hand-over; tp: the engine's
-# tapered passes (Note [Pass pieces] in optimizer/window_pipeline.cpp); clip: clipping firing
+# tapered passes (Note [Pass pieces] in optimizer/window_pipeline.cpp); nc: its chained passes
+# off (Note [Chained passes], same file); clip: clipping firing
 # at every step (Megatron's clip_grad 1e-3 against grad norms of about 1; the last --clip-grad
 # wins over TIMING's 1e9), judged against the plain row that clips too.
 VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
@@ -125,6 +131,7 @@ VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "sw": (("fwd",), ["--switch-interval", "0.0002"], None, False),
             "c2sw": (("fwd",), ["--coalesce", "2", "--switch-interval", "0.0002"], None, False),
             "tp": (("plain", "fwd"), [], "pass_taper:1", False),
+            "nc": (("fwd",), [], "pass_chain:0", False),
             "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True),
             "b20": (("fwd",), ["--bucket-size", "20000000"], None, False),
             "tpb20": (("fwd",), ["--bucket-size", "20000000"], "pass_taper:1", False)}
@@ -178,9 +185,11 @@ SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "f
 SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2", "fwdsw", "fwdc2sw")]
 SETS["clip"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plainclip", "fwdclip")]
 SETS["taper"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "plaintp", "fwd", "fwdtp")]
+SETS["chain"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdnc")]
 SETS["bucket"] = [f"{m}_{d}_host" for d in DTYPES for m in ("fwd", "fwdtp", "fwdb20", "fwdtpb20")]
 SETS["all"] = SETS["host"] + SETS["file"]
 SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host", "fwdtp_fp32_host",
+              "fwdnc_fp32_host",
               "plain_int8_file", "auto_plain_host",
               "plain_fp32_file", "odirect_file"]
 

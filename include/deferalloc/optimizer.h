@@ -77,6 +77,7 @@ typedef struct dfa_optimizer_config {
   int moments;               /* dfa_moments: storage of the Adam moments at home */
   int progress_line;         /* print a progress line during a long initialize() */
   int pass_taper;            /* cut each pass's first and last pieces smaller */
+  int pass_chain;            /* host tier with keep_window: a pass leaves its last write-backs to the next */
 } dfa_optimizer_config;
 
 /* Fills *c with the defaults (those of docs/SETTINGS.md); c->struct_size must be set first. */

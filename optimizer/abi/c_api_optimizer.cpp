@@ -110,6 +110,7 @@ engine_settings from_config(const dfa_optimizer_config* c) {
   set("moments", to_string(static_cast<moment_format>(enumerator("moments", c->moments, DFA_MOMENTS_INT8))));
   set("progress_line", flag(c->progress_line));
   set("pass_taper", flag(c->pass_taper));
+  set("pass_chain", flag(c->pass_chain));
   return e;
 }
 
@@ -147,6 +148,7 @@ void copy_field(dfa_optimizer_config& c, const std::string& key, const optimizer
   else if (key == "moments") c.moments = static_cast<int>(oc.moments);
   else if (key == "progress_line") c.progress_line = oc.progress_line ? 1 : 0;
   else if (key == "pass_taper") c.pass_taper = oc.pass_taper ? 1 : 0;
+  else if (key == "pass_chain") c.pass_chain = oc.pass_chain ? 1 : 0;
   else throw invalid_argument("dfa_opt_config_apply_text: no field for the optimizer key '" + key + "'");
 }
 
@@ -226,6 +228,7 @@ dfa_status dfa_opt_config_init(dfa_optimizer_config* c) {
     c->moments = static_cast<int>(d.moments);
     c->progress_line = d.progress_line;
     c->pass_taper = d.pass_taper;
+    c->pass_chain = d.pass_chain;
   });
 }
 

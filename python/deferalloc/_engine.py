@@ -65,7 +65,8 @@ class OptimizerConfig(ctypes.Structure):
                 ("window_mb", ctypes.c_uint64), ("depth", ctypes.c_int), ("resume", ctypes.c_int),
                 ("rank", ctypes.c_int), ("io_threads", ctypes.c_int), ("io_request_mb", ctypes.c_uint64),
                 ("keep_window", ctypes.c_int), ("resident_mb", ctypes.c_uint64), ("moments", ctypes.c_int),
-                ("progress_line", ctypes.c_int), ("pass_taper", ctypes.c_int)]
+                ("progress_line", ctypes.c_int), ("pass_taper", ctypes.c_int),
+                ("pass_chain", ctypes.c_int)]
 
 
 # dfa_progress_fn: phase, done, total, seconds, user.

@@ -98,6 +98,12 @@ struct optimizer_config {
   /// pass's piece, then a half), so that the pass fills and drains its pipeline sooner.
   /// Note [Pass pieces].
   bool pass_taper = false;
+  /// Host tier, with keep_window: a step's pass returns once its last pieces are enqueued,
+  /// and the next pass waits for their write-backs on the device, not the host, so that
+  /// back-to-back passes (the buckets of a step across the next forward) neither drain the
+  /// link between them nor leave it idle while the caller prepares the next.  Every other
+  /// call waits for them first.  Note [Chained passes].
+  bool pass_chain = true;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
