@@ -55,7 +55,7 @@ const row k_table[] = {
      [](optimizer_config& c, const row& r, const config_value& v) { c.keep_window = num(r, v) != 0; }},
     {"pass_taper", "flag", 0, k_any, "0 or any other integer", "0", "cut each pass's first and last pieces smaller",
      [](optimizer_config& c, const row& r, const config_value& v) { c.pass_taper = num(r, v) != 0; }},
-    {"pass_chain", "flag", 0, k_any, "0 or any other integer", "1",
+    {"pass_chain", "flag", 0, k_any, "0 or any other integer", "0",
      "host tier with keep_window: a pass leaves its last write-backs to the next",
      [](optimizer_config& c, const row& r, const config_value& v) { c.pass_chain = num(r, v) != 0; }},
     {"resident_mb", "MB", 0, k_max_mb, nullptr, "0", "host and file tiers: HBM for shards kept resident",

@@ -183,8 +183,8 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // waited for by the next pass that is not chained and by every entry of the optimizer that
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
-// Limits: host tier only (the file tier persists a piece when it retires: its passes end
-// as before).  A CUDA error of a chained tail is reported by the call that waits for it,
+// Limits: off by default (pass_chain:1 turns it on) until it is timed on a GPU.  Host tier
+// only (the file tier persists a piece when it retires: its passes end as before).  A CUDA error of a chained tail is reported by the call that waits for it,
 // one call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
 // enqueued, not written back.
 void settle_chain(stream_ops& ops, stream_set& streams, window& slots) {

@@ -120,7 +120,7 @@ TEST(optimizer_settings, config_init_gives_the_tables_defaults) {
   EXPECT_EQ(c.progress_line != 0, d.optimizer.progress_line);
   EXPECT_EQ(c.pass_taper != 0, d.optimizer.pass_taper);
   EXPECT_EQ(c.pass_chain != 0, d.optimizer.pass_chain);
-  EXPECT_EQ(c.pass_chain, 1) << "passes chain by default (with keep_window, on the host tier)";
+  EXPECT_EQ(c.pass_chain, 0) << "chained passes are off until timed on a GPU";
 }
 
 TEST(optimizer_settings, a_struct_of_another_size_is_refused) {
@@ -233,7 +233,7 @@ TEST(optimizer_settings, apply_text_sets_fields_and_hands_back_the_allocators_ke
   const applied a = apply(c,
                           "driver:host,device:3,tier:file,directory:/tmp/a b,window_mb:2,depth:3,resume:1,rank:2,"
                           "io_threads:4,io_request_mb:16,keep_window:5,resident_mb:8,moments:int8,progress_line:1,"
-                          "pass_taper:3,pass_chain:0,log_level:error,host_granularity_kb:64,chunk_classes_mb:[2, 32]");
+                          "pass_taper:3,pass_chain:2,log_level:error,host_granularity_kb:64,chunk_classes_mb:[2, 32]");
   ASSERT_EQ(a.status, DFA_SUCCESS) << dfa_opt_last_error();
   EXPECT_EQ(c.driver, DFA_DRIVER_HOST);
   EXPECT_EQ(c.device, 3);
@@ -251,7 +251,7 @@ TEST(optimizer_settings, apply_text_sets_fields_and_hands_back_the_allocators_ke
   EXPECT_EQ(c.moments, DFA_MOMENTS_INT8);
   EXPECT_EQ(c.progress_line, 1);
   EXPECT_EQ(c.pass_taper, 1) << "any nonzero integer is true";
-  EXPECT_EQ(c.pass_chain, 0);
+  EXPECT_EQ(c.pass_chain, 1);
   EXPECT_EQ(c.allocator_settings, nullptr) << "the caller sets it from the rests";
   EXPECT_EQ(a.rest, "chunk_classes_mb:[2,32],host_granularity_kb:64,log_level:error");
   EXPECT_EQ(a.needed, a.rest.size() + 1);

@@ -30,11 +30,11 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, t
                            pass_taper:1: each pass's first and last pieces cut smaller, so it fills
                            and drains its pipeline sooner), judged as its mode and beside its twin
                            without the taper; the set taper: each dtype's plain, plaintp, fwd, fwdtp
-  fwdnc_{fp32,bf16,int8}_host
-                           a fwd row with the engine's chained passes off (DEFERALLOC_CONF pass_chain:0:
-                           each bucket pass waits on the host for its last write-backs before it
-                           returns, as before chained passes), judged as the fwd rows and beside its
-                           fwd twin; the set chain: each dtype's plain, fwd, fwdnc
+  fwdch_{fp32,bf16,int8}_host
+                           a fwd row with the engine's chained passes (DEFERALLOC_CONF pass_chain:1:
+                           each bucket pass returns with its last write-backs in flight, the next
+                           one filling while it drains), judged as the fwd rows and beside its fwd
+                           twin; the set chain: each dtype's plain, fwd, fwdch
   {plain,fwd}clip_{fp32,bf16,int8}_host
                            a plain or fwd row whose clipping fires at every step (--clip-grad 1e-3;
                            the others never clip): fwdclip judged against plainclip (the policy then
@@ -122,8 +122,8 @@ def overlapped(name: str) -> bool:
 # train_gpt.py's options added, the child's DEFERALLOC_CONF added, whether its plain twin is
 # the plain row of the same variant).  c2 / call: coalesced bucket passes (the host tier's
 # default is one bucket group a pass); sw / c2sw: a shorter GIL hand-over; tp: the engine's
-# tapered passes (Note [Pass pieces] in optimizer/window_pipeline.cpp); nc: its chained passes
-# off (Note [Chained passes], same file); clip: clipping firing
+# tapered passes (Note [Pass pieces] in optimizer/window_pipeline.cpp); ch: its chained passes
+# (Note [Chained passes], same file); clip: clipping firing
 # at every step (Megatron's clip_grad 1e-3 against grad norms of about 1; the last --clip-grad
 # wins over TIMING's 1e9), judged against the plain row that clips too.
 VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
@@ -131,7 +131,7 @@ VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "sw": (("fwd",), ["--switch-interval", "0.0002"], None, False),
             "c2sw": (("fwd",), ["--coalesce", "2", "--switch-interval", "0.0002"], None, False),
             "tp": (("plain", "fwd"), [], "pass_taper:1", False),
-            "nc": (("fwd",), [], "pass_chain:0", False),
+            "ch": (("fwd",), [], "pass_chain:1", False),
             "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True),
             "b20": (("fwd",), ["--bucket-size", "20000000"], None, False),
             "tpb20": (("fwd",), ["--bucket-size", "20000000"], "pass_taper:1", False)}
@@ -185,11 +185,11 @@ SETS["coalesce"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "f
 SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2", "fwdsw", "fwdc2sw")]
 SETS["clip"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plainclip", "fwdclip")]
 SETS["taper"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "plaintp", "fwd", "fwdtp")]
-SETS["chain"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdnc")]
+SETS["chain"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdch")]
 SETS["bucket"] = [f"{m}_{d}_host" for d in DTYPES for m in ("fwd", "fwdtp", "fwdb20", "fwdtpb20")]
 SETS["all"] = SETS["host"] + SETS["file"]
 SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host", "fwdtp_fp32_host",
-              "fwdnc_fp32_host",
+              "fwdch_fp32_host",
               "plain_int8_file", "auto_plain_host",
               "plain_fp32_file", "odirect_file"]
 

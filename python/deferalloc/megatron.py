@@ -229,9 +229,9 @@ step_overlap_forward=True)``:
    ``deferalloc.megatron.synchronize(optimizer)`` waits for them in any other code that reads
    the params or the grad buffers directly.
  - the engine keeps its window backed between passes (``keep_window:1`` is added to the
-   settings unless they name keep_window): an iteration's bucket passes run back to back, and
-   on the host tier each returns with its last write-backs in flight, the next one filling
-   while it drains (Note [Chained passes] in optimizer/window_pipeline.cpp).
+   settings unless they name keep_window): an iteration's bucket passes run back to back (with
+   ``pass_chain:1`` on the host tier each returns with its last write-backs in flight, the next
+   one filling while it drains: Note [Chained passes] in optimizer/window_pipeline.cpp).
  - ``coalesce`` (BackwardOverlap's, Note [Overlap with backward]; also with
    ``step_in_backward`` alone): the worker puts up to k queued bucket groups whose grads are
    done into one engine pass (True or 0: all of them), the k with the smallest ``order`` (the

@@ -102,8 +102,8 @@ struct optimizer_config {
   /// and the next pass waits for their write-backs on the device, not the host, so that
   /// back-to-back passes (the buckets of a step across the next forward) neither drain the
   /// link between them nor leave it idle while the caller prepares the next.  Every other
-  /// call waits for them first.  Note [Chained passes].
-  bool pass_chain = true;
+  /// call waits for them first.  Off by default until it is timed on a GPU.  Note [Chained passes].
+  bool pass_chain = false;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
