@@ -104,8 +104,9 @@ BackwardOverlap (its worker, engine calls, speculation, clip policy and per-buck
 DistributedOptimizer holds of the group's params) instead of its own gradient hooks:
  - each ``_ParamAndGradBucketGroup.start_grad_sync`` of the model chunks is wrapped: after
    Megatron dispatched the group's reduce-scatter, the bucket is queued with that
-   collective's handle.  The worker waits for the handle (GPU: its side stream waits for
-   the NCCL work, the host does not block) and makes the shards' main grads exactly as
+   collective's handle.  The worker waits for the handle (its side stream waits for the
+   NCCL work, the host does not block; another backend's is waited when the bucket is
+   queued: Note [A reduce-scatter waited twice]) and makes the shards' main grads exactly as
    ``_copy_model_grads_to_main_grads`` does (``main_grad`` shard ``.float()``), then steps
    them (null grads for every other shard: the plain step's arithmetic and step counts).
    No communication of its own: Megatron's reduce-scatter, on Megatron's communicator.
@@ -935,6 +936,31 @@ def _finalized_params(dopt) -> set | None:
     return out
 
 
+# Note [A reduce-scatter waited twice]
+# Rationale: the worker waits for a bucket group's reduce-scatter, and so does Megatron's
+# finish_grad_sync; the worker's wait may come after Megatron clipped the grads in place.
+# A NCCL work's wait() only makes the calling stream wait; a gloo work's wait() copies the
+# reduced result into the output tensor at every call (torch 2.11: wait, scale the output,
+# wait again, and the output holds the unscaled result), so a late second wait put the
+# unclipped grads back under Megatron's clipped ones, and a redo stepped them (CPU runs
+# differed from the plain step when the worker lagged).
+# Approach: the worker waits only for a NCCL group's handle (its side stream then waits on
+# the device); another backend's handle is waited on the main thread when the bucket is
+# queued (before Megatron's step can touch the grads), and the worker gets none.
+# Limits: the backend is read once per bucket group, from the group Megatron reduces over.
+
+
+def _wait_orders_streams(bg) -> bool:
+    """Whether a wait() on bucket group ``bg``'s grad-reduce handle only orders the calling
+    stream (NCCL), so that the worker may wait for it (Note [A reduce-scatter waited twice])."""
+    group = getattr(bg, "intra_distributed_optimizer_instance_group", None) or \
+        getattr(bg, "data_parallel_group", None)
+    try:
+        return torch.distributed.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError):  # (no process group: no collective, no handle)
+        return False
+
+
 def _reduced_grad(mp) -> torch.Tensor:
     copy = getattr(mp, "main_grad_copy_in_grad_buffer", None)
     return mp.main_grad if copy is None else copy
@@ -1084,6 +1110,8 @@ class _BackwardStep(BackwardOverlap):
                 # until Megatron's finish_grad_sync copies them back, value for value.)
                 return [(h, _reduced_grad(mp).view(-1)[r.start:r.end].float()) for h, mp, r in pairs]
 
+        on_worker = _wait_orders_streams(bg)
+
         def grads_reduced(*a, **k):
             start_grad_sync(*a, **k)
             if not self.active or self._queued.get(b.index) == self.iteration:
@@ -1092,6 +1120,9 @@ class _BackwardStep(BackwardOverlap):
                 return  # stepped from the inner step (Note [Grads finalize changes])
             self._queued[b.index] = self.iteration
             handle = bg.grad_reduce_handle
+            if handle is not None and not on_worker:  # Note [A reduce-scatter waited twice]
+                handle.wait()
+                handle = None
             self.bucket_ready(b, b.params, lambda: prepare(handle))
 
         def params_gathered(*a, **k):
