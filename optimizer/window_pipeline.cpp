@@ -79,6 +79,12 @@ using clk = std::chrono::steady_clock;
 double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
 constexpr std::size_t k_pass_pieces = 24;
 constexpr std::size_t k_min_piece = std::size_t{1} << 20;  // elements (12 MiB of state)
+
+// A slot's three events in the stream set's ring (its event 0 is stream_set::after's).
+enum slot_stage : int { slot_fetched = 0, slot_computed = 1, slot_written = 2 };
+event_t slot_event(stream_set& streams, std::size_t slot, int which) {
+  return streams.event(1 + slot * 3 + static_cast<std::size_t>(which));
+}
 }  // namespace
 
 // Note [Pass pieces]
@@ -184,15 +190,14 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
 // Limits: off by default (pass_chain:1 turns it on) until it is timed on a GPU.  Host tier
-// only (the file tier persists a piece when it retires: its passes end as before).  A CUDA error of a chained tail is reported by the call that waits for it,
-// one call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
+// only (the file tier persists a piece when it retires: its passes end as before).  A CUDA
+// error of a chained tail is reported by the call that waits for it, one call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
 // enqueued, not written back.
 void settle_chain(stream_ops& ops, stream_set& streams, window& slots) {
   window::ring& r = slots.chain;
   if (r.unwaited == 0) return;
-  const std::size_t last = (r.next + r.depth - 1) % r.depth;
   r.unwaited = 0;
-  ops.synchronize(streams.event(1 + last * 3 + 2));
+  ops.synchronize(slot_event(streams, (r.next + slots.depth() - 1) % slots.depth(), slot_written));
 }
 
 void window_pipeline::run(stream_t user, step_report& report) {
@@ -204,7 +209,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   parts_.pool.reset_peak();
   window::ring& ring = parts_.slots.chain;
   try {
-    if (ring.unwaited > 0 && (!plan_.chain || ring.depth != depth)) settle_chain(parts_.ops, parts_.streams, parts_.slots);
+    if (ring.unwaited > 0 && !plan_.chain) settle_chain(parts_.ops, parts_.streams, parts_.slots);
   } catch (...) {
     fail();
   }
@@ -214,7 +219,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   if (inherited_ > 0) {
     const stream_t exec = parts_.streams.exec();
     parts_.streams.after(parts_.streams.h2d(), exec);
-    parts_.ops.stream_wait(exec, parts_.streams.event(1 + ((base_ + depth - 1) % depth) * 3 + 2));
+    parts_.ops.stream_wait(exec, slot_event(parts_.streams, (base_ + depth - 1) % depth, slot_written));
   }
   parts_.mover.begin_pass(plan_, report);
   // The kernels read what the user's stream produced (gradients, BF16 params).
@@ -239,7 +244,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
       for (std::size_t j = tail; j < pieces(); ++j) done_params_ += piece(j).n;
       progress_->report(done_params_);
       const std::size_t n = pieces() - skip;
-      ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0)), depth};
+      ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0))};
     } else {
       for (std::size_t j = tail; j < pieces(); ++j) retire(j);
       ring = {};
@@ -272,10 +277,8 @@ std::size_t window_pipeline::written() const {
 // passes]), else from slot 0.
 std::size_t window_pipeline::slot_index(std::size_t i) const { return (base_ + i - plan_.skip) % plan_.depth; }
 
-// Piece i's slot's events: 0 fetched, 1 computed, 2 written back.
-event_t window_pipeline::event(std::size_t i, int which) {
-  return parts_.streams.event(1 + slot_index(i) * 3 + static_cast<std::size_t>(which));
-}
+// Piece i's slot's event `which` (slot_stage).
+event_t window_pipeline::event(std::size_t i, int which) { return slot_event(parts_.streams, slot_index(i), which); }
 
 // Piece i's slot of the window (Note [Window slots]): its arrays' device addresses.
 const per_array<float*>& window_pipeline::slot_of(std::size_t i) const { return parts_.slots.slot(slot_index(i)); }
@@ -329,7 +332,7 @@ void window_pipeline::fetch(std::size_t i) {
   // wait keeps the order on the device too); of a chained previous pass's, on the device
   // only (Note [Chained passes]).
   const std::size_t j = i - plan_.skip;
-  if (j >= plan_.depth || j + inherited_ >= plan_.depth) ops.stream_wait(h2d, event(i, 2));
+  if (j >= plan_.depth || j + inherited_ >= plan_.depth) ops.stream_wait(h2d, event(i, slot_written));
   if (steps_param(p)) {
     float* keep = p.shard < step_.saved_params.size() ? step_.saved_params[p.shard] : nullptr;
     if (keep && step_.grads[p.shard] != nullptr) {
@@ -345,7 +348,7 @@ void window_pipeline::fetch(std::size_t i) {
       if (plan_.moments_stored) report_->bytes_to_device += parts_.mover.to_device(i, p, a, dev[a], h2d);
       else ops.zero_async(dev[a], p.n * 4, h2d);  // never written: zero by construction
     }
-  ops.record(event(i, 0), h2d);
+  ops.record(event(i, slot_fetched), h2d);
 }
 
 void window_pipeline::compute(std::size_t i) {
@@ -354,7 +357,7 @@ void window_pipeline::compute(std::size_t i) {
   const auto& dev = slot_of(i);
   const stream_t exec = parts_.streams.exec();
   auto& comp = parts_.comp;
-  parts_.ops.stream_wait(exec, event(i, 0));
+  parts_.ops.stream_wait(exec, event(i, slot_fetched));
   char* model = model_of(p);
   // An FP32 parameter is its own main: the kernel reads and writes it in place.
   float* main = steps_param(p) ? reinterpret_cast<float*>(model) : dev[state_array::main];
@@ -377,7 +380,7 @@ void window_pipeline::compute(std::size_t i) {
       comp.adamw({main, dev[state_array::exp_avg], dev[state_array::exp_avg_sq], model, grad, sh.param_type, gt, p.n},
                  step_.scalars[p.shard], exec);
   }
-  parts_.ops.record(event(i, 1), exec);
+  parts_.ops.record(event(i, slot_computed), exec);
 }
 
 // D2H of the arrays the pass changed (none for an export).
@@ -385,7 +388,7 @@ void window_pipeline::write_back(std::size_t i) {
   const auto& p = piece(i);
   const auto& dev = slot_of(i);
   const stream_t d2h = parts_.streams.d2h();
-  parts_.ops.stream_wait(d2h, event(i, 1));
+  parts_.ops.stream_wait(d2h, event(i, slot_computed));
   if (plan_.write_back)
     for (state_array a : first_arrays(plan_.arrays)) {
       float* from = dev[a];
@@ -395,7 +398,7 @@ void window_pipeline::write_back(std::size_t i) {
       }
       report_->bytes_from_device += parts_.mover.from_device(i, p, a, from, d2h);
     }
-  parts_.ops.record(event(i, 2), d2h);
+  parts_.ops.record(event(i, slot_written), d2h);
   write_back_issued_[i] = true;
 }
 
@@ -403,7 +406,7 @@ void window_pipeline::write_back(std::size_t i) {
 void window_pipeline::retire(std::size_t i) {
   const auto& p = piece(i);
   const auto t = clk::now();
-  parts_.ops.synchronize(event(i, 2));
+  parts_.ops.synchronize(event(i, slot_written));
   report_->retire_seconds += since(t);
   parts_.mover.retire(i, p);
   done_params_ += p.n;
