@@ -947,18 +947,22 @@ def _finalized_params(dopt) -> set | None:
 # Approach: the worker waits only for a NCCL group's handle (its side stream then waits on
 # the device); another backend's handle is waited on the main thread when the bucket is
 # queued (before Megatron's step can touch the grads), and the worker gets none.
-# Limits: the backend is read once per bucket group, from the group Megatron reduces over.
+# Limits: the backend is read once per bucket group, from the group Megatron reduces over
+# (its backend for the grads' device type).
 
 
 def _wait_orders_streams(bg) -> bool:
     """Whether a wait() on bucket group ``bg``'s grad-reduce handle only orders the calling
-    stream (NCCL), so that the worker may wait for it (Note [A reduce-scatter waited twice])."""
+    stream (NCCL for the grads' device), so that the worker may wait for it (Note [A
+    reduce-scatter waited twice])."""
     group = getattr(bg, "intra_distributed_optimizer_instance_group", None) or \
         getattr(bg, "data_parallel_group", None)
-    try:
-        return torch.distributed.get_backend(group) == "nccl"
+    try:  # "cpu:gloo,cuda:nccl": a backend per device type
+        config = str(torch.distributed.get_backend_config(group))
     except (RuntimeError, ValueError):  # (no process group: no collective, no handle)
         return False
+    per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return per_device.get(bg.buckets[0].grad_data.device.type) == "nccl"
 
 
 def _reduced_grad(mp) -> torch.Tensor:

@@ -24,7 +24,8 @@ iterations after the first.  Checks:
      iterations costing 10 s (one-off costs): the first probe runs the inside mode 5 times, 3
      untimed, and chooses it (timing the costly ones would choose plain), then 4 inside and a
      probe of 3 inside + 3 plain; losses and every step's state equal the plain run's;
-  6. an unknown ``step_in_backward`` is refused.
+  6. an unknown ``step_in_backward`` is refused;
+  7. the worker waits for a grad-reduce handle of NCCL only (the grads' device type's backend).
 Exit 0 / 1; 77 without megatron-core.
 """
 from __future__ import annotations
@@ -221,9 +222,31 @@ def in_process() -> None:
     torch.distributed.destroy_process_group()
 
 
+def backend_rule() -> None:
+    """Which grad-reduce handles the worker waits for: a NCCL group's for the grads' device
+    type only (Note [A reduce-scatter waited twice]), on stand-ins for the group's config."""
+    import types
+
+    import deferalloc.megatron as dm
+    real = torch.distributed.get_backend_config
+    grads = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    bg = types.SimpleNamespace(data_parallel_group=None, buckets=[types.SimpleNamespace(grad_data=grads)])
+    try:
+        for config, device, want in [("cuda:nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cuda", True),
+                                     ("cpu:gloo,cuda:nccl", "cpu", False), ("cpu:gloo,cuda:gloo", "cuda", False),
+                                     ("cpu:single_rank,cuda:single_rank", "cuda", False)]:
+            torch.distributed.get_backend_config = lambda group=None, c=config: c
+            grads.device.type = device
+            check(dm._wait_orders_streams(bg) == want,
+                  f"grads on {device} under {config}: the worker {'waits' if want else 'does not wait'}")
+    finally:
+        torch.distributed.get_backend_config = real
+
+
 def main() -> int:
     os.environ.setdefault("MASTER_PORT", str(29900 + os.getpid() % 90))
     in_child(in_process)
+    backend_rule()
     print(f"{len(failures)} failure(s)" if failures else "all step-aside checks passed")
     return 1 if failures else 0
 
