@@ -959,7 +959,7 @@ def _wait_orders_streams(bg) -> bool:
         getattr(bg, "data_parallel_group", None)
     try:  # "cpu:gloo,cuda:nccl": a backend per device type
         config = str(torch.distributed.get_backend_config(group))
-    except (RuntimeError, ValueError):  # (no process group: no collective, no handle)
+    except (RuntimeError, ValueError, TypeError):  # (no process group: no collective, no handle)
         return False
     per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     return per_device.get(bg.buckets[0].grad_data.device.type) == "nccl"
