@@ -15,4 +15,11 @@ if [ "${DEFERALLOC_NO_TORCH:-0}" != 1 ]; then
 fi
 cmake -S . -B "$build" "${DFA_CMAKE_ARGS[@]}" "${torch_args[@]}"
 cmake --build "$build" -j"$(nproc)"
-ctest --test-dir "$build" --output-on-failure
+ctest --test-dir "$build" --output-on-failure || {
+  rc=$?
+  # The failed checks again at the end, where a log cut in the middle still shows them: the
+  # FAIL lines of the Python tests (megatron_runs' check) and GoogleTest's failed cases.
+  echo "---- failed checks (from $build/Testing/Temporary/LastTest.log)"
+  grep -E '^(FAIL |\[  FAILED  \] [A-Za-z_]+\.)' "$build/Testing/Temporary/LastTest.log" | sort -u | tail -40 || true
+  exit "$rc"
+}
