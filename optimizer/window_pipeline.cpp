@@ -191,13 +191,22 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // state read, the destructor), so no caller sees a state still in flight.
 // Limits: off by default (pass_chain:1 turns it on) until it is timed on a GPU.  Host tier
 // only (the file tier persists a piece when it retires: its passes end as before).  A CUDA
-// error of a chained tail is reported by the call that waits for it, one call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
-// enqueued, not written back.
+// error of a chained tail is reported by the call that waits for it, one call later.  A
+// pass's report (seconds, retire_seconds) ends when its last piece is enqueued, not written
+// back.
+namespace {
+// The write-back event of the last piece the previous chained pass left in the ring (the
+// slot before the ring's next one): every earlier write-back was issued before it.
+event_t last_write_back(stream_set& streams, const window& slots) {
+  const std::size_t depth = slots.depth();
+  return slot_event(streams, (slots.chain.next + depth - 1) % depth, slot_written);
+}
+}  // namespace
+
 void settle_chain(stream_ops& ops, stream_set& streams, window& slots) {
-  window::ring& r = slots.chain;
-  if (r.unwaited == 0) return;
-  r.unwaited = 0;
-  ops.synchronize(slot_event(streams, (r.next + slots.depth() - 1) % slots.depth(), slot_written));
+  if (slots.chain.unwaited == 0) return;
+  slots.chain.unwaited = 0;
+  ops.synchronize(last_write_back(streams, slots));
 }
 
 void window_pipeline::run(stream_t user, step_report& report) {
@@ -209,7 +218,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   parts_.pool.reset_peak();
   window::ring& ring = parts_.slots.chain;
   try {
-    if (ring.unwaited > 0 && !plan_.chain) settle_chain(parts_.ops, parts_.streams, parts_.slots);
+    if (!plan_.chain) settle_chain(parts_.ops, parts_.streams, parts_.slots);
   } catch (...) {
     fail();
   }
@@ -219,7 +228,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   if (inherited_ > 0) {
     const stream_t exec = parts_.streams.exec();
     parts_.streams.after(parts_.streams.h2d(), exec);
-    parts_.ops.stream_wait(exec, slot_event(parts_.streams, (base_ + depth - 1) % depth, slot_written));
+    parts_.ops.stream_wait(exec, last_write_back(parts_.streams, parts_.slots));
   }
   parts_.mover.begin_pass(plan_, report);
   // The kernels read what the user's stream produced (gradients, BF16 params).
