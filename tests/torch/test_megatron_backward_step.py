@@ -16,8 +16,10 @@ firing (clip_grad 1.0; the tiny model's grad norm is about 1.7):
        always firing, clip policy "auto" (buckets held, stepped after Megatron's clip; DP 1);
      and the counts show which path ran (3 steps each);
   3. the step across the next forward (``step_overlap_forward=True`` with overlap_param_gather;
-     never firing: clip policy "auto", always firing: "speculate"), every engine pass slowed
-     by 40 ms (megatron_slow_steps.py) so that the next iteration starts while the steps run:
+     never firing: clip policy "auto", always firing: "speculate"), every bucket pass slowed
+     by 40 ms before the worker takes its grads (megatron_slow_steps.py) so that the next
+     iteration starts while the steps run, and passes are taken after Megatron's clip (gloo's
+     handles must not be waited there: Note [A reduce-scatter waited twice]):
      bit-identical to both, and some bucket groups' grads zeroed behind their step; also with
      gradient accumulation (DP 2, 2 micro-batches, clipping always firing, policy "auto": the
      buckets held and stepped after Megatron's clip) against Megatron's own and the plain step;

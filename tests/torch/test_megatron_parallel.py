@@ -18,7 +18,7 @@ megatron-core's pipeline schedule and finalize_model_grads):
   4. the step inside backward across the next forward (``step_overlap_forward``, DDP's
      overlap_grad_reduce and overlap_param_gather, small buckets, Megatron's clipping firing:
      the buckets stepped after its clip, while the next forward runs), resident_mb=1, every
-     engine pass slowed by 40 ms (megatron_slow_steps.py), saving after step 2 while the
+     bucket pass slowed by 40 ms (megatron_slow_steps.py), saving after step 2 while the
      steps run: losses, saved and final state equal Megatron's own with the same DDP options
      (bucketed reduction changes the bits at DP 2, so not the runs above);
   5. PP 2 with the tied embedding (``--tie-embeddings``: finalize_model_grads sums its grads
