@@ -189,11 +189,12 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // waited for by the next pass that is not chained and by every entry of the optimizer that
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
-// Limits: off by default (pass_chain:1 turns it on) until it is timed on a GPU.  Host tier
-// only (the file tier persists a piece when it retires: its passes end as before).  A CUDA
-// error of a chained tail is reported by the call that waits for it, one call later.  A
-// pass's report (seconds, retire_seconds) ends when its last piece is enqueued, not written
-// back.
+// Limits: off by default (pass_chain:1 turns it on): timed inside Megatron's backward, its
+// gain or loss was within the iterations' spread (docs/BENCHMARKS.md, bench_megatron).
+// Host tier only (the file tier persists a piece when it retires: its passes end as
+// before).  A CUDA error of a chained tail is reported by the call that waits for it, one
+// call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
+// enqueued, not written back.
 namespace {
 // The write-back event of the last piece the previous chained pass left in the ring (the
 // slot before the ring's next one): every earlier write-back was issued before it.
