@@ -256,6 +256,40 @@ def main() -> int:
     check("analyse: an iteration runs to its done mark, the last one included",
           abs(m["iteration"] - 6.004) < 1e-9 and len(m["per_iteration_ms"]) == 4 and m["to_bytes"] == 8,
           f"iteration {m['iteration']}, per iteration {m['per_iteration_ms']}, to_bytes {m['to_bytes']}")
+    # bench_megatron --repeat: a row's figures are its median round's (the slower of two middles),
+    # a failed round left out, and a comparison says whether it lies within the rounds' spread.
+    import bench_megatron as bm
+
+    class Drv:  # what fold_rounds and results_and_table read of _runner.Driver
+        def __init__(self):
+            self.analysed, self.raw, self.took = {}, {}, {}
+
+    def row(ms: float) -> dict:
+        return {"iteration": ms / 1e3, "to_bytes": 1.0, "from_bytes": 1.0, "step": 0.01, "peak_hbm": 0}
+    drv, rounds = Drv(), {}
+    for key, ms in (("fwd_int8_host", 95.0), ("fwd_int8_host@2", 81.0), ("fwd_int8_host@3", 105.0),
+                    ("fwdch_int8_host", 86.0), ("fwdch_int8_host@2", None), ("fwdch_int8_host@3", 75.0)):
+        rounds[key] = (row(ms) if ms else {"error": "failed"}, {"key": key} if ms else None, 20.0)
+    for name in ("fwd_int8_host", "fwdch_int8_host"):
+        bm.fold_rounds(drv, name, rounds)
+    fwd, ch = drv.analysed["fwd_int8_host"], drv.analysed["fwdch_int8_host"]
+    check("bench_megatron --repeat: a row is its median round, every round beside it",
+          fwd["iteration"] == 0.095 and fwd["rounds_ms"] == [95.0, 81.0, 105.0] and
+          drv.raw["fwd_int8_host"] == {"key": "fwd_int8_host"} and drv.took["fwd_int8_host"] == 60.0, str(fwd))
+    check("bench_megatron --repeat: of two rounds (one failed) the slower middle",
+          ch["iteration"] == 0.086 and ch["median_round"] == "fwdch_int8_host" and ch["rounds_ms"] == [86.0, 75.0],
+          str(ch))
+    _, lines = bm.results_and_table(drv, {}, {}, {})
+    line = next((x for x in lines if x.startswith("fwdch_int8_host / fwd_int8_host")), "")
+    check("bench_megatron --repeat: a twin's difference inside the rounds' spread (25%) is said to be",
+          line == "fwdch_int8_host / fwd_int8_host: 0.91x [rounds 86/75 vs 95/81/105 ms, spread 25%: within it]", line)
+    for key, ms in (("fwd_int8_host", 110.0), ("fwd_int8_host@2", 112.0), ("fwd_int8_host@3", 115.0)):
+        rounds[key] = (row(ms), None, 20.0)  # the fwd row's rounds 110-115 ms: 0.77x is beyond
+    bm.fold_rounds(drv, "fwd_int8_host", rounds)
+    _, lines = bm.results_and_table(drv, {}, {}, {})
+    line = next((x for x in lines if x.startswith("fwdch_int8_host / fwd_int8_host")), "")
+    check("bench_megatron --repeat: a difference beyond both rows' spreads is said to be", line.endswith("beyond it]"),
+          line)
     megatron_parts()
     if len(sys.argv) > 1:  # a bench_overlap JSON (the bench_overlap_smoke test's): its checks carry the marks
         with open(sys.argv[1]) as f:

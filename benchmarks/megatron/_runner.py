@@ -328,10 +328,12 @@ class Driver:
         return bound
 
     def run(self, name: str, train_argv: list[str], opts: dict, last: int, conf: str | None = None,
-            estimate: float | None = None, port: int = 29600) -> dict:
+            estimate: float | None = None, port: int = 29600, key: str | None = None) -> dict:
         """One variant: train_gpt.py's options ``train_argv``, the child's ``opts``, medians of
         the ``last`` iterations; ``conf`` added to DEFERALLOC_CONF; ``estimate``: seconds it is
-        expected to take (default 1.1x the longest so far)."""
+        expected to take (default 1.1x the longest so far); ``key`` (default ``name``): its
+        files' and results' name (a variant run again: bench_megatron's --repeat)."""
+        name, child_name = key or name, name
         spent = self.spent()
         expect = estimate if estimate is not None else max(self.longest, 1.0) * 1.1
         if spent + expect > self.budget_s:
@@ -345,7 +347,7 @@ class Driver:
         if conf:
             env["DEFERALLOC_CONF"] = ",".join(x for x in (os.environ.get("DEFERALLOC_CONF"), conf) if x)
         out = f"{self.logs}/{name}.json"
-        cmd = self.ME + ["--child", name, out, json.dumps(opts)] + train_argv
+        cmd = self.ME + ["--child", child_name, out, json.dumps(opts)] + train_argv
         t0 = time.perf_counter()
         why = run_child(cmd, env, min(self.timeout, max(10.0, self.budget_s - spent)), f"{self.logs}/{name}.log")
         took = time.perf_counter() - t0

@@ -75,7 +75,13 @@ the fwd rows' warm-up, its speculative first iterations, which lasted three on a
 ``--file-steps`` (4), the last ``--file-median-of`` (2).  An iteration runs from its start (the
 device synchronised) until the device has finished what it queued, the step's passes still in
 flight included (Note [The iteration's time] in _runner.py); ``--reanalyse JSON --logs DIR``
-rebuilds an earlier run's JSON from its logs with the current analysis.  A row is started only where it ends
+rebuilds an earlier run's JSON from its logs with the current analysis.  ``--repeat N`` runs the
+rows N times, round after round (resident, A, B, resident, A, B, ...: a host that drifts during
+the call moves every row alike), each round a process of its own (logs NAME@2, NAME@3, ...); a
+row's figures are then those of its median round (the slower of two middles), every round's
+iteration beside them, and each comparison of a row with its twin or its plain row says whether
+the difference lies within the rounds' spread ((max - min) / median of either row's rounds): the
+same variant timed twice differs by that much, so a smaller difference is noise.  A row is started only where it ends
 within ``--budget-s`` at the longest row's time so far (file rows: the longest file row's).
 ``--json-dir DIR`` writes DIR/megatron_bench_<model>_<rows>.json (benchmarks/bench_json.py's
 schema, benchmark "megatron_bench"), rewritten after every row (extra.complete: whether the run
@@ -241,6 +247,50 @@ def bounds(a, drv, dd_cache: dict, rate: float | None, only: str | None = None) 
     return out
 
 
+def round_keys(name: str, repeat: int) -> list[str]:
+    """The keys of a row's rounds under --repeat (its logs' names): NAME, NAME@2, ..."""
+    return [name] + [f"{name}@{r}" for r in range(2, repeat + 1)]
+
+
+def fold_rounds(drv, name: str, rounds: dict) -> None:
+    """A row run in rounds (``rounds``: key -> (analysed, raw, seconds) of each round that ran,
+    in the order they ran) into ``drv``'s one row ``name``: the round whose iteration is the
+    median (the slower of two middles), with ``rounds_ms`` (every round's iteration) and
+    ``median_round`` (its key) where there were several; the seconds of all rounds.  None ran
+    to an iteration: the last round's error."""
+    ran = [k for k in rounds if k == name or k.startswith(name + "@")]
+    drv.took[name] = sum(rounds[k][2] for k in ran)
+    ok = sorted((rounds[k][0]["iteration"], k) for k in ran if "iteration" in rounds[k][0])
+    pick = ok[len(ok) // 2][1] if ok else ran[-1]
+    m, raw, _ = rounds[pick]
+    drv.analysed[name] = {**m, "rounds_ms": [rounds[k][0]["iteration"] * 1e3 for k in ran
+                                             if "iteration" in rounds[k][0]], "median_round": pick} \
+        if ok and len(ran) > 1 else m
+    if raw is not None:
+        drv.raw[name] = raw
+
+
+def rounds_spread(m: dict) -> float | None:
+    """(max - min) / median of a row's rounds' iterations (None under two rounds)."""
+    r = sorted(m.get("rounds_ms") or [])
+    if len(r) < 2:
+        return None
+    mid = (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2
+    return (r[-1] - r[0]) / mid
+
+
+def beside_rounds(a: dict, b: dict, ratio: float) -> str:
+    """A comparison's note under --repeat: both rows' rounds and whether ``ratio`` (a / b) is
+    within their spread; empty without rounds."""
+    spreads = [x for x in (rounds_spread(a), rounds_spread(b)) if x is not None]
+    if not spreads:
+        return ""
+    within = abs(ratio - 1.0) <= max(spreads)
+    fmt = lambda m: "/".join(f"{v:.0f}" for v in m.get("rounds_ms", []))  # noqa: E731
+    return (f" [rounds {fmt(a)} vs {fmt(b)} ms, spread {max(spreads):.0%}: "
+            + ("within it]" if within else "beyond it]"))
+
+
 def peak_of(drv, name: str) -> int:
     """Peak HBM of a row less its ballast (Note [The auto budget's ballast] in _runner.py)."""
     return (drv.analysed[name].get("peak_hbm") or 0) - drv.raw.get(name, {}).get("ballast_bytes", 0)
@@ -268,6 +318,9 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
                         res(f"{name}: iteration / bound", b["ratio"], "x")]
         if "transfer_s" in b:
             results.append(res(f"{name}: transfer ({b['how']})", b["transfer_s"] * 1e3, "ms"))
+        if rounds_spread(m) is not None:
+            results.append(res(f"{name}: spread of its {len(m['rounds_ms'])} rounds ((max - min) / median)",
+                               rounds_spread(m), "x"))
         results += [res(f"{name}: optimizer step", m["step"] * 1e3, "ms"),
                     res(f"{name}: link bytes read", m["to_bytes"], "B"),
                     res(f"{name}: link bytes written", m["from_bytes"], "B"),
@@ -292,12 +345,13 @@ def results_and_table(drv, bnd: dict, bound: dict, dd_cache: dict) -> tuple[list
             if plain in it:
                 r = it[name] / it[plain]
                 results.append(res(f"{name}: iteration / {plain}'s", r, "x"))
-                verdicts.append(f"{name} / {plain}: {r:.2f}x (target <= 1)" + ("" if r <= 1.0 else " MISSED"))
+                verdicts.append(f"{name} / {plain}: {r:.2f}x (target <= 1)" + ("" if r <= 1.0 else " MISSED")
+                                + beside_rounds(drv.analysed[name], drv.analysed[plain], r))
         fwd = fwd_twin(name)
         if fwd in it:  # what coalescing or tapering the passes changed (no target yet)
             r = it[name] / it[fwd]
             results.append(res(f"{name}: iteration / {fwd}'s", r, "x"))
-            verdicts.append(f"{name} / {fwd}: {r:.2f}x")
+            verdicts.append(f"{name} / {fwd}: {r:.2f}x" + beside_rounds(drv.analysed[name], drv.analysed[fwd], r))
     for dtype, target in (("fp32", 1.5), ("bf16", 2.2)):
         for name in (f"inside_{dtype}_host", f"fwd_{dtype}_host"):
             if "hdo" in it and name in it:
@@ -359,7 +413,8 @@ def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], fi
     params = next((r["params"] for r in drv.raw.values()), None)
     head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
             f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
-            f"{a.file_median_of} of {a.file_steps}), {sum(drv.took.values()) if reanalysed_from else drv.spent():.0f} s")
+            f"{a.file_median_of} of {a.file_steps})" + (f", median round of {a.repeat}" if a.repeat > 1 else "")
+            + f", {sum(drv.took.values()) if reanalysed_from else drv.spent():.0f} s")
     if reanalysed_from:
         head += f"; re-analysed (Note [The iteration's time] in _runner.py) from the logs of: {reanalysed_from}"
     if final:
@@ -405,17 +460,21 @@ def reanalyse(a) -> int:
     if run.smoke:
         smoke_options(run)
     drv = _runner.Driver("megatron_bench", a.logs, 0.0, 0.0)
-    drv.took = dict(ex.get("took_s", {}))
+    rounds = {}
     for name in ex["rows"]:
-        path = os.path.join(a.logs, f"{name}.json")
-        if not os.path.exists(path):
-            drv.analysed[name] = ex["analysed"].get(name) or {"error": f"no {path}"}
-            continue
-        with open(path) as f:
-            drv.raw[name] = json.load(f)
-        file = ROWS[name][2] == "file"
-        last = min(run.file_median_of if file else run.median_of, max(1, len(drv.raw[name]["iterations"]) - 1))
-        drv.analysed[name] = _runner.analyse(drv.raw[name], last)
+        for key in round_keys(name, run.repeat):
+            path = os.path.join(a.logs, f"{key}.json")
+            took = ex.get("took_s", {}).get(key, 0.0)  # (a row's rounds together, under its name)
+            if not os.path.exists(path):
+                m = (ex["analysed"].get(name) if key == name else None) or {"error": f"no {path}"}
+                rounds[key] = (m, None, took)
+                continue
+            with open(path) as f:
+                raw = json.load(f)
+            file = ROWS[name][2] == "file"
+            last = min(run.file_median_of if file else run.median_of, max(1, len(raw["iterations"]) - 1))
+            rounds[key] = (_runner.analyse(raw, last), raw, took)
+        fold_rounds(drv, name, rounds)
     dd_cache = {(round(d["read_bytes"] / 1e7), round(d["write_bytes"] / 1e7)): d for d in ex.get("dd", [])
                 if "read_bytes" in d}
     report(run, drv, ex.get("bound", {}), dd_cache, ex["model"], ex["rows"], final=True,
@@ -438,6 +497,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--bound-mib", type=int, default=2048, help="the duplex copy's size each way")
     ap.add_argument("--timeout", type=float, default=240, help="seconds one row's process may take")
     ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--repeat", type=int, default=1, help="run the rows this many times, round after round; a row's "
+                                                          "median round, the rounds' spread beside each comparison")
     ap.add_argument("--json-dir", help="write megatron_bench_<model>_<rows>.json here")
     ap.add_argument("--logs", help="keep each process's output here (default: a temporary directory)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, 3 iterations, " + ",".join(SMOKE_ROWS))
@@ -471,8 +532,9 @@ def main(argv=None) -> int:
     os.makedirs(logs, exist_ok=True)
     drv = _runner.Driver("megatron_bench", logs, a.budget_s, a.timeout)
     bound = {} if a.smoke else drv.bound(a.bound_mib)
-    longest_file, dd_cache = 0.0, {}
-    for i, name in enumerate(names):
+    longest_file, dd_cache, rounds = 0.0, {}, {}
+    for r, i, name in ((r, i, n) for r in range(1, a.repeat + 1) for i, n in enumerate(names)):
+        key = round_keys(name, r)[-1]
         opts, child_opts, tier, _ = ROWS[name]
         file = tier == "file"
         state_dir = os.path.join(a.dir, f"dfa-mb-{name}")
@@ -487,12 +549,16 @@ def main(argv=None) -> int:
         conf = child_opts.get("conf")  # (the child's DEFERALLOC_CONF, not one of its options)
         child_opts = {k: v for k, v in child_opts.items() if k != "conf"}
         drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},
-                a.file_median_of if file else a.median_of, conf=conf, estimate=estimate, port=29650 + i)
+                a.file_median_of if file else a.median_of, conf=conf, estimate=estimate, port=29650 + i, key=key)
+        took = drv.took.get(key, 0.0)
+        if a.repeat > 1:
+            rounds[key] = (drv.analysed.pop(key), drv.raw.pop(key, None), drv.took.pop(key, 0.0))
+            fold_rounds(drv, name, rounds)
         if file:
             shutil.rmtree(state_dir, ignore_errors=True)  # the disk holds one state file at a time
             t0 = drv.spent()
             bounds(a, drv, dd_cache, None, only=name)  # its dd now, inside the budget
-            longest_file = max(longest_file, drv.took.get(name, 0.0) + drv.spent() - t0)
+            longest_file = max(longest_file, took + drv.spent() - t0)
         report(a, drv, bound, dd_cache, model, names, final=False)  # a call cut short keeps the rows done
     bnd = report(a, drv, bound, dd_cache, model, names, final=True)
     # The last line (scripts/gpu_round.sh's summary row): iteration / bound per row.
