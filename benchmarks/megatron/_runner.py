@@ -333,39 +333,39 @@ class Driver:
         the ``last`` iterations; ``conf`` added to DEFERALLOC_CONF; ``estimate``: seconds it is
         expected to take (default 1.1x the longest so far); ``key`` (default ``name``): its
         files' and results' name (a variant run again: bench_megatron's --repeat)."""
-        name, child_name = key or name, name
+        key = key or name
         spent = self.spent()
         expect = estimate if estimate is not None else max(self.longest, 1.0) * 1.1
         if spent + expect > self.budget_s:
-            self.analysed[name] = {"error": f"not started: {spent:.0f} s spent, {expect:.0f} s expected, "
-                                            f"budget {self.budget_s:.0f} s"}
-            print(f"[{self.tag}] {name}: {self.analysed[name]['error']}", flush=True)
-            self.failed.append(name)
-            return self.analysed[name]
+            self.analysed[key] = {"error": f"not started: {spent:.0f} s spent, {expect:.0f} s expected, "
+                                           f"budget {self.budget_s:.0f} s"}
+            print(f"[{self.tag}] {key}: {self.analysed[key]['error']}", flush=True)
+            self.failed.append(key)
+            return self.analysed[key]
         env = dict(os.environ)
         env["MASTER_PORT"] = str(port)
         if conf:
             env["DEFERALLOC_CONF"] = ",".join(x for x in (os.environ.get("DEFERALLOC_CONF"), conf) if x)
-        out = f"{self.logs}/{name}.json"
-        cmd = self.ME + ["--child", child_name, out, json.dumps(opts)] + train_argv
+        out = f"{self.logs}/{key}.json"
+        cmd = self.ME + ["--child", name, out, json.dumps(opts)] + train_argv
         t0 = time.perf_counter()
-        why = run_child(cmd, env, min(self.timeout, max(10.0, self.budget_s - spent)), f"{self.logs}/{name}.log")
+        why = run_child(cmd, env, min(self.timeout, max(10.0, self.budget_s - spent)), f"{self.logs}/{key}.log")
         took = time.perf_counter() - t0
         self.longest = max(self.longest, took)
-        self.took[name] = took
+        self.took[key] = took
         if os.path.exists(out):
             with open(out) as f:
-                self.raw[name] = json.load(f)
-            last = min(last, max(1, len(self.raw[name]["iterations"]) - 1))
-            self.analysed[name] = analyse(self.raw[name], last)
+                self.raw[key] = json.load(f)
+            last = min(last, max(1, len(self.raw[key]["iterations"]) - 1))
+            self.analysed[key] = analyse(self.raw[key], last)
         else:
-            with open(f"{self.logs}/{name}.log") as f:
+            with open(f"{self.logs}/{key}.log") as f:
                 print(f.read()[-3000:], flush=True)
-            self.analysed[name] = {"error": f"failed ({why or 'no result'}); log {self.logs}/{name}.log"}
-            self.failed.append(name)
-        m = self.analysed[name]
-        print(f"[{self.tag}] {name}: {took:.0f} s, " + (f"iteration {m['iteration'] * 1e3:.1f} ms, per iteration "
-                                                       f"{m['per_iteration_ms']}" if "iteration" in m else m["error"]),
+            self.analysed[key] = {"error": f"failed ({why or 'no result'}); log {self.logs}/{key}.log"}
+            self.failed.append(key)
+        m = self.analysed[key]
+        print(f"[{self.tag}] {key}: {took:.0f} s, " + (f"iteration {m['iteration'] * 1e3:.1f} ms, per iteration "
+                                                      f"{m['per_iteration_ms']}" if "iteration" in m else m["error"]),
               flush=True)
         return m
 
