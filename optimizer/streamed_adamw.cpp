@@ -600,7 +600,11 @@ void streamed_adamw::impl::sync_model(stream_t stream) {
 // edit left at main's rounding keeps main's bits, so loading a model's parameters saved
 // with the optimizer (param = round(main)) after its state changes nothing.  The host
 // reads the marks after a streamed pass (which waits for its kernels anyway), the device
-// tier's at its next step, and logs one warning line per edited shard.  The CPU twin
+// tier's at its next step, and logs one warning line per edited shard.  A kernel writes
+// the marks into mapped pinned memory for that read, not a D2H copy: the copy queued on
+// the copy engine behind the pass's write-backs, so a chained pass (Note [Chained passes])
+// waited for its whole drain there (seen in a torch.profiler trace of bench_overlap on an
+// H100: about 2 ms of the link idle at each bucket pass's end).  The CPU twin
 // keeps the slots in host memory with the same arithmetic.
 // Limits: an element edited to main's rounding keeps main (the edit and main agree to the
 // parameter's precision).  A step that failed part-way forgets every hash (no check until

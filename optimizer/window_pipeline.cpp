@@ -189,8 +189,11 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // waited for by the next pass that is not chained and by every entry of the optimizer that
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
-// Limits: off by default (pass_chain:1 turns it on): timed inside Megatron's backward, its
-// gain or loss was within the iterations' spread (docs/BENCHMARKS.md, bench_megatron).
+// Limits: off by default (pass_chain:1 turns it on).  Until the step's read of the edit
+// marks stopped queuing behind the write-backs (Note [Edits of 16-bit parameters]) the
+// host still waited for each chained pass's drain: timed so inside Megatron's backward its
+// gain or loss was within the iterations' spread; since, bench_overlap's batch 4 (the link
+// the bottleneck) gained 4% on an H100 (docs/BENCHMARKS.md); not yet timed inside Megatron.
 // Host tier only (the file tier persists a piece when it retires: its passes end as
 // before).  A CUDA error of a chained tail is reported by the call that waits for it, one
 // call later.  A pass's report (seconds, retire_seconds) ends when its last piece is

@@ -116,6 +116,42 @@ def megatron_parts() -> None:
             check(f"test_megatron_gpu {part}: {run} failed fails a check", bool(failed), "; ".join(failed))
 
 
+def link_profile_parts() -> None:
+    """benchmarks/link_profile.py on a made-up Chrome trace: two H2D copies with a 3 ms gap
+    during which a backward kernel and then an engine kernel ran, D2H copies overlapping
+    them, a gap shorter than the threshold left out."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import link_profile as lp
+
+    def ev(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+    h2d, d2h = "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"
+    trace = [ev("gpu_memcpy", h2d, 1000, 2000, bytes=100_000_000), ev("gpu_memcpy", h2d, 6000, 1000, bytes=50_000_000),
+             ev("gpu_memcpy", h2d, 7500, 500, bytes=25_000_000),  # 0.5 ms after the last: not a gap at 1 ms
+             ev("gpu_memcpy", d2h, 2000, 3000, bytes=150_000_000),
+             ev("kernel", "void at::native::backward_kernel<float>", 3000, 2000),
+             ev("kernel", "deferalloc::optim::detail::adamw_vec4(...)", 5000, 500),
+             ev("kernel", "void at::native::forward_kernel<float>", 6500, 1500),  # the model's idle: 5.0-6.5
+             ev("cuda_runtime", "cudaEventSynchronize", 5200, 1200),
+             ev("cpu_op", "aten::mm", 0, 9000)]  # (host events are not the device's)
+    a = lp.analyse(trace, gap_ms=1.0)
+    h = a["h2d"]
+    check("link_profile: busy time, bytes and rate of a direction",
+          h["busy_ms"] == 3.5 and h["bytes"] == 175_000_000 and abs(h["gbps_busy"] - 50.0) < 1e-9, str(h))
+    gaps = h["gaps"]
+    check("link_profile: a gap at least the threshold, with the kernels in it (the engine's apart)",
+          len(gaps) == 1 and gaps[0]["at_ms"] == 2.0 and gaps[0]["ms"] == 3.0 and gaps[0]["engine_kernel_ms"] == 0.5
+          and gaps[0]["kernels"][0] == ["void at::native::backward_kernel<float>", 2.0], str(gaps))
+    check("link_profile: both directions busy at once, and either",
+          a["both_busy_ms"] == 1.0 and a["either_busy_ms"] == 5.5 and a["window_ms"] == 7.0, str(a))
+    c = a["compute"]
+    check("link_profile: the model's kernels' gap, with what the host was in",
+          c["busy_ms"] == 3.5 and len(c["gaps"]) == 1 and c["gaps"][0]["at_ms"] == 4.0 and c["gaps"][0]["ms"] == 1.5
+          and c["gaps"][0]["host"][0] == ["aten::mm [tid None]", 1.5] and c["gaps"][0]["host"][1][1] == 1.2, str(c))
+    check("link_profile: the report names the gap", "gap at     2.0 ms:   3.00 ms" in lp.report(a, 50.0),
+          lp.report(a, 50.0))
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # Three repetitions of ours (10, 12, 20 GB/s), the baseline steady at 5 GB/s.
@@ -291,6 +327,7 @@ def main() -> int:
     check("bench_megatron --repeat: a difference beyond both rows' spreads is said to be", line.endswith("beyond it]"),
           line)
     megatron_parts()
+    link_profile_parts()
     if len(sys.argv) > 1:  # a bench_overlap JSON (the bench_overlap_smoke test's): its checks carry the marks
         with open(sys.argv[1]) as f:
             checks = {c["check"]: c for c in json.load(f)["extra"]["checks"]}

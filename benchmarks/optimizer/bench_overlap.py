@@ -199,6 +199,40 @@ def restore(model, init):
 
 # ---- one mode -----------------------------------------------------------------------------------
 
+def _slug(name: str) -> str:
+    """A mode's name as --profile-mode and file names take it ('host+overlap b4': host_overlap_b4)."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def profile_link(B, name, iteration, ov, n=2):
+    """``n`` iterations of mode ``name`` under torch.profiler (CUDA activity: the copy
+    engines' and kernels' device timestamps), no synchronisation between them; the
+    link's analysis (benchmarks/link_profile.py) printed and kept in extra.link_profile,
+    the trace gzipped into --out."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import link_profile
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if B.cuda else [])
+    with profile(activities=acts) as prof:
+        for k in range(n):
+            iteration(k)
+        if ov is not None:
+            ov.synchronize()
+        B.sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        res = link_profile.analyse(link_profile.load(path))
+        with open(path, "rb") as f, gzip.open(os.path.join(B.a.out, f"link_profile_{_slug(name)}.json.gz"), "wb") as g:
+            shutil.copyfileobj(f, g)
+    bound = (B.extra.get("bound") or {}).get("duplex")  # GB/s each way, when part bound ran
+    print(f"[profile] {name}, {n} iterations:\n" + link_profile.report(res, bound), flush=True)
+    B.extra.setdefault("link_profile", {})[name] = dict(iterations=n, **res)
+
+
 def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_kw=None, iters=None, warm=None,
              **kw):
     """warm + iters iterations back to back (an overlapped step may end under the next
@@ -285,6 +319,11 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
         spans += [("optimizer (visible)", fb[-1][2] - o, t3 - o), ("next forward", t3 - o, t4 - o)]
         buckets = [("commit" if i < 0 else f"bucket {i}", s - o, e - o) for i, s, e in (ov.timeline if ov else [])]
         stats = ov.stats() if ov is not None else {}
+        if _slug(name) in {_slug(m) for m in a.profile_mode or ()}:
+            if ov is not None:
+                ov.trace = False
+            profile_link(B, name, lambda k: iteration(warm + iters + 1 + k, lambda: None), ov)
+            del losses[(warm + iters + 1) * micro:]  # (the profiled iterations' are not the mode's)
     finally:
         try:
             if ov is not None:
@@ -772,6 +811,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for the whole run: a mode that would end later is not run (the table and JSON "
                          "still come); give a little less than the caller's time limit")
+    ap.add_argument("--profile-mode", action="append", default=None, metavar="MODE",
+                    help="profile two more iterations of this mode (e.g. host_overlap_b4 for 'host+overlap b4'; repeatable): where the "
+                         "link idles (benchmarks/link_profile.py; extra.link_profile, a trace in --out)")
     ap.add_argument("--engine-settings", default="",
                     help="more engine settings for every StreamedAdamW of the run (e.g. depth:6)")
     a = ap.parse_args()

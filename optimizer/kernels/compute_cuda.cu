@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <deferalloc/core/errors.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -211,6 +212,12 @@ __global__ void edit_hash(const std::uint16_t* p, std::size_t n, unsigned long l
 }
 // When slots[k_written] != slots[k_now]: main = float(param) where param is not main's
 // rounding, and slots[k_edited] = 1 when an element was taken.
+// out[i] = in[i] for i < n: the edit slots into mapped pinned memory (read_edit_slots).
+__global__ void slots_to_host(const unsigned long long* in, unsigned long long* out, std::size_t n) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    out[i] = in[i];
+}
+
 __global__ void adopt_edit(const void* param, value_type t, float* main, std::size_t n, unsigned long long* slots) {
   if (slots[compute::k_written] == slots[compute::k_now]) return;
   bool took = false;
@@ -234,6 +241,7 @@ class cuda_compute final : public compute {
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (pow_dev_ != nullptr) cudaFree(pow_dev_);
     if (edit_dev_ != nullptr) cudaFree(edit_dev_);
+    if (edit_host_ != nullptr) cudaFreeHost(edit_host_);
   }
 
   // The device's powf for integral steps, from a table per (base, block of k_pow_block
@@ -316,11 +324,15 @@ class cuda_compute final : public compute {
   void edit_slots(std::size_t shards) override {
     DFA_CUDA_TRY(cudaSetDevice(device_));
     if (edit_dev_ != nullptr) DFA_CUDA_TRY(cudaFree(edit_dev_));
-    edit_dev_ = nullptr;
+    if (edit_host_ != nullptr) DFA_CUDA_TRY(cudaFreeHost(edit_host_));
+    edit_dev_ = edit_host_ = edit_host_dev_ = nullptr;
     edit_count_ = shards * k_edit_slots;
     if (edit_count_ == 0) return;
     DFA_CUDA_TRY(cudaMalloc(&edit_dev_, edit_count_ * sizeof(unsigned long long)));
     DFA_CUDA_TRY(cudaMemset(edit_dev_, 0, edit_count_ * sizeof(unsigned long long)));
+    DFA_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&edit_host_), edit_count_ * sizeof(unsigned long long),
+                               cudaHostAllocMapped | cudaHostAllocPortable));
+    DFA_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&edit_host_dev_), edit_host_, 0));
   }
   void hash_param(std::size_t s, int which, const void* param, std::size_t n, stream_t st) override {
     DFA_CUDA_TRY(cudaSetDevice(device_));
@@ -342,9 +354,14 @@ class cuda_compute final : public compute {
     DFA_CUDA_TRY(cudaSetDevice(device_));
     std::vector<std::uint64_t> out(edit_count_);
     auto cs = static_cast<cudaStream_t>(st.get());
-    if (!out.empty())
-      DFA_CUDA_TRY(cudaMemcpyAsync(out.data(), edit_dev_, out.size() * 8, cudaMemcpyDeviceToHost, cs));
+    // A kernel writes them to mapped pinned memory: a D2H copy would queue on the copy
+    // engine behind the pass's write-backs (Note [Edits of 16-bit parameters]).
+    if (!out.empty()) {
+      slots_to_host<<<grid(out.size()), k_threads, 0, cs>>>(edit_dev_, edit_host_dev_, out.size());
+      DFA_CUDA_CHECK_LAUNCH();
+    }
     DFA_CUDA_TRY(cudaStreamSynchronize(cs));
+    std::copy(edit_host_, edit_host_ + out.size(), out.begin());
     return out;
   }
 
@@ -396,6 +413,8 @@ class cuda_compute final : public compute {
   std::unordered_map<pow_key, std::vector<float>, pow_key_hash> pow_cache_;
   float* pow_dev_ = nullptr;
   unsigned long long* edit_dev_ = nullptr;  // Note [Edits of 16-bit parameters]
+  unsigned long long* edit_host_ = nullptr;      // mapped pinned memory: read_edit_slots's
+  unsigned long long* edit_host_dev_ = nullptr;  // (its device address)
   std::size_t edit_count_ = 0;
 };
 

@@ -1,0 +1,171 @@
+"""Where the link idles: the copy engines' timeline of a profiled stretch of a run.
+
+A streamed step is at its bound when both directions of the link (pinned H2D and D2H) are
+busy from the first piece's fetch to the last piece's write-back.  When an overlapped
+iteration is slower than its bound, the iteration's time alone does not say whether the
+passes ran below the link's rate (per-piece costs) or the link waited (for gradients, for
+the host to issue the next pass).  ``analyse`` answers from a torch.profiler Chrome trace
+(CUPTI's device timestamps of every copy and kernel, the engine's included): per
+direction the busy time, bytes and rate while busy, and every gap of at least ``gap_ms``
+with the kernels that ran during it (the engine's AdamW kernels named apart: a gap with
+none of them waiting for gradients or for the host, not for a kernel); and the gaps of the
+model's own kernels (the GPU's compute idle) with what the host was in during each (its
+ops and CUDA calls, per thread: a synchronisation, a lock, Python).
+
+    python3 benchmarks/link_profile.py TRACE.json[.gz] [--gap-ms 1]
+
+prints the analysis; bench_overlap.py --profile-mode NAME profiles two iterations of that
+mode and stores the analysis in its JSON (extra.link_profile).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+
+ENGINE_KERNELS = re.compile(r"adamw")  # the step's kernels (optimizer/kernels)
+HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def load(path: str) -> list[dict]:
+    """The trace's events (a Chrome trace, plain or gzip)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        d = json.load(f)
+    return d["traceEvents"] if isinstance(d, dict) else d
+
+
+def _direction(e: dict) -> str | None:
+    if e.get("cat") != "gpu_memcpy":
+        return None
+    n = e.get("name", "")
+    return "h2d" if "HtoD" in n else "d2h" if "DtoH" in n else None
+
+
+def merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, sorted and disjoint."""
+    out: list[list[float]] = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(iv: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in iv)
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def analyse(events: list[dict], gap_ms: float = 1.0, top: int = 4) -> dict:
+    """Per direction: busy ms, bytes, GB/s while busy, and the gaps of at least gap_ms
+    between its first and last copy (start offset from the window's start, length, the
+    kernels overlapping it by time, the engine's kernels' ms in it); both directions busy
+    at once; the window (first to last device event)."""
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "kernel", "gpu_memset")]
+    if not dev:
+        return {"events": 0}
+    t0 = min(e["ts"] for e in dev)
+    t1 = max(e["ts"] + e.get("dur", 0) for e in dev)
+    kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in dev if e.get("cat") == "kernel"]
+    out: dict = {"events": len(dev), "window_ms": (t1 - t0) / 1e3}
+    busy = {}
+    for d in ("h2d", "d2h"):
+        cp = [e for e in dev if _direction(e) == d]
+        iv = merge([(e["ts"], e["ts"] + e.get("dur", 0)) for e in cp])
+        busy[d] = iv
+        nbytes = sum(int((e.get("args") or {}).get("bytes", 0)) for e in cp)
+        ms = _length(iv) / 1e3
+        gaps = []
+        for (_, a), (b, _) in zip(iv, iv[1:]):
+            if (b - a) / 1e3 < gap_ms:
+                continue
+            over: dict[str, float] = {}
+            engine = 0.0
+            for ks, ke, kn in kernels:
+                o = min(ke, b) - max(ks, a)
+                if o > 0:
+                    over[kn] = over.get(kn, 0.0) + o
+                    if ENGINE_KERNELS.search(kn):
+                        engine += o
+            names = sorted(over, key=over.get, reverse=True)[:top]
+            gaps.append({"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "engine_kernel_ms": engine / 1e3,
+                         "kernels": [[n[:80], over[n] / 1e3] for n in names]})
+        out[d] = {"copies": len(cp), "busy_ms": ms, "bytes": nbytes, "gbps_busy": nbytes / ms / 1e6 if ms else 0.0,
+                  "first_ms": (iv[0][0] - t0) / 1e3 if iv else None, "last_ms": (iv[-1][1] - t0) / 1e3 if iv else None,
+                  "gaps": gaps, "gap_ms": sum(g["ms"] for g in gaps)}
+    out["both_busy_ms"] = _length(_intersect(busy["h2d"], busy["d2h"])) / 1e3
+    out["either_busy_ms"] = _length(merge(busy["h2d"] + busy["d2h"])) / 1e3
+    # The model's kernels (all but the engine's): where the GPU's compute idled, and what the
+    # host was in then (its ops and CUDA calls overlapping the gap, per thread).
+    host = [(e["ts"], e["ts"] + e.get("dur", 0), e.get("name", ""), e.get("tid")) for e in events
+            if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
+    model = merge([(s, e) for s, e, n in kernels if not ENGINE_KERNELS.search(n)])
+    gaps = []
+    for (_, a), (b, _) in zip(model, model[1:]):
+        if (b - a) / 1e3 < gap_ms:
+            continue
+        over: dict[str, float] = {}
+        for hs, he, hn, tid in host:
+            o = min(he, b) - max(hs, a)
+            if o > 0:
+                k = f"{hn[:60]} [tid {tid}]"
+                over[k] = over.get(k, 0.0) + o
+        names = sorted(over, key=over.get, reverse=True)[:top]
+        gaps.append({"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "host": [[n, over[n] / 1e3] for n in names]})
+    out["compute"] = {"busy_ms": _length(model) / 1e3, "gaps": gaps, "gap_ms": sum(g["ms"] for g in gaps)}
+    return out
+
+
+def report(a: dict, bound_gbps: float | None = None) -> str:
+    """The analysis as lines of text."""
+    if not a.get("events"):
+        return "no device events in the trace"
+    lines = [f"window {a['window_ms']:.1f} ms; both directions busy {a['both_busy_ms']:.1f} ms, "
+             f"either {a['either_busy_ms']:.1f} ms"]
+    for d in ("h2d", "d2h"):
+        x = a[d]
+        rate = f"{x['gbps_busy']:.1f} GB/s while busy" + (f" ({x['gbps_busy'] / bound_gbps:.2f}x the bound)"
+                                                          if bound_gbps else "")
+        lines.append(f"{d}: {x['copies']} copies, {x['bytes'] / 1e9:.2f} GB, busy {x['busy_ms']:.1f} ms, {rate}; "
+                     f"{len(x['gaps'])} gaps >= the threshold, {x['gap_ms']:.1f} ms")
+        for g in x["gaps"]:
+            ks = ", ".join(f"{n} {ms:.2f}" for n, ms in g["kernels"])
+            lines.append(f"   gap at {g['at_ms']:7.1f} ms: {g['ms']:6.2f} ms (engine kernels {g['engine_kernel_ms']:.2f} ms) "
+                         f"{ks}")
+    c = a.get("compute")
+    if c:
+        lines.append(f"model kernels: busy {c['busy_ms']:.1f} ms; {len(c['gaps'])} gaps >= the threshold, "
+                     f"{c['gap_ms']:.1f} ms")
+        for g in c["gaps"]:
+            hs = ", ".join(f"{n} {ms:.2f}" for n, ms in g["host"])
+            lines.append(f"   gap at {g['at_ms']:7.1f} ms: {g['ms']:6.2f} ms; the host in: {hs}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--gap-ms", type=float, default=1.0)
+    ap.add_argument("--bound-gbps", type=float, default=None, help="the duplex bound each way, for the rate's ratio")
+    a = ap.parse_args()
+    print(report(analyse(load(a.trace), a.gap_ms), a.bound_gbps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
