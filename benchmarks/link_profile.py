@@ -7,10 +7,11 @@ passes ran below the link's rate (per-piece costs) or the link waited (for gradi
 the host to issue the next pass).  ``analyse`` answers from a torch.profiler Chrome trace
 (CUPTI's device timestamps of every copy and kernel, the engine's included): per
 direction the busy time, bytes and rate while busy, and every gap of at least ``gap_ms``
-with the kernels that ran during it (the engine's AdamW kernels named apart: a gap with
-none of them waiting for gradients or for the host, not for a kernel); and the gaps of the
-model's own kernels (the GPU's compute idle) with what the host was in during each (its
-ops and CUDA calls, per thread: a synchronisation, a lock, Python).
+with the kernels that ran during it (the engine's kernels' time apart: a gap with none of
+them waits for gradients or for the host, not for a kernel); and the gaps of the model's own
+kernels (all but the engine's: the GPU's compute idle) with the host events during each (its
+ops and CUDA calls, per thread: a synchronisation shows; Python only when the trace was taken
+with_stack).  Device events of every GPU in the trace count as one timeline.
 
     python3 benchmarks/link_profile.py TRACE.json[.gz] [--gap-ms 1]
 
@@ -25,7 +26,7 @@ import json
 import re
 import sys
 
-ENGINE_KERNELS = re.compile(r"adamw")  # the step's kernels (optimizer/kernels)
+ENGINE_KERNELS = re.compile(r"deferalloc::")  # the engine's kernels (optimizer/kernels: deferalloc::optim::detail)
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
 
 
@@ -72,10 +73,11 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
 
 
 def analyse(events: list[dict], gap_ms: float = 1.0, top: int = 4) -> dict:
-    """Per direction: busy ms, bytes, GB/s while busy, and the gaps of at least gap_ms
-    between its first and last copy (start offset from the window's start, length, the
-    kernels overlapping it by time, the engine's kernels' ms in it); both directions busy
-    at once; the window (first to last device event)."""
+    """Per direction ("h2d", "d2h"): busy ms, bytes, GB/s while busy, and the gaps of at
+    least gap_ms between its first and last copy (start offset from the window's start,
+    length, the kernels overlapping it by time, the engine's kernels' ms in it); both
+    directions busy at once and either; the window (first to last device event); "compute":
+    the model's kernels' busy ms and gaps, each with the host events overlapping it."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "kernel", "gpu_memset")]
     if not dev:
         return {"events": 0}

@@ -491,7 +491,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     throw;
   }
   self.retry.clear();
-  if (self.streamed()) self.report_edits();  // (the pass waited for its kernels)
+  if (self.streamed()) self.report_edits();  // (waits for the pass's kernels, if it has not)
   self.hash_written(grads);
   self.adopt(after);
 }
@@ -599,8 +599,9 @@ void streamed_adamw::impl::sync_model(stream_t stream) {
 // marks the shard edited when it took one; all on the device, no wait.  An element the
 // edit left at main's rounding keeps main's bits, so loading a model's parameters saved
 // with the optimizer (param = round(main)) after its state changes nothing.  The host
-// reads the marks after a streamed pass (which waits for its kernels anyway), the device
-// tier's at its next step, and logs one warning line per edited shard.  A kernel writes
+// reads the marks after a streamed pass (an unchained pass has waited for its kernels; a
+// chained one, Note [Chained passes], waits there for its kernels, not its write-backs),
+// the device tier's at its next step, and logs one warning line per edited shard.  A kernel writes
 // the marks into mapped pinned memory for that read, not a D2H copy: the copy queued on
 // the copy engine behind the pass's write-backs, so a chained pass (Note [Chained passes])
 // waited for its whole drain there (seen in a torch.profiler trace of bench_overlap on an

@@ -183,7 +183,9 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // (the oldest pieces' slots first, most already written back), its H2D copies wait on the
 // device for the previous pass's kernels, a fetch into a slot still being written back
 // waits on the device for that write-back, and its kernels wait for the previous pass's
-// last write-back: the new pass fills while the old one drains, and the host never waits.
+// last write-back: the new pass fills while the old one drains, and the host does not
+// wait for the write-backs (a plain step with 16-bit parameters waits for the pass's
+// kernels, to read the edit marks: Note [Edits of 16-bit parameters]).
 // The kernels of a chained pass are done when the user's stream has waited for exec (what
 // the BF16 params and the next forward need); its write-backs (the state at home) are
 // waited for by the next pass that is not chained and by every entry of the optimizer that

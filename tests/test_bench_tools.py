@@ -148,6 +148,12 @@ def link_profile_parts() -> None:
     check("link_profile: the model's kernels' gap, with what the host was in",
           c["busy_ms"] == 3.5 and len(c["gaps"]) == 1 and c["gaps"][0]["at_ms"] == 4.0 and c["gaps"][0]["ms"] == 1.5
           and c["gaps"][0]["host"][0] == ["aten::mm [tid None]", 1.5] and c["gaps"][0]["host"][1][1] == 1.2, str(c))
+    both = lp._intersect([(0, 2), (3, 5), (6, 8)], [(1, 4), (4.5, 6), (7, 8)])
+    check("link_profile: intersections of several pairs, equal end points", both == [(1, 2), (3, 4), (4.5, 5), (7, 8)],
+          str(both))
+    one = lp.analyse([ev("gpu_memcpy", h2d, 0, 1000, bytes=1), ev("kernel", "k", 0, 500)])
+    check("link_profile: a direction without copies", one["d2h"]["copies"] == 0 and one["d2h"]["first_ms"] is None
+          and one["d2h"]["gaps"] == [] and one["h2d"]["busy_ms"] == 1.0, str(one))
     check("link_profile: the report names the gap", "gap at     2.0 ms:   3.00 ms" in lp.report(a, 50.0),
           lp.report(a, 50.0))
 
@@ -334,6 +340,14 @@ def main() -> int:
         marked = {name: c.get("perf") for name, c in checks.items()}
         check("bench_overlap marks its performance targets perf",
               marked.get("host+overlap iteration / resident") is True, str(marked))
+        with open(sys.argv[1]) as f:
+            extra = json.load(f)["extra"]
+        prof = extra.get("link_profile", {}).get("host+overlap b2", {})
+        check("bench_overlap --profile-mode: the mode profiled (no device events on the CPU), its losses still "
+              "bit-identical to the plain step's",
+              prof.get("iterations") == 2 and "error" not in prof and
+              checks.get("losses host+overlap b2 == host b2 (4 micro-batches)", {}).get("ok") is True,
+              f"{prof} {checks.get('losses host+overlap b2 == host b2 (4 micro-batches)')}")
         check("bench_overlap marks its correctness checks not perf",
               any(n.startswith("losses") for n in marked) and
               all(v is False for n, v in marked.items() if n.startswith("losses")), str(marked))

@@ -222,6 +222,7 @@ def profile_link(B, name, iteration, ov, n=2):
         if ov is not None:
             ov.synchronize()
         B.sync()
+    os.makedirs(B.a.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -322,8 +323,15 @@ def run_mode(B, name, batch, overlap=False, clip=None, micro=1, tier="host", ov_
         if _slug(name) in {_slug(m) for m in a.profile_mode or ()}:
             if ov is not None:
                 ov.trace = False
-            profile_link(B, name, lambda k: iteration(warm + iters + 1 + k, lambda: None), ov)
+            B.profiled.add(_slug(name))
+            t_prof = time.perf_counter()
+            try:
+                profile_link(B, name, lambda k: iteration(warm + iters + 1 + k, lambda: None), ov)
+            except Exception as e:  # (a diagnostic: the mode's figures stand without it)
+                print(f"[profile] {name}: failed: {e!r}", flush=True)
+                B.extra.setdefault("link_profile", {})[name] = {"error": repr(e)}
             del losses[(warm + iters + 1) * micro:]  # (the profiled iterations' are not the mode's)
+            t_mode += time.perf_counter() - t_prof  # (not the next mode's estimate)
     finally:
         try:
             if ov is not None:
@@ -829,6 +837,7 @@ def main() -> int:
         return 77
     B = Bench(a)
     B.cache = {}
+    B.profiled = set()  # the modes --profile-mode profiled (slugs)
     B.model = lambda: _model(B)
     B.batches = lambda batch: _batches(B, batch)
     B.attn = a.attn
@@ -898,6 +907,10 @@ def main() -> int:
     B.cache.clear()
     if B.cuda:  # with the model freed, nothing may stay allocated (the device's use is not compared)
         B.release_check("the run (model freed)", (0, B.memory()[1]))
+    unknown = {_slug(m) for m in a.profile_mode or ()} - B.profiled
+    if unknown:
+        print(f"[profile] no mode ran as {', '.join(sorted(unknown))}; the modes that ran: "
+              f"{', '.join(_slug(n) for n in B.extra.get('modes', {}))}", flush=True)
     for path in ([a.json] if a.json else []) + a.merge:
         merge_previous(B, path)
     os.makedirs(a.out, exist_ok=True)

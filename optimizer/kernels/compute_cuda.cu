@@ -210,14 +210,14 @@ __global__ void edit_hash(const std::uint16_t* p, std::size_t n, unsigned long l
   for (int o = 16; o > 0; o /= 2) h += __shfl_down_sync(0xffffffffu, h, o);
   if (threadIdx.x % 32 == 0) atomicAdd(out, h);
 }
-// When slots[k_written] != slots[k_now]: main = float(param) where param is not main's
-// rounding, and slots[k_edited] = 1 when an element was taken.
 // out[i] = in[i] for i < n: the edit slots into mapped pinned memory (read_edit_slots).
 __global__ void slots_to_host(const unsigned long long* in, unsigned long long* out, std::size_t n) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
     out[i] = in[i];
 }
 
+// When slots[k_written] != slots[k_now]: main = float(param) where param is not main's
+// rounding, and slots[k_edited] = 1 when an element was taken.
 __global__ void adopt_edit(const void* param, value_type t, float* main, std::size_t n, unsigned long long* slots) {
   if (slots[compute::k_written] == slots[compute::k_now]) return;
   bool took = false;
