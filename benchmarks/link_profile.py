@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import sys
 
@@ -42,6 +43,21 @@ def _direction(e: dict) -> str | None:
         return None
     n = e.get("name", "")
     return "h2d" if "HtoD" in n else "d2h" if "DtoH" in n else None
+
+
+def from_profiler(prof, trace_gz: str, gap_ms: float = 1.0) -> dict:
+    """``analyse`` of a finished torch.profiler.profile's trace; the trace kept gzipped in
+    ``trace_gz`` (its directory made)."""
+    import shutil
+    import tempfile
+    os.makedirs(os.path.dirname(os.path.abspath(trace_gz)), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        res = analyse(load(path), gap_ms)
+        with open(path, "rb") as f, gzip.open(trace_gz, "wb") as g:
+            shutil.copyfileobj(f, g)
+    return res
 
 
 def merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:

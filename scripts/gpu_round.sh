@@ -25,7 +25,8 @@
 #   and odirect_file, the synchronous O_DIRECT
 #   baseline, 0.54 G model only; or row names) of one model
 #   (DFA_MB_ARGS, e.g. "--model gqa1b", or "--repeat 3": the rows in three rounds, each comparison
-#   beside the rounds' spread; default the 0.54 G model), one process each beside its bound
+#   beside the rounds' spread, or "--profile-rows fwd_int8_host": where that row's link idled, its
+#   trace in the logs; default the 0.54 G model), one process each beside its bound
 #   (duplex pinned copy, dd in /tmp); $R/megatron_bench_<model>_<rows>.json, one file per call, all
 #   shown by plot.py.  DFA_MB_SECONDS (default 570) bounds the step (rows that would not end in time
 #   are skipped: run the rest in another call).

@@ -12,7 +12,9 @@ OPTIONS_JSON: {"steps": iterations, "nosync": no device synchronisation between 
 the step, "digest": the final state's digest (train_gpt.state_digest; test-sized models),
 "streamed_fraction": (CUDA) HBM taken by a ballast before the optimizer is built so that
 resident_mb="auto" finds room for about 1 - fraction of the FP32 state (Note [The auto budget's
-ballast])}.  The child writes its raw figures as JSON to OUT: per iteration its
+ballast]), "profile": N more iterations under torch.profiler after the timed ones, where the
+link idled (benchmarks/link_profile.py) in the result's "link_profile" and the trace beside OUT
+(OUT's name with .trace.json.gz); not with "digest"}.  The child writes its raw figures as JSON to OUT: per iteration its
 host-clock marks (start, zero_grad_buffer done, forward+backward done, end), loss, the
 step-inside-backward counters; per engine pass its interval, bytes each way, engine seconds.
 """
@@ -153,6 +155,12 @@ def child(argv: list[str]) -> int:
         iters.append({"start": t_start, "zeroed": marks.get("zeroed", t_start), "fb_end": t_end - opt_s,
                       "end": t_end, "done": time.perf_counter(), "loss": loss,
                       "counts": dict(backward_step.stats()) if backward_step is not None else {}})
+    profiled = None
+    if opts.get("profile") and opts.get("digest"):
+        print("profile: not with a digest (its steps would change the final state)", flush=True)
+    elif opts.get("profile"):
+        profiled = profile_link(torch, tg, args, ddp, optimizer, steps, device, cuda, nosync, int(opts["profile"]),
+                                out[:-5] + ".trace.json.gz" if out.endswith(".json") else out + ".trace.json.gz")
     if backward_step is not None:
         backward_step.synchronize()  # the last iteration's passes (the next forward would wait for them)
     sampler.stop()
@@ -160,6 +168,8 @@ def child(argv: list[str]) -> int:
               "peak_hbm": sampler.peak, "params": sum(p.numel() for p in ddp.parameters()),
               "state_bytes": sum(s.stats()["state_bytes"] for s in streamed) if streamed else None,
               "build_s": build_s, **ballast_info}
+    if profiled is not None:
+        result["link_profile"] = profiled
     if backward_step is not None and backward_step.aside is not None:
         result["step_aside"] = backward_step.aside.stats()
     if opts.get("digest"):
@@ -171,6 +181,26 @@ def child(argv: list[str]) -> int:
     del ddp, optimizer, streamed, backward_step, ballast
     tg.teardown()
     return 0
+
+
+def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool, nosync: bool, n: int,
+                 trace: str) -> dict:
+    """``n`` more iterations (steps + 1, ...) as the timed ones ran, under torch.profiler
+    (CUDA activity on a GPU), after them: where the link idled (benchmarks/link_profile.py),
+    printed, returned, the trace gzipped into ``trace``.  Their passes come after the last
+    timed iteration's end, so the analysis counts none of them."""
+    import link_profile
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for step in range(steps + 1, steps + 1 + n):
+            if cuda:
+                torch.cuda.synchronize()
+            tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not nosync)
+        if cuda:
+            torch.cuda.synchronize()
+    res = link_profile.from_profiler(prof, trace)
+    print(f"profile, {n} iterations after the timed ones (trace {trace}):\n" + link_profile.report(res), flush=True)
+    return dict(iterations=n, trace=os.path.basename(trace), **res)
 
 
 def bound_child(argv: list[str]) -> int:
@@ -251,6 +281,8 @@ def analyse(r: dict, last: int) -> dict:
     med.update(counts={**counts, "discards": r.get("discards", 0)}, peak_hbm=r.get("peak_hbm"),
                per_iteration_ms=[round(t * 1e3, 1) for t in (iteration_seconds(all_its, i) for i in range(n))],
                step_aside=r.get("step_aside"))
+    if r.get("link_profile") is not None:
+        med["link_profile"] = r["link_profile"]
     return med
 
 

@@ -81,7 +81,10 @@ the call moves every row alike), each round a process of its own (logs NAME@2, N
 row's figures are then those of its median round (the slower of two middles), every round's
 iteration beside them, and each comparison of a row with its twin or its plain row says whether
 the difference lies within the rounds' spread ((max - min) / median of either row's rounds): the
-same variant timed twice differs by that much, so a smaller difference is noise.  A row is started only where it ends
+same variant timed twice differs by that much, so a smaller difference is noise.  ``--profile-rows
+NAMES``: those rows' processes (first round) run two more iterations under torch.profiler after
+the timed ones and say where the link idled (benchmarks/link_profile.py; the row's
+``link_profile`` in extra.analysed, the trace beside its log).  A row is started only where it ends
 within ``--budget-s`` at the longest row's time so far (file rows: the longest file row's).
 ``--json-dir DIR`` writes DIR/megatron_bench_<model>_<rows>.json (benchmarks/bench_json.py's
 schema, benchmark "megatron_bench"), rewritten after every row (extra.complete: whether the run
@@ -266,6 +269,9 @@ def fold_rounds(drv, name: str, rounds: dict) -> None:
     drv.analysed[name] = {**m, "rounds_ms": [rounds[k][0]["iteration"] * 1e3 for k in ran
                                              if "iteration" in rounds[k][0]], "median_round": pick} \
         if ok and len(ran) > 1 else m
+    prof = next((rounds[k][0]["link_profile"] for k in ran if "link_profile" in rounds[k][0]), None)
+    if prof is not None:  # (--profile-rows: the first round's, whichever round is the median)
+        drv.analysed[name] = {**drv.analysed[name], "link_profile": prof}
     if raw is not None:
         drv.raw[name] = raw
 
@@ -499,6 +505,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--repeat", type=int, default=1, help="run the rows this many times, round after round; a row's "
                                                           "median round, the rounds' spread beside each comparison")
+    ap.add_argument("--profile-rows", default="", metavar="NAMES",
+                    help="rows (comma-separated) whose process, in the first round, profiles two more iterations "
+                         "after its timed ones: where the link idled (benchmarks/link_profile.py), in the JSON's "
+                         "analysed[row].link_profile, the trace beside the row's log")
     ap.add_argument("--json-dir", help="write megatron_bench_<model>_<rows>.json here")
     ap.add_argument("--logs", help="keep each process's output here (default: a temporary directory)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, 3 iterations, " + ",".join(SMOKE_ROWS))
@@ -521,7 +531,8 @@ def main(argv=None) -> int:
             print("SKIP: megatron-core not importable")
             return 77
         model, names = smoke_options(a)
-    bad = [n for n in names if n not in ROWS]
+    profile_rows = [n for n in a.profile_rows.split(",") if n]
+    bad = [n for n in names + profile_rows if n not in ROWS]
     if bad:
         ap.error(f"unknown rows {bad} (choices: {', '.join(ROWS)}, or {', '.join(SETS)})")
     if any(ROWS[n][2] for n in names) and "resident" not in names:
@@ -546,6 +557,8 @@ def main(argv=None) -> int:
             max(drv.longest, 1.0) * 1.1
         if a.smoke and name in ("resident", "odirect_file"):
             child_opts = {**child_opts, "digest": True}  # baseline_matches compares them
+        if name in profile_rows and r == 1:
+            child_opts = {**child_opts, "profile": 2}
         conf = child_opts.get("conf")  # (the child's DEFERALLOC_CONF, not one of its options)
         child_opts = {k: v for k, v in child_opts.items() if k != "conf"}
         drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},

@@ -209,10 +209,6 @@ def profile_link(B, name, iteration, ov, n=2):
     engines' and kernels' device timestamps), no synchronisation between them; the
     link's analysis (benchmarks/link_profile.py) printed and kept in extra.link_profile,
     the trace gzipped into --out."""
-    import gzip
-    import shutil
-    import tempfile
-
     import link_profile
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if B.cuda else [])
@@ -222,13 +218,7 @@ def profile_link(B, name, iteration, ov, n=2):
         if ov is not None:
             ov.synchronize()
         B.sync()
-    os.makedirs(B.a.out, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        res = link_profile.analyse(link_profile.load(path))
-        with open(path, "rb") as f, gzip.open(os.path.join(B.a.out, f"link_profile_{_slug(name)}.json.gz"), "wb") as g:
-            shutil.copyfileobj(f, g)
+    res = link_profile.from_profiler(prof, os.path.join(B.a.out, f"link_profile_{_slug(name)}.json.gz"))
     bound = (B.extra.get("bound") or {}).get("duplex")  # GB/s each way, when part bound ran
     print(f"[profile] {name}, {n} iterations:\n" + link_profile.report(res, bound), flush=True)
     B.extra.setdefault("link_profile", {})[name] = dict(iterations=n, **res)
