@@ -45,11 +45,15 @@ def _direction(e: dict) -> str | None:
     return "h2d" if "HtoD" in n else "d2h" if "DtoH" in n else None
 
 
-def from_profiler(prof, trace_gz: str, gap_ms: float = 1.0) -> dict:
-    """``analyse`` of a finished torch.profiler.profile's trace; the trace kept gzipped in
-    ``trace_gz`` (its directory made)."""
+def capture(run, cuda: bool, trace_gz: str, gap_ms: float = 1.0) -> dict:
+    """``run()`` under torch.profiler (host events, and on a GPU CUDA's device timestamps);
+    ``analyse`` of its trace, which is kept gzipped in ``trace_gz`` (its directory made)."""
     import shutil
     import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run()
     os.makedirs(os.path.dirname(os.path.abspath(trace_gz)), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -88,6 +92,25 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
     return out
 
 
+def _gaps(iv: list[tuple[float, float]], gap_ms: float) -> list[tuple[float, float]]:
+    """The holes of at least gap_ms between disjoint sorted intervals (microseconds)."""
+    return [(a, b) for (_, a), (b, _) in zip(iv, iv[1:]) if (b - a) / 1e3 >= gap_ms]
+
+
+def _overlaps(items: list[tuple[float, float, str]], a: float, b: float) -> dict[str, float]:
+    """Per name, the microseconds its (start, end, name) items overlap [a, b)."""
+    over: dict[str, float] = {}
+    for s, e, n in items:
+        o = min(e, b) - max(s, a)
+        if o > 0:
+            over[n] = over.get(n, 0.0) + o
+    return over
+
+
+def _top(over: dict[str, float], top: int) -> list[tuple[str, float]]:
+    return sorted(over.items(), key=lambda kv: kv[1], reverse=True)[:top]
+
+
 def analyse(events: list[dict], gap_ms: float = 1.0, top: int = 4) -> dict:
     """Per direction ("h2d", "d2h"): busy ms, bytes, GB/s while busy, and the gaps of at
     least gap_ms between its first and last copy (start offset from the window's start,
@@ -109,20 +132,14 @@ def analyse(events: list[dict], gap_ms: float = 1.0, top: int = 4) -> dict:
         nbytes = sum(int((e.get("args") or {}).get("bytes", 0)) for e in cp)
         ms = _length(iv) / 1e3
         gaps = []
-        for (_, a), (b, _) in zip(iv, iv[1:]):
-            if (b - a) / 1e3 < gap_ms:
-                continue
-            over: dict[str, float] = {}
+        for a, b in _gaps(iv, gap_ms):
+            over = _overlaps(kernels, a, b)
             engine = 0.0
-            for ks, ke, kn in kernels:
-                o = min(ke, b) - max(ks, a)
-                if o > 0:
-                    over[kn] = over.get(kn, 0.0) + o
-                    if ENGINE_KERNELS.search(kn):
-                        engine += o
-            names = sorted(over, key=over.get, reverse=True)[:top]
+            for n, us in over.items():
+                if ENGINE_KERNELS.search(n):
+                    engine += us
             gaps.append({"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "engine_kernel_ms": engine / 1e3,
-                         "kernels": [[n[:80], over[n] / 1e3] for n in names]})
+                         "kernels": [[n[:80], us / 1e3] for n, us in _top(over, top)]})
         out[d] = {"copies": len(cp), "busy_ms": ms, "bytes": nbytes, "gbps_busy": nbytes / ms / 1e6 if ms else 0.0,
                   "first_ms": (iv[0][0] - t0) / 1e3 if iv else None, "last_ms": (iv[-1][1] - t0) / 1e3 if iv else None,
                   "gaps": gaps, "gap_ms": sum(g["ms"] for g in gaps)}
@@ -130,21 +147,11 @@ def analyse(events: list[dict], gap_ms: float = 1.0, top: int = 4) -> dict:
     out["either_busy_ms"] = _length(merge(busy["h2d"] + busy["d2h"])) / 1e3
     # The model's kernels (all but the engine's): where the GPU's compute idled, and what the
     # host was in then (its ops and CUDA calls overlapping the gap, per thread).
-    host = [(e["ts"], e["ts"] + e.get("dur", 0), e.get("name", ""), e.get("tid")) for e in events
+    host = [(e["ts"], e["ts"] + e.get("dur", 0), f"{e.get('name', '')[:60]} [tid {e.get('tid')}]") for e in events
             if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
     model = merge([(s, e) for s, e, n in kernels if not ENGINE_KERNELS.search(n)])
-    gaps = []
-    for (_, a), (b, _) in zip(model, model[1:]):
-        if (b - a) / 1e3 < gap_ms:
-            continue
-        over: dict[str, float] = {}
-        for hs, he, hn, tid in host:
-            o = min(he, b) - max(hs, a)
-            if o > 0:
-                k = f"{hn[:60]} [tid {tid}]"
-                over[k] = over.get(k, 0.0) + o
-        names = sorted(over, key=over.get, reverse=True)[:top]
-        gaps.append({"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "host": [[n, over[n] / 1e3] for n in names]})
+    gaps = [{"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "host": [[n, us / 1e3] for n, us in _top(_overlaps(host, a, b), top)]}
+            for a, b in _gaps(model, gap_ms)]
     out["compute"] = {"busy_ms": _length(model) / 1e3, "gaps": gaps, "gap_ms": sum(g["ms"] for g in gaps)}
     return out
 

@@ -190,15 +190,15 @@ def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool
     printed, returned, the trace gzipped into ``trace``.  Their passes come after the last
     timed iteration's end, so the analysis counts none of them."""
     import link_profile
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+
+    def run():
         for step in range(steps + 1, steps + 1 + n):
             if cuda:
                 torch.cuda.synchronize()
             tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not nosync)
         if cuda:
             torch.cuda.synchronize()
-    res = link_profile.from_profiler(prof, trace)
+    res = link_profile.capture(run, cuda, trace)
     print(f"profile, {n} iterations after the timed ones (trace {trace}):\n" + link_profile.report(res), flush=True)
     return dict(iterations=n, trace=os.path.basename(trace), **res)
 

@@ -210,15 +210,14 @@ def profile_link(B, name, iteration, ov, n=2):
     link's analysis (benchmarks/link_profile.py) printed and kept in extra.link_profile,
     the trace gzipped into --out."""
     import link_profile
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if B.cuda else [])
-    with profile(activities=acts) as prof:
+
+    def run():
         for k in range(n):
             iteration(k)
         if ov is not None:
             ov.synchronize()
         B.sync()
-    res = link_profile.from_profiler(prof, os.path.join(B.a.out, f"link_profile_{_slug(name)}.json.gz"))
+    res = link_profile.capture(run, B.cuda, os.path.join(B.a.out, f"link_profile_{_slug(name)}.json.gz"))
     bound = (B.extra.get("bound") or {}).get("duplex")  # GB/s each way, when part bound ran
     print(f"[profile] {name}, {n} iterations:\n" + link_profile.report(res, bound), flush=True)
     B.extra.setdefault("link_profile", {})[name] = dict(iterations=n, **res)
