@@ -10,6 +10,7 @@ A variant's process is this file:
 
 OPTIONS_JSON: {"steps": iterations, "nosync": no device synchronisation between backward and
 the step, "digest": the final state's digest (train_gpt.state_digest; test-sized models),
+"loop": no device synchronisation in the loop at all (Note [The iteration's time]),
 "streamed_fraction": (CUDA) HBM taken by a ballast before the optimizer is built so that
 resident_mb="auto" finds room for about 1 - fraction of the FP32 state (Note [The auto budget's
 ballast]), "profile": N more iterations under torch.profiler after the timed ones, where the
@@ -112,7 +113,7 @@ def child(argv: list[str]) -> int:
     """``--child NAME OUT OPTIONS_JSON train_gpt.py's options...``: one variant, its raw
     figures as JSON in OUT."""
     name, out, opts, argv = argv[1], argv[2], json.loads(argv[3]), argv[4:]
-    steps, nosync = int(opts["steps"]), bool(opts.get("nosync"))
+    steps, nosync, loop = int(opts["steps"]), bool(opts.get("nosync")), bool(opts.get("loop"))
     sys.path.insert(0, EXAMPLE_DIR)
     import torch
     import train_gpt as tg
@@ -145,21 +146,22 @@ def child(argv: list[str]) -> int:
     for step in range(1, steps + 1):
         if step == 2:  # as train_gpt's, after one step (its Note [HBM sampling])
             tg.start_sampling(sampler)
-        if cuda:
+        if cuda and not loop:
             torch.cuda.synchronize()
         t_start = time.perf_counter()
-        loss, _, opt_s = tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not nosync)
+        loss, _, opt_s = tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not (nosync or loop),
+                                       sync_after_step=not loop)
         t_end = time.perf_counter()
-        if cuda:
+        it = {"start": t_start, "zeroed": marks.get("zeroed", t_start), "fb_end": t_end - opt_s, "end": t_end}
+        if cuda and not loop:
             torch.cuda.synchronize()  # what the next start waits for is this iteration's (Note [The iteration's time])
-        iters.append({"start": t_start, "zeroed": marks.get("zeroed", t_start), "fb_end": t_end - opt_s,
-                      "end": t_end, "done": time.perf_counter(), "loss": loss,
-                      "counts": dict(backward_step.stats()) if backward_step is not None else {}})
+            it["done"] = time.perf_counter()
+        iters.append({**it, "loss": loss, "counts": dict(backward_step.stats()) if backward_step is not None else {}})
     profiled = None
     if opts.get("profile") and opts.get("digest"):
         print("profile: not with a digest (its steps would change the final state)", flush=True)
     elif opts.get("profile"):
-        profiled = profile_link(torch, tg, args, ddp, optimizer, steps, device, cuda, nosync, int(opts["profile"]),
+        profiled = profile_link(torch, tg, args, ddp, optimizer, steps, device, cuda, nosync, loop, int(opts["profile"]),
                                 out[:-5] + ".trace.json.gz" if out.endswith(".json") else out + ".trace.json.gz")
     if backward_step is not None:
         backward_step.synchronize()  # the last iteration's passes (the next forward would wait for them)
@@ -183,7 +185,7 @@ def child(argv: list[str]) -> int:
     return 0
 
 
-def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool, nosync: bool, n: int,
+def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool, nosync: bool, loop: bool, n: int,
                  trace: str) -> dict:
     """``n`` more iterations (steps + 1, ...) as the timed ones ran, under torch.profiler
     (CUDA activity on a GPU), after them: where the link idled (benchmarks/link_profile.py),
@@ -193,9 +195,10 @@ def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool
 
     def run():
         for step in range(steps + 1, steps + 1 + n):
-            if cuda:
+            if cuda and not loop:
                 torch.cuda.synchronize()
-            tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not nosync)
+            tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not (nosync or loop),
+                          sync_after_step=not loop)
         if cuda:
             torch.cuda.synchronize()
     res = link_profile.capture(run, cuda, trace)
@@ -240,20 +243,22 @@ def analyse(r: dict, last: int) -> dict:
     into HBM, ``from_bytes`` written back); the counters' totals.
 
     Note [The iteration's time]
-    Rationale: the child synchronises the device before each iteration's start, so that an
-    iteration's clock covers its own GPU work.  With the step across the next forward the
-    optimizer's step returns with passes still in flight on the engine's streams: timed to
-    the step's return (``end``), an iteration left out the wait for them before the next
-    start (3-5 ms of an 85-160 ms iteration on an H100, where the plain rows wait 0.05 ms), so
-    it read shorter than the loop's period.
-    Approach: an iteration runs from its start to ``done``, the device synchronised after the
-    step (the next start's synchronisation then finds nothing left), so the sum of the
-    iterations is the loop's wall clock.  Runs recorded before ``done`` existed are read from
-    each start to the next one's, the window moved back by one iteration (the last has no
-    next start).
-    Limits: the synchronisation itself keeps the next forward from starting beside the
-    passes still in flight (a loop without it overlaps them); the phases (``wait``, ``fb``,
-    ``step``) stay the host's marks up to the step's return."""
+    Rationale: an iteration's time is what a training loop pays for it: the loop's period.  A
+    device synchronisation between iterations (the earlier clock, below) waits for every
+    engine stream, so the step across the next forward could not overlap that forward at all
+    (on an H100, the 0.54 G model's forward ran 32-35 ms an iteration with the link idle, the
+    synchronisation after the step waiting for the passes), while Megatron's own training
+    loop synchronises only on the loss and grad norm it reads (the compute stream).
+    Approach: the "loop" clock (bench_megatron's default): no device synchronisation in the
+    loop, train_step's host reads of the loss and the grad norm pace the host as Megatron's
+    do; an iteration runs from its start to the next one's, the window moved back by one
+    iteration (the last has no next start).  The "sync" clock (sib.py, bench_megatron
+    --clock sync): the device synchronised before each start and after the step, an
+    iteration from its start to ``done`` (the sync after the step), so that it covers its
+    own GPU work and no more.
+    Limits: under the loop clock the phases (``wait``, ``fb``, ``step``) are the host's marks,
+    ahead of the device by what the host has queued; the sync clock's synchronisation keeps
+    the next forward from starting beside the passes still in flight."""
     all_its = r["iterations"]
     n = len(all_its) if not all_its or "done" in all_its[-1] else len(all_its) - 1
     rows = []

@@ -419,7 +419,7 @@ def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], fi
     params = next((r["params"] for r in drv.raw.values()), None)
     head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
             f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
-            f"{a.file_median_of} of {a.file_steps})" + (f", median round of {a.repeat}" if a.repeat > 1 else "")
+            f"{a.file_median_of} of {a.file_steps}), {a.clock} clock" + (f", median round of {a.repeat}" if a.repeat > 1 else "")
             + f", {sum(drv.took.values()) if reanalysed_from else drv.spent():.0f} s")
     if reanalysed_from:
         head += f"; re-analysed (Note [The iteration's time] in _runner.py) from the logs of: {reanalysed_from}"
@@ -496,6 +496,9 @@ def parser() -> argparse.ArgumentParser:
                                                    + ",".join(ROWS))
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="the file tier's state and dd's files")
     ap.add_argument("--window-mb", type=int, default=512)
+    ap.add_argument("--clock", choices=("loop", "sync"), default="loop",
+                    help="loop: iterations back to back, none synchronising the device (a training loop's "
+                         "period); sync: the device synchronised around each step (Note [The iteration's time])")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--median-of", type=int, default=4)
     ap.add_argument("--file-steps", type=int, default=4)
@@ -561,6 +564,8 @@ def main(argv=None) -> int:
             child_opts = {**child_opts, "profile": 2}
         conf = child_opts.get("conf")  # (the child's DEFERALLOC_CONF, not one of its options)
         child_opts = {k: v for k, v in child_opts.items() if k != "conf"}
+        if a.clock == "loop":  # Note [The iteration's time] in _runner.py
+            child_opts = {**child_opts, "loop": True}
         drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},
                 a.file_median_of if file else a.median_of, conf=conf, estimate=estimate, port=29650 + i, key=key)
         took = drv.took.get(key, 0.0)

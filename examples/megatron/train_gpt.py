@@ -749,10 +749,13 @@ def load(gpt, optimizer, directory: str) -> int:
 GRAD_OFFLOADS = [0]  # --offload-grads: offload / restore pairs done
 
 
-def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool = True) -> tuple[float, float, float]:
+def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool = True,
+               sync_after_step: bool = True) -> tuple[float, float, float]:
     """One step: forward, backward, Megatron's grad sync, optimizer.step() (timed alone: the
-    device synchronised before it, unless ``sync_before_step`` is False, and after it).
-    Returns (loss, grad norm, optimizer-phase seconds)."""
+    device synchronised before it, unless ``sync_before_step`` is False, and after it, unless
+    ``sync_after_step`` is False: a training loop's own pace, where a step across the next
+    forward returns with passes in flight and the next forward starts beside them; the
+    seconds are then the host's call).  Returns (loss, grad norm, optimizer-phase seconds)."""
     for g in optimizer.param_groups:
         g["lr"] = lr_at(args, step)
     ddp.zero_grad_buffer()
@@ -778,7 +781,7 @@ def train_step(args, ddp, optimizer, step: int, device, sync_before_step: bool =
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and sync_after_step:
         torch.cuda.synchronize()
     if not ok:
         raise RuntimeError(f"step {step}: Megatron skipped the update (inf/nan gradients)")
