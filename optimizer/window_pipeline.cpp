@@ -181,21 +181,32 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // keep_window and pass_chain) returns once its last pieces are enqueued.  The window's ring
 // (window::chain) keeps where it stopped: the next pass's pieces take the slots after it
 // (the oldest pieces' slots first, most already written back), its H2D copies wait on the
-// device for the previous pass's kernels, a fetch into a slot still being written back
-// waits on the device for that write-back, and its kernels wait for the previous pass's
-// last write-back: the new pass fills while the old one drains, and the host does not
-// wait for the write-backs (a plain step with 16-bit parameters waits for the pass's
-// kernels, to read the edit marks: Note [Edits of 16-bit parameters]).
+// device for the previous pass's kernels (its last piece's computed event: not for the
+// new pass's own gradients, so a pass queued before backward computed them fills the
+// window meanwhile), or for its last write-back where the two passes share a shard (the
+// fetch reads what that write-back writes: the forward's last bucket, stepped last in one
+// iteration, is backward's first in the next), a fetch into a slot still being written
+// back waits on the device for that write-back, and its kernels wait for the previous
+// pass's last write-back: the new pass fills while the old one drains, and the host does
+// not wait for the write-backs (a plain step with 16-bit parameters waits for the pass's
+// kernels, to read the edit marks: Note [Edits of 16-bit parameters]).  A speculative
+// pass that keeps FP32 parameters' values (fetch), chained or not, copies them after the
+// user's stream: an edit queued there before the step is what a discarded speculation
+// must restore (unchained passes copied them without that wait).
 // The kernels of a chained pass are done when the user's stream has waited for exec (what
 // the BF16 params and the next forward need); its write-backs (the state at home) are
 // waited for by the next pass that is not chained and by every entry of the optimizer that
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
-// Limits: off by default (pass_chain:1 turns it on).  Until the step's read of the edit
-// marks stopped queuing behind the write-backs (Note [Edits of 16-bit parameters]) the
+// Limits: off by default (pass_chain:1 turns it on).  The fetch ahead of the gradients
+// (the computed event, the shared-shard rule) is not yet timed or run on a GPU: the CPU
+// tests check its bits only (the host driver runs the streams in order).  Until the
+// step's read of the edit marks stopped queuing behind the write-backs (Note [Edits of 16-bit parameters]) the
 // host still waited for each chained pass's drain: timed so inside Megatron's backward its
 // gain or loss was within the iterations' spread; since, bench_overlap's batch 4 (the link
-// the bottleneck) gained 4% on an H100 (docs/BENCHMARKS.md); not yet timed inside Megatron.
+// the bottleneck) gained 4% on an H100 (docs/BENCHMARKS.md), and inside Megatron's
+// backward across the next forward the FP32 moments gained 4% while BF16 and int8 stayed
+// within the rounds' spread.
 // Host tier only (the file tier persists a piece when it retires: its passes end as
 // before).  A CUDA error of a chained tail is reported by the call that waits for it, one
 // call later.  A pass's report (seconds, retire_seconds) ends when its last piece is
@@ -206,6 +217,30 @@ namespace {
 event_t last_write_back(stream_set& streams, const window& slots) {
   const std::size_t depth = slots.depth();
   return slot_event(streams, (slots.chain.next + depth - 1) % depth, slot_written);
+}
+
+// The previous chained pass's last kernels (its last piece's slot).
+event_t last_computed(stream_set& streams, const window& slots) {
+  const std::size_t depth = slots.depth();
+  return slot_event(streams, (slots.chain.next + depth - 1) % depth, slot_computed);
+}
+
+// The shards of pieces [skip, end), sorted, once each.
+std::vector<std::size_t> shards_of(const std::vector<piece_ref>& pieces, std::size_t skip) {
+  std::vector<std::size_t> out;
+  for (std::size_t j = skip; j < pieces.size(); ++j)
+    if (out.empty() || out.back() != pieces[j].shard) out.push_back(pieces[j].shard);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+bool share_one(const std::vector<std::size_t>& a, const std::vector<std::size_t>& b) {
+  for (std::size_t i = 0, j = 0; i < a.size() && j < b.size();) {
+    if (a[i] == b[j]) return true;
+    a[i] < b[j] ? ++i : ++j;
+  }
+  return false;
 }
 }  // namespace
 
@@ -231,11 +266,14 @@ void window_pipeline::run(stream_t user, step_report& report) {
   // Note [Chained passes]: the slots after the previous pass's, ordered on the device.
   inherited_ = ring.unwaited;
   base_ = inherited_ > 0 ? ring.next : 0;
+  const std::vector<std::size_t> shards = shards_of(plan_.pieces, skip);
   if (inherited_ > 0) {
-    const stream_t exec = parts_.streams.exec();
-    parts_.streams.after(parts_.streams.h2d(), exec);
-    parts_.ops.stream_wait(exec, last_write_back(parts_.streams, parts_.slots));
+    const bool shared = share_one(ring.shards, shards);
+    parts_.ops.stream_wait(parts_.streams.h2d(), shared ? last_write_back(parts_.streams, parts_.slots)
+                                                        : last_computed(parts_.streams, parts_.slots));
+    parts_.ops.stream_wait(parts_.streams.exec(), last_write_back(parts_.streams, parts_.slots));
   }
+  if (keeps_params()) parts_.streams.after(parts_.streams.h2d(), user);
   parts_.mover.begin_pass(plan_, report);
   // The kernels read what the user's stream produced (gradients, BF16 params).
   parts_.streams.after(parts_.streams.exec(), user);
@@ -259,7 +297,10 @@ void window_pipeline::run(stream_t user, step_report& report) {
       for (std::size_t j = tail; j < pieces(); ++j) done_params_ += piece(j).n;
       progress_->report(done_params_);
       const std::size_t n = pieces() - skip;
-      ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0))};
+      // (This pass's kernels waited for the previous pass's last write-back: the next pass
+      // shares a write-back in flight only with this one, unless this one had no piece.)
+      ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0)),
+              n > 0 ? shards : std::move(ring.shards)};
     } else {
       for (std::size_t j = tail; j < pieces(); ++j) retire(j);
       ring = {};
@@ -319,6 +360,18 @@ void window_pipeline::back_slots() {
   if (parts_.slots.back(count, first_arrays(plan_.arrays), need,
                         parts_.streams.h2d()))
     report_->map_seconds += since(t);
+}
+
+// Whether fetch() copies a parameter's values out before the step (a speculative step's
+// FP32 parameters, Note [Speculative steps] in speculation.cpp).
+bool window_pipeline::keeps_params() const {
+  for (std::size_t j = plan_.skip; j < pieces(); ++j) {
+    const piece_ref& p = piece(j);
+    if (steps_param(p) && p.shard < step_.saved_params.size() && step_.saved_params[p.shard] &&
+        step_.grads[p.shard] != nullptr)
+      return true;
+  }
+  return false;
 }
 
 // Gives the window's chunks back to the pool (after the work on `s`).

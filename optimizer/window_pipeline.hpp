@@ -80,6 +80,7 @@ class window_pipeline {
   void back_slots();
   void release_slots(stream_t s);
   bool steps_param(const piece_ref& p) const;
+  bool keeps_params() const;
   char* model_of(const piece_ref& p) const;
   void fetch(std::size_t i);
   void compute(std::size_t i);
