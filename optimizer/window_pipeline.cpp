@@ -200,7 +200,8 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // state read, the destructor), so no caller sees a state still in flight.
 // Limits: off by default (pass_chain:1 turns it on).  The fetch ahead of the gradients
 // (the computed event, the shared-shard rule) is not yet timed or run on a GPU: the CPU
-// tests check its bits only (the host driver runs the streams in order).  Until the
+// tests check the bits and, through a driver keeping a clock per stream, what each fetch
+// waits for (test_optimizer), not the overlap itself.  Until the
 // step's read of the edit marks stopped queuing behind the write-backs (Note [Edits of 16-bit parameters]) the
 // host still waited for each chained pass's drain: timed so inside Megatron's backward its
 // gain or loss was within the iterations' spread; since, bench_overlap's batch 4 (the link

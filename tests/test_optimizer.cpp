@@ -7,11 +7,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <optional>
 #include <tuple>
 
 #include <deferalloc/deferalloc.h>
@@ -795,6 +798,96 @@ TEST(optimizer, chained_passes_give_the_bits_of_unchained_ones_and_other_calls_w
     EXPECT_EQ(commit_waits[0], 0u) << "an unchained pass waited for its own write-backs";
     EXPECT_EQ(commit_waits[1], 2u) << "the commit after chained passes waits for them, once a commit";
   }
+}
+
+// Note [Chained passes]: what a chained pass's first fetch waits for, on the device.  The
+// host driver ignores stream and event handles, so this driver hands out its own and keeps
+// a clock per stream: the user's stream's gradients (`user`, raised by the test as each
+// bucket's gradients come) and the write-backs issued (D2H copies), each stream holding
+// the latest of each that it waits for.
+namespace {
+class clock_driver final : public deferalloc::driver, public fault_vmm, public fault_streams {
+ public:
+  struct clock {
+    std::uint64_t user = 0, written = 0;
+  };
+  explicit clock_driver(std::shared_ptr<deferalloc::driver> inner)
+      : fault_vmm(inner), fault_streams(inner), inner_(std::move(inner)) {}
+  stream_t create_stream() override {
+    created_.push_back(fake());
+    return created_.back();
+  }
+  stream_t create_priority_stream() override {
+    // (stream_set: the H2D and D2H streams, then the compute stream)
+    if (h2d_ == nullptr && created_.size() >= 2) h2d_ = created_[created_.size() - 2], d2h_ = created_.back();
+    return fake();
+  }
+  void destroy_stream(stream_t) noexcept override {}
+  event_t create_event() override { return event_t{fake_handle()}; }
+  void destroy_event(event_t) noexcept override {}
+  void record(event_t e, stream_t s) override { events_[e] = at(s); }
+  void stream_wait(stream_t s, event_t e) override {
+    clock& c = streams_[s];
+    const clock f = events_[e];
+    c = {std::max(c.user, f.user), std::max(c.written, f.written)};
+  }
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override {
+    fault_streams::copy_async(dst, src, bytes, s);
+    if (s == h2d_ && !first_fetch) first_fetch = at(s);
+    if (s == d2h_) streams_[s].written = ++written;
+  }
+  std::string name() const override { return "clock(" + inner_->name() + ")"; }
+  driver_kind kind() const override { return inner_->kind(); }
+  int device() const override { return inner_->device(); }
+  std::uint64_t user = 0;           // the user's stream's position (the test raises it)
+  std::uint64_t written = 0;        // write-backs issued
+  std::optional<clock> first_fetch;  // the clock of the first H2D copy since reset
+ private:
+  void* fake_handle() { return &handles_[next_++ % handles_.size()]; }
+  stream_t fake() { return stream_t{fake_handle()}; }
+  clock at(stream_t s) { return s == nullptr ? clock{user, 0} : streams_[s]; }
+  std::shared_ptr<deferalloc::driver> inner_;
+  std::array<char, 256> handles_{};
+  std::size_t next_ = 0;
+  std::vector<stream_t> created_;
+  stream_t h2d_ = nullptr, d2h_ = nullptr;
+  std::map<stream_t, clock> streams_;
+  std::map<event_t, clock> events_;
+};
+}  // namespace
+
+TEST(optimizer, chained_pass_fetches_ahead_of_its_gradients_and_after_a_shared_shards_write_back) {
+  if (make_driver()->kind() != driver_kind::host)
+    GTEST_SKIP() << "needs the host driver (its own stream and event handles stand in for the driver's)";
+  auto d = std::make_shared<clock_driver>(make_driver());
+  const problem p = make_problem(d->granularity(), 4);
+  const std::vector<bool> middle{false, true, false}, tiny{false, false, true};
+  optimizer_config cfg = config_for(tier::host);
+  cfg.keep_window = true;
+  cfg.pass_chain = true;
+  run r(d, p, cfg);
+  r.opt->initialize();
+  r.load_grads(0);
+  auto bucket = [&](const std::vector<bool>& mask) {  // its gradients come after the previous bucket's
+    ++d->user;
+    d->first_fetch.reset();
+    speculate(r, only(r.grads, mask), p.scale(0));
+    EXPECT_TRUE(d->first_fetch.has_value());
+    return d->first_fetch.value_or(clock_driver::clock{});
+  };
+  bucket(middle);
+  const std::uint64_t after_middle = d->written;
+  const clock_driver::clock second = bucket(tiny);
+  EXPECT_LT(second.user, d->user) << "a chained pass's fetch waited for its own gradients";
+  EXPECT_LT(second.written, after_middle) << "a fetch waited for the write-backs of a pass sharing no shard";
+  r.opt->commit_speculation();
+  ++d->user;
+  r.step(1);  // one chained pass over every shard
+  const std::uint64_t after_all = d->written;
+  const clock_driver::clock shared = bucket(middle);
+  EXPECT_LT(shared.user, d->user) << "a chained pass's fetch waited for its own gradients";
+  EXPECT_EQ(shared.written, after_all) << "a fetch read a shard before the previous pass's write-back of it";
+  r.opt->commit_speculation();
 }
 
 TEST(optimizer, speculative_step_failed_part_way_leaves_the_state) {
