@@ -61,7 +61,7 @@ class window {
   /// The slots across passes (Note [Chained passes] in window_pipeline.cpp): the slot the
   /// next pass's first piece takes, and how many slots before it hold a piece whose
   /// write-back no host wait has covered (the last of them written back last), and the
-  /// shards of the pass that left them (sorted).
+  /// shards of the pass that left them.
   struct ring {
     std::size_t next = 0;
     std::size_t unwaited = 0;

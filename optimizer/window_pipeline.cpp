@@ -226,22 +226,12 @@ event_t last_computed(stream_set& streams, const window& slots) {
   return slot_event(streams, (slots.chain.next + depth - 1) % depth, slot_computed);
 }
 
-// The shards of pieces [skip, end), sorted, once each.
+// The shards of pieces [skip, end), once per run of pieces (a shard's pieces are cut in a row).
 std::vector<std::size_t> shards_of(const std::vector<piece_ref>& pieces, std::size_t skip) {
   std::vector<std::size_t> out;
   for (std::size_t j = skip; j < pieces.size(); ++j)
     if (out.empty() || out.back() != pieces[j].shard) out.push_back(pieces[j].shard);
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
-}
-
-bool share_one(const std::vector<std::size_t>& a, const std::vector<std::size_t>& b) {
-  for (std::size_t i = 0, j = 0; i < a.size() && j < b.size();) {
-    if (a[i] == b[j]) return true;
-    a[i] < b[j] ? ++i : ++j;
-  }
-  return false;
 }
 }  // namespace
 
@@ -269,7 +259,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   base_ = inherited_ > 0 ? ring.next : 0;
   const std::vector<std::size_t> shards = shards_of(plan_.pieces, skip);
   if (inherited_ > 0) {
-    const bool shared = share_one(ring.shards, shards);
+    const bool shared = std::ranges::find_first_of(ring.shards, shards) != ring.shards.end();
     parts_.ops.stream_wait(parts_.streams.h2d(), shared ? last_write_back(parts_.streams, parts_.slots)
                                                         : last_computed(parts_.streams, parts_.slots));
     parts_.ops.stream_wait(parts_.streams.exec(), last_write_back(parts_.streams, parts_.slots));
@@ -366,13 +356,15 @@ void window_pipeline::back_slots() {
 // Whether fetch() copies a parameter's values out before the step (a speculative step's
 // FP32 parameters, Note [Speculative steps] in speculation.cpp).
 bool window_pipeline::keeps_params() const {
-  for (std::size_t j = plan_.skip; j < pieces(); ++j) {
-    const piece_ref& p = piece(j);
-    if (steps_param(p) && p.shard < step_.saved_params.size() && step_.saved_params[p.shard] &&
-        step_.grads[p.shard] != nullptr)
-      return true;
-  }
+  for (std::size_t j = plan_.skip; j < pieces(); ++j)
+    if (steps_param(piece(j)) && kept(piece(j))) return true;
   return false;
+}
+
+// Where a speculative step keeps piece p's FP32 parameter's values (its shard's), or null.
+float* window_pipeline::kept(const piece_ref& p) const {
+  float* keep = p.shard < step_.saved_params.size() ? step_.saved_params[p.shard] : nullptr;
+  return keep && step_.grads[p.shard] != nullptr ? keep : nullptr;
 }
 
 // Gives the window's chunks back to the pool (after the work on `s`).
@@ -403,8 +395,7 @@ void window_pipeline::fetch(std::size_t i) {
   const std::size_t j = i - plan_.skip;
   if (j >= plan_.depth || j + inherited_ >= plan_.depth) ops.stream_wait(h2d, event(i, slot_written));
   if (steps_param(p)) {
-    float* keep = p.shard < step_.saved_params.size() ? step_.saved_params[p.shard] : nullptr;
-    if (keep && step_.grads[p.shard] != nullptr) {
+    if (float* keep = kept(p)) {
       ops.copy_async(keep + p.e0, model_of(p), p.n * 4, h2d);
       report_->bytes_from_device += p.n * 4;
     }

@@ -81,6 +81,7 @@ class window_pipeline {
   void release_slots(stream_t s);
   bool steps_param(const piece_ref& p) const;
   bool keeps_params() const;
+  float* kept(const piece_ref& p) const;
   char* model_of(const piece_ref& p) const;
   void fetch(std::size_t i);
   void compute(std::size_t i);
