@@ -143,14 +143,21 @@ def child(argv: list[str]) -> int:
     sampler = tg.HbmSampler()
     build_s = time.perf_counter() - t_begin
     iters = []
+
+    def clocked_step(step):
+        """One iteration under the clock (Note [The iteration's time]): its start, loss and
+        optimizer seconds."""
+        if cuda and not loop:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss_, _, opt_s_ = tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not (nosync or loop),
+                                         sync_after_step=not loop)
+        return t, loss_, opt_s_
+
     for step in range(1, steps + 1):
         if step == 2:  # as train_gpt's, after one step (its Note [HBM sampling])
             tg.start_sampling(sampler)
-        if cuda and not loop:
-            torch.cuda.synchronize()
-        t_start = time.perf_counter()
-        loss, _, opt_s = tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not (nosync or loop),
-                                       sync_after_step=not loop)
+        t_start, loss, opt_s = clocked_step(step)
         t_end = time.perf_counter()
         it = {"start": t_start, "zeroed": marks.get("zeroed", t_start), "fb_end": t_end - opt_s, "end": t_end}
         if cuda and not loop:
@@ -161,7 +168,7 @@ def child(argv: list[str]) -> int:
     if opts.get("profile") and opts.get("digest"):
         print("profile: not with a digest (its steps would change the final state)", flush=True)
     elif opts.get("profile"):
-        profiled = profile_link(torch, tg, args, ddp, optimizer, steps, device, cuda, nosync, loop, int(opts["profile"]),
+        profiled = profile_link(torch, clocked_step, steps, cuda, int(opts["profile"]),
                                 out[:-5] + ".trace.json.gz" if out.endswith(".json") else out + ".trace.json.gz")
     if backward_step is not None:
         backward_step.synchronize()  # the last iteration's passes (the next forward would wait for them)
@@ -185,8 +192,7 @@ def child(argv: list[str]) -> int:
     return 0
 
 
-def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool, nosync: bool, loop: bool, n: int,
-                 trace: str) -> dict:
+def profile_link(torch, clocked_step, steps: int, cuda: bool, n: int, trace: str) -> dict:
     """``n`` more iterations (steps + 1, ...) as the timed ones ran, under torch.profiler
     (CUDA activity on a GPU), after them: where the link idled (benchmarks/link_profile.py),
     printed, returned, the trace gzipped into ``trace``.  Their passes come after the last
@@ -195,10 +201,7 @@ def profile_link(torch, tg, args, ddp, optimizer, steps: int, device, cuda: bool
 
     def run():
         for step in range(steps + 1, steps + 1 + n):
-            if cuda and not loop:
-                torch.cuda.synchronize()
-            tg.train_step(args, ddp, optimizer, step, device, sync_before_step=not (nosync or loop),
-                          sync_after_step=not loop)
+            clocked_step(step)
         if cuda:
             torch.cuda.synchronize()
     res = link_profile.capture(run, cuda, trace)
