@@ -162,10 +162,9 @@ struct streamed_adamw::impl {
   std::mutex param_copy_mu;  // read_param / write_param share exec (the checkpoint's lanes)
   pid_t owner_pid = ::getpid();  // the process that built it (Note [A forked child and device memory])
   // Note [Edits of 16-bit parameters]: per shard, whether the backend's k_written slot
-  // holds the hash of its 16-bit parameter as the engine last wrote it; the shards the
-  // last step checked, whose report is pending; and those chained steps checked, whose
-  // marks are read once the kernels before streams->marks() are done (edit_unread).
-  std::vector<char> edit_hashed, edit_checked, edit_unread;
+  // holds the hash of its 16-bit parameter as the engine last wrote it; and the shards the
+  // last step checked, whose report is pending.
+  std::vector<char> edit_hashed, edit_checked;
 
   /// The tier's state is published by commits (file); else a step updates it in place:
   /// a step that failed part-way is retried from where it stopped, a checkpoint load
@@ -280,19 +279,9 @@ struct streamed_adamw::impl {
   /// write (after the work on exec) into edit_checked, whose kernels take an edited
   /// parameter into main.
   void check_edits(std::span<const void* const> grads);
-  /// Logs the shards whose parameter the checked steps found edited (reads the slots:
-  /// waits for exec).  Those of chained steps (defer_edit_report) only once their kernels
-  /// are done, unless `wait` or a shard in `grads` (which check_edits would check again)
-  /// is one of them.
-  void report_edits(std::span<const void* const> grads = {}, bool wait = false);
-  /// After a step whose pass is chained (its kernels may still run): its checks are
-  /// read by a later report_edits.
-  void defer_edit_report();
-  /// report_edits after a streamed step: deferred while its chained pass runs.
-  void edits_after_pass() {
-    if (slots && slots->chain.unwaited != 0) defer_edit_report();
-    else report_edits();
-  }
+  /// Logs the shards whose parameter the last checked step found edited (reads the slots:
+  /// waits for exec).
+  void report_edits();
   /// No hash is trusted (a step that failed part-way wrote some pieces).
   void forget_edit_hashes() {
     edit_hashed.assign(shards.size(), 0);

@@ -91,7 +91,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
       if (param_is_main(self.shards[s].info) && !self.saved_params[s])
         self.saved_params[s] = static_cast<float*>(self.drv->host_alloc(self.shards[s].info.numel * 4));
     }
-  self.report_edits(grads);
+  self.report_edits();
   try {
     self.after(self.exec(), stream);
     self.check_edits(grads);
@@ -102,7 +102,8 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
     self.forget_edit_hashes();
     throw;
   }
-  self.edits_after_pass();  // (a chained pass's kernels may still run: read later)
+  // A chained pass's kernels may still run: the next step reports its edits (Note [Chained passes]).
+  if (!self.slots || self.slots->chain.unwaited == 0) self.report_edits();
   self.hash_written(grads);
   for (std::size_t s = 0; s < self.shards.size(); ++s)
     if (grads[s] != nullptr) self.shards.mark_speculative(s);
@@ -178,7 +179,7 @@ bool streamed_adamw::impl::joins_speculation(std::span<const void* const> grads)
 void streamed_adamw::impl::step_joined(std::span<const void* const> grads, std::span<const value_type> gts,
                                        float grad_scale, stream_t stream) {
   if (joined_steps.empty()) joined_steps = shards.steps();
-  report_edits(grads);
+  report_edits();
   try {
     after(exec(), stream);
     check_edits(grads);

@@ -333,9 +333,7 @@ adamw_scalars streamed_adamw::impl::scalars(std::size_t s, float grad_scale) con
 }
 
 void streamed_adamw::impl::settle_passes() {
-  if (!slots || slots->chain.unwaited == 0) return;
-  settle_chain(*drv, *streams, *slots);
-  report_edits({}, true);  // the chained steps' marks
+  if (slots) settle_chain(*drv, *streams, *slots);
 }
 
 void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const> grads, std::span<const value_type> gts,
@@ -442,7 +440,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   if (self.joins_speculation(grads)) return self.step_joined(grads, gts, grad_scale, stream);
   if (!self.in_place()) self.refuse_if_speculating("step");
 
-  self.report_edits(grads);  // the last step's (device tier: read now, not after its kernels)
+  self.report_edits();  // the last step's (device tier: read now, not after its kernels)
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::uint64_t next = self.step_count + 1;
   const std::size_t skip = self.retry.skip(next);
@@ -493,7 +491,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
     throw;
   }
   self.retry.clear();
-  if (self.streamed()) self.edits_after_pass();  // (waits for the pass's kernels, unless it chained)
+  if (self.streamed()) self.report_edits();  // (waits for the pass's kernels, if it has not)
   self.hash_written(grads);
   self.adopt(after);
 }
@@ -601,11 +599,9 @@ void streamed_adamw::impl::sync_model(stream_t stream) {
 // marks the shard edited when it took one; all on the device, no wait.  An element the
 // edit left at main's rounding keeps main's bits, so loading a model's parameters saved
 // with the optimizer (param = round(main)) after its state changes nothing.  The host
-// reads the marks after a streamed pass (an unchained pass has waited for its kernels), a
-// chained one's (Note [Chained passes]) at a later call once an event after its kernels is
-// done (streams->marks(): edit_unread), or at once where that call steps one of its shards
-// again (its check would zero the mark) or waits for the chained passes (settle_passes);
-// the device tier's at its next step; and logs one warning line per edited shard.  A kernel writes
+// reads the marks after a streamed pass (an unchained pass has waited for its kernels; a
+// chained one, Note [Chained passes], waits there for its kernels, not its write-backs),
+// the device tier's at its next step, and logs one warning line per edited shard.  A kernel writes
 // the marks into mapped pinned memory for that read, not a D2H copy: the copy queued on
 // the copy engine behind the pass's write-backs, so a chained pass (Note [Chained passes])
 // waited for its whole drain there (seen in a torch.profiler trace of bench_overlap on an
@@ -639,42 +635,20 @@ void streamed_adamw::impl::check_edits(std::span<const void* const> grads) {
     }
 }
 
-// Folds edit_checked into edit_unread; whether it held a check.
-namespace {
-bool fold_checks(std::vector<char>& checked, std::vector<char>& unread) {
-  bool any = false;
-  if (unread.size() < checked.size()) unread.resize(checked.size(), 0);
-  for (std::size_t s = 0; s < checked.size(); ++s)
-    if (checked[s]) unread[s] = 1, any = true;
-  checked.clear();
-  return any;
-}
-}  // namespace
-
-void streamed_adamw::impl::defer_edit_report() {
-  if (fold_checks(edit_checked, edit_unread)) drv->record(streams->marks(), exec());
-}
-
-void streamed_adamw::impl::report_edits(std::span<const void* const> grads, bool wait) {
-  // Checks not deferred: their kernels are not behind streams->marks().
-  wait |= fold_checks(edit_checked, edit_unread);
-  bool any = false;
-  for (std::size_t s = 0; s < edit_unread.size(); ++s)
-    if (edit_unread[s]) {
-      any = true;
-      wait |= s < grads.size() && grads[s] != nullptr;  // check_edits zeroes its mark
-    }
-  if (!any || (!wait && !drv->query(streams->marks()))) return;
+void streamed_adamw::impl::report_edits() {
+  if (std::find(edit_checked.begin(), edit_checked.end(), 1) == edit_checked.end()) {
+    edit_checked.clear();
+    return;
+  }
   const std::vector<std::uint64_t> slots = comp->read_edit_slots(exec());
-  std::vector<char> read;
-  read.swap(edit_unread);
-  for (std::size_t s = 0; s < read.size(); ++s)
-    if (read[s] && slots[s * detail::compute::k_edit_slots + detail::compute::k_edited] != 0)
+  for (std::size_t s = 0; s < edit_checked.size(); ++s)
+    if (edit_checked[s] && slots[s * detail::compute::k_edit_slots + detail::compute::k_edited] != 0)
       deferalloc::detail::log(
           log_level::warn, "step: shard " + std::to_string(s) + " ('" + shards[s].info.name + "'): its " +
                                to_string(shards[s].info.param_type) +
                                " parameter was changed outside the optimizer since the optimizer last wrote it; its "
                                "FP32 main was taken from it (main = float(param) where they differ) before the step");
+  edit_checked.clear();
 }
 
 double streamed_adamw::grad_sq_norm(std::span<const void* const> grads, grad_type gt, stream_t stream) {

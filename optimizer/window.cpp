@@ -12,7 +12,6 @@ stream_set::stream_set(stream_ops& drv) : drv_(drv) {
 
 stream_set::~stream_set() {
   for (event_t e : events_) drv_.destroy_event(e);
-  if (marks_) drv_.destroy_event(*marks_);
   drv_.destroy_stream(h2d_);
   drv_.destroy_stream(d2h_);
   drv_.destroy_stream(exec_);
@@ -21,11 +20,6 @@ stream_set::~stream_set() {
 event_t stream_set::event(std::size_t i) {
   while (events_.size() <= i) events_.push_back(drv_.create_event());
   return events_[i];
-}
-
-event_t stream_set::marks() {
-  if (!marks_) marks_ = drv_.create_event();
-  return *marks_;
 }
 
 void stream_set::after(stream_t waiter, stream_t producer) {

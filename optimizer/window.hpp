@@ -7,7 +7,6 @@
 #include <deferalloc/core/reservations.hpp>
 
 #include <cstddef>
-#include <optional>
 #include <span>
 #include <vector>
 
@@ -35,15 +34,11 @@ class stream_set {
   void after(stream_t waiter, stream_t producer);
   /// Waits for the three streams (h2d, exec, d2h).
   void synchronize();
-  /// The event after the kernels that wrote the edit marks a chained step left unread
-  /// (Note [Edits of 16-bit parameters] in streamed_adamw.cpp; made on first use).
-  event_t marks();
 
  private:
   stream_ops& drv_;
   stream_t h2d_ = nullptr, d2h_ = nullptr, exec_ = nullptr;
   std::vector<event_t> events_;
-  std::optional<event_t> marks_;
 };
 
 /// The window's slots: slot k holds one piece of each state array at stable device

@@ -17,7 +17,7 @@
 //    the piece's home into its slot, Note [Homes], after the slot's previous piece was
 //    written back; never-written moments are zeroed on the device instead of copied) ->
 //    compute (the kernel) -> write_back (D2H) -> retire (the host waits for that piece's
-//    write-back event, except in a chained pass; the home persists the piece).  With depth 3, fetch(i+1), step(i)
+//    write-back event; the home persists the piece).  With depth 3, fetch(i+1), step(i)
 //    and write-back(i-1) overlap, and H2D and D2H run at once (the link is duplex).
 //  - File tier: its home reads `depth` pieces ahead into a ring of 2*depth pinned staging
 //    buffers, writes drain from another ring; see Note [File tier] for the two slots
@@ -177,16 +177,8 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // two passes on an H100) while the link idles.  Ten or more such passes an iteration left
 // 10-20 ms of each iteration's transfer unused.  On the host tier nothing but that wait
 // happens when a piece retires (host_home::retire is empty): the host need not wait at all.
-// A host that waits for the device while it queues a pass also holds back whatever waits
-// for that pass to be queued: inside Megatron's forward each module's pre-hook waits on the
-// host until its bucket's step is queued, so a training thread paced by the link launched
-// the last layers and backward late, and the next iteration's first bucket pass was queued
-// ~14 ms after the link had drained (an int8 row's profile on an H100).
 // Approach: a chained pass (pass_plan::chain: a step on a tier whose traits chain, with
-// keep_window and pass_chain) is queued without the host waiting for the device: a piece
-// retires without waiting for its write-back (the slot's next fetch waits for it on the
-// device), the edit marks are read once their kernels are done (Note [Edits of 16-bit
-// parameters]), and the pass returns once its last pieces are enqueued.  The window's ring
+// keep_window and pass_chain) returns once its last pieces are enqueued.  The window's ring
 // (window::chain) keeps where it stopped: the next pass's pieces take the slots after it
 // (the oldest pieces' slots first, most already written back), its H2D copies wait on the
 // device for the previous pass's kernels (its last piece's computed event: not for the
@@ -195,7 +187,9 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // fetch reads what that write-back writes: the forward's last bucket, stepped last in one
 // iteration, is backward's first in the next), a fetch into a slot still being written
 // back waits on the device for that write-back, and its kernels wait for the previous
-// pass's last write-back: the new pass fills while the old one drains.  A speculative
+// pass's last write-back: the new pass fills while the old one drains, and the host does
+// not wait for the write-backs (a plain step with 16-bit parameters waits for the pass's
+// kernels, to read the edit marks: Note [Edits of 16-bit parameters]).  A speculative
 // pass that keeps FP32 parameters' values (fetch), chained or not, copies them after the
 // user's stream: an edit queued there before the step is what a discarded speculation
 // must restore (unchained passes copied them without that wait).
@@ -205,11 +199,9 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
 // Limits: off by default (pass_chain:1 turns it on).  The fetch ahead of the gradients
-// (the computed event, the shared-shard rule) and the queuing without host waits are not
-// yet timed or run on a GPU: the CPU tests check the bits and, through drivers counting
-// the host's waits and keeping a clock per stream, that the host does not wait and what
-// each fetch waits for (test_optimizer), not the overlap itself.  An edited BF16
-// parameter's warning comes one or more calls later.  Until the
+// (the computed event, the shared-shard rule) is not yet timed or run on a GPU: the CPU
+// tests check the bits and, through a driver keeping a clock per stream, what each fetch
+// waits for (test_optimizer), not the overlap itself.  Until the
 // step's read of the edit marks stopped queuing behind the write-backs (Note [Edits of 16-bit parameters]) the
 // host still waited for each chained pass's drain: timed so inside Megatron's backward its
 // gain or loss was within the iterations' spread; since, bench_overlap's batch 4 (the link
@@ -292,14 +284,16 @@ void window_pipeline::run(stream_t user, step_report& report) {
       write_back(i);
     }
     const std::size_t tail = pieces() > depth ? std::max(skip, pieces() - depth) : skip;
-    for (std::size_t j = tail; j < pieces(); ++j) retire(j);
-    if (plan_.chain) {  // Note [Chained passes]: the next pass or entry waits for the write-backs
+    if (plan_.chain) {  // Note [Chained passes]: the next pass or entry waits for the tail
+      for (std::size_t j = tail; j < pieces(); ++j) done_params_ += piece(j).n;
+      progress_->report(done_params_);
       const std::size_t n = pieces() - skip;
       // (This pass's kernels waited for the previous pass's last write-back: the next pass
       // shares a write-back in flight only with this one, unless this one had no piece.)
       ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0)),
               n > 0 ? shards : std::move(ring.shards)};
     } else {
+      for (std::size_t j = tail; j < pieces(); ++j) retire(j);
       ring = {};
     }
     parts_.mover.end_pass();
@@ -396,8 +390,8 @@ void window_pipeline::fetch(std::size_t i) {
   auto& ops = parts_.ops;
   const stream_t h2d = parts_.streams.h2d();
   // The slot's previous piece is written back (retire() waited for it on the host; the
-  // wait keeps the order on the device too); in a chained pass, or of a chained previous
-  // pass's, on the device only (Note [Chained passes]).
+  // wait keeps the order on the device too); of a chained previous pass's, on the device
+  // only (Note [Chained passes]).
   const std::size_t j = i - plan_.skip;
   if (j >= plan_.depth || j + inherited_ >= plan_.depth) ops.stream_wait(h2d, event(i, slot_written));
   if (steps_param(p)) {
@@ -468,16 +462,12 @@ void window_pipeline::write_back(std::size_t i) {
   write_back_issued_[i] = true;
 }
 
-// The piece's write-back is done (its slot is free again); its home persists it.  A
-// chained pass's host does not wait: its home's retire is empty and the slot's next fetch
-// waits for the write-back on the device (Note [Chained passes]).
+// The piece's write-back is done (its slot is free again); its home persists it.
 void window_pipeline::retire(std::size_t i) {
   const auto& p = piece(i);
-  if (!plan_.chain) {
-    const auto t = clk::now();
-    parts_.ops.synchronize(event(i, slot_written));
-    report_->retire_seconds += since(t);
-  }
+  const auto t = clk::now();
+  parts_.ops.synchronize(event(i, slot_written));
+  report_->retire_seconds += since(t);
   parts_.mover.retire(i, p);
   done_params_ += p.n;
   progress_->report(done_params_);

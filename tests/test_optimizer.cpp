@@ -743,7 +743,7 @@ TEST(optimizer, speculative_step_commit_is_the_step_and_discard_keeps_the_state)
 // the real streams) and every other call waits for them first; the bits are those of
 // unchained passes whatever the passes' sizes (more pieces than slots, fewer, one).
 namespace {
-// The suite's driver, counting the host's waits for an event and for a stream.
+// The suite's driver, counting the host's waits for an event.
 class counting_driver final : public deferalloc::driver, public fault_vmm, public fault_streams {
  public:
   explicit counting_driver(std::shared_ptr<deferalloc::driver> inner)
@@ -752,14 +752,10 @@ class counting_driver final : public deferalloc::driver, public fault_vmm, publi
     ++event_waits;
     fault_streams::synchronize(e);
   }
-  void synchronize_stream(stream_t s) override {
-    ++stream_waits;
-    fault_streams::synchronize_stream(s);
-  }
   std::string name() const override { return "counting(" + inner_->name() + ")"; }
   driver_kind kind() const override { return inner_->kind(); }
   int device() const override { return inner_->device(); }
-  std::size_t event_waits = 0, stream_waits = 0;
+  std::size_t event_waits = 0;
 
  private:
   std::shared_ptr<deferalloc::driver> inner_;
@@ -802,53 +798,6 @@ TEST(optimizer, chained_passes_give_the_bits_of_unchained_ones_and_other_calls_w
     EXPECT_EQ(commit_waits[0], 0u) << "an unchained pass waited for its own write-backs";
     EXPECT_EQ(commit_waits[1], 2u) << "the commit after chained passes waits for them, once a commit";
   }
-}
-
-// Note [Chained passes]: a chained pass is queued without the host waiting for the device
-// (its pieces' slots are ordered on the device, its edit marks read later), so that a
-// training loop's thread waiting for a bucket's step to be queued runs ahead of the GPU;
-// the marks of an edited BF16 parameter are still reported.
-TEST(optimizer, a_chained_pass_is_queued_without_the_host_waiting_for_the_device) {
-  auto d = std::make_shared<counting_driver>(make_driver());
-  const problem p = make_problem(d->granularity(), 3);
-  const std::vector<bool> big{true, false, false}, middle{false, true, false}, tiny{false, false, true};
-  std::vector<std::string> lines;
-  const dfa_log_fn keep = [](int, const char* msg, void* user) { static_cast<std::vector<std::string>*>(user)->push_back(msg); };
-  ASSERT_EQ(dfa_set_log_callback(keep, &lines, 2), DFA_SUCCESS);
-  std::vector<result> results;
-  for (bool chain : {false, true}) {
-    SCOPED_TRACE(chain ? "chained" : "unchained");
-    lines.clear();
-    optimizer_config cfg = config_for(tier::host);
-    cfg.keep_window = true;
-    cfg.pass_chain = chain;
-    run r(d, p, cfg);
-    r.opt->initialize();
-    const std::vector<value_type> gts(r.grads.size(), value_type::bf16);
-    std::size_t waits = 0;
-    for (int t = 0; t < p.steps; ++t) {
-      r.load_grads(t);
-      if (t == 1) {  // w.fill_(1) of the middle shard: taken into main, one warning
-        const std::uint16_t one = 0x3F80;
-        upload(*d, r.params[1], run::as_bytes(std::vector<std::uint16_t>(p.sizes[1], one)));
-      }
-      // Bucket passes back to back: 14 pieces (more than the 3 slots), 2, 1.
-      for (const auto& mask : {big, middle, tiny}) {
-        const std::size_t before = d->event_waits + d->stream_waits;
-        r.opt->step_speculative(only(r.grads, mask), gts, p.scale(t));
-        waits += d->event_waits + d->stream_waits - before;
-      }
-      r.drv->synchronize_stream(nullptr);
-      r.opt->commit_speculation();
-    }
-    results.push_back(r.state());
-    if (chain) EXPECT_EQ(waits, 0u) << "the host waited for the device while queuing chained passes";
-    else EXPECT_GT(waits, 0u) << "an unchained pass of more pieces than slots waits for its write-backs";
-    ASSERT_EQ(lines.size(), 1u) << "one warning line for the edit";
-    EXPECT_NE(lines[0].find("shard 1 ('layer1')"), std::string::npos) << lines[0];
-  }
-  dfa_set_log_callback(nullptr, nullptr, 0);
-  expect_same(results[0], results[1], "chained vs unchained passes");
 }
 
 // Note [Chained passes]: what a chained pass's first fetch waits for, on the device.  The
