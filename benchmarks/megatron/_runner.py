@@ -122,6 +122,7 @@ def child(argv: list[str]) -> int:
     if args.directory:
         os.makedirs(args.directory, exist_ok=True)  # the file tier's directory must exist
     tg.setup(args)
+    grad_norm = megatron_grad_norm(torch, opts.get("grad_norm", "megatron"))
     _, ddp = tg.build_model_and_ddp(args)
     cuda = not args.cpu_emulation
     ballast, ballast_info = None, {}
@@ -176,7 +177,7 @@ def child(argv: list[str]) -> int:
     result = {"name": name, "argv": argv, "iterations": iters, "passes": log.passes, "discards": log.discards,
               "peak_hbm": sampler.peak, "params": sum(p.numel() for p in ddp.parameters()),
               "state_bytes": sum(s.stats()["state_bytes"] for s in streamed) if streamed else None,
-              "build_s": build_s, **ballast_info}
+              "build_s": build_s, "grad_norm": grad_norm, **ballast_info}
     if profiled is not None:
         result["link_profile"] = profiled
     if backward_step is not None and backward_step.aside is not None:
@@ -190,6 +191,42 @@ def child(argv: list[str]) -> int:
     del ddp, optimizer, streamed, backward_step, ballast
     tg.teardown()
     return 0
+
+
+def megatron_grad_norm(torch, which: str) -> str:
+    """Megatron's grad norm in this process: "device" puts an on-device L2 norm in the place
+    of megatron-core's local fallback (Note [Megatron's grad norm in the benchmark]); what
+    computes it, returned.
+
+    Note [Megatron's grad norm in the benchmark]
+    Rationale: megatron-core computes the grad norm with Transformer Engine's or apex's
+    multi_tensor_l2norm, one reduction on the device; with neither installed (the GPU machine
+    has neither, and cannot build them) it falls back to ``local_multi_tensor_l2_norm``, whose
+    ``torch.tensor(list of CUDA norms)`` reads each grad's norm to the host: one D2H copy and
+    one host wait per grad tensor (about 80 an iteration on the 0.54 G model).  Each of those
+    copies queues on the copy engine behind the step's write-backs in flight: in the int8 row's
+    profile on an H100 five of them waited 2-9 ms each (28-37 ms an iteration with the model's
+    stream idle), which a Megatron with TE or apex (what Megatron's users install) does not pay.
+    Approach: ``--grad-norm device`` (bench_megatron's default) replaces the fallback (only the
+    fallback: with TE or apex present theirs stays) by the same norm on the device:
+    torch._foreach_norm of the grads, the norm of those norms, one tensor; Megatron's own code
+    then reads it once (``.item()``), as with apex.  Every row of a run (resident,
+    HybridDeviceOptimizer, deferalloc) computes the norm the same way.
+    Limits: the two differ in the last bits of the norm (device against host reductions), so
+    a row whose clipping fires is comparable only within one run; ``--grad-norm megatron``
+    keeps the fallback, and a user without TE or apex pays its waits (docs/MEGATRON.md)."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+    if clip_grads.l2_norm_impl is not local_multi_tensor_l2_norm:
+        return "fused (Transformer Engine or apex)"
+    if which != "device":
+        return "megatron-core fallback (a host read per grad)"
+
+    def device_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        norms = torch._foreach_norm(tensor_lists[0], 2.0)
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0).reshape(1), None
+    clip_grads.l2_norm_impl = device_l2norm
+    return "device (bench_megatron --grad-norm device)"
 
 
 def profile_link(torch, clocked_step, steps: int, cuda: bool, n: int, trace: str) -> dict:

@@ -417,9 +417,12 @@ def report(a, drv, bound: dict, dd_cache: dict, model: str, names: list[str], fi
     bnd = bounds(a, drv, dd_cache, 10e9 if a.smoke else bound.get("duplex_bytes_per_s"))
     results, lines = results_and_table(drv, bnd, bound, dd_cache)
     params = next((r["params"] for r in drv.raw.values()), None)
+    # (runs before --grad-norm: megatron-core's fallback, the GPU machine having neither TE nor apex)
+    norm = next((r["grad_norm"] for r in drv.raw.values() if r.get("grad_norm")), "megatron-core fallback")
     head = (f"megatron bench: {(params or 0) / 1e9:.3f} G params ({model}), window {a.window_mb} MiB, "
             f"{bound.get('device', 'CPU')}, median of the last {a.median_of} of {a.steps} iterations (file tier "
-            f"{a.file_median_of} of {a.file_steps}), {a.clock} clock" + (f", median round of {a.repeat}" if a.repeat > 1 else "")
+            f"{a.file_median_of} of {a.file_steps}), {a.clock} clock, grad norm: {norm}"
+            + (f", median round of {a.repeat}" if a.repeat > 1 else "")
             + f", {sum(drv.took.values()) if reanalysed_from else drv.spent():.0f} s")
     if reanalysed_from:
         head += f"; re-analysed (Note [The iteration's time] in _runner.py) from the logs of: {reanalysed_from}"
@@ -499,6 +502,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock", choices=("loop", "sync"), default="loop",
                     help="loop: iterations back to back, none synchronising the device (a training loop's "
                          "period); sync: the device synchronised around each step (Note [The iteration's time])")
+    ap.add_argument("--grad-norm", choices=("device", "megatron"), default="device",
+                    help="device: Megatron's grad norm on the device, as with Transformer Engine or apex installed; "
+                         "megatron: megatron-core's fallback without them, a host read per grad (Note [Megatron's "
+                         "grad norm in the benchmark] in _runner.py)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--median-of", type=int, default=4)
     ap.add_argument("--file-steps", type=int, default=4)
@@ -566,6 +573,7 @@ def main(argv=None) -> int:
         child_opts = {k: v for k, v in child_opts.items() if k != "conf"}
         if a.clock == "loop":  # Note [The iteration's time] in _runner.py
             child_opts = {**child_opts, "loop": True}
+        child_opts = {**child_opts, "grad_norm": a.grad_norm}
         drv.run(name, argv_, {"steps": a.file_steps if file else a.steps, **child_opts},
                 a.file_median_of if file else a.median_of, conf=conf, estimate=estimate, port=29650 + i, key=key)
         took = drv.took.get(key, 0.0)
