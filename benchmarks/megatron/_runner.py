@@ -200,21 +200,24 @@ def megatron_grad_norm(torch, which: str) -> str:
 
     Note [Megatron's grad norm in the benchmark]
     Rationale: megatron-core computes the grad norm with Transformer Engine's or apex's
-    multi_tensor_l2norm, one reduction on the device; with neither installed (the GPU machine
-    has neither, and cannot build them) it falls back to ``local_multi_tensor_l2_norm``, whose
-    ``torch.tensor(list of CUDA norms)`` reads each grad's norm to the host: one D2H copy and
-    one host wait per grad tensor (about 80 an iteration on the 0.54 G model).  Each of those
-    copies queues on the copy engine behind the step's write-backs in flight: in the int8 row's
-    profile on an H100 five of them waited 2-9 ms each (28-37 ms an iteration with the model's
-    stream idle), which a Megatron with TE or apex (what Megatron's users install) does not pay.
+    multi_tensor_l2norm, one reduction on the device and at most one host read; with neither
+    installed (the GPU machine has neither, and cannot build them) it falls back to
+    ``local_multi_tensor_l2_norm``, whose ``torch.tensor(list of CUDA norms)`` reads each
+    grad's norm to the host: one D2H copy and one host wait per grad tensor (about 80 an
+    iteration on the 0.54 G model), each queued on the copy engine behind the step's
+    write-backs in flight.  Those waits hold the training loop's host back in a way a
+    Megatron with TE or apex (what its users install) does not, and they change the rows'
+    figures (the step across the next forward is faster with them: docs/BENCHMARKS.md).
     Approach: ``--grad-norm device`` (bench_megatron's default) replaces the fallback (only the
     fallback: with TE or apex present theirs stays) by the same norm on the device:
-    torch._foreach_norm of the grads, the norm of those norms, one tensor; Megatron's own code
-    then reads it once (``.item()``), as with apex.  Every row of a run (resident,
+    torch._foreach_norm of the grads, the norm of those norms, one tensor, which Megatron's
+    code then reads once (``.item()``), as with apex.  Every row of a run (resident,
     HybridDeviceOptimizer, deferalloc) computes the norm the same way.
     Limits: the two differ in the last bits of the norm (device against host reductions), so
     a row whose clipping fires is comparable only within one run; ``--grad-norm megatron``
-    keeps the fallback, and a user without TE or apex pays its waits (docs/MEGATRON.md)."""
+    keeps the fallback (the runs before this option used it).  Why the step across the next
+    forward is slower when the host is not held back there is not yet known.
+    """
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm
     if clip_grads.l2_norm_impl is not local_multi_tensor_l2_norm:
