@@ -198,10 +198,16 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // waited for by the next pass that is not chained and by every entry of the optimizer that
 // is not a step (impl::settle_passes: a checkpoint, a commit or discard of speculation, a
 // state read, the destructor), so no caller sees a state still in flight.
+// Inside a pass the host still waits for each piece's write-back before queuing the piece
+// that reuses its slot: those waits bound what is queued on the copy engines, and any D2H
+// copy of the user's (an .item() on the compute stream) queues behind every write-back
+// already queued (a pass queued without them made Megatron's rows slower on an H100:
+// docs/BENCHMARKS.md).
 // Limits: off by default (pass_chain:1 turns it on).  The fetch ahead of the gradients
-// (the computed event, the shared-shard rule) is not yet timed or run on a GPU: the CPU
-// tests check the bits and, through a driver keeping a clock per stream, what each fetch
-// waits for (test_optimizer), not the overlap itself.  Until the
+// (the computed event, the shared-shard rule) ran on a GPU (test_optimizer on the CUDA
+// driver) and, timed once across Megatron's next forward with int8 moments, was level with
+// unchained passes; the CPU tests check the bits and, through a driver keeping a clock per
+// stream, what each fetch waits for (test_optimizer).  Until the
 // step's read of the edit marks stopped queuing behind the write-backs (Note [Edits of 16-bit parameters]) the
 // host still waited for each chained pass's drain: timed so inside Megatron's backward its
 // gain or loss was within the iterations' spread; since, bench_overlap's batch 4 (the link
