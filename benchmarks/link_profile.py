@@ -11,7 +11,10 @@ with the kernels that ran during it (the engine's kernels' time apart: a gap wit
 them waits for gradients or for the host, not for a kernel); and the gaps of the model's own
 kernels (all but the engine's: the GPU's compute idle) with the host events during each (its
 ops and CUDA calls, per thread: a synchronisation shows; Python only when the trace was taken
-with_stack).  Device events of every GPU in the trace count as one timeline.
+with_stack); and the host's small reads from the device (an ``.item()``): how long each made
+the host wait, and how much of it its copy sat behind other copies on the copy engine (a
+D2H copy queues behind the write-backs queued before it).  Device events of every GPU in the
+trace count as one timeline.
 
     python3 benchmarks/link_profile.py TRACE.json[.gz] [--gap-ms 1]
 
@@ -153,7 +156,37 @@ def analyse(events: list[dict], gap_ms: float = 1.0, top: int = 4) -> dict:
     gaps = [{"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "host": [[n, us / 1e3] for n, us in _top(_overlaps(host, a, b), top)]}
             for a, b in _gaps(model, gap_ms)]
     out["compute"] = {"busy_ms": _length(model) / 1e3, "gaps": gaps, "gap_ms": sum(g["ms"] for g in gaps)}
+    out["host_reads"] = host_reads(events, dev, t0, top)
     return out
+
+
+def host_reads(events: list[dict], dev: list[dict], t0: float, top: int = 4) -> dict:
+    """The small D2H copies (64 KiB at most) a host thread issued through the CUDA runtime (an
+    ``.item()``, a ``.cpu()``), each matched to its call by the correlation id: how long the
+    host waited for each (the call's start to the copy's end), and how much of that the copy
+    waited behind something other than its own stream's earlier work (the copy's start after
+    both the call and its stream's previous device event: another stream's copies queued
+    before it on the copy engine, or an event its stream waits for)."""
+    calls = {(e.get("args") or {}).get("correlation"): e for e in events
+             if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "Memcpy" in e.get("name", "")}
+    by_stream: dict = {}
+    for e in sorted(dev, key=lambda x: x["ts"]):
+        by_stream.setdefault(e.get("tid"), []).append(e)
+    reads = []
+    for stream, evs in by_stream.items():
+        prev_end = None
+        for e in evs:
+            args = e.get("args") or {}
+            c = calls.get(args.get("correlation")) if args.get("correlation") is not None else None
+            if c is not None and _direction(e) == "d2h" and int(args.get("bytes", 0)) <= 65536:
+                ready = max(c["ts"], prev_end) if prev_end is not None else c["ts"]
+                reads.append({"at_ms": (c["ts"] - t0) / 1e3, "ms": (e["ts"] + e.get("dur", 0) - c["ts"]) / 1e3,
+                              "behind_ms": max(0.0, e["ts"] - ready) / 1e3})
+            end = e["ts"] + e.get("dur", 0)
+            prev_end = end if prev_end is None else max(prev_end, end)
+    return {"count": len(reads), "wait_ms": sum(r["ms"] for r in reads),
+            "behind_ms": sum(r["behind_ms"] for r in reads),
+            "longest": sorted(reads, key=lambda r: r["behind_ms"], reverse=True)[:top]}
 
 
 def report(a: dict, bound_gbps: float | None = None) -> str:
@@ -179,6 +212,12 @@ def report(a: dict, bound_gbps: float | None = None) -> str:
         for g in c["gaps"]:
             hs = ", ".join(f"{n} {ms:.2f}" for n, ms in g["host"])
             lines.append(f"   gap at {g['at_ms']:7.1f} ms: {g['ms']:6.2f} ms; the host in: {hs}")
+    r = a.get("host_reads")
+    if r and r["count"]:
+        lines.append(f"host reads (small D2H copies a host thread waited for): {r['count']}, {r['wait_ms']:.1f} ms, "
+                     f"{r['behind_ms']:.1f} ms of it queued behind other copies or events")
+        for x in r["longest"]:
+            lines.append(f"   read at {x['at_ms']:7.1f} ms: {x['ms']:6.2f} ms, {x['behind_ms']:.2f} ms behind")
     return "\n".join(lines)
 
 

@@ -156,6 +156,20 @@ def link_profile_parts() -> None:
           and one["d2h"]["gaps"] == [] and one["h2d"]["busy_ms"] == 1.0, str(one))
     check("link_profile: the report names the gap", "gap at     2.0 ms:   3.00 ms" in lp.report(a, 50.0),
           lp.report(a, 50.0))
+    # Host reads: an .item() called while its stream still ran a kernel, whose 4-byte copy then
+    # waited 3 ms behind a write-back on the copy engine; a second one with nothing before it.
+    reads = [ev("kernel", "void at::native::norm_kernel", 0, 1000) | {"tid": 7},
+             ev("gpu_memcpy", d2h, 0, 4000, bytes=150_000_000) | {"tid": 147},
+             ev("cuda_runtime", "cudaMemcpyAsync", 500, 10, correlation=11) | {"tid": 100},
+             ev("gpu_memcpy", d2h, 4000, 5, bytes=4, correlation=11) | {"tid": 7},
+             ev("cuda_runtime", "cudaMemcpyAsync", 5000, 10, correlation=12) | {"tid": 100},
+             ev("gpu_memcpy", d2h, 5001, 4, bytes=4, correlation=12) | {"tid": 7}]
+    r = lp.analyse(reads)["host_reads"]
+    check("link_profile: host reads, the time behind other copies apart from the stream's own work",
+          r["count"] == 2 and abs(r["wait_ms"] - 3.51) < 1e-9 and abs(r["behind_ms"] - 3.001) < 1e-9
+          and r["longest"][0]["at_ms"] == 0.5 and r["longest"][0]["behind_ms"] == 3.0, str(r))
+    check("link_profile: the report names the host reads", "host reads (small D2H copies a host thread waited "
+          "for): 2, 3.5 ms, 3.0 ms of it" in lp.report(lp.analyse(reads)), lp.report(lp.analyse(reads)))
 
 
 def main() -> int:
