@@ -174,16 +174,14 @@ def host_reads(events: list[dict], dev: list[dict], t0: float, top: int = 4) -> 
         by_stream.setdefault(e.get("tid"), []).append(e)
     reads = []
     for stream, evs in by_stream.items():
-        prev_end = None
+        prev_end = float("-inf")  # the end of the stream's device events so far
         for e in evs:
             args = e.get("args") or {}
             c = calls.get(args.get("correlation")) if args.get("correlation") is not None else None
             if c is not None and _direction(e) == "d2h" and int(args.get("bytes", 0)) <= 65536:
-                ready = max(c["ts"], prev_end) if prev_end is not None else c["ts"]
                 reads.append({"at_ms": (c["ts"] - t0) / 1e3, "ms": (e["ts"] + e.get("dur", 0) - c["ts"]) / 1e3,
-                              "behind_ms": max(0.0, e["ts"] - ready) / 1e3})
-            end = e["ts"] + e.get("dur", 0)
-            prev_end = end if prev_end is None else max(prev_end, end)
+                              "behind_ms": max(0.0, e["ts"] - max(c["ts"], prev_end)) / 1e3})
+            prev_end = max(prev_end, e["ts"] + e.get("dur", 0))
     return {"count": len(reads), "wait_ms": sum(r["ms"] for r in reads),
             "behind_ms": sum(r["behind_ms"] for r in reads),
             "longest": sorted(reads, key=lambda r: r["behind_ms"], reverse=True)[:top]}
