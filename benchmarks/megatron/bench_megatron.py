@@ -34,7 +34,8 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, t
                            a fwd row with the engine's chained passes (DEFERALLOC_CONF pass_chain:1:
                            each bucket pass returns with its last write-backs in flight, the next
                            one filling while it drains), judged as the fwd rows and beside its fwd
-                           twin; the set chain: each dtype's plain, fwd, fwdch
+                           twin; the set chain: each dtype's plain, fwd, fwdch; fwdchsw_*: chained
+                           passes under sys.setswitchinterval(0.0002), beside the fwd twin too
   {plain,fwd}clip_{fp32,bf16,int8}_host
                            a plain or fwd row whose clipping fires at every step (--clip-grad 1e-3;
                            the others never clip): fwdclip judged against plainclip (the policy then
@@ -141,6 +142,7 @@ VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "c2sw": (("fwd",), ["--coalesce", "2", "--switch-interval", "0.0002"], None, False),
             "tp": (("plain", "fwd"), [], "pass_taper:1", False),
             "ch": (("fwd",), [], "pass_chain:1", False),
+            "chsw": (("fwd",), ["--switch-interval", "0.0002"], "pass_chain:1", False),
             "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True),
             "b20": (("fwd",), ["--bucket-size", "20000000"], None, False),
             "tpb20": (("fwd",), ["--bucket-size", "20000000"], "pass_taper:1", False)}
