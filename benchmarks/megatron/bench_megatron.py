@@ -136,13 +136,14 @@ def overlapped(name: str) -> bool:
 # (Note [Chained passes], same file); clip: clipping firing
 # at every step (Megatron's clip_grad 1e-3 against grad norms of about 1; the last --clip-grad
 # wins over TIMING's 1e9), judged against the plain row that clips too.
+SHORT_SWITCH = ["--switch-interval", "0.0002"]  # the sw variants' GIL hand-over
 VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "call": (("fwd",), ["--coalesce", "0"], None, False),
-            "sw": (("fwd",), ["--switch-interval", "0.0002"], None, False),
-            "c2sw": (("fwd",), ["--coalesce", "2", "--switch-interval", "0.0002"], None, False),
+            "sw": (("fwd",), SHORT_SWITCH, None, False),
+            "c2sw": (("fwd",), ["--coalesce", "2"] + SHORT_SWITCH, None, False),
             "tp": (("plain", "fwd"), [], "pass_taper:1", False),
             "ch": (("fwd",), [], "pass_chain:1", False),
-            "chsw": (("fwd",), ["--switch-interval", "0.0002"], "pass_chain:1", False),
+            "chsw": (("fwd",), SHORT_SWITCH, "pass_chain:1", False),
             "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True),
             "b20": (("fwd",), ["--bucket-size", "20000000"], None, False),
             "tpb20": (("fwd",), ["--bucket-size", "20000000"], "pass_taper:1", False)}
