@@ -354,6 +354,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.depth = static_cast<std::size_t>(cfg.depth);
   plan.window_piece = shape.piece;
   plan.durable_params = tier_home->traits().durable_params;
+  plan.in_place = tier_home->store() == nullptr;
   plan.chain = kind == pass_kind::step && cfg.keep_window && cfg.pass_chain && tier_home->traits().chains_passes;
   step_inputs step{grads, gts, {}, {}, {}};
   if (speculative) step.saved_params = saved_params;

@@ -168,6 +168,7 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
     : parts_(parts), plan_(std::move(plan)), step_(std::move(step)) {
   for (std::size_t j = plan_.skip; j < pieces(); ++j) params_ += plan_.pieces[j].n;
   write_back_issued_.assign(pieces(), false);
+  wb_bytes_.assign(pieces(), 0);
 }
 
 // Note [Chained passes]
@@ -202,7 +203,8 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // that reuses its slot: those waits bound what is queued on the copy engines, and any D2H
 // copy of the user's (an .item() on the compute stream) queues behind every write-back
 // already queued (a pass queued without them made Megatron's rows slower on an H100:
-// docs/BENCHMARKS.md).
+// docs/BENCHMARKS.md); writeback_queue_mb bounds that queue further (Note [The write-back
+// queue]).
 // Limits: off by default (pass_chain:1 turns it on).  The fetch ahead of the gradients
 // (the computed event, the shared-shard rule) ran on a GPU (test_optimizer on the CUDA
 // driver) and, timed once across Megatron's next forward with int8 moments, was level with
@@ -262,6 +264,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   }
   // Note [Chained passes]: the slots after the previous pass's, ordered on the device.
   inherited_ = ring.unwaited;
+  inherited_bytes_ = inherited_ > 0 ? ring.queued_bytes : 0;
   base_ = inherited_ > 0 ? ring.next : 0;
   const std::vector<std::size_t> shards = shards_of(plan_.pieces, skip);
   if (inherited_ > 0) {
@@ -274,7 +277,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   parts_.mover.begin_pass(plan_, report);
   // The kernels read what the user's stream produced (gradients, BF16 params).
   parts_.streams.after(parts_.streams.exec(), user);
-  current_ = skip;
+  current_ = computed_ = issued_ = retired_ = skip;
   try {
     for (std::size_t j = skip; j < std::min(pieces(), skip + 2 * depth); ++j) prefetch(j);
     // The window's memory before any piece moves: OOM here changes nothing.
@@ -282,24 +285,28 @@ void window_pipeline::run(stream_t user, step_report& report) {
     for (; current_ < pieces(); ++current_) {
       const std::size_t i = current_;
       if (i >= skip + depth) {
-        retire(i - depth);
+        // The slot's previous piece: its write-back issued (fetch waits for its event) and
+        // waited for on the host.
+        issue_write_backs(i - depth + 1, true);
+        while (retired_ <= i - depth) retire_next();
         prefetch(i + depth);
       }
       fetch(i);
       compute(i);
-      write_back(i);
+      computed_ = i + 1;
+      issue_write_backs(computed_, false);  // Note [The write-back queue]
     }
-    const std::size_t tail = pieces() > depth ? std::max(skip, pieces() - depth) : skip;
+    issue_write_backs(pieces(), true);
     if (plan_.chain) {  // Note [Chained passes]: the next pass or entry waits for the tail
-      for (std::size_t j = tail; j < pieces(); ++j) done_params_ += piece(j).n;
+      for (std::size_t j = retired_; j < pieces(); ++j) done_params_ += piece(j).n;
       progress_->report(done_params_);
       const std::size_t n = pieces() - skip;
       // (This pass's kernels waited for the previous pass's last write-back: the next pass
       // shares a write-back in flight only with this one, unless this one had no piece.)
       ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0)),
-              n > 0 ? shards : std::move(ring.shards)};
+              n > 0 ? shards : std::move(ring.shards), queued_bytes_ + inherited_bytes_};
     } else {
-      for (std::size_t j = tail; j < pieces(); ++j) retire(j);
+      while (retired_ < pieces()) retire_next();
       ring = {};
     }
     parts_.mover.end_pass();
@@ -455,6 +462,7 @@ void window_pipeline::write_back(std::size_t i) {
   const auto& dev = slot_of(i);
   const stream_t d2h = parts_.streams.d2h();
   parts_.ops.stream_wait(d2h, event(i, slot_computed));
+  std::size_t bytes = 0;
   if (plan_.write_back)
     for (state_array a : first_arrays(plan_.arrays)) {
       float* from = dev[a];
@@ -462,19 +470,72 @@ void window_pipeline::write_back(std::size_t i) {
         if (!plan_.durable_params) continue;  // the parameter is the state
         from = reinterpret_cast<float*>(model_of(p));  // the durable copy
       }
-      report_->bytes_from_device += parts_.mover.from_device(i, p, a, from, d2h);
+      bytes += parts_.mover.from_device(i, p, a, from, d2h);
     }
   parts_.ops.record(event(i, slot_written), d2h);
+  report_->bytes_from_device += bytes;
+  wb_bytes_[i] = bytes;
+  queued_bytes_ += bytes;
   write_back_issued_[i] = true;
 }
 
-// The piece's write-back is done (its slot is free again); its home persists it.
-void window_pipeline::retire(std::size_t i) {
+// Note [The write-back queue]
+// Rationale: a D2H copy of the user's (an .item() on the compute stream: Megatron's grad
+// norm and loss) queues on the copy engine behind every write-back already queued there
+// (Note [Chained passes]).  A pass issued each piece's write-back as soon as its kernels
+// were queued, so up to `depth` pieces' write-backs (8 on the host tier: about 100-200 MB
+// of a Megatron bucket pass, 2-4 ms of the link) stood ahead of such a read, and a
+// training thread that reads the norm while the step runs across the next forward waited
+// for them at each read (24-32 ms an iteration in a profile on an H100: docs/BENCHMARKS.md,
+// "Where an iteration across the next forward goes").  The fetches need no such bound: a
+// user's D2H copy does not queue behind H2D copies.
+// Approach: writeback_queue_mb bounds the write-back bytes issued and not yet waited for
+// on the host.  A stepped piece's write-back is issued when the bytes queued are under
+// the bound (so at most the bound plus one piece's are queued); until then it waits in
+// its slot, and the pass issues it once the host has waited for older ones: where a slot
+// is needed for the next fetch (whose H2D copy waits for its slot's write-back event, so
+// that write-back is issued first), and at the pass's end, so that a chained pass returns
+// with at most the bound in flight.  Waiting for the oldest write-back is the wait the
+// pass made anyway before reusing a slot, made earlier.  0 (the default) is no bound: each
+// write-back is issued right after its kernels, as before.
+// A failed pass on a home that updates in place (host tier) issues the write-backs of the
+// pieces it stepped and had not issued, as it drains, so that written() counts every
+// stepped piece and a retried step never steps a piece twice (the file tier's failed step
+// is discarded whole: Note [File tier]).
+// Limits: off until timed on a GPU; the bound trades the host's wake-ups (one a piece,
+// as before) against a D2H direction that idles if the host wakes later than the queued
+// bytes take to drain (a bound of at least two pieces keeps one queued meanwhile).
+void window_pipeline::issue_write_backs(std::size_t end, bool wait) {
+  const std::size_t bound = parts_.cfg.writeback_queue_bytes;
+  for (; issued_ < std::min(end, computed_); ++issued_) {
+    while (bound != 0 && queued_bytes_ + inherited_bytes_ >= bound) {
+      if (!wait) return;
+      if (retired_ < issued_) {
+        retire_next();
+      } else if (inherited_bytes_ > 0) {
+        // Only a chained previous pass's are queued (this pass issued none yet, so its
+        // last slot's event is still that pass's last write-back).
+        parts_.ops.synchronize(last_write_back(parts_.streams, parts_.slots));
+        inherited_bytes_ = 0;
+      } else {
+        break;
+      }
+    }
+    write_back(issued_);
+  }
+}
+
+// The oldest issued write-back is done (its slot is free again); its home persists it.
+void window_pipeline::retire_next() {
+  const std::size_t i = retired_;
   const auto& p = piece(i);
   const auto t = clk::now();
   parts_.ops.synchronize(event(i, slot_written));
   report_->retire_seconds += since(t);
   parts_.mover.retire(i, p);
+  ++retired_;
+  queued_bytes_ -= wb_bytes_[i];
+  inherited_bytes_ = 0;  // (issued before this pass's: done before it)
   done_params_ += p.n;
   progress_->report(done_params_);
 }
@@ -482,6 +543,12 @@ void window_pipeline::retire(std::size_t i) {
 // Drain: every stream and every I/O request, then give the window back; rethrows.
 void window_pipeline::fail() {
   parts_.slots.chain = {};  // (the streams' synchronisation below covers a chained tail)
+  try {  // Note [The write-back queue]: the stepped pieces' state reaches its home
+    if (plan_.in_place)
+      for (; issued_ < computed_; ++issued_) write_back(issued_);
+  } catch (...) {
+    deferalloc::detail::log_current("streamed_adamw: writing back the pieces a failed pass stepped");
+  }
   try {
     parts_.streams.synchronize();
   } catch (...) {

@@ -86,7 +86,8 @@ class window_pipeline {
   void fetch(std::size_t i);
   void compute(std::size_t i);
   void write_back(std::size_t i);
-  void retire(std::size_t i);
+  void issue_write_backs(std::size_t end, bool wait);
+  void retire_next();
   [[noreturn]] void fail();
 
   pipeline_parts parts_;
@@ -97,6 +98,13 @@ class window_pipeline {
   std::size_t params_ = 0, done_params_ = 0;  // the pass's parameters, and those retired
   std::size_t current_ = 0;                    // the piece being enqueued (for a failure's message)
   std::vector<bool> write_back_issued_;
+  // Note [The write-back queue]: pieces [issued_, computed_) are stepped and wait for their
+  // write-back to be issued; [retired_, issued_) are issued and not yet waited for, their
+  // bytes queued_bytes_ (wb_bytes_: each piece's).
+  std::size_t computed_ = 0, issued_ = 0, retired_ = 0;
+  std::size_t queued_bytes_ = 0;
+  std::size_t inherited_bytes_ = 0;  // of a chained previous pass's write-backs not waited for
+  std::vector<std::size_t> wb_bytes_;
   std::size_t fetched_ = 0;  // pieces whose fetch was issued
   std::size_t base_ = 0;       // the slot of the first piece (Note [Chained passes])
   std::size_t inherited_ = 0;  // slots the previous, chained pass left unwaited

@@ -803,13 +803,15 @@ TEST(optimizer, chained_passes_give_the_bits_of_unchained_ones_and_other_calls_w
 // Note [Chained passes]: what a chained pass's first fetch waits for, on the device.  The
 // host driver ignores stream and event handles, so this driver hands out its own and keeps
 // a clock per stream: the user's stream's gradients (`user`, raised by the test as each
-// bucket's gradients come) and the write-backs issued (D2H copies), each stream holding
-// the latest of each that it waits for.
+// bucket's gradients come) and the write-backs issued (D2H copies; `bytes`: theirs), each
+// stream holding the latest of each that it waits for.  The host's waits for an event
+// of the D2H stream tell which write-backs it knows done: `queued` is the most D2H
+// bytes ever issued and not yet waited for (what a D2H copy of the user's queues behind).
 namespace {
 class clock_driver final : public deferalloc::driver, public fault_vmm, public fault_streams {
  public:
   struct clock {
-    std::uint64_t user = 0, written = 0;
+    std::uint64_t user = 0, written = 0, bytes = 0;
   };
   explicit clock_driver(std::shared_ptr<deferalloc::driver> inner)
       : fault_vmm(inner), fault_streams(inner), inner_(std::move(inner)) {}
@@ -829,12 +831,25 @@ class clock_driver final : public deferalloc::driver, public fault_vmm, public f
   void stream_wait(stream_t s, event_t e) override {
     clock& c = streams_[s];
     const clock f = events_[e];
-    c = {std::max(c.user, f.user), std::max(c.written, f.written)};
+    c = {std::max(c.user, f.user), std::max(c.written, f.written), std::max(c.bytes, f.bytes)};
+  }
+  void synchronize(event_t e) override {
+    fault_streams::synchronize(e);
+    waited_bytes_ = std::max(waited_bytes_, events_[e].bytes);
+  }
+  void synchronize_stream(stream_t s) override {
+    fault_streams::synchronize_stream(s);
+    if (s == d2h_) waited_bytes_ = streams_[s].bytes;
   }
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override {
     fault_streams::copy_async(dst, src, bytes, s);
     if (s == h2d_ && !first_fetch) first_fetch = at(s);
-    if (s == d2h_) streams_[s].written = ++written;
+    if (s == d2h_) {
+      clock& c = streams_[s];
+      c.written = ++written;
+      c.bytes += bytes;
+      queued = std::max<std::size_t>(queued, c.bytes - waited_bytes_);
+    }
   }
   std::string name() const override { return "clock(" + inner_->name() + ")"; }
   driver_kind kind() const override { return inner_->kind(); }
@@ -842,6 +857,7 @@ class clock_driver final : public deferalloc::driver, public fault_vmm, public f
   std::uint64_t user = 0;           // the user's stream's position (the test raises it)
   std::uint64_t written = 0;        // write-backs issued
   std::optional<clock> first_fetch;  // the clock of the first H2D copy since reset
+  std::size_t queued = 0;            // the most write-back bytes ever queued (the test resets it)
  private:
   void* fake_handle() { return &handles_[next_++ % handles_.size()]; }
   stream_t fake() { return stream_t{fake_handle()}; }
@@ -853,6 +869,7 @@ class clock_driver final : public deferalloc::driver, public fault_vmm, public f
   stream_t h2d_ = nullptr, d2h_ = nullptr;
   std::map<stream_t, clock> streams_;
   std::map<event_t, clock> events_;
+  std::uint64_t waited_bytes_ = 0;  // the D2H stream's bytes the host waited for
 };
 }  // namespace
 
@@ -888,6 +905,64 @@ TEST(optimizer, chained_pass_fetches_ahead_of_its_gradients_and_after_a_shared_s
   EXPECT_LT(shared.user, d->user) << "a chained pass's fetch waited for its own gradients";
   EXPECT_EQ(shared.written, after_all) << "a fetch read a shard before the previous pass's write-back of it";
   r.opt->commit_speculation();
+}
+
+// Note [The write-back queue]: with writeback_queue_bytes a pass keeps at most that many
+// bytes of write-backs (plus one piece's) issued and not yet waited for on the host,
+// counting those a chained previous pass left in flight; without it, a window's worth
+// (chained passes: more).
+// The bits do not change, on either streamed tier, chained or not.
+TEST(optimizer, the_write_back_queue_keeps_its_bound_and_the_bits_do_not_change) {
+  if (make_driver()->kind() != driver_kind::host)
+    GTEST_SKIP() << "needs the host driver (its own stream and event handles stand in for the driver's)";
+  const std::size_t g = make_driver()->granularity();
+  problem p = make_problem(g, 4);
+  p.window = 8 * 3 * g;  // depth 8 (17 pieces a pass), one granule of each array per piece
+  const std::size_t piece_out = 3 * g;  // a whole piece's write-back (FP32 state)
+  const std::vector<bool> big{true, false, false}, middle{false, true, false}, tiny{false, false, true};
+  temp_dir dir;
+  struct mode {
+    tier t;
+    bool chain;
+  };
+  for (const mode m : {mode{tier::host, false}, mode{tier::host, true}, mode{tier::file, false}}) {
+    SCOPED_TRACE(std::string(to_string(m.t)) + (m.chain ? ", chained" : ""));
+    std::vector<result> results;
+    std::vector<std::size_t> peaks;
+    const std::vector<std::size_t> bounds{0, 1, 2 * piece_out};
+    for (std::size_t bound : bounds) {
+      const std::string sub = dir.path + "/" + to_string(m.t) + std::to_string(m.chain) + "_" + std::to_string(bound);
+      std::filesystem::create_directories(sub);
+      auto d = std::make_shared<clock_driver>(make_driver());  // (it finds the D2H stream of the first optimizer only)
+      optimizer_config cfg = config_for(m.t, sub);
+      cfg.depth = 8;
+      cfg.writeback_queue_bytes = bound;
+      cfg.keep_window = cfg.pass_chain = m.chain;
+      run r(d, p, cfg);
+      r.opt->initialize();
+      d->queued = 0;
+      for (int t = 0; t < p.steps; ++t) {
+        if (m.chain && t % 2 == 1) {  // bucket passes back to back: 2 pieces, 14, then 1
+          r.load_grads(t);
+          for (const auto& mask : {middle, big, tiny}) speculate(r, only(r.grads, mask), p.scale(t));
+          r.opt->commit_speculation();
+        } else {
+          r.step(t);
+        }
+      }
+      peaks.push_back(d->queued);
+      results.push_back(r.state());
+    }
+    // (Chained passes queue more: the next pass's write-backs join the previous one's.)
+    if (m.chain) EXPECT_GT(peaks[0], 8 * piece_out) << "without a bound chained passes queue more than a window";
+    else EXPECT_EQ(peaks[0], 8 * piece_out) << "without a bound a pass queues a window's write-backs";
+    EXPECT_LE(peaks[1], piece_out) << "a bound under a piece: one piece's write-back at a time";
+    EXPECT_LT(peaks[2], bounds[2] + piece_out) << "at most the bound plus one piece";
+    EXPECT_GT(peaks[2], piece_out) << "the bound lets several pieces queue";
+    expect_same(results[0], results[1], "bound 1 vs none");
+    expect_same(results[0], results[2], "bound of two pieces vs none");
+    if (!m.chain) expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
+  }
 }
 
 TEST(optimizer, speculative_step_failed_part_way_leaves_the_state) {
@@ -1151,10 +1226,12 @@ TEST(optimizer, file_tier_resumes_after_a_crash) {
 // optimizer, and a reference AdamW in float (the kernels' arithmetic) that sees what the
 // parameter holds.
 struct fp32_param {
-  fp32_param(std::shared_ptr<driver> d, tier t, const std::string& dir) : drv(d), bufs(d) {
+  fp32_param(std::shared_ptr<driver> d, tier t, const std::string& dir, std::size_t writeback_queue = 0)
+      : drv(d), bufs(d) {
     const std::size_t base = d->granularity() / 4;
     n = 13 * base + 1;
     optimizer_config cfg = config_for(t, dir);
+    cfg.writeback_queue_bytes = writeback_queue;
     cfg.window_bytes = 3 * 12 * d->granularity();
     cfg.adamw = hyper;
     param = static_cast<float*>(bufs.alloc(n * 4));
@@ -1283,6 +1360,41 @@ TEST(optimizer, an_fp32_parameter_edited_between_steps_is_what_the_next_step_rea
     d->synchronize_stream(nullptr);
     f.reference_step(g6, 1.0f);
     f.expect_reference("a committed speculation");
+  }
+}
+
+// Note [The write-back queue]: a failed host-tier step writes back every piece it stepped
+// (with a bound, several wait for theirs), so its retry skips exactly those: an FP32
+// parameter is stepped in place, so a piece stepped twice would show.  Each copy of the
+// step fails in turn.
+TEST(optimizer, a_retried_host_tier_step_steps_each_piece_once_whatever_copy_failed) {
+  for (std::size_t bound : {std::size_t{0}, std::size_t{1}}) {
+    std::uint64_t nth = 1;
+    for (;; ++nth) {
+      SCOPED_TRACE("bound " + std::to_string(bound) + ", copy " + std::to_string(nth) + " fails");
+      auto f = std::make_shared<fault_driver>(make_driver());
+      fp32_param w(f, tier::host, "", bound);
+      w.opt->initialize();
+      w.step(0);
+      const auto g = w.gradient(1);
+      const void* gs[1] = {w.grad};
+      const std::vector<value_type> gts{value_type::fp32};
+      f->fail_nth_copy(nth);
+      bool failed = false;
+      try {
+        w.opt->step(gs, gts, 1.0f);
+      } catch (const cuda_error&) {
+        failed = true;
+      }
+      f->clear();
+      if (!failed) break;  // past the step's last copy
+      w.opt->step(gs, gts, 1.0f);
+      f->synchronize_stream(nullptr);
+      w.reference_step(g, 1.0f);
+      w.expect_reference("the retried step");
+      if (::testing::Test::HasFailure()) return;
+    }
+    EXPECT_EQ(nth, 17u) << "the step's copies: its 4 pieces' two moments, in and out";
   }
 }
 

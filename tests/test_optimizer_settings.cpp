@@ -121,6 +121,8 @@ TEST(optimizer_settings, config_init_gives_the_tables_defaults) {
   EXPECT_EQ(c.pass_taper != 0, d.optimizer.pass_taper);
   EXPECT_EQ(c.pass_chain != 0, d.optimizer.pass_chain);
   EXPECT_EQ(c.pass_chain, 0) << "chained passes are off until timed on a GPU";
+  EXPECT_EQ(c.writeback_queue_mb << 20, d.optimizer.writeback_queue_bytes);
+  EXPECT_EQ(c.writeback_queue_mb, 0u) << "the write-back queue is unbounded until timed on a GPU";
 }
 
 TEST(optimizer_settings, a_struct_of_another_size_is_refused) {
@@ -218,7 +220,7 @@ bool same(const dfa_optimizer_config& a, const dfa_optimizer_config& b) {
          a.window_mb == b.window_mb && a.depth == b.depth && a.resume == b.resume && a.rank == b.rank &&
          a.io_threads == b.io_threads && a.io_request_mb == b.io_request_mb && a.keep_window == b.keep_window &&
          a.resident_mb == b.resident_mb && a.moments == b.moments && a.progress_line == b.progress_line &&
-         a.pass_taper == b.pass_taper && a.pass_chain == b.pass_chain;
+         a.pass_taper == b.pass_taper && a.pass_chain == b.pass_chain && a.writeback_queue_mb == b.writeback_queue_mb;
 }
 
 applied apply(dfa_optimizer_config& c, const char* text) {
@@ -233,7 +235,7 @@ TEST(optimizer_settings, apply_text_sets_fields_and_hands_back_the_allocators_ke
   const applied a = apply(c,
                           "driver:host,device:3,tier:file,directory:/tmp/a b,window_mb:2,depth:3,resume:1,rank:2,"
                           "io_threads:4,io_request_mb:16,keep_window:5,resident_mb:8,moments:int8,progress_line:1,"
-                          "pass_taper:3,pass_chain:2,log_level:error,host_granularity_kb:64,chunk_classes_mb:[2, 32]");
+                          "pass_taper:3,pass_chain:2,writeback_queue_mb:48,log_level:error,host_granularity_kb:64,chunk_classes_mb:[2, 32]");
   ASSERT_EQ(a.status, DFA_SUCCESS) << dfa_opt_last_error();
   EXPECT_EQ(c.driver, DFA_DRIVER_HOST);
   EXPECT_EQ(c.device, 3);
@@ -252,6 +254,7 @@ TEST(optimizer_settings, apply_text_sets_fields_and_hands_back_the_allocators_ke
   EXPECT_EQ(c.progress_line, 1);
   EXPECT_EQ(c.pass_taper, 1) << "any nonzero integer is true";
   EXPECT_EQ(c.pass_chain, 1);
+  EXPECT_EQ(c.writeback_queue_mb, 48u);
   EXPECT_EQ(c.allocator_settings, nullptr) << "the caller sets it from the rests";
   EXPECT_EQ(a.rest, "chunk_classes_mb:[2,32],host_granularity_kb:64,log_level:error");
   EXPECT_EQ(a.needed, a.rest.size() + 1);

@@ -217,7 +217,7 @@ const row k_table[] = {
 // fails until both agree.  A bad value of such a key is found only by its owner.
 constexpr const char* k_other_libraries_keys[] = {
     "tier", "directory", "window_mb", "depth", "resume", "rank", "io_threads", "io_request_mb",
-    "keep_window", "pass_taper", "pass_chain", "resident_mb", "moments", "progress_line"};
+    "keep_window", "pass_taper", "pass_chain", "writeback_queue_mb", "resident_mb", "moments", "progress_line"};
 
 bool owned_elsewhere(const std::string& key) {
   for (const char* k : k_other_libraries_keys)

@@ -4,7 +4,8 @@ Models (``--model``; both at test_megatron_gpu's tokens per iteration, batch 2 x
   054    megatron-core's HybridModel at 0.54 G params (test_megatron_gpu's timing model);
   gqa1b  the same layers at 22 (pattern "*-" x 22), grouped-query attention with 4 query groups
          (train_gpt.py --query-groups), about 1.1 G params.
-Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, chain, clip, bucket, all), one process each
+Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, taper, chain, queue, clip, bucket, all),
+one process each
 (benchmarks/megatron/_runner.py, as sib.py's variants):
   resident                 Megatron's own optimizer (FP32 state in HBM)
   hdo                      megatron-core's HybridDeviceOptimizer(offload_fraction=1.0) (train_gpt.py --hdo,
@@ -36,6 +37,13 @@ Rows (``--rows``, comma-separated names or the sets host, file, coalesce, gil, t
                            one filling while it drains), judged as the fwd rows and beside its fwd
                            twin; the set chain: each dtype's plain, fwd, fwdch; fwdchsw_*: chained
                            passes under sys.setswitchinterval(0.0002), beside the fwd twin too
+  fwd{q,chq}_{fp32,bf16,int8}_host
+                           a fwd row (q) or fwdch row (chq) with the engine's write-back queue bounded
+                           (DEFERALLOC_CONF writeback_queue_mb:32: a pass keeps at most 32 MiB of
+                           write-backs, plus a piece's, queued on the copy engine, so the training
+                           thread's reads of the norm and loss wait behind less), judged as the fwd
+                           rows and beside their fwd twin; the set queue: each dtype's fwd, fwdq,
+                           fwdch, fwdchq
   {plain,fwd}clip_{fp32,bf16,int8}_host
                            a plain or fwd row whose clipping fires at every step (--clip-grad 1e-3;
                            the others never clip): fwdclip judged against plainclip (the policy then
@@ -133,10 +141,12 @@ def overlapped(name: str) -> bool:
 # the plain row of the same variant).  c2 / call: coalesced bucket passes (the host tier's
 # default is one bucket group a pass); sw / c2sw: a shorter GIL hand-over; tp: the engine's
 # tapered passes (Note [Pass pieces] in optimizer/window_pipeline.cpp); ch: its chained passes
-# (Note [Chained passes], same file); clip: clipping firing
+# (Note [Chained passes], same file); q: its bounded write-back queue (Note [The write-back
+# queue], same file); clip: clipping firing
 # at every step (Megatron's clip_grad 1e-3 against grad norms of about 1; the last --clip-grad
 # wins over TIMING's 1e9), judged against the plain row that clips too.
 SHORT_SWITCH = ["--switch-interval", "0.0002"]  # the sw variants' GIL hand-over
+QUEUE = "writeback_queue_mb:32"  # the q variants' bound
 VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "call": (("fwd",), ["--coalesce", "0"], None, False),
             "sw": (("fwd",), SHORT_SWITCH, None, False),
@@ -144,6 +154,8 @@ VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "tp": (("plain", "fwd"), [], "pass_taper:1", False),
             "ch": (("fwd",), [], "pass_chain:1", False),
             "chsw": (("fwd",), SHORT_SWITCH, "pass_chain:1", False),
+            "q": (("fwd",), [], QUEUE, False),
+            "chq": (("fwd",), [], "pass_chain:1," + QUEUE, False),
             "clip": (("plain", "fwd"), ["--clip-grad", "1e-3"], None, True),
             "b20": (("fwd",), ["--bucket-size", "20000000"], None, False),
             "tpb20": (("fwd",), ["--bucket-size", "20000000"], "pass_taper:1", False)}
@@ -198,10 +210,11 @@ SETS["gil"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdc2"
 SETS["clip"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plainclip", "fwdclip")]
 SETS["taper"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "plaintp", "fwd", "fwdtp")]
 SETS["chain"] = [f"{m}_{d}_host" for d in DTYPES for m in ("plain", "fwd", "fwdch")]
+SETS["queue"] = [f"{m}_{d}_host" for d in DTYPES for m in ("fwd", "fwdq", "fwdch", "fwdchq")]
 SETS["bucket"] = [f"{m}_{d}_host" for d in DTYPES for m in ("fwd", "fwdtp", "fwdb20", "fwdtpb20")]
 SETS["all"] = SETS["host"] + SETS["file"]
 SMOKE_ROWS = ["resident", "plain_fp32_host", "inside_bf16_host", "fwd_fp32_host", "fwdc2_fp32_host", "fwdtp_fp32_host",
-              "fwdch_fp32_host",
+              "fwdch_fp32_host", "fwdchq_fp32_host",
               "plain_int8_file", "auto_plain_host",
               "plain_fp32_file", "odirect_file"]
 

@@ -78,6 +78,7 @@ typedef struct dfa_optimizer_config {
   int progress_line;         /* print a progress line during a long initialize() */
   int pass_taper;            /* cut each pass's first and last pieces smaller */
   int pass_chain;            /* host tier with keep_window: a pass leaves its last write-backs to the next */
+  uint64_t writeback_queue_mb; /* streamed tiers: write-back bytes a pass keeps queued (0: no bound) */
 } dfa_optimizer_config;
 
 /* Fills *c with the defaults (those of docs/SETTINGS.md); c->struct_size must be set first. */

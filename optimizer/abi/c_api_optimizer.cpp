@@ -111,6 +111,7 @@ engine_settings from_config(const dfa_optimizer_config* c) {
   set("progress_line", flag(c->progress_line));
   set("pass_taper", flag(c->pass_taper));
   set("pass_chain", flag(c->pass_chain));
+  set("writeback_queue_mb", std::to_string(c->writeback_queue_mb));
   return e;
 }
 
@@ -149,6 +150,7 @@ void copy_field(dfa_optimizer_config& c, const std::string& key, const optimizer
   else if (key == "progress_line") c.progress_line = oc.progress_line ? 1 : 0;
   else if (key == "pass_taper") c.pass_taper = oc.pass_taper ? 1 : 0;
   else if (key == "pass_chain") c.pass_chain = oc.pass_chain ? 1 : 0;
+  else if (key == "writeback_queue_mb") c.writeback_queue_mb = oc.writeback_queue_bytes >> 20;
   else throw invalid_argument("dfa_opt_config_apply_text: no field for the optimizer key '" + key + "'");
 }
 
@@ -229,6 +231,7 @@ dfa_status dfa_opt_config_init(dfa_optimizer_config* c) {
     c->progress_line = d.progress_line;
     c->pass_taper = d.pass_taper;
     c->pass_chain = d.pass_chain;
+    c->writeback_queue_mb = d.writeback_queue_bytes >> 20;
   });
 }
 

@@ -66,7 +66,7 @@ class OptimizerConfig(ctypes.Structure):
                 ("rank", ctypes.c_int), ("io_threads", ctypes.c_int), ("io_request_mb", ctypes.c_uint64),
                 ("keep_window", ctypes.c_int), ("resident_mb", ctypes.c_uint64), ("moments", ctypes.c_int),
                 ("progress_line", ctypes.c_int), ("pass_taper", ctypes.c_int),
-                ("pass_chain", ctypes.c_int)]
+                ("pass_chain", ctypes.c_int), ("writeback_queue_mb", ctypes.c_uint64)]
 
 
 # dfa_progress_fn: phase, done, total, seconds, user.

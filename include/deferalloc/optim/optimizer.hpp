@@ -104,6 +104,12 @@ struct optimizer_config {
   /// link between them nor leave it idle while the caller prepares the next.  Every other
   /// call waits for them first.  Off by default until it is timed on a GPU.  Note [Chained passes].
   bool pass_chain = false;
+  /// Streamed tiers: at most this many bytes of write-backs (plus one piece's) are issued
+  /// and not yet waited for, so that a D2H copy of the caller's (an .item() while a step
+  /// runs) queues behind little on the copy engine; the stepped pieces wait in their slots
+  /// meanwhile.  0: no bound (each piece's write-back is issued after its kernels).  Off by
+  /// default until it is timed on a GPU.  Note [The write-back queue].
+  std::size_t writeback_queue_bytes = 0;
   /// Called after each piece of initialize() and step() (from the calling thread).
   std::function<void(const progress&)> on_progress;
   /// Prints a progress line on stderr during initialize() when it takes over a second.
