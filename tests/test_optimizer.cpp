@@ -910,11 +910,11 @@ TEST(optimizer, chained_pass_fetches_ahead_of_its_gradients_and_after_a_shared_s
 // Note [The write-back queue]: with writeback_queue_bytes a pass keeps at most that many
 // bytes of write-backs (plus one piece's) issued and not yet waited for on the host,
 // counting those a chained previous pass left in flight; without it, a window's worth
-// (chained passes: more).
-// The bits do not change, on either streamed tier, chained or not.
+// (chained passes: more).  The bits do not change, on either streamed tier, chained or not
+// (on the CUDA driver the bits only: the clock needs the host driver's own handles).
 TEST(optimizer, the_write_back_queue_keeps_its_bound_and_the_bits_do_not_change) {
-  if (make_driver()->kind() != driver_kind::host)
-    GTEST_SKIP() << "needs the host driver (its own stream and event handles stand in for the driver's)";
+  const bool host = make_driver()->kind() == driver_kind::host;
+  if (!host) std::printf("the bound's peaks are checked on the host driver only (its clock driver's handles)\n");
   const std::size_t g = make_driver()->granularity();
   problem p = make_problem(g, 4);
   p.window = 8 * 3 * g;  // depth 8 (17 pieces a pass), one granule of each array per piece
@@ -933,14 +933,16 @@ TEST(optimizer, the_write_back_queue_keeps_its_bound_and_the_bits_do_not_change)
     for (std::size_t bound : bounds) {
       const std::string sub = dir.path + "/" + to_string(m.t) + std::to_string(m.chain) + "_" + std::to_string(bound);
       std::filesystem::create_directories(sub);
-      auto d = std::make_shared<clock_driver>(make_driver());  // (it finds the D2H stream of the first optimizer only)
+      // (A clock driver finds the D2H stream of its first optimizer only.)
+      auto clocked = host ? std::make_shared<clock_driver>(make_driver()) : nullptr;
+      const std::shared_ptr<driver> d = clocked ? std::static_pointer_cast<driver>(clocked) : make_driver();
       optimizer_config cfg = config_for(m.t, sub);
       cfg.depth = 8;
       cfg.writeback_queue_bytes = bound;
       cfg.keep_window = cfg.pass_chain = m.chain;
       run r(d, p, cfg);
       r.opt->initialize();
-      d->queued = 0;
+      if (clocked) clocked->queued = 0;
       for (int t = 0; t < p.steps; ++t) {
         if (m.chain && t % 2 == 1) {  // bucket passes back to back: 2 pieces, 14, then 1
           r.load_grads(t);
@@ -950,18 +952,19 @@ TEST(optimizer, the_write_back_queue_keeps_its_bound_and_the_bits_do_not_change)
           r.step(t);
         }
       }
-      peaks.push_back(d->queued);
+      peaks.push_back(clocked ? clocked->queued : 0);
       results.push_back(r.state());
     }
+    expect_same(results[0], results[1], "bound 1 vs none");
+    expect_same(results[0], results[2], "bound of two pieces vs none");
+    if (!m.chain) expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
+    if (!host) continue;
     // (Chained passes queue more: the next pass's write-backs join the previous one's.)
     if (m.chain) EXPECT_GT(peaks[0], 8 * piece_out) << "without a bound chained passes queue more than a window";
     else EXPECT_EQ(peaks[0], 8 * piece_out) << "without a bound a pass queues a window's write-backs";
     EXPECT_LE(peaks[1], piece_out) << "a bound under a piece: one piece's write-back at a time";
     EXPECT_LT(peaks[2], bounds[2] + piece_out) << "at most the bound plus one piece";
     EXPECT_GT(peaks[2], piece_out) << "the bound lets several pieces queue";
-    expect_same(results[0], results[1], "bound 1 vs none");
-    expect_same(results[0], results[2], "bound of two pieces vs none");
-    if (!m.chain) expect_same(results[0], cpu_twin(p, p.steps), "kernel vs CPU twin");
   }
 }
 

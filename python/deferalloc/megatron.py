@@ -232,7 +232,10 @@ step_overlap_forward=True)``:
  - the engine keeps its window backed between passes (``keep_window:1`` is added to the
    settings unless they name keep_window): an iteration's bucket passes run back to back (with
    ``pass_chain:1`` on the host tier each returns with its last write-backs in flight, the next
-   one filling while it drains: Note [Chained passes] in optimizer/window_pipeline.cpp).
+   one filling while it drains: Note [Chained passes] in optimizer/window_pipeline.cpp; with
+   ``writeback_queue_mb:N`` a pass keeps at most N MiB of write-backs queued on the copy engine,
+   so that the training thread's reads of the norm and the loss wait behind less: Note [The
+   write-back queue], same file; both off by default until timed on a GPU).
  - ``coalesce`` (BackwardOverlap's, Note [Overlap with backward]; also with
    ``step_in_backward`` alone): the worker puts up to k queued bucket groups whose grads are
    done into one engine pass (True or 0: all of them), the k with the smallest ``order`` (the
