@@ -504,7 +504,9 @@ void window_pipeline::write_back(std::size_t i) {
 // is discarded whole: Note [File tier]).
 // Limits: off until timed on a GPU; the bound trades the host's wake-ups (one a piece,
 // as before) against a D2H direction that idles if the host wakes later than the queued
-// bytes take to drain (a bound of at least two pieces keeps one queued meanwhile).
+// bytes take to drain (a bound of at least two pieces keeps one queued meanwhile).  A
+// chained pass returns only once its last write-backs fit the bound, later than without
+// one, so the next pass starts its fetches later (bench_megatron's fwdchq rows time it).
 void window_pipeline::issue_write_backs(std::size_t end, bool wait) {
   const std::size_t bound = parts_.cfg.writeback_queue_bytes;
   for (; issued_ < std::min(end, computed_); ++issued_) {
