@@ -61,12 +61,13 @@ class window {
   /// The slots across passes (Note [Chained passes] in window_pipeline.cpp): the slot the
   /// next pass's first piece takes, and how many slots before it hold a piece whose
   /// write-back no host wait has covered (the last of them written back last), the
-  /// shards of the pass that left them, and the bytes of its write-backs no wait covered.
+  /// shards of the pass that left them, and how many write-backs (and their bytes) the
+  /// passes left in flight: the pieces no host wait covered, at most `unwaited`.
   struct ring {
     std::size_t next = 0;
     std::size_t unwaited = 0;
     std::vector<std::size_t> shards;
-    std::size_t queued_bytes = 0;  // Note [The write-back queue]
+    std::size_t queued = 0, queued_bytes = 0;  // Note [The write-back queue]
   };
   ring chain;
 

@@ -265,6 +265,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
   // Note [Chained passes]: the slots after the previous pass's, ordered on the device.
   inherited_ = ring.unwaited;
   inherited_bytes_ = inherited_ > 0 ? ring.queued_bytes : 0;
+  inherited_queued_ = inherited_ > 0 ? ring.queued : 0;
   base_ = inherited_ > 0 ? ring.next : 0;
   const std::vector<std::size_t> shards = shards_of(plan_.pieces, skip);
   if (inherited_ > 0) {
@@ -304,7 +305,8 @@ void window_pipeline::run(stream_t user, step_report& report) {
       // (This pass's kernels waited for the previous pass's last write-back: the next pass
       // shares a write-back in flight only with this one, unless this one had no piece.)
       ring = {(base_ + n) % depth, std::min(depth, n + (n < depth ? inherited_ : 0)),
-              n > 0 ? shards : std::move(ring.shards), queued_bytes_ + inherited_bytes_};
+              n > 0 ? shards : std::move(ring.shards), issued_ - retired_ + inherited_queued_,
+              queued_bytes_ + inherited_bytes_};
     } else {
       while (retired_ < pieces()) retire_next();
       ring = {};
@@ -480,47 +482,48 @@ void window_pipeline::write_back(std::size_t i) {
 }
 
 // Note [The write-back queue]
-// Rationale: a D2H copy of the user's (an .item() on the compute stream: Megatron's grad
-// norm and loss) queues on the copy engine behind every write-back already queued there
-// (Note [Chained passes]).  A pass issued each piece's write-back as soon as its kernels
-// were queued, so up to `depth` pieces' write-backs (8 on the host tier: about 100-200 MB
-// of a Megatron bucket pass, 2-4 ms of the link) stood ahead of such a read, and a
-// training thread that reads the norm while the step runs across the next forward waited
-// for them at each read (24-32 ms an iteration in a profile on an H100: docs/BENCHMARKS.md,
-// "Where an iteration across the next forward goes").  The fetches need no such bound: a
-// user's D2H copy does not queue behind H2D copies.
-// Approach: writeback_queue_mb bounds the write-back bytes issued and not yet waited for
-// on the host.  A stepped piece's write-back is issued when the bytes queued are under
-// the bound (so at most the bound plus one piece's are queued); until then it waits in
-// its slot, and the pass issues it once the host has waited for older ones: where a slot
-// is needed for the next fetch (whose H2D copy waits for its slot's write-back event, so
-// that write-back is issued first), and at the pass's end, so that a chained pass returns
-// with at most the bound in flight.  Waiting for the oldest write-back is the wait the
-// pass made anyway before reusing a slot, made earlier.  0 (the default) is no bound: each
-// write-back is issued right after its kernels, as before.
+// Rationale: a D2H copy of the user's (an .item() on the compute stream: Megatron's grad norm
+// and loss) queues on the copy engine behind every write-back already queued there
+// (Note [Chained passes]).  A pass issued each piece's write-back as soon as its kernels were
+// queued, so up to `depth` pieces' write-backs stood ahead of such a read (8 on the host tier:
+// 48 MiB with int8 moments, 96 MiB with FP32, 1-2 ms of an H100's link, in bench_megatron's 0.54 G
+// model with its 512 MiB window; chained passes add the next pass's), and a training thread
+// that reads the norm while the step runs across the next forward waits for them at each read
+// (docs/BENCHMARKS.md, "Where an iteration across the next forward goes").  The fetches need no
+// such bound: a user's D2H copy does not queue behind H2D copies.
+// Approach: writeback_queue_mb bounds the write-back bytes issued and not yet waited for on the
+// host.  A stepped piece's write-back is issued when the bytes queued are under the bound or
+// fewer than two pieces are queued (so at most the bound plus one piece's, or two pieces', are
+// queued: with one, the link would idle each time the host wakes to queue the next); until then
+// it waits in its slot, and the pass issues it once the host has waited for older ones: where a
+// slot is needed for the next fetch (whose H2D copy waits for its slot's write-back event, so
+// that write-back is issued first), and at the pass's end, so that a chained pass returns with
+// at most the bound in flight.  Waiting for the oldest write-back is the wait the pass made
+// anyway before reusing a slot, made earlier.  0 (the default) is no bound: each write-back is
+// issued right after its kernels, as before.
 // A failed pass on a home that updates in place (host tier) issues the write-backs of the
-// pieces it stepped and had not issued, as it drains, so that written() counts every
-// stepped piece and a retried step never steps a piece twice (the file tier's failed step
-// is discarded whole: Note [File tier]).
-// Limits: off until timed on a GPU; the bound trades the host's wake-ups (one a piece,
-// as before) against a D2H direction that idles if the host wakes later than the queued
-// bytes take to drain (a bound of at least two pieces keeps one queued meanwhile).  A
-// chained pass returns only once its last write-backs fit the bound, later than without
-// one, so the next pass starts its fetches later (bench_megatron's fwdchq rows time it).
+// pieces it stepped and had not issued, as it drains, so that written() counts every stepped
+// piece and a retried step never steps a piece twice (the file tier's failed step is discarded
+// whole: Note [File tier]).
+// Limits: off until timed on a GPU, and it shortens only the copy engine's part of a read's
+// wait: the reads of that profile waited 2-8 ms each, longer than a window's write-backs, so
+// the compute stream's own waits (for the bucket steps) are part of it.  The bound trades the
+// host's wake-ups (one a piece, as before) against a D2H direction that idles if the host wakes
+// later than the queued bytes take to drain (one piece at least stays queued meanwhile).  A
+// chained pass returns only once its last write-backs fit the bound, later than without one, so
+// the next pass starts its fetches later (bench_megatron's fwdchq rows time it).
 void window_pipeline::issue_write_backs(std::size_t end, bool wait) {
   const std::size_t bound = parts_.cfg.writeback_queue_bytes;
   for (; issued_ < std::min(end, computed_); ++issued_) {
-    while (bound != 0 && queued_bytes_ + inherited_bytes_ >= bound) {
+    while (bound != 0 && issued_ - retired_ + inherited_queued_ >= 2 && queued_bytes_ + inherited_bytes_ >= bound) {
       if (!wait) return;
       if (retired_ < issued_) {
         retire_next();
-      } else if (inherited_bytes_ > 0) {
+      } else {
         // Only a chained previous pass's are queued (this pass issued none yet, so its
         // last slot's event is still that pass's last write-back).
         parts_.ops.synchronize(last_write_back(parts_.streams, parts_.slots));
-        inherited_bytes_ = 0;
-      } else {
-        break;
+        inherited_bytes_ = inherited_queued_ = 0;
       }
     }
     write_back(issued_);
@@ -537,7 +540,7 @@ void window_pipeline::retire_next() {
   parts_.mover.retire(i, p);
   ++retired_;
   queued_bytes_ -= wb_bytes_[i];
-  inherited_bytes_ = 0;  // (issued before this pass's: done before it)
+  inherited_bytes_ = inherited_queued_ = 0;  // (issued before this pass's: done before it)
   done_params_ += p.n;
   progress_->report(done_params_);
 }

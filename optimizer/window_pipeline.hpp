@@ -103,7 +103,7 @@ class window_pipeline {
   // bytes queued_bytes_ (wb_bytes_: each piece's).
   std::size_t computed_ = 0, issued_ = 0, retired_ = 0;
   std::size_t queued_bytes_ = 0;
-  std::size_t inherited_bytes_ = 0;  // of a chained previous pass's write-backs not waited for
+  std::size_t inherited_bytes_ = 0, inherited_queued_ = 0;  // a chained previous pass's not waited for: bytes, pieces
   std::vector<std::size_t> wb_bytes_;
   std::size_t fetched_ = 0;  // pieces whose fetch was issued
   std::size_t base_ = 0;       // the slot of the first piece (Note [Chained passes])

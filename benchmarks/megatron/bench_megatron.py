@@ -39,8 +39,9 @@ one process each
                            passes under sys.setswitchinterval(0.0002), beside the fwd twin too
   fwd{q,chq}_{fp32,bf16,int8}_host
                            a fwd row (q) or fwdch row (chq) with the engine's write-back queue bounded
-                           (DEFERALLOC_CONF writeback_queue_mb:32: a pass keeps at most 32 MiB of
-                           write-backs, plus a piece's, queued on the copy engine, so the training
+                           (DEFERALLOC_CONF writeback_queue_mb:16: a pass keeps at most 16 MiB of
+                           write-backs, plus a piece's, or two pieces', queued on the copy engine
+                           instead of the window's 8 pieces (48-96 MiB here), so the training
                            thread's reads of the norm and loss wait behind less), judged as the fwd
                            rows and beside their fwd twin; the set queue: each dtype's fwd, fwdq,
                            fwdch, fwdchq
@@ -146,7 +147,7 @@ def overlapped(name: str) -> bool:
 # at every step (Megatron's clip_grad 1e-3 against grad norms of about 1; the last --clip-grad
 # wins over TIMING's 1e9), judged against the plain row that clips too.
 SHORT_SWITCH = ["--switch-interval", "0.0002"]  # the sw variants' GIL hand-over
-QUEUE = "writeback_queue_mb:32"  # the q variants' bound
+QUEUE = "writeback_queue_mb:16"  # the q variants' bound
 VARIANTS = {"c2": (("fwd",), ["--coalesce", "2"], None, False),
             "call": (("fwd",), ["--coalesce", "0"], None, False),
             "sw": (("fwd",), SHORT_SWITCH, None, False),

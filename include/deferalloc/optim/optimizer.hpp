@@ -104,7 +104,8 @@ struct optimizer_config {
   /// link between them nor leave it idle while the caller prepares the next.  Every other
   /// call waits for them first.  Off by default until it is timed on a GPU.  Note [Chained passes].
   bool pass_chain = false;
-  /// Streamed tiers: at most this many bytes of write-backs (plus one piece's) are issued
+  /// Streamed tiers: at most this many bytes of write-backs (plus one piece's; two pieces'
+  /// whatever the bound) are issued
   /// and not yet waited for, so that a D2H copy of the caller's (an .item() while a step
   /// runs) queues behind little on the copy engine; the stepped pieces wait in their slots
   /// meanwhile.  0: no bound (each piece's write-back is issued after its kernels).  Off by
