@@ -66,8 +66,9 @@ struct pass_plan {
   std::size_t window_piece = 0;  // elements of a window slot (the largest piece)
   bool durable_params = false;   // the home's home_traits::durable_params
   bool chain = false;            // leave the last write-backs to the next pass (Note [Chained passes])
-  bool in_place = false;         // the home updates in place (no committed_store): a failed pass
-                                 // writes back the pieces it stepped (Note [The write-back queue])
+  bool resumable = false;        // a plain step on a home that updates in place (no committed_store):
+                                 // a retry resumes it at written(), so a failed pass writes back
+                                 // the pieces it stepped (Note [The write-back queue])
 };
 
 /// What a home is built from: the lower layers and the shard table, which outlive it.

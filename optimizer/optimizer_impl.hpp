@@ -69,6 +69,10 @@ class step_retry {
   void resident_enqueued() { resident_stepped_ = true; }
   /// A pass (device tier: the loop over the shards) wrote back its first `pieces`.
   void progressed(std::size_t pieces) { pieces_done_ = pieces; }
+  /// The failed pass stepped the piece `where` and could not write it back (empty: none):
+  /// step number `next` cannot resume it (Note [The write-back queue]).
+  void tore(std::string where) { torn_ = std::move(where); }
+  const std::string& torn(std::uint64_t next) const { return step_ == next ? torn_ : none_; }
   /// Step number `next` failed part-way: the next step() retries it.
   void failed(std::uint64_t next) { step_ = next; }
   bool pending() const { return step_ != 0; }
@@ -79,6 +83,8 @@ class step_retry {
   std::uint64_t step_ = 0;         // the failed step's number, 0 = none
   std::size_t pieces_done_ = 0;    // its pieces (device tier: shards) already written back
   bool resident_stepped_ = false;  // its resident shards are enqueued
+  std::string torn_;               // a piece it stepped and did not write back
+  inline static const std::string none_;
 };
 
 /// The state write open on the facade (Note [State writes] in file_home.cpp): whether one is

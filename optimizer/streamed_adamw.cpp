@@ -354,7 +354,7 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
   plan.depth = static_cast<std::size_t>(cfg.depth);
   plan.window_piece = shape.piece;
   plan.durable_params = tier_home->traits().durable_params;
-  plan.in_place = tier_home->store() == nullptr;
+  plan.resumable = kind == pass_kind::step && !speculative && tier_home->store() == nullptr;
   plan.chain = kind == pass_kind::step && cfg.keep_window && cfg.pass_chain && tier_home->traits().chains_passes;
   step_inputs step{grads, gts, {}, {}, {}};
   if (speculative) step.saved_params = saved_params;
@@ -370,7 +370,10 @@ void streamed_adamw::impl::run_pass(pass_kind kind, std::span<const void* const>
     // Only a plain step's pass is what a retry resumes; an export or init pass writes no
     // state back, and a speculative one writes the second copy (and FP32 parameters in
     // place: those it kept go back).
-    if (kind == pass_kind::step && !speculative) retry.progressed(pass.written());
+    if (kind == pass_kind::step && !speculative) {
+      retry.progressed(pass.written());
+      retry.tore(pass.torn());
+    }
     if (speculative) {
       try {
         restore_params(ps, pass.fetched());
@@ -444,6 +447,10 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   self.report_edits();  // the last step's (device tier: read now, not after its kernels)
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::uint64_t next = self.step_count + 1;
+  DFA_EXPECTS(self.retry.torn(next).empty(),
+              "step: the failed step " + std::to_string(next) + " stepped " + self.retry.torn(next) +
+                  " but could not write it back, so its state is neither step's: load a checkpoint first",
+              invalid_state);
   const std::size_t skip = self.retry.skip(next);
   std::vector<bool> stepped(self.shards.size());
   for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = grads[s] != nullptr;

@@ -62,7 +62,7 @@ class window {
   /// next pass's first piece takes, and how many slots before it hold a piece whose
   /// write-back no host wait has covered (the last of them written back last), the
   /// shards of the pass that left them, and how many write-backs (and their bytes) the
-  /// passes left in flight: the pieces no host wait covered, at most `unwaited`.
+  /// passes left in flight that no host wait covered (read only under writeback_queue_mb).
   struct ring {
     std::size_t next = 0;
     std::size_t unwaited = 0;

@@ -190,7 +190,8 @@ window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, st
 // back waits on the device for that write-back, and its kernels wait for the previous
 // pass's last write-back: the new pass fills while the old one drains, and the host does
 // not wait for the write-backs (a plain step with 16-bit parameters waits for the pass's
-// kernels, to read the edit marks: Note [Edits of 16-bit parameters]).  A speculative
+// kernels, to read the edit marks: Note [Edits of 16-bit parameters]; with
+// writeback_queue_mb, for those over the bound: Note [The write-back queue]).  A speculative
 // pass that keeps FP32 parameters' values (fetch), chained or not, copies them after the
 // user's stream: an edit queued there before the step is what a discarded speculation
 // must restore (unchained passes copied them without that wait).
@@ -289,6 +290,7 @@ void window_pipeline::run(stream_t user, step_report& report) {
         // The slot's previous piece: its write-back issued (fetch waits for its event) and
         // waited for on the host.
         issue_write_backs(i - depth + 1, true);
+        issue_write_backs(computed_, false);  // what the bound allows before the host waits
         while (retired_ <= i - depth) retire_next();
         prefetch(i + depth);
       }
@@ -498,13 +500,15 @@ void window_pipeline::write_back(std::size_t i) {
 // it waits in its slot, and the pass issues it once the host has waited for older ones: where a
 // slot is needed for the next fetch (whose H2D copy waits for its slot's write-back event, so
 // that write-back is issued first), and at the pass's end, so that a chained pass returns with
-// at most the bound in flight.  Waiting for the oldest write-back is the wait the pass made
+// at most the bound (plus a piece, or two pieces) in flight.  Waiting for the oldest write-back is the wait the pass made
 // anyway before reusing a slot, made earlier.  0 (the default) is no bound: each write-back is
 // issued right after its kernels, as before.
-// A failed pass on a home that updates in place (host tier) issues the write-backs of the
-// pieces it stepped and had not issued, as it drains, so that written() counts every stepped
-// piece and a retried step never steps a piece twice (the file tier's failed step is discarded
-// whole: Note [File tier]).
+// A failed plain step on a home that updates in place (host tier: pass_plan::resumable) issues
+// the write-backs of the pieces it stepped and had not issued, as it drains, so that written()
+// counts every stepped piece and the retry, which skips those, never steps a piece twice (the
+// file tier's failed step is discarded whole: Note [File tier]).  Where one of them cannot be
+// issued either (a copy that fails again), the pass is torn: its piece is stepped and its
+// state not at home, and the retry is refused (load a checkpoint) rather than run.
 // Limits: off until timed on a GPU, and it shortens only the copy engine's part of a read's
 // wait: the reads of that profile waited 2-8 ms each, longer than a window's write-backs, so
 // the compute stream's own waits (for the bucket steps) are part of it.  The bound trades the
@@ -522,7 +526,9 @@ void window_pipeline::issue_write_backs(std::size_t end, bool wait) {
       } else {
         // Only a chained previous pass's are queued (this pass issued none yet, so its
         // last slot's event is still that pass's last write-back).
+        const auto t = clk::now();
         parts_.ops.synchronize(last_write_back(parts_.streams, parts_.slots));
+        report_->retire_seconds += since(t);
         inherited_bytes_ = inherited_queued_ = 0;
       }
     }
@@ -549,11 +555,12 @@ void window_pipeline::retire_next() {
 void window_pipeline::fail() {
   parts_.slots.chain = {};  // (the streams' synchronisation below covers a chained tail)
   try {  // Note [The write-back queue]: the stepped pieces' state reaches its home
-    if (plan_.in_place)
+    if (plan_.resumable)
       for (; issued_ < computed_; ++issued_) write_back(issued_);
   } catch (...) {
     deferalloc::detail::log_current("streamed_adamw: writing back the pieces a failed pass stepped");
   }
+  if (plan_.resumable && issued_ < computed_) torn_ = parts_.shards.where(piece(issued_));
   try {
     parts_.streams.synchronize();
   } catch (...) {

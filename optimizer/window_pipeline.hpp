@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "home.hpp"
@@ -68,6 +69,9 @@ class window_pipeline {
   /// After a failed run: the pieces whose fetch was issued (a speculative step kept their
   /// FP32 parameters' values: step_inputs::saved_params).
   std::size_t fetched() const { return fetched_; }
+  /// After a failed run of a resumable pass: where the first piece it stepped and could
+  /// not write back is (empty: none; Note [The write-back queue]).
+  const std::string& torn() const { return torn_; }
 
  private:
   std::size_t pieces() const { return plan_.pieces.size(); }
@@ -103,7 +107,8 @@ class window_pipeline {
   // bytes queued_bytes_ (wb_bytes_: each piece's).
   std::size_t computed_ = 0, issued_ = 0, retired_ = 0;
   std::size_t queued_bytes_ = 0;
-  std::size_t inherited_bytes_ = 0, inherited_queued_ = 0;  // a chained previous pass's not waited for: bytes, pieces
+  std::size_t inherited_bytes_ = 0, inherited_queued_ = 0;
+  std::string torn_;  // a chained previous pass's not waited for: bytes, pieces
   std::vector<std::size_t> wb_bytes_;
   std::size_t fetched_ = 0;  // pieces whose fetch was issued
   std::size_t base_ = 0;       // the slot of the first piece (Note [Chained passes])

@@ -1401,6 +1401,60 @@ TEST(optimizer, a_retried_host_tier_step_steps_each_piece_once_whatever_copy_fai
   }
 }
 
+// Note [The write-back queue]: a copy that keeps failing, so that the failed step cannot
+// write back a piece it stepped: the FP32 parameter of that piece is stepped and its moments
+// are not at home, so the retry is refused (it would step the piece twice) until a
+// checkpoint is loaded.
+namespace {
+class failing_driver final : public deferalloc::driver, public fault_vmm, public fault_streams {
+ public:
+  explicit failing_driver(std::shared_ptr<deferalloc::driver> inner)
+      : fault_vmm(inner), fault_streams(inner), inner_(std::move(inner)) {}
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_t s) override {
+    if (fail_from != 0 && ++copies >= fail_from) throw cuda_error("injected fault in copy_async, and in every one after");
+    fault_streams::copy_async(dst, src, bytes, s);
+  }
+  std::string name() const override { return "failing(" + inner_->name() + ")"; }
+  driver_kind kind() const override { return inner_->kind(); }
+  int device() const override { return inner_->device(); }
+  std::uint64_t fail_from = 0, copies = 0;  // from the fail_from-th copy on (0: none), counted in copies
+
+ private:
+  std::shared_ptr<deferalloc::driver> inner_;
+};
+}  // namespace
+
+TEST(optimizer, a_step_that_could_not_write_back_a_stepped_piece_refuses_its_retry) {
+  temp_dir dir;
+  auto f = std::make_shared<failing_driver>(make_driver());
+  fp32_param w(f, tier::host, "");
+  w.opt->initialize();
+  w.step(0);
+  w.opt->save_checkpoint(dir.path);
+  const auto w1 = w.w, m1 = w.m, v1 = w.v;
+  const std::uint64_t t1 = w.t;
+  w.gradient(1);
+  const void* gs[1] = {w.grad};
+  const std::vector<value_type> gts{value_type::fp32};
+  f->copies = 0;
+  f->fail_from = 3;  // the first piece's moments in (two copies), then its write-back and every copy after
+  EXPECT_THROW(w.opt->step(gs, gts, 1.0f), cuda_error);
+  f->fail_from = 0;
+  try {
+    w.opt->step(gs, gts, 1.0f);
+    ADD_FAILURE() << "the retry of a torn step ran";
+  } catch (const invalid_state& e) {
+    EXPECT_NE(std::string(e.what()).find("load a checkpoint"), std::string::npos) << e.what();
+    std::printf("%s\n", e.what());
+    EXPECT_NE(std::string(e.what()).find("shard 0"), std::string::npos) << e.what();
+  }
+  w.opt->load_checkpoint(dir.path);
+  w.w = w1, w.m = m1, w.v = v1, w.t = t1;
+  w.expect_reference("the checkpoint after a torn step");
+  w.step(1);
+  w.expect_reference("a step after the checkpoint");
+}
+
 // The host tier moves an FP32 parameter's moments only (8 B in, 8 out per element); the
 // file tier also writes the parameter's durable copy (12 B out).
 TEST(optimizer, fp32_parameters_stream_only_their_moments) {
