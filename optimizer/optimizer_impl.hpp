@@ -56,8 +56,15 @@
 
 namespace deferalloc::optim {
 
+/// What a call that cannot run while a failed step awaits its retry says.
+inline constexpr const char* k_retry_pending =
+    "a failed step awaits its retry (step() with the same gradients; or write the state, or load a checkpoint)";
+
 /// A step that failed part-way on an in-place tier (host, device), retried by a step()
-/// with the same gradients: what the retry skips.  Private so that a retry is only ever
+/// with the same gradients: what the retry skips.  A state write or a checkpoint load
+/// replaces what the failed try wrote, and ends the retry (the next step runs whole; a
+/// write of only some shards leaves the others as the failed try left them, and the next
+/// step steps them again).  Private so that a retry is only ever
 /// asked for by the number of the step it retries.
 class step_retry {
  public:

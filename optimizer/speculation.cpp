@@ -71,8 +71,7 @@ void streamed_adamw::step_speculative(std::span<const void* const> grads, std::s
               std::string("step_speculative: the ") + to_string(self.cfg.home) +
                   " tier keeps one copy of the state (speculative steps need the host tier or the file tier)",
               invalid_state);
-  DFA_EXPECTS(!self.retry.pending(), "step_speculative: a failed step awaits its retry (step() with the same gradients)",
-              invalid_state);
+  DFA_EXPECTS(!self.retry.pending(), "step_speculative: " + std::string(k_retry_pending), invalid_state);
   for (std::size_t s = 0; s < self.shards.size(); ++s) {
     if (grads[s] == nullptr) continue;
     const std::string which = "step_speculative: shard " + std::to_string(s) + " ('" + self.shards[s].info.name + "') ";
@@ -113,6 +112,8 @@ void streamed_adamw::commit_speculation() {
   auto& self = *impl_;
   impl::entry_guard g(self);
   if (self.shards.speculating() == 0) return;
+  // (A commit adopts the failed step's number: its retry would never run.)
+  DFA_EXPECTS(!self.retry.pending(), "commit_speculation: " + std::string(k_retry_pending), invalid_state);
   std::vector<bool> stepped(self.shards.size());
   for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = self.shards[s].speculative;
   const state_counts after = self.counts_after_step(stepped);

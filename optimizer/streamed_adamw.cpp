@@ -261,6 +261,7 @@ void streamed_adamw::set_shard_step(std::size_t s, std::uint64_t step) {
   // The file tier publishes it with the state write under way, or with one of its own;
   // the others keep it in memory.
   self.ensure_state_write();
+  self.retry.clear();  // (as write_state_range)
   self.shards[s].step = step;
 }
 
@@ -449,7 +450,8 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   const std::uint64_t next = self.step_count + 1;
   DFA_EXPECTS(self.retry.torn(next).empty(),
               "step: the failed step " + std::to_string(next) + " stepped " + self.retry.torn(next) +
-                  " but could not write it back, so its state is neither step's: load a checkpoint first",
+                  " but could not write it back, so its state is neither step's: write the state "
+                  "(write_state_range, load_state_dict) or load a checkpoint first",
               invalid_state);
   const std::size_t skip = self.retry.skip(next);
   std::vector<bool> stepped(self.shards.size());
@@ -568,8 +570,9 @@ void streamed_adamw::impl::refuse_in_child(const char* fn) const {
 // main while pending return them.  Cost: 4 B/param of pinned memory per shard ever
 // stepped speculatively and 4 B/param more D2H per speculative step.
 // Limits: a plain step on an in-place tier that fails between a piece's kernel and its
-// write-back leaves that piece's FP32 parameter stepped but its moments not (a retry
-// steps it again); a failed file-tier step restores FP32 parameters from the durable copy
+// write-back issues that write-back as it drains; where it cannot, the piece's FP32
+// parameter is stepped and its moments not, and the retry is refused (Note [The write-back
+// queue] in window_pipeline.cpp); a failed file-tier step restores FP32 parameters from the durable copy
 // of the last commit (an edit made since is lost); a file-tier state write that is
 // dropped leaves a written FP32 main in the parameter.
 
@@ -707,6 +710,7 @@ void streamed_adamw::write_state_range(std::size_t shard, state_array a, std::si
               shard < self.shards.size() ? self.shards[shard].info.numel : 0, self.tier_home->traits().whole_arrays);
   if (n == 0) return;
   self.ensure_state_write();
+  self.retry.clear();  // the written state is the state: a failed step's retry runs whole
   // Main of an FP32 parameter is the parameter; the file tier also publishes its durable
   // copy, and a resident shard's arrays (Note [Resident shards on the file tier]).
   const bool param = a == state_array::main && param_is_main(self.shards[shard].info);

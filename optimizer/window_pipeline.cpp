@@ -475,8 +475,10 @@ void window_pipeline::write_back(std::size_t i) {
         from = reinterpret_cast<float*>(model_of(p));  // the durable copy
       }
       bytes += parts_.mover.from_device(i, p, a, from, d2h);
+      partly_written_ = i;  // (until the event is recorded: a failure leaves it part-way)
     }
   parts_.ops.record(event(i, slot_written), d2h);
+  partly_written_ = k_none;
   report_->bytes_from_device += bytes;
   wb_bytes_[i] = bytes;
   queued_bytes_ += bytes;
@@ -507,8 +509,9 @@ void window_pipeline::write_back(std::size_t i) {
 // the write-backs of the pieces it stepped and had not issued, as it drains, so that written()
 // counts every stepped piece and the retry, which skips those, never steps a piece twice (the
 // file tier's failed step is discarded whole: Note [File tier]).  Where one of them cannot be
-// issued either (a copy that fails again), the pass is torn: its piece is stepped and its
-// state not at home, and the retry is refused (load a checkpoint) rather than run.
+// issued either (a copy that fails again), and the piece cannot be redone from home (an FP32
+// parameter, stepped in place, or a write-back that copied some of its arrays), the pass is
+// torn: the retry is refused (write the state or load a checkpoint) rather than run.
 // Limits: off until timed on a GPU, and it shortens only the copy engine's part of a read's
 // wait: the reads of that profile waited 2-8 ms each, longer than a window's write-backs, so
 // the compute stream's own waits (for the bucket steps) are part of it.  The bound trades the
@@ -560,7 +563,6 @@ void window_pipeline::fail() {
   } catch (...) {
     deferalloc::detail::log_current("streamed_adamw: writing back the pieces a failed pass stepped");
   }
-  if (plan_.resumable && issued_ < computed_) torn_ = parts_.shards.where(piece(issued_));
   try {
     parts_.streams.synchronize();
   } catch (...) {
@@ -573,6 +575,12 @@ void window_pipeline::fail() {
     deferalloc::detail::log_current("streamed_adamw: releasing the window after a failed pass");
   }
   parts_.pool.trim();
+  // A stepped piece whose state the retry cannot redo from home: an FP32 parameter stepped
+  // in place, or a write-back that copied some arrays (a 16-bit parameter's piece none of
+  // whose arrays reached home is redone exactly from its main).
+  if (plan_.resumable)
+    for (std::size_t j = issued_; j < computed_ && torn_.empty(); ++j)
+      if (steps_param(piece(j)) || j == partly_written_) torn_ = parts_.shards.where(piece(j));
   const std::string at = current_ < pieces() ? " at " + parts_.shards.where(piece(current_)) : "";
   // The same class as the cause (no_device stays no_device), the cause nested in it.
   rethrow_with_context(std::string(plan_.kind == pass_kind::init   ? "initialize"

@@ -107,8 +107,10 @@ class window_pipeline {
   // bytes queued_bytes_ (wb_bytes_: each piece's).
   std::size_t computed_ = 0, issued_ = 0, retired_ = 0;
   std::size_t queued_bytes_ = 0;
-  std::size_t inherited_bytes_ = 0, inherited_queued_ = 0;
-  std::string torn_;  // a chained previous pass's not waited for: bytes, pieces
+  std::size_t inherited_bytes_ = 0, inherited_queued_ = 0;  // a chained previous pass's not waited for
+  static constexpr std::size_t k_none = ~std::size_t{0};
+  std::size_t partly_written_ = k_none;  // a piece whose write-back copied some arrays, not recorded
+  std::string torn_;                     // torn()
   std::vector<std::size_t> wb_bytes_;
   std::size_t fetched_ = 0;  // pieces whose fetch was issued
   std::size_t base_ = 0;       // the slot of the first piece (Note [Chained passes])

@@ -1425,34 +1425,107 @@ class failing_driver final : public deferalloc::driver, public fault_vmm, public
 }  // namespace
 
 TEST(optimizer, a_step_that_could_not_write_back_a_stepped_piece_refuses_its_retry) {
-  temp_dir dir;
+  struct fault {
+    std::size_t bound;
+    std::uint64_t from;  // the first failing copy, counted from the step's first
+  };
+  // Bound 0: the first piece's write-back fails (after its two moments came in).  Bound 1:
+  // the third piece's fetch fails while the second piece, stepped, waits for its write-back.
+  for (const fault x : {fault{0, 3}, fault{1, 7}}) {
+    SCOPED_TRACE("bound " + std::to_string(x.bound) + ", copies fail from " + std::to_string(x.from));
+    temp_dir dir;
+    auto f = std::make_shared<failing_driver>(make_driver());
+    fp32_param w(f, tier::host, "", x.bound);
+    w.opt->initialize();
+    w.step(0);
+    w.opt->save_checkpoint(dir.path);
+    const auto w1 = w.w, m1 = w.m, v1 = w.v;
+    const std::uint64_t t1 = w.t;
+    w.gradient(1);
+    const void* gs[1] = {w.grad};
+    const std::vector<value_type> gts{value_type::fp32};
+    f->copies = 0;
+    f->fail_from = x.from;
+    EXPECT_THROW(w.opt->step(gs, gts, 1.0f), cuda_error);
+    f->fail_from = 0;
+    try {
+      w.opt->step(gs, gts, 1.0f);
+      ADD_FAILURE() << "the retry of a torn step ran";
+    } catch (const invalid_state& e) {
+      EXPECT_NE(std::string(e.what()).find("load a checkpoint"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("shard 0"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(w.opt->step_speculative(gs, gts, 1.0f), invalid_state) << "a speculation before the retry";
+    if (x.bound == 0) {
+      w.opt->load_checkpoint(dir.path);
+    } else {  // a state write replaces what the failed try wrote (load_state_dict's way)
+      w.opt->write_state_range(0, state_array::main, 0, w.n, w1.data());
+      w.opt->write_state_range(0, state_array::exp_avg, 0, w.n, m1.data());
+      w.opt->write_state_range(0, state_array::exp_avg_sq, 0, w.n, v1.data());
+    }
+    w.w = w1, w.m = m1, w.v = v1, w.t = t1;
+    w.expect_reference("the state restored after a torn step");
+    w.step(1);
+    w.expect_reference("a step after the state was restored");
+  }
+}
+
+// A 16-bit parameter's piece that was stepped and whose write-back never started is redone
+// exactly from its main by the retry, whatever copy kept failing; one whose write-back
+// copied main and not its moments is torn (the retry is refused); a commit of a speculation
+// waits for a retry (it would adopt the failed step's number).
+TEST(optimizer, a_retry_redoes_a_bf16_piece_that_never_reached_home) {
+  const std::size_t g = make_driver()->granularity();
+  const problem p = make_problem(g, 2);
+  const result two = cpu_twin(p, 2);
+  for (std::uint64_t from : {4u, 10u, 16u, 22u}) {
+    SCOPED_TRACE("copies fail from " + std::to_string(from));
+    auto f = std::make_shared<failing_driver>(make_driver());
+    optimizer_config cfg = config_for(tier::host);
+    cfg.writeback_queue_bytes = 1;
+    run r(f, p, cfg);
+    r.opt->initialize();
+    r.step(0);
+    r.load_grads(1);
+    f->copies = 0;
+    f->fail_from = from;
+    EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+    f->fail_from = 0;
+    r.opt->step(r.grads, grad_type::bf16, p.scale(1));
+    f->synchronize_stream(nullptr);
+    expect_same(r.state(), two, "the retried step");
+  }
+  {  // the first piece's main copied home, its moments not
+    auto f = std::make_shared<failing_driver>(make_driver());
+    run r(f, p, config_for(tier::host));
+    r.opt->initialize();
+    r.step(0);
+    r.load_grads(1);
+    f->copies = 0;
+    f->fail_from = 5;
+    EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), cuda_error);
+    f->fail_from = 0;
+    EXPECT_THROW(r.opt->step(r.grads, grad_type::bf16, p.scale(1)), invalid_state) << "a torn piece redone";
+  }
+  // Shard 0 speculates while a plain step of the others fails: the commit waits for its retry.
   auto f = std::make_shared<failing_driver>(make_driver());
-  fp32_param w(f, tier::host, "");
-  w.opt->initialize();
-  w.step(0);
-  w.opt->save_checkpoint(dir.path);
-  const auto w1 = w.w, m1 = w.m, v1 = w.v;
-  const std::uint64_t t1 = w.t;
-  w.gradient(1);
-  const void* gs[1] = {w.grad};
-  const std::vector<value_type> gts{value_type::fp32};
+  run r(f, p, config_for(tier::host));
+  r.opt->initialize();
+  r.load_grads(0);
+  speculate(r, only(r.grads, {true, false, false}), p.scale(0));
   f->copies = 0;
-  f->fail_from = 3;  // the first piece's moments in (two copies), then its write-back and every copy after
-  EXPECT_THROW(w.opt->step(gs, gts, 1.0f), cuda_error);
+  f->fail_from = 2;
+  const auto rest = only(r.grads, {false, true, true});
+  EXPECT_THROW(r.opt->step(rest, grad_type::bf16, p.scale(0)), cuda_error);
   f->fail_from = 0;
   try {
-    w.opt->step(gs, gts, 1.0f);
-    ADD_FAILURE() << "the retry of a torn step ran";
+    r.opt->commit_speculation();
+    ADD_FAILURE() << "a commit adopted a failed step's number";
   } catch (const invalid_state& e) {
-    EXPECT_NE(std::string(e.what()).find("load a checkpoint"), std::string::npos) << e.what();
-    std::printf("%s\n", e.what());
-    EXPECT_NE(std::string(e.what()).find("shard 0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("a failed step awaits its retry"), std::string::npos) << e.what();
   }
-  w.opt->load_checkpoint(dir.path);
-  w.w = w1, w.m = m1, w.v = v1, w.t = t1;
-  w.expect_reference("the checkpoint after a torn step");
-  w.step(1);
-  w.expect_reference("a step after the checkpoint");
+  r.opt->step(rest, grad_type::bf16, p.scale(0));
+  r.opt->commit_speculation();
 }
 
 // The host tier moves an FP32 parameter's moments only (8 B in, 8 out per element); the
