@@ -73,15 +73,28 @@ class step_retry {
   std::size_t skip(std::uint64_t next) const { return step_ == next ? pieces_done_ : 0; }
   /// Step number `next`'s resident shards were enqueued by its failed try.
   bool resident_stepped(std::uint64_t next) const { return step_ == next && resident_stepped_; }
-  void resident_enqueued() { resident_stepped_ = true; }
+  /// `changed`: some resident shard had a gradient.
+  void resident_enqueued(bool changed) {
+    resident_stepped_ = true;
+    resident_changed_ = changed;
+  }
   /// A pass (device tier: the loop over the shards) wrote back its first `pieces`.
   void progressed(std::size_t pieces) { pieces_done_ = pieces; }
   /// The failed pass stepped the piece `where` and could not write it back (empty: none):
   /// step number `next` cannot resume it (Note [The write-back queue]).
   void tore(std::string where) { torn_ = std::move(where); }
   const std::string& torn(std::uint64_t next) const { return step_ == next ? torn_ : none_; }
-  /// Step number `next` failed part-way: the next step() retries it.
-  void failed(std::uint64_t next) { step_ = next; }
+  /// Step number `next`, over the shards `stepped`, failed part-way: the next step() retries it.
+  void failed(std::uint64_t next, std::vector<bool> stepped) {
+    step_ = next;
+    stepped_ = std::move(stepped);
+  }
+  /// Step number `next` over the shards `stepped` is not the retry of the failed step of that
+  /// number (another set of shards: the next bucket of a BackwardOverlap, say), which
+  /// changed some state (a failure before any piece reached home leaves nothing to redo).
+  bool mismatched(std::uint64_t next, const std::vector<bool>& stepped) const {
+    return step_ == next && stepped != stepped_ && (pieces_done_ > 0 || resident_changed_ || !torn_.empty());
+  }
   bool pending() const { return step_ != 0; }
   /// Nothing to retry (a step done, a committed store's failed step, new state).
   void clear() { *this = step_retry{}; }
@@ -90,7 +103,9 @@ class step_retry {
   std::uint64_t step_ = 0;         // the failed step's number, 0 = none
   std::size_t pieces_done_ = 0;    // its pieces (device tier: shards) already written back
   bool resident_stepped_ = false;  // its resident shards are enqueued
+  bool resident_changed_ = false;  // and one of them had a gradient
   std::string torn_;               // a piece it stepped and did not write back
+  std::vector<bool> stepped_;      // its shards with gradients
   inline static const std::string none_;
 };
 

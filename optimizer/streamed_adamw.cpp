@@ -448,14 +448,17 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   self.report_edits();  // the last step's (device tier: read now, not after its kernels)
   // An in-place step that failed part-way resumes where it stopped (same gradients).
   const std::uint64_t next = self.step_count + 1;
+  std::vector<bool> stepped(self.shards.size());
+  for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = grads[s] != nullptr;
+  DFA_EXPECTS(!self.retry.mismatched(next, stepped),
+              "step: " + std::string(k_retry_pending) + "; this step's gradients are for other shards than its",
+              invalid_state);
   DFA_EXPECTS(self.retry.torn(next).empty(),
               "step: the failed step " + std::to_string(next) + " stepped " + self.retry.torn(next) +
                   " but could not write it back, so its state is neither step's: write the state "
                   "(write_state_range, load_state_dict) or load a checkpoint first",
               invalid_state);
   const std::size_t skip = self.retry.skip(next);
-  std::vector<bool> stepped(self.shards.size());
-  for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = grads[s] != nullptr;
   const state_counts after = self.counts_after_step(stepped);
   try {
     self.after(self.exec(), stream);
@@ -473,7 +476,9 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
       if (!self.retry.resident_stepped(next)) {
         self.after(self.exec(), stream);
         self.step_device_shards(grads, gts, grad_scale, 0, false);
-        self.retry.resident_enqueued();
+        bool changed = false;
+        for (std::size_t s = 0; s < self.shards.size(); ++s) changed = changed || (self.shards[s].resident && stepped[s]);
+        self.retry.resident_enqueued(changed);
       }
       self.run_pass(pass_kind::step, grads, gts, grad_scale, stream, skip);
       if (committed_store* store = self.tier_home->store()) {
@@ -496,7 +501,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
                                 std::string("step failed and the BF16 params could not be restored: ") + e2.what());
       }
     } else {
-      self.retry.failed(next);
+      self.retry.failed(next, stepped);
     }
     throw;
   }

@@ -1528,6 +1528,56 @@ TEST(optimizer, a_retry_redoes_a_bf16_piece_that_never_reached_home) {
   r.opt->commit_speculation();
 }
 
+// A failed step is retried by a step over the same shards: a step over others (the next
+// bucket of a BackwardOverlap, which has the same step number) would be taken for the retry
+// and skip the failed try's count of its own pieces, so it is refused; unless the failed try
+// changed nothing (a fault at its first copy).
+TEST(optimizer, a_step_over_other_shards_waits_for_a_failed_steps_retry) {
+  const std::size_t g = make_driver()->granularity();
+  const problem p = make_problem(g, 2);
+  const std::vector<bool> big{true, false, false}, rest{false, true, true};
+  auto reference = [&] {
+    auto d = make_driver();
+    run r(d, p, config_for(tier::host));
+    r.opt->initialize();
+    r.load_grads(0);
+    r.opt->step(only(r.grads, big), grad_type::bf16, p.scale(0));
+    r.opt->step(only(r.grads, rest), grad_type::bf16, p.scale(0));
+    d->synchronize_stream(nullptr);
+    return r.state();
+  }();
+  for (std::uint64_t nth : {1u, 13u}) {  // the first fetch; the second piece's write-back
+    SCOPED_TRACE("copy " + std::to_string(nth) + " fails");
+    auto f = std::make_shared<fault_driver>(make_driver());
+    run r(f, p, config_for(tier::host));
+    r.opt->initialize();
+    r.load_grads(0);
+    f->fail_nth_copy(nth);
+    EXPECT_THROW(r.opt->step(only(r.grads, big), grad_type::bf16, p.scale(0)), cuda_error);
+    if (nth == 1) {  // nothing reached home: the other shards may step first
+      r.opt->step(only(r.grads, rest), grad_type::bf16, p.scale(0));
+      r.opt->step(only(r.grads, big), grad_type::bf16, p.scale(0));
+    } else {
+      try {
+        r.opt->step(only(r.grads, rest), grad_type::bf16, p.scale(0));
+        ADD_FAILURE() << "a step over other shards was taken for the retry";
+      } catch (const invalid_state& e) {
+        EXPECT_NE(std::string(e.what()).find("other shards"), std::string::npos) << e.what();
+      }
+      r.opt->step(only(r.grads, big), grad_type::bf16, p.scale(0));
+      r.opt->step(only(r.grads, rest), grad_type::bf16, p.scale(0));
+    }
+    f->synchronize_stream(nullptr);
+    const result got = r.state();
+    // Each shard is stepped once, with its step count: the state does not depend on the order.
+    for (std::size_t s = 0; s < 3; ++s) {
+      EXPECT_EQ(got.main[s], reference.main[s]) << "main, shard " << s;
+      EXPECT_EQ(got.m[s], reference.m[s]) << "exp_avg, shard " << s;
+      EXPECT_EQ(got.bf16[s], reference.bf16[s]) << "bf16, shard " << s;
+    }
+  }
+}
+
 // The host tier moves an FP32 parameter's moments only (8 B in, 8 out per element); the
 // file tier also writes the parameter's durable copy (12 B out).
 TEST(optimizer, fp32_parameters_stream_only_their_moments) {
