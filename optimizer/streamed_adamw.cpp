@@ -451,7 +451,7 @@ void streamed_adamw::step(std::span<const void* const> grads, std::span<const va
   std::vector<bool> stepped(self.shards.size());
   for (std::size_t s = 0; s < self.shards.size(); ++s) stepped[s] = grads[s] != nullptr;
   DFA_EXPECTS(!self.retry.mismatched(next, stepped),
-              "step: " + std::string(k_retry_pending) + "; this step's gradients are for other shards than its",
+              "step: " + std::string(k_retry_pending) + "; this step's gradients are for other shards than the failed step's",
               invalid_state);
   DFA_EXPECTS(self.retry.torn(next).empty(),
               "step: the failed step " + std::to_string(next) + " stepped " + self.retry.torn(next) +
