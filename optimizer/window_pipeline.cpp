@@ -167,7 +167,7 @@ std::vector<piece_ref> cut_pieces(const shard_table& shards, const std::vector<b
 window_pipeline::window_pipeline(const pipeline_parts& parts, pass_plan plan, step_inputs step)
     : parts_(parts), plan_(std::move(plan)), step_(std::move(step)) {
   for (std::size_t j = plan_.skip; j < pieces(); ++j) params_ += plan_.pieces[j].n;
-  write_back_issued_.assign(pieces(), false);
+  computed_ = issued_ = retired_ = plan_.skip;
   wb_bytes_.assign(pieces(), 0);
 }
 
@@ -331,11 +331,8 @@ void window_pipeline::run(stream_t user, step_report& report) {
   }
 }
 
-std::size_t window_pipeline::written() const {
-  std::size_t n = plan_.skip;
-  while (n < pieces() && write_back_issued_[n]) ++n;
-  return n;
-}
+// (Write-backs are issued in order, and issued_ counts one only once its event is recorded.)
+std::size_t window_pipeline::written() const { return issued_; }
 
 // Piece i's slot of the window: after the previous pass's when it chained (Note [Chained
 // passes]), else from slot 0.
@@ -482,7 +479,6 @@ void window_pipeline::write_back(std::size_t i) {
   report_->bytes_from_device += bytes;
   wb_bytes_[i] = bytes;
   queued_bytes_ += bytes;
-  write_back_issued_[i] = true;
 }
 
 // Note [The write-back queue]

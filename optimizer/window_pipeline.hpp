@@ -101,7 +101,6 @@ class window_pipeline {
   std::optional<progress_meter> progress_;  // run()'s
   std::size_t params_ = 0, done_params_ = 0;  // the pass's parameters, and those retired
   std::size_t current_ = 0;                    // the piece being enqueued (for a failure's message)
-  std::vector<bool> write_back_issued_;
   // Note [The write-back queue]: pieces [issued_, computed_) are stepped and wait for their
   // write-back to be issued; [retired_, issued_) are issued and not yet waited for, their
   // bytes queued_bytes_ (wb_bytes_: each piece's).
