@@ -486,10 +486,11 @@ void window_pipeline::write_back(std::size_t i) {
 // and loss) queues on the copy engine behind every write-back already queued there
 // (Note [Chained passes]).  A pass issued each piece's write-back as soon as its kernels were
 // queued, so up to `depth` pieces' write-backs stood ahead of such a read (8 on the host tier:
-// 48 MiB with int8 moments, 96 MiB with FP32, 1-2 ms of an H100's link, in bench_megatron's 0.54 G
-// model with its 512 MiB window; chained passes add the next pass's), and a training thread
-// that reads the norm while the step runs across the next forward waits for them at each read
-// (docs/BENCHMARKS.md, "Where an iteration across the next forward goes").  The fetches need no
+// in bench_megatron's 0.54 G model, whose 512 MiB window cuts pieces of 4 M elements, 194 MiB
+// with int8 moments and 384 MiB with FP32, 4-9 ms of an H100's link; chained passes add the next
+// pass's), and a training thread that reads the norm while the step runs across the next
+// forward waits for them at each read (docs/BENCHMARKS.md, "Where an iteration across the next
+// forward goes").  The fetches need no
 // such bound: a user's D2H copy does not queue behind H2D copies.
 // Approach: writeback_queue_mb bounds the write-back bytes issued and not yet waited for on the
 // host.  A stepped piece's write-back is issued when the bytes queued are under the bound or
@@ -508,13 +509,15 @@ void window_pipeline::write_back(std::size_t i) {
 // issued either (a copy that fails again), and the piece cannot be redone from home (an FP32
 // parameter, stepped in place, or a write-back that copied some of its arrays), the pass is
 // torn: the retry is refused (write the state or load a checkpoint) rather than run.
-// Limits: off until timed on a GPU, and it shortens only the copy engine's part of a read's
-// wait: the reads of that profile waited 2-8 ms each, longer than a window's write-backs, so
-// the compute stream's own waits (for the bucket steps) are part of it.  The bound trades the
-// host's wake-ups (one a piece, as before) against a D2H direction that idles if the host wakes
-// later than the queued bytes take to drain (one piece at least stays queued meanwhile).  A
+// Limits: off by default: timed across Megatron's next forward it gained nothing
+// (docs/BENCHMARKS.md: with the grad norm on the device the reads wait about 12 ms an
+// iteration, and the iteration's excess is the link idling through the forward).  It shortens
+// only the copy engine's part of a read's wait, not the compute stream's own waits (for the
+// bucket steps).  The bound trades the host's wake-ups (one a piece, as before) against a D2H
+// direction that idles if the host wakes later than the queued bytes take to drain (one piece at
+// least stays queued meanwhile).  A
 // chained pass returns only once its last write-backs fit the bound, later than without one, so
-// the next pass starts its fetches later (bench_megatron's fwdchq rows time it).
+// the next pass starts its fetches later (bench_megatron's fwdchq rows).
 void window_pipeline::issue_write_backs(std::size_t end, bool wait) {
   const std::size_t bound = parts_.cfg.writeback_queue_bytes;
   for (; issued_ < std::min(end, computed_); ++issued_) {

@@ -235,7 +235,8 @@ step_overlap_forward=True)``:
    one filling while it drains: Note [Chained passes] in optimizer/window_pipeline.cpp; with
    ``writeback_queue_mb:N`` a pass keeps at most N MiB of write-backs queued on the copy engine,
    so that the training thread's reads of the norm and the loss wait behind less: Note [The
-   write-back queue], same file; both off by default until timed on a GPU).
+   write-back queue], same file; both off by default: timed on an H100 without a gain,
+   docs/BENCHMARKS.md).
  - ``coalesce`` (BackwardOverlap's, Note [Overlap with backward]; also with
    ``step_in_backward`` alone): the worker puts up to k queued bucket groups whose grads are
    done into one engine pass (True or 0: all of them), the k with the smallest ``order`` (the
